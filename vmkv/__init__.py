@@ -1,0 +1,70 @@
+"""vmkv: a KV-cache memory manager for LLM inference, managed like an operating system's memory.
+
+Two modes behind one API: ``VirtualKVCache`` (VMM: virtually contiguous tensors backed by pages
+on demand, read by stock attention kernels) and ``paged.PagedKVCache`` (block tables).
+"""
+
+from __future__ import annotations
+
+from .base import KVCacheBase
+from .cache import VirtualKVCache
+from .config import KVCacheConfig
+from .errors import (
+    BackendError,
+    BackendUnavailable,
+    DuplicateSequence,
+    InvalidConfig,
+    InvalidDevice,
+    InvalidDtype,
+    InvalidInput,
+    InvalidShape,
+    NoFreeSlot,
+    OutOfPages,
+    SequenceTooLong,
+    StalePlan,
+    UnknownSequence,
+    VMKVError,
+)
+from .sizes import parse_size
+from .step import StepPlan
+
+__version__ = "0.1.0"
+
+
+def open_cache(config: KVCacheConfig, mode: str = "vmm") -> KVCacheBase:
+    """Open a KV cache in ``mode`` ``"vmm"`` (virtual memory) or ``"paged"`` (block tables).
+
+    Raises:
+        InvalidConfig: unknown mode.
+    """
+    if mode == "vmm":
+        return VirtualKVCache(config)
+    if mode == "paged":
+        from paged import PagedKVCache
+
+        return PagedKVCache(config)
+    raise InvalidConfig(f"mode must be 'vmm' or 'paged', got {mode!r}")
+
+
+__all__ = [
+    "KVCacheBase",
+    "KVCacheConfig",
+    "VirtualKVCache",
+    "StepPlan",
+    "open_cache",
+    "parse_size",
+    "VMKVError",
+    "InvalidConfig",
+    "InvalidInput",
+    "InvalidShape",
+    "InvalidDtype",
+    "InvalidDevice",
+    "UnknownSequence",
+    "DuplicateSequence",
+    "SequenceTooLong",
+    "NoFreeSlot",
+    "OutOfPages",
+    "StalePlan",
+    "BackendUnavailable",
+    "BackendError",
+]

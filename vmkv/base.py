@@ -1,0 +1,655 @@
+"""The lifecycle both modes share: sequences, slots, page ownership, copy-on-write, prefix cache.
+
+``KVCacheBase`` owns every decision about *which* pool page holds *which* tokens of *which*
+sequence. A mode only says how a page is addressed (VMM: mapped into a slot's virtual range;
+paged: written into a block-table row) through four hooks:
+
+    _attach(slot, index, page, old, copy)   logical page ``index`` of ``slot`` now addresses ``page``
+    _detach(slot, index)                    ... addresses nothing
+    _release(pages)                         give free pages' memory back to the OS (if possible)
+    _token_rows(slot, pages, start, n)      storage rows of tokens ``start .. start+n-1``
+
+Ownership, per slot::
+
+    logical page   0      1      2      3                       (tokens_per_page tokens each)
+    live seq    [ p7 ][ p2 ][ p9 ][ p4 ]    seq.pages = [7, 2, 9, 4], seq.length <= 4 * tpp
+    freed slot  [ p5 ][ p6 ]                spare pages: still mapped, kept for the next sequence
+
+Every page in ``seq.pages`` or in a slot's spare list holds one reference in the pool; a page
+shared by a fork or a prefix hit holds one per owner. A write into a page with two or more
+owners first copies it (copy-on-write). Full pages whose token ids are known are registered in
+the pool's prefix index once their step is complete, i.e. at the next call into the cache.
+
+Every public method validates everything first and raises before changing anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from abc import ABC, abstractmethod
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Iterable, Mapping, Sequence
+
+import torch
+
+from .config import KVCacheConfig, PageGeometry
+from .errors import (
+    DuplicateSequence,
+    InvalidDevice,
+    InvalidDtype,
+    InvalidInput,
+    InvalidShape,
+    NoFreeSlot,
+    OutOfPages,
+    SequenceTooLong,
+    StalePlan,
+    UnknownSequence,
+)
+from .pages import PagePool
+from .step import StepPlan, causal_mask
+
+SeqId = Hashable
+
+
+@dataclass
+class _Sequence:
+    """One live sequence. ``pages[i]`` holds its tokens ``i*tpp .. (i+1)*tpp - 1``."""
+
+    seq_id: SeqId
+    slot: int
+    pages: list[int]
+    length: int = 0  # tokens stored (including those the current step is writing)
+    reserved: int = 0  # tokens reserve() guaranteed room for
+    tokens: list[int] = field(default_factory=list)  # known token ids of positions 0..len-1
+    hashes: list[bytes] = field(default_factory=list)  # chained hash of each full page, in order
+
+
+class KVCacheBase(ABC):
+    """Lifecycle API shared by :class:`vmkv.VirtualKVCache` and :class:`paged.PagedKVCache`.
+
+    Subclasses set ``mode`` and ``kernel``, allocate their storage, then call ``super().__init__``.
+    """
+
+    mode: str
+    kernel: str
+
+    def __init__(self, config: KVCacheConfig, geometry: PageGeometry) -> None:
+        self.config = config
+        self.geometry = geometry
+        self.tokens_per_page = geometry.tokens_per_page
+        self.max_pages_per_seq = -(-config.max_seq_len // geometry.tokens_per_page)
+        self.pool = PagePool(geometry.num_pages)
+        self._seqs: dict[SeqId, _Sequence] = {}
+        self._free_slots: set[int] = set(range(config.max_batch_size))
+        self._spare: dict[int, list[int]] = {slot: [] for slot in range(config.max_batch_size)}
+        self._keep_spare = config.deferred_reclaim and self.mode == "vmm"
+        self._unregistered: set[SeqId] = set()  # sequences whose last step may have filled pages
+        self._version = 0
+        self._ahead: threading.Thread | None = None
+        self.counters: Counter[str] = Counter()
+
+    # ---- hooks a mode implements ---------------------------------------------------------
+    @abstractmethod
+    def _attach(self, slot: int, index: int, page: int, old: int | None, copy: bool) -> None:
+        """Make logical page ``index`` of ``slot`` address ``page``.
+
+        ``old`` is the page addressed there before (``None`` if none); with ``copy`` the bytes of
+        ``old`` are copied into ``page`` first (copy-on-write).
+        """
+
+    @abstractmethod
+    def _detach(self, slot: int, index: int) -> None:
+        """Make logical page ``index`` of ``slot`` address nothing."""
+
+    @abstractmethod
+    def _release(self, pages: list[int]) -> None:
+        """Return the memory behind free pool pages to the OS, where the mode can."""
+
+    @abstractmethod
+    def _token_rows(self, slot: int, pages: list[int], start: int, count: int) -> torch.Tensor:
+        """int64 rows, in a layer's flattened ``[rows, heads, dim]`` storage, of ``count`` tokens."""
+
+    @abstractmethod
+    def _block_table(self, seqs: list[_Sequence]) -> torch.Tensor | None:
+        """The block table a kernel needs for ``seqs`` (paged mode), or ``None``."""
+
+    @abstractmethod
+    def layer_storage(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's K and V storage flattened to ``[rows, kv_heads, head_dim]`` (zero-copy)."""
+
+    @abstractmethod
+    def attention(self, layer: int, q: torch.Tensor, plan: StepPlan, *, scale: float | None = None) -> torch.Tensor:
+        """Attention of the step's queries ``q: [T, q_heads, head_dim]`` over each sequence's cache.
+
+        Returns ``[T, q_heads, head_dim]``: causal within the new tokens, full over the cached
+        prefix, grouped-query when ``q_heads`` is a multiple of ``num_kv_heads``.
+        """
+
+    @abstractmethod
+    def kv(self, seq_id: SeqId, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored K and V of one sequence in one layer, each ``[length, kv_heads, head_dim]``."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release all memory. The cache is unusable afterwards."""
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def add(self, seq_id: SeqId, token_ids: Sequence[int] | None = None) -> int:
+        """Start a sequence in a free slot, reusing cached pages of its prompt.
+
+        Args:
+            seq_id: any hashable id not in use.
+            token_ids: the prompt, if known. With prefix caching on, the longest prefix of
+                whole pages already cached is linked in (no copy, no new page) and counts as
+                stored: ``seq_len(seq_id)`` then says how many tokens the caller may skip. At
+                least one token is always left to compute.
+
+        Returns:
+            The slot (batch row) the sequence occupies.
+
+        Raises:
+            DuplicateSequence, SequenceTooLong, NoFreeSlot, InvalidInput.
+        """
+        self._settle()
+        if seq_id in self._seqs:
+            raise DuplicateSequence(f"sequence {seq_id!r} already exists; free it first or pick another id")
+        tokens = self._check_tokens(token_ids, 0)
+        if len(tokens) > self.config.max_seq_len:
+            raise SequenceTooLong(
+                f"prompt of {len(tokens)} tokens exceeds max_seq_len={self.config.max_seq_len}"
+            )
+        self._require_free_slot(seq_id)
+        hits = self._match_prefix(tokens)
+        slot = self._pick_slot(-(-len(tokens) // self.tokens_per_page))
+        seq = _Sequence(seq_id, slot, pages=[], tokens=tokens)
+        for page, _ in hits:
+            self.pool.incref(page)
+        seq.pages = self._adopt_slot(slot, [page for page, _ in hits])
+        seq.hashes = [page_hash for _, page_hash in hits]
+        seq.length = len(hits) * self.tokens_per_page
+        self._seqs[seq_id] = seq
+        if tokens and self.config.prefix_caching:
+            self.counters["prefix_queries"] += 1
+            self.counters["prefix_hits"] += bool(hits)
+            self.counters["prefix_hit_tokens"] += seq.length
+        self._version += 1
+        return slot
+
+    def fork(self, src_id: SeqId, dst_id: SeqId) -> int:
+        """Start ``dst_id`` as a copy of ``src_id`` that shares all of its pages (no copy).
+
+        The first write of either sequence into a shared page copies that page (copy-on-write),
+        so neither ever sees the other's new tokens. Forking allocates no page.
+
+        Returns:
+            The slot of ``dst_id``.
+
+        Raises:
+            UnknownSequence, DuplicateSequence, NoFreeSlot.
+        """
+        self._settle()
+        src = self._get(src_id)
+        if dst_id in self._seqs:
+            raise DuplicateSequence(f"cannot fork into {dst_id!r}: it already exists")
+        self._require_free_slot(dst_id)
+        slot = self._pick_slot(0)
+        for page in src.pages:
+            self.pool.incref(page)
+        pages = self._adopt_slot(slot, list(src.pages))
+        self._seqs[dst_id] = _Sequence(
+            dst_id, slot, pages, src.length, src.reserved, list(src.tokens), list(src.hashes)
+        )
+        self.counters["forks"] += 1
+        self._version += 1
+        return slot
+
+    def reserve(self, seq_id: SeqId, num_tokens: int) -> None:
+        """Guarantee room for ``num_tokens`` tokens in total, mapping pages now if needed.
+
+        Raises:
+            UnknownSequence, SequenceTooLong, OutOfPages, InvalidInput.
+        """
+        self._settle()
+        seq = self._get(seq_id)
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise InvalidInput(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        self._check_length(seq, num_tokens)
+        grow = max(0, -(-num_tokens // self.tokens_per_page) - len(seq.pages))
+        self._make_room(grow)
+        self._grow(seq, grow)
+        seq.reserved = max(seq.reserved, num_tokens)
+
+    def free(self, seq_id: SeqId) -> None:
+        """End a sequence. Its full pages stay in the prefix cache; with deferred reclamation
+        (VMM mode) its private pages stay mapped in the slot for the next sequence.
+
+        Raises:
+            UnknownSequence.
+        """
+        self._settle()
+        seq = self._get(seq_id)
+        keep = 0
+        if self._keep_spare:
+            while keep < len(seq.pages) and self._is_private(seq.pages[keep]):
+                keep += 1
+        for index in range(len(seq.pages) - 1, keep - 1, -1):
+            self._drop(seq.slot, index, seq.pages[index])
+        self._spare[seq.slot] = seq.pages[:keep]
+        del self._seqs[seq_id]
+        self._free_slots.add(seq.slot)
+        self._version += 1
+
+    def truncate(self, seq_id: SeqId, length: int) -> None:
+        """Forget the tokens of ``seq_id`` from position ``length`` on (pages stay until ``trim``).
+
+        Raises:
+            UnknownSequence, InvalidInput (length negative or beyond the sequence).
+        """
+        self._settle()
+        seq = self._get(seq_id)
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= seq.length:
+            raise InvalidInput(f"truncate length must be in 0..{seq.length}, got {length!r}")
+        seq.length = length
+        del seq.tokens[length:]
+        del seq.hashes[length // self.tokens_per_page :]
+        self._version += 1
+
+    def trim(self, keep_cached: bool = False) -> int:
+        """Return every page no live sequence needs to the pool, and free memory to the OS.
+
+        Unmaps the spare pages of freed slots and pages of live sequences beyond
+        ``max(length, reserved)``; unless ``keep_cached``, also drops the prefix cache.
+
+        Returns:
+            The number of pages that became free.
+        """
+        self._settle()
+        before = self.pool.num_free
+        for slot in self._free_slots:
+            spare = self._spare[slot]
+            for index in range(len(spare) - 1, -1, -1):
+                self._drop(slot, index, spare[index])
+            spare.clear()
+        for seq in self._seqs.values():
+            need = -(-max(seq.length, seq.reserved) // self.tokens_per_page)
+            for index in range(len(seq.pages) - 1, need - 1, -1):
+                self._drop(seq.slot, index, seq.pages[index])
+            del seq.pages[need:]
+        if not keep_cached:
+            self.pool.evict_all()
+        self._release(self.pool.free_pages())
+        self._version += 1
+        return self.pool.num_free - before
+
+    # ---- a step ----------------------------------------------------------------------------
+    def begin_step(self, batch: Mapping[SeqId, int | Sequence[int]]) -> StepPlan:
+        """Make room for a step's new tokens and build the metadata every layer will use.
+
+        Args:
+            batch: for each sequence of the step, the number of new tokens, or their token ids
+                (ids let full pages enter the prefix cache). Prefill chunks and single decode
+                tokens mix freely.
+
+        Returns:
+            The :class:`StepPlan` to pass to ``write`` and ``attention`` for every layer. Any
+            later call that changes the cache makes it stale.
+
+        Raises:
+            UnknownSequence, SequenceTooLong, OutOfPages, InvalidInput.
+        """
+        self._settle()
+        if not batch:
+            raise InvalidInput("begin_step needs at least one sequence")
+        steps = []
+        for seq_id, new in batch.items():
+            seq = self._get(seq_id)
+            if isinstance(new, bool) or not isinstance(new, int):
+                ids = self._check_tokens(new, 1)
+                count = len(ids)
+            else:
+                ids, count = None, new
+            if count <= 0:
+                raise InvalidInput(f"sequence {seq_id!r}: a step must add at least one token")
+            self._check_length(seq, seq.length + count)
+            steps.append((seq, count, ids))
+        copies, grows = self._plan_pages(steps)
+        self._make_room(sum(len(c) for c in copies) + sum(grows))
+        for (seq, count, ids), copy_at, grow in zip(steps, copies, grows):
+            self._copy_on_write(seq, copy_at)
+            self._grow(seq, grow)
+            self._unregister_written(seq, count)
+            if ids is not None and len(seq.tokens) >= seq.length:
+                seq.tokens[seq.length : seq.length + count] = ids
+            elif len(seq.tokens) < seq.length + count:
+                del seq.tokens[seq.length :]  # ids unknown from here on: stop hashing
+            seq.length += count
+            self._unregistered.add(seq.seq_id)
+        self._version += 1
+        plan = self._build_plan([s for s, _, _ in steps], [c for _, c, _ in steps])
+        if self.config.map_ahead:
+            self._start_map_ahead(plan)
+        return plan
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> None:
+        """Store the step's new keys and values of one layer.
+
+        Args:
+            layer: layer index.
+            k, v: ``[T, kv_heads, head_dim]`` packed in the plan's order, cache dtype and device.
+            plan: this step's plan from ``begin_step``.
+
+        Raises:
+            StalePlan, InvalidShape, InvalidDtype, InvalidDevice, InvalidInput.
+        """
+        self._check_plan(plan, layer)
+        shape = (plan.num_tokens, self.config.num_kv_heads, self.config.head_dim)
+        for name, tensor in (("k", k), ("v", v)):
+            self._check_tensor(name, tensor, shape)
+        k_rows, v_rows = self.layer_storage(layer)
+        k_rows.index_copy_(0, plan.write_rows, k)
+        v_rows.index_copy_(0, plan.write_rows, v)
+
+    # ---- queries ---------------------------------------------------------------------------
+    def __contains__(self, seq_id: SeqId) -> bool:
+        return seq_id in self._seqs
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    @property
+    def seq_ids(self) -> list[SeqId]:
+        """Ids of the live sequences."""
+        return list(self._seqs)
+
+    def seq_len(self, seq_id: SeqId) -> int:
+        """Tokens stored for ``seq_id`` (after ``add``: the tokens found in the prefix cache)."""
+        return self._get(seq_id).length
+
+    def slot(self, seq_id: SeqId) -> int:
+        """The slot (batch row) of ``seq_id``."""
+        return self._get(seq_id).slot
+
+    def pages(self, seq_id: SeqId) -> list[int]:
+        """Pool page ids holding ``seq_id``'s tokens, in order (a copy)."""
+        self._settle()
+        return list(self._get(seq_id).pages)
+
+    def stats(self) -> dict[str, Any]:
+        """Memory and sharing counters. ``utilization`` = ``token_bytes / bytes_in_use``: above
+        1.0 when sharing stores one page for several sequences."""
+        self._settle()
+        page_bytes = self.geometry.page_bytes
+        tokens = sum(seq.length for seq in self._seqs.values())
+        token_bytes = tokens * self.config.bytes_per_token
+        bytes_in_use = self.pool.num_in_use * page_bytes
+        return {
+            "mode": self.mode,
+            "kernel": self.kernel,
+            "sequences": len(self._seqs),
+            "pages_total": self.pool.num_pages,
+            "pages_free": self.pool.num_free,
+            "pages_in_use": self.pool.num_in_use,
+            "pages_spare": sum(len(spare) for spare in self._spare.values()),
+            "shared_pages": self.pool.num_shared,
+            "cached_pages": self.pool.num_cached,
+            "page_bytes": page_bytes,
+            "tokens_per_page": self.tokens_per_page,
+            "bytes_in_use": bytes_in_use,
+            "tokens": tokens,
+            "token_bytes": token_bytes,
+            "utilization": token_bytes / bytes_in_use if bytes_in_use else 0.0,
+            "prefix_hits": self.counters["prefix_hits"],
+            "prefix_queries": self.counters["prefix_queries"],
+            "prefix_hit_tokens": self.counters["prefix_hit_tokens"],
+            "cow_copies": self.counters["cow_copies"],
+            "forks": self.counters["forks"],
+            "evictions": self.pool.evictions,
+        }
+
+    def check(self) -> None:
+        """Raise ``AssertionError`` if page ownership is inconsistent (used by the tests)."""
+        self._settle()
+        self.pool.check()
+        owners: Counter[int] = Counter()
+        for seq in self._seqs.values():
+            owners.update(seq.pages)
+            assert seq.length <= len(seq.pages) * self.tokens_per_page, f"{seq.seq_id!r} outgrew its pages"
+            assert seq.slot not in self._free_slots and not self._spare[seq.slot]
+        for spare in self._spare.values():
+            owners.update(spare)
+        for page in range(self.pool.num_pages):
+            assert self.pool.refcount(page) == owners[page], f"page {page}: ref != owners"
+
+    # ---- internals -------------------------------------------------------------------------
+    def _get(self, seq_id: SeqId) -> _Sequence:
+        try:
+            return self._seqs[seq_id]
+        except (KeyError, TypeError):
+            raise UnknownSequence(f"unknown sequence {seq_id!r}; add() it first") from None
+
+    def _require_free_slot(self, seq_id: SeqId) -> None:
+        if not self._free_slots:
+            raise NoFreeSlot(
+                f"all {self.config.max_batch_size} slots are in use; free a sequence before adding "
+                f"{seq_id!r} or raise max_batch_size"
+            )
+
+    def _check_length(self, seq: _Sequence, total: int) -> None:
+        if total > self.config.max_seq_len:
+            raise SequenceTooLong(
+                f"sequence {seq.seq_id!r} would hold {total} tokens, past max_seq_len={self.config.max_seq_len}"
+            )
+
+    @staticmethod
+    def _check_tokens(token_ids: Iterable[int] | None, minimum: int) -> list[int]:
+        if token_ids is None:
+            return []
+        if isinstance(token_ids, torch.Tensor):
+            token_ids = token_ids.reshape(-1).tolist()
+        tokens = list(token_ids)
+        if len(tokens) < minimum or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise InvalidInput("token ids must be a sequence of ints")
+        return tokens
+
+    def _check_plan(self, plan: StepPlan, layer: int) -> None:
+        if plan.version != self._version:
+            raise StalePlan("the cache changed since this plan was built; call begin_step again")
+        if not 0 <= layer < self.config.num_layers:
+            raise InvalidInput(f"layer {layer} out of range 0..{self.config.num_layers - 1}")
+
+    def _check_tensor(self, name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidInput(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tuple(tensor.shape) != shape:
+            raise InvalidShape(f"{name} must have shape {list(shape)} ([tokens, kv_heads, head_dim]), got {list(tensor.shape)}")
+        if tensor.dtype != self.config.dtype:
+            raise InvalidDtype(f"{name} has dtype {tensor.dtype}; the cache holds {self.config.dtype}")
+        if tensor.device != self.config.device:
+            raise InvalidDevice(f"{name} is on {tensor.device}; the cache lives on {self.config.device}")
+
+    def _check_query(self, q: torch.Tensor, plan: StepPlan) -> None:
+        heads = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 3 else 0
+        if heads == 0 or heads % self.config.num_kv_heads:
+            raise InvalidShape(
+                f"q must have shape [{plan.num_tokens}, n * {self.config.num_kv_heads}, {self.config.head_dim}] "
+                f"([tokens, q_heads, head_dim]), got {list(getattr(q, 'shape', []))}"
+            )
+        self._check_tensor("q", q, (plan.num_tokens, heads, self.config.head_dim))
+
+    def _is_private(self, page: int) -> bool:
+        return self.pool.refcount(page) == 1 and self.pool.page_hash(page) is None
+
+    def _drop(self, slot: int, index: int, page: int) -> None:
+        """Stop addressing ``page`` from ``slot``/``index`` and release that reference."""
+        self._detach(slot, index)
+        self.pool.decref(page)
+
+    def _pick_slot(self, want_pages: int) -> int:
+        """Best-fit free slot: the fewest spare pages that still cover ``want_pages``, else the most."""
+
+        def fit(slot: int) -> tuple[int, int, int]:
+            spare = len(self._spare[slot])
+            return (0, spare, slot) if spare >= want_pages else (1, -spare, slot)
+
+        return min(self._free_slots, key=fit)
+
+    def _adopt_slot(self, slot: int, head: list[int]) -> list[int]:
+        """Give ``slot`` to a new sequence whose first pages are ``head`` (already referenced).
+
+        Spare pages under ``head`` are released; spare pages after it become the sequence's.
+        """
+        spare = self._spare[slot]
+        for index, page in enumerate(head):
+            old = spare[index] if index < len(spare) else None
+            self._attach(slot, index, page, old, copy=False)
+            if old is not None:
+                self.pool.decref(old)
+        pages = head + spare[len(head) :]
+        self._spare[slot] = []
+        self._free_slots.discard(slot)
+        return pages
+
+    def _match_prefix(self, tokens: list[int]) -> list[tuple[int, bytes]]:
+        """Cached pages of the longest prefix of whole pages of ``tokens`` (leaving >= 1 token)."""
+        if not self.config.prefix_caching:
+            return []
+        hits: list[tuple[int, bytes]] = []
+        parent = b""
+        tpp = self.tokens_per_page
+        for index in range((len(tokens) - 1) // tpp if tokens else 0):
+            parent = self._page_hash(parent, tokens[index * tpp : (index + 1) * tpp])
+            page = self.pool.lookup(parent)
+            if page is None:
+                break
+            hits.append((page, parent))
+        return hits
+
+    @staticmethod
+    def _page_hash(parent: bytes, tokens: list[int]) -> bytes:
+        return hashlib.blake2b(parent + repr(tokens).encode(), digest_size=16).digest()
+
+    def _register_full_pages(self, seq: _Sequence) -> None:
+        """Index the full pages of ``seq`` whose token ids are known (their K/V are written)."""
+        tpp = self.tokens_per_page
+        full = min(seq.length, len(seq.tokens)) // tpp
+        for index in range(len(seq.hashes), full):
+            parent = seq.hashes[-1] if seq.hashes else b""
+            page_hash = self._page_hash(parent, seq.tokens[index * tpp : (index + 1) * tpp])
+            self.pool.register(seq.pages[index], page_hash)
+            seq.hashes.append(page_hash)
+
+    def _settle(self) -> None:
+        """Finish background mapping and index the pages the previous step filled."""
+        if self._ahead is not None:
+            self._ahead.join()
+            self._ahead = None
+        if self.config.prefix_caching:
+            for seq_id in self._unregistered:
+                if seq_id in self._seqs:
+                    self._register_full_pages(self._seqs[seq_id])
+        self._unregistered.clear()
+
+    def _plan_pages(self, steps: list[tuple[_Sequence, int, Any]]) -> tuple[list[list[int]], list[int]]:
+        """For each step: the page indexes to copy before writing, and the pages to add.
+
+        Simulates the reference drops of earlier copies, so two sequences writing into the same
+        shared page cost one copy, not two.
+        """
+        dropped: Counter[int] = Counter()
+        copies, grows = [], []
+        for seq, count, _ in steps:
+            first = seq.length // self.tokens_per_page
+            end = -(-(seq.length + count) // self.tokens_per_page)
+            copy_at = []
+            for index in range(first, min(end, len(seq.pages))):
+                page = seq.pages[index]
+                if self.pool.refcount(page) - dropped[page] > 1:
+                    dropped[page] += 1
+                    copy_at.append(index)
+            copies.append(copy_at)
+            grows.append(max(0, end - len(seq.pages)))
+        return copies, grows
+
+    def _make_room(self, count: int) -> None:
+        """Ensure ``pool.allocate(count)`` will succeed, taking spare pages back from freed slots.
+
+        Raises:
+            OutOfPages: even with every spare page and cached page there is not enough.
+        """
+        short = count - self.pool.num_free
+        if short <= 0:
+            return
+        spare_total = sum(len(s) for slot, s in self._spare.items() if slot in self._free_slots)
+        if count > self.pool.num_free + self.pool.num_cached + spare_total:
+            raise OutOfPages(
+                f"need {count} pages; {self.pool.num_free} free, {self.pool.num_cached} cached, {spare_total} "
+                f"spare ({self.pool.num_pages} in all); free sequences or raise memory_budget"
+            )
+        for slot in sorted(self._free_slots):
+            spare = self._spare[slot]
+            while spare and short > 0:
+                self._drop(slot, len(spare) - 1, spare.pop())
+                short -= 1
+
+    def _grow(self, seq: _Sequence, count: int) -> None:
+        for page in self.pool.allocate(count):
+            self._attach(seq.slot, len(seq.pages), page, None, copy=False)
+            seq.pages.append(page)
+
+    def _copy_on_write(self, seq: _Sequence, indexes: list[int]) -> None:
+        for index in indexes:
+            old = seq.pages[index]
+            (page,) = self.pool.allocate(1)
+            self._attach(seq.slot, index, page, old, copy=True)
+            self.pool.decref(old)
+            seq.pages[index] = page
+            self.counters["cow_copies"] += 1
+
+    def _unregister_written(self, seq: _Sequence, count: int) -> None:
+        """Pages this step writes into change: drop their prefix hashes (they are private now)."""
+        tpp = self.tokens_per_page
+        for index in range(seq.length // tpp, -(-(seq.length + count) // tpp)):
+            self.pool.unregister(seq.pages[index])
+        del seq.hashes[seq.length // tpp :]
+
+    def _build_plan(self, seqs: list[_Sequence], counts: list[int]) -> StepPlan:
+        device = self.config.device
+        starts = [seq.length - n for seq, n in zip(seqs, counts)]
+        rows = [self._token_rows(seq.slot, seq.pages, s, n) for seq, s, n in zip(seqs, starts, counts)]
+        cu_q = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        return StepPlan(
+            seq_ids=tuple(seq.seq_id for seq in seqs),
+            slots=tuple(seq.slot for seq in seqs),
+            starts=tuple(starts),
+            q_lens=tuple(counts),
+            kv_lens=tuple(seq.length for seq in seqs),
+            cu_q=cu_q.to(device),
+            write_rows=torch.cat(rows).to(device),
+            slots_t=torch.tensor([seq.slot for seq in seqs], dtype=torch.int32, device=device),
+            kv_lens_t=torch.tensor([seq.length for seq in seqs], dtype=torch.int32, device=device),
+            block_table=self._block_table(seqs),
+            causal_masks=tuple(causal_mask(s, n) for s, n in zip(starts, counts)) if device.type == "cpu" else (),
+            version=self._version,
+        )
+
+    def _start_map_ahead(self, plan: StepPlan) -> None:
+        """Map each sequence's next page on a background thread if its room runs out next step."""
+        seqs = [self._seqs[seq_id] for seq_id in plan.seq_ids]
+
+        def run() -> None:
+            for seq, n in zip(seqs, plan.q_lens):
+                room = len(seq.pages) * self.tokens_per_page - seq.length
+                if room < n and len(seq.pages) < self.max_pages_per_seq and self.pool.num_free:
+                    self._grow(seq, 1)
+                    self.counters["pages_mapped_ahead"] += 1
+
+        self._ahead = threading.Thread(target=run, name="vmkv-map-ahead", daemon=True)
+        self._ahead.start()
+
+    def __enter__(self) -> "KVCacheBase":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

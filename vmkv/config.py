@@ -1,0 +1,193 @@
+"""Cache configuration: what the user chooses, validated once, plus the page geometry it implies."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from .errors import InvalidConfig
+from .sizes import parse_size
+
+Layout = Literal["per_layer", "all_layers"]
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def _as_dtype(value: torch.dtype | str) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        dtype = value
+    elif isinstance(value, str) and value.lower().removeprefix("torch.") in _DTYPES:
+        dtype = _DTYPES[value.lower().removeprefix("torch.")]
+    else:
+        raise InvalidConfig(f"dtype: {value!r} is not supported; use float32, float16 or bfloat16")
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise InvalidConfig(f"dtype: {dtype} is not supported; use float32, float16 or bfloat16")
+    return dtype
+
+
+def _as_device(value: torch.device | str) -> torch.device:
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidConfig(f"device: {value!r} is not a torch device ({exc})") from None
+    if device.type not in ("cpu", "cuda"):
+        raise InvalidConfig(f"device: {device} is not supported; use 'cpu' or 'cuda[:N]'")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return device
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """What a KV cache holds and how much memory it may use. Shared by both modes.
+
+    Args:
+        num_layers: transformer layers.
+        num_kv_heads: key/value heads per layer (fewer than query heads under GQA).
+        head_dim: size of one head.
+        dtype: element type of K and V (float32, float16, bfloat16; strings accepted).
+        device: ``"cpu"`` (host virtual memory) or ``"cuda[:N]"`` (CUDA driver VMM).
+        max_batch_size: number of slots, i.e. sequences that can be live at once.
+        max_seq_len: longest sequence, in tokens.
+        memory_budget: bytes of physical memory for pages (int or "2GiB").
+        page_size: VMM mode: bytes of one physical mapping in one K or V tensor (a multiple of
+            the backend granularity — 4 KiB on the host, usually 2 MiB on CUDA — and of the
+            bytes one token takes in that tensor).
+        layout: VMM mode: ``"per_layer"`` (one range per layer and per K/V) or ``"all_layers"``
+            (one range for K and one for V holding every layer, so a page covers fewer tokens).
+        block_size: paged mode: tokens per block (vLLM's default is 16).
+        prefix_caching: keep full pages indexed by a hash of their tokens for later prompts.
+        deferred_reclaim: VMM mode: a freed slot keeps its private pages mapped for the next
+            sequence (saves map/unmap calls); ``trim()`` or memory pressure takes them back.
+        map_ahead: VMM mode: after each ``begin_step`` map the next page of each running
+            sequence on a background thread, overlapping mapping with compute.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype | str = torch.float16
+    device: torch.device | str = "cpu"
+    max_batch_size: int = 8
+    max_seq_len: int = 4096
+    memory_budget: int | str = "1GiB"
+    page_size: int | str = "2MiB"
+    layout: Layout = "per_layer"
+    block_size: int = 16
+    prefix_caching: bool = True
+    deferred_reclaim: bool = True
+    map_ahead: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "max_batch_size", "max_seq_len", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InvalidConfig(f"{name} must be a positive int, got {value!r}")
+        if self.layout not in ("per_layer", "all_layers"):
+            raise InvalidConfig(f"layout must be 'per_layer' or 'all_layers', got {self.layout!r}")
+        object.__setattr__(self, "dtype", _as_dtype(self.dtype))
+        object.__setattr__(self, "device", _as_device(self.device))
+        object.__setattr__(self, "memory_budget", parse_size(self.memory_budget, name="memory_budget"))
+        object.__setattr__(self, "page_size", parse_size(self.page_size, name="page_size"))
+        if self.page_size <= 0:
+            raise InvalidConfig("page_size must be > 0")
+
+    @property
+    def element_size(self) -> int:
+        """Bytes of one element of K or V."""
+        return torch.tensor([], dtype=self.dtype).element_size()
+
+    @property
+    def layer_token_bytes(self) -> int:
+        """Bytes one token takes in one layer's K (or V) tensor."""
+        return self.num_kv_heads * self.head_dim * self.element_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token takes in the whole cache: every layer, K and V."""
+        return 2 * self.num_layers * self.layer_token_bytes
+
+    def replace(self, **changes) -> "KVCacheConfig":
+        """Return a copy with some fields changed (validated again)."""
+        values = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        values.update(changes)
+        return KVCacheConfig(**values)
+
+
+@dataclass(frozen=True)
+class PageGeometry:
+    """How one pool page maps onto tokens and bytes, for one mode.
+
+    A *pool page* is the unit the page pool counts, shares and caches: the K and V of
+    ``tokens_per_page`` consecutive tokens of one sequence in *every* layer. It is backed by
+    ``num_tensors`` physical pieces of ``piece_bytes`` each: one per K/V tensor (VMM mapping or
+    paged block).
+    """
+
+    tokens_per_page: int
+    num_tensors: int
+    piece_bytes: int
+    num_pages: int
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one pool page (all its pieces)."""
+        return self.num_tensors * self.piece_bytes
+
+
+def vmm_geometry(config: KVCacheConfig, granularity: int) -> PageGeometry:
+    """Page geometry of VMM mode: a page is ``page_size`` bytes in each virtual K/V tensor.
+
+    Raises:
+        InvalidConfig: the page size is not a multiple of the backend granularity or of the
+            bytes one token takes in one tensor, or the budget holds no page.
+    """
+    if config.layout == "per_layer":
+        num_tensors, token_bytes = 2 * config.num_layers, config.layer_token_bytes
+    else:
+        num_tensors, token_bytes = 2, config.num_layers * config.layer_token_bytes
+    page = config.page_size
+    if page % granularity or page % token_bytes:
+        step = math.lcm(granularity, token_bytes)
+        suggestion = max(step, page // step * step)
+        raise InvalidConfig(
+            f"page_size {page} must be a multiple of the backend granularity ({granularity} B) and of "
+            f"the bytes one token takes in one {config.layout} tensor ({token_bytes} B); "
+            f"try page_size={suggestion}"
+        )
+    num_pages = config.memory_budget // (num_tensors * page)
+    if num_pages == 0:
+        raise InvalidConfig(
+            f"memory_budget {config.memory_budget} B holds no page of {num_tensors} x {page} B; "
+            "raise the budget or lower page_size"
+        )
+    return PageGeometry(page // token_bytes, num_tensors, page, num_pages)
+
+
+def paged_geometry(config: KVCacheConfig) -> PageGeometry:
+    """Page geometry of paged mode: a page is one block of ``block_size`` tokens in every tensor.
+
+    Raises:
+        InvalidConfig: the budget holds no block.
+    """
+    piece = config.block_size * config.layer_token_bytes
+    num_tensors = 2 * config.num_layers
+    num_pages = config.memory_budget // (num_tensors * piece)
+    if num_pages == 0:
+        raise InvalidConfig(
+            f"memory_budget {config.memory_budget} B holds no block of {config.block_size} tokens "
+            f"({num_tensors * piece} B across all layers); raise the budget"
+        )
+    return PageGeometry(config.block_size, num_tensors, piece, num_pages)

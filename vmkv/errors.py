@@ -1,0 +1,86 @@
+"""Every error vmkv raises, in one place.
+
+Each error is raised *before* any state changes: a call that fails leaves the cache exactly as it
+was. Every class derives from :class:`VMKVError` and from the built-in exception a Python user
+would expect (``ValueError`` for bad arguments, ``LookupError`` for unknown ids, ...), so both
+``except VMKVError`` and ``except ValueError`` work.
+"""
+
+from __future__ import annotations
+
+
+class VMKVError(Exception):
+    """Base class of every error raised by vmkv."""
+
+
+class InvalidConfig(VMKVError, ValueError):
+    """A configuration value is out of range or inconsistent (the message names the field)."""
+
+
+class InvalidInput(VMKVError, ValueError):
+    """A tensor or argument passed to a cache call has the wrong shape, dtype, device or value."""
+
+
+class InvalidShape(InvalidInput):
+    """A tensor has the wrong shape."""
+
+
+class InvalidDtype(InvalidInput):
+    """A tensor has the wrong dtype."""
+
+
+class InvalidDevice(InvalidInput):
+    """A tensor lives on the wrong device."""
+
+
+class UnknownSequence(VMKVError, LookupError):
+    """A call named a sequence id the cache does not hold."""
+
+    def __str__(self) -> str:  # LookupError/KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class DuplicateSequence(VMKVError, ValueError):
+    """``add``/``fork`` named a sequence id that already exists."""
+
+
+class SequenceTooLong(VMKVError, ValueError):
+    """A sequence would grow past ``max_seq_len``."""
+
+
+class NoFreeSlot(VMKVError, RuntimeError):
+    """All ``max_batch_size`` slots are held by live sequences."""
+
+
+class OutOfPages(VMKVError, MemoryError):
+    """The page pool cannot supply the pages a call needs (nothing was allocated)."""
+
+
+class StalePlan(VMKVError, RuntimeError):
+    """A step plan was used after the cache changed (a sequence was freed, trimmed, forked...)."""
+
+
+class BackendUnavailable(VMKVError, RuntimeError):
+    """A virtual-memory backend or kernel cannot run here (e.g. "CUDA driver not available")."""
+
+
+class BackendError(VMKVError, RuntimeError):
+    """The operating system or the CUDA driver refused a virtual-memory call."""
+
+
+__all__ = [
+    "VMKVError",
+    "InvalidConfig",
+    "InvalidInput",
+    "InvalidShape",
+    "InvalidDtype",
+    "InvalidDevice",
+    "UnknownSequence",
+    "DuplicateSequence",
+    "SequenceTooLong",
+    "NoFreeSlot",
+    "OutOfPages",
+    "StalePlan",
+    "BackendUnavailable",
+    "BackendError",
+]

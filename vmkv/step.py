@@ -1,0 +1,91 @@
+"""Per-step metadata: built once by ``cache.begin_step``, then read by every layer.
+
+Tokens of a step are packed along one axis (varlen style), sequence after sequence in the
+order the batch named them::
+
+    q, k, v : [T, heads, head_dim]       T = sum(q_lens)
+    cu_q    : [0, q_lens[0], q_lens[0]+q_lens[1], ..., T]
+
+For sequence ``i`` the new tokens take positions ``starts[i] .. kv_lens[i]-1``; its attention
+reads keys ``0 .. kv_lens[i]-1``::
+
+    positions   0 ............ starts[i]-1 | starts[i] ....... kv_lens[i]-1
+                cached before this step    | written by this step (q_lens[i] tokens)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable
+
+import torch
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Everything a layer needs to write and attend for one step, computed once per step.
+
+    Attributes:
+        seq_ids: the sequences of the step, in packing order.
+        slots: each sequence's slot (batch row of the VMM tensors / block-table row).
+        starts: tokens each sequence held before the step.
+        q_lens: new tokens per sequence.
+        kv_lens: tokens per sequence after the step (``starts + q_lens``).
+        cu_q: int32 ``[B + 1]`` offsets of each sequence's tokens in the packed axis (device).
+        write_rows: int64 ``[T]`` row of each new token in a layer's flattened K/V storage.
+        slots_t: int32 ``[B]`` ``slots`` on the device.
+        kv_lens_t: int32 ``[B]`` ``kv_lens`` on the device.
+        block_table: paged mode: int32 ``[B, max_pages]`` pool page of each logical page.
+        causal_masks: per sequence, a bool ``[q_len, kv_len]`` mask (True = attend) when the
+            step both has several new tokens and a cached prefix; ``None`` where plain causal
+            (no prefix) or no mask (one token) is right.
+        version: the cache version this plan belongs to (a stale plan is refused).
+    """
+
+    seq_ids: tuple[Hashable, ...]
+    slots: tuple[int, ...]
+    starts: tuple[int, ...]
+    q_lens: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+    cu_q: torch.Tensor
+    write_rows: torch.Tensor
+    slots_t: torch.Tensor
+    kv_lens_t: torch.Tensor
+    block_table: torch.Tensor | None
+    causal_masks: tuple[torch.Tensor | None, ...]
+    version: int
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """T, the packed length of the step's new tokens."""
+        return sum(self.q_lens)
+
+    @property
+    def max_q(self) -> int:
+        return max(self.q_lens)
+
+    @property
+    def max_kv(self) -> int:
+        return max(self.kv_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence adds exactly one token."""
+        return all(n == 1 for n in self.q_lens)
+
+
+def causal_mask(start: int, q_len: int) -> torch.Tensor | None:
+    """Bool mask ``[q_len, start + q_len]`` letting query ``j`` see keys ``0 .. start + j``.
+
+    Returns ``None`` when no mask is needed beyond what SDPA's ``is_causal`` (start == 0) or no
+    masking (a single query sees every key) gives.
+    """
+    if q_len == 1 or start == 0:
+        return None
+    keys = torch.arange(start + q_len)
+    queries = torch.arange(start, start + q_len)
+    return keys[None, :] <= queries[:, None]

@@ -1,0 +1,35 @@
+"""Virtual-memory backends: ``host`` (Linux mmap + memfd) and ``cuda`` (CUDA driver VMM)."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import VirtualMemory
+from .host import HostVirtualMemory
+
+
+def open_backend(device: torch.device, page_size: int, num_pages: int) -> VirtualMemory:
+    """Return the backend for ``device`` with a store of ``num_pages`` pages of ``page_size`` bytes.
+
+    Raises:
+        BackendUnavailable: CUDA was asked for but the driver, a GPU or cuda-bindings is missing.
+    """
+    if device.type == "cuda":
+        from .cuda import CudaVirtualMemory  # imported lazily: cuda-bindings is an optional extra
+
+        return CudaVirtualMemory(page_size, num_pages, device=device)
+    return HostVirtualMemory(page_size, num_pages)
+
+
+def granularity(device: torch.device) -> int:
+    """The smallest page size the backend for ``device`` can map, in bytes."""
+    if device.type == "cuda":
+        from .cuda import cuda_granularity
+
+        return cuda_granularity(device)
+    import mmap
+
+    return mmap.PAGESIZE
+
+
+__all__ = ["VirtualMemory", "HostVirtualMemory", "open_backend", "granularity"]
