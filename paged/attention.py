@@ -1,0 +1,509 @@
+"""Attention over the paged cache: kernels that read K/V through a block table.
+
+Every kernel gets one layer's block pools and the step's plan::
+
+    k_pool, v_pool : [num_blocks, block_size, kv_heads, head_dim]
+    q              : [T, q_heads, head_dim]            packed in plan order (T = sum(q_lens))
+    plan.block_table : int32 [B, max_blocks]           pool block of each logical block, -1 = none
+
+and returns ``[T, q_heads, head_dim]``: causal within a sequence's new tokens, bottom-right
+aligned over its cached prefix (new token ``j`` of sequence ``i`` sees keys
+``0 .. starts[i] + j``), grouped-query when ``q_heads`` is a multiple of ``kv_heads``.
+
+Kernels (chosen once per cache by :func:`select_paged_kernel`, logged, named in ``stats()``):
+
+    gather_sdpa               any device  gather each sequence's blocks, then torch SDPA
+                                          (the reference: copies each sequence's whole K/V)
+    blockwise_online_softmax  any device  chunks of blocks, online softmax (flash-decoding
+                                          style); decode rows of all sequences in one batch
+    varlen_attn_block_table   CUDA        torch's FlashAttention varlen kernel with
+                                          ``block_table=``/``seqused_k=`` (torch >= 2.10)
+    flash_attn_with_kvcache   CUDA        flash-attn's kernel with ``block_table=``
+    flashinfer_decode         CUDA        FlashInfer ``BatchDecodeWithPagedKVCacheWrapper``
+                                          for decode steps (planned once per step), composed
+                                          with one of the above for steps with prefill
+
+FlashAttention's paged kernels (both flash-attn and torch's copy of it) need a block size
+that is a multiple of 256 tokens and fp16/bf16; where that does not hold they are not used and
+the selection log says why.
+
+A kernel may precompute per-step metadata once (``prepare``) that every layer then reuses;
+the cache memoises it by plan version.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from vmkv.attention import torch_varlen_features
+from vmkv.errors import BackendUnavailable, InvalidConfig
+from vmkv.step import StepPlan, causal_mask
+
+log = logging.getLogger("vmkv")
+
+DEFAULT_CHUNK_TOKENS = 256  # keys per chunk of the blockwise kernel (measured: see docs/paged.md)
+
+
+class PagedKernel(ABC):
+    """An attention kernel over block pools. ``name`` is what ``stats()["kernel"]`` shows."""
+
+    name: str
+
+    def prepare(self, plan: StepPlan, q_heads: int, scale: float) -> Any:
+        """Per-step metadata shared by every layer (``None`` when the kernel needs none)."""
+        return None
+
+    @abstractmethod
+    def __call__(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: StepPlan, meta: Any, scale: float
+    ) -> torch.Tensor:
+        """Attention of ``q: [T, Hq, D]`` over the pools; returns ``[T, Hq, D]``."""
+
+
+def _offsets(plan: StepPlan) -> list[int]:
+    return [0, *accumulate(plan.q_lens)]
+
+
+# ---- CPU (and any device): the naive reference ------------------------------------------------
+class GatherSDPA(PagedKernel):
+    """Gather each sequence's blocks into one contiguous K/V, then torch SDPA on it.
+
+    Simple and exact, but it copies every sequence's whole K/V once per layer.
+    """
+
+    name = "gather_sdpa"
+
+    def __call__(self, q, k_pool, v_pool, plan, meta, scale):
+        block = k_pool.shape[1]
+        gqa = q.shape[1] != k_pool.shape[2]
+        offsets = _offsets(plan)
+        masks = plan.causal_masks or tuple(causal_mask(s, n) for s, n in zip(plan.starts, plan.q_lens))
+        out = torch.empty_like(q)
+        for i, (n, kv_len) in enumerate(zip(plan.q_lens, plan.kv_lens)):
+            blocks = plan.block_table[i, : -(-kv_len // block)]
+            k_i = k_pool[blocks].flatten(0, 1)[:kv_len].transpose(0, 1)  # [Hkv, kv_len, D]
+            v_i = v_pool[blocks].flatten(0, 1)[:kv_len].transpose(0, 1)
+            q_i = q[offsets[i] : offsets[i + 1]].transpose(0, 1)  # [Hq, n, D]
+            mask = masks[i]
+            if mask is not None:
+                mask = mask.to(q.device)
+            o_i = F.scaled_dot_product_attention(
+                q_i, k_i, v_i, attn_mask=mask, is_causal=mask is None and n > 1, scale=scale, enable_gqa=gqa
+            )
+            out[offsets[i] : offsets[i + 1]] = o_i.transpose(0, 1)
+        return out
+
+
+# ---- blockwise online softmax -----------------------------------------------------------------
+@dataclass(frozen=True)
+class _Chunk:
+    """One chunk of keys for a group of rows.
+
+    ``blocks``: int64 ``[rows, C]`` pool blocks (never -1); ``valid``: bool mask of the keys
+    each query may see, broadcastable to the scores (``None``: all of them); ``rows``: how
+    many leading rows of the group take part.
+    """
+
+    rows: int
+    blocks: torch.Tensor
+    valid: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class _DecodeGroup:
+    tokens: torch.Tensor  # int64 [Bd]: packed index of each decode query, longest sequence first
+    chunks: tuple[_Chunk, ...]
+
+
+@dataclass(frozen=True)
+class _PrefillSeq:
+    first: int  # packed index of the sequence's first new token
+    count: int  # its new tokens
+    chunks: tuple[_Chunk, ...]  # rows: query rows skipped from the start (fully masked ones)
+
+
+@dataclass(frozen=True)
+class _BlockwiseMeta:
+    decode: _DecodeGroup | None
+    prefill: tuple[_PrefillSeq, ...]
+
+
+class BlockwiseOnlineSoftmax(PagedKernel):
+    """Attention one chunk of blocks at a time, merging chunks with an online softmax.
+
+    No sequence's whole K/V is ever gathered: a chunk holds ``chunk_tokens`` keys (rounded to
+    whole blocks). Decode rows (one new token) of *all* sequences run together, vectorised over
+    sequences and blocks: sorted longest first, chunk ``j`` only involves the sequences that
+    reach it. A sequence with several new tokens (prefill) runs alone, skipping query rows a
+    chunk lies entirely in the future of. Scores and accumulators are float32 for any storage
+    dtype. Keys past a sequence's length are masked and their values zeroed, so stale pool
+    contents (even inf/NaN) never reach an output.
+
+    Args:
+        block_size: tokens per pool block.
+        chunk_tokens: keys per chunk (rounded down to whole blocks, at least one).
+
+    Raises:
+        InvalidConfig: ``chunk_tokens`` is not a positive int.
+    """
+
+    name = "blockwise_online_softmax"
+
+    def __init__(self, block_size: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+        if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens <= 0:
+            raise InvalidConfig(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
+        self._block_size = block_size
+        self.chunk_tokens = chunk_tokens
+
+    # -- per step ---------------------------------------------------------------------------
+    def prepare(self, plan: StepPlan, q_heads: int, scale: float) -> _BlockwiseMeta:
+        table = plan.block_table
+        block = self._block_size
+        per_chunk = max(1, self.chunk_tokens // block)  # blocks per chunk
+        offsets = _offsets(plan)
+        decode = [i for i, n in enumerate(plan.q_lens) if n == 1]
+        group = None
+        if decode:
+            decode.sort(key=lambda i: -plan.kv_lens[i])
+            group = self._decode_group(plan, table, decode, offsets, per_chunk)
+        prefill = tuple(
+            self._prefill_seq(plan, table, i, offsets[i], per_chunk) for i, n in enumerate(plan.q_lens) if n > 1
+        )
+        return _BlockwiseMeta(group, prefill)
+
+    def _decode_group(self, plan, table, order, offsets, per_chunk) -> _DecodeGroup:
+        device = table.device
+        block = self._block_size
+        lens = [plan.kv_lens[i] for i in order]  # non-increasing
+        rows_t = torch.tensor(order, device=device)
+        lens_t = torch.tensor(lens, device=device)
+        chunks = []
+        for first in range(0, -(-lens[0] // block), per_chunk):
+            start = first * block
+            rows = sum(1 for n in lens if n > start)
+            blocks = table[rows_t[:rows], first : first + per_chunk].long().clamp_min(0)
+            valid = None
+            if min(lens[:rows]) < start + blocks.shape[1] * block:  # some row ends inside the chunk
+                keys = torch.arange(start, start + blocks.shape[1] * block, device=device)
+                valid = keys[None, :] < lens_t[:rows, None]  # [rows, Tc]
+            chunks.append(_Chunk(rows, blocks, valid))
+        tokens = torch.tensor([offsets[i] for i in order], device=device)
+        return _DecodeGroup(tokens, tuple(chunks))
+
+    def _prefill_seq(self, plan, table, i, first_token, per_chunk) -> _PrefillSeq:
+        device = table.device
+        block = self._block_size
+        start, n, kv_len = plan.starts[i], plan.q_lens[i], plan.kv_lens[i]
+        chunks = []
+        for first in range(0, -(-kv_len // block), per_chunk):
+            lo = first * block
+            blocks = table[i : i + 1, first : first + per_chunk].long().clamp_min(0)
+            hi = lo + blocks.shape[1] * block
+            skip = max(0, lo - start)  # query rows (positions start+r) that see no key of the chunk
+            valid = None
+            if hi - 1 > start + skip:  # the causal boundary crosses the chunk
+                keys = torch.arange(lo, hi, device=device)
+                queries = torch.arange(start + skip, start + n, device=device)
+                valid = keys[None, :] <= queries[:, None]  # [n - skip, Tc]; implies key < kv_len
+            chunks.append(_Chunk(skip, blocks[0], valid))
+        return _PrefillSeq(first_token, n, tuple(chunks))
+
+    # -- per layer ----------------------------------------------------------------------------
+    def __call__(self, q, k_pool, v_pool, plan, meta: _BlockwiseMeta, scale):
+        out = torch.empty_like(q)
+        kv_heads = k_pool.shape[2]
+        if meta.decode is not None:
+            out[meta.decode.tokens] = self._decode(q[meta.decode.tokens], k_pool, v_pool, meta.decode, scale)
+        for seq in meta.prefill:
+            span = slice(seq.first, seq.first + seq.count)
+            out[span] = self._prefill(q[span], k_pool, v_pool, seq, kv_heads, scale)
+        return out
+
+    @staticmethod
+    def _gather(pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """``pool[blocks]`` with the block and token axes merged: ``[..., C * block, Hkv, D]``, float32."""
+        chunk = pool[blocks]
+        return chunk.flatten(-4, -3).float()
+
+    def _decode(self, q, k_pool, v_pool, group: _DecodeGroup, scale: float) -> torch.Tensor:
+        batch, q_heads, dim = q.shape
+        kv_heads = k_pool.shape[2]
+        qf = q.float().view(batch, kv_heads, q_heads // kv_heads, dim) * scale  # [B, Hkv, G, D]
+        m = torch.full(qf.shape[:3], -math.inf, device=q.device)  # running max   [B, Hkv, G]
+        l = torch.zeros(qf.shape[:3], device=q.device)  # running sum of exp      [B, Hkv, G]
+        acc = torch.zeros(qf.shape, device=q.device)  # running numerator     [B, Hkv, G, D]
+        for chunk in group.chunks:
+            r = chunk.rows
+            k = self._gather(k_pool, chunk.blocks)  # [r, Tc, Hkv, D]
+            v = self._gather(v_pool, chunk.blocks)
+            s = torch.einsum("bhgd,bthd->bhgt", qf[:r], k)  # [r, Hkv, G, Tc]
+            if chunk.valid is not None:
+                s.masked_fill_(~chunk.valid[:, None, None, :], -math.inf)
+                v.masked_fill_(~chunk.valid[:, :, None, None], 0.0)
+            self._merge(s, v, m[:r], l[:r], acc[:r], "bhgt,bthd->bhgd")
+        return (acc / l[..., None]).view(batch, q_heads, dim).to(q.dtype)
+
+    def _prefill(self, q, k_pool, v_pool, seq: _PrefillSeq, kv_heads: int, scale: float) -> torch.Tensor:
+        n, q_heads, dim = q.shape
+        qf = (q.float() * scale).view(n, kv_heads, q_heads // kv_heads, dim).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
+        m = torch.full(qf.shape[:3], -math.inf, device=q.device)  # [Hkv, G, n]
+        l = torch.zeros(qf.shape[:3], device=q.device)
+        acc = torch.zeros(qf.shape, device=q.device)  # [Hkv, G, n, D]
+        for chunk in seq.chunks:
+            skip = chunk.rows
+            k = self._gather(k_pool, chunk.blocks)  # [Tc, Hkv, D]
+            v = self._gather(v_pool, chunk.blocks)
+            s = torch.einsum("hgnd,thd->hgnt", qf[:, :, skip:], k)  # [Hkv, G, n - skip, Tc]
+            if chunk.valid is not None:
+                s.masked_fill_(~chunk.valid, -math.inf)
+            self._merge(s, v, m[:, :, skip:], l[:, :, skip:], acc[:, :, skip:], "hgnt,thd->hgnd")
+        return (acc / l[..., None]).permute(2, 0, 1, 3).reshape(n, q_heads, dim).to(q.dtype)
+
+    @staticmethod
+    def _merge(s: torch.Tensor, v: torch.Tensor, m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, pv: str) -> None:
+        """Fold one chunk's scores ``s`` and values ``v`` into the running ``m``, ``l``, ``acc`` (in place).
+
+        Every row sees at least one key in its first chunk, so ``m`` is finite from then on and
+        ``exp(m_old - m_new)`` is well defined (``exp(-inf) = 0`` on the first chunk).
+        """
+        m_new = torch.maximum(m, s.amax(-1))
+        alpha = torch.exp(m - m_new)
+        p = torch.exp(s - m_new[..., None])
+        l.mul_(alpha).add_(p.sum(-1))
+        acc.mul_(alpha[..., None]).add_(torch.einsum(pv, p, v))
+        m.copy_(m_new)
+
+
+# ---- CUDA kernels (need a GPU; checked against their sources, see docs/paged.md) --------------
+class VarlenBlockTable(PagedKernel):
+    """PyTorch's FlashAttention varlen kernel reading the pools through ``block_table``.
+
+    ``cu_seq_k`` holds each sequence's key count (cumulative), ``seqused_k`` the same
+    lengths; with ``block_table`` the kernel finds keys through the table, not ``cu_seq_k``.
+    """
+
+    name = "varlen_attn_block_table"
+
+    def prepare(self, plan, q_heads, scale):
+        return torch.tensor([0, *accumulate(plan.kv_lens)], dtype=torch.int32, device=plan.kv_lens_t.device)
+
+    def __call__(self, q, k_pool, v_pool, plan, meta, scale):
+        from torch.nn.attention.varlen import varlen_attn
+
+        return varlen_attn(
+            q, k_pool, v_pool, plan.cu_q, meta, plan.max_q, plan.max_kv,
+            scale=scale, window_size=(-1, 0), enable_gqa=q.shape[1] != k_pool.shape[2],
+            seqused_k=plan.kv_lens_t, block_table=plan.block_table,
+        )
+
+
+class FlashKVCacheBlockTable(PagedKernel):
+    """flash-attn's ``flash_attn_with_kvcache`` with ``block_table=``.
+
+    Decode steps run as one batched call; steps with prefill chunks run one call per sequence
+    (its block-table row), flash-attn's causal mask being bottom-right aligned.
+    """
+
+    name = "flash_attn_with_kvcache"
+
+    def __call__(self, q, k_pool, v_pool, plan, meta, scale):
+        from flash_attn import flash_attn_with_kvcache
+
+        if plan.is_decode:
+            return flash_attn_with_kvcache(
+                q.unsqueeze(1), k_pool, v_pool, cache_seqlens=plan.kv_lens_t,
+                block_table=plan.block_table, softmax_scale=scale, causal=True,
+            ).squeeze(1)  # [B, 1, Hq, D] -> [B, Hq, D]
+        out = torch.empty_like(q)
+        offsets = _offsets(plan)
+        for i in range(plan.batch_size):
+            a, b = offsets[i], offsets[i + 1]
+            out[a:b] = flash_attn_with_kvcache(
+                q[a:b].unsqueeze(0), k_pool, v_pool, cache_seqlens=plan.kv_lens_t[i : i + 1],
+                block_table=plan.block_table[i : i + 1], softmax_scale=scale, causal=True,
+            ).squeeze(0)
+        return out
+
+
+class FlashInferDecode(PagedKernel):
+    """FlashInfer's batch decode over the paged pools (NHD layout), planned once per step.
+
+    Steps that are not pure decode go to ``other``. The plan's CSR arrays come from the block
+    table: ``indptr`` (blocks per sequence, cumulative), ``indices`` (the blocks, sequence after
+    sequence), ``last_page_len`` (1 .. block_size tokens used in each last block).
+
+    Args:
+        device: the CUDA device (for the 128 MiB workspace).
+        block_size, kv_heads, head_dim, dtype: the pool's geometry.
+        other: the kernel for steps with prefill tokens.
+    """
+
+    def __init__(
+        self, device: torch.device, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype, other: PagedKernel
+    ) -> None:
+        from flashinfer import BatchDecodeWithPagedKVCacheWrapper
+
+        self.other = other
+        self.name = f"flashinfer_decode+{other.name}"
+        workspace = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=device)
+        self._wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+        self._block_size, self._kv_heads, self._head_dim, self._dtype = block_size, kv_heads, head_dim, dtype
+
+    def prepare(self, plan, q_heads, scale):
+        if not plan.is_decode:
+            return self.other.prepare(plan, q_heads, scale)
+        block = self._block_size
+        table = plan.block_table
+        counts = (plan.kv_lens_t.long() + block - 1) // block  # blocks per sequence  [B]
+        used = torch.arange(table.shape[1], device=table.device)[None, :] < counts[:, None]
+        indices = table[used]  # row-major: each sequence's blocks in order
+        indptr = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
+        last = (plan.kv_lens_t - (counts.to(torch.int32) - 1) * block).to(torch.int32)
+        self._wrapper.plan(
+            indptr, indices, last, q_heads, self._kv_heads, self._head_dim, block,
+            pos_encoding_mode="NONE", q_data_type=self._dtype, kv_data_type=self._dtype, sm_scale=scale,
+        )
+        return None
+
+    def __call__(self, q, k_pool, v_pool, plan, meta, scale):
+        if not plan.is_decode:
+            return self.other(q, k_pool, v_pool, plan, meta, scale)
+        return self._wrapper.run(q, (k_pool, v_pool))  # [B, Hq, D]
+
+
+# ---- selection --------------------------------------------------------------------------------
+KERNELS = (
+    "gather_sdpa",
+    "blockwise_online_softmax",
+    "varlen_attn_block_table",
+    "flash_attn_with_kvcache",
+    "flashinfer_decode",
+)
+
+
+def has_module(name: str) -> bool:
+    """Whether an optional package is installed (not imported)."""
+    return importlib.util.find_spec(name) is not None
+
+
+def flash_paged_blockers(device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int) -> list[str]:
+    """Why FlashAttention's paged kernels (flash-attn, torch varlen) cannot read this pool; empty if they can."""
+    why = []
+    if device.type != "cuda":
+        why.append("they need CUDA")
+    if dtype not in (torch.float16, torch.bfloat16):
+        why.append(f"they need fp16/bf16, the cache holds {dtype}")
+    if head_dim > 256 or head_dim % 8:
+        why.append(f"they need head_dim <= 256 and a multiple of 8, got {head_dim}")
+    if block_size % 256:
+        why.append(f"they need block_size to be a multiple of 256, got {block_size}")
+    return why
+
+
+def choose_paged_kernel(
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    block_size: int,
+    *,
+    flash_attn: bool,
+    flashinfer: bool,
+    varlen_features: set[str],
+) -> tuple[str, str]:
+    """Pure selection rule: ``(kernel name, why)`` for a pool on ``device``.
+
+    On CPU the blockwise kernel (measured faster than gather + SDPA, docs/paged.md). On CUDA:
+    flash-attn, else torch varlen with ``block_table``, when FlashAttention can read the pool;
+    else the blockwise kernel. FlashInfer, when installed, takes decode steps (any block size)
+    and the above take the rest: the name is then ``flashinfer_decode+<other>``.
+    """
+    if device.type != "cuda":
+        return "blockwise_online_softmax", "CPU: blockwise online softmax (faster than gather_sdpa, measured)"
+    blockers = flash_paged_blockers(device, dtype, head_dim, block_size)
+    if not blockers and flash_attn:
+        name, why = "flash_attn_with_kvcache", "flash-attn is installed"
+    elif not blockers and {"block_table", "seqused_k", "window_size", "enable_gqa"} <= varlen_features:
+        name, why = "varlen_attn_block_table", "torch varlen_attn has block_table; flash-attn not installed"
+    else:
+        missing = "; ".join(blockers) or "neither flash-attn nor torch varlen_attn(block_table=) is available"
+        name, why = "blockwise_online_softmax", f"FlashAttention paged kernels not used: {missing}"
+    if flashinfer and dtype in (torch.float16, torch.bfloat16):
+        return f"flashinfer_decode+{name}", f"FlashInfer decode for decode steps; {name} otherwise ({why})"
+    return name, why
+
+
+_LOGGED: set[str] = set()
+
+
+def make_paged_kernel(
+    device: torch.device,
+    dtype: torch.dtype,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    forced: str | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> PagedKernel:
+    """Build the kernel for a pool: ``forced`` by name, else by :func:`choose_paged_kernel`. Logs once.
+
+    Raises:
+        InvalidConfig: ``forced`` names no kernel.
+        BackendUnavailable: ``forced`` names a kernel that cannot run here (the message says why).
+    """
+    if forced is not None and forced not in KERNELS:
+        raise InvalidConfig(f"kernel must be one of {', '.join(KERNELS)}; got {forced!r}")
+    features = torch_varlen_features()
+    if forced is None:
+        name, why = choose_paged_kernel(
+            device, dtype, head_dim, block_size,
+            flash_attn=has_module("flash_attn"), flashinfer=has_module("flashinfer"), varlen_features=features,
+        )
+    else:
+        name, why = forced, "chosen by the caller"
+        _check_forced(forced, device, dtype, head_dim, block_size, features)
+    if name not in _LOGGED:
+        _LOGGED.add(name)
+        log.info("vmkv paged attention kernel: %s (%s)", name, why)
+    return _build(name, device, dtype, kv_heads, head_dim, block_size, chunk_tokens)
+
+
+def _check_forced(name: str, device, dtype, head_dim, block_size, features: set[str]) -> None:
+    if name in ("gather_sdpa", "blockwise_online_softmax"):
+        return
+    blockers = [] if name == "flashinfer_decode" else flash_paged_blockers(device, dtype, head_dim, block_size)
+    if name == "flashinfer_decode" and device.type != "cuda":
+        blockers.append("it needs CUDA")
+    if name == "flash_attn_with_kvcache" and not has_module("flash_attn"):
+        blockers.append("flash-attn is not installed")
+    if name == "flashinfer_decode" and not has_module("flashinfer"):
+        blockers.append("flashinfer is not installed")
+    if name == "varlen_attn_block_table" and not {"block_table", "seqused_k"} <= features:
+        blockers.append("this torch's varlen_attn has no block_table/seqused_k")
+    if blockers:
+        raise BackendUnavailable(f"kernel {name} cannot run here: {'; '.join(blockers)}")
+
+
+def _build(name: str, device, dtype, kv_heads, head_dim, block_size, chunk_tokens) -> PagedKernel:
+    if name.startswith("flashinfer_decode"):
+        other = name.partition("+")[2] or choose_paged_kernel(
+            device, dtype, head_dim, block_size,
+            flash_attn=has_module("flash_attn"), flashinfer=False, varlen_features=torch_varlen_features(),
+        )[0]
+        rest = _build(other, device, dtype, kv_heads, head_dim, block_size, chunk_tokens)
+        return FlashInferDecode(device, block_size, kv_heads, head_dim, dtype, rest)
+    if name == "gather_sdpa":
+        return GatherSDPA()
+    if name == "blockwise_online_softmax":
+        return BlockwiseOnlineSoftmax(block_size, chunk_tokens)
+    if name == "varlen_attn_block_table":
+        return VarlenBlockTable()
+    return FlashKVCacheBlockTable()
