@@ -162,7 +162,7 @@ class KVCacheBase(ABC):
             )
         self._require_free_slot(seq_id)
         hits = self._match_prefix(tokens)
-        slot = self._pick_slot(-(-len(tokens) // self.tokens_per_page))
+        slot = self._pick_slot(-(-len(tokens) // self.tokens_per_page) if tokens else None)
         seq = _Sequence(seq_id, slot, pages=[], tokens=tokens)
         for page, _ in hits:
             self.pool.incref(page)
@@ -486,12 +486,18 @@ class KVCacheBase(ABC):
         self._detach(slot, index)
         self.pool.decref(page)
 
-    def _pick_slot(self, want_pages: int) -> int:
-        """Best-fit free slot: the fewest spare pages that still cover ``want_pages``, else the most."""
+    def _pick_slot(self, want_pages: int | None) -> int:
+        """A free slot for a new sequence, reusing the spare pages it keeps mapped.
+
+        With ``want_pages`` known: best fit, the fewest spare pages that still cover it, else the
+        most. With ``None`` (size unknown): the most spare pages.
+        """
 
         def fit(slot: int) -> tuple[int, int, int]:
             spare = len(self._spare[slot])
-            return (0, spare, slot) if spare >= want_pages else (1, -spare, slot)
+            if want_pages is not None and spare >= want_pages:
+                return (0, spare, slot)
+            return (1, -spare, slot)
 
         return min(self._free_slots, key=fit)
 
