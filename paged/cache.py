@@ -127,10 +127,10 @@ class PagedKVCache(KVCacheBase):
         return self._step_meta[1]
 
     # ---- the mode's hooks ------------------------------------------------------------------
-    def _attach(self, slot: int, index: int, page: int, old: int | None, copy: bool) -> None:
-        if copy:  # copy-on-write: the block in every layer, K and V (one op each)
-            self._k[:, page].copy_(self._k[:, old])
-            self._v[:, page].copy_(self._v[:, old])
+    def _attach(self, slot: int, index: int, page: int, old: int | None, keep: int) -> None:
+        if keep:  # copy-on-write: the stored tokens of the block in every layer, K and V (one op each)
+            self._k[:, page, :keep].copy_(self._k[:, old, :keep])
+            self._v[:, page, :keep].copy_(self._v[:, old, :keep])
         self.block_table[slot, index] = page
 
     def _detach(self, slot: int, index: int) -> None:

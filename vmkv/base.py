@@ -4,7 +4,7 @@
 sequence. A mode only says how a page is addressed (VMM: mapped into a slot's virtual range;
 paged: written into a block-table row) through four hooks:
 
-    _attach(slot, index, page, old, copy)   logical page ``index`` of ``slot`` now addresses ``page``
+    _attach(slot, index, page, old, keep)   logical page ``index`` of ``slot`` now addresses ``page``
     _detach(slot, index)                    ... addresses nothing
     _release(pages)                         give free pages' memory back to the OS (if possible)
     _token_rows(slot, pages, start, n)      storage rows of tokens ``start .. start+n-1``
@@ -92,11 +92,11 @@ class KVCacheBase(ABC):
 
     # ---- hooks a mode implements ---------------------------------------------------------
     @abstractmethod
-    def _attach(self, slot: int, index: int, page: int, old: int | None, copy: bool) -> None:
+    def _attach(self, slot: int, index: int, page: int, old: int | None, keep: int) -> None:
         """Make logical page ``index`` of ``slot`` address ``page``.
 
-        ``old`` is the page addressed there before (``None`` if none); with ``copy`` the bytes of
-        ``old`` are copied into ``page`` first (copy-on-write).
+        ``old`` is the page addressed there before (``None`` if none). Copy-on-write: the first
+        ``keep`` tokens of ``old`` (every layer, K and V) are copied into ``page`` first.
         """
 
     @abstractmethod
@@ -509,7 +509,7 @@ class KVCacheBase(ABC):
         spare = self._spare[slot]
         for index, page in enumerate(head):
             old = spare[index] if index < len(spare) else None
-            self._attach(slot, index, page, old, copy=False)
+            self._attach(slot, index, page, old, keep=0)
             if old is not None:
                 self.pool.decref(old)
         pages = head + spare[len(head) :]
@@ -601,14 +601,16 @@ class KVCacheBase(ABC):
 
     def _grow(self, seq: _Sequence, count: int) -> None:
         for page in self.pool.allocate(count):
-            self._attach(seq.slot, len(seq.pages), page, None, copy=False)
+            self._attach(seq.slot, len(seq.pages), page, None, keep=0)
             seq.pages.append(page)
 
     def _copy_on_write(self, seq: _Sequence, indexes: list[int]) -> None:
+        """Give ``seq`` private copies of the shared pages at ``indexes`` (only stored tokens are copied)."""
         for index in indexes:
             old = seq.pages[index]
             (page,) = self.pool.allocate(1)
-            self._attach(seq.slot, index, page, old, copy=True)
+            keep = min(self.tokens_per_page, max(0, seq.length - index * self.tokens_per_page))
+            self._attach(seq.slot, index, page, old, keep)
             self.pool.decref(old)
             seq.pages[index] = page
             self.counters["cow_copies"] += 1

@@ -48,7 +48,7 @@ class VirtualKVCache(KVCacheBase):
 
     def __init__(self, config: KVCacheConfig) -> None:
         geometry = vmm_geometry(config, granularity(config.device))
-        self.kernel, self._kernel = select_contiguous_kernel(config.device)
+        self.kernel, self._kernel = select_contiguous_kernel(config.device, config.dtype, config.head_dim)
         tpp = geometry.tokens_per_page
         self.seq_capacity = -(-config.max_seq_len // tpp) * tpp
         self.slot_bytes = self.seq_capacity * geometry.piece_bytes // tpp
@@ -102,10 +102,11 @@ class VirtualKVCache(KVCacheBase):
     def _addr(self, tensor: int, slot: int, index: int) -> int:
         return self._bases[tensor] + slot * self.slot_bytes + index * self.geometry.piece_bytes
 
-    def _attach(self, slot: int, index: int, page: int, old: int | None, copy: bool) -> None:
-        piece, count = self.geometry.piece_bytes, self.geometry.num_tensors
+    def _attach(self, slot: int, index: int, page: int, old: int | None, keep: int) -> None:
+        count = self.geometry.num_tensors
+        nbytes = keep * self.geometry.piece_bytes // self.tokens_per_page  # the stored tokens only
         addrs = [self._addr(t, slot, index) for t in range(count)]
-        saved = [self._vm.tensor(a, (piece,), torch.uint8).clone() for a in addrs] if copy else []
+        saved = [self._vm.tensor(a, (nbytes,), torch.uint8).clone() for a in addrs] if keep else []
         if old is not None:
             self._vm.synchronize()
             for addr in addrs:
@@ -113,7 +114,7 @@ class VirtualKVCache(KVCacheBase):
         for t, addr in enumerate(addrs):
             self._vm.map(addr, page * count + t)
         for addr, data in zip(addrs, saved):
-            self._vm.tensor(addr, (piece,), torch.uint8).copy_(data)
+            self._vm.tensor(addr, (nbytes,), torch.uint8).copy_(data)
 
     def _detach(self, slot: int, index: int) -> None:
         self._vm.synchronize()
