@@ -1,0 +1,615 @@
+"""Hugging Face ``transformers`` integration: a ``Cache`` backed by vmkv, and the ``"vmkv"`` attention.
+
+Three lines::
+
+    import vmkv.hf                                            # registers attn_implementation="vmkv"
+    cache = vmkv.hf.VirtualCache(mode="vmm")                  # or mode="paged"
+    out = model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
+
+How a forward runs, per attention style (``VirtualCache.attention_style``):
+
+``"model"`` (the model's own attention: ``sdpa``, ``eager``...; VMM mode only)
+    ``update()`` writes the step's K/V in place into the virtual tensors and returns zero-copy
+    views ``[B, kv_heads, length, head_dim]`` of exactly the stored length. Every batch row is a
+    cache sequence and every column (padding included) a stored token, as in ``DynamicCache``.
+``"vmkv"`` (``attn_implementation="vmkv"``; both modes)
+    ``update()`` only hands the new K/V through; the registered attention function packs the
+    step's real tokens (padding columns are dropped: they cost no memory), writes them with
+    ``cache.write`` and calls the cache's own kernel ``cache.attention(layer, q, plan)``: the
+    contiguous kernel in VMM mode, the paged kernel in paged mode. Nothing is materialised.
+
+Per forward one ``begin_step`` (on the first layer), then every layer writes and attends with
+that plan. Batch rows map to sequence ids; beam search's ``reorder_cache`` and
+``batch_repeat_interleave`` / ``batch_select_indices`` become ``free`` + ``fork`` of sequence ids,
+so a beam that continues another shares its pages (copy-on-write) instead of copying K/V.
+
+Sizing is lazy: the first ``update`` gives batch, KV heads, head dim, dtype and device; the
+layer count comes from ``config`` if given, else from the ``"vmkv"`` attention module's config,
+else it is counted over the first forward (whose K/V are kept by reference and written into
+the cache at the next call: the first forward has no past, so the returned K/V are just its own).
+
+Supported: transformers 5.x (the per-layer ``CacheLayerMixin`` API; tested with 5.24).
+Importing this module needs transformers; ``import vmkv`` does not.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.masking_utils import AttentionMaskInterface
+
+from .base import KVCacheBase
+from .config import KVCacheConfig
+from .errors import InvalidConfig, InvalidInput, InvalidShape, NoFreeSlot, VMKVError
+from .step import StepPlan
+
+log = logging.getLogger("vmkv")
+
+ATTN_IMPLEMENTATION = "vmkv"
+MODES = ("vmm", "paged")
+DEFAULT_MAX_SEQ_LEN = 8192
+MIN_TOKENS_PER_PAGE = 64
+
+
+# ---- the registered attention -----------------------------------------------------------------
+def vmkv_attention_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Any = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """The mask the ``"vmkv"`` attention gets: the 2D padding mask ``[B, kv_length]`` or ``None``.
+
+    Causality is the kernel's job; only padding is the model's information to pass on.
+    """
+    if attention_mask is None:
+        return None
+    attention_mask = attention_mask[:, -kv_length:].to(torch.bool)
+    return None if bool(attention_mask.all()) else attention_mask
+
+
+def vmkv_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    vmkv_cache: "VirtualCache | None" = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``attn_implementation="vmkv"``: write the step into the cache and run the cache's kernel.
+
+    Args:
+        module: the attention module (its ``layer_idx`` and ``config`` are read).
+        query: ``[B, q_heads, S, head_dim]``.
+        key, value: the step's new states ``[B, kv_heads, S, head_dim]`` (``update`` returns them as is).
+        attention_mask: 2D padding mask from :func:`vmkv_attention_mask`, or ``None``.
+        scaling: softmax scale.
+        vmkv_cache: set by ``VirtualCache.update`` in the attention kwargs.
+
+    Returns:
+        ``([B, S, q_heads, head_dim], None)``; padding positions give zeros.
+
+    Raises:
+        InvalidConfig: no ``VirtualCache`` was passed, or a feature the kernel lacks was asked for.
+    """
+    if vmkv_cache is None:
+        raise InvalidConfig(
+            "attn_implementation='vmkv' runs only with a vmkv.hf.VirtualCache: pass "
+            "past_key_values=VirtualCache(...) (and use_cache=True)"
+        )
+    if dropout:
+        raise InvalidConfig("the vmkv attention has no dropout; call model.eval()")
+    for name in ("softcap", "sliding_window", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise InvalidConfig(f"the vmkv attention does not support {name}")
+    if getattr(module, "sliding_window", None) is not None:
+        raise InvalidConfig("the vmkv attention does not support sliding-window layers")
+    return vmkv_cache._attend(module, query, key, value, attention_mask, scaling), None
+
+
+def register() -> None:
+    """Register ``attn_implementation="vmkv"`` (attention and mask) with transformers (idempotent).
+
+    Called when ``vmkv.hf`` is imported.
+    """
+    AttentionInterface.register(ATTN_IMPLEMENTATION, vmkv_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, vmkv_attention_mask)
+
+
+register()
+
+
+# ---- cache ----------------------------------------------------------------------------------------
+def default_page_size(token_bytes: int, granularity: int, min_tokens: int = MIN_TOKENS_PER_PAGE) -> int:
+    """Smallest page that is a multiple of ``granularity`` and ``token_bytes`` and holds ``min_tokens``."""
+    step = math.lcm(granularity, token_bytes)
+    return step * max(1, -(-min_tokens * token_bytes // step))
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One forward's metadata: the core plan and, when padding is dropped, the kept token indexes."""
+
+    plan: StepPlan
+    keep: torch.Tensor | None  # int64 [T]: rows of the flattened [B * S] new tokens that are stored
+    batch: int
+    q_len: int
+
+
+class VirtualLayer(CacheLayerMixin):
+    """One layer's face of a :class:`VirtualCache` (transformers' per-layer API).
+
+    Pages hold every layer of a token, so batch operations (reorder, crop, fork) act on the
+    whole cache: call them on the ``VirtualCache``, not on a layer.
+    """
+
+    is_sliding = False
+    is_croppable = True
+    supports_early_init = False
+
+    def __init__(self, cache: "VirtualCache", layer_idx: int) -> None:
+        super().__init__()
+        self._cache = cache
+        self.layer_idx = layer_idx
+
+    @property
+    def is_initialized(self) -> bool:  # type: ignore[override]
+        return self._cache.core is not None or bool(self._cache._pending)
+
+    @is_initialized.setter
+    def is_initialized(self, value: bool) -> None:
+        """CacheLayerMixin.__init__ assigns it; the state lives in the cache."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Sizing happens in the cache on its first update."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        return self._cache.update(key_states, value_states, self.layer_idx, *args, **kwargs)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._cache.get_mask_sizes(query_length, self.layer_idx)
+
+    def get_seq_length(self) -> int:
+        return self._cache.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        raise VMKVError("reset the VirtualCache, not one layer: its pages hold every layer")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise VMKVError("reorder the VirtualCache, not one layer: its pages hold every layer")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise VMKVError("crop the VirtualCache, not one layer: its pages hold every layer")
+
+
+class VirtualCache(Cache):
+    """A ``transformers.Cache`` whose K/V live in a vmkv cache (VMM or paged mode).
+
+    Args:
+        mode: ``"vmm"`` (virtually contiguous tensors, stock kernels) or ``"paged"`` (block
+            tables; needs ``attn_implementation="vmkv"``).
+        config: the model config (optional). Gives the layer count and, through
+            ``config._attn_implementation``, the attention style up front.
+        max_batch_size: slots (batch rows alive at once, beam forks included). Default
+            ``max(8, 4 * batch)``.
+        max_seq_len: longest row in tokens. Default 8192.
+        memory_budget: bytes of physical pages (int or "1GiB"). Default: room for every slot at
+            ``max_seq_len`` (host memory is only used when touched).
+        page_size: VMM page per K/V tensor. Default: the smallest multiple of the backend
+            granularity and of one token's bytes holding 64 tokens.
+        layout: VMM ``"per_layer"`` or ``"all_layers"``.
+        block_size: paged mode tokens per block.
+        deferred_reclaim: VMM: freed rows keep their pages mapped for the next sequence. Off by
+            default: beam search frees rows every step and that memory should return to the pool.
+        map_ahead: VMM: map the next page on a background thread.
+
+    Raises:
+        InvalidConfig: unknown mode, or paged mode with a config whose attention is not "vmkv".
+    """
+
+    def __init__(
+        self,
+        mode: str = "vmm",
+        *,
+        config: Any = None,
+        max_batch_size: int | None = None,
+        max_seq_len: int | None = None,
+        memory_budget: int | str | None = None,
+        page_size: int | str | None = None,
+        layout: str = "per_layer",
+        block_size: int = 16,
+        deferred_reclaim: bool = False,
+        map_ahead: bool = False,
+    ) -> None:
+        if mode not in MODES:
+            raise InvalidConfig(f"mode must be 'vmm' or 'paged', got {mode!r}")
+        super().__init__(layers=[])
+        self.mode = mode
+        self._options = dict(
+            max_batch_size=max_batch_size, max_seq_len=max_seq_len, memory_budget=memory_budget,
+            page_size=page_size, layout=layout, block_size=block_size,
+            deferred_reclaim=deferred_reclaim, map_ahead=map_ahead,
+        )
+        self._num_layers: int | None = None
+        self.attention_style: str | None = None  # "model" | "vmkv"; None until known
+        if config is not None:
+            text = config.get_text_config(decoder=True)
+            self._num_layers = text.num_hidden_layers
+            self.attention_style = "vmkv" if text._attn_implementation == ATTN_IMPLEMENTATION else "model"
+            self._require_style_fits_mode()
+        self.core: KVCacheBase | None = None
+        self._rows: list[int] = []  # sequence id of each batch row
+        self._dropped: list[list[int]] = []  # "vmkv" style: per row, columns not stored (padding)
+        self._columns = 0  # tokens per row as transformers counts them (padding included)
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # first forward, layers unknown
+        self._step: _Step | None = None
+        self._last_layer = -1
+        self._next_id = 0
+        self.peak_bytes = 0
+        self.counters: Counter[str] = Counter()
+
+    # ---- what transformers asks ----------------------------------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Columns seen so far (padding included), as ``DynamicCache`` counts them."""
+        return self._columns
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        """``(kv_length, kv_offset)``: the returned K/V hold exactly ``columns + query_length`` tokens."""
+        return self._columns + query_length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        """-1: no fixed length is attended over (the cache grows page by page)."""
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.core is not None or bool(self._pending)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._rows) if self.core is not None else -1
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store a layer's new K/V (``[B, kv_heads, S, head_dim]``) and return what attention reads.
+
+        ``"model"`` style: the K/V of every stored token, ``[B, kv_heads, columns, head_dim]``,
+        zero-copy views of the VMM tensors. ``"vmkv"`` style (or before the style is known):
+        the new states unchanged; the ``"vmkv"`` attention writes them.
+
+        Raises:
+            InvalidShape: the batch changed without ``reorder_cache``/``batch_*``.
+            InvalidConfig: paged mode with the model's own attention.
+            SequenceTooLong, OutOfPages, NoFreeSlot: from the core cache.
+        """
+        attn_kwargs = kwargs.get("kwargs")
+        if isinstance(attn_kwargs, dict):
+            attn_kwargs["vmkv_cache"] = self  # how the "vmkv" attention finds this cache
+        while len(self.layers) <= layer_idx:
+            self.layers.append(VirtualLayer(self, len(self.layers)))
+        batch, _, q_len, _ = key_states.shape
+        if layer_idx <= self._last_layer or self._last_layer < 0:
+            self._start_forward(batch, q_len)
+        self._last_layer = layer_idx
+        if self.attention_style == "vmkv":
+            return key_states, value_states
+        if self.core is None and self._num_layers is None:
+            self._pending.append((key_states, value_states))  # first forward: no past to add
+            return key_states, value_states
+        if self.core is None:
+            self._create(key_states, self._num_layers)
+        if self._step is None:
+            self._step = self._begin_dense_step(batch, q_len)
+        return self._write_and_view(layer_idx, key_states, value_states)
+
+    # ---- batch rows (beam search, parallel sampling) -------------------------------------------
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Row ``i`` continues old row ``beam_idx[i]``: free unused rows, fork repeated ones (no copy)."""
+        self._remap_rows(self._as_index_list(beam_idx))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each row becomes ``repeats`` consecutive rows sharing its pages (``fork``)."""
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise InvalidInput(f"repeats must be a positive int, got {repeats!r}")
+        self._remap_rows([row for row in range(self._num_rows()) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only rows ``indices`` (in that order); the others are freed."""
+        self._remap_rows(self._as_index_list(indices))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` columns of every row (``truncate``; 0 is a no-op).
+
+        Raises:
+            InvalidInput: a positive value (transformers' legacy absolute form is not supported)
+                or more columns than stored.
+        """
+        if tokens_to_remove > 0:
+            raise InvalidInput("crop takes a negative number of tokens to remove")
+        keep = self._columns + tokens_to_remove
+        if keep < 0:
+            raise InvalidInput(f"cannot crop {-tokens_to_remove} of {self._columns} tokens")
+        if tokens_to_remove == 0:
+            return
+        self._flush_pending()
+        if self.core is not None:
+            for row, seq_id in enumerate(self._rows):
+                self._dropped[row] = [c for c in self._dropped[row] if c < keep]
+                self.core.truncate(seq_id, keep - len(self._dropped[row]))
+        self._columns = keep
+        self._step = None
+
+    def reset(self) -> None:
+        """Free every row (the pages go back to the pool); the cache can be used again."""
+        if self.core is not None:
+            for seq_id in self._rows:
+                self.core.free(seq_id)
+        self._rows, self._dropped, self._pending = [], [], []
+        self._columns, self._step, self._last_layer = 0, None, -1
+
+    def close(self) -> None:
+        """Release all memory; the cache is unusable afterwards."""
+        self.reset()
+        if self.core is not None:
+            self.core.close()
+            self.core = None
+
+    # ---- reporting -----------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """The core cache's ``stats()`` plus this adapter's counters.
+
+        Extra keys: ``rows``, ``columns``, ``attention_style``, ``peak_bytes`` (most pool bytes in
+        use after any step), ``gathered_views`` (model-style steps whose rows were not in
+        consecutive slots, so the views had to be gathered: a copy), ``forks``/``frees`` of rows.
+        """
+        stats = self.core.stats() if self.core is not None else {"mode": self.mode}
+        stats.update(
+            rows=len(self._rows), columns=self._columns, attention_style=self.attention_style,
+            peak_bytes=self.peak_bytes, gathered_views=self.counters["gathered_views"],
+            row_forks=self.counters["row_forks"], row_frees=self.counters["row_frees"],
+        )
+        return stats
+
+    def __repr__(self) -> str:
+        return f"VirtualCache(mode={self.mode!r}, rows={len(self._rows)}, columns={self._columns})"
+
+    # ---- internals: sizing ---------------------------------------------------------------------
+    def _require_style_fits_mode(self) -> None:
+        if self.mode == "paged" and self.attention_style == "model":
+            raise InvalidConfig(
+                "paged mode needs the model loaded with attn_implementation='vmkv' (import vmkv.hf first): "
+                "stock kernels read contiguous K/V, which paged mode does not have"
+            )
+
+    def _create(self, like: torch.Tensor, num_layers: int) -> None:
+        """Open the core cache for tensors shaped like ``like`` (``[B, kv_heads, S, head_dim]``)."""
+        from . import open_cache
+        from .vm import granularity
+
+        batch, heads, _, head_dim = like.shape
+        opts = self._options
+        max_batch = opts["max_batch_size"] or max(8, 4 * batch)
+        max_seq = opts["max_seq_len"] or DEFAULT_MAX_SEQ_LEN
+        config = KVCacheConfig(
+            num_layers=num_layers, num_kv_heads=heads, head_dim=head_dim, dtype=like.dtype, device=like.device,
+            max_batch_size=max_batch, max_seq_len=max_seq, memory_budget=1, page_size=1,
+            layout=opts["layout"], block_size=opts["block_size"], prefix_caching=False,
+            deferred_reclaim=opts["deferred_reclaim"], map_ahead=opts["map_ahead"],
+        )
+        token_bytes = config.layer_token_bytes * (num_layers if config.layout == "all_layers" else 1)
+        page = opts["page_size"] or default_page_size(token_bytes, granularity(config.device))
+        config = config.replace(page_size=page)
+        if self.mode == "vmm":
+            tokens_per_page, page_bytes = config.page_size // token_bytes, 2 * num_layers * config.page_size
+        else:
+            tokens_per_page = config.block_size
+            page_bytes = 2 * num_layers * config.block_size * config.layer_token_bytes
+        budget = opts["memory_budget"]
+        if budget is None:  # every slot full, plus one page per slot for copy-on-write
+            budget = (max_batch * -(-max_seq // tokens_per_page) + max_batch) * page_bytes
+        self.core = open_cache(config.replace(memory_budget=budget), mode=self.mode)
+        log.info("vmkv.hf: %s cache, %d layers, kernel %s", self.mode, num_layers, self.core.kernel)
+        self._rows = [self._add_row() for _ in range(batch)]
+        self._dropped = [[] for _ in range(batch)]
+
+    def _flush_pending(self) -> None:
+        """Write the first forward's K/V (kept by reference while the layer count was unknown)."""
+        if not self._pending:
+            return
+        self.attention_style = "model"
+        self._require_style_fits_mode()
+        pending, self._pending = self._pending, []
+        self._create(pending[0][0], len(pending))
+        batch, _, q_len, _ = pending[0][0].shape
+        step = self._begin_dense_step(batch, q_len)
+        for layer, (k, v) in enumerate(pending):
+            self.core.write(layer, self._pack(k), self._pack(v), step.plan)
+
+    def _add_row(self) -> int:
+        seq_id = self._next_id
+        self._next_id += 1
+        self.core.add(seq_id)
+        return seq_id
+
+    # ---- internals: steps ----------------------------------------------------------------------
+    def _start_forward(self, batch: int, q_len: int) -> None:
+        """The first layer of a forward: count its columns; the plan is built lazily."""
+        if self._pending and self.attention_style != "vmkv":
+            self._flush_pending()
+        if self.core is not None and batch != len(self._rows):
+            raise InvalidShape(
+                f"batch of {batch} rows, but the cache holds {len(self._rows)}; use reorder_cache, "
+                "batch_select_indices or batch_repeat_interleave to change rows"
+            )
+        self._columns += q_len
+        self._step = None
+
+    def _begin_dense_step(self, batch: int, q_len: int) -> _Step:
+        """"model" style: every row stores all ``q_len`` new columns."""
+        plan = self.core.begin_step({seq_id: q_len for seq_id in self._rows})
+        self._note_peak()
+        return _Step(plan, None, batch, q_len)
+
+    def _begin_ragged_step(self, mask: torch.Tensor | None, batch: int, q_len: int) -> _Step:
+        """"vmkv" style: each row stores only its real (unpadded) new columns."""
+        real = None
+        if mask is not None:
+            if mask.dim() != 2:
+                raise InvalidInput("the vmkv attention takes a 2D padding mask; 4D masks are not supported")
+            real = mask[:, -q_len:].to(torch.bool)
+            if bool(real.all()):
+                real = None
+        counts = [q_len] * batch if real is None else real.sum(1).tolist()
+        if real is not None:
+            first = self._columns - q_len
+            for row, flags in enumerate(real.tolist()):
+                self._dropped[row].extend(first + j for j, ok in enumerate(flags) if not ok)
+        batch_plan = {seq_id: n for seq_id, n in zip(self._rows, counts) if n > 0}
+        if not batch_plan:
+            raise InvalidInput("every row of this step is padding")
+        plan = self.core.begin_step(batch_plan)
+        self._note_peak()
+        keep = None if real is None else real.reshape(-1).nonzero().squeeze(1).to(mask.device)
+        return _Step(plan, keep, batch, q_len)
+
+    def _note_peak(self) -> None:
+        self.peak_bytes = max(self.peak_bytes, self.core.pool.num_in_use * self.core.geometry.page_bytes)
+
+    @staticmethod
+    def _pack(states: torch.Tensor) -> torch.Tensor:
+        """``[B, H, S, D]`` -> ``[B * S, H, D]`` (row after row: the plan's packing order)."""
+        batch, heads, q_len, dim = states.shape
+        return states.transpose(1, 2).reshape(batch * q_len, heads, dim)
+
+    def _write_and_view(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """"model" style: write, then return ``[B, H, columns, D]`` views of the virtual tensors."""
+        plan = self._step.plan
+        self.core.write(layer, self._pack(k), self._pack(v), plan)
+        k_all, v_all = self.core.kv_cache(layer)  # [max_batch, max_seq, H, D], mapped up to each length
+        slots, length = plan.slots, self._columns
+        stride = slots[1] - slots[0] if len(slots) > 1 else 1
+        if stride > 0 and all(b - a == stride for a, b in zip(slots, slots[1:])):
+            rows = slice(slots[0], slots[-1] + 1, stride)
+            return k_all[rows, :length].transpose(1, 2), v_all[rows, :length].transpose(1, 2)
+        self.counters["gathered_views"] += 1  # rows not in arithmetic slot order: one copy
+        if self.counters["gathered_views"] == 1:
+            log.info("vmkv.hf: rows are not in consecutive slots (beam reorder); views are gathered (a copy). "
+                     "attn_implementation='vmkv' avoids this")
+        index = plan.slots_t.to(torch.long)
+        k_view = k_all[:, :length].index_select(0, index).transpose(1, 2)
+        return k_view, v_all[:, :length].index_select(0, index).transpose(1, 2)
+
+    def _attend(
+        self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        mask: torch.Tensor | None, scaling: float | None,
+    ) -> torch.Tensor:
+        """"vmkv" style, one layer: write the real new tokens and run the cache's kernel.
+
+        Shapes: ``query: [B, Hq, S, D]``, ``key, value: [B, Hkv, S, D]``; returns ``[B, S, Hq, D]``.
+        """
+        if self.attention_style is None:  # first forward without a config: the attention tells us
+            self.attention_style = "vmkv"
+            self._pending = []
+        elif self.attention_style != "vmkv":
+            raise InvalidConfig("this VirtualCache runs the model's attention (config said so); "
+                                "build it with the config of the model that uses attn_implementation='vmkv'")
+        layer = module.layer_idx
+        if self.core is None:
+            self._create(key, self._num_layers or module.config.num_hidden_layers)
+        batch, q_heads, q_len, dim = query.shape
+        if self._step is None:
+            self._step = self._begin_ragged_step(mask, batch, q_len)
+        step = self._step
+        q, k, v = self._pack(query), self._pack(key), self._pack(value)
+        if step.keep is not None:
+            q, k, v = q.index_select(0, step.keep), k.index_select(0, step.keep), v.index_select(0, step.keep)
+        self.core.write(layer, k, v, step.plan)
+        out = self.core.attention(layer, q, step.plan, scale=scaling)  # [T, Hq, D]
+        if step.keep is not None:
+            full = out.new_zeros(batch * q_len, q_heads, dim)
+            full[step.keep] = out
+            out = full
+        return out.view(batch, q_len, q_heads, dim)
+
+    # ---- internals: rows -----------------------------------------------------------------------
+    def _num_rows(self) -> int:
+        if self._pending:
+            return self._pending[0][0].shape[0]
+        return len(self._rows)
+
+    def _as_index_list(self, index: torch.Tensor | list[int]) -> list[int]:
+        values = index.reshape(-1).tolist() if isinstance(index, torch.Tensor) else list(index)
+        rows = self._num_rows()
+        if not all(isinstance(i, int) and 0 <= i < rows for i in values):
+            raise InvalidInput(f"row indexes must be ints in 0..{rows - 1}, got {values}")
+        return values
+
+    def _remap_rows(self, sources: list[int]) -> None:
+        """New row ``i`` continues old row ``sources[i]``.
+
+        Old rows no new row uses are freed first (their slots and pages return), then each old
+        row is taken over by one new row (preferring the same index: no change) and forked for
+        the others. Forks share all pages; the first write into a shared page copies it.
+
+        Raises:
+            NoFreeSlot: more rows than ``max_batch_size``.
+        """
+        self._flush_pending()
+        self._step = None
+        if self.core is None:
+            return
+        limit = self.core.config.max_batch_size
+        if len(sources) > limit:
+            raise NoFreeSlot(f"{len(sources)} rows do not fit max_batch_size={limit}; raise it")
+        taker: dict[int, int] = {}
+        for new, old in enumerate(sources):
+            if old not in taker or new == old:
+                taker[old] = new
+        for old, seq_id in enumerate(self._rows):
+            if old not in taker:
+                self.core.free(seq_id)
+                self.counters["row_frees"] += 1
+        rows, dropped = [], []
+        for new, old in enumerate(sources):
+            if taker[old] == new:
+                rows.append(self._rows[old])
+            else:
+                rows.append(self._next_id)
+                self._next_id += 1
+                self.core.fork(self._rows[old], rows[-1])
+                self.counters["row_forks"] += 1
+            dropped.append(list(self._dropped[old]))
+        self._rows, self._dropped = rows, dropped
+
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "VirtualCache",
+    "VirtualLayer",
+    "default_page_size",
+    "register",
+    "vmkv_attention_forward",
+    "vmkv_attention_mask",
+]
