@@ -4,12 +4,15 @@ Every kernel here gets the whole virtual K/V of a layer, ``k_cache: [max_batch, 
 kv_heads, head_dim]``, plus the plan's slots and lengths, and reads only ``k_cache[slot,
 :kv_len]`` of each sequence: nothing past its mapped pages.
 
-Kernel choice, by device and what is installed (logged once, shown in ``stats()["kernel"]``):
+Kernel choice, by device and what is installed (logged once, shown in ``stats()["kernel"]``;
+see :func:`select_contiguous_kernel`):
 
-    cpu   sdpa_per_sequence        torch SDPA on each sequence's exact-length slice
     cuda  flash_attn_with_kvcache  flash-attn installed (cache_seqlens + cache_batch_idx)
-          varlen_attn(seqused_k)   torch >= 2.10 FlashAttention varlen kernel
-          sdpa_per_sequence        otherwise
+          varlen_attn_seqused      torch's FlashAttention varlen op with seqused_k (torch >= 2.5)
+          sdpa_per_sequence        otherwise, e.g. float32 or a pre-Ampere GPU
+    cpu   sdpa_per_sequence        torch SDPA on each sequence's exact-length slice
+
+The two FlashAttention kernels need sm80+, float16/bfloat16 and head_dim % 8 == 0, <= 256.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .errors import InvalidShape
 from .step import StepPlan, causal_mask
 
 log = logging.getLogger("vmkv")
@@ -56,9 +60,18 @@ def sdpa_per_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan, scale: float | None) -> torch.Tensor:
     """flash-attn's ``flash_attn_with_kvcache`` on the slot-indexed virtual tensors.
 
-    Decode steps run as one batched call (``cache_batch_idx`` picks each sequence's slot,
-    ``cache_seqlens`` its length). Steps with prefill chunks run one call per sequence, with
-    flash-attn's bottom-right aligned causal mask covering the cached prefix.
+    Semantics (flash-attn ``flash_attn_interface.flash_attn_with_kvcache`` docstring and
+    ``mha_fwd_kvcache``): ``k_cache`` is ``[batch_cache, seqlen_cache, Hkv, D]`` and only its last
+    dim must be contiguous, so the whole virtual tensor is passed; ``cache_batch_idx`` (int32
+    ``[B]``) picks each query row's slot; ``cache_seqlens`` (int32 ``[B]``, indexed by query
+    row, not by slot) stops each sequence at its length, so nothing past the mapped pages is
+    read; ``causal=True`` aligns the mask to the bottom-right corner, i.e. query ``j`` of ``n``
+    new tokens sees keys ``0 .. kv_len - n + j``: the cached prefix plus causal new tokens.
+
+    Decode steps run as one batched call. Steps with prefill chunks (``seqlen_q`` must be
+    equal across the batch) run one call per sequence on its own slot.
+
+    Shapes: ``q: [T, Hq, D]``, ``k_cache, v_cache: [B_max, S, Hkv, D]``; returns ``[T, Hq, D]``.
     """
     from flash_attn import flash_attn_with_kvcache
 
@@ -79,22 +92,56 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
+def _slot_rows(cache: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """View ``[B, S, H, D]`` slots as one row axis ``[B * R, H, D]`` without copying.
+
+    ``R`` = slot stride / token stride (the slot capacity, whatever ``S`` the view shows), so
+    slot ``b`` starts at row ``b * R``. Works for a layer of either layout (per-layer tensors
+    or a strided layer slice of the all-layers tensor) and for ``[:, :n]`` slices of them.
+
+    Raises:
+        InvalidShape: the slot stride is not a whole number of token rows.
+    """
+    slot_stride, row_stride = cache.stride(0), cache.stride(1)
+    if slot_stride % row_stride:
+        raise InvalidShape(f"slot stride {slot_stride} is not a multiple of the token stride {row_stride}")
+    rows_per_slot = slot_stride // row_stride
+    shape = (cache.shape[0] * rows_per_slot, *cache.shape[2:])
+    return cache.as_strided(shape, (row_stride, *cache.stride()[2:])), rows_per_slot
+
+
 def varlen_seqused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan, scale: float | None) -> torch.Tensor:
     """PyTorch's FlashAttention varlen kernel reading each slot's valid prefix (``seqused_k``).
 
-    The virtual tensors are flattened to ``[B * S, Hkv, D]``; sequence ``i`` starts at row
-    ``slot_i * S`` and ``seqused_k`` stops it at ``kv_len_i``.
-    """
-    from torch.nn.attention.varlen import varlen_attn
+    Calls ``torch.ops.aten._flash_attention_forward``, the op behind
+    ``torch.nn.attention.varlen.varlen_attn`` (``varlen_attn`` exposes ``seqused_k`` only
+    from torch 2.12; the op has had it since 2.5). The virtual tensors are flattened to
+    ``[B_max * R, Hkv, D]`` by :func:`_slot_rows` (a strided view, never a copy: a copy would
+    read unmapped pages) and sequence ``i`` starts at row ``slot_i * R``.
 
-    batch, capacity = k_cache.shape[:2]
-    k_rows = k_cache.reshape(batch * capacity, *k_cache.shape[2:])
-    v_rows = v_cache.reshape(batch * capacity, *v_cache.shape[2:])
-    cu_k = torch.cat([plan.slots_t, plan.slots_t[-1:] + 1]) * capacity
-    return varlen_attn(
-        q, k_rows, v_rows, plan.cu_q, cu_k.to(torch.int32), plan.max_q, plan.max_kv,
-        scale=scale, window_size=(-1, 0), enable_gqa=q.shape[1] != k_cache.shape[2], seqused_k=plan.kv_lens_t,
+    Why unsorted slot offsets are correct: with ``seqused_k`` set, FlashAttention's
+    ``BlockInfo`` (``flash_attn/block_info.h``) takes the start of sequence ``i`` from
+    ``cu_seq_k[i]`` and its length from ``seqused_k[i]``; ``cu_seq_k[i + 1]`` is never read
+    for it, and ``mha_varlen_fwd`` only checks dtype/shape/contiguity of ``cu_seq_k``. So
+    ``cu_seq_k`` holds slot starts in plan order (not monotonic) plus one unused last entry.
+    Loads are predicated on ``seqused_k``: no row past a sequence's length (past its mapped
+    pages) is touched. Row offsets are int32: ``B_max * R`` must stay below 2**31.
+
+    Masking: prefill steps pass ``is_causal`` (bottom-right aligned, so the cached prefix is
+    visible); decode steps pass no mask (one query sees all its keys), which also enables the
+    kernel's grouped-query decode path (``seqlenq_ngroups_swapped``) and split-KV.
+
+    Shapes: ``q: [T, Hq, D]``, ``k_cache, v_cache: [B_max, S, Hkv, D]``; returns ``[T, Hq, D]``.
+    """
+    k_rows, rows_per_slot = _slot_rows(k_cache)  # [B_max * R, Hkv, D] views, slot b at row b * R
+    v_rows, _ = _slot_rows(v_cache)
+    starts = plan.slots_t * rows_per_slot  # int32 [B]: first row of each sequence, plan order
+    cu_k = torch.cat([starts, starts.new_full((1,), k_rows.shape[0])])  # last entry unused (seqused_k)
+    out, *_ = torch.ops.aten._flash_attention_forward(
+        q, k_rows, v_rows, plan.cu_q, cu_k, plan.max_q, plan.max_kv, 0.0, not plan.is_decode, False,
+        scale=scale, seqused_k=plan.kv_lens_t,
     )
+    return out
 
 
 def has_flash_attn() -> bool:
@@ -112,20 +159,74 @@ def torch_varlen_features() -> set[str]:
     return {name for name in ("seqused_k", "block_table", "window_size", "enable_gqa") if name in params}
 
 
+def flash_varlen_has_seqused_k() -> bool:
+    """Whether this torch's ``aten::_flash_attention_forward`` takes ``seqused_k`` (torch >= 2.5)."""
+    try:
+        schema = torch.ops.aten._flash_attention_forward.default._schema
+    except (AttributeError, RuntimeError):
+        return False
+    return any(argument.name == "seqused_k" for argument in schema.arguments)
+
+
+CONTIGUOUS_KERNELS: dict[str, Kernel] = {
+    "flash_attn_with_kvcache": flash_kvcache,
+    "varlen_attn_seqused": varlen_seqused,
+    "sdpa_per_sequence": sdpa_per_sequence,
+}
+"""Every contiguous-mode kernel by name, fastest first (benchmarks pick one explicitly)."""
+
+
+def contiguous_kernel_unavailable(
+    name: str, device: torch.device, dtype: torch.dtype | None = None, head_dim: int | None = None
+) -> str | None:
+    """Why kernel ``name`` cannot run on ``device`` for K/V of ``dtype`` and ``head_dim``, or
+    ``None`` if it can. ``dtype``/``head_dim`` of ``None`` are not checked.
+
+    FlashAttention kernels (flash-attn and torch's) need CUDA, sm80 or newer, float16 or
+    bfloat16 and a head_dim that is a multiple of 8 and at most 256 (``mha_varlen_fwd`` /
+    ``mha_fwd_kvcache`` checks).
+    """
+    if name not in CONTIGUOUS_KERNELS:
+        return f"unknown kernel {name!r}; known: {', '.join(CONTIGUOUS_KERNELS)}"
+    if name == "sdpa_per_sequence":
+        return None
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return f"{name} needs a CUDA device"
+    if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
+        return f"{name} needs float16 or bfloat16, the cache holds {dtype}"
+    if head_dim is not None and (head_dim % 8 or head_dim > 256):
+        return f"{name} needs head_dim a multiple of 8 and <= 256, got {head_dim}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return f"{name} needs compute capability 8.0 or newer, cuda:{device.index} is {major}.{minor}"
+    if name == "flash_attn_with_kvcache" and not has_flash_attn():
+        return "flash-attn is not installed"
+    if name == "varlen_attn_seqused" and not flash_varlen_has_seqused_k():
+        return f"torch {torch.__version__} has no FlashAttention varlen op with seqused_k"
+    return None
+
+
 _LOGGED: set[str] = set()
 
 
-def select_contiguous_kernel(device: torch.device) -> tuple[str, Kernel]:
-    """The contiguous-mode kernel for ``device``: ``(name, function)``; logs the choice once."""
-    if device.type != "cuda":
-        name, kernel, why = "sdpa_per_sequence", sdpa_per_sequence, "CPU: torch SDPA per sequence"
-    elif has_flash_attn():
-        name, kernel, why = "flash_attn_with_kvcache", flash_kvcache, "flash-attn is installed"
-    elif {"seqused_k", "window_size", "enable_gqa"} <= torch_varlen_features():
-        name, kernel, why = "varlen_attn_seqused", varlen_seqused, "torch varlen_attn has seqused_k; flash-attn not installed"
-    else:
-        name, kernel, why = "sdpa_per_sequence", sdpa_per_sequence, "no flash-attn and no torch varlen_attn(seqused_k)"
-    if name not in _LOGGED:
-        _LOGGED.add(name)
-        log.info("vmkv contiguous attention kernel: %s (%s)", name, why)
+def select_contiguous_kernel(
+    device: torch.device, dtype: torch.dtype | None = None, head_dim: int | None = None
+) -> tuple[str, Kernel]:
+    """The fastest contiguous-mode kernel that can run: ``(name, function)``; logs the choice
+    (and why faster ones were passed over) once per choice.
+
+    Args:
+        device: where the cache lives.
+        dtype, head_dim: of the cached K/V; ``None`` skips the checks that need them.
+    """
+    skipped = []
+    for name, kernel in CONTIGUOUS_KERNELS.items():
+        reason = contiguous_kernel_unavailable(name, device, dtype, head_dim)
+        if reason is None:
+            break
+        skipped.append(reason)
+    key = f"{name} on {device.type}: {'; '.join(skipped)}"
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        log.info("vmkv contiguous attention kernel: %s (not faster ones: %s)", name, "; ".join(skipped) or "none")
     return name, kernel
