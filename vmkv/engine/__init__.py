@@ -1,0 +1,37 @@
+"""Serving engine: continuous batching, chunked prefill, preemption, per-request sampling, n > 1
+by ``cache.fork``, prefix caching; a Llama-family runner over the cache's attention entry point.
+
+Public API::
+
+    from vmkv.engine import Engine, EngineConfig, SamplingParams
+    engine = Engine.from_config(EngineConfig(kv_mode="vmm"))
+    rid = engine.add_request("prompt", SamplingParams(max_tokens=16))
+    outputs = engine.step()          # RequestOutput per request that progressed
+    engine.abort(rid); engine.stats()
+
+See ``docs/serving.md``.
+"""
+
+from __future__ import annotations
+
+from .engine import Engine, EngineConfig
+from .loop import EngineLoop
+from .request import CompletionOutput, RequestMetrics, RequestOutput
+from .runner import DEFAULT_MODEL_NAME, LoadedModel, ModelRunner, load_model
+from .sampling import SamplingParams
+from .scheduler import SchedulerConfig
+
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "EngineLoop",
+    "SamplingParams",
+    "SchedulerConfig",
+    "RequestOutput",
+    "CompletionOutput",
+    "RequestMetrics",
+    "LoadedModel",
+    "ModelRunner",
+    "load_model",
+    "DEFAULT_MODEL_NAME",
+]

@@ -1,0 +1,313 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2 shapes) that runs one packed, mixed batch per step.
+
+One forward covers every sequence of a step, prefill chunks and single decode tokens alike,
+packed along one token axis in the step plan's order::
+
+    input_ids, positions : [T]                T = sum(plan.q_lens)
+    hidden               : [T, hidden]
+    q                    : [T, q_heads, head_dim]     -> cache.attention(layer, q, plan)
+    k, v                 : [T, kv_heads, head_dim]    -> cache.write(layer, k, v, plan)
+
+Attention never sees padding: each sequence reads its own cached prefix through the cache's
+attention entry point (VMM: stock kernel on the contiguous slot; paged: block-table kernel).
+
+Parameter names match Hugging Face's ``LlamaForCausalLM`` / ``MistralForCausalLM`` /
+``Qwen2ForCausalLM`` (``model.layers.0.self_attn.q_proj.weight`` ...), so their state dicts and
+safetensors files load unchanged. The arithmetic mirrors transformers' (RMSNorm in float32,
+rotate-half RoPE, SwiGLU), so greedy outputs match ``generate``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..base import KVCacheBase
+from ..errors import InvalidConfig
+from ..step import StepPlan
+
+FAMILIES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """The architecture numbers the runner needs, read from a Hugging Face config.
+
+    Attributes:
+        family: ``llama``, ``mistral`` or ``qwen2``.
+        qkv_bias: q/k/v projections carry a bias (Qwen2; Llama with ``attention_bias``).
+        o_bias: the output projection carries a bias (Llama with ``attention_bias``).
+        mlp_bias: the SwiGLU projections carry a bias (Llama with ``mlp_bias``).
+    """
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> "LlamaShape":
+        """Read a transformers ``PretrainedConfig`` of a supported family.
+
+        Raises:
+            InvalidConfig: another ``model_type``, or a feature this runner does not implement
+                (head counts that do not divide, a sliding window the runner would ignore).
+        """
+        family = getattr(config, "model_type", None)
+        if family not in FAMILIES:
+            raise InvalidConfig(f"model_type {family!r} is not supported; the runner handles {', '.join(FAMILIES)}")
+        heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        if heads % kv_heads:
+            raise InvalidConfig(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        window = getattr(config, "sliding_window", None)
+        if window and (family == "mistral" or getattr(config, "use_sliding_window", False)):
+            if window < config.max_position_embeddings:
+                raise InvalidConfig(
+                    f"sliding_window={window} attention is not implemented; this runner attends to the whole "
+                    "sequence, which would differ from the model past that length"
+                )
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return cls(
+            family=family,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            rms_norm_eps=config.rms_norm_eps,
+            qkv_bias=family == "qwen2" or attention_bias,
+            o_bias=family != "qwen2" and attention_bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            max_position_embeddings=config.max_position_embeddings,
+        )
+
+
+def rope_frequencies(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+    """RoPE inverse frequencies ``[head_dim / 2]`` and the cos/sin scale of a HF config.
+
+    The default type is computed here; static scaled types (``linear``, ``llama3``, ``yarn``,
+    ``longrope`` with a fixed factor) come from transformers' ``ROPE_INIT_FUNCTIONS``.
+
+    Raises:
+        InvalidConfig: ``dynamic`` RoPE (its frequencies change with the sequence length).
+    """
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
+    if rope_type in ("dynamic", "longrope"):
+        raise InvalidConfig(f"rope_type {rope_type!r} depends on the sequence length and is not implemented")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise InvalidConfig(f"rope_type {rope_type!r} is unknown to this transformers version")
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+    return inv_freq.float(), float(scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32, as transformers does. ``x: [T, hidden]``."""
+    dtype = x.dtype
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    """Projections of one attention block (the attention itself is the cache's)."""
+
+    def __init__(self, shape: LlamaShape) -> None:
+        super().__init__()
+        d = shape.head_dim
+        self.q_proj = nn.Linear(shape.hidden_size, shape.num_heads * d, bias=shape.qkv_bias)
+        self.k_proj = nn.Linear(shape.hidden_size, shape.num_kv_heads * d, bias=shape.qkv_bias)
+        self.v_proj = nn.Linear(shape.hidden_size, shape.num_kv_heads * d, bias=shape.qkv_bias)
+        self.o_proj = nn.Linear(shape.num_heads * d, shape.hidden_size, bias=shape.o_bias)
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, shape: LlamaShape) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=shape.mlp_bias)
+        self.up_proj = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=shape.mlp_bias)
+        self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=shape.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, shape: LlamaShape) -> None:
+        super().__init__()
+        self.self_attn = Attention(shape)
+        self.mlp = MLP(shape)
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+
+
+class Backbone(nn.Module):
+    def __init__(self, shape: LlamaShape) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(shape) for _ in range(shape.num_layers))
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama/Mistral/Qwen2 decoder whose attention goes through a vmkv cache.
+
+    Args:
+        shape: the architecture (see :meth:`LlamaShape.from_hf_config`).
+        inv_freq: RoPE inverse frequencies ``[head_dim / 2]`` (float32).
+        rope_scale: factor on cos/sin (1.0 except for some scaled RoPE types).
+    """
+
+    def __init__(self, shape: LlamaShape, inv_freq: torch.Tensor, rope_scale: float = 1.0) -> None:
+        super().__init__()
+        self.shape = shape
+        self.model = Backbone(shape)
+        self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        if shape.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.rope_scale = rope_scale
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> "LlamaForCausalLM":
+        """An uninitialised model of a transformers config's shape (load weights next)."""
+        shape = LlamaShape.from_hf_config(config)
+        inv_freq, scale = rope_frequencies(config, shape.head_dim)
+        with torch.device("meta"):
+            model = cls(shape, torch.empty(shape.head_dim // 2), scale)
+        model = model.to_empty(device="cpu")  # to_empty unties shared parameters: tie again
+        if shape.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.inv_freq = inv_freq
+        return model
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy a Hugging Face state dict in (names as in ``*ForCausalLM``).
+
+        Raises:
+            InvalidConfig: a weight is missing, or one with an unknown name or shape is present.
+        """
+        ignored = ("rotary_emb.inv_freq",)
+        state = {k: v for k, v in state_dict.items() if not k.endswith(ignored)}
+        if self.shape.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        own = self.state_dict()
+        missing = sorted(set(own) - set(state) - ({"lm_head.weight"} if self.shape.tie_word_embeddings else set()))
+        unexpected = sorted(set(state) - set(own))
+        if missing or unexpected:
+            raise InvalidConfig(f"weights do not fit the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        for name, tensor in state.items():
+            if tuple(tensor.shape) != tuple(own[name].shape):
+                raise InvalidConfig(f"weight {name} has shape {list(tensor.shape)}, expected {list(own[name].shape)}")
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                if name in state:
+                    param.copy_(state[name])
+
+    # ---- forward -------------------------------------------------------------------------
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, 1, head_dim]`` for ``positions: [T]``."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos() * self.rope_scale, emb.sin() * self.rope_scale
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+
+    def _qkv(self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Normed projections with RoPE applied: q ``[T, Hq, D]``, k, v ``[T, Hkv, D]``."""
+        s = self.shape
+        h = layer.input_layernorm(x)
+        q = layer.self_attn.q_proj(h).view(-1, s.num_heads, s.head_dim)
+        k = layer.self_attn.k_proj(h).view(-1, s.num_kv_heads, s.head_dim)
+        v = layer.self_attn.v_proj(h).view(-1, s.num_kv_heads, s.head_dim)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        return q, k, v
+
+    @torch.inference_mode()
+    def forward(
+        self, cache: KVCacheBase, plan: StepPlan, input_ids: torch.Tensor, positions: torch.Tensor,
+        logit_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """One step over the packed batch of ``plan``.
+
+        Args:
+            cache: the KV cache ``plan`` came from.
+            plan: this step's plan (``cache.begin_step``).
+            input_ids: int64 ``[T]`` new tokens, packed in plan order.
+            positions: int64 ``[T]`` their positions in their sequences.
+            logit_rows: int64 ``[R]`` packed rows whose next-token logits are wanted.
+
+        Returns:
+            float32 logits ``[R, vocab]``.
+        """
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self._rope(positions, x.dtype)
+        for index, layer in enumerate(self.model.layers):
+            q, k, v = self._qkv(layer, x, cos, sin)
+            cache.write(index, k.contiguous(), v.contiguous(), plan)
+            out = cache.attention(index, q.contiguous(), plan)  # [T, Hq, D]
+            x = x + layer.self_attn.o_proj(out.reshape(x.shape[0], -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = self.model.norm(x[logit_rows])
+        return self.lm_head(x).float()
+
+    @torch.inference_mode()
+    def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Reference path with no cache: causal SDPA over one whole sequence.
+
+        Args:
+            input_ids: int64 ``[S]``.
+
+        Returns:
+            float32 logits ``[S, vocab]``.
+        """
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self._rope(torch.arange(input_ids.shape[0], device=input_ids.device), x.dtype)
+        gqa = self.shape.num_heads != self.shape.num_kv_heads
+        for layer in self.model.layers:
+            q, k, v = self._qkv(layer, x, cos, sin)
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=gqa
+            )  # [Hq, S, D]
+            x = x + layer.self_attn.o_proj(out.transpose(0, 1).reshape(x.shape[0], -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.lm_head(self.model.norm(x)).float()

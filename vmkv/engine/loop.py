@@ -1,0 +1,107 @@
+"""Driving an :class:`Engine` from a background thread, for servers.
+
+The engine is single-threaded; ``EngineLoop`` owns it. Other threads (an asyncio server)
+``submit`` requests with a *sink* — a callable the loop calls with each ``RequestOutput`` of
+that request (from the loop thread, outside the lock) — and ``abort`` them. The loop steps
+while any request is unfinished and sleeps on a condition variable otherwise.
+
+If a step raises, the error is logged, every unfinished request is aborted (its pages freed)
+and its sink receives the exception; the loop keeps serving new requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable
+
+from .engine import Engine
+from .request import RequestOutput
+from .sampling import SamplingParams
+
+log = logging.getLogger("vmkv.engine")
+
+Sink = Callable[[RequestOutput | BaseException], None]
+
+
+class EngineLoop:
+    """Runs ``engine.step()`` on a daemon thread; thread-safe submit, abort and stats.
+
+    Args:
+        engine: the engine to drive (owned by the loop from now on).
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._sinks: dict[str, Sink] = {}
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="vmkv-engine", daemon=True)
+        self._thread.start()
+
+    def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """Token ids of ``prompt`` if the engine would accept it with ``params`` (else raises as ``add_request``)."""
+        with self._lock:
+            return self.engine.check_request(prompt, params)
+
+    def submit(self, prompt: str | list[int], params: SamplingParams, sink: Sink, request_id: str | None = None) -> str:
+        """Queue a request; ``sink`` gets its outputs. Raises as :meth:`Engine.add_request`."""
+        with self._lock:
+            request_id = self.engine.add_request(prompt, params, request_id)
+            self._sinks[request_id] = sink
+            self._wake.notify()
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request now (its pages are freed before this returns)."""
+        with self._lock:
+            self._sinks.pop(request_id, None)
+            return self.engine.abort(request_id)
+
+    def stats(self) -> dict[str, Any]:
+        """``engine.stats()``, taken between steps."""
+        with self._lock:
+            return self.engine.stats()
+
+    def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """Run ``fn(engine)`` between steps (e.g. ``lambda e: e.cache.trim()``)."""
+        with self._lock:
+            return fn(self.engine)
+
+    def close(self) -> None:
+        """Stop the thread, abort what is left and close the engine."""
+        with self._lock:
+            self._closing = True
+            self._wake.notify()
+        self._thread.join()
+        self.engine.close()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closing and not self.engine.has_unfinished():
+                    self._wake.wait()
+                if self._closing:
+                    return
+                deliveries = self._step()
+            for sink, output in deliveries:
+                sink(output)
+
+    def _step(self) -> list[tuple[Sink, RequestOutput | BaseException]]:
+        """One engine step under the lock; what to deliver to which sink."""
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # a bug or a device error: fail the requests in flight, keep serving
+            log.exception("vmkv engine step failed; aborting %d requests", len(self._sinks))
+            failed = [(sink, exc) for sink in self._sinks.values()]
+            for request_id in list(self._sinks):
+                self.engine.abort(request_id)
+            self._sinks.clear()
+            return failed
+        deliveries: list[tuple[Sink, RequestOutput | BaseException]] = []
+        for output in outputs:
+            sink = self._sinks.pop(output.request_id) if output.finished else self._sinks.get(output.request_id)
+            if sink is not None:
+                deliveries.append((sink, output))
+        return deliveries

@@ -1,0 +1,145 @@
+"""Per-request sampling parameters and the sampler that turns logits into next tokens.
+
+Every request brings its own :class:`SamplingParams`; a step samples all sequences that reached
+the end of their known tokens at once. Greedy rows (``temperature == 0``) take the argmax;
+others apply, in order: presence/frequency penalties, temperature, top-k, top-p, then draw with
+the sequence's own ``torch.Generator`` (seeded from ``seed`` when given), so a seeded request
+gives the same tokens whatever else shares its batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import InvalidInput
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to generate the completions of one request (OpenAI's meaning for each field).
+
+    Args:
+        max_tokens: tokens to generate at most per completion (>= 1).
+        temperature: 0 means greedy; otherwise logits are divided by it (0..2).
+        top_p: nucleus sampling mass, in (0, 1].
+        top_k: keep the k most likely tokens; -1 or 0 keeps all.
+        n: completions to generate; the prompt is computed once and forked (``cache.fork``).
+        stop: strings that end a completion (not included in the text).
+        stop_token_ids: token ids that end a completion (besides EOS unless ``ignore_eos``).
+        ignore_eos: keep generating past the end-of-sequence token.
+        seed: seed of the request's random generators (completion ``i`` uses ``seed + i``).
+        presence_penalty: subtracted once from each token already generated (-2..2).
+        frequency_penalty: subtracted per occurrence of each generated token (-2..2).
+
+    Raises:
+        InvalidInput: a value out of range (the message names the field).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def __post_init__(self) -> None:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        _int_in("max_tokens", self.max_tokens, 1, None)
+        _int_in("n", self.n, 1, None)
+        _int_in("top_k", self.top_k, -1, None)
+        _num_in("temperature", self.temperature, 0.0, 2.0)
+        _num_in("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _num_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _num_in("top_p", self.top_p, 0.0, 1.0)
+        if self.top_p == 0:
+            raise InvalidInput("top_p must be in (0, 1], got 0")
+        if not all(isinstance(s, str) and s for s in stop):
+            raise InvalidInput("stop must be a non-empty string or a list of non-empty strings")
+        for token in self.stop_token_ids:
+            _int_in("stop_token_ids[]", token, 0, None)
+        if self.seed is not None:
+            _int_in("seed", self.seed, None, None)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def penalised(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _int_in(name: str, value: object, low: int | None, high: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidInput(f"{name} must be an integer, got {value!r}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise InvalidInput(f"{name} must be in [{low}, {high if high is not None else 'inf'}], got {value}")
+
+
+def _num_in(name: str, value: object, low: float, high: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise InvalidInput(f"{name} must be a number in [{low}, {high}], got {value!r}")
+
+
+@dataclass
+class SamplerState:
+    """What the sampler keeps per completion: its generator and what it generated so far."""
+
+    params: SamplingParams
+    generator: torch.Generator
+    output: list[int] = field(default_factory=list)
+
+
+def new_generator(seed: int) -> torch.Generator:
+    """A CPU generator seeded with ``seed`` (reduced to 63 bits)."""
+    return torch.Generator().manual_seed(seed % (1 << 63))
+
+
+def sample(logits: torch.Tensor, states: list[SamplerState]) -> list[int]:
+    """Next token of each row.
+
+    Args:
+        logits: float32 ``[R, vocab]``, one row per entry of ``states``.
+        states: per row, the completion's parameters, generator and output so far.
+
+    Returns:
+        ``R`` token ids.
+    """
+    logits = logits.float().cpu()
+    tokens = logits.argmax(-1).tolist()  # the greedy answer; sampled rows overwrite theirs
+    for row, state in enumerate(states):
+        p = state.params
+        if p.greedy and not p.penalised:
+            continue
+        row_logits = logits[row].clone()
+        if p.penalised and state.output:
+            counts = torch.bincount(torch.tensor(state.output), minlength=row_logits.shape[0])[: row_logits.shape[0]]
+            row_logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        if p.greedy:
+            tokens[row] = int(row_logits.argmax())
+            continue
+        tokens[row] = _draw(row_logits / p.temperature, p.top_k, p.top_p, state.generator)
+    return tokens
+
+
+def _draw(logits: torch.Tensor, top_k: int, top_p: float, generator: torch.Generator) -> int:
+    """Draw from ``softmax(logits)`` restricted to the top-k tokens and the top-p mass. ``logits: [V]``."""
+    if 0 < top_k < logits.shape[0]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, -1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        before = sorted_probs.cumsum(0) - sorted_probs  # mass of strictly more likely tokens
+        sorted_probs[before >= top_p] = 0.0  # keeps the smallest set reaching top_p (at least one)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,330 @@
+"""OpenAI-compatible HTTP server over an :class:`~vmkv.engine.EngineLoop` (FastAPI).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE streaming with
+``"stream": true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
+
+Every request is validated in full (JSON, fields, model name, prompt + ``max_tokens`` against
+the context and the KV budget) before anything reaches the engine, so a bad request gets an
+OpenAI-style error body and changes nothing. A client that goes away, mid-stream or while
+waiting for a non-streamed answer, has its requests aborted: their sequences are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from ..engine import EngineLoop, RequestOutput, SamplingParams
+from ..errors import InvalidConfig, InvalidInput, OutOfPages, SequenceTooLong, VMKVError
+from . import metrics
+from .protocol import ChatBody, CompletionBody
+
+DISCONNECT_POLL_S = 0.25
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status)
+
+
+def _engine_error(exc: VMKVError) -> APIError:
+    """The 4xx answer to an engine validation error."""
+    if isinstance(exc, SequenceTooLong):
+        return APIError(400, str(exc), param="max_tokens", code="context_length_exceeded")
+    if isinstance(exc, OutOfPages):
+        return APIError(400, str(exc), param="max_tokens", code="kv_budget_exceeded")
+    if isinstance(exc, (InvalidInput, InvalidConfig)):
+        return APIError(400, str(exc))
+    return APIError(500, str(exc), type_="server_error")
+
+
+@dataclass
+class _Job:
+    """One HTTP request in flight: its engine requests and the queue their outputs land in."""
+
+    queue: "asyncio.Queue[RequestOutput | BaseException]"
+    request_ids: list[str]
+    prompt_tokens: int
+
+
+class Server:
+    """The HTTP layer: parses and validates, submits to the engine loop, shapes the answers.
+
+    Args:
+        loop: the engine loop (owned by the caller, who closes it).
+        model_name: the only model id the server accepts and lists.
+        api_key: if set, ``/v1/*`` requires ``Authorization: Bearer <api_key>``.
+    """
+
+    def __init__(self, loop: EngineLoop, model_name: str, api_key: str | None = None) -> None:
+        self.loop = loop
+        self.model_name = model_name
+        self.api_key = api_key
+        self.created = int(time.time())
+
+    # ---- request handling ------------------------------------------------------------------
+    async def parse(self, request: Request, schema: type[BaseModel]) -> Any:
+        """Authenticate, read and validate a JSON body; raises :class:`APIError`."""
+        self.authenticate(request)
+        raw = await request.body()
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"the body is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "the body must be a JSON object")
+        try:
+            body = schema.model_validate(data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            param = ".".join(str(p) for p in first["loc"])
+            raise APIError(400, f"{param}: {first['msg']}", param=param) from None
+        if body.model != self.model_name:
+            raise APIError(404, f"the model '{body.model}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+        return body
+
+    def authenticate(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            raise APIError(401, "invalid or missing API key", type_="authentication_error", code="invalid_api_key")
+
+    def submit(self, prompts: list[str | list[int]], make_params: Callable[[int], SamplingParams]) -> _Job:
+        """Validate every prompt, then queue them all (all or nothing).
+
+        Args:
+            prompts: text or token ids, one engine request each.
+            make_params: sampling parameters given the prompt's token count.
+        """
+        try:
+            checked = []
+            for prompt in prompts:
+                ids = self.loop.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                params = make_params(len(ids))
+                checked.append((self.loop.validate(ids, params), params))
+        except VMKVError as exc:
+            raise _engine_error(exc) from None
+        aio = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def sink(output: RequestOutput | BaseException) -> None:
+            aio.call_soon_threadsafe(queue.put_nowait, output)
+
+        ids = [self.loop.submit(ids, params, sink) for ids, params in checked]
+        return _Job(queue, ids, sum(len(ids) for ids, _ in checked))
+
+    async def collect(self, request: Request, job: _Job) -> list[RequestOutput]:
+        """Wait for every request of ``job`` to finish (aborting them if the client leaves)."""
+        final: dict[str, RequestOutput] = {}
+        try:
+            while len(final) < len(job.request_ids):
+                try:
+                    output = await asyncio.wait_for(job.queue.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        break
+                    continue
+                if isinstance(output, BaseException):
+                    raise APIError(500, f"the engine failed: {output}", type_="server_error")
+                if output.finished:
+                    final[output.request_id] = output
+        finally:
+            self.abort_unfinished(job, final)
+        return [final[rid] for rid in job.request_ids if rid in final]
+
+    def abort_unfinished(self, job: _Job, finished: dict[str, Any]) -> None:
+        for rid in job.request_ids:
+            if rid not in finished:
+                self.loop.abort(rid)
+
+    async def stream(self, job: _Job, chunk: Callable[[int, str | None, str | None], dict],
+                     usage_chunk: Callable[[dict], dict] | None, n: int, first: Callable[[int], dict] | None = None
+                     ) -> AsyncIterator[str]:
+        """Server-sent events of ``job``: one chunk per new text or finish, then ``[DONE]``.
+
+        Args:
+            chunk: ``(choice index, delta text, finish reason) -> chunk dict``.
+            usage_chunk: given the usage dict, the final usage chunk (``include_usage``), or ``None``.
+            n: completions per prompt (choice index = prompt index * n + completion index).
+            first: per choice, a chunk sent before any text (the chat role), or ``None``.
+        """
+        finished: dict[str, RequestOutput] = {}
+        try:
+            if first is not None:
+                for index in range(len(job.request_ids) * n):
+                    yield _sse(first(index))
+            while len(finished) < len(job.request_ids):
+                output = await job.queue.get()
+                if isinstance(output, BaseException):
+                    yield _sse({"error": {"message": f"the engine failed: {output}", "type": "server_error"}})
+                    return
+                base = job.request_ids.index(output.request_id) * n
+                for completion in output.outputs:
+                    if completion.delta_text or completion.finish_reason:
+                        yield _sse(chunk(base + completion.index, completion.delta_text, completion.finish_reason))
+                if output.finished:
+                    finished[output.request_id] = output
+            if usage_chunk is not None:
+                yield _sse(usage_chunk(_usage(job, finished.values())))
+            yield "data: [DONE]\n\n"
+        finally:  # normal end, or the client went away (the generator is cancelled / closed)
+            self.abort_unfinished(job, finished)
+
+
+def _sse(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def _usage(job: _Job, outputs: Any) -> dict[str, int]:
+    completion = sum(len(c.token_ids) for out in outputs for c in out.outputs)
+    return {"prompt_tokens": job.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": job.prompt_tokens + completion}
+
+
+def _choices(outputs: list[RequestOutput], n: int, make: Callable[[int, Any], dict]) -> list[dict]:
+    return [make(i * n + c.index, c) for i, out in enumerate(outputs) for c in out.outputs]
+
+
+def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The FastAPI application serving ``loop``'s engine under ``model_name``.
+
+    Args:
+        loop: a running engine loop (closed by the caller after the server stops).
+        model_name: the model id clients must name.
+        api_key: if set, required as a bearer token on ``/v1/*``.
+    """
+    server = Server(loop, model_name, api_key)
+    app = FastAPI(title="vmkv", version="0.1.0")
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return PlainTextResponse(metrics.render(loop.stats()), media_type=metrics.CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        server.authenticate(request)
+        card = {"id": model_name, "object": "model", "created": server.created, "owned_by": "vmkv"}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body: CompletionBody = await server.parse(request, CompletionBody)
+        try:
+            prompts = body.prompts()
+        except InvalidInput as exc:
+            raise _engine_error(exc) from None
+        max_tokens = body.max_tokens if body.max_tokens is not None else 16
+        job = server.submit(prompts, lambda _: body.sampling(max_tokens))
+        rid, created = f"cmpl-{job.request_ids[0]}", int(time.time())
+        head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
+        if body.stream:
+            def chunk(index: int, text: str | None, reason: str | None) -> dict:
+                return {**head, "choices": [{"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}]}
+
+            usage = (lambda u: {**head, "choices": [], "usage": u}) if body.include_usage else None
+            return StreamingResponse(server.stream(job, chunk, usage, body.n), media_type="text/event-stream")
+        outputs = await server.collect(request, job)
+        choices = _choices(outputs, body.n, lambda i, c: {"index": i, "text": c.text, "logprobs": None,
+                                                           "finish_reason": c.finish_reason})
+        return JSONResponse({**head, "choices": choices, "usage": _usage(job, outputs)})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body: ChatBody = await server.parse(request, ChatBody)
+        try:
+            ids = loop.engine.tokenizer.chat(body.chat())
+        except (InvalidInput, InvalidConfig) as exc:
+            raise _engine_error(exc) from None
+        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        context = loop.engine.max_seq_len
+
+        def params(prompt_len: int) -> SamplingParams:
+            return body.sampling(limit if limit is not None else max(1, context - prompt_len))
+
+        job = server.submit([ids], params)
+        rid, created = f"chatcmpl-{job.request_ids[0]}", int(time.time())
+        head = {"id": rid, "object": "chat.completion.chunk" if body.stream else "chat.completion",
+                "created": created, "model": model_name}
+        if body.stream:
+            def chunk(index: int, text: str | None, reason: str | None) -> dict:
+                delta = {"content": text} if text else {}
+                return {**head, "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+
+            def first(index: int) -> dict:
+                return {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}]}
+
+            usage = (lambda u: {**head, "choices": [], "usage": u}) if body.include_usage else None
+            return StreamingResponse(server.stream(job, chunk, usage, body.n, first), media_type="text/event-stream")
+        outputs = await server.collect(request, job)
+        choices = _choices(outputs, body.n, lambda i, c: {
+            "index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
+            "finish_reason": c.finish_reason})
+        return JSONResponse({**head, "choices": choices, "usage": _usage(job, outputs)})
+
+    return app
+
+
+class BackgroundServer:
+    """Uvicorn serving an app on a daemon thread (tests, benchmarks, notebooks).
+
+    Args:
+        app: the ASGI app.
+        host: address to bind (loopback by default).
+        port: 0 picks a free port; read it from ``port`` after construction.
+
+    Raises:
+        RuntimeError: the server did not start within 30 s.
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
+        import uvicorn
+
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="vmkv-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the HTTP server did not start on {host}:{port}")
+            time.sleep(0.02)
+        self.host = host
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        """Stop serving and wait for the thread."""
+        self._server.should_exit = True
+        self._thread.join(timeout=30)

@@ -1,0 +1,123 @@
+"""OpenAI request bodies (pydantic) and their translation into engine sampling parameters.
+
+Fields the engine does not implement are refused with a 400 naming them (``logprobs``,
+``echo``, ``suffix``, ``logit_bias``, ``tools``, a non-text ``response_format``), never
+silently ignored. Extensions as in vLLM: ``top_k``, ``stop_token_ids``, ``ignore_eos``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+from ..engine import SamplingParams
+from ..errors import InvalidInput
+
+Number = Union[StrictInt, float]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    n: StrictInt = 1
+    temperature: Number = 1.0
+    top_p: Number = 1.0
+    top_k: StrictInt = -1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: StrictBool = False
+    seed: StrictInt | None = None
+    presence_penalty: Number = 0.0
+    frequency_penalty: Number = 0.0
+    stream: StrictBool = False
+    stream_options: dict[str, Any] | None = None
+    logit_bias: dict[str, Any] | None = None
+    user: str | None = None
+
+    def _refuse(self, **unsupported: bool) -> None:
+        for name, present in unsupported.items():
+            if present:
+                raise InvalidInput(f"'{name}' is not supported by this server")
+
+    def sampling(self, max_tokens: int) -> SamplingParams:
+        """The engine's parameters (raises ``InvalidInput`` on a value out of range)."""
+        self._refuse(logit_bias=bool(self.logit_bias))
+        if self.n > 128:
+            raise InvalidInput(f"n must be in [1, 128], got {self.n}")
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > 4:
+            raise InvalidInput("stop takes at most 4 strings")
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=float(self.temperature), top_p=float(self.top_p), top_k=self.top_k,
+            n=self.n, stop=tuple(stops), stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+            seed=self.seed, presence_penalty=float(self.presence_penalty), frequency_penalty=float(self.frequency_penalty),
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class CompletionBody(_Body):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = 16
+    echo: StrictBool = False
+    logprobs: StrictInt | None = None
+    suffix: str | None = None
+    best_of: StrictInt | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request (a string, or token ids).
+
+        Raises:
+            InvalidInput: an empty list, or an unsupported option.
+        """
+        self._refuse(echo=self.echo, logprobs=self.logprobs is not None, suffix=bool(self.suffix),
+                     best_of=self.best_of is not None and self.best_of != self.n)
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise InvalidInput("prompt must not be empty")
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]
+        return list(prompt)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatBody(_Body):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def chat(self) -> list[dict[str, str]]:
+        """The messages as ``{"role", "content"}`` dicts (raises ``InvalidInput`` on unsupported options)."""
+        self._refuse(logprobs=self.logprobs or self.top_logprobs is not None, tools=bool(self.tools),
+                     response_format=(self.response_format or {}).get("type", "text") != "text")
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
