@@ -1,0 +1,163 @@
+"""Property-based test: random add / step / fork / free / truncate / reserve / trim against a model.
+
+After every step: every page's reference count equals its owners, no page is both free and in
+use (``cache.check()``), and every sequence reads back exactly the K/V of the tokens it holds.
+At the end, freeing everything and trimming returns every page.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import vmkv
+from vmkv.errors import NoFreeSlot, OutOfPages
+from conftest import HAS_PAGED
+
+TPP = 8  # 2 heads x 64 floats = 512 B a token: 4 KiB pages / blocks of 8 hold 8 tokens
+CONFIG = dict(
+    num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32", max_batch_size=5, max_seq_len=96,
+    memory_budget=14 * 4 * 4096, page_size="4KiB", block_size=TPP,
+)
+PREFIXES = [[1] * 20, [2, 3] * 10, list(range(30))]  # shared prompt heads so prefix hits happen
+
+
+def kv_of(tokens: list[int], start: int, layer: int) -> torch.Tensor:
+    """K (= V) of ``tokens`` at positions ``start..``: a function of (token, position, layer) only."""
+    pos = torch.arange(start, start + len(tokens), dtype=torch.float32)[:, None, None]
+    ids = torch.tensor(tokens, dtype=torch.float32)[:, None, None]
+    lanes = torch.arange(2 * 64, dtype=torch.float32).view(1, 2, 64)
+    return torch.sin(ids * 0.37 + pos * 0.011 + lanes * 0.05 + layer)
+
+
+class CacheMachine(RuleBasedStateMachine):
+    mode = "vmm"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache = vmkv.open_cache(vmkv.KVCacheConfig(**CONFIG), mode=self.mode)
+        self.tokens: dict[int, list[int]] = {}  # the model: tokens each sequence holds
+        self.next_id = 0
+
+    def _step(self, batch: dict[int, list[int]]) -> bool:
+        """Run one step of ``batch``; on OutOfPages check nothing changed and return False."""
+        before = self.cache.stats()
+        try:
+            plan = self.cache.begin_step(batch)
+        except OutOfPages:
+            assert self.cache.stats() == before
+            return False
+        for layer in range(CONFIG["num_layers"]):
+            kv = torch.cat([kv_of(toks, len(self.tokens[s]), layer) for s, toks in batch.items()])
+            self.cache.write(layer, kv, kv, plan)
+        for seq_id, toks in batch.items():
+            self.tokens[seq_id] = self.tokens[seq_id] + toks
+        return True
+
+    @rule(prefix=st.sampled_from(PREFIXES), cut=st.integers(1, 30), tail=st.lists(st.integers(0, 9), max_size=12))
+    def add(self, prefix, cut, tail):
+        prompt = prefix[:cut] + tail
+        seq_id, self.next_id = self.next_id, self.next_id + 1
+        try:
+            self.cache.add(seq_id, token_ids=prompt)
+        except NoFreeSlot:
+            assert len(self.tokens) == CONFIG["max_batch_size"]
+            return
+        hit = self.cache.seq_len(seq_id)
+        assert hit % TPP == 0 and hit < len(prompt)
+        self.tokens[seq_id] = prompt[:hit]
+        if not self._step({seq_id: prompt[hit:]}):
+            self.cache.free(seq_id)
+            del self.tokens[seq_id]
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def step(self, data):
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.tokens)), min_size=1, max_size=4, unique=True))
+        batch = {}
+        for seq_id in ids:
+            room = CONFIG["max_seq_len"] - len(self.tokens[seq_id])
+            if room > 0:
+                batch[seq_id] = data.draw(st.lists(st.integers(0, 9), min_size=1, max_size=min(room, 20)))
+        if batch:
+            self._step(batch)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def fork(self, data):
+        src = data.draw(st.sampled_from(sorted(self.tokens)))
+        dst, self.next_id = self.next_id, self.next_id + 1
+        try:
+            self.cache.fork(src, dst)
+        except NoFreeSlot:
+            return
+        self.tokens[dst] = list(self.tokens[src])
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def free(self, data):
+        seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.cache.free(seq_id)
+        del self.tokens[seq_id]
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def truncate(self, data):
+        seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        length = data.draw(st.integers(0, len(self.tokens[seq_id])))
+        self.cache.truncate(seq_id, length)
+        del self.tokens[seq_id][length:]
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), extra=st.integers(0, 40))
+    def reserve(self, data, extra):
+        seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        total = min(CONFIG["max_seq_len"], len(self.tokens[seq_id]) + extra)
+        before = self.cache.stats()
+        try:
+            self.cache.reserve(seq_id, total)
+        except OutOfPages:
+            assert self.cache.stats() == before
+
+    @rule(keep_cached=st.booleans())
+    def trim(self, keep_cached):
+        self.cache.trim(keep_cached=keep_cached)
+
+    @invariant()
+    def pages_and_contents_are_consistent(self):
+        self.cache.check()
+        assert self.cache.stats()["tokens"] == sum(len(t) for t in self.tokens.values())
+        for seq_id, toks in self.tokens.items():
+            assert self.cache.seq_len(seq_id) == len(toks)
+            for layer in range(CONFIG["num_layers"]):
+                k, v = self.cache.kv(seq_id, layer)
+                want = kv_of(toks, 0, layer)
+                assert torch.equal(k, want) and torch.equal(v, want), f"sequence {seq_id} layer {layer}"
+
+    def teardown(self):
+        for seq_id in list(self.tokens):
+            self.cache.free(seq_id)
+        self.cache.trim()
+        stats = self.cache.stats()
+        assert stats["pages_free"] == stats["pages_total"], "pages leaked"
+        self.cache.check()
+        self.cache.close()
+
+
+SETTINGS = settings(max_examples=20, stateful_step_count=25, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+class VmmMachine(CacheMachine):
+    mode = "vmm"
+
+
+class PagedMachine(CacheMachine):
+    mode = "paged"
+
+
+TestVmmStateMachine = SETTINGS(VmmMachine).TestCase
+TestPagedStateMachine = pytest.mark.skipif(not HAS_PAGED, reason="paged mode not built yet")(SETTINGS(PagedMachine).TestCase)
