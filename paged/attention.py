@@ -288,7 +288,11 @@ class VarlenBlockTable(PagedKernel):
     """PyTorch's FlashAttention varlen kernel reading the pools through ``block_table``.
 
     ``cu_seq_k`` holds each sequence's key count (cumulative), ``seqused_k`` the same
-    lengths; with ``block_table`` the kernel finds keys through the table, not ``cu_seq_k``.
+    lengths; with ``block_table`` the kernel finds keys through the table, not ``cu_seq_k``
+    (``mha_varlen_fwd``: pools ``[num_blocks, block_size, Hkv, D]``, int32 table
+    ``[B, max_blocks]``, block_size % 256 == 0). Prefill steps are causal (bottom-right
+    aligned); decode steps pass no mask, which lets the kernel take its grouped-query decode
+    path (``seqlenq_ngroups_swapped``).
     """
 
     name = "varlen_attn_block_table"
@@ -301,8 +305,8 @@ class VarlenBlockTable(PagedKernel):
 
         return varlen_attn(
             q, k_pool, v_pool, plan.cu_q, meta, plan.max_q, plan.max_kv,
-            scale=scale, window_size=(-1, 0), enable_gqa=q.shape[1] != k_pool.shape[2],
-            seqused_k=plan.kv_lens_t, block_table=plan.block_table,
+            scale=scale, window_size=(-1, -1) if plan.is_decode else (-1, 0),
+            enable_gqa=q.shape[1] != k_pool.shape[2], seqused_k=plan.kv_lens_t, block_table=plan.block_table,
         )
 
 
@@ -395,11 +399,18 @@ def has_module(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-def flash_paged_blockers(device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int) -> list[str]:
-    """Why FlashAttention's paged kernels (flash-attn, torch varlen) cannot read this pool; empty if they can."""
+def flash_paged_blockers(
+    device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int, capability: tuple[int, int] | None = None
+) -> list[str]:
+    """Why FlashAttention's paged kernels (flash-attn, torch varlen) cannot read this pool; empty if they can.
+
+    ``capability`` is the GPU's compute capability (``None``: not checked).
+    """
     why = []
     if device.type != "cuda":
         why.append("they need CUDA")
+    if capability is not None and capability < (8, 0):
+        why.append(f"they need compute capability 8.0 or newer, the GPU is {capability[0]}.{capability[1]}")
     if dtype not in (torch.float16, torch.bfloat16):
         why.append(f"they need fp16/bf16, the cache holds {dtype}")
     if head_dim > 256 or head_dim % 8:
@@ -418,6 +429,7 @@ def choose_paged_kernel(
     flash_attn: bool,
     flashinfer: bool,
     varlen_features: set[str],
+    capability: tuple[int, int] | None = None,
 ) -> tuple[str, str]:
     """Pure selection rule: ``(kernel name, why)`` for a pool on ``device``.
 
@@ -428,7 +440,7 @@ def choose_paged_kernel(
     """
     if device.type != "cuda":
         return "blockwise_online_softmax", "CPU: blockwise online softmax (faster than gather_sdpa, measured)"
-    blockers = flash_paged_blockers(device, dtype, head_dim, block_size)
+    blockers = flash_paged_blockers(device, dtype, head_dim, block_size, capability)
     if not blockers and flash_attn:
         name, why = "flash_attn_with_kvcache", "flash-attn is installed"
     elif not blockers and {"block_table", "seqused_k", "window_size", "enable_gqa"} <= varlen_features:
@@ -462,26 +474,35 @@ def make_paged_kernel(
     if forced is not None and forced not in KERNELS:
         raise InvalidConfig(f"kernel must be one of {', '.join(KERNELS)}; got {forced!r}")
     features = torch_varlen_features()
+    capability = _capability(device)
     if forced is None:
         name, why = choose_paged_kernel(
-            device, dtype, head_dim, block_size,
-            flash_attn=has_module("flash_attn"), flashinfer=has_module("flashinfer"), varlen_features=features,
+            device, dtype, head_dim, block_size, flash_attn=has_module("flash_attn"),
+            flashinfer=has_module("flashinfer"), varlen_features=features, capability=capability,
         )
     else:
         name, why = forced, "chosen by the caller"
-        _check_forced(forced, device, dtype, head_dim, block_size, features)
+        _check_forced(forced, device, dtype, head_dim, block_size, features, capability)
     if name not in _LOGGED:
         _LOGGED.add(name)
         log.info("vmkv paged attention kernel: %s (%s)", name, why)
     return _build(name, device, dtype, kv_heads, head_dim, block_size, chunk_tokens)
 
 
-def _check_forced(name: str, device, dtype, head_dim, block_size, features: set[str]) -> None:
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def _check_forced(name: str, device, dtype, head_dim, block_size, features: set[str], capability) -> None:
     if name in ("gather_sdpa", "blockwise_online_softmax"):
         return
-    blockers = [] if name == "flashinfer_decode" else flash_paged_blockers(device, dtype, head_dim, block_size)
+    blockers = [] if name == "flashinfer_decode" else flash_paged_blockers(device, dtype, head_dim, block_size, capability)
     if name == "flashinfer_decode" and device.type != "cuda":
         blockers.append("it needs CUDA")
+    if name == "flashinfer_decode" and dtype not in (torch.float16, torch.bfloat16):
+        blockers.append(f"it needs fp16/bf16, the cache holds {dtype}")
     if name == "flash_attn_with_kvcache" and not has_module("flash_attn"):
         blockers.append("flash-attn is not installed")
     if name == "flashinfer_decode" and not has_module("flashinfer"):
@@ -495,8 +516,8 @@ def _check_forced(name: str, device, dtype, head_dim, block_size, features: set[
 def _build(name: str, device, dtype, kv_heads, head_dim, block_size, chunk_tokens) -> PagedKernel:
     if name.startswith("flashinfer_decode"):
         other = name.partition("+")[2] or choose_paged_kernel(
-            device, dtype, head_dim, block_size,
-            flash_attn=has_module("flash_attn"), flashinfer=False, varlen_features=torch_varlen_features(),
+            device, dtype, head_dim, block_size, flash_attn=has_module("flash_attn"), flashinfer=False,
+            varlen_features=torch_varlen_features(), capability=_capability(device),
         )[0]
         rest = _build(other, device, dtype, kv_heads, head_dim, block_size, chunk_tokens)
         return FlashInferDecode(device, block_size, kv_heads, head_dim, dtype, rest)
