@@ -1,0 +1,282 @@
+"""Serving engine and Llama-family runner: outputs against transformers, batching, preemption,
+forks, prefix caching, stops, aborts and request validation, in both KV modes (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vmkv
+from vmkv.engine import Engine, EngineConfig, SamplingParams
+from vmkv.engine.llama import LlamaForCausalLM, LlamaShape
+from vmkv.engine.runner import load_model
+from vmkv.models import ByteTokenizer, default_hf_model
+
+PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy dog. " * 3, "a", "Once upon a time, there"]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls run far faster on one thread on a busy 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    return default_hf_model()
+
+
+def hf_greedy(hf_model, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """Reference: transformers ``generate`` greedy on the same weights, not stopping at EOS."""
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False,
+                                eos_token_id=None, pad_token_id=258)
+    assert out.shape[1] == len(prompt_ids) + max_tokens
+    return out[0, len(prompt_ids):].tolist()
+
+
+def make_engine(mode: str, **overrides) -> Engine:
+    options = dict(kv_mode=mode, memory_budget="8MiB", page_size="4KiB", block_size=8, max_num_seqs=8, max_seq_len=256)
+    return Engine.from_config(EngineConfig(**{**options, **overrides}))
+
+
+@pytest.fixture
+def engines():
+    made = []
+
+    def make(mode: str, **overrides) -> Engine:
+        engine = make_engine(mode, **overrides)
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        engine.close()
+
+
+def assert_all_pages_back(engine: Engine) -> None:
+    """No sequence holds a page; after ``trim`` every page is free."""
+    engine.cache.check()
+    assert len(engine.cache) == 0
+    engine.cache.trim()
+    stats = engine.cache.stats()
+    assert stats["pages_free"] == stats["pages_total"]
+
+
+# ---- the runner ------------------------------------------------------------------------------
+def test_dense_path_matches_transformers(hf_model):
+    loaded = load_model(None)
+    ids = torch.tensor(ByteTokenizer().encode("Compare me with transformers"))
+    with torch.no_grad():
+        want = hf_model(ids[None]).logits[0]
+    torch.testing.assert_close(loaded.model.forward_dense(ids), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_other_families_match_transformers(family, tmp_path):
+    """Qwen2 (q/k/v bias) and Mistral shapes load from a local safetensors directory and match."""
+    import transformers
+
+    cls, config_cls = {
+        "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
+        "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig),
+    }[family]
+    config = config_cls(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                        sliding_window=None, tie_word_embeddings=family == "qwen2")
+    torch.manual_seed(1)
+    reference = cls(config).eval()
+    if family == "qwen2":
+        assert reference.model.layers[0].self_attn.q_proj.bias is not None
+        with torch.no_grad():
+            for layer in reference.model.layers:
+                layer.self_attn.q_proj.bias.normal_()  # make the bias matter
+    reference.save_pretrained(tmp_path)
+    ours = LlamaForCausalLM.from_hf_config(config)
+    from vmkv.engine.runner import _read_safetensors
+
+    ours.load_weights(_read_safetensors(tmp_path))
+    ids = torch.randint(0, 300, (17,))
+    with torch.no_grad():
+        want = reference(ids[None]).logits[0]
+    torch.testing.assert_close(ours.forward_dense(ids), want, atol=1e-4, rtol=1e-4)
+    assert LlamaShape.from_hf_config(config).qkv_bias == (family == "qwen2")
+
+
+def test_unsupported_architecture_is_refused():
+    from transformers import GPT2Config
+
+    with pytest.raises(vmkv.InvalidConfig, match="gpt2"):
+        LlamaShape.from_hf_config(GPT2Config())
+
+
+def save_byte_tokenizer(path) -> None:
+    """A Hugging Face byte-level tokenizer with the default model's 259-token vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={s: i for i, s in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    fast.save_pretrained(path)
+
+
+def test_local_hf_directory_serves_like_transformers(tmp_path, hf_model, engines):
+    hf_model.save_pretrained(tmp_path)
+    save_byte_tokenizer(tmp_path)
+    engine = engines("vmm", model=str(tmp_path))
+    assert engine.model_name == tmp_path.name
+    ids = engine.tokenizer.encode("from a directory")
+    out = engine.generate([ids], GREEDY)[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf_model, ids, GREEDY.max_tokens)
+    assert engine.tokenizer.chat([{"role": "user", "content": "hi"}]) == engine.tokenizer.encode("user: hi\nassistant:")
+
+
+def test_directory_without_config_is_refused(tmp_path):
+    with pytest.raises(vmkv.InvalidConfig, match="config.json"):
+        load_model(tmp_path)
+
+
+# ---- the engine ------------------------------------------------------------------------------
+def test_greedy_matches_transformers_with_chunked_prefill(mode, engines, hf_model):
+    """Mixed prompt lengths, prefills chunked to 16 tokens a step next to running decodes."""
+    engine = engines(mode, max_num_batched_tokens=16, max_prefill_chunk=16)
+    tok = ByteTokenizer()
+    outs = engine.generate(PROMPTS, GREEDY)
+    for prompt, out in zip(PROMPTS, outs):
+        want = hf_greedy(hf_model, tok.encode(prompt), GREEDY.max_tokens)
+        assert out.outputs[0].token_ids == want, prompt
+        assert out.outputs[0].finish_reason == "length"
+        assert out.outputs[0].text == tok.decode(want)
+    assert engine.stats()["engine"]["steps"] > GREEDY.max_tokens  # the long prompt took several chunks
+    assert_all_pages_back(engine)
+
+
+def test_preemption_recomputes_and_keeps_outputs(mode, engines):
+    """A pool far too small for all sequences at once: preemptions happen, outputs do not change."""
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = [f"request number {i}: tell me" for i in range(6)]
+    roomy = engines(mode).generate(prompts, params)
+    tight = engines(mode, memory_budget=10 * 8 * 4096)  # 10 pages of 8 tokens (each request needs 5)
+    outs = tight.generate(prompts, params)
+    assert tight.stats()["engine"]["preemptions"] > 0
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in roomy]
+    assert_all_pages_back(tight)
+
+
+def test_parallel_sampling_forks_prompt_pages(mode, engines):
+    engine = engines(mode)
+    prompt = "shared prompt " * 6  # 85 tokens: 10 full pages of 8, shared by the 4 completions
+    params = SamplingParams(max_tokens=6, temperature=1.0, n=4, seed=7, ignore_eos=True)
+    engine.add_request(prompt, params, request_id="r")
+    engine.step()  # prefill, then fork: all four completions share the prompt's pages
+    stats = engine.cache.stats()
+    assert stats["forks"] == 3 and stats["sequences"] == 4
+    assert stats["shared_pages"] >= len(ByteTokenizer().encode(prompt)) // 8
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    final = outputs[-1]
+    assert final.finished and [c.index for c in final.outputs] == [0, 1, 2, 3]
+    texts = [c.token_ids for c in final.outputs]
+    assert len(set(map(tuple, texts))) > 1  # independent draws
+    again = engines(mode).generate([prompt], params)[0]  # same seed: same completions
+    assert [c.token_ids for c in again.outputs] == texts
+    assert_all_pages_back(engine)
+
+
+def test_prefix_cache_skips_cached_prompt_pages(mode, engines):
+    engine = engines(mode)
+    prompt = "a long shared system prompt, " * 4
+    first = engine.generate([prompt], GREEDY)[0]
+    fed = engine.stats()["engine"]["prompt_tokens"]
+    second = engine.generate([prompt], GREEDY)[0]
+    stats = engine.stats()
+    assert stats["cache"]["prefix_hits"] == 1
+    assert stats["engine"]["prompt_tokens"] - fed < 8  # only the last partial page is recomputed
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_stop_strings_and_stop_tokens(engines):
+    engine = engines("vmm")
+    base = engine.generate(["stop test"], GREEDY)[0].outputs[0]
+    cut_at = base.text[4:6]  # a stop string from the middle of the greedy text
+    out = engine.generate(["stop test"], SamplingParams(max_tokens=12, temperature=0, stop=cut_at, ignore_eos=True))[0]
+    assert out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].text == base.text[: base.text.find(cut_at)]
+    token = base.token_ids[3]
+    out = engine.generate(["stop test"], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[token], ignore_eos=True))[0]
+    assert out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].token_ids == base.token_ids[: base.token_ids.index(token) + 1]
+
+
+def test_streamed_deltas_add_up_to_the_text(engines):
+    engine = engines("vmm")
+    engine.add_request("stream me", GREEDY, request_id="s")
+    deltas, final = [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            deltas.append(out.outputs[0].delta_text)
+            final = out
+    assert "".join(deltas) == final.outputs[0].text
+
+
+def test_sampling_controls():
+    from vmkv.engine.sampling import SamplerState, new_generator, sample
+
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]] * 3)
+    states = [SamplerState(SamplingParams(top_k=1), new_generator(0)),
+              SamplerState(SamplingParams(top_p=0.01), new_generator(0)),
+              SamplerState(SamplingParams(temperature=0, presence_penalty=2.0), new_generator(0), output=[1])]
+    assert sample(logits, states) == [1, 1, 3]
+    draws = sample(logits[:1].expand(200, 4), [SamplerState(SamplingParams(top_k=2), new_generator(i)) for i in range(200)])
+    assert set(draws) == {1, 3}  # the two most likely tokens, both drawn
+
+
+def test_abort_frees_pages(mode, engines):
+    engine = engines(mode)
+    engine.add_request("abort me " * 5, SamplingParams(max_tokens=50, ignore_eos=True), request_id="x")
+    engine.step()
+    engine.step()
+    assert engine.cache.stats()["pages_in_use"] > 0
+    assert engine.abort("x") and not engine.abort("x")
+    assert not engine.has_unfinished()
+    assert_all_pages_back(engine)
+
+
+@pytest.mark.parametrize(
+    "prompt, params, error",
+    [
+        ("x" * 300, SamplingParams(max_tokens=1), vmkv.SequenceTooLong),
+        ("hi", SamplingParams(max_tokens=254), vmkv.SequenceTooLong),
+        ([], SamplingParams(), vmkv.InvalidInput),
+        ([5, 999], SamplingParams(), vmkv.InvalidInput),
+        ("hi", SamplingParams(n=9), vmkv.InvalidInput),
+    ],
+)
+def test_bad_requests_change_nothing(engines, prompt, params, error):
+    engine = engines("vmm")
+    before = engine.stats()
+    with pytest.raises(error):
+        engine.add_request(prompt, params)
+    assert engine.stats() == before and not engine.has_unfinished()
+
+
+def test_request_larger_than_the_budget_is_refused(engines):
+    engine = engines("vmm", memory_budget=4 * 8 * 4096)  # 4 pages of 8 tokens
+    with pytest.raises(vmkv.OutOfPages, match="needs 5 KV pages"):
+        engine.add_request("abc", SamplingParams(max_tokens=36))
+
+
+@pytest.mark.parametrize("field, value", [("max_tokens", 0), ("temperature", -1.0), ("top_p", 0.0), ("n", 0),
+                                          ("stop", [""]), ("top_k", -2), ("seed", 1.5)])
+def test_sampling_params_are_validated(field, value):
+    with pytest.raises(vmkv.InvalidInput, match=field):
+        SamplingParams(**{field: value})
