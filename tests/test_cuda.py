@@ -226,7 +226,8 @@ class CudaMirror:
     def step(self, batch: dict) -> None:
         cfg, dev = self.cache.config, self.cache.config.device
         plan = self.cache.begin_step(batch)
-        total = sum(batch.values())
+        counts = {seq_id: new if isinstance(new, int) else len(new) for seq_id, new in batch.items()}
+        total = sum(counts.values())
         for layer in range(cfg.num_layers):
             k, v = self.rand(total, cfg.num_kv_heads, cfg.head_dim), self.rand(total, cfg.num_kv_heads, cfg.head_dim)
             q = self.rand(total, self.q_heads, cfg.head_dim)
@@ -237,7 +238,7 @@ class CudaMirror:
                 if contiguous_kernel_unavailable(name, dev, cfg.dtype, cfg.head_dim) is None:
                     outs[name] = CONTIGUOUS_KERNELS[name](q.to(dev), k_view, v_view, plan, None).cpu()
             offset = 0
-            for seq_id, n in batch.items():
+            for seq_id, n in counts.items():
                 ks = self.k.setdefault(seq_id, [k[:0]] * cfg.num_layers)
                 vs = self.v.setdefault(seq_id, [v[:0]] * cfg.num_layers)
                 start = ks[layer].shape[0]
@@ -260,15 +261,40 @@ class CudaMirror:
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("layout", ["per_layer", "all_layers"])
 def test_cuda_cache_attention_matches_dense_reference(dtype, layout):
-    cache = vmkv.open_cache(_cuda_config(dtype, layout=layout))
+    # all_layers also maps ahead: pages mapped from a background thread, in torch's context.
+    cache = vmkv.open_cache(_cuda_config(dtype, layout=layout, map_ahead=layout == "all_layers"))
     assert cache.stats()["backend"] == "cuda"
     if dtype == "float32":
         assert cache.kernel == "sdpa_per_sequence"  # FlashAttention kernels need fp16/bf16
-    mirror = CudaMirror(cache, q_heads=16)
+    run_scenario(cache)
+    stats = cache.stats()
+    store = stats["pages_total"] * stats["page_bytes"]  # preallocated; plus at most the probe granule
+    assert store <= stats["resident_bytes"] <= store + cuda_granularity("cuda")
+    cache.close()
+
+
+def test_the_cuda_scenario_itself_on_the_host_backend():
+    """The scenario above, run here on the host backend, so the test's own logic is checked
+    on machines without a GPU too."""
+    # 2 layers x 2 heads x 32 x 4 B = 512 B a token in the all-layers tensor: 8 tokens a 4 KiB page.
+    config = _cuda_config("float32", device="cpu", layout="all_layers", map_ahead=True, num_kv_heads=2, head_dim=32,
+                          page_size="4KiB", max_seq_len=256, memory_budget=64 * 2 * 4096)
+    cache = vmkv.open_cache(config)
+    run_scenario(cache, whole=64, q_heads=4)
+    cache.close()
+
+
+def run_scenario(cache: vmkv.KVCacheBase, whole: int = 1024, q_heads: int = 16) -> None:
+    """Prefill chunks, decode, fork + copy-on-write, free, prefix-cache hit; every step's
+    attention (the cache's kernel and every kernel that can run) against the dense reference.
+
+    ``whole`` tokens must be a whole number of pages (1024 is, for every GPU config above).
+    """
+    mirror = CudaMirror(cache, q_heads)
     for seq in ("a", "b", "c"):
         cache.add(seq)
-    mirror.step({"a": 700, "b": 5, "c": 1})  # prefill chunks of different lengths
-    mirror.step({"a": 400, "b": 1, "c": 1})  # "a" crosses into its second page (1024 tokens)
+    mirror.step({"a": whole * 11 // 16, "b": 5, "c": 1})  # prefill chunks of different lengths
+    mirror.step({"a": whole * 6 // 16, "b": 1, "c": 1})  # "a" grows past ``whole`` tokens
     for _ in range(3):
         mirror.step({"a": 1, "b": 1, "c": 1})  # decode
     mirror.fork("a", "d")  # shares a's pages; the next write into the shared page copies it
@@ -276,13 +302,19 @@ def test_cuda_cache_attention_matches_dense_reference(dtype, layout):
     assert cache.stats()["cow_copies"] >= 1
     cache.free("b")
     mirror.step({"c": 3, "d": 1})
-    for seq in ("a", "c", "d"):
+    prompt = list(range(whole + whole // 8 - 1))  # a part page past ``whole``: p caches ``whole``
+    cache.add("p", prompt)
+    mirror.step({"p": prompt})
+    cache.free("c")
+    cache.add("q", prompt + [5, 6])  # finds p's full pages: mapped into q's slot, not copied
+    assert cache.seq_len("q") == whole and cache.stats()["prefix_hits"] == 1
+    mirror.k["q"] = [k[:whole] for k in mirror.k["p"]]
+    mirror.v["q"] = [v[:whole] for v in mirror.v["p"]]
+    mirror.step({"q": prompt[whole:] + [5, 6], "p": 1})
+    for seq in ("a", "d", "p", "q"):
         for layer in range(cache.config.num_layers):
             k, v = cache.kv(seq, layer)
             assert torch.equal(k.cpu(), mirror.k[seq][layer]) and torch.equal(v.cpu(), mirror.v[seq][layer])
-    stats = cache.stats()
-    assert stats["resident_bytes"] == stats["pages_total"] * stats["page_bytes"]  # preallocated store
-    cache.close()
 
 
 # ---- kernels: pieces that run on any machine -----------------------------------------------
@@ -337,10 +369,16 @@ def test_missing_cuda_bindings_is_backend_unavailable(monkeypatch):
 
 
 # ---- the GPU check script --------------------------------------------------------------------
-def test_gpu_check_help_and_cpu_smoke_run(tmp_path):
+def test_gpu_check_help_and_cpu_smoke_run(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks import gpu_check
+    finally:
+        sys.path.remove(str(ROOT))
+    with pytest.raises(SystemExit) as done:
+        gpu_check.parse_args(["--help"])
+    assert done.value.code == 0 and "--smoke" in capsys.readouterr().out
     script = str(ROOT / "benchmarks" / "gpu_check.py")
-    shown = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=60)
-    assert shown.returncode == 0 and "--smoke" in shown.stdout
     run = subprocess.run(
         [sys.executable, script, "--device", "cpu", "--smoke", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
