@@ -110,12 +110,15 @@ class _Chunk:
 
     ``blocks``: int64 ``[rows, C]`` pool blocks (never -1); ``valid``: bool mask of the keys
     each query may see, broadcastable to the scores (``None``: all of them); ``rows``: how
-    many leading rows of the group take part.
+    many leading rows of the group take part (decode) or how many leading query rows are
+    skipped (prefill); ``keys``: prefill: keys of the chunk below the sequence's length (the
+    values of the rest are zeroed).
     """
 
     rows: int
     blocks: torch.Tensor
     valid: torch.Tensor | None
+    keys: int = 0
 
 
 @dataclass(frozen=True)
@@ -214,7 +217,7 @@ class BlockwiseOnlineSoftmax(PagedKernel):
                 keys = torch.arange(lo, hi, device=device)
                 queries = torch.arange(start + skip, start + n, device=device)
                 valid = keys[None, :] <= queries[:, None]  # [n - skip, Tc]; implies key < kv_len
-            chunks.append(_Chunk(skip, blocks[0], valid))
+            chunks.append(_Chunk(skip, blocks[0], valid, min(hi, kv_len) - lo))
         return _PrefillSeq(first_token, n, tuple(chunks))
 
     # -- per layer ----------------------------------------------------------------------------
@@ -265,6 +268,7 @@ class BlockwiseOnlineSoftmax(PagedKernel):
             s = torch.einsum("hgnd,thd->hgnt", qf[:, :, skip:], k)  # [Hkv, G, n - skip, Tc]
             if chunk.valid is not None:
                 s.masked_fill_(~chunk.valid, -math.inf)
+                v[chunk.keys :] = 0.0  # keys past the sequence: p is 0 there, but 0 * inf is NaN
             self._merge(s, v, m[:, :, skip:], l[:, :, skip:], acc[:, :, skip:], "hgnt,thd->hgnd")
         return (acc / l[..., None]).permute(2, 0, 1, 3).reshape(n, q_heads, dim).to(q.dtype)
 

@@ -1,0 +1,208 @@
+"""Paged attention kernels against a dense reference (plain torch), against each other, and the
+kernel selection rule. CUDA kernels run only on a GPU (skipped here with the reason)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vmkv
+from paged import PagedKVCache
+from paged.attention import BlockwiseOnlineSoftmax, GatherSDPA, choose_paged_kernel
+from tests.conftest import KVMirror, dense_attention, small_config
+
+CPU_KERNELS = ["gather_sdpa", "blockwise_online_softmax"]
+
+
+def paged_cache(kernel: str, **overrides) -> PagedKVCache:
+    chunk = overrides.pop("chunk_tokens", 64)  # small chunks: several per sequence
+    return PagedKVCache(small_config(block_size=16, **overrides), kernel=kernel, chunk_tokens=chunk)
+
+
+@pytest.mark.parametrize(
+    "kernel, dtype, q_heads",  # q_heads 8 over 2 KV heads: GQA; 2: MHA
+    [(k, d, 8) for k in CPU_KERNELS for d in ("float32", "bfloat16")] + [("blockwise_online_softmax", "float32", 2)],
+)
+def test_prefill_then_decode_matches_dense_reference(kernel, dtype, q_heads):
+    cache = paged_cache(kernel, dtype=dtype)
+    try:
+        mirror = KVMirror(cache, q_heads=q_heads)  # asserts every output against dense_attention
+        for seq_id in "abcd":
+            cache.add(seq_id)
+        mirror.step({"a": 100, "b": 1, "c": 16, "d": 33})  # mixed lengths, block boundaries
+        for _ in range(3):
+            mirror.step({"a": 1, "b": 1, "c": 1, "d": 1})  # decode
+        mirror.step({"b": 70, "a": 1, "c": 2})  # prefill over a cached prefix, mixed with decode
+        mirror.step({"d": 130})  # a long chunk after a prefix: many key chunks, rows skipped
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
+def test_prefill_over_a_prefix_cache_hit_matches_dense_reference(kernel):
+    cache = paged_cache(kernel)
+    try:
+        prompt = list(range(90))
+        gen = torch.Generator().manual_seed(3)
+        cache.add("a", prompt)
+        plan = cache.begin_step({"a": prompt})
+        k_all = [torch.randn(90, 2, 16, generator=gen) for _ in range(2)]
+        for layer in range(2):
+            cache.write(layer, k_all[layer], k_all[layer], plan)
+        cache.add("b", prompt)  # 5 full blocks cached; 10 tokens to compute
+        start = cache.seq_len("b")
+        assert start == 80
+        plan = cache.begin_step({"b": prompt[start:]})
+        for layer in range(2):
+            k = k_all[layer][start:]
+            cache.write(layer, k, k, plan)
+            q = torch.randn(10, 4, 16, generator=gen)
+            want = dense_attention(q, k_all[layer], k_all[layer], start)
+            torch.testing.assert_close(cache.attention(layer, q, plan), want, atol=1e-5, rtol=1e-5)
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("chunk_tokens", [16, 48, 1024])
+def test_blockwise_equals_gather_sdpa(chunk_tokens):
+    """Random mixed batches: the fast kernel and the reference kernel agree on identical pools."""
+    cache = paged_cache("gather_sdpa", max_batch_size=6, chunk_tokens=chunk_tokens)
+    try:
+        fast = BlockwiseOnlineSoftmax(16, chunk_tokens)
+        slow = GatherSDPA()
+        mirror = KVMirror(cache, q_heads=8, seed=11)
+        rng = torch.Generator().manual_seed(5)
+        for seq_id in range(6):
+            cache.add(seq_id)
+        for _ in range(3):
+            batch = {s: int(torch.randint(1, 40, (1,), generator=rng)) if s % 2 else 1 for s in range(6)}
+            mirror.step(batch, check=False)
+            plan = cache.begin_step({s: 1 for s in range(6)})
+            for layer in range(2):
+                k = mirror.randn(6, 2, 16)
+                cache.write(layer, k, k, plan)
+                q = mirror.randn(6, 8, 16)
+                k_pool, v_pool = cache.block_pool(layer)
+                meta = fast.prepare(plan, 8, 0.25)
+                torch.testing.assert_close(
+                    fast(q, k_pool, v_pool, plan, meta, 0.25), slow(q, k_pool, v_pool, plan, None, 0.25),
+                    atol=1e-5, rtol=1e-5,
+                )
+    finally:
+        cache.close()
+
+
+def test_stale_pool_contents_past_a_sequence_never_reach_the_output():
+    """Blocks are reused without clearing: inf/NaN left in a block's unused rows must not leak."""
+    cache = paged_cache("blockwise_online_softmax")
+    try:
+        for layer in range(2):
+            for pool in cache.block_pool(layer):
+                pool.fill_(float("nan"))
+        mirror = KVMirror(cache, q_heads=4)  # asserts outputs against the dense reference
+        cache.add("a")
+        cache.add("b")
+        mirror.step({"a": 37, "b": 5})
+        mirror.step({"a": 1, "b": 1})
+    finally:
+        cache.close()
+
+
+def test_scale_argument_is_honoured():
+    cache = paged_cache("blockwise_online_softmax")
+    ref = paged_cache("gather_sdpa")
+    try:
+        outs = []
+        for c in (cache, ref):
+            gen = torch.Generator().manual_seed(0)
+            c.add("a")
+            plan = c.begin_step({"a": 20})
+            k = torch.randn(20, 2, 16, generator=gen)
+            c.write(0, k, k, plan)
+            q = torch.randn(20, 2, 16, generator=gen)
+            outs.append((c.attention(0, q, plan, scale=0.1), c.attention(0, q, plan)))
+        torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(outs[0][0], outs[0][1])
+    finally:
+        cache.close()
+        ref.close()
+
+
+def test_cpu_default_kernel_is_named_in_stats():
+    cache = vmkv.open_cache(small_config(), mode="paged")
+    try:
+        assert cache.stats()["kernel"] == "blockwise_online_softmax"
+    finally:
+        cache.close()
+
+
+CUDA = torch.device("cuda", 0)
+VARLEN = {"block_table", "seqused_k", "window_size", "enable_gqa"}
+
+
+@pytest.mark.parametrize(
+    "dtype, block, flash_attn, flashinfer, varlen, want, why",
+    [
+        (torch.float16, 16, False, False, VARLEN, "blockwise_online_softmax", "multiple of 256"),
+        (torch.float32, 256, True, False, VARLEN, "blockwise_online_softmax", "fp16/bf16"),
+        (torch.bfloat16, 256, False, False, VARLEN, "varlen_attn_block_table", "block_table"),
+        (torch.bfloat16, 256, False, False, {"seqused_k"}, "blockwise_online_softmax", "neither"),
+        (torch.bfloat16, 256, True, False, VARLEN, "flash_attn_with_kvcache", "flash-attn"),
+        (torch.float16, 16, False, True, VARLEN, "flashinfer_decode+blockwise_online_softmax", "FlashInfer"),
+        (torch.float16, 512, True, True, set(), "flashinfer_decode+flash_attn_with_kvcache", "FlashInfer"),
+        (torch.float32, 16, False, True, VARLEN, "blockwise_online_softmax", "fp16/bf16"),
+    ],
+)
+def test_cuda_kernel_selection_rule(dtype, block, flash_attn, flashinfer, varlen, want, why):
+    name, reason = choose_paged_kernel(
+        CUDA, dtype, 128, block, flash_attn=flash_attn, flashinfer=flashinfer, varlen_features=varlen, capability=(9, 0)
+    )
+    assert name == want and why in reason
+
+
+def test_cuda_selection_needs_ampere_for_flash_kernels():
+    name, reason = choose_paged_kernel(
+        CUDA, torch.float16, 128, 256, flash_attn=True, flashinfer=False, varlen_features=VARLEN, capability=(7, 5)
+    )
+    assert name == "blockwise_online_softmax" and "8.0" in reason
+
+
+def test_cpu_selection_rule():
+    name, _ = choose_paged_kernel(
+        torch.device("cpu"), torch.float32, 16, 16, flash_attn=True, flashinfer=True, varlen_features=VARLEN
+    )
+    assert name == "blockwise_online_softmax"
+
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU with the CUDA driver")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_cuda_default_kernel_matches_dense_reference(block_size):
+    config = small_config(device="cuda", dtype="bfloat16", head_dim=64, block_size=block_size,
+                          memory_budget=64 * 2 * 2 * block_size * 2 * 64 * 2)
+    cache = vmkv.open_cache(config, mode="paged")
+    try:
+        gen = torch.Generator().manual_seed(0)
+        keys = {}
+        for seq_id in ("a", "b"):
+            cache.add(seq_id)
+            keys[seq_id] = torch.empty(0, 2, 64, dtype=torch.bfloat16)
+        for n_a in (300, 1, 1, 40):  # prefill, decode, decode, prefill over a prefix (b decodes)
+            batch = {"a": n_a, "b": 1}
+            plan = cache.begin_step(batch)
+            k = torch.randn(plan.num_tokens, 2, 64, generator=gen).to(torch.bfloat16)
+            q = torch.randn(plan.num_tokens, 8, 64, generator=gen).to(torch.bfloat16)
+            cache.write(0, k.cuda(), k.cuda(), plan)
+            out = cache.attention(0, q.cuda(), plan).cpu()
+            offset = 0
+            for seq_id, n in batch.items():
+                start = keys[seq_id].shape[0]
+                keys[seq_id] = torch.cat([keys[seq_id], k[offset : offset + n]])
+                want = dense_attention(q[offset : offset + n], keys[seq_id], keys[seq_id], start)
+                torch.testing.assert_close(out[offset : offset + n], want, atol=2e-2, rtol=2e-2)
+                offset += n
+    finally:
+        cache.close()
