@@ -189,8 +189,12 @@ class CudaVirtualMemory(VirtualMemory):
             with self._current():
                 for page in range(num_pages):
                     self._handles.append(self._create(page_size, f"cuMemCreate (page {page} of {num_pages})"))
-        except Exception:
+        except BaseException as exc:
             self.close()
+            if isinstance(exc, BackendError) and "OUT_OF_MEMORY" in str(exc):
+                raise BackendError(
+                    f"{exc}: a store of {num_pages} x {page_size} B does not fit in free GPU memory; lower memory_budget"
+                ) from None
             raise
 
     # ---- driver plumbing -------------------------------------------------------------------
