@@ -1,0 +1,298 @@
+"""Serving throughput and latency, VMM vs paged, on the embedded model (issue 6).
+
+The engine runs **in-process** (no HTTP: ``Engine.add_request`` / ``step``), so the numbers are
+the engine's and the cache's, not uvicorn's. Every request has a seeded random prompt of
+``--prompt-len`` tokens and generates exactly ``--output-len`` tokens (greedy, EOS ignored).
+
+Experiments, each run for both modes back to back on identical work:
+
+    concurrency   closed loop: C requests in flight, a new one as soon as one finishes
+    rate          open loop: Poisson arrivals at R requests/s (``inf``: all at t=0)
+    capacity      every request at once into a fixed ``--capacity-budget`` with 256 slots:
+                  the most sequences the budget keeps running at once, and the preemptions
+
+Metrics per run: output tokens/s (all output tokens / wall time), TTFT (arrival to first
+token), TPOT (mean time per output token after the first), end-to-end latency; p50 and p99.
+VMM pages default to 64 KiB (128 tokens of the embedded model), paged blocks to 16 tokens;
+the capacity experiment also runs VMM with 4 KiB pages (8 tokens), so page granularity, not
+the mode, is visible as the cause of any capacity gap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vmkv.engine import Engine, EngineConfig, RequestOutput, SamplingParams
+
+from . import common
+
+NAME = "serve"
+DESCRIPTION = "serving engine (in-process): tokens/s, TTFT/TPOT p50/p99 vs concurrency and request rate, capacity per budget; VMM vs paged"
+
+SCHEMA = {
+    "experiment": "concurrency (closed loop), rate (open loop, Poisson) or capacity (all at once, fixed budget)",
+    "mode": "KV mode: vmm or paged",
+    "tokens_per_page": "tokens one VMM page / paged block holds",
+    "concurrency": "requests in flight (closed loop); 0 elsewhere",
+    "rate": "arrival rate in requests/s (open loop; inf = all at once); 0 elsewhere",
+    "requests": "requests completed",
+    "output_tokens": "tokens generated in all",
+    "wall_s": "seconds from the first arrival to the last completion",
+    "throughput_tok_s": "output tokens per second",
+    "ttft_p50_ms": "time to first token, median (ms)",
+    "ttft_p99_ms": "time to first token, 99th percentile (ms)",
+    "tpot_p50_ms": "time per output token after the first, median over requests (ms)",
+    "tpot_p99_ms": "time per output token after the first, 99th percentile (ms)",
+    "latency_p50_ms": "arrival to last token, median (ms)",
+    "latency_p99_ms": "arrival to last token, 99th percentile (ms)",
+    "peak_running": "most sequences in the cache at once",
+    "preemptions": "sequences preempted for lack of pages",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--modes", nargs="+", default=["vmm", "paged"], choices=["vmm", "paged"])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=None, help="closed-loop levels (default 1 4 16; smoke 1 4)")
+    parser.add_argument("--rates", type=float, nargs="+", default=None, help="open-loop req/s, inf allowed (default 4 16 inf; smoke 8 inf)")
+    parser.add_argument("--requests", type=int, default=None, help="requests per run (default 32; smoke 8)")
+    parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 64; smoke 24)")
+    parser.add_argument("--output-len", type=int, default=None, help="output tokens (default 32; smoke 8)")
+    parser.add_argument("--memory-budget", default="64MiB", help="KV budget of the throughput/latency runs")
+    parser.add_argument("--capacity-budget", default="8MiB", help="KV budget of the capacity experiment")
+    parser.add_argument("--vmm-page-size", default="64KiB", help="VMM page bytes per K/V tensor")
+    parser.add_argument("--block-size", type=int, default=16, help="paged tokens per block")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads during the run (tiny model: 1 is fastest)")
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    smoke = args.smoke
+    return {
+        "concurrency": args.concurrency or ([1, 4] if smoke else [1, 4, 16]),
+        "rates": args.rates or ([8.0, math.inf] if smoke else [4.0, 16.0, math.inf]),
+        "requests": args.requests or (8 if smoke else 32),
+        "prompt_len": args.prompt_len or (24 if smoke else 64),
+        "output_len": args.output_len or (8 if smoke else 32),
+    }
+
+
+def _engine(mode: str, args: argparse.Namespace, budget: str, max_num_seqs: int, page_size: str | None = None) -> Engine:
+    return Engine.from_config(EngineConfig(
+        kv_mode=mode, memory_budget=budget, page_size=page_size or args.vmm_page_size, block_size=args.block_size,
+        max_num_seqs=max_num_seqs, max_seq_len=1024, device=args.device, seed=args.seed,
+    ))
+
+
+def _prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    """Seeded random byte prompts, each starting with BOS (256): no two share a prefix page."""
+    rng = random.Random(seed)
+    return [[256] + [rng.randrange(256) for _ in range(length - 1)] for _ in range(count)]
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+class _Recorder:
+    """Collects finished requests' times, relative to their intended arrival."""
+
+    def __init__(self) -> None:
+        self.arrival: dict[str, float] = {}
+        self.done: list[tuple[float, float, float, int]] = []  # (ttft, tpot, latency, tokens)
+        self.peak_running = 0
+
+    def observe(self, engine: Engine, outputs: list[RequestOutput]) -> int:
+        self.peak_running = max(self.peak_running, len(engine.scheduler.running))
+        finished = 0
+        for out in outputs:
+            if out.finished:
+                arrival = self.arrival.pop(out.request_id)
+                tokens = len(out.outputs[0].token_ids)
+                ttft = out.metrics.first_token_time - arrival
+                tpot = (out.metrics.finish_time - out.metrics.first_token_time) / max(1, tokens - 1)
+                self.done.append((ttft, tpot, out.metrics.finish_time - arrival, tokens))
+                finished += 1
+        return finished
+
+    def row(self, wall: float) -> dict[str, Any]:
+        ttft, tpot, latency, tokens = (list(col) for col in zip(*self.done))
+        ms = 1000.0
+        return {
+            "requests": len(self.done), "output_tokens": sum(tokens), "wall_s": wall,
+            "throughput_tok_s": sum(tokens) / wall,
+            "ttft_p50_ms": _percentile(ttft, 50) * ms, "ttft_p99_ms": _percentile(ttft, 99) * ms,
+            "tpot_p50_ms": _percentile(tpot, 50) * ms, "tpot_p99_ms": _percentile(tpot, 99) * ms,
+            "latency_p50_ms": _percentile(latency, 50) * ms, "latency_p99_ms": _percentile(latency, 99) * ms,
+            "peak_running": self.peak_running,
+        }
+
+
+def run_closed_loop(engine: Engine, prompts: list[list[int]], params: SamplingParams, concurrency: int) -> dict[str, Any]:
+    """Keep ``concurrency`` requests in flight until every prompt is done."""
+    recorder, pending, inflight = _Recorder(), deque(prompts), 0
+    start = time.monotonic()
+    while pending or engine.has_unfinished():
+        while pending and inflight < concurrency:
+            rid = engine.add_request(pending.popleft(), params)
+            recorder.arrival[rid] = time.monotonic()
+            inflight += 1
+        inflight -= recorder.observe(engine, engine.step())
+    return recorder.row(time.monotonic() - start)
+
+
+def run_open_loop(engine: Engine, prompts: list[list[int]], params: SamplingParams, rate: float, seed: int) -> dict[str, Any]:
+    """Poisson arrivals at ``rate`` requests/s (all at once when infinite); TTFT counts from the intended arrival."""
+    rng = random.Random(seed)
+    offsets, t = [], 0.0
+    for _ in prompts:
+        offsets.append(t)
+        t += 0.0 if math.isinf(rate) else rng.expovariate(rate)
+    recorder, pending = _Recorder(), deque(zip(offsets, prompts))
+    start = time.monotonic()
+    while pending or engine.has_unfinished():
+        now = time.monotonic() - start
+        while pending and pending[0][0] <= now:
+            offset, prompt = pending.popleft()
+            recorder.arrival[engine.add_request(prompt, params)] = start + offset
+        if engine.has_unfinished():
+            recorder.observe(engine, engine.step())
+        elif pending:
+            time.sleep(max(0.0, pending[0][0] - (time.monotonic() - start)))
+    return recorder.row(time.monotonic() - start)
+
+
+def _row(experiment: str, mode: str, engine: Engine, measured: dict[str, Any], concurrency: int = 0, rate: float = 0.0) -> dict[str, Any]:
+    stats = engine.stats()
+    return {"experiment": experiment, "mode": mode, "tokens_per_page": stats["cache"]["tokens_per_page"],
+            "concurrency": concurrency, "rate": rate, **measured, "preemptions": stats["engine"]["preemptions"]}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    common.check_device(args.device)
+    if "paged" in args.modes:
+        ok, why = common.paged_available()
+        if not ok:
+            raise RuntimeError(why)
+    settings = _settings(args)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        rows = _measure(args, settings)
+    finally:
+        torch.set_num_threads(threads)
+    config = {**settings, "rates": [str(r) for r in settings["rates"]], "memory_budget": args.memory_budget,
+              "capacity_budget": args.capacity_budget, "vmm_page_size": args.vmm_page_size, "block_size": args.block_size,
+              "threads": args.threads, "driver": "in-process Engine (no HTTP)"}
+    return common.make_result(NAME, SCHEMA, rows, _summary(rows), config=config)
+
+
+def _measure(args: argparse.Namespace, settings: dict[str, Any]) -> list[dict[str, Any]]:
+    prompts = _prompts(settings["requests"], settings["prompt_len"], args.seed)
+    params = SamplingParams(max_tokens=settings["output_len"], temperature=0.0, ignore_eos=True)
+    top = max(settings["concurrency"])
+    engines = {mode: _engine(mode, args, args.memory_budget, max(top, 16)) for mode in args.modes}
+    rows: list[dict[str, Any]] = []
+    try:
+        for engine in engines.values():  # warm-up: first calls allocate and load kernels
+            engine.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        for concurrency in settings["concurrency"]:
+            for mode, engine in engines.items():  # modes back to back on the same work
+                engine.cache.trim()
+                measured = run_closed_loop(engine, prompts, params, concurrency)
+                rows.append(_row("concurrency", mode, engine, measured, concurrency=concurrency))
+        for rate in settings["rates"]:
+            for mode, engine in engines.items():
+                engine.cache.trim()
+                measured = run_open_loop(engine, prompts, params, rate, args.seed)
+                rows.append(_row("rate", mode, engine, measured, rate=rate))
+    finally:
+        for engine in engines.values():
+            engine.close()
+    rows += _capacity(args, settings, prompts, params)
+    return rows
+
+
+def _capacity(args: argparse.Namespace, settings: dict[str, Any], prompts: list[list[int]], params: SamplingParams) -> list[dict[str, Any]]:
+    """Every request at once into ``--capacity-budget``: how many run together, per mode and page size."""
+    variants = [(mode, None) for mode in args.modes]
+    if "vmm" in args.modes:
+        variants.append(("vmm", "4KiB"))
+    flood = prompts * max(1, 64 // len(prompts))
+    rows = []
+    for mode, page in variants:
+        engine = _engine(mode, args, args.capacity_budget, 256, page_size=page)
+        try:
+            measured = run_closed_loop(engine, flood, params, len(flood))
+            rows.append(_row("capacity", mode, engine, measured, concurrency=len(flood)))
+        finally:
+            engine.close()
+    return rows
+
+
+def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    by = {(r["experiment"], r["mode"], r["concurrency"], r["rate"], r["tokens_per_page"]): r for r in rows}
+    conc = [r for r in rows if r["experiment"] == "concurrency"]
+    if conc:
+        top = max(r["concurrency"] for r in conc)
+        for r in conc:
+            if r["concurrency"] == top:
+                summary[f"{r['mode']}_throughput_tok_s_at_c{top}"] = round(r["throughput_tok_s"], 1)
+                summary[f"{r['mode']}_tpot_p50_ms_at_c{top}"] = round(r["tpot_p50_ms"], 2)
+        vmm = [r for r in conc if r["mode"] == "vmm" and r["concurrency"] == top]
+        paged = [r for r in conc if r["mode"] == "paged" and r["concurrency"] == top]
+        if vmm and paged:
+            summary[f"vmm_over_paged_throughput_at_c{top}"] = round(vmm[0]["throughput_tok_s"] / paged[0]["throughput_tok_s"], 3)
+    for r in rows:
+        if r["experiment"] == "capacity":
+            summary[f"capacity_peak_running_{r['mode']}_{r['tokens_per_page']}tok"] = r["peak_running"]
+            summary[f"capacity_preemptions_{r['mode']}_{r['tokens_per_page']}tok"] = r["preemptions"]
+    summary["runs"] = len(by)
+    return summary
+
+
+def plot(result: dict[str, Any], out_dir: Path) -> list[str]:
+    """Throughput vs concurrency, TTFT p50 vs rate, capacity per mode."""
+    plt = common.pyplot()
+    rows = result["rows"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for mode in sorted({r["mode"] for r in rows}):
+        conc = [r for r in rows if r["experiment"] == "concurrency" and r["mode"] == mode]
+        axes[0].plot([r["concurrency"] for r in conc], [r["throughput_tok_s"] for r in conc], marker="o", label=mode)
+        rate = [r for r in rows if r["experiment"] == "rate" and r["mode"] == mode]
+        labels = [("inf" if math.isinf(r["rate"]) else f"{r['rate']:g}") for r in rate]
+        axes[1].plot(labels, [r["ttft_p50_ms"] for r in rate], marker="o", label=mode)
+    axes[0].set(xlabel="concurrent requests", ylabel="output tokens/s", title="throughput (closed loop)")
+    axes[1].set(xlabel="arrival rate (req/s)", ylabel="TTFT p50 (ms)", title="latency (open loop)")
+    cap = [r for r in rows if r["experiment"] == "capacity"]
+    axes[2].bar([f"{r['mode']}\n{r['tokens_per_page']} tok/page" for r in cap], [r["peak_running"] for r in cap])
+    axes[2].set(ylabel="sequences running at once", title=f"capacity in {result['config']['capacity_budget']}")
+    for ax in axes[:2]:
+        ax.legend()
+    return [common.save_figure(fig, out_dir, "serve.png")]
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=DESCRIPTION)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("bench-out"))
+    add_arguments(parser)
+    arguments = parser.parse_args()
+    result = run(arguments)
+    print(common.format_table(result["rows"]))
+    print(result["summary"])
+    common.write_json(result, arguments.out)
+    print(plot(result, arguments.out))
