@@ -11,10 +11,13 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -366,6 +369,139 @@ def test_missing_cuda_bindings_is_backend_unavailable(monkeypatch):
     monkeypatch.setitem(sys.modules, "cuda.bindings.driver", None)
     with pytest.raises(BackendUnavailable, match="^CUDA driver not available: cannot import cuda.bindings"):
         cuda_granularity(torch.device("cuda", 0))
+
+
+# ---- the backend's own logic, against a recording fake of cuda.bindings.driver ----------------
+class FakeDriver:
+    """Just enough of ``cuda.bindings.driver`` to run ``CudaVirtualMemory`` without a GPU.
+
+    Calls return ``(CUresult, *values)`` like the real bindings; it records every call, keeps
+    the current context per thread, refuses maps of mapped ranges and unmaps of unmapped ones,
+    and fails the calls named in ``fail`` with ``CUDA_ERROR_OUT_OF_MEMORY``.
+    """
+
+    class CUresult(enum.IntEnum):
+        CUDA_SUCCESS = 0
+        CUDA_ERROR_INVALID_VALUE = 1
+        CUDA_ERROR_OUT_OF_MEMORY = 2
+
+    CUmemAllocationType = SimpleNamespace(CU_MEM_ALLOCATION_TYPE_PINNED=1)
+    CUmemLocationType = SimpleNamespace(CU_MEM_LOCATION_TYPE_DEVICE=1)
+    CUmemAccess_flags = SimpleNamespace(CU_MEM_ACCESS_FLAGS_PROT_READWRITE=3)
+    CUmemAllocationGranularity_flags = SimpleNamespace(CU_MEM_ALLOC_GRANULARITY_MINIMUM=0)
+    CUdevice_attribute = SimpleNamespace(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED=102)
+    GRANULARITY = 2 * MiB
+    CONTEXT = 0xC0
+    CUmemAllocationProp = CUmemAccessDesc = staticmethod(lambda: SimpleNamespace(location=SimpleNamespace()))
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.mapped: dict[int, int] = {}
+        self.fail: set[str] = set()
+        self.local = threading.local()
+        self.next_addr, self.next_handle = 1 << 40, 1
+
+    def _result(self, name: str, *args, values=()) -> tuple:
+        self.calls.append((name, *args))
+        if name in self.fail:
+            return (self.CUresult.CUDA_ERROR_OUT_OF_MEMORY,)
+        return (self.CUresult.CUDA_SUCCESS, *values)
+
+    def cuInit(self, flags): return self._result("cuInit")
+    def cuDeviceGetAttribute(self, attribute, device): return self._result("attr", values=(1,))
+    def cuMemGetAllocationGranularity(self, prop, flag): return self._result("granularity", values=(self.GRANULARITY,))
+    def cuDevicePrimaryCtxRetain(self, device): return self._result("retain", device, values=(self.CONTEXT,))
+    def cuDevicePrimaryCtxRelease(self, device): return self._result("release_ctx", device)
+    def cuCtxGetCurrent(self): return (self.CUresult.CUDA_SUCCESS, getattr(self.local, "stack", [0])[-1])
+    def cuCtxPushCurrent(self, ctx):
+        self.local.stack = getattr(self.local, "stack", [0]) + [int(ctx)]
+        return self._result("push")
+    def cuCtxPopCurrent(self):
+        return self._result("pop", values=(self.local.stack.pop(),))
+    def cuMemCreate(self, size, prop, flags):
+        self.next_handle += 1
+        return self._result("create", size, values=(self.next_handle,))
+    def cuMemAddressReserve(self, size, alignment, addr, flags):
+        self.next_addr += size + (1 << 30)
+        return self._result("reserve", size, alignment, values=(self.next_addr - size - (1 << 30),))
+    def cuMemMap(self, addr, size, offset, handle, flags):
+        if addr in self.mapped:
+            return (self.CUresult.CUDA_ERROR_INVALID_VALUE,)
+        result = self._result("map", addr, size, handle)
+        if result[0] == 0:
+            self.mapped[addr] = handle
+        return result
+    def cuMemSetAccess(self, addr, size, descs, count): return self._result("access", addr, size, count)
+    def cuMemUnmap(self, addr, size):
+        if self.mapped.pop(addr, None) is None:
+            return (self.CUresult.CUDA_ERROR_INVALID_VALUE,)
+        return self._result("unmap", addr, size)
+    def cuMemRelease(self, handle): return self._result("release", handle)
+    def cuMemAddressFree(self, addr, size): return self._result("free", addr, size)
+
+
+@pytest.fixture
+def fake_driver(monkeypatch):
+    driver = FakeDriver()
+    bindings = SimpleNamespace(driver=driver)
+    monkeypatch.setitem(sys.modules, "cuda", SimpleNamespace(bindings=bindings))
+    monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
+    monkeypatch.setitem(sys.modules, "cuda.bindings.driver", driver)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: driver.calls.append(("synchronize",)))
+    driver.local.stack = [0, FakeDriver.CONTEXT]  # torch made its primary context current here
+    return driver
+
+
+def test_backend_drives_the_driver_as_documented(fake_driver):
+    page = 2 * FakeDriver.GRANULARITY
+    assert cuda_granularity("cuda:0") == FakeDriver.GRANULARITY
+    vm = CudaVirtualMemory(page, 3, device="cuda:0")
+    assert [c[1] for c in fake_driver.calls if c[0] == "create"] == [page] * 3  # the whole store, up front
+    assert vm.resident_bytes() == 3 * page
+    addr = vm.reserve(4 * page)
+    assert ("reserve", 4 * page, FakeDriver.GRANULARITY) in fake_driver.calls
+    vm.map(addr + page, 2)
+    assert fake_driver.calls[-2:] == [("map", addr + page, page, 4), ("access", addr + page, page, 1)]
+    fake_driver.fail = {"access"}  # a refused cuMemSetAccess leaves nothing mapped
+    with pytest.raises(BackendError, match="cuMemSetAccess at .* failed: CUDA_ERROR_OUT_OF_MEMORY"):
+        vm.map(addr, 0)
+    assert addr not in fake_driver.mapped
+    fake_driver.fail = set()
+    with pytest.raises(BackendError, match="already holds page 2"):
+        vm.map(addr + page, 1)
+
+    with vm._probe_at(addr + 3 * page + 64):  # nothing mapped there: a granule is, for the call
+        assert fake_driver.mapped[addr + 3 * page] == 5
+    assert addr + 3 * page not in fake_driver.mapped and vm.resident_bytes() == 3 * page + FakeDriver.GRANULARITY
+    before = len(fake_driver.calls)
+    with vm._probe_at(addr + page + 64):  # mapped already: nothing to do
+        pass
+    assert len(fake_driver.calls) == before
+
+    def map_elsewhere() -> None:  # a thread where torch's context is not current
+        vm.map(addr + 2 * page, 0)
+
+    thread = threading.Thread(target=map_elsewhere)
+    thread.start()
+    thread.join()
+    assert [c[0] for c in fake_driver.calls[before:]] == ["push", "map", "access", "pop"]
+
+    vm.close()
+    vm.close()
+    assert fake_driver.mapped == {}
+    assert [c[0] for c in fake_driver.calls if c[0] in ("release", "release_ctx", "free")] == (
+        ["free"] + ["release"] * 4 + ["release_ctx"]  # 3 pages + the probe granule, then the context
+    )
+    assert fake_driver.calls.index(("synchronize",), before) < fake_driver.calls.index(("unmap", addr + page, page))
+
+
+def test_backend_gives_everything_back_when_the_store_does_not_fit(fake_driver):
+    fake_driver.fail = {"create"}
+    with pytest.raises(BackendError, match="does not fit in free GPU memory; lower memory_budget"):
+        CudaVirtualMemory(FakeDriver.GRANULARITY, 4, device="cuda:0")
+    assert [c[0] for c in fake_driver.calls[-2:]] == ["synchronize", "release_ctx"]
 
 
 # ---- the GPU check script --------------------------------------------------------------------
