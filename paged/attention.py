@@ -153,6 +153,7 @@ class BlockwiseOnlineSoftmax(PagedKernel):
 
     Args:
         block_size: tokens per pool block.
+        kv_heads: KV heads of the pool.
         chunk_tokens: keys per chunk (rounded down to whole blocks, at least one).
 
     Raises:
@@ -161,10 +162,11 @@ class BlockwiseOnlineSoftmax(PagedKernel):
 
     name = "blockwise_online_softmax"
 
-    def __init__(self, block_size: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+    def __init__(self, block_size: int, kv_heads: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
         if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens <= 0:
             raise InvalidConfig(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
         self._block_size = block_size
+        self._kv_heads = kv_heads
         self.chunk_tokens = chunk_tokens
 
     # -- per step ---------------------------------------------------------------------------
@@ -174,14 +176,15 @@ class BlockwiseOnlineSoftmax(PagedKernel):
         per_chunk = max(1, self.chunk_tokens // block)  # blocks per chunk
         offsets = _offsets(plan)
         decode = [i for i, n in enumerate(plan.q_lens) if n == 1]
-        group = None
+        decode_group = None
         if decode:
             decode.sort(key=lambda i: -plan.kv_lens[i])
-            group = self._decode_group(plan, table, decode, offsets, per_chunk)
+            decode_group = self._decode_group(plan, table, decode, offsets, per_chunk)
+        group = q_heads // self._kv_heads
         prefill = tuple(
-            self._prefill_seq(plan, table, i, offsets[i], per_chunk) for i, n in enumerate(plan.q_lens) if n > 1
+            self._prefill_seq(plan, table, i, offsets[i], per_chunk, group) for i, n in enumerate(plan.q_lens) if n > 1
         )
-        return _BlockwiseMeta(group, prefill)
+        return _BlockwiseMeta(decode_group, prefill)
 
     def _decode_group(self, plan, table, order, offsets, per_chunk) -> _DecodeGroup:
         device = table.device
@@ -202,7 +205,7 @@ class BlockwiseOnlineSoftmax(PagedKernel):
         tokens = torch.tensor([offsets[i] for i in order], device=device)
         return _DecodeGroup(tokens, tuple(chunks))
 
-    def _prefill_seq(self, plan, table, i, first_token, per_chunk) -> _PrefillSeq:
+    def _prefill_seq(self, plan, table, i, first_token, per_chunk, group) -> _PrefillSeq:
         device = table.device
         block = self._block_size
         start, n, kv_len = plan.starts[i], plan.q_lens[i], plan.kv_lens[i]
@@ -217,27 +220,34 @@ class BlockwiseOnlineSoftmax(PagedKernel):
                 keys = torch.arange(lo, hi, device=device)
                 queries = torch.arange(start + skip, start + n, device=device)
                 valid = keys[None, :] <= queries[:, None]  # [n - skip, Tc]; implies key < kv_len
+                valid = valid.repeat_interleave(group, 0)  # one row per (query, group member)
             chunks.append(_Chunk(skip, blocks[0], valid, min(hi, kv_len) - lo))
         return _PrefillSeq(first_token, n, tuple(chunks))
 
     # -- per layer ----------------------------------------------------------------------------
     def __call__(self, q, k_pool, v_pool, plan, meta: _BlockwiseMeta, scale):
         out = torch.empty_like(q)
-        kv_heads = k_pool.shape[2]
+        heads = torch.arange(k_pool.shape[2], device=q.device)
         if meta.decode is not None:
-            out[meta.decode.tokens] = self._decode(q[meta.decode.tokens], k_pool, v_pool, meta.decode, scale)
+            out[meta.decode.tokens] = self._decode(q[meta.decode.tokens], k_pool, v_pool, meta.decode, heads, scale)
         for seq in meta.prefill:
             span = slice(seq.first, seq.first + seq.count)
-            out[span] = self._prefill(q[span], k_pool, v_pool, seq, kv_heads, scale)
+            out[span] = self._prefill(q[span], k_pool, v_pool, seq, heads, scale)
         return out
 
     @staticmethod
-    def _gather(pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        """``pool[blocks]`` with the block and token axes merged: ``[..., C * block, Hkv, D]``, float32."""
-        chunk = pool[blocks]
-        return chunk.flatten(-4, -3).float()
+    def _gather(pool: torch.Tensor, blocks: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+        """The chunk's keys or values, head-major and float32, in one gather.
 
-    def _decode(self, q, k_pool, v_pool, group: _DecodeGroup, scale: float) -> torch.Tensor:
+        ``pool: [N, B, Hkv, D]`` is read as ``[N, Hkv, B, D]`` (a view); indexing it with
+        ``blocks [..., C]`` and ``heads [Hkv]`` broadcast to ``[..., Hkv, C]`` yields
+        ``[..., Hkv, C, B, D]`` contiguous, i.e. ``[..., Hkv, C * B, D]``: the layout a batched
+        matmul reads without another copy.
+        """
+        chunk = pool.transpose(1, 2)[blocks.unsqueeze(-2), heads[:, None]]  # [..., Hkv, C, B, D]
+        return chunk.flatten(-3, -2).float()  # [..., Hkv, Tc, D]
+
+    def _decode(self, q, k_pool, v_pool, group: _DecodeGroup, heads: torch.Tensor, scale: float) -> torch.Tensor:
         batch, q_heads, dim = q.shape
         kv_heads = k_pool.shape[2]
         qf = q.float().view(batch, kv_heads, q_heads // kv_heads, dim) * scale  # [B, Hkv, G, D]
@@ -246,35 +256,40 @@ class BlockwiseOnlineSoftmax(PagedKernel):
         acc = torch.zeros(qf.shape, device=q.device)  # running numerator     [B, Hkv, G, D]
         for chunk in group.chunks:
             r = chunk.rows
-            k = self._gather(k_pool, chunk.blocks)  # [r, Tc, Hkv, D]
-            v = self._gather(v_pool, chunk.blocks)
-            s = torch.einsum("bhgd,bthd->bhgt", qf[:r], k)  # [r, Hkv, G, Tc]
+            k = self._gather(k_pool, chunk.blocks, heads)  # [r, Hkv, Tc, D]
+            v = self._gather(v_pool, chunk.blocks, heads)
+            s = qf[:r] @ k.transpose(-1, -2)  # [r, Hkv, G, Tc]
             if chunk.valid is not None:
                 s.masked_fill_(~chunk.valid[:, None, None, :], -math.inf)
-                v.masked_fill_(~chunk.valid[:, :, None, None], 0.0)
-            self._merge(s, v, m[:r], l[:r], acc[:r], "bhgt,bthd->bhgd")
+                v.masked_fill_(~chunk.valid[:, None, :, None], 0.0)  # p is 0 there, but 0 * inf is NaN
+            self._merge(s, v, m[:r], l[:r], acc[:r])
         return (acc / l[..., None]).view(batch, q_heads, dim).to(q.dtype)
 
-    def _prefill(self, q, k_pool, v_pool, seq: _PrefillSeq, kv_heads: int, scale: float) -> torch.Tensor:
+    def _prefill(self, q, k_pool, v_pool, seq: _PrefillSeq, heads: torch.Tensor, scale: float) -> torch.Tensor:
         n, q_heads, dim = q.shape
-        qf = (q.float() * scale).view(n, kv_heads, q_heads // kv_heads, dim).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
-        m = torch.full(qf.shape[:3], -math.inf, device=q.device)  # [Hkv, G, n]
-        l = torch.zeros(qf.shape[:3], device=q.device)
-        acc = torch.zeros(qf.shape, device=q.device)  # [Hkv, G, n, D]
+        kv_heads = k_pool.shape[2]
+        group = q_heads // kv_heads
+        # rows = (query, group member): row r * G + g is query r, head h * G + g
+        qf = (q.float() * scale).view(n, kv_heads, group * dim).transpose(0, 1).reshape(kv_heads, n * group, dim)
+        m = torch.full((kv_heads, n * group), -math.inf, device=q.device)  # [Hkv, n*G]
+        l = torch.zeros((kv_heads, n * group), device=q.device)
+        acc = torch.zeros((kv_heads, n * group, dim), device=q.device)  # [Hkv, n*G, D]
         for chunk in seq.chunks:
-            skip = chunk.rows
-            k = self._gather(k_pool, chunk.blocks)  # [Tc, Hkv, D]
-            v = self._gather(v_pool, chunk.blocks)
-            s = torch.einsum("hgnd,thd->hgnt", qf[:, :, skip:], k)  # [Hkv, G, n - skip, Tc]
+            rows = slice(chunk.rows * group, None)  # skip queries the whole chunk is in the future of
+            k = self._gather(k_pool, chunk.blocks, heads)  # [Hkv, Tc, D]
+            v = self._gather(v_pool, chunk.blocks, heads)
+            s = qf[:, rows] @ k.transpose(-1, -2)  # [Hkv, (n - skip)*G, Tc]
             if chunk.valid is not None:
-                s.masked_fill_(~chunk.valid, -math.inf)
-                v[chunk.keys :] = 0.0  # keys past the sequence: p is 0 there, but 0 * inf is NaN
-            self._merge(s, v, m[:, :, skip:], l[:, :, skip:], acc[:, :, skip:], "hgnt,thd->hgnd")
-        return (acc / l[..., None]).permute(2, 0, 1, 3).reshape(n, q_heads, dim).to(q.dtype)
+                s.masked_fill_(~chunk.valid, -math.inf)  # valid: [(n - skip)*G, Tc]
+                v[:, chunk.keys :] = 0.0  # keys past the sequence: p is 0 there, but 0 * inf is NaN
+            self._merge(s, v, m[:, rows], l[:, rows], acc[:, rows])
+        out = (acc / l[..., None]).view(kv_heads, n, group, dim).transpose(0, 1)  # [n, Hkv, G, D]
+        return out.reshape(n, q_heads, dim).to(q.dtype)
 
     @staticmethod
-    def _merge(s: torch.Tensor, v: torch.Tensor, m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, pv: str) -> None:
-        """Fold one chunk's scores ``s`` and values ``v`` into the running ``m``, ``l``, ``acc`` (in place).
+    def _merge(s: torch.Tensor, v: torch.Tensor, m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> None:
+        """Fold one chunk's scores ``s [..., R, Tc]`` and values ``v [..., Tc, D]`` into the running
+        max ``m [..., R]``, sum ``l [..., R]`` and numerator ``acc [..., R, D]`` (views, in place).
 
         Every row sees at least one key in its first chunk, so ``m`` is finite from then on and
         ``exp(m_old - m_new)`` is well defined (``exp(-inf) = 0`` on the first chunk).
@@ -283,7 +298,7 @@ class BlockwiseOnlineSoftmax(PagedKernel):
         alpha = torch.exp(m - m_new)
         p = torch.exp(s - m_new[..., None])
         l.mul_(alpha).add_(p.sum(-1))
-        acc.mul_(alpha[..., None]).add_(torch.einsum(pv, p, v))
+        acc.mul_(alpha[..., None]).add_(p @ v)
         m.copy_(m_new)
 
 
@@ -528,7 +543,7 @@ def _build(name: str, device, dtype, kv_heads, head_dim, block_size, chunk_token
     if name == "gather_sdpa":
         return GatherSDPA()
     if name == "blockwise_online_softmax":
-        return BlockwiseOnlineSoftmax(block_size, chunk_tokens)
+        return BlockwiseOnlineSoftmax(block_size, kv_heads, chunk_tokens)
     if name == "varlen_attn_block_table":
         return VarlenBlockTable()
     return FlashKVCacheBlockTable()

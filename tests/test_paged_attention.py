@@ -68,7 +68,7 @@ def test_blockwise_equals_gather_sdpa(chunk_tokens):
     """Random mixed batches: the fast kernel and the reference kernel agree on identical pools."""
     cache = paged_cache("gather_sdpa", max_batch_size=6, chunk_tokens=chunk_tokens)
     try:
-        fast = BlockwiseOnlineSoftmax(16, chunk_tokens)
+        fast = BlockwiseOnlineSoftmax(16, 2, chunk_tokens)
         slow = GatherSDPA()
         mirror = KVMirror(cache, q_heads=8, seed=11)
         rng = torch.Generator().manual_seed(5)
