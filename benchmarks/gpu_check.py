@@ -251,8 +251,8 @@ def run_tests(paths: list[str], timeout: int) -> dict[str, Any]:
     }
 
 
-def decode_section(device: torch.device, shape: Shape) -> dict[str, Any]:
-    """Each contiguous kernel on the VMM views vs on a dense tensor with the same bytes."""
+def decode_section(device: torch.device, shape: Shape, kernels: list[str]) -> dict[str, Any]:
+    """Each of ``kernels`` (contiguous-mode names) on the VMM views vs on a dense tensor with the same bytes."""
     cache = vmkv.open_cache(decode_config(device, shape))
     try:
         data = make_data(device, shape)
@@ -262,7 +262,8 @@ def decode_section(device: torch.device, shape: Shape) -> dict[str, Any]:
         reference = reference_decode(data.q, k_dense, v_dense, plan.slots_t.long())
         kv_bytes = 2 * shape.batch * shape.seq_len * shape.kv_heads * shape.head_dim * k_vmm.element_size()
         rows: dict[str, Any] = {}
-        for name, kernel in CONTIGUOUS_KERNELS.items():
+        for name in kernels:
+            kernel = CONTIGUOUS_KERNELS[name]
             reason = contiguous_kernel_unavailable(name, device, k_vmm.dtype, shape.head_dim)
             if reason is not None:
                 rows[name] = {"skipped": reason}
@@ -439,6 +440,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and few iterations (a dry run of the code paths)")
     parser.add_argument("--sections", nargs="+", default=["environment", "tests", "decode", "map_unmap", "paged_vs_vmm"],
                         help="which sections to run (default: all; tests are skipped with --smoke)")
+    parser.add_argument("--kernels", nargs="+", default=list(CONTIGUOUS_KERNELS), choices=list(CONTIGUOUS_KERNELS),
+                        help="contiguous kernels for the decode section (default: all; those that cannot run are skipped with the reason)")
     parser.add_argument("--tests", nargs="+", default=["tests/test_cuda.py"], help="pytest paths for the tests section")
     parser.add_argument("--test-timeout", type=int, default=150, help="seconds allowed for the tests section")
     return parser.parse_args(argv)
@@ -456,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, tuple[Callable[..., dict[str, Any]], tuple]] = {
         "environment": (environment, (device, shape)),
         "tests": (run_tests, (args.tests, args.test_timeout)),
-        "decode": (decode_section, (device, shape)),
+        "decode": (decode_section, (device, shape, args.kernels)),
         "map_unmap": (map_unmap_section, (device, shape)),
         "paged_vs_vmm": (paged_section, (device, shape)),
     }
