@@ -55,6 +55,7 @@ SCHEMA = {
     "latency_p50_ms": "arrival to last token, median (ms)",
     "latency_p99_ms": "arrival to last token, 99th percentile (ms)",
     "peak_running": "most sequences in the cache at once",
+    "mean_running": "sequences in the cache, mean over steps (what the budget sustains)",
     "preemptions": "sequences preempted for lack of pages",
 }
 
@@ -111,9 +112,14 @@ class _Recorder:
         self.arrival: dict[str, float] = {}
         self.done: list[tuple[float, float, float, int]] = []  # (ttft, tpot, latency, tokens)
         self.peak_running = 0
+        self.running_sum = 0
+        self.steps = 0
 
     def observe(self, engine: Engine, outputs: list[RequestOutput]) -> int:
-        self.peak_running = max(self.peak_running, len(engine.scheduler.running))
+        running = len(engine.scheduler.running)
+        self.peak_running = max(self.peak_running, running)
+        self.running_sum += running
+        self.steps += 1
         finished = 0
         for out in outputs:
             if out.finished:
@@ -134,7 +140,7 @@ class _Recorder:
             "ttft_p50_ms": _percentile(ttft, 50) * ms, "ttft_p99_ms": _percentile(ttft, 99) * ms,
             "tpot_p50_ms": _percentile(tpot, 50) * ms, "tpot_p99_ms": _percentile(tpot, 99) * ms,
             "latency_p50_ms": _percentile(latency, 50) * ms, "latency_p99_ms": _percentile(latency, 99) * ms,
-            "peak_running": self.peak_running,
+            "peak_running": self.peak_running, "mean_running": self.running_sum / max(1, self.steps),
         }
 
 
@@ -257,6 +263,7 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for r in rows:
         if r["experiment"] == "capacity":
             summary[f"capacity_peak_running_{r['mode']}_{r['tokens_per_page']}tok"] = r["peak_running"]
+            summary[f"capacity_mean_running_{r['mode']}_{r['tokens_per_page']}tok"] = round(r["mean_running"], 1)
             summary[f"capacity_preemptions_{r['mode']}_{r['tokens_per_page']}tok"] = r["preemptions"]
     summary["runs"] = len(by)
     return summary

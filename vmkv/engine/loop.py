@@ -86,7 +86,10 @@ class EngineLoop:
                     return
                 deliveries = self._step()
             for sink, output in deliveries:
-                sink(output)
+                try:
+                    sink(output)
+                except Exception:  # e.g. the client's event loop has closed: its request is moot
+                    log.exception("vmkv engine: delivering an output failed")
 
     def _step(self) -> list[tuple[Sink, RequestOutput | BaseException]]:
         """One engine step under the lock; what to deliver to which sink."""
