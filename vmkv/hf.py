@@ -499,9 +499,9 @@ class VirtualCache(Cache):
 
     @staticmethod
     def _pack(states: torch.Tensor) -> torch.Tensor:
-        """``[B, H, S, D]`` -> ``[B * S, H, D]`` (row after row: the plan's packing order)."""
+        """``[B, H, S, D]`` -> contiguous ``[B * S, H, D]`` (row after row: the plan's packing order)."""
         batch, heads, q_len, dim = states.shape
-        return states.transpose(1, 2).reshape(batch * q_len, heads, dim)
+        return states.transpose(1, 2).reshape(batch * q_len, heads, dim).contiguous()
 
     def _write_and_view(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """"model" style: write, then return ``[B, H, columns, D]`` views of the virtual tensors."""
