@@ -280,3 +280,30 @@ def test_request_larger_than_the_budget_is_refused(engines):
 def test_sampling_params_are_validated(field, value):
     with pytest.raises(vmkv.InvalidInput, match=field):
         SamplingParams(**{field: value})
+
+
+def test_engine_refuses_a_cache_of_another_shape():
+    loaded = load_model(None)
+    cache = vmkv.open_cache(vmkv.KVCacheConfig(num_layers=2, num_kv_heads=4, head_dim=32, dtype="float32",
+                                               memory_budget="1MiB", page_size="4KiB"))
+    try:
+        with pytest.raises(vmkv.InvalidConfig, match="num_layers"):
+            Engine(loaded, cache)
+    finally:
+        cache.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU with the CUDA driver")
+@pytest.mark.parametrize("mode", ["vmm", "paged"])
+def test_engine_on_cuda_matches_cpu(mode, hf_model):
+    """The same greedy tokens on the GPU (float32 model and cache, 2 MiB VMM pages) as transformers."""
+    engine = Engine.from_config(EngineConfig(kv_mode=mode, device="cuda", dtype="float32", memory_budget="256MiB",
+                                             max_num_seqs=4, max_seq_len=256))
+    try:
+        tok = ByteTokenizer()
+        outs = engine.generate(PROMPTS, GREEDY)
+        for prompt, out in zip(PROMPTS, outs):
+            assert out.outputs[0].token_ids == hf_greedy(hf_model, tok.encode(prompt), GREEDY.max_tokens)
+    finally:
+        engine.close()

@@ -225,3 +225,17 @@ def test_client_disconnect_mid_stream_frees_its_sequence(server):
     assert after["vmkv_requests_aborted_total"] == before["vmkv_requests_aborted_total"] + 1
     assert after["vmkv_generation_tokens_total"] - before["vmkv_generation_tokens_total"] < 200
     assert after["vmkv_kv_pages_in_use"] == after["vmkv_kv_pages_spare"]
+
+
+def test_cli_options_and_configuration_errors(capsys):
+    import argparse
+
+    from vmkv.server import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args([])
+    assert (args.host, args.kv_mode, args.model) == ("127.0.0.1", "vmm", None)  # loopback unless told otherwise
+    bad = parser.parse_args(["--memory-budget", "1KiB", "--log-level", "error"])
+    assert cli.run(bad) == 2
+    assert "memory_budget" in capsys.readouterr().err

@@ -84,6 +84,17 @@ def default_page_size(token_bytes: int, device: torch.device) -> int:
     return -(-floor // step) * step
 
 
+def _check_cache_fits(loaded: LoadedModel, cache: KVCacheBase) -> None:
+    """Raise ``InvalidConfig`` unless ``cache`` has the model's KV shape, dtype and device."""
+    want = cache_config_for(loaded.model)
+    for name in ("num_layers", "num_kv_heads", "head_dim", "dtype", "device"):
+        if getattr(want, name) != getattr(cache.config, name):
+            raise InvalidConfig(
+                f"the cache's {name} is {getattr(cache.config, name)} but the model needs {getattr(want, name)}; "
+                "build the cache config with runner.cache_config_for(model, ...)"
+            )
+
+
 class Engine:
     """Continuous-batching generation over one model and one KV cache.
 
@@ -105,6 +116,7 @@ class Engine:
     def __init__(
         self, loaded: LoadedModel, cache: KVCacheBase, scheduler: SchedulerConfig | None = None, seed: int = 0
     ) -> None:
+        _check_cache_fits(loaded, cache)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.vocab_size = loaded.model.shape.vocab_size
