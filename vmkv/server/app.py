@@ -108,29 +108,45 @@ class Server:
         if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
             raise APIError(401, "invalid or missing API key", type_="authentication_error", code="invalid_api_key")
 
-    def submit(self, prompts: list[str | list[int]], make_params: Callable[[int], SamplingParams]) -> _Job:
+    async def submit(self, prompts: list[str | list[int]], make_params: Callable[[int], SamplingParams]) -> _Job:
         """Validate every prompt, then queue them all (all or nothing).
+
+        The engine calls run on a worker thread: they wait for the current step to end, and
+        the event loop keeps serving other clients meanwhile.
 
         Args:
             prompts: text or token ids, one engine request each.
             make_params: sampling parameters given the prompt's token count.
         """
-        try:
-            checked = []
-            for prompt in prompts:
-                ids = self.loop.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-                params = make_params(len(ids))
-                checked.append((self.loop.validate(ids, params), params))
-        except VMKVError as exc:
-            raise _engine_error(exc) from None
         aio = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
         def sink(output: RequestOutput | BaseException) -> None:
             aio.call_soon_threadsafe(queue.put_nowait, output)
 
-        ids = [self.loop.submit(ids, params, sink) for ids, params in checked]
-        return _Job(queue, ids, sum(len(ids) for ids, _ in checked))
+        return await asyncio.to_thread(self._submit, prompts, make_params, sink, queue)
+
+    def _submit(self, prompts: list[str | list[int]], make_params: Callable[[int], SamplingParams],
+                sink: Callable[[Any], None], queue: asyncio.Queue) -> _Job:
+        try:
+            checked = []
+            for prompt in prompts:
+                ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+                params = make_params(len(ids))
+                checked.append((self.loop.validate(ids, params), params))
+        except VMKVError as exc:
+            raise _engine_error(exc) from None
+        request_ids = [self.loop.submit(ids, params, sink) for ids, params in checked]
+        return _Job(queue, request_ids, sum(len(ids) for ids, _ in checked))
+
+    def tokenize(self, prompt: str) -> list[int]:
+        """Token ids of ``prompt``, encoded between engine steps (the engine thread decodes with
+        the same tokenizer; Hugging Face tokenizers are not safe to share across threads)."""
+        return self.loop.call(lambda engine: engine.tokenizer.encode(prompt))
+
+    def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a chat through the tokenizer's chat template, between engine steps."""
+        return self.loop.call(lambda engine: engine.tokenizer.chat(messages))
 
     async def collect(self, request: Request, job: _Job) -> list[RequestOutput]:
         """Wait for every request of ``job`` to finish (aborting them if the client leaves)."""
@@ -226,7 +242,8 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None) ->
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return PlainTextResponse(metrics.render(loop.stats()), media_type=metrics.CONTENT_TYPE)
+        stats = await asyncio.to_thread(loop.stats)
+        return PlainTextResponse(metrics.render(stats), media_type=metrics.CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
@@ -242,7 +259,7 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None) ->
         except InvalidInput as exc:
             raise _engine_error(exc) from None
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
-        job = server.submit(prompts, lambda _: body.sampling(max_tokens))
+        job = await server.submit(prompts, lambda _: body.sampling(max_tokens))
         rid, created = f"cmpl-{job.request_ids[0]}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
         if body.stream:
@@ -260,7 +277,7 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None) ->
     async def chat_completions(request: Request) -> Response:
         body: ChatBody = await server.parse(request, ChatBody)
         try:
-            ids = loop.engine.tokenizer.chat(body.chat())
+            ids = await asyncio.to_thread(server.tokenize_chat, body.chat())
         except (InvalidInput, InvalidConfig) as exc:
             raise _engine_error(exc) from None
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -269,7 +286,7 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None) ->
         def params(prompt_len: int) -> SamplingParams:
             return body.sampling(limit if limit is not None else max(1, context - prompt_len))
 
-        job = server.submit([ids], params)
+        job = await server.submit([ids], params)
         rid, created = f"chatcmpl-{job.request_ids[0]}", int(time.time())
         head = {"id": rid, "object": "chat.completion.chunk" if body.stream else "chat.completion",
                 "created": created, "model": model_name}
