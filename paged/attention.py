@@ -77,7 +77,9 @@ def _offsets(plan: StepPlan) -> list[int]:
 class GatherSDPA(PagedKernel):
     """Gather each sequence's blocks into one contiguous K/V, then torch SDPA on it.
 
-    Simple and exact, but it copies every sequence's whole K/V once per layer.
+    Simple and exact, but it copies every sequence's whole K/V once per layer. A decode row
+    under GQA runs as ``[Hkv, G, D]`` queries over ``[Hkv, L, D]`` keys (one query sees every
+    key, so no mask), which avoids SDPA's much slower ``enable_gqa`` path on CPU.
     """
 
     name = "gather_sdpa"
@@ -92,6 +94,11 @@ class GatherSDPA(PagedKernel):
             blocks = plan.block_table[i, : -(-kv_len // block)]
             k_i = k_pool[blocks].flatten(0, 1)[:kv_len].transpose(0, 1)  # [Hkv, kv_len, D]
             v_i = v_pool[blocks].flatten(0, 1)[:kv_len].transpose(0, 1)
+            if n == 1:  # [Hkv, G, D]: the group's queries share their KV head
+                q_i = q[offsets[i]].view(k_i.shape[0], -1, q.shape[2])
+                o_i = F.scaled_dot_product_attention(q_i, k_i, v_i, scale=scale)
+                out[offsets[i]] = o_i.reshape(q.shape[1:])
+                continue
             q_i = q[offsets[i] : offsets[i + 1]].transpose(0, 1)  # [Hq, n, D]
             mask = masks[i]
             if mask is not None:
@@ -108,16 +115,17 @@ class GatherSDPA(PagedKernel):
 class _Chunk:
     """One chunk of keys for a group of rows.
 
-    ``blocks``: int64 ``[rows, C]`` pool blocks (never -1); ``valid``: bool mask of the keys
-    each query may see, broadcastable to the scores (``None``: all of them); ``rows``: how
-    many leading rows of the group take part (decode) or how many leading query rows are
-    skipped (prefill); ``keys``: prefill: keys of the chunk below the sequence's length (the
-    values of the rest are zeroed).
+    ``blocks``: int64 pool blocks (never -1), ``[rows, C]`` for decode, ``[C]`` for a prefill;
+    ``valid``: bool mask of the keys each query row may see (``None``: all of them).
+    Decode: ``rows`` leading sequences of the group take part. Prefill: the first ``skip``
+    queries are skipped (the chunk is wholly in their future) and only the first ``keys`` keys
+    exist (the values of the rest are zeroed).
     """
 
-    rows: int
     blocks: torch.Tensor
     valid: torch.Tensor | None
+    rows: int = 0
+    skip: int = 0
     keys: int = 0
 
 
@@ -131,7 +139,7 @@ class _DecodeGroup:
 class _PrefillSeq:
     first: int  # packed index of the sequence's first new token
     count: int  # its new tokens
-    chunks: tuple[_Chunk, ...]  # rows: query rows skipped from the start (fully masked ones)
+    chunks: tuple[_Chunk, ...]
 
 
 @dataclass(frozen=True)
@@ -201,7 +209,7 @@ class BlockwiseOnlineSoftmax(PagedKernel):
             if min(lens[:rows]) < start + blocks.shape[1] * block:  # some row ends inside the chunk
                 keys = torch.arange(start, start + blocks.shape[1] * block, device=device)
                 valid = keys[None, :] < lens_t[:rows, None]  # [rows, Tc]
-            chunks.append(_Chunk(rows, blocks, valid))
+            chunks.append(_Chunk(blocks, valid, rows=rows))
         tokens = torch.tensor([offsets[i] for i in order], device=device)
         return _DecodeGroup(tokens, tuple(chunks))
 
@@ -221,7 +229,7 @@ class BlockwiseOnlineSoftmax(PagedKernel):
                 queries = torch.arange(start + skip, start + n, device=device)
                 valid = keys[None, :] <= queries[:, None]  # [n - skip, Tc]; implies key < kv_len
                 valid = valid.repeat_interleave(group, 0)  # one row per (query, group member)
-            chunks.append(_Chunk(skip, blocks[0], valid, min(hi, kv_len) - lo))
+            chunks.append(_Chunk(blocks[0], valid, skip=skip, keys=min(hi, kv_len) - lo))
         return _PrefillSeq(first_token, n, tuple(chunks))
 
     # -- per layer ----------------------------------------------------------------------------
@@ -275,7 +283,7 @@ class BlockwiseOnlineSoftmax(PagedKernel):
         l = torch.zeros((kv_heads, n * group), device=q.device)
         acc = torch.zeros((kv_heads, n * group, dim), device=q.device)  # [Hkv, n*G, D]
         for chunk in seq.chunks:
-            rows = slice(chunk.rows * group, None)  # skip queries the whole chunk is in the future of
+            rows = slice(chunk.skip * group, None)  # skip queries the whole chunk is in the future of
             k = self._gather(k_pool, chunk.blocks, heads)  # [Hkv, Tc, D]
             v = self._gather(v_pool, chunk.blocks, heads)
             s = qf[:, rows] @ k.transpose(-1, -2)  # [Hkv, (n - skip)*G, Tc]

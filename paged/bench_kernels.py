@@ -59,7 +59,12 @@ def run(dtype: str, layers: int, repeat: int) -> None:
             cache = PagedKVCache(config, kernel=kernel)
             _fill(cache, cached, layers, seed=0)
             caches.append(cache)
-            plans.append(cache.begin_step({i: n for i, n in enumerate(new)}))
+            plan = cache.begin_step({i: n for i, n in enumerate(new)})
+            gen = torch.Generator().manual_seed(2)
+            for layer in range(layers):  # the step's own K/V, as a model writes before attending
+                k = torch.randn(plan.num_tokens, KV_HEADS, HEAD_DIM, generator=gen).to(config.dtype)
+                cache.write(layer, k, -k, plan)
+            plans.append(plan)
             best.append(float("inf"))
         q = torch.randn(sum(new), Q_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(1)).to(config.dtype)
         outs = [None] * len(kernels)
