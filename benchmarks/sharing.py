@@ -1,0 +1,256 @@
+"""Memory saved by sharing KV pages: parallel sampling and beam search (issue 3; vLLM Fig. 15).
+
+Each request of a seeded trace runs through a real cache twice, with the same seeded choices:
+
+* **shared**: ``fork`` (the child shares every page, copy-on-write on the first write into a
+  shared page), ``free`` for dead beams;
+* **unshared**: every fork is replaced by a new sequence holding its own copy of the parent's
+  tokens (``add`` + ``begin_step`` of the parent's length): what a cache without sharing holds.
+
+Parallel sampling with n: the prompt is prefilled once, then forked into n samples (the parent
+is sample 0), each decoding its own seeded output length. Beam search with width w: the prompt
+is forked into w beams; every step w parents are drawn (seeded, with replacement) among the
+live beams, beams never drawn are freed, a beam drawn k times is forked k-1 times, then every
+beam decodes one token; the request's output length sets the number of steps.
+
+Saved = 1 - sum over steps of pages in use (shared) / the same sum (unshared): the time-average
+of memory saved. ``peak_saved`` compares the peaks. Pages count every layer (a pool page), so a
+page of 16 tokens (paged) and one of 1024 tokens (VMM, per-layer layout, 2 MiB pages, Llama-3-8B
+shape) give different answers: sharing saves whole pages only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import vmkv
+
+from . import common
+
+NAME = "sharing"
+DESCRIPTION = "memory saved by COW sharing for parallel sampling (n=2,4,6) and beam search (w=2,4,6), paged vs VMM page sizes"
+
+SCHEMA = {
+    "trace": "request trace (sharegpt-like or alpaca-like)",
+    "scenario": "parallel (n samples) or beam (width w)",
+    "n": "samples or beam width",
+    "allocator": "cache and page geometry",
+    "tokens_per_page": "tokens one page holds",
+    "saved": "1 - pages in use with sharing / without, summed over steps (0..1)",
+    "peak_saved": "1 - peak pages with sharing / peak pages without",
+    "cow_copies": "pages copied on write in the shared run",
+    "requests": "requests replayed",
+}
+
+
+@dataclass(frozen=True)
+class Allocator:
+    label: str
+    mode: str
+    fields: dict[str, Any]
+
+
+# Llama-3-8B KV heads and dims; per-layer pages count the same tokens whatever the layer count,
+# so the per-layer runs use one layer (copies on write move 2 x 2 MiB instead of 64 x 2 MiB).
+_ONE_LAYER = {**common.LLAMA3_8B, "num_layers": 1}
+ALLOCATORS = [
+    Allocator("paged-b16", "paged", {**_ONE_LAYER, "block_size": 16}),
+    Allocator("vmm-layer-64KiB", "vmm", {**_ONE_LAYER, "layout": "per_layer", "page_size": "64KiB"}),
+    Allocator("vmm-layer-2MiB", "vmm", {**_ONE_LAYER, "layout": "per_layer", "page_size": "2MiB"}),
+    Allocator("vmm-all-2MiB", "vmm", {**common.LLAMA3_8B, "layout": "all_layers", "page_size": "2MiB"}),
+]
+DEFAULT_ALLOCATORS = ["paged-b16", "vmm-layer-64KiB", "vmm-layer-2MiB"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--traces", nargs="+", default=None, choices=sorted(common.TRACES), help="default: both; smoke: alpaca")
+    parser.add_argument("--requests", type=int, default=None, help="requests per (trace, scenario) (default 4 ShareGPT-like, 12 Alpaca-like; smoke 1)")
+    parser.add_argument("--widths", type=int, nargs="+", default=None, help="n and beam widths (default 2 4 6; smoke 2)")
+    parser.add_argument("--allocators", nargs="+", default=DEFAULT_ALLOCATORS, choices=[a.label for a in ALLOCATORS],
+                        help="vmm-all-2MiB has 32 tokens a page like vmm-layer-64KiB, so it gives the same pages")
+    parser.add_argument("--max-seq-len", type=int, default=None, help="longest sequence (default 2048; smoke 128)")
+
+
+class _Run:
+    """One request in one cache, shared or unshared; sums the pages in use after every step."""
+
+    def __init__(self, cache: vmkv.KVCacheBase, shared: bool) -> None:
+        self.cache, self.shared = cache, shared
+        self.lengths: dict[int, int] = {}
+        self.next_id = 0
+        self.page_steps = 0
+        self.peak = 0
+
+    def start(self, prompt: int) -> int:
+        seq = self._new_id()
+        self.cache.add(seq)
+        self.cache.begin_step({seq: prompt})
+        self.lengths[seq] = prompt
+        return seq
+
+    def fork(self, src: int) -> int:
+        dst = self._new_id()
+        if self.shared:
+            self.cache.fork(src, dst)
+        else:
+            self.cache.add(dst)
+            self.cache.begin_step({dst: self.lengths[src]})
+        self.lengths[dst] = self.lengths[src]
+        return dst
+
+    def free(self, seq: int) -> None:
+        self.cache.free(seq)
+        del self.lengths[seq]
+
+    def step(self, seqs: list[int]) -> None:
+        self.cache.begin_step({seq: 1 for seq in seqs})
+        for seq in seqs:
+            self.lengths[seq] += 1
+        self.record()
+
+    def record(self) -> None:
+        used = self.cache.pool.num_in_use
+        self.page_steps += used
+        self.peak = max(self.peak, used)
+
+    def _new_id(self) -> int:
+        self.next_id += 1
+        return self.next_id
+
+    def close(self) -> None:
+        for seq in list(self.lengths):
+            self.free(seq)
+
+
+def _parallel(run: _Run, prompt: int, outputs: list[int], rng: random.Random) -> None:
+    parent = run.start(prompt)
+    samples = {parent: outputs[0]}
+    for out in outputs[1:]:
+        samples[run.fork(parent)] = out
+    run.record()
+    done = {seq: 0 for seq in samples}
+    while samples:
+        run.step(list(samples))
+        for seq in list(samples):
+            done[seq] += 1
+            if done[seq] >= samples[seq]:
+                run.free(seq)
+                del samples[seq]
+
+
+def _beam(run: _Run, prompt: int, steps: int, width: int, rng: random.Random) -> None:
+    beams = [run.start(prompt)]
+    beams += [run.fork(beams[0]) for _ in range(width - 1)]
+    run.record()
+    for _ in range(steps):
+        drawn = [rng.choice(beams) for _ in range(width)]
+        counts = {beam: drawn.count(beam) for beam in beams}
+        for beam in beams:
+            if counts[beam] == 0:
+                run.free(beam)
+        survivors = [beam for beam in beams if counts[beam]]
+        beams = list(survivors)
+        for beam in survivors:
+            beams += [run.fork(beam) for _ in range(counts[beam] - 1)]
+        run.step(beams)
+
+
+def _measure(allocator: Allocator, args: argparse.Namespace, scenario: Callable[[_Run, random.Random], None], width: int, seed: int) -> dict[str, Any]:
+    """Run ``scenario`` shared and unshared with the same seed; return page sums and copies."""
+    result = {}
+    for shared in (True, False):
+        config = common.cache_config(
+            {}, args.device, **allocator.fields, max_batch_size=2 * width, max_seq_len=args.max_seq_len,
+            memory_budget=_budget(allocator, width, args.max_seq_len), prefix_caching=False, deferred_reclaim=False,
+        )
+        with vmkv.open_cache(config, allocator.mode) as cache:
+            run = _Run(cache, shared)
+            scenario(run, random.Random(seed))
+            run.close()
+            result[shared] = (run.page_steps, run.peak, cache.stats()["cow_copies"], cache.tokens_per_page)
+    return result
+
+
+def _budget(allocator: Allocator, width: int, max_seq_len: int) -> int:
+    """Bytes for 2 x width sequences of max_seq_len tokens, rounded up to whole pages."""
+    probe = common.cache_config({}, "cpu", **{k: v for k, v in allocator.fields.items() if k in ("num_layers", "num_kv_heads", "head_dim", "dtype")})
+    if allocator.mode == "paged":
+        page_tokens = allocator.fields["block_size"]
+    else:
+        per_token = probe.layer_token_bytes * (probe.num_layers if allocator.fields["layout"] == "all_layers" else 1)
+        page_tokens = vmkv.parse_size(allocator.fields["page_size"]) // per_token
+    pages = 2 * width * (-(-max_seq_len // page_tokens) + 1)
+    return pages * page_tokens * probe.bytes_per_token
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Replay parallel sampling and beam search per trace, width and allocator, shared vs unshared."""
+    common.check_device(args.device)
+    has_paged, why_not = common.paged_available()
+    widths = args.widths or ([2] if args.smoke else [2, 4, 6])
+    args = argparse.Namespace(**{**vars(args), "max_seq_len": args.max_seq_len or (128 if args.smoke else 2048),
+                                  "traces": args.traces or (["alpaca"] if args.smoke else ["sharegpt", "alpaca"])})
+    allocators = [a for a in ALLOCATORS if a.label in args.allocators and (a.mode == "vmm" or has_paged)]
+    work = [(kind, scen, n, a) for kind in args.traces for scen in ("parallel", "beam") for n in widths for a in allocators]
+    rows = []
+    for kind, scen, width, allocator in common.progress(work, "sharing", enabled=getattr(args, "progress", False)):
+        count = args.requests or (1 if args.smoke else {"sharegpt": 4, "alpaca": 12}[kind])
+        trace = common.make_trace(kind, count, args.seed, args.max_seq_len)
+        extra = common.make_trace(kind, count * width, args.seed + 1, args.max_seq_len)  # per-sample output lengths
+        sums = {True: [0, 0, 0], False: [0, 0, 0]}
+        for req in trace:
+            if scen == "parallel":
+                outs = [min(e.output, args.max_seq_len - req.prompt) for e in extra[req.rid * width : (req.rid + 1) * width]]
+                scenario = lambda run, rng, req=req, outs=outs: _parallel(run, req.prompt, outs, rng)  # noqa: E731
+            else:
+                scenario = lambda run, rng, req=req: _beam(run, req.prompt, req.output, width, rng)  # noqa: E731
+            measured = _measure(allocator, args, scenario, width, args.seed * 1000 + req.rid)
+            for shared, (page_steps, peak, cows, tpp) in measured.items():
+                sums[shared][0] += page_steps
+                sums[shared][1] = max(sums[shared][1], peak)
+                sums[shared][2] += cows
+        rows.append({
+            "trace": kind, "scenario": scen, "n": width, "allocator": allocator.label, "tokens_per_page": tpp,
+            "saved": 1 - sums[True][0] / sums[False][0], "peak_saved": 1 - sums[True][1] / sums[False][1],
+            "cow_copies": sums[True][2], "requests": count,
+        })
+    skipped = {} if has_paged else {"paged-b16": why_not}
+    return common.make_result(NAME, SCHEMA, rows, _summary(rows, skipped))
+
+
+PAPER = {  # vLLM paper, Fig. 15 (ranges over n / width 2..6)
+    ("alpaca", "parallel"): (0.061, 0.098), ("sharegpt", "parallel"): (0.162, 0.305),
+    ("alpaca", "beam"): (0.376, 0.552), ("sharegpt", "beam"): (0.443, 0.663),
+}
+
+
+def _summary(rows: list[dict[str, Any]], skipped: dict[str, str]) -> dict[str, Any]:
+    summary: dict[str, Any] = {"skipped": skipped, "paper_ranges": {f"{k[0]}/{k[1]}": v for k, v in PAPER.items()}}
+    for row in rows:
+        key = f"{row['trace']}/{row['scenario']}/{row['allocator']}"
+        summary.setdefault(key, {})[f"n={row['n']}"] = round(row["saved"], 3)
+    return summary
+
+
+def plot(result: dict[str, Any], out_dir) -> list[str]:
+    """``sharing_saved.png``: memory saved vs n / width, one panel per (trace, scenario)."""
+    plt = common.pyplot()
+    rows = result["rows"]
+    panels = list(dict.fromkeys((r["trace"], r["scenario"]) for r in rows))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), squeeze=False)
+    for ax, (trace, scen) in zip(axes[0], panels):
+        mine = [r for r in rows if r["trace"] == trace and r["scenario"] == scen]
+        for label in dict.fromkeys(r["allocator"] for r in mine):
+            pts = [r for r in mine if r["allocator"] == label]
+            ax.plot([r["n"] for r in pts], [100 * r["saved"] for r in pts], "o-", label=f"{label} ({pts[0]['tokens_per_page']} tok/page)")
+        low, high = PAPER[(trace, scen)]
+        ax.axhspan(100 * low, 100 * high, color="grey", alpha=0.2, label="vLLM paper range")
+        ax.set_title(f"{trace}: {'parallel sampling' if scen == 'parallel' else 'beam search'}")
+        ax.set_xlabel("n" if scen == "parallel" else "beam width")
+        ax.set_ylabel("memory saved (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    return [common.save_figure(fig, out_dir, "sharing_saved.png")]

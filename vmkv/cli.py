@@ -1,0 +1,336 @@
+"""The ``vmkv`` command: ``info``, ``bench`` and ``serve``.
+
+::
+
+    vmkv info                          backends, page granularity, kernels per mode and why
+    vmkv bench                         the quick default suite (CPU, a few minutes): tables,
+                                       JSON and PNG plots in --out (default bench-out/)
+    vmkv bench <name> [options]        one benchmark with its own options (--help lists them)
+    vmkv bench --list                  the registry
+    vmkv serve [options]               the OpenAI-compatible server (vmkv.server.cli)
+
+Benchmark modules are imported only when needed; one that is missing or fails to import is
+reported plainly and the others still run. Every module follows the contract described in
+:mod:`benchmarks.common` (``NAME``, ``DESCRIPTION``, ``add_arguments``, ``run``, optional ``plot``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import mmap
+import platform
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+COMMON_OPTIONS = ("device", "smoke", "seed", "out")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A registered benchmark: its module and the options the default suite runs it with."""
+
+    name: str
+    module: str
+    suite_argv: list[str] = field(default_factory=list)
+    in_suite: bool = True
+
+
+REGISTRY: dict[str, Entry] = {
+    entry.name: entry
+    for entry in (
+        Entry("memory", "benchmarks.memory"),
+        Entry("decode", "benchmarks.decode"),
+        Entry("mapping", "benchmarks.mapping"),
+        Entry("sharing", "benchmarks.sharing"),
+        Entry("generate", "benchmarks.generate",
+              ["--prompt-len", "64", "--new-tokens", "64", "--batch-sizes", "1,4", "--beam-new-tokens", "16"]),
+        Entry("serve", "benchmarks.serve"),
+    )
+}
+
+
+# ---- vmkv info ---------------------------------------------------------------------------------
+def _try(fn: Callable[[], Any]) -> tuple[Any, str]:
+    """``(value, "")`` or ``(None, reason)`` if ``fn`` raises."""
+    try:
+        return fn(), ""
+    except Exception as exc:  # noqa: BLE001 - every reason is reported, none is hidden
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def _installed(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def info_lines() -> list[str]:
+    """What ``vmkv info`` prints: versions, backends, granularity, kernels per mode with reasons."""
+    import torch
+
+    import vmkv
+    from vmkv.attention import has_flash_attn, select_contiguous_kernel, torch_varlen_features
+    from vmkv.vm import HostVirtualMemory
+
+    lines = [f"vmkv {vmkv.__version__}  python {platform.python_version()}  torch {torch.__version__}  ({platform.platform()})", ""]
+    lines.append("Virtual-memory backends")
+    _, why = _try(lambda: HostVirtualMemory(mmap.PAGESIZE, 1).close())
+    lines.append(f"  host  {'available' if why == '' else 'unavailable: ' + why}; granularity {mmap.PAGESIZE} B (Linux mmap + memfd)")
+    cuda_gran, cuda_why = _try(_cuda_granularity)
+    if cuda_why:
+        lines.append(f"  cuda  unavailable: {cuda_why}")
+    else:
+        lines.append(f"  cuda  available on {torch.cuda.get_device_name()}; granularity {cuda_gran} B (CUDA driver VMM)")
+    features = torch_varlen_features()
+    lines += ["", "Contiguous (VMM) mode kernels"]
+    lines.append(f"  cpu   {select_contiguous_kernel(torch.device('cpu'))[0]} (torch SDPA on each sequence's exact-length slice)")
+    lines.append(f"  cuda  flash_attn_with_kvcache: {'installed' if has_flash_attn() else 'flash-attn not installed (optional extra: pip install flash-attn)'}")
+    need = {"seqused_k", "window_size", "enable_gqa"}
+    lines.append(f"        varlen_attn_seqused: {'available' if need <= features else 'torch varlen_attn lacks ' + ', '.join(sorted(need - features) or ['varlen_attn'])}")
+    lines.append(f"        chosen on cuda: {_cuda_contiguous_choice(has_flash_attn(), need <= features)}")
+    lines += ["", "Paged mode kernels"]
+    lines += _paged_kernel_lines(features)
+    lines += ["", "Optional packages"]
+    for extra, names in (("hf", ["transformers"]), ("serve", ["fastapi", "uvicorn"]), ("bench", ["matplotlib", "tqdm"]),
+                         ("cuda", ["cuda.bindings"]), ("flash", ["flash_attn"]), ("optional", ["flashinfer"])):
+        states = ", ".join(f"{n} {'yes' if _installed_safe(n) else 'no'}" for n in names)
+        lines.append(f"  [{extra}] {states}")
+    return lines
+
+
+def _installed_safe(name: str) -> bool:
+    try:
+        return _installed(name)
+    except (ImportError, ValueError):  # a dotted name whose parent is missing
+        return False
+
+
+def _cuda_granularity() -> int:
+    import torch
+
+    from vmkv.vm import granularity
+
+    return granularity(torch.device("cuda"))
+
+
+def _cuda_contiguous_choice(flash: bool, varlen: bool) -> str:
+    if flash:
+        return "flash_attn_with_kvcache"
+    if varlen:
+        return "varlen_attn_seqused (flash-attn not installed)"
+    return "sdpa_per_sequence (no flash-attn, no torch varlen_attn(seqused_k))"
+
+
+def _paged_kernel_lines(features: set[str]) -> list[str]:
+    import torch
+
+    try:
+        from paged.attention import KERNELS, choose_paged_kernel
+    except ImportError as exc:
+        return [f"  paged mode unavailable: {exc}"]
+    lines = [f"  kernels: {', '.join(KERNELS)}"]
+    flash, flashinfer = _installed("flash_attn"), _installed("flashinfer")
+    cases = (("cpu", torch.float32, 16), ("cuda", torch.float16, 16), ("cuda", torch.float16, 256))
+    for device, dtype, block in cases:
+        name, why = choose_paged_kernel(torch.device(device), dtype, 128, block,
+                                        flash_attn=flash, flashinfer=flashinfer, varlen_features=features)
+        dtype_name = str(dtype).removeprefix("torch.")
+        lines.append(f"  {device:4s}  {dtype_name}, block {block:3d}: {name} ({why})")
+    return lines
+
+
+# ---- vmkv bench --------------------------------------------------------------------------------
+def _common_parser(defaults: bool) -> argparse.ArgumentParser:
+    """The options every benchmark takes; without ``defaults`` they stay unset when absent
+    (so options given before the benchmark name are not overwritten by defaults after it)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    pick = (lambda value: value) if defaults else (lambda value: argparse.SUPPRESS)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=pick("cpu"), help="where the caches live (default cpu)")
+    parser.add_argument("--smoke", action="store_true", default=pick(False), help="tiny sizes: seconds per benchmark (CI)")
+    parser.add_argument("--seed", type=int, default=pick(0), help="seed of traces and data (default 0)")
+    parser.add_argument("--out", type=Path, default=pick(Path("bench-out")), help="directory for JSON, PNG and report.md (default bench-out/)")
+    parser.add_argument("--no-plots", action="store_true", default=pick(False), help="write JSON only")
+    progress = parser.add_mutually_exclusive_group()
+    progress.add_argument("--progress", dest="progress", action="store_true", default=pick(None), help="progress bars (default: when stderr is a terminal)")
+    progress.add_argument("--no-progress", dest="progress", action="store_false", default=pick(None))
+    return parser
+
+
+def load_module(entry: Entry) -> tuple[ModuleType | None, str]:
+    """Import a benchmark module; ``(None, reason)`` if it is missing or fails to import."""
+    try:
+        module = importlib.import_module(entry.module)
+    except Exception as exc:  # noqa: BLE001 - any import failure is reported and skipped
+        return None, f"{entry.module} could not be imported ({type(exc).__name__}: {exc})"
+    missing = [attr for attr in ("NAME", "add_arguments", "run") if not hasattr(module, attr)]
+    if missing:
+        return None, f"{entry.module} does not follow the benchmark contract (missing {', '.join(missing)})"
+    return module, ""
+
+
+def _module_args(module: ModuleType, entry: Entry, argv: list[str], common: argparse.Namespace) -> argparse.Namespace:
+    """Parse a module's own options from ``argv``; common options may also appear there."""
+    parser = argparse.ArgumentParser(prog=f"vmkv bench {entry.name}", description=getattr(module, "DESCRIPTION", None),
+                                     parents=[_common_parser(defaults=False)])
+    module.add_arguments(parser)
+    args = parser.parse_args(argv)
+    for name, value in vars(common).items():
+        if not hasattr(args, name):
+            setattr(args, name, value)
+    if args.progress is None:
+        args.progress = sys.stderr.isatty()
+    return args
+
+
+def run_one(module: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
+    """Run a benchmark, write its JSON (and plots), print its table; return an index record."""
+    from benchmarks import common
+
+    start = time.perf_counter()
+    result = module.run(args)
+    seconds = time.perf_counter() - start
+    json_path = common.write_json(result, args.out)
+    plots: list[str] = []
+    if not args.no_plots and hasattr(module, "plot"):
+        plots, why = _try(lambda: module.plot(result, args.out))
+        if why:
+            print(f"[{result['name']}] no plot: {why}", file=sys.stderr)
+            plots = []
+    print(f"\n== {result['name']} ({seconds:.1f} s) ==")
+    print(common.format_table(result["rows"], list(result["schema"]) if result.get("schema") else None))
+    print("summary:", json.dumps(result["summary"], default=str))
+    return {"name": result["name"], "status": "ok", "seconds": seconds, "json": str(json_path), "plots": plots,
+            "summary": result["summary"]}
+
+
+def _suite_names(requested: str | None) -> list[str]:
+    return [requested] if requested else [name for name, entry in REGISTRY.items() if entry.in_suite]
+
+
+def bench(ns: argparse.Namespace) -> int:
+    """``vmkv bench``: one benchmark, or the default suite; returns the exit status."""
+    if ns.list:
+        for name, entry in REGISTRY.items():
+            module_ok = importlib.util.find_spec(entry.module) is not None
+            print(f"{name:10s} {entry.module}{'' if module_ok else '  (missing)'}{'  [suite]' if entry.in_suite else ''}")
+        return 0
+    if ns.name is not None and ns.name not in REGISTRY:
+        print(f"vmkv bench: unknown benchmark {ns.name!r}; choose from {', '.join(REGISTRY)}", file=sys.stderr)
+        return 2
+    common_ns = argparse.Namespace(**{k: getattr(ns, k) for k in (*COMMON_OPTIONS, "no_plots", "progress")})
+    records = []
+    names = _suite_names(ns.name)
+    for name in names:
+        entry = REGISTRY[name]
+        module, why = load_module(entry)
+        if module is None:
+            print(f"[{name}] skipped: {why}", file=sys.stderr)
+            records.append({"name": name, "status": "unavailable", "reason": why})
+            continue
+        args = _module_args(module, entry, ns.rest if ns.name else list(entry.suite_argv), common_ns)
+        args.out.mkdir(parents=True, exist_ok=True)
+        if len(names) > 1:
+            print(f"[{len(records) + 1}/{len(names)}] {name}: {getattr(module, 'DESCRIPTION', '')}", file=sys.stderr)
+        try:
+            records.append(run_one(module, args))
+        except Exception as exc:  # noqa: BLE001 - one failing benchmark does not stop the suite
+            print(f"[{name}] failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            if ns.name:
+                traceback.print_exc()
+            records.append({"name": name, "status": "failed", "reason": f"{type(exc).__name__}: {exc}"})
+    out = common_ns.out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "suite.json").write_text(json.dumps({"records": records}, indent=1, default=str) + "\n")
+    write_report(out, records)
+    _print_suite(records, out)
+    return 0 if all(r["status"] == "ok" for r in records) else 1
+
+
+def _print_suite(records: list[dict[str, Any]], out: Path) -> None:
+    from benchmarks.common import format_table
+
+    table = [{"benchmark": r["name"], "status": r["status"], "seconds": r.get("seconds", ""),
+              "detail": r.get("reason") or ", ".join(Path(p).name for p in [r.get("json", ""), *r.get("plots", [])])}
+             for r in records]
+    print("\n" + format_table(table))
+    print(f"\nresults in {out}/ (report.md, suite.json, <name>.json, *.png)")
+
+
+def write_report(out: Path, records: list[dict[str, Any]]) -> Path:
+    """``out/report.md``: every result's summary, table and plots, in Markdown."""
+    from benchmarks.common import format_table
+
+    parts = ["# vmkv benchmark results", ""]
+    for record in records:
+        parts.append(f"## {record['name']}")
+        if record["status"] != "ok":
+            parts += [f"{record['status']}: {record.get('reason', '')}", ""]
+            continue
+        result = json.loads(Path(record["json"]).read_text())
+        parts += [f"{record['seconds']:.1f} s on {result.get('machine', {}).get('platform', '?')}", ""]
+        parts += ["```json", json.dumps(result["summary"], indent=1, default=str), "```", ""]
+        if result["rows"]:
+            columns = list(result["schema"]) if result.get("schema") else None
+            parts += [format_table(result["rows"], columns, markdown=True), ""]
+        parts += [f"![{record['name']}]({Path(p).name})" for p in record.get("plots", [])] + [""]
+    path = out / "report.md"
+    path.write_text("\n".join(parts))
+    return path
+
+
+# ---- vmkv serve --------------------------------------------------------------------------------
+def serve(rest: list[str]) -> int:
+    """``vmkv serve``: parse ``rest`` with :mod:`vmkv.server.cli` and run the server."""
+    try:
+        server_cli = importlib.import_module("vmkv.server.cli")
+        parser = argparse.ArgumentParser(prog="vmkv serve", description="OpenAI-compatible server over a vmkv cache")
+        server_cli.add_arguments(parser)
+    except ImportError as exc:
+        print(f"vmkv serve needs the serve extra: pip install 'vmkv[serve]' ({exc})", file=sys.stderr)
+        return 2
+    try:
+        return int(server_cli.run(parser.parse_args(rest)) or 0)
+    except ImportError as exc:
+        print(f"vmkv serve needs the serve extra: pip install 'vmkv[serve]' ({exc})", file=sys.stderr)
+        return 2
+
+
+# ---- entry point -------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser (benchmark and server options are parsed by their own modules)."""
+    parser = argparse.ArgumentParser(prog="vmkv", description="KV-cache memory managed like virtual memory: info, benchmarks, server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="backends, page granularity, kernels per mode and why")
+    bench_parser = sub.add_parser(
+        "bench", parents=[_common_parser(defaults=True)], help="run the benchmark suite or one benchmark",
+        description="Without a name: the quick default suite. With a name: that benchmark; "
+                    "`vmkv bench <name> --help` lists its options.",
+    )
+    bench_parser.add_argument("--list", action="store_true", help="list the registered benchmarks")
+    bench_parser.add_argument("name", nargs="?", help=f"one of: {', '.join(REGISTRY)}")
+    bench_parser.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options")
+    serve_parser = sub.add_parser("serve", add_help=False, help="OpenAI-compatible server (vmkv serve --help)")
+    serve_parser.add_argument("rest", nargs=argparse.REMAINDER)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``vmkv`` command; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # everything after `serve` belongs to the server's own parser
+        return serve(argv[1:])
+    ns = build_parser().parse_args(argv)
+    if ns.command == "info":
+        print("\n".join(info_lines()))
+        return 0
+    return bench(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
