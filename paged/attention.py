@@ -50,7 +50,7 @@ from vmkv.step import StepPlan, causal_mask
 
 log = logging.getLogger("vmkv")
 
-DEFAULT_CHUNK_TOKENS = 256  # keys per chunk of the blockwise kernel (measured: see docs/paged.md)
+DEFAULT_CHUNK_TOKENS = 128  # keys per chunk of the blockwise kernel (measured: see docs/paged.md)
 
 
 class PagedKernel(ABC):
@@ -163,6 +163,8 @@ class BlockwiseOnlineSoftmax(PagedKernel):
         block_size: tokens per pool block.
         kv_heads: KV heads of the pool.
         chunk_tokens: keys per chunk (rounded down to whole blocks, at least one).
+        device: where the pools live (for the scratch buffers reused across calls; a cache
+            calls its kernel from one thread, one layer after another).
 
     Raises:
         InvalidConfig: ``chunk_tokens`` is not a positive int.
@@ -170,12 +172,16 @@ class BlockwiseOnlineSoftmax(PagedKernel):
 
     name = "blockwise_online_softmax"
 
-    def __init__(self, block_size: int, kv_heads: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+    def __init__(
+        self, block_size: int, kv_heads: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, device: torch.device | str = "cpu"
+    ) -> None:
         if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens <= 0:
             raise InvalidConfig(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
         self._block_size = block_size
         self._kv_heads = kv_heads
         self.chunk_tokens = chunk_tokens
+        self._device = device
+        self._buffers: dict[int, torch.Tensor] = {}  # gather scratch: 0/1 K/V as stored, 2/3 as float32
 
     # -- per step ---------------------------------------------------------------------------
     def prepare(self, plan: StepPlan, q_heads: int, scale: float) -> _BlockwiseMeta:
@@ -235,69 +241,87 @@ class BlockwiseOnlineSoftmax(PagedKernel):
     # -- per layer ----------------------------------------------------------------------------
     def __call__(self, q, k_pool, v_pool, plan, meta: _BlockwiseMeta, scale):
         out = torch.empty_like(q)
-        heads = torch.arange(k_pool.shape[2], device=q.device)
         if meta.decode is not None:
-            out[meta.decode.tokens] = self._decode(q[meta.decode.tokens], k_pool, v_pool, meta.decode, heads, scale)
+            out[meta.decode.tokens] = self._decode(q[meta.decode.tokens], k_pool, v_pool, meta.decode, scale)
         for seq in meta.prefill:
             span = slice(seq.first, seq.first + seq.count)
-            out[span] = self._prefill(q[span], k_pool, v_pool, seq, heads, scale)
+            out[span] = self._prefill(q[span], k_pool, v_pool, seq, scale)
         return out
 
-    @staticmethod
-    def _gather(pool: torch.Tensor, blocks: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
-        """The chunk's keys or values, head-major and float32, in one gather.
+    def _gather(self, which: int, pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """The chunk's keys (``which`` 0) or values (1): ``[..., C * block, Hkv, D]`` float32.
 
-        ``pool: [N, B, Hkv, D]`` is read as ``[N, Hkv, B, D]`` (a view); indexing it with
-        ``blocks [..., C]`` and ``heads [Hkv]`` broadcast to ``[..., Hkv, C]`` yields
-        ``[..., Hkv, C, B, D]`` contiguous, i.e. ``[..., Hkv, C * B, D]``: the layout a batched
-        matmul reads without another copy.
+        ``index_select`` of whole blocks into a scratch buffer kept across calls: a fresh
+        multi-MiB tensor per chunk costs page faults that cost more than the copy itself.
         """
-        chunk = pool.transpose(1, 2)[blocks.unsqueeze(-2), heads[:, None]]  # [..., Hkv, C, B, D]
-        return chunk.flatten(-3, -2).float()  # [..., Hkv, Tc, D]
+        shape = (*blocks.shape[:-1], blocks.shape[-1] * pool.shape[1], *pool.shape[2:])
+        count = blocks.numel() * pool[0].numel()
+        raw = self._scratch(which, count, pool.dtype)
+        torch.index_select(pool, 0, blocks.reshape(-1), out=raw.view(blocks.numel(), *pool.shape[1:]))
+        if pool.dtype == torch.float32:
+            return raw.view(shape)
+        return self._scratch(2 + which, count, torch.float32).view(shape).copy_(raw.view(shape))
 
-    def _decode(self, q, k_pool, v_pool, group: _DecodeGroup, heads: torch.Tensor, scale: float) -> torch.Tensor:
+    def _scratch(self, slot: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat buffer of at least ``count`` elements, reused call after call (grown on demand)."""
+        buf = self._buffers.get(slot)
+        if buf is None or buf.numel() < count or buf.dtype != dtype:
+            buf = torch.empty(count, dtype=dtype, device=self._device)
+            self._buffers[slot] = buf
+        return buf[:count]
+
+    def _decode(self, q, k_pool, v_pool, group: _DecodeGroup, scale: float) -> torch.Tensor:
         batch, q_heads, dim = q.shape
         kv_heads = k_pool.shape[2]
-        qf = q.float().view(batch, kv_heads, q_heads // kv_heads, dim) * scale  # [B, Hkv, G, D]
-        m = torch.full(qf.shape[:3], -math.inf, device=q.device)  # running max   [B, Hkv, G]
-        l = torch.zeros(qf.shape[:3], device=q.device)  # running sum of exp      [B, Hkv, G]
-        acc = torch.zeros(qf.shape, device=q.device)  # running numerator     [B, Hkv, G, D]
+        g = q_heads // kv_heads
+        qf = (q.float() * scale).view(batch, kv_heads, g, dim).transpose(0, 1)  # [Hkv, B, G, D] (view)
+        m = torch.full((kv_heads, batch, g), -math.inf, device=q.device)  # running max  [Hkv, B, G]
+        l = torch.zeros((kv_heads, batch, g), device=q.device)  # running sum of exp     [Hkv, B, G]
+        acc = torch.zeros((kv_heads, batch, g, dim), device=q.device)  # numerator   [Hkv, B, G, D]
         for chunk in group.chunks:
             r = chunk.rows
-            k = self._gather(k_pool, chunk.blocks, heads)  # [r, Hkv, Tc, D]
-            v = self._gather(v_pool, chunk.blocks, heads)
-            s = qf[:r] @ k.transpose(-1, -2)  # [r, Hkv, G, Tc]
+            k = self._gather(0, k_pool, chunk.blocks)  # [r, Tc, Hkv, D]
+            v = self._gather(1, v_pool, chunk.blocks)
             if chunk.valid is not None:
-                s.masked_fill_(~chunk.valid[:, None, None, :], -math.inf)
-                v.masked_fill_(~chunk.valid[:, None, :, None], 0.0)  # p is 0 there, but 0 * inf is NaN
-            self._merge(s, v, m[:r], l[:r], acc[:r])
-        return (acc / l[..., None]).view(batch, q_heads, dim).to(q.dtype)
+                v.masked_fill_(~chunk.valid[:, :, None, None], 0.0)  # p is 0 there, but 0 * inf is NaN
+            # per KV head, batched over sequences: k[:, :, h] is a strided matrix BLAS reads as is
+            s = torch.stack([torch.bmm(qf[h, :r], k[:, :, h].transpose(1, 2)) for h in range(kv_heads)])
+            if chunk.valid is not None:  # s: [Hkv, r, G, Tc]
+                s.masked_fill_(~chunk.valid[None, :, None, :], -math.inf)
+            p = self._merge(s, m[:, :r], l[:, :r], acc[:, :r])
+            for h in range(kv_heads):
+                acc[h, :r].baddbmm_(p[h], v[:, :, h])
+        out = (acc / l[..., None]).transpose(0, 1)  # [B, Hkv, G, D]
+        return out.reshape(batch, q_heads, dim).to(q.dtype)
 
-    def _prefill(self, q, k_pool, v_pool, seq: _PrefillSeq, heads: torch.Tensor, scale: float) -> torch.Tensor:
+    def _prefill(self, q, k_pool, v_pool, seq: _PrefillSeq, scale: float) -> torch.Tensor:
         n, q_heads, dim = q.shape
         kv_heads = k_pool.shape[2]
-        group = q_heads // kv_heads
-        # rows = (query, group member): row r * G + g is query r, head h * G + g
-        qf = (q.float() * scale).view(n, kv_heads, group * dim).transpose(0, 1).reshape(kv_heads, n * group, dim)
-        m = torch.full((kv_heads, n * group), -math.inf, device=q.device)  # [Hkv, n*G]
-        l = torch.zeros((kv_heads, n * group), device=q.device)
-        acc = torch.zeros((kv_heads, n * group, dim), device=q.device)  # [Hkv, n*G, D]
+        g = q_heads // kv_heads
+        # rows = (query, group member): row r * G + j is query r, head h * G + j
+        qf = (q.float() * scale).view(n, kv_heads, g * dim).transpose(0, 1).reshape(kv_heads, n * g, dim)
+        m = torch.full((kv_heads, n * g), -math.inf, device=q.device)  # [Hkv, n*G]
+        l = torch.zeros((kv_heads, n * g), device=q.device)
+        acc = torch.zeros((kv_heads, n * g, dim), device=q.device)  # [Hkv, n*G, D]
         for chunk in seq.chunks:
-            rows = slice(chunk.skip * group, None)  # skip queries the whole chunk is in the future of
-            k = self._gather(k_pool, chunk.blocks, heads)  # [Hkv, Tc, D]
-            v = self._gather(v_pool, chunk.blocks, heads)
-            s = qf[:, rows] @ k.transpose(-1, -2)  # [Hkv, (n - skip)*G, Tc]
+            rows = slice(chunk.skip * g, None)  # skip queries the whole chunk is in the future of
+            k = self._gather(0, k_pool, chunk.blocks)  # [Tc, Hkv, D]
+            v = self._gather(1, v_pool, chunk.blocks)
+            s = torch.stack([qf[h, rows] @ k[:, h].T for h in range(kv_heads)])  # [Hkv, (n - skip)*G, Tc]
             if chunk.valid is not None:
                 s.masked_fill_(~chunk.valid, -math.inf)  # valid: [(n - skip)*G, Tc]
-                v[:, chunk.keys :] = 0.0  # keys past the sequence: p is 0 there, but 0 * inf is NaN
-            self._merge(s, v, m[:, rows], l[:, rows], acc[:, rows])
-        out = (acc / l[..., None]).view(kv_heads, n, group, dim).transpose(0, 1)  # [n, Hkv, G, D]
+                v[chunk.keys :] = 0.0  # keys past the sequence: p is 0 there, but 0 * inf is NaN
+            p = self._merge(s, m[:, rows], l[:, rows], acc[:, rows])
+            for h in range(kv_heads):
+                acc[h, rows].addmm_(p[h], v[:, h])
+        out = (acc / l[..., None]).view(kv_heads, n, g, dim).transpose(0, 1)  # [n, Hkv, G, D]
         return out.reshape(n, q_heads, dim).to(q.dtype)
 
     @staticmethod
-    def _merge(s: torch.Tensor, v: torch.Tensor, m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> None:
-        """Fold one chunk's scores ``s [..., R, Tc]`` and values ``v [..., Tc, D]`` into the running
-        max ``m [..., R]``, sum ``l [..., R]`` and numerator ``acc [..., R, D]`` (views, in place).
+    def _merge(s: torch.Tensor, m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+        """Fold one chunk's scores ``s [..., R, Tc]`` into the running max ``m [..., R]``, sum
+        ``l [..., R]`` and numerator ``acc [..., R, D]`` (views, updated in place); returns the
+        chunk's probabilities ``p`` (the caller adds ``p @ v`` to ``acc``).
 
         Every row sees at least one key in its first chunk, so ``m`` is finite from then on and
         ``exp(m_old - m_new)`` is well defined (``exp(-inf) = 0`` on the first chunk).
@@ -306,8 +330,9 @@ class BlockwiseOnlineSoftmax(PagedKernel):
         alpha = torch.exp(m - m_new)
         p = torch.exp(s - m_new[..., None])
         l.mul_(alpha).add_(p.sum(-1))
-        acc.mul_(alpha[..., None]).add_(p @ v)
+        acc.mul_(alpha[..., None])
         m.copy_(m_new)
+        return p
 
 
 # ---- CUDA kernels (need a GPU; checked against their sources, see docs/paged.md) --------------
@@ -551,7 +576,7 @@ def _build(name: str, device, dtype, kv_heads, head_dim, block_size, chunk_token
     if name == "gather_sdpa":
         return GatherSDPA()
     if name == "blockwise_online_softmax":
-        return BlockwiseOnlineSoftmax(block_size, kv_heads, chunk_tokens)
+        return BlockwiseOnlineSoftmax(block_size, kv_heads, chunk_tokens, device)
     if name == "varlen_attn_block_table":
         return VarlenBlockTable()
     return FlashKVCacheBlockTable()

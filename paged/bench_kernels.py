@@ -1,6 +1,6 @@
 """Side-by-side timing of the paged CPU kernels on identical work (decides the CPU default).
 
-Run: ``python -m paged.bench_kernels [--dtype float32|bfloat16] [--layers 2] [--repeat 5] [--threads 1]``
+Run: ``python -m paged.bench_kernels [--dtype float32|bfloat16] [--chunk-tokens 256] [--layers 2] [--repeat 5] [--threads 1]``
 
 For each workload one cache per kernel holds the same K/V; the time is one step's attention
 over ``--layers`` layers (per-step metadata included, as a model pays it), best of
@@ -16,6 +16,7 @@ import torch
 
 from vmkv.config import KVCacheConfig
 
+from .attention import DEFAULT_CHUNK_TOKENS
 from .cache import PagedKVCache
 
 KV_HEADS, Q_HEADS, HEAD_DIM, BLOCK = 8, 32, 128, 16
@@ -42,10 +43,10 @@ def _fill(cache: PagedKVCache, cached: list[int], layers: int, seed: int) -> Non
                 cache.write(layer, k, k.clone(), plan)
 
 
-def run(dtype: str, layers: int, repeat: int) -> None:
+def run(dtype: str, layers: int, repeat: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
     kernels = ("gather_sdpa", "blockwise_online_softmax")
     print(f"dtype={dtype} kv_heads={KV_HEADS} q_heads={Q_HEADS} head_dim={HEAD_DIM} block={BLOCK} "
-          f"threads={torch.get_num_threads()}  (ms per layer, best of {repeat})")
+          f"chunk_tokens={chunk_tokens} threads={torch.get_num_threads()}  (ms per layer, best of {repeat})")
     print(f"{'workload':44s}" + "".join(f"{k:>26s}" for k in kernels) + f"{'gather/blockwise':>18s}")
     for name, (cached, new) in WORKLOADS.items():
         total = sum(c + n for c, n in zip(cached, new))
@@ -56,7 +57,7 @@ def run(dtype: str, layers: int, repeat: int) -> None:
         )
         caches, plans, best = [], [], []
         for kernel in kernels:  # identical contents in every cache
-            cache = PagedKVCache(config, kernel=kernel)
+            cache = PagedKVCache(config, kernel=kernel, chunk_tokens=chunk_tokens)
             _fill(cache, cached, layers, seed=0)
             caches.append(cache)
             plan = cache.begin_step({i: n for i, n in enumerate(new)})
@@ -87,10 +88,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier on a shared machine)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    run(args.dtype, args.layers, args.repeat)
+    run(args.dtype, args.layers, args.repeat, args.chunk_tokens)
 
 
 if __name__ == "__main__":
