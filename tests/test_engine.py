@@ -307,3 +307,26 @@ def test_engine_on_cuda_matches_cpu(mode, hf_model):
             assert out.outputs[0].token_ids == hf_greedy(hf_model, tok.encode(prompt), GREEDY.max_tokens)
     finally:
         engine.close()
+
+
+def test_sliding_window_bounds_the_context():
+    """Mistral's window: the runner attends to everything, so max_seq_len may not pass the window."""
+    from transformers import MistralConfig
+
+    from vmkv.engine.runner import ByteChatTokenizer, LoadedModel, cache_config_for
+
+    config = MistralConfig(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, sliding_window=64)
+    model = LlamaForCausalLM.from_hf_config(config)
+    assert model.shape.sliding_window == 64
+    loaded = LoadedModel(model, ByteChatTokenizer(), "mistral-tiny", 512)
+    for max_seq_len, fits in ((64, True), (65, False)):
+        cache = vmkv.open_cache(cache_config_for(model, max_seq_len=max_seq_len, memory_budget="1MiB", page_size="4KiB"))
+        try:
+            if fits:
+                Engine(loaded, cache)
+            else:
+                with pytest.raises(vmkv.InvalidConfig, match="sliding_window=64"):
+                    Engine(loaded, cache)
+        finally:
+            cache.close()

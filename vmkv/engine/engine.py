@@ -53,7 +53,8 @@ class EngineConfig:
             backend granularity and of one token's bytes that is >= 64 KiB (CPU) / 2 MiB (CUDA).
         block_size: paged mode: tokens per block.
         max_num_seqs: cache slots: sequences running at once (each completion of n is one).
-        max_seq_len: longest prompt + completion; ``None``: min(model's positions, 4096).
+        max_seq_len: longest prompt + completion; ``None``: min(model's positions, its sliding
+            window if any, 4096).
         max_num_batched_tokens: tokens one step feeds at most.
         max_prefill_chunk: prompt tokens of one sequence one step feeds at most.
         prefix_caching: reuse cached pages of earlier prompts.
@@ -85,7 +86,18 @@ def default_page_size(token_bytes: int, device: torch.device) -> int:
 
 
 def _check_cache_fits(loaded: LoadedModel, cache: KVCacheBase) -> None:
-    """Raise ``InvalidConfig`` unless ``cache`` has the model's KV shape, dtype and device."""
+    """Raise ``InvalidConfig`` unless ``cache`` has the model's KV shape, dtype and device, and its
+    ``max_seq_len`` stays within the model's positions and attention window."""
+    window = loaded.model.shape.sliding_window
+    if cache.config.max_seq_len > loaded.max_position_embeddings:
+        raise InvalidConfig(
+            f"max_seq_len {cache.config.max_seq_len} exceeds the model's {loaded.max_position_embeddings} positions"
+        )
+    if window is not None and cache.config.max_seq_len > window:
+        raise InvalidConfig(
+            f"max_seq_len {cache.config.max_seq_len} exceeds the model's sliding_window={window}; this runner "
+            "attends to the whole sequence, which equals the model only within the window"
+        )
     want = cache_config_for(loaded.model)
     for name in ("num_layers", "num_kv_heads", "head_dim", "dtype", "device"):
         if getattr(want, name) != getattr(cache.config, name):
@@ -142,9 +154,8 @@ class Engine:
             InvalidConfig: a bad option, an unsupported model, or a mode that cannot open.
         """
         loaded = load_model(config.model, dtype=config.dtype, device=config.device)
-        max_seq_len = config.max_seq_len or min(loaded.max_position_embeddings, 4096)
-        if max_seq_len > loaded.max_position_embeddings:
-            raise InvalidConfig(f"max_seq_len {max_seq_len} exceeds the model's {loaded.max_position_embeddings} positions")
+        limit = min(loaded.max_position_embeddings, loaded.model.shape.sliding_window or loaded.max_position_embeddings)
+        max_seq_len = config.max_seq_len or min(limit, 4096)
         probe = cache_config_for(loaded.model)
         page_size = config.page_size or default_page_size(probe.layer_token_bytes, probe.device)
         cache_config = cache_config_for(
@@ -152,8 +163,13 @@ class Engine:
             memory_budget=config.memory_budget, page_size=page_size, block_size=config.block_size,
             prefix_caching=config.prefix_caching,
         )
+        scheduler = SchedulerConfig(config.max_num_batched_tokens, config.max_prefill_chunk)
         cache = open_cache(cache_config, mode=config.kv_mode)
-        return cls(loaded, cache, SchedulerConfig(config.max_num_batched_tokens, config.max_prefill_chunk), config.seed)
+        try:
+            return cls(loaded, cache, scheduler, config.seed)
+        except Exception:
+            cache.close()
+            raise
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(

@@ -42,6 +42,9 @@ class LlamaShape:
         qkv_bias: q/k/v projections carry a bias (Qwen2; Llama with ``attention_bias``).
         o_bias: the output projection carries a bias (Llama with ``attention_bias``).
         mlp_bias: the SwiGLU projections carry a bias (Llama with ``mlp_bias``).
+        sliding_window: the model's attention window, if it has one. The runner always attends
+            to the whole sequence, which equals the model only up to this many tokens: the
+            engine refuses a ``max_seq_len`` above it.
     """
 
     family: str
@@ -58,14 +61,14 @@ class LlamaShape:
     mlp_bias: bool
     tie_word_embeddings: bool
     max_position_embeddings: int
+    sliding_window: int | None = None
 
     @classmethod
     def from_hf_config(cls, config: Any) -> "LlamaShape":
         """Read a transformers ``PretrainedConfig`` of a supported family.
 
         Raises:
-            InvalidConfig: another ``model_type``, or a feature this runner does not implement
-                (head counts that do not divide, a sliding window the runner would ignore).
+            InvalidConfig: another ``model_type``, or head counts that do not divide.
         """
         family = getattr(config, "model_type", None)
         if family not in FAMILIES:
@@ -74,12 +77,8 @@ class LlamaShape:
         if heads % kv_heads:
             raise InvalidConfig(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         window = getattr(config, "sliding_window", None)
-        if window and (family == "mistral" or getattr(config, "use_sliding_window", False)):
-            if window < config.max_position_embeddings:
-                raise InvalidConfig(
-                    f"sliding_window={window} attention is not implemented; this runner attends to the whole "
-                    "sequence, which would differ from the model past that length"
-                )
+        if not (family == "mistral" or getattr(config, "use_sliding_window", False)):
+            window = None
         attention_bias = bool(getattr(config, "attention_bias", False))
         return cls(
             family=family,
@@ -96,6 +95,7 @@ class LlamaShape:
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             max_position_embeddings=config.max_position_embeddings,
+            sliding_window=window or None,
         )
 
 
