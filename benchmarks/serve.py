@@ -11,7 +11,8 @@ Experiments, each run for both modes back to back on identical work:
     capacity      every request at once into a fixed ``--capacity-budget`` with 256 slots:
                   the most sequences the budget keeps running at once, and the preemptions
 
-Metrics per run: output tokens/s (all output tokens / wall time), TTFT (arrival to first
+Concurrency and rate settings run ``--repeats`` times per mode, modes alternating, and keep the
+median-throughput run of each mode. Metrics per run: output tokens/s (all output tokens / wall time), TTFT (arrival to first
 token), TPOT (mean time per output token after the first), end-to-end latency; p50 and p99.
 VMM pages default to 64 KiB (128 tokens of the embedded model), paged blocks to 16 tokens;
 the capacity experiment also runs VMM with 4 KiB pages (8 tokens), so page granularity, not
@@ -56,7 +57,7 @@ SCHEMA = {
     "latency_p99_ms": "arrival to last token, 99th percentile (ms)",
     "peak_running": "most sequences in the cache at once",
     "mean_running": "sequences in the cache, mean over steps (what the budget sustains)",
-    "preemptions": "sequences preempted for lack of pages",
+    "preemptions": "sequences preempted for lack of pages during the run",
 }
 
 
@@ -71,6 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity-budget", default="8MiB", help="KV budget of the capacity experiment")
     parser.add_argument("--vmm-page-size", default="64KiB", help="VMM page bytes per K/V tensor")
     parser.add_argument("--block-size", type=int, default=16, help="paged tokens per block")
+    parser.add_argument("--repeats", type=int, default=None, help="runs per mode and setting, modes alternating; the "
+                        "row kept is the median-throughput run (default 3; smoke 1)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads during the run (tiny model: 1 is fastest)")
 
 
@@ -82,6 +85,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "requests": args.requests or (8 if smoke else 32),
         "prompt_len": args.prompt_len or (24 if smoke else 64),
         "output_len": args.output_len or (8 if smoke else 32),
+        "repeats": args.repeats or (1 if smoke else 3),
     }
 
 
@@ -213,20 +217,30 @@ def _measure(args: argparse.Namespace, settings: dict[str, Any]) -> list[dict[st
         for engine in engines.values():  # warm-up: first calls allocate and load kernels
             engine.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
         for concurrency in settings["concurrency"]:
-            for mode, engine in engines.items():  # modes back to back on the same work
-                engine.cache.trim()
-                measured = run_closed_loop(engine, prompts, params, concurrency)
-                rows.append(_row("concurrency", mode, engine, measured, concurrency=concurrency))
+            rows += _alternate(engines, settings["repeats"], "concurrency", lambda e, c=concurrency: (
+                run_closed_loop(e, prompts, params, c)), concurrency=concurrency)
         for rate in settings["rates"]:
-            for mode, engine in engines.items():
-                engine.cache.trim()
-                measured = run_open_loop(engine, prompts, params, rate, args.seed)
-                rows.append(_row("rate", mode, engine, measured, rate=rate))
+            rows += _alternate(engines, settings["repeats"], "rate", lambda e, r=rate: (
+                run_open_loop(e, prompts, params, r, args.seed)), rate=rate)
     finally:
         for engine in engines.values():
             engine.close()
     rows += _capacity(args, settings, prompts, params)
     return rows
+
+
+def _alternate(engines: dict[str, Engine], repeats: int, experiment: str, measure, **labels: Any) -> list[dict[str, Any]]:
+    """``repeats`` runs of ``measure(engine)`` per mode, modes taking turns (machine drift hits both
+    alike); per mode, the run of median throughput."""
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in engines}
+    for _ in range(repeats):
+        for mode, engine in engines.items():
+            engine.cache.trim()
+            before = engine.stats()["engine"]["preemptions"]
+            row = _row(experiment, mode, engine, measure(engine), **labels)
+            row["preemptions"] -= before
+            runs[mode].append(row)
+    return [sorted(rows, key=lambda r: r["throughput_tok_s"])[len(rows) // 2] for rows in runs.values()]
 
 
 def _capacity(args: argparse.Namespace, settings: dict[str, Any], prompts: list[list[int]], params: SamplingParams) -> list[dict[str, Any]]:

@@ -330,3 +330,46 @@ def test_sliding_window_bounds_the_context():
                     Engine(loaded, cache)
         finally:
             cache.close()
+
+
+def random_traffic(seed: int, count: int) -> list[tuple[int, list[int], SamplingParams]]:
+    """``(arrival step, prompt ids, params)``: shared prefixes, n up to 3, greedy and seeded sampling."""
+    import random
+
+    rng = random.Random(seed)
+    traffic, step = [], 0
+    for i in range(count):
+        step += rng.choice([0, 0, 1, 3])
+        prompt = ([256] + [7] * rng.choice([0, 16, 24]) + [rng.randrange(256) for _ in range(rng.randint(1, 30))])
+        params = SamplingParams(max_tokens=rng.randint(1, 20), n=rng.choice([1, 1, 2, 3]), temperature=rng.choice([0.0, 1.0]),
+                                seed=i, stop_token_ids=[rng.randrange(256)])
+        traffic.append((step, prompt, params))
+    return traffic
+
+
+def replay(engine: Engine, traffic, check: bool) -> dict[str, list[list[int]]]:
+    """Run ``traffic`` to the end; the final token ids of every completion, by request id."""
+    pending, results, step = list(enumerate(traffic)), {}, 0
+    while pending or engine.has_unfinished():
+        while pending and pending[0][1][0] <= step:
+            i, (_, prompt, params) = pending.pop(0)
+            engine.add_request(prompt, params, request_id=f"r{i}")
+        for out in engine.step():
+            if out.finished:
+                assert all(c.finish_reason in ("stop", "length") for c in out.outputs)
+                results[out.request_id] = [c.token_ids for c in out.outputs]
+        if check:
+            engine.cache.check()
+        step += 1
+    return results
+
+
+def test_random_traffic_under_pressure_matches_a_roomy_run(mode, engines):
+    """Preemption, forks, COW and prefix hits all at once: nothing crashes, drops or changes."""
+    traffic = random_traffic(seed=3, count=14)
+    roomy = replay(engines(mode), traffic, check=False)
+    tight = engines(mode, memory_budget=8 * 8 * 4096, max_num_seqs=4, max_num_batched_tokens=24, max_prefill_chunk=16)
+    assert replay(tight, traffic, check=True) == roomy
+    stats = tight.stats()
+    assert stats["engine"]["preemptions"] > 0 and stats["engine"]["forks"] > 0 and stats["cache"]["prefix_hits"] > 0
+    assert_all_pages_back(tight)
