@@ -10,14 +10,15 @@ and returns ``[T, q_heads, head_dim]``: causal within a sequence's new tokens, b
 aligned over its cached prefix (new token ``j`` of sequence ``i`` sees keys
 ``0 .. starts[i] + j``), grouped-query when ``q_heads`` is a multiple of ``kv_heads``.
 
-Kernels (chosen once per cache by :func:`select_paged_kernel`, logged, named in ``stats()``):
+Kernels (chosen once per cache by :func:`choose_paged_kernel` / :func:`make_paged_kernel`,
+logged, named in ``stats()["kernel"]``):
 
     gather_sdpa               any device  gather each sequence's blocks, then torch SDPA
                                           (the reference: copies each sequence's whole K/V)
     blockwise_online_softmax  any device  chunks of blocks, online softmax (flash-decoding
                                           style); decode rows of all sequences in one batch
     varlen_attn_block_table   CUDA        torch's FlashAttention varlen kernel with
-                                          ``block_table=``/``seqused_k=`` (torch >= 2.10)
+                                          ``block_table=``/``seqused_k=`` (detected; 2.13 has them)
     flash_attn_with_kvcache   CUDA        flash-attn's kernel with ``block_table=``
     flashinfer_decode         CUDA        FlashInfer ``BatchDecodeWithPagedKVCacheWrapper``
                                           for decode steps (planned once per step), composed
@@ -253,8 +254,12 @@ class BlockwiseOnlineSoftmax(PagedKernel):
 
         ``index_select`` of whole blocks into a scratch buffer kept across calls: a fresh
         multi-MiB tensor per chunk costs page faults that cost more than the copy itself.
+        While autograd records (the pool was written from tensors that require grad), the
+        gather allocates instead: ``out=`` ops and reused buffers cannot be recorded.
         """
         shape = (*blocks.shape[:-1], blocks.shape[-1] * pool.shape[1], *pool.shape[2:])
+        if torch.is_grad_enabled() and pool.requires_grad:
+            return pool.index_select(0, blocks.reshape(-1)).view(shape).float()
         count = blocks.numel() * pool[0].numel()
         raw = self._scratch(which, count, pool.dtype)
         torch.index_select(pool, 0, blocks.reshape(-1), out=raw.view(blocks.numel(), *pool.shape[1:]))

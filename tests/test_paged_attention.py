@@ -206,3 +206,19 @@ def test_cuda_default_kernel_matches_dense_reference(block_size):
                 offset += n
     finally:
         cache.close()
+
+
+def test_blockwise_runs_while_autograd_records():
+    """A model run without no_grad() writes K/V that require grad: the kernel must still work."""
+    cache = paged_cache("blockwise_online_softmax")
+    try:
+        gen = torch.Generator().manual_seed(0)
+        cache.add("a")
+        plan = cache.begin_step({"a": 40})
+        k = torch.randn(40, 2, 16, generator=gen, requires_grad=True)
+        cache.write(0, k, k, plan)
+        q = torch.randn(40, 4, 16, generator=gen)
+        out = cache.attention(0, q, plan)
+        torch.testing.assert_close(out.detach(), dense_attention(q, k.detach(), k.detach(), 0), atol=1e-5, rtol=1e-5)
+    finally:
+        cache.close()
