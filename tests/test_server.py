@@ -165,6 +165,15 @@ def test_parallel_sampling_shares_prompt_pages(server):
     after = server.wait_idle()
     assert after["vmkv_kv_forks_total"] - before["vmkv_kv_forks_total"] == 3
     assert after["vmkv_kv_pages_shared_peak"] >= 11
+    stream = server.client.completions.create(model=MODEL, prompt=prompt, n=4, max_tokens=5, temperature=1.0, seed=3,
+                                              stream=True, extra_body={"ignore_eos": True})
+    texts, finishes = [""] * 4, []
+    for chunk in stream:
+        texts[chunk.choices[0].index] += chunk.choices[0].text
+        if chunk.choices[0].finish_reason:
+            finishes.append(chunk.choices[0].index)
+    assert sorted(finishes) == [0, 1, 2, 3]  # one finish per choice
+    assert texts == [c.text for c in sorted(reply.choices, key=lambda c: c.index)]  # same seed, same text
 
 
 BAD = [

@@ -184,6 +184,7 @@ class Server:
             first: per choice, a chunk sent before any text (the chat role), or ``None``.
         """
         finished: dict[str, RequestOutput] = {}
+        ended: set[int] = set()  # choices whose finish_reason was sent (later outputs repeat it)
         try:
             if first is not None:
                 for index in range(len(job.request_ids) * n):
@@ -195,8 +196,13 @@ class Server:
                     return
                 base = job.request_ids.index(output.request_id) * n
                 for completion in output.outputs:
+                    index = base + completion.index
+                    if index in ended:
+                        continue
                     if completion.delta_text or completion.finish_reason:
-                        yield _sse(chunk(base + completion.index, completion.delta_text, completion.finish_reason))
+                        yield _sse(chunk(index, completion.delta_text, completion.finish_reason))
+                    if completion.finish_reason:
+                        ended.add(index)
                 if output.finished:
                     finished[output.request_id] = output
             if usage_chunk is not None:
