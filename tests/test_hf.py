@@ -21,7 +21,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Phi3Config
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 import vmkv.hf as vhf  # noqa: E402
-from vmkv.errors import InvalidConfig, InvalidInput, InvalidShape, NoFreeSlot  # noqa: E402
+from vmkv.errors import InvalidConfig, InvalidInput, InvalidShape, NoFreeSlot, SequenceTooLong  # noqa: E402
 
 from conftest import HAS_PAGED  # noqa: E402
 
@@ -289,6 +289,11 @@ def test_errors_are_typed(models):
     with pytest.raises(InvalidInput):
         cache.reorder_cache(torch.tensor([4]))
     assert cache.get_seq_length() == ids.shape[1] and len(cache._rows) == 1  # failed calls changed nothing
+    short = vhf.VirtualCache("vmm", max_seq_len=12, **PAGE)
+    model(ids, past_key_values=short, use_cache=True)
+    with pytest.raises(SequenceTooLong):
+        model(ids[:, :2], past_key_values=short, use_cache=True)
+    assert short.get_seq_length() == ids.shape[1]
 
 
 def test_default_page_size_fits_granularity_and_token_bytes():

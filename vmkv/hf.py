@@ -268,11 +268,11 @@ class VirtualCache(Cache):
     # ---- what transformers asks ----------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Columns seen so far (padding included), as ``DynamicCache`` counts them."""
-        return self._columns
+        return self._columns + (self._pending[0][0].shape[2] if self._pending else 0)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         """``(kv_length, kv_offset)``: the returned K/V hold exactly ``columns + query_length`` tokens."""
-        return self._columns + query_length, 0
+        return self.get_seq_length() + query_length, 0
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         """-1: no fixed length is attended over (the cache grows page by page)."""
@@ -311,7 +311,7 @@ class VirtualCache(Cache):
             self.layers.append(VirtualLayer(self, len(self.layers)))
         batch, _, q_len, _ = key_states.shape
         if layer_idx <= self._last_layer or self._last_layer < 0:
-            self._start_forward(batch, q_len)
+            self._start_forward(batch)
         self._last_layer = layer_idx
         if self.attention_style == "vmkv":
             return key_states, value_states
@@ -321,7 +321,7 @@ class VirtualCache(Cache):
         if self.core is None:
             self._create(key_states, self._num_layers)
         if self._step is None:
-            self._step = self._begin_dense_step(batch, q_len)
+            self._step = self._begin_dense_step(q_len)
         return self._write_and_view(layer_idx, key_states, value_states)
 
     # ---- batch rows (beam search, parallel sampling) -------------------------------------------
@@ -348,9 +348,9 @@ class VirtualCache(Cache):
         """
         if tokens_to_remove > 0:
             raise InvalidInput("crop takes a negative number of tokens to remove")
-        keep = self._columns + tokens_to_remove
+        keep = self.get_seq_length() + tokens_to_remove
         if keep < 0:
-            raise InvalidInput(f"cannot crop {-tokens_to_remove} of {self._columns} tokens")
+            raise InvalidInput(f"cannot crop {-tokens_to_remove} of {self.get_seq_length()} tokens")
         if tokens_to_remove == 0:
             return
         self._flush_pending()
@@ -386,14 +386,14 @@ class VirtualCache(Cache):
         """
         stats = self.core.stats() if self.core is not None else {"mode": self.mode}
         stats.update(
-            rows=len(self._rows), columns=self._columns, attention_style=self.attention_style,
+            rows=len(self._rows), columns=self.get_seq_length(), attention_style=self.attention_style,
             peak_bytes=self.peak_bytes, gathered_views=self.counters["gathered_views"],
             row_forks=self.counters["row_forks"], row_frees=self.counters["row_frees"],
         )
         return stats
 
     def __repr__(self) -> str:
-        return f"VirtualCache(mode={self.mode!r}, rows={len(self._rows)}, columns={self._columns})"
+        return f"VirtualCache(mode={self.mode!r}, rows={len(self._rows)}, columns={self.get_seq_length()})"
 
     # ---- internals: sizing ---------------------------------------------------------------------
     def _require_style_fits_mode(self) -> None:
@@ -440,10 +440,10 @@ class VirtualCache(Cache):
             return
         self.attention_style = "model"
         self._require_style_fits_mode()
+        self._create(self._pending[0][0], len(self._pending))
         pending, self._pending = self._pending, []
-        self._create(pending[0][0], len(pending))
-        batch, _, q_len, _ = pending[0][0].shape
-        step = self._begin_dense_step(batch, q_len)
+        q_len = pending[0][0].shape[2]
+        step = self._begin_dense_step(q_len)
         for layer, (k, v) in enumerate(pending):
             self.core.write(layer, self._pack(k), self._pack(v), step.plan)
 
@@ -454,8 +454,8 @@ class VirtualCache(Cache):
         return seq_id
 
     # ---- internals: steps ----------------------------------------------------------------------
-    def _start_forward(self, batch: int, q_len: int) -> None:
-        """The first layer of a forward: count its columns; the plan is built lazily."""
+    def _start_forward(self, batch: int) -> None:
+        """The first layer of a forward; its plan is built lazily (the columns count once it exists)."""
         if self._pending and self.attention_style != "vmkv":
             self._flush_pending()
         if self.core is not None and batch != len(self._rows):
@@ -463,14 +463,14 @@ class VirtualCache(Cache):
                 f"batch of {batch} rows, but the cache holds {len(self._rows)}; use reorder_cache, "
                 "batch_select_indices or batch_repeat_interleave to change rows"
             )
-        self._columns += q_len
         self._step = None
 
-    def _begin_dense_step(self, batch: int, q_len: int) -> _Step:
+    def _begin_dense_step(self, q_len: int) -> _Step:
         """"model" style: every row stores all ``q_len`` new columns."""
         plan = self.core.begin_step({seq_id: q_len for seq_id in self._rows})
+        self._columns += q_len
         self._note_peak()
-        return _Step(plan, None, batch, q_len)
+        return _Step(plan, None, len(self._rows), q_len)
 
     def _begin_ragged_step(self, mask: torch.Tensor | None, batch: int, q_len: int) -> _Step:
         """"vmkv" style: each row stores only its real (unpadded) new columns."""
@@ -482,14 +482,14 @@ class VirtualCache(Cache):
             if bool(real.all()):
                 real = None
         counts = [q_len] * batch if real is None else real.sum(1).tolist()
-        if real is not None:
-            first = self._columns - q_len
-            for row, flags in enumerate(real.tolist()):
-                self._dropped[row].extend(first + j for j, ok in enumerate(flags) if not ok)
         batch_plan = {seq_id: n for seq_id, n in zip(self._rows, counts) if n > 0}
         if not batch_plan:
             raise InvalidInput("every row of this step is padding")
         plan = self.core.begin_step(batch_plan)
+        if real is not None:
+            for row, flags in enumerate(real.tolist()):
+                self._dropped[row].extend(self._columns + j for j, ok in enumerate(flags) if not ok)
+        self._columns += q_len
         self._note_peak()
         keep = None if real is None else real.reshape(-1).nonzero().squeeze(1).to(mask.device)
         return _Step(plan, keep, batch, q_len)
