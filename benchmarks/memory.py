@@ -14,7 +14,8 @@ The two reservation baselines run on the VMM cache with the all-layers layout an
 (32 tokens a page for Llama-3-8B), so a reservation is rounded up to whole 32-token pages.
 
 Scheduler (the same for all): every iteration admits waiting requests first-come first-served
-while the allocator accepts their prompt (or reservation), then runs one decode step for every
+while the allocator accepts their prompt (or reservation) and leaves 1 % of the pages free (vLLM's
+watermark; the first request is always tried), then runs one decode step for every
 running request; a request that reached its output length is freed. If a decode step runs out of
 pages, the newest running request is preempted (freed, re-queued at the front, recomputed later:
 vLLM's recompute preemption).
@@ -77,7 +78,7 @@ DEFAULT_VMM = "vmm-layer-2MiB"  # the library's defaults: per_layer layout, 2 Mi
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--traces", nargs="+", default=["sharegpt", "alpaca"], choices=sorted(common.TRACES))
     parser.add_argument("--requests", type=int, default=None, help="requests per trace (default: 120 ShareGPT-like, 400 Alpaca-like; smoke: 12)")
-    parser.add_argument("--budget", default=None, help="KV memory budget (Llama-3-8B geometry: 128 KiB a token; default 2GiB; smoke 256MiB)")
+    parser.add_argument("--budget", default=None, help="KV memory budget (Llama-3-8B geometry: 128 KiB a token; default 2GiB; smoke 512MiB)")
     parser.add_argument("--max-seq-len", type=int, default=None, help="longest request; the static baseline reserves this much (default 2048; smoke 256)")
     parser.add_argument("--allocators", nargs="+", default=[a.label for a in ALLOCATORS], choices=[a.label for a in ALLOCATORS])
 
@@ -96,6 +97,7 @@ class _Replay:
         self.token_bytes = cache.config.bytes_per_token
         self.page_bytes = cache.geometry.page_bytes
         self.running: dict[int, list[int]] = {}  # rid -> [length, target length], in admission order
+        self.watermark = -(-cache.pool.num_pages // 100)  # vLLM's admission watermark: 1 % of the pages
         self.preemptions = 0
 
     def _admit(self, req: common.Request) -> bool:
@@ -112,6 +114,9 @@ class _Replay:
                 cache.reserve(req.rid, min(self.max_seq_len, _next_pow2(req.total)))
             cache.begin_step({req.rid: req.prompt})
         except vmkv.OutOfPages:
+            cache.free(req.rid)
+            return False
+        if self.running and cache.pool.num_free < self.watermark:  # keep room for decode steps
             cache.free(req.rid)
             return False
         self.running[req.rid] = [req.prompt, req.total]
@@ -193,7 +198,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     show = getattr(args, "progress", False)
     has_paged, why_not = common.paged_available()
     args = argparse.Namespace(**{**vars(args), "max_seq_len": args.max_seq_len or (256 if args.smoke else 2048),
-                                  "budget": args.budget or ("256MiB" if args.smoke else "2GiB")})
+                                  "budget": args.budget or ("512MiB" if args.smoke else "2GiB")})
     rows, series_out, traces, skipped = [], {}, {}, {}
     for kind in args.traces:
         count = args.requests or (12 if args.smoke else {"sharegpt": 120, "alpaca": 400}[kind])

@@ -67,7 +67,7 @@ DEFAULT_ALLOCATORS = ["paged-b16", "vmm-layer-64KiB", "vmm-layer-2MiB"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--traces", nargs="+", default=None, choices=sorted(common.TRACES), help="default: both; smoke: alpaca")
-    parser.add_argument("--requests", type=int, default=None, help="requests per (trace, scenario) (default 4 ShareGPT-like, 12 Alpaca-like; smoke 1)")
+    parser.add_argument("--requests", type=int, default=None, help="requests per (trace, scenario) (default 2 ShareGPT-like, 6 Alpaca-like; smoke 1)")
     parser.add_argument("--widths", type=int, nargs="+", default=None, help="n and beam widths (default 2 4 6; smoke 2)")
     parser.add_argument("--allocators", nargs="+", default=DEFAULT_ALLOCATORS, choices=[a.label for a in ALLOCATORS],
                         help="vmm-all-2MiB has 32 tokens a page like vmm-layer-64KiB, so it gives the same pages")
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     work = [(kind, scen, n, a) for kind in args.traces for scen in ("parallel", "beam") for n in widths for a in allocators]
     rows = []
     for kind, scen, width, allocator in common.progress(work, "sharing", enabled=getattr(args, "progress", False)):
-        count = args.requests or (1 if args.smoke else {"sharegpt": 4, "alpaca": 12}[kind])
+        count = args.requests or (1 if args.smoke else {"sharegpt": 2, "alpaca": 6}[kind])
         trace = common.make_trace(kind, count, args.seed, args.max_seq_len)
         extra = common.make_trace(kind, count * width, args.seed + 1, args.max_seq_len)  # per-sample output lengths
         sums = {True: [0, 0, 0], False: [0, 0, 0]}

@@ -5,6 +5,7 @@
     vmkv info                          backends, page granularity, kernels per mode and why
     vmkv bench                         the quick default suite (CPU, a few minutes): tables,
                                        JSON and PNG plots in --out (default bench-out/)
+    vmkv bench --full                  every benchmark with its own, fuller defaults (docs)
     vmkv bench <name> [options]        one benchmark with its own options (--help lists them)
     vmkv bench --list                  the registry
     vmkv serve [options]               the OpenAI-compatible server (vmkv.server.cli)
@@ -35,7 +36,8 @@ COMMON_OPTIONS = ("device", "smoke", "seed", "out")
 
 @dataclass(frozen=True)
 class Entry:
-    """A registered benchmark: its module and the options the default suite runs it with."""
+    """A registered benchmark: its module and the options the quick default suite runs it with
+    (``vmkv bench <name>`` alone runs the module's own, fuller defaults)."""
 
     name: str
     module: str
@@ -46,10 +48,11 @@ class Entry:
 REGISTRY: dict[str, Entry] = {
     entry.name: entry
     for entry in (
-        Entry("memory", "benchmarks.memory"),
-        Entry("decode", "benchmarks.decode"),
-        Entry("mapping", "benchmarks.mapping"),
-        Entry("sharing", "benchmarks.sharing"),
+        Entry("memory", "benchmarks.memory", ["--traces", "sharegpt", "--requests", "60"]),
+        Entry("decode", "benchmarks.decode",
+              ["--batches", "1", "32", "--contexts", "512", "2048", "4096", "--repeat", "3", "--paged-kernels", "selected"]),
+        Entry("mapping", "benchmarks.mapping", ["--steps", "128"]),
+        Entry("sharing", "benchmarks.sharing", ["--traces", "alpaca", "--requests", "4", "--widths", "2", "6"]),
         Entry("generate", "benchmarks.generate",
               ["--prompt-len", "64", "--new-tokens", "64", "--batch-sizes", "1,4", "--beam-new-tokens", "16"]),
         Entry("serve", "benchmarks.serve"),
@@ -233,12 +236,13 @@ def bench(ns: argparse.Namespace) -> int:
             print(f"[{name}] skipped: {why}", file=sys.stderr)
             records.append({"name": name, "status": "unavailable", "reason": why})
             continue
-        args = _module_args(module, entry, ns.rest if ns.name else list(entry.suite_argv), common_ns)
+        preset = [] if ns.smoke or ns.full else list(entry.suite_argv)  # the module's own sizes
+        args = _module_args(module, entry, ns.rest if ns.name else preset, common_ns)
         args.out.mkdir(parents=True, exist_ok=True)
         if len(names) > 1:
             print(f"[{len(records) + 1}/{len(names)}] {name}: {getattr(module, 'DESCRIPTION', '')}", file=sys.stderr)
         try:
-            records.append(run_one(module, args))
+            records.append({**run_one(module, args), "options": ns.rest if ns.name else preset})
         except Exception as exc:  # noqa: BLE001 - one failing benchmark does not stop the suite
             print(f"[{name}] failed: {type(exc).__name__}: {exc}", file=sys.stderr)
             if ns.name:
@@ -246,10 +250,20 @@ def bench(ns: argparse.Namespace) -> int:
             records.append({"name": name, "status": "failed", "reason": f"{type(exc).__name__}: {exc}"})
     out = common_ns.out
     out.mkdir(parents=True, exist_ok=True)
-    (out / "suite.json").write_text(json.dumps({"records": records}, indent=1, default=str) + "\n")
-    write_report(out, records)
+    write_report(out, _merge_records(out / "suite.json", records))
     _print_suite(records, out)
     return 0 if all(r["status"] == "ok" for r in records) else 1
+
+
+def _merge_records(path: Path, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Update ``suite.json`` in the output directory with ``records`` (one per benchmark name,
+    the newest wins, registry order) so one benchmark run alone keeps the others' results."""
+    by_name = {r["name"]: r for r in (json.loads(path.read_text())["records"] if path.exists() else [])}
+    by_name.update({r["name"]: r for r in records})
+    order = [name for name in REGISTRY if name in by_name] + [name for name in by_name if name not in REGISTRY]
+    merged = [by_name[name] for name in order]
+    path.write_text(json.dumps({"records": merged}, indent=1, default=str) + "\n")
+    return merged
 
 
 def _print_suite(records: list[dict[str, Any]], out: Path) -> None:
@@ -273,7 +287,8 @@ def write_report(out: Path, records: list[dict[str, Any]]) -> Path:
             parts += [f"{record['status']}: {record.get('reason', '')}", ""]
             continue
         result = json.loads(Path(record["json"]).read_text())
-        parts += [f"{record['seconds']:.1f} s on {result.get('machine', {}).get('platform', '?')}", ""]
+        command = " ".join(["vmkv bench", record["name"], *(record.get("options") or [])])
+        parts += [f"`{command}`: {record['seconds']:.1f} s", ""]
         parts += ["```json", json.dumps(result["summary"], indent=1, default=str), "```", ""]
         if result["rows"]:
             columns = list(result["schema"]) if result.get("schema") else None
@@ -313,6 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "`vmkv bench <name> --help` lists its options.",
     )
     bench_parser.add_argument("--list", action="store_true", help="list the registered benchmarks")
+    bench_parser.add_argument("--full", action="store_true",
+                              help="suite: run every benchmark with its own (fuller) defaults, not the quick presets")
     bench_parser.add_argument("name", nargs="?", help=f"one of: {', '.join(REGISTRY)}")
     bench_parser.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options")
     serve_parser = sub.add_parser("serve", add_help=False, help="OpenAI-compatible server (vmkv serve --help)")
