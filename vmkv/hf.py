@@ -382,13 +382,15 @@ class VirtualCache(Cache):
 
         Extra keys: ``rows``, ``columns``, ``attention_style``, ``peak_bytes`` (most pool bytes in
         use after any step), ``gathered_views`` (model-style steps whose rows were not in
-        consecutive slots, so the views had to be gathered: a copy), ``forks``/``frees`` of rows.
+        consecutive slots, so the views had to be gathered: a copy), ``row_forks``/``row_frees``
+        and ``row_retargets`` (rows reorder_cache rewrote in place, see ``_remap_rows``).
         """
         stats = self.core.stats() if self.core is not None else {"mode": self.mode}
         stats.update(
             rows=len(self._rows), columns=self.get_seq_length(), attention_style=self.attention_style,
             peak_bytes=self.peak_bytes, gathered_views=self.counters["gathered_views"],
             row_forks=self.counters["row_forks"], row_frees=self.counters["row_frees"],
+            row_retargets=self.counters["row_retargets"],
         )
         return stats
 
@@ -569,9 +571,15 @@ class VirtualCache(Cache):
     def _remap_rows(self, sources: list[int]) -> None:
         """New row ``i`` continues old row ``sources[i]``.
 
-        Old rows no new row uses are freed first (their slots and pages return), then each old
-        row is taken over by one new row (preferring the same index: no change) and forked for
-        the others. Forks share all pages; the first write into a shared page copies it.
+        Each old row is taken over by one new row that continues it (preferring the same index:
+        no change). Every other new row needs a copy of its source; it gets one of two ways:
+
+        * *retarget* (VMM mode): an old row no new row continues, whose pages equal all the
+          source's full pages (the beams diverged within the last, partly filled page), is
+          truncated to them and gets the source's last tokens written: under a page of copy, no
+          page mapping, and the same memory as a fork (whose first write copies that page);
+        * *fork* otherwise: the old row is freed and the source forked, sharing all its pages
+          (mapping each of them into the new slot); the first write into a shared page copies it.
 
         Raises:
             NoFreeSlot: more rows than ``max_batch_size``.
@@ -587,22 +595,62 @@ class VirtualCache(Cache):
         for new, old in enumerate(sources):
             if old not in taker or new == old:
                 taker[old] = new
-        for old, seq_id in enumerate(self._rows):
-            if old not in taker:
-                self.core.free(seq_id)
-                self.counters["row_frees"] += 1
+        unused = [old for old in range(len(self._rows)) if old not in taker]
         rows, dropped = [], []
         for new, old in enumerate(sources):
             if taker[old] == new:
                 rows.append(self._rows[old])
             else:
-                rows.append(self._next_id)
-                self._next_id += 1
-                self.core.fork(self._rows[old], rows[-1])
-                self.counters["row_forks"] += 1
+                rows.append(self._copy_row(old, unused))
             dropped.append(list(self._dropped[old]))
+        for old in unused:
+            self.core.free(self._rows[old])
+            self.counters["row_frees"] += 1
         self._rows, self._dropped = rows, dropped
 
+    def _copy_row(self, source: int, unused: list[int]) -> int:
+        """A sequence holding row ``source``'s tokens: a retargeted unused row, else a fork."""
+        src_id = self._rows[source]
+        if self.mode == "vmm":
+            src_pages = self.core.pages(src_id)
+            best, shared = None, -1
+            for old in unused:
+                pages = self.core.pages(self._rows[old])
+                same = next((n for n, (a, b) in enumerate(zip(pages, src_pages)) if a != b), min(len(pages), len(src_pages)))
+                if same > shared:
+                    best, shared = old, same
+            if best is not None and self._retarget(self._rows[best], src_id, shared):
+                unused.remove(best)
+                return self._rows[best]
+        seq_id = self._next_id
+        self._next_id += 1
+        if len(self.core) >= self.core.config.max_batch_size and unused:  # make a slot first
+            self.core.free(self._rows[unused.pop()])
+            self.counters["row_frees"] += 1
+        self.core.fork(src_id, seq_id)
+        self.counters["row_forks"] += 1
+        return seq_id
+
+    def _retarget(self, seq_id: int, src_id: int, shared_pages: int) -> bool:
+        """Make ``seq_id`` a copy of ``src_id`` whose first ``shared_pages`` pages it already shares.
+
+        Returns:
+            False (nothing changed) when a full page of the source is not shared: copying it
+            would take memory a fork shares.
+        """
+        tpp = self.core.tokens_per_page
+        length = self.core.seq_len(src_id)
+        keep = min(shared_pages * tpp, length, self.core.seq_len(seq_id))
+        if keep < length // tpp * tpp:
+            return False
+        self.core.truncate(seq_id, keep)
+        if length > keep:
+            plan = self.core.begin_step({seq_id: length - keep})
+            for layer in range(self.core.config.num_layers):
+                k, v = self.core.kv(src_id, layer)  # [length, H, D], views of the same storage:
+                self.core.write(layer, k[keep:].clone(), v[keep:].clone(), plan)  # torch refuses aliasing
+        self.counters["row_retargets"] += 1
+        return True
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
