@@ -211,7 +211,8 @@ class VirtualCache(Cache):
             ``max(8, 4 * batch)``.
         max_seq_len: longest row in tokens. Default 8192.
         memory_budget: bytes of physical pages (int or "1GiB"). Default: room for every slot at
-            ``max_seq_len`` (host memory is only used when touched).
+            ``max_seq_len`` (host memory is only used when touched); on CUDA, where pages are
+            allocated up front, at most half the free GPU memory.
         page_size: VMM page per K/V tensor. Default: the smallest multiple of the backend
             granularity and of one token's bytes holding 64 tokens.
         layout: VMM ``"per_layer"`` or ``"all_layers"``.
@@ -431,8 +432,10 @@ class VirtualCache(Cache):
         budget = opts["memory_budget"]
         if budget is None:  # every slot full, plus one page per slot for copy-on-write
             budget = (max_batch * -(-max_seq // tokens_per_page) + max_batch) * page_bytes
+            if config.device.type == "cuda":  # CUDA pages are allocated up front: at most half the free memory
+                budget = min(budget, torch.cuda.mem_get_info(config.device)[0] // 2)
         self.core = open_cache(config.replace(memory_budget=budget), mode=self.mode)
-        log.info("vmkv.hf: %s cache, %d layers, kernel %s", self.mode, num_layers, self.core.kernel)
+        log.info("vmkv.hf: %s cache, %d layers, %d B budget, kernel %s", self.mode, num_layers, budget, self.core.kernel)
         self._rows = [self._add_row() for _ in range(batch)]
         self._dropped = [[] for _ in range(batch)]
 
