@@ -2,8 +2,8 @@
 
 Setups: ``vmm`` (model's SDPA over zero-copy views), ``vmm+vmkv`` and ``paged+vmkv`` (the
 registered ``attn_implementation="vmkv"`` calling the cache's kernel). Generated tokens must be
-identical to ``DynamicCache``; logits agree within ``atol=rtol=1e-4`` (float32; the kernels
-sum in a different order).
+identical to ``DynamicCache``; logits are bit-identical with the model's SDPA over our views and
+agree within ``atol=2e-5, rtol=1e-5`` (float32; measured <= 6e-6) with the cache's own kernels.
 """
 
 from __future__ import annotations
@@ -165,8 +165,11 @@ def test_forward_logits_match_dynamic_cache(models, arch, setup):
     cache = vhf.VirtualCache(mode, **PAGE)
     first, second = two_forwards(cache)
     real = mask.bool()
-    torch.testing.assert_close(first[real], ref_first[real], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(second, ref_second, atol=1e-4, rtol=1e-4)
+    if attn == "sdpa":  # the same SDPA call on the same values: bit-identical
+        assert torch.equal(first[real], ref_first[real]) and torch.equal(second, ref_second)
+    # the cache's own kernels sum in another order: measured <= 6e-6 on these models
+    torch.testing.assert_close(first[real], ref_first[real], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(second, ref_second, atol=2e-5, rtol=1e-5)
     assert cache.get_seq_length() == ids.shape[1] + 3
 
 
