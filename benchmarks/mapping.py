@@ -48,9 +48,9 @@ RESERVE_BYTES = 64 * 2**30
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: stable on a shared CPU; 0 keeps torch's default)")
-    parser.add_argument("--page-sizes", nargs="+", default=["64KiB", "2MiB"], help="backend page sizes for map/unmap")
+    parser.add_argument("--page-sizes", nargs="+", default=None, help="backend page sizes for map/unmap (default 64KiB 2MiB; CUDA 2MiB)")
     parser.add_argument("--pages", type=int, default=None, help="pages mapped per latency measurement (default 256; smoke 32)")
-    parser.add_argument("--decode-page-sizes", nargs="+", default=None, help="VMM page sizes of the decode-share runs (default 4KiB 64KiB; smoke 4KiB; small pages map often: the worst case)")
+    parser.add_argument("--decode-page-sizes", nargs="+", default=None, help="VMM page sizes of the decode-share runs (default 4KiB 64KiB, smoke 4KiB, CUDA 2MiB; small pages map often: the worst case)")
     parser.add_argument("--batch", type=int, default=None, help="sequences decoding together (default 16; smoke 4)")
     parser.add_argument("--steps", type=int, default=None, help="decode steps (default 256; smoke 24)")
 
@@ -154,6 +154,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _default_sizes(device: str, host: list[str]) -> list[str]:
+    """``host`` on the CPU; on CUDA its smallest mapping, the driver's granularity (2 MiB)."""
+    return host if device == "cpu" else ["2MiB"]
+
+
 def _run(args: argparse.Namespace) -> dict[str, Any]:
     common.check_device(args.device)
     pages = args.pages or (32 if args.smoke else 256)
@@ -161,7 +166,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         **vars(args),
         "steps": args.steps or (16 if args.smoke else 256),
         "batch": args.batch or (4 if args.smoke else 16),
-        "decode_page_sizes": args.decode_page_sizes or (["4KiB"] if args.smoke else ["4KiB", "64KiB"]),
+        "decode_page_sizes": args.decode_page_sizes or _default_sizes(args.device, ["4KiB"] if args.smoke else ["4KiB", "64KiB"]),
+        "page_sizes": args.page_sizes or _default_sizes(args.device, ["64KiB", "2MiB"]),
     })
     rows: list[dict[str, Any]] = []
     empty = {"map_ahead": None, "step_ms": None, "baseline_step_ms": None}

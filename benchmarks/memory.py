@@ -46,6 +46,7 @@ SCHEMA = {
     "steady_util": "mean KV utilization (stored token bytes / allocated bytes) at steady state, 0..1",
     "peak_alloc_util": "utilization at the iteration with the most bytes allocated, 0..1",
     "mean_running": "mean sequences running at steady state (how many fit the budget)",
+    "steady_iterations": "iterations counted as steady state (0: memory never held requests back; the means then cover every iteration)",
     "max_running": "most sequences running at once",
     "preemptions": "decode steps that ran out of pages and preempted a request",
     "iterations": "scheduler iterations to finish the trace",
@@ -177,9 +178,11 @@ def _open(allocator: Allocator, args: argparse.Namespace) -> vmkv.KVCacheBase:
 
 
 def _summarise_series(series: dict[str, list[float]]) -> dict[str, float]:
-    steady = [i for i, s in enumerate(series["steady"]) if s] or list(range(len(series["util"])))
+    marked = [i for i, s in enumerate(series["steady"]) if s]
+    steady = marked or list(range(len(series["util"])))
     peak = max(range(len(series["alloc_bytes"])), key=series["alloc_bytes"].__getitem__)
     return {
+        "steady_iterations": len(marked),
         "steady_util": sum(series["util"][i] for i in steady) / len(steady),
         "peak_alloc_util": series["util"][peak],
         "mean_running": sum(series["running"][i] for i in steady) / len(steady),
@@ -208,7 +211,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if allocator.mode == "paged" and not has_paged:
                 skipped[allocator.label] = why_not
                 continue
-            cache = _open(allocator, args)
+            try:
+                cache = _open(allocator, args)
+            except vmkv.InvalidConfig as exc:  # e.g. 64 KiB pages under CUDA's 2 MiB granularity
+                skipped[allocator.label] = str(exc)
+                continue
             try:
                 start = time.perf_counter()
                 replay = _Replay(cache, allocator, args.max_seq_len)

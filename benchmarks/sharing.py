@@ -195,8 +195,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                   "traces": args.traces or (["alpaca"] if args.smoke else ["sharegpt", "alpaca"])})
     allocators = [a for a in ALLOCATORS if a.label in args.allocators and (a.mode == "vmm" or has_paged)]
     work = [(kind, scen, n, a) for kind in args.traces for scen in ("parallel", "beam") for n in widths for a in allocators]
-    rows = []
+    rows, skipped = [], {} if has_paged else {"paged-b16": why_not}
     for kind, scen, width, allocator in common.progress(work, "sharing", enabled=getattr(args, "progress", False)):
+        if allocator.label in skipped:
+            continue
         count = args.requests or (1 if args.smoke else {"sharegpt": 2, "alpaca": 6}[kind])
         trace = common.make_trace(kind, count, args.seed, args.max_seq_len)
         extra = common.make_trace(kind, count * width, args.seed + 1, args.max_seq_len)  # per-sample output lengths
@@ -207,17 +209,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 scenario = lambda run, rng, req=req, outs=outs: _parallel(run, req.prompt, outs, rng)  # noqa: E731
             else:
                 scenario = lambda run, rng, req=req: _beam(run, req.prompt, req.output, width, rng)  # noqa: E731
-            measured = _measure(allocator, args, scenario, width, args.seed * 1000 + req.rid)
+            try:
+                measured = _measure(allocator, args, scenario, width, args.seed * 1000 + req.rid)
+            except vmkv.InvalidConfig as exc:  # e.g. 64 KiB pages under CUDA's 2 MiB granularity
+                skipped[allocator.label] = str(exc)
+                break
             for shared, (page_steps, peak, cows, tpp) in measured.items():
                 sums[shared][0] += page_steps
                 sums[shared][1] = max(sums[shared][1], peak)
                 sums[shared][2] += cows
+        if allocator.label in skipped:
+            continue
         rows.append({
             "trace": kind, "scenario": scen, "n": width, "allocator": allocator.label, "tokens_per_page": tpp,
             "saved": 1 - sums[True][0] / sums[False][0], "peak_saved": 1 - sums[True][1] / sums[False][1],
             "cow_copies": sums[True][2], "requests": count,
         })
-    skipped = {} if has_paged else {"paged-b16": why_not}
     return common.make_result(NAME, SCHEMA, rows, _summary(rows, skipped))
 
 

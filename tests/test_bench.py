@@ -173,3 +173,24 @@ def test_cli_serve_delegates_to_the_server_cli(capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: vmkv serve") and "--kv-mode" in out
+
+
+def _cuda_unavailable() -> str:
+    """Why the CUDA backend cannot run here ('' when it can)."""
+    try:
+        cli._cuda_granularity()
+    except Exception as exc:  # noqa: BLE001 - the reason becomes the skip message
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", MINE)
+def test_smoke_on_cuda(name, tmp_path):
+    why = _cuda_unavailable()
+    if why:
+        pytest.skip(f"needs the CUDA backend: {why}")
+    module = importlib.import_module(f"benchmarks.{name}")
+    args = _args(module, tmp_path)
+    args.device = "cuda"
+    _check_contract(module.run(args), name)

@@ -48,14 +48,15 @@ class Entry:
 REGISTRY: dict[str, Entry] = {
     entry.name: entry
     for entry in (
-        Entry("memory", "benchmarks.memory", ["--traces", "sharegpt", "--requests", "60"]),
+        Entry("memory", "benchmarks.memory", ["--traces", "sharegpt", "--requests", "60", "--budget", "1GiB"]),
         Entry("decode", "benchmarks.decode",
               ["--batches", "1", "32", "--contexts", "512", "2048", "4096", "--repeat", "3", "--paged-kernels", "selected"]),
         Entry("mapping", "benchmarks.mapping", ["--steps", "128"]),
         Entry("sharing", "benchmarks.sharing", ["--traces", "alpaca", "--requests", "4", "--widths", "2", "6"]),
         Entry("generate", "benchmarks.generate",
               ["--prompt-len", "64", "--new-tokens", "64", "--batch-sizes", "1,4", "--beam-new-tokens", "16"]),
-        Entry("serve", "benchmarks.serve"),
+        Entry("serve", "benchmarks.serve",
+              ["--concurrency", "1", "8", "--rates", "inf", "--requests", "16", "--output-len", "16", "--repeats", "1"]),
     )
 }
 
