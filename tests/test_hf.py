@@ -193,6 +193,16 @@ def test_vmm_update_returns_zero_copy_views_of_exact_length(models):
     assert cache.stats()["gathered_views"] == 0
 
 
+@pytest.mark.parametrize("mode", ["vmm", pytest.param("paged", marks=PAGED)])
+def test_cache_built_from_config_knows_its_attention(models, mode):
+    model = use_attention(models["qwen2"], "vmkv")
+    cache = vhf.VirtualCache(mode, config=model.config, **PAGE)
+    assert cache.attention_style == "vmkv"
+    ids, mask = prompts(padded=True)
+    expected = reference(model, ids, mask)
+    assert torch.equal(generate(use_attention(model, "vmkv"), cache, ids, mask), expected)
+
+
 def _kv_rows(cache: vhf.VirtualCache, layer: int) -> list[torch.Tensor]:
     return [cache.core.kv(seq_id, layer)[0] for seq_id in cache._rows]  # each [len, H, D]
 
