@@ -14,9 +14,10 @@ Experiments, each run for both modes back to back on identical work:
 Concurrency and rate settings run ``--repeats`` times per mode, modes alternating, and keep the
 median-throughput run of each mode. Metrics per run: output tokens/s (all output tokens / wall time), TTFT (arrival to first
 token), TPOT (mean time per output token after the first), end-to-end latency; p50 and p99.
-VMM pages default to 64 KiB (128 tokens of the embedded model), paged blocks to 16 tokens;
-the capacity experiment also runs VMM with 4 KiB pages (8 tokens), so page granularity, not
-the mode, is visible as the cause of any capacity gap.
+VMM pages default to the engine's choice (64 KiB = 128 tokens of the embedded model on CPU,
+2 MiB on CUDA), paged blocks to 16 tokens; on CPU the capacity experiment also runs VMM with
+4 KiB pages (8 tokens), so page granularity, not the mode, is visible as the cause of any
+capacity gap. The capacity budget must hold a page of each mode (on CUDA: 8 MiB x layers).
 """
 
 from __future__ import annotations
@@ -68,9 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=None, help="requests per run (default 32; smoke 8)")
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 64; smoke 24)")
     parser.add_argument("--output-len", type=int, default=None, help="output tokens (default 32; smoke 8)")
-    parser.add_argument("--memory-budget", default="64MiB", help="KV budget of the throughput/latency runs")
-    parser.add_argument("--capacity-budget", default="8MiB", help="KV budget of the capacity experiment")
-    parser.add_argument("--vmm-page-size", default="64KiB", help="VMM page bytes per K/V tensor")
+    parser.add_argument("--memory-budget", default=None, help="KV budget of the throughput/latency runs "
+                        "(default 64MiB on CPU, 1GiB on CUDA where a VMM page is 2 MiB per tensor)")
+    parser.add_argument("--capacity-budget", default=None, help="KV budget of the capacity experiment "
+                        "(default 8MiB on CPU, 64MiB on CUDA)")
+    parser.add_argument("--vmm-page-size", default=None, help="VMM page bytes per K/V tensor (default: the engine's, "
+                        "64 KiB on CPU, 2 MiB on CUDA)")
     parser.add_argument("--block-size", type=int, default=16, help="paged tokens per block")
     parser.add_argument("--repeats", type=int, default=None, help="runs per mode and setting, modes alternating; the "
                         "row kept is the median-throughput run (default 3; smoke 1)")
@@ -86,12 +90,14 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "prompt_len": args.prompt_len or (24 if smoke else 64),
         "output_len": args.output_len or (8 if smoke else 32),
         "repeats": args.repeats or (1 if smoke else 3),
+        "memory_budget": args.memory_budget or ("64MiB" if args.device == "cpu" else "1GiB"),
+        "capacity_budget": args.capacity_budget or ("8MiB" if args.device == "cpu" else "64MiB"),
     }
 
 
 def _engine(mode: str, args: argparse.Namespace, budget: str, max_num_seqs: int, page_size: str | None = None) -> Engine:
     return Engine.from_config(EngineConfig(
-        kv_mode=mode, memory_budget=budget, page_size=page_size or args.vmm_page_size, block_size=args.block_size,
+        kv_mode=mode, memory_budget=budget, page_size=page_size, block_size=args.block_size,
         max_num_seqs=max_num_seqs, max_seq_len=1024, device=args.device, seed=args.seed,
     ))
 
@@ -201,8 +207,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows = _measure(args, settings)
     finally:
         torch.set_num_threads(threads)
-    config = {**settings, "rates": [str(r) for r in settings["rates"]], "memory_budget": args.memory_budget,
-              "capacity_budget": args.capacity_budget, "vmm_page_size": args.vmm_page_size, "block_size": args.block_size,
+    config = {**settings, "rates": [str(r) for r in settings["rates"]], "vmm_page_size": args.vmm_page_size,
+              "block_size": args.block_size,
               "threads": args.threads, "driver": "in-process Engine (no HTTP)"}
     return common.make_result(NAME, SCHEMA, rows, _summary(rows), config=config)
 
@@ -211,7 +217,7 @@ def _measure(args: argparse.Namespace, settings: dict[str, Any]) -> list[dict[st
     prompts = _prompts(settings["requests"], settings["prompt_len"], args.seed)
     params = SamplingParams(max_tokens=settings["output_len"], temperature=0.0, ignore_eos=True)
     top = max(settings["concurrency"])
-    engines = {mode: _engine(mode, args, args.memory_budget, max(top, 16)) for mode in args.modes}
+    engines = {mode: _engine(mode, args, settings["memory_budget"], max(top, 16), args.vmm_page_size) for mode in args.modes}
     rows: list[dict[str, Any]] = []
     try:
         for engine in engines.values():  # warm-up: first calls allocate and load kernels
@@ -245,13 +251,13 @@ def _alternate(engines: dict[str, Engine], repeats: int, experiment: str, measur
 
 def _capacity(args: argparse.Namespace, settings: dict[str, Any], prompts: list[list[int]], params: SamplingParams) -> list[dict[str, Any]]:
     """Every request at once into ``--capacity-budget``: how many run together, per mode and page size."""
-    variants = [(mode, None) for mode in args.modes]
-    if "vmm" in args.modes:
+    variants: list[tuple[str, str | None]] = [(mode, args.vmm_page_size) for mode in args.modes]
+    if "vmm" in args.modes and args.device == "cpu":  # CUDA maps 2 MiB at the least
         variants.append(("vmm", "4KiB"))
     flood = prompts * max(1, 64 // len(prompts))
     rows = []
     for mode, page in variants:
-        engine = _engine(mode, args, args.capacity_budget, 256, page_size=page)
+        engine = _engine(mode, args, settings["capacity_budget"], 256, page_size=page)
         try:
             measured = run_closed_loop(engine, flood, params, len(flood))
             rows.append(_row("capacity", mode, engine, measured, concurrency=len(flood)))
