@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import math
 import random
-import statistics
 import time
 from collections import deque
 from pathlib import Path
