@@ -73,13 +73,15 @@ ALLOCATORS = [
     Allocator("vmm-all-64KiB", "vmm", {"layout": "all_layers", "page_size": "64KiB"}, "on_demand"),
     Allocator("vmm-all-2MiB", "vmm", {"layout": "all_layers", "page_size": "2MiB"}, "on_demand"),
 ]
+DEFAULT_BUDGETS = {"sharegpt": "2GiB", "alpaca": "512MiB"}  # both hold ~30 average requests
 DEFAULT_VMM = "vmm-layer-2MiB"  # the library's defaults: per_layer layout, 2 MiB pages
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--traces", nargs="+", default=["sharegpt", "alpaca"], choices=sorted(common.TRACES))
-    parser.add_argument("--requests", type=int, default=None, help="requests per trace (default: 120 ShareGPT-like, 400 Alpaca-like; smoke: 12)")
-    parser.add_argument("--budget", default=None, help="KV memory budget (Llama-3-8B geometry: 128 KiB a token; default 2GiB; smoke 512MiB)")
+    parser.add_argument("--requests", type=int, default=None, help="requests per trace (default: 120 ShareGPT-like, 300 Alpaca-like; smoke: 12)")
+    parser.add_argument("--budget", default=None, help="KV memory budget (Llama-3-8B geometry: 128 KiB a token; default 2GiB "
+                        "for ShareGPT-like, 512MiB for Alpaca-like, whose requests are ~6x shorter; smoke 512MiB)")
     parser.add_argument("--max-seq-len", type=int, default=None, help="longest request; the static baseline reserves this much (default 2048; smoke 256)")
     parser.add_argument("--allocators", nargs="+", default=[a.label for a in ALLOCATORS], choices=[a.label for a in ALLOCATORS])
 
@@ -168,10 +170,10 @@ class _Replay:
         return series
 
 
-def _open(allocator: Allocator, args: argparse.Namespace) -> vmkv.KVCacheBase:
+def _open(allocator: Allocator, args: argparse.Namespace, budget: str) -> vmkv.KVCacheBase:
     config = common.cache_config(
         common.LLAMA3_8B, args.device,
-        max_batch_size=512, max_seq_len=args.max_seq_len, memory_budget=args.budget,
+        max_batch_size=512, max_seq_len=args.max_seq_len, memory_budget=budget,
         prefix_caching=False, deferred_reclaim=False, **allocator.fields,
     )
     return vmkv.open_cache(config, mode=allocator.mode)
@@ -201,10 +203,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     show = getattr(args, "progress", False)
     has_paged, why_not = common.paged_available()
     args = argparse.Namespace(**{**vars(args), "max_seq_len": args.max_seq_len or (256 if args.smoke else 2048),
-                                  "budget": args.budget or ("512MiB" if args.smoke else "2GiB")})
-    rows, series_out, traces, skipped = [], {}, {}, {}
+                                  })
+    rows, series_out, traces, skipped, budgets = [], {}, {}, {}, {}
     for kind in args.traces:
-        count = args.requests or (12 if args.smoke else {"sharegpt": 120, "alpaca": 400}[kind])
+        count = args.requests or (12 if args.smoke else {"sharegpt": 120, "alpaca": 300}[kind])
+        budgets[kind] = args.budget or ("512MiB" if args.smoke else DEFAULT_BUDGETS[kind])
         trace = common.make_trace(kind, count, args.seed, args.max_seq_len)
         traces[kind] = common.trace_stats(trace)
         for allocator in [a for a in ALLOCATORS if a.label in args.allocators]:
@@ -212,7 +215,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 skipped[allocator.label] = why_not
                 continue
             try:
-                cache = _open(allocator, args)
+                cache = _open(allocator, args, budgets[kind])
             except vmkv.InvalidConfig as exc:  # e.g. 64 KiB pages under CUDA's 2 MiB granularity
                 skipped[allocator.label] = str(exc)
                 continue
@@ -230,7 +233,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 cache.close()
             series_out[f"{kind}/{allocator.label}"] = {k: _downsample(v) for k, v in series.items() if k != "steady"}
     return common.make_result(NAME, SCHEMA, rows, _summary(rows, skipped), traces=traces, series=series_out,
-                              config={"budget": args.budget, "max_seq_len": args.max_seq_len, "shape": common.LLAMA3_8B})
+                              config={"budget": budgets, "max_seq_len": args.max_seq_len, "shape": common.LLAMA3_8B})
 
 
 def _summary(rows: list[dict[str, Any]], skipped: dict[str, str]) -> dict[str, Any]:
@@ -261,7 +264,7 @@ def plot(result: dict[str, Any], out_dir) -> list[str]:
             trace, label = key.split("/", 1)
             if trace == kind:
                 ax.plot(series["util"], label=label, linewidth=1.2)
-        ax.set_title(f"{kind}-like trace, budget {result['config']['budget']}")
+        ax.set_title(f"{kind}-like trace, budget {result['config']['budget'][kind]}")
         ax.set_xlabel("scheduler iteration (sampled)")
         ax.set_ylabel("KV utilization (stored / allocated)")
         ax.set_ylim(0, 1.05)

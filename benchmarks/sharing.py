@@ -63,11 +63,14 @@ ALLOCATORS = [
     Allocator("vmm-all-2MiB", "vmm", {**common.LLAMA3_8B, "layout": "all_layers", "page_size": "2MiB"}),
 ]
 DEFAULT_ALLOCATORS = ["paged-b16", "vmm-layer-64KiB", "vmm-layer-2MiB"]
+# Requests per (trace, scenario): beam search copies a page on write almost every step (2 MiB
+# pieces with the 2 MiB allocator), so it gets fewer requests than parallel sampling.
+DEFAULT_REQUESTS = {("sharegpt", "parallel"): 12, ("alpaca", "parallel"): 30, ("sharegpt", "beam"): 2, ("alpaca", "beam"): 6}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--traces", nargs="+", default=None, choices=sorted(common.TRACES), help="default: both; smoke: alpaca")
-    parser.add_argument("--requests", type=int, default=None, help="requests per (trace, scenario) (default 2 ShareGPT-like, 6 Alpaca-like; smoke 1)")
+    parser.add_argument("--requests", type=int, default=None, help="requests per (trace, scenario) (default: parallel 12 ShareGPT-like / 30 Alpaca-like, beam 2 / 6; smoke 1)")
     parser.add_argument("--widths", type=int, nargs="+", default=None, help="n and beam widths (default 2 4 6; smoke 2)")
     parser.add_argument("--allocators", nargs="+", default=DEFAULT_ALLOCATORS, choices=[a.label for a in ALLOCATORS],
                         help="vmm-all-2MiB has 32 tokens a page like vmm-layer-64KiB, so it gives the same pages")
@@ -199,13 +202,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for kind, scen, width, allocator in common.progress(work, "sharing", enabled=getattr(args, "progress", False)):
         if allocator.label in skipped:
             continue
-        count = args.requests or (1 if args.smoke else {"sharegpt": 2, "alpaca": 6}[kind])
+        count = args.requests or (1 if args.smoke else DEFAULT_REQUESTS[(kind, scen)])
         trace = common.make_trace(kind, count, args.seed, args.max_seq_len)
-        extra = common.make_trace(kind, count * width, args.seed + 1, args.max_seq_len)  # per-sample output lengths
+        # per-sample output lengths: the same draws for every n (n=2 takes the first 2 of 6)
+        most = max(widths)
+        extra = common.make_trace(kind, count * most, args.seed + 1, args.max_seq_len)
         sums = {True: [0, 0, 0], False: [0, 0, 0]}
         for req in trace:
             if scen == "parallel":
-                outs = [min(e.output, args.max_seq_len - req.prompt) for e in extra[req.rid * width : (req.rid + 1) * width]]
+                draws = extra[req.rid * most : req.rid * most + width]
+                outs = [min(e.output, args.max_seq_len - req.prompt) for e in draws]
                 scenario = lambda run, rng, req=req, outs=outs: _parallel(run, req.prompt, outs, rng)  # noqa: E731
             else:
                 scenario = lambda run, rng, req=req: _beam(run, req.prompt, req.output, width, rng)  # noqa: E731
