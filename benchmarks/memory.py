@@ -255,7 +255,8 @@ def _summary(rows: list[dict[str, Any]], skipped: dict[str, str]) -> dict[str, A
 
 
 def plot(result: dict[str, Any], out_dir) -> list[str]:
-    """``memory_utilization.png``: utilization over time, one panel per trace, one line per allocator."""
+    """``memory_utilization.png``: utilization over time, one panel per trace, one line per allocator
+    (allocators with the same tokens per page draw the same line)."""
     plt = common.pyplot()
     kinds = list(result["traces"])
     fig, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4), squeeze=False)
@@ -263,9 +264,12 @@ def plot(result: dict[str, Any], out_dir) -> list[str]:
         for key, series in result["series"].items():
             trace, label = key.split("/", 1)
             if trace == kind:
-                ax.plot(series["util"], label=label, linewidth=1.2)
+                util = list(series["util"])
+                while util and util[-1] == 0.0:  # the last iteration frees everything
+                    util.pop()
+                ax.plot([i / max(1, len(util) - 1) for i in range(len(util))], util, label=label, linewidth=1.2)
         ax.set_title(f"{kind}-like trace, budget {result['config']['budget'][kind]}")
-        ax.set_xlabel("scheduler iteration (sampled)")
+        ax.set_xlabel("progress through the replay (fraction of its iterations)")
         ax.set_ylabel("KV utilization (stored / allocated)")
         ax.set_ylim(0, 1.05)
         ax.grid(alpha=0.3)

@@ -126,7 +126,7 @@ def test_cli_info_names_backends_and_kernels(capsys):
 
 
 def test_cli_bench_one_smoke_writes_json_report_and_plot(tmp_path, capsys):
-    status = cli.main(["bench", "--smoke", "--out", str(tmp_path), "--no-progress", "sharing", "--allocators", "paged-b16"])
+    status = cli.main(["bench", "--smoke", "--no-progress", "sharing", "--allocators", "paged-b16", "--out", str(tmp_path)])
     assert status == 0
     result = json.loads((tmp_path / "sharing.json").read_text())
     _check_contract(result, "sharing")

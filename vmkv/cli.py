@@ -228,6 +228,7 @@ def bench(ns: argparse.Namespace) -> int:
         print(f"vmkv bench: unknown benchmark {ns.name!r}; choose from {', '.join(REGISTRY)}", file=sys.stderr)
         return 2
     common_ns = argparse.Namespace(**{k: getattr(ns, k) for k in (*COMMON_OPTIONS, "no_plots", "progress")})
+    out = common_ns.out  # a single benchmark may set --out after its name: then its own wins
     records = []
     names = _suite_names(ns.name)
     for name in names:
@@ -240,6 +241,7 @@ def bench(ns: argparse.Namespace) -> int:
         preset = [] if ns.smoke or ns.full else list(entry.suite_argv)  # the module's own sizes
         args = _module_args(module, entry, ns.rest if ns.name else preset, common_ns)
         args.out.mkdir(parents=True, exist_ok=True)
+        out = args.out if ns.name else out
         if len(names) > 1:
             print(f"[{len(records) + 1}/{len(names)}] {name}: {getattr(module, 'DESCRIPTION', '')}", file=sys.stderr)
         try:
@@ -249,7 +251,6 @@ def bench(ns: argparse.Namespace) -> int:
             if ns.name:
                 traceback.print_exc()
             records.append({"name": name, "status": "failed", "reason": f"{type(exc).__name__}: {exc}"})
-    out = common_ns.out
     out.mkdir(parents=True, exist_ok=True)
     write_report(out, _merge_records(out / "suite.json", records))
     _print_suite(records, out)
