@@ -45,6 +45,7 @@ SCHEMA = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """This benchmark's options (the CLI adds --device, --smoke, --seed, --out)."""
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: stable on a shared CPU; 0 keeps torch's default)")
     parser.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes (default 1 8 32; smoke 1 2)")
     parser.add_argument("--contexts", type=int, nargs="+", default=None, help="context lengths (default 512 2048 4096; smoke 64 128)")

@@ -47,6 +47,7 @@ RESERVE_BYTES = 64 * 2**30
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """This benchmark's options (the CLI adds --device, --smoke, --seed, --out)."""
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: stable on a shared CPU; 0 keeps torch's default)")
     parser.add_argument("--page-sizes", nargs="+", default=None, help="backend page sizes for map/unmap (default 64KiB 2MiB; CUDA 2MiB)")
     parser.add_argument("--pages", type=int, default=None, help="pages mapped per latency measurement (default 256; smoke 32)")

@@ -22,6 +22,7 @@ shape) give different answers: sharing saves whole pages only.
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -69,6 +70,7 @@ DEFAULT_REQUESTS = {("sharegpt", "parallel"): 12, ("alpaca", "parallel"): 30, ("
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """This benchmark's options (the CLI adds --device, --smoke, --seed, --out)."""
     parser.add_argument("--traces", nargs="+", default=None, choices=sorted(common.TRACES), help="default: both; smoke: alpaca")
     parser.add_argument("--requests", type=int, default=None, help="requests per (trace, scenario) (default: parallel 12 ShareGPT-like / 30 Alpaca-like, beam 2 / 6; smoke 1)")
     parser.add_argument("--widths", type=int, nargs="+", default=None, help="n and beam widths (default 2 4 6; smoke 2)")
@@ -128,7 +130,7 @@ class _Run:
             self.free(seq)
 
 
-def _parallel(run: _Run, prompt: int, outputs: list[int], rng: random.Random) -> None:
+def _parallel(run: _Run, rng: random.Random, *, prompt: int, outputs: list[int]) -> None:
     parent = run.start(prompt)
     samples = {parent: outputs[0]}
     for out in outputs[1:]:
@@ -144,7 +146,7 @@ def _parallel(run: _Run, prompt: int, outputs: list[int], rng: random.Random) ->
                 del samples[seq]
 
 
-def _beam(run: _Run, prompt: int, steps: int, width: int, rng: random.Random) -> None:
+def _beam(run: _Run, rng: random.Random, *, prompt: int, steps: int, width: int) -> None:
     beams = [run.start(prompt)]
     beams += [run.fork(beams[0]) for _ in range(width - 1)]
     run.record()
@@ -212,9 +214,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if scen == "parallel":
                 draws = extra[req.rid * most : req.rid * most + width]
                 outs = [min(e.output, args.max_seq_len - req.prompt) for e in draws]
-                scenario = lambda run, rng, req=req, outs=outs: _parallel(run, req.prompt, outs, rng)  # noqa: E731
+                scenario = functools.partial(_parallel, prompt=req.prompt, outputs=outs)
             else:
-                scenario = lambda run, rng, req=req: _beam(run, req.prompt, req.output, width, rng)  # noqa: E731
+                scenario = functools.partial(_beam, prompt=req.prompt, steps=req.output, width=width)
             try:
                 measured = _measure(allocator, args, scenario, width, args.seed * 1000 + req.rid)
             except vmkv.InvalidConfig as exc:  # e.g. 64 KiB pages under CUDA's 2 MiB granularity
