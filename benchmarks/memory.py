@@ -103,6 +103,9 @@ class _Replay:
         self.running: dict[int, list[int]] = {}  # rid -> [length, target length], in admission order
         self.watermark = -(-cache.pool.num_pages // 100)  # vLLM's admission watermark: 1 % of the pages
         self.preemptions = 0
+        # A refused request stays refused until some sequence frees memory (pages only shrink
+        # otherwise), so admission is not retried before then: same result, fewer calls.
+        self.blocked = False
 
     def _admit(self, req: common.Request) -> bool:
         """Try to start ``req``; on any refusal leave the cache as it was and return False."""
@@ -110,6 +113,7 @@ class _Replay:
         try:
             cache.add(req.rid)
         except vmkv.NoFreeSlot:
+            self.blocked = True
             return False
         try:
             if self.policy == "max":
@@ -119,9 +123,11 @@ class _Replay:
             cache.begin_step({req.rid: req.prompt})
         except vmkv.OutOfPages:
             cache.free(req.rid)
+            self.blocked = True
             return False
         if self.running and cache.pool.num_free < self.watermark:  # keep room for decode steps
             cache.free(req.rid)
+            self.blocked = True
             return False
         self.running[req.rid] = [req.prompt, req.total]
         return True
@@ -135,6 +141,7 @@ class _Replay:
             except vmkv.OutOfPages:
                 victim = next(reversed(self.running))
                 self.cache.free(victim)
+                self.blocked = False
                 del self.running[victim]
                 waiting.appendleft(trace[victim])
                 self.preemptions += 1
@@ -143,6 +150,7 @@ class _Replay:
             state[0] += 1
             if state[0] >= state[1]:
                 self.cache.free(rid)
+                self.blocked = False
                 del self.running[rid]
 
     def run(self, trace: list[common.Request], show: bool, desc: str) -> dict[str, list[float]]:
@@ -151,7 +159,7 @@ class _Replay:
         done_any = False
         bar = common.progress(iter(int, 1), desc, enabled=show)  # an endless counter for tqdm
         for _ in bar:
-            while waiting and self._admit(waiting[0]):
+            while waiting and not self.blocked and self._admit(waiting[0]):
                 waiting.popleft()
             if not self.running:
                 if waiting:

@@ -48,7 +48,7 @@ class Entry:
 REGISTRY: dict[str, Entry] = {
     entry.name: entry
     for entry in (
-        Entry("memory", "benchmarks.memory", ["--traces", "sharegpt", "--requests", "60", "--budget", "1GiB"]),
+        Entry("memory", "benchmarks.memory", ["--traces", "sharegpt", "--requests", "40", "--budget", "1GiB"]),
         Entry("decode", "benchmarks.decode",
               ["--batches", "1", "32", "--contexts", "512", "2048", "4096", "--repeat", "3", "--paged-kernels", "selected"]),
         Entry("mapping", "benchmarks.mapping", ["--steps", "128"]),
