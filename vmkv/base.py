@@ -26,7 +26,7 @@ Every public method validates everything first and raises before changing anythi
 from __future__ import annotations
 
 import hashlib
-import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import dataclass, field
@@ -87,7 +87,11 @@ class KVCacheBase(ABC):
         self._keep_spare = config.deferred_reclaim and self.mode == "vmm"
         self._unregistered: set[SeqId] = set()  # sequences whose last step may have filled pages
         self._version = 0
-        self._ahead: threading.Thread | None = None
+        # map ahead (VMM mode): one long-lived worker; _ahead is its pending job, joined by _settle
+        self._ahead: Future | None = None
+        self._ahead_worker = (
+            ThreadPoolExecutor(1, thread_name_prefix="vmkv-map-ahead") if config.map_ahead and self.mode == "vmm" else None
+        )
         self.counters: Counter[str] = Counter()
 
     # ---- hooks a mode implements ---------------------------------------------------------
@@ -328,7 +332,7 @@ class KVCacheBase(ABC):
             self._unregistered.add(seq.seq_id)
         self._version += 1
         plan = self._build_plan([s for s, _, _ in steps], [c for _, c, _ in steps])
-        if self.config.map_ahead:
+        if self._ahead_worker is not None:
             self._start_map_ahead(plan)
         return plan
 
@@ -549,7 +553,7 @@ class KVCacheBase(ABC):
     def _settle(self) -> None:
         """Finish background mapping and index the pages the previous step filled."""
         if self._ahead is not None:
-            self._ahead.join()
+            self._ahead.result()
             self._ahead = None
         if self.config.prefix_caching:
             for seq_id in self._unregistered:
@@ -643,18 +647,32 @@ class KVCacheBase(ABC):
         )
 
     def _start_map_ahead(self, plan: StepPlan) -> None:
-        """Map each sequence's next page on a background thread if its room runs out next step."""
-        seqs = [self._seqs[seq_id] for seq_id in plan.seq_ids]
+        """Map the next page, on the worker thread, of each sequence whose room runs out if its
+        next step is as long as this one (a decode crossing a page boundary).
 
-        def run() -> None:
-            for seq, n in zip(seqs, plan.q_lens):
-                room = len(seq.pages) * self.tokens_per_page - seq.length
-                if room < n and len(seq.pages) < self.max_pages_per_seq and self.pool.num_free:
-                    self._grow(seq, 1)
-                    self.counters["pages_mapped_ahead"] += 1
+        Only free pages are used; spare and cached pages are left to the next ``begin_step``,
+        which also raises ``OutOfPages`` if need be.
+        """
+        due = []
+        for seq_id, n in zip(plan.seq_ids, plan.q_lens):
+            seq = self._seqs[seq_id]
+            room = len(seq.pages) * self.tokens_per_page - seq.length
+            if room < n and len(seq.pages) < self.max_pages_per_seq:
+                due.append(seq)
+        if due:
+            self._ahead = self._ahead_worker.submit(self._map_ahead, due)
 
-        self._ahead = threading.Thread(target=run, name="vmkv-map-ahead", daemon=True)
-        self._ahead.start()
+    def _map_ahead(self, due: list[_Sequence]) -> None:
+        for seq in due[: self.pool.num_free]:
+            self._grow(seq, 1)
+            self.counters["pages_mapped_ahead"] += 1
+
+    def _stop_map_ahead(self) -> None:
+        """Finish pending background mapping and stop the worker (at close)."""
+        self._settle()
+        if self._ahead_worker is not None:
+            self._ahead_worker.shutdown()
+            self._ahead_worker = None
 
     def __enter__(self) -> "KVCacheBase":
         return self

@@ -149,7 +149,7 @@ class VirtualKVCache(KVCacheBase):
     def close(self) -> None:
         if getattr(self, "_vm", None) is None:
             return
-        self._settle()
+        self._stop_map_ahead()
         self._vm.synchronize()
         self._k = self._v = []
         self._vm.close()
