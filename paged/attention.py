@@ -93,20 +93,20 @@ class GatherSDPA(PagedKernel):
         out = torch.empty_like(q)
         for i, (n, kv_len) in enumerate(zip(plan.q_lens, plan.kv_lens)):
             blocks = plan.block_table[i, : -(-kv_len // block)]
-            k_i = k_pool[blocks].flatten(0, 1)[:kv_len].transpose(0, 1)  # [Hkv, kv_len, D]
-            v_i = v_pool[blocks].flatten(0, 1)[:kv_len].transpose(0, 1)
-            if n == 1:  # [Hkv, G, D]: the group's queries share their KV head
-                q_i = q[offsets[i]].view(k_i.shape[0], -1, q.shape[2])
+            k_i = k_pool[blocks].flatten(0, 1)[:kv_len].transpose(0, 1)[None]  # [1, Hkv, kv_len, D]
+            v_i = v_pool[blocks].flatten(0, 1)[:kv_len].transpose(0, 1)[None]
+            if n == 1:  # [1, Hkv, G, D]: the group's queries share their KV head
+                q_i = q[offsets[i]].reshape(1, k_i.shape[1], -1, q.shape[2])
                 o_i = F.scaled_dot_product_attention(q_i, k_i, v_i, scale=scale)
                 out[offsets[i]] = o_i.reshape(q.shape[1:])
                 continue
-            q_i = q[offsets[i] : offsets[i + 1]].transpose(0, 1)  # [Hq, n, D]
+            q_i = q[offsets[i] : offsets[i + 1]].transpose(0, 1)[None]  # [1, Hq, n, D] (4-D: CPU SDPA's fast path)
             mask = masks[i]
             if mask is not None:
                 mask = mask.to(q.device)
             o_i = F.scaled_dot_product_attention(
                 q_i, k_i, v_i, attn_mask=mask, is_causal=mask is None and n > 1, scale=scale, enable_gqa=gqa
-            )
+            )[0]
             out[offsets[i] : offsets[i + 1]] = o_i.transpose(0, 1)
         return out
 
