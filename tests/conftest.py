@@ -32,6 +32,15 @@ def small_config(**overrides) -> vmkv.KVCacheConfig:
     return vmkv.KVCacheConfig(**{**SMALL, **overrides})
 
 
+@pytest.fixture(autouse=True, scope="session")
+def one_torch_thread():
+    """Tiny matmuls on a shared 2-core machine: one thread is far faster than oversubscribed ones."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(params=MODES)
 def mode(request) -> str:
     return request.param

@@ -16,15 +16,6 @@ PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy dog. " * 3, "
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls run far faster on one thread on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def hf_model():
     return default_hf_model()

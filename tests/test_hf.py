@@ -48,15 +48,6 @@ SETUPS = [
 PAGE = dict(page_size="4KiB", block_size=16)  # 32 tokens a VMM page of this geometry (128 B a token)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls on a shared 2-core machine: one thread is ~50x faster than oversubscribed ones."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def models() -> dict[str, torch.nn.Module]:
     built = {}

@@ -51,15 +51,6 @@ class Running:
         self.loop.close()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls run far faster on one thread on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module", params=MODES)
 def server(request):
     running = Running(request.param)

@@ -9,22 +9,8 @@ from __future__ import annotations
 from .base import KVCacheBase
 from .cache import VirtualKVCache
 from .config import KVCacheConfig
-from .errors import (
-    BackendError,
-    BackendUnavailable,
-    DuplicateSequence,
-    InvalidConfig,
-    InvalidDevice,
-    InvalidDtype,
-    InvalidInput,
-    InvalidShape,
-    NoFreeSlot,
-    OutOfPages,
-    SequenceTooLong,
-    StalePlan,
-    UnknownSequence,
-    VMKVError,
-)
+from . import errors
+from .errors import *  # noqa: F403 - every typed error, as listed in errors.__all__
 from .sizes import parse_size
 from .step import StepPlan
 
@@ -53,18 +39,5 @@ __all__ = [
     "StepPlan",
     "open_cache",
     "parse_size",
-    "VMKVError",
-    "InvalidConfig",
-    "InvalidInput",
-    "InvalidShape",
-    "InvalidDtype",
-    "InvalidDevice",
-    "UnknownSequence",
-    "DuplicateSequence",
-    "SequenceTooLong",
-    "NoFreeSlot",
-    "OutOfPages",
-    "StalePlan",
-    "BackendUnavailable",
-    "BackendError",
+    *errors.__all__,
 ]
