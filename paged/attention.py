@@ -490,13 +490,14 @@ def choose_paged_kernel(
 ) -> tuple[str, str]:
     """Pure selection rule: ``(kernel name, why)`` for a pool on ``device``.
 
-    On CPU the blockwise kernel (measured faster than gather + SDPA, docs/paged.md). On CUDA:
+    On CPU the blockwise kernel: it never copies a sequence's K/V and is the faster one for
+    long-context float32 decode, while gather + SDPA is faster for prefill (docs/paged.md). On CUDA:
     flash-attn, else torch varlen with ``block_table``, when FlashAttention can read the pool;
     else the blockwise kernel. FlashInfer, when installed, takes decode steps (any block size)
     and the above take the rest: the name is then ``flashinfer_decode+<other>``.
     """
     if device.type != "cuda":
-        return "blockwise_online_softmax", "CPU: blockwise online softmax (faster than gather_sdpa, measured)"
+        return "blockwise_online_softmax", "CPU: blockwise online softmax (no K/V copy; faster than gather_sdpa for long-context decode)"
     blockers = flash_paged_blockers(device, dtype, head_dim, block_size, capability)
     if not blockers and flash_attn:
         name, why = "flash_attn_with_kvcache", "flash-attn is installed"

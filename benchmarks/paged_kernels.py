@@ -1,6 +1,6 @@
 """Side-by-side timing of the paged CPU kernels on identical work (decides the CPU default).
 
-Run: ``python -m paged.bench_kernels [--dtype float32|bfloat16] [--chunk-tokens 256] [--layers 2] [--repeat 5] [--threads 1]``
+Run: ``python -m benchmarks.paged_kernels [--dtype float32|bfloat16] [--chunk-tokens 256] [--layers 2] [--repeat 5] [--threads 1]``
 
 For each workload one cache per kernel holds the same K/V; the time is one step's attention
 over ``--layers`` layers (per-step metadata included, as a model pays it), best of
@@ -16,8 +16,8 @@ import torch
 
 from vmkv.config import KVCacheConfig
 
-from .attention import DEFAULT_CHUNK_TOKENS
-from .cache import PagedKVCache
+from paged.attention import DEFAULT_CHUNK_TOKENS
+from paged.cache import PagedKVCache
 
 KV_HEADS, Q_HEADS, HEAD_DIM, BLOCK = 8, 32, 128, 16
 
