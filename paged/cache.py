@@ -102,7 +102,7 @@ class PagedKVCache(KVCacheBase):
             UnknownSequence.
         """
         seq = self._get(seq_id)
-        blocks = torch.tensor(seq.pages[: -(-seq.length // self.block_size)], dtype=torch.long, device=self.config.device)
+        blocks = torch.tensor(seq.pages[: self.pages_for(seq.length)], dtype=torch.long, device=self.config.device)
         k = self._k[layer][blocks].flatten(0, 1)[: seq.length]
         v = self._v[layer][blocks].flatten(0, 1)[: seq.length]
         return k, v
@@ -151,7 +151,7 @@ class PagedKVCache(KVCacheBase):
     def _block_table(self, seqs: list[_Sequence]) -> torch.Tensor:
         """int32 ``[B, max_blocks]`` rows of the step's sequences, on the cache's device;
         ``max_blocks`` covers the longest sequence, entries past a sequence's blocks are -1."""
-        width = max(-(-seq.length // self.block_size) for seq in seqs)
+        width = max(self.pages_for(seq.length) for seq in seqs)
         slots = torch.tensor([seq.slot for seq in seqs], dtype=torch.long)
         return self.block_table[slots, :width].to(self.config.device)
 

@@ -79,7 +79,7 @@ class KVCacheBase(ABC):
         self.config = config
         self.geometry = geometry
         self.tokens_per_page = geometry.tokens_per_page
-        self.max_pages_per_seq = -(-config.max_seq_len // geometry.tokens_per_page)
+        self.max_pages_per_seq = self.pages_for(config.max_seq_len)
         self.pool = PagePool(geometry.num_pages)
         self._seqs: dict[SeqId, _Sequence] = {}
         self._free_slots: set[int] = set(range(config.max_batch_size))
@@ -166,7 +166,7 @@ class KVCacheBase(ABC):
             )
         self._require_free_slot(seq_id)
         hits = self._match_prefix(tokens)
-        slot = self._pick_slot(-(-len(tokens) // self.tokens_per_page) if tokens else None)
+        slot = self._pick_slot(self.pages_for(len(tokens)) if tokens else None)
         seq = _Sequence(seq_id, slot, pages=[], tokens=tokens)
         for page, _ in hits:
             self.pool.incref(page)
@@ -220,7 +220,7 @@ class KVCacheBase(ABC):
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
             raise InvalidInput(f"num_tokens must be an int >= 0, got {num_tokens!r}")
         self._check_length(seq, num_tokens)
-        grow = max(0, -(-num_tokens // self.tokens_per_page) - len(seq.pages))
+        grow = max(0, self.pages_for(num_tokens) - len(seq.pages))
         self._make_room(grow)
         self._grow(seq, grow)
         seq.reserved = max(seq.reserved, num_tokens)
@@ -277,7 +277,7 @@ class KVCacheBase(ABC):
                 self._drop(slot, index, spare[index])
             spare.clear()
         for seq in self._seqs.values():
-            need = -(-max(seq.length, seq.reserved) // self.tokens_per_page)
+            need = self.pages_for(max(seq.length, seq.reserved))
             for index in range(len(seq.pages) - 1, need - 1, -1):
                 self._drop(seq.slot, index, seq.pages[index])
             del seq.pages[need:]
@@ -366,6 +366,10 @@ class KVCacheBase(ABC):
     def seq_ids(self) -> list[SeqId]:
         """Ids of the live sequences."""
         return list(self._seqs)
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Pool pages that hold ``num_tokens`` tokens of one sequence."""
+        return -(-num_tokens // self.tokens_per_page)
 
     def seq_len(self, seq_id: SeqId) -> int:
         """Tokens stored for ``seq_id`` (after ``add``: the tokens found in the prefix cache)."""
@@ -571,7 +575,7 @@ class KVCacheBase(ABC):
         copies, grows = [], []
         for seq, count, _ in steps:
             first = seq.length // self.tokens_per_page
-            end = -(-(seq.length + count) // self.tokens_per_page)
+            end = self.pages_for(seq.length + count)
             copy_at = []
             for index in range(first, min(end, len(seq.pages))):
                 page = seq.pages[index]
@@ -622,7 +626,7 @@ class KVCacheBase(ABC):
     def _unregister_written(self, seq: _Sequence, count: int) -> None:
         """Pages this step writes into change: drop their prefix hashes (they are private now)."""
         tpp = self.tokens_per_page
-        for index in range(seq.length // tpp, -(-(seq.length + count) // tpp)):
+        for index in range(seq.length // tpp, self.pages_for(seq.length + count)):
             self.pool.unregister(seq.pages[index])
         del seq.hashes[seq.length // tpp :]
 

@@ -226,7 +226,7 @@ class Engine:
             )
         if params.n > self.cache.config.max_batch_size:
             raise InvalidInput(f"n={params.n} exceeds the {self.cache.config.max_batch_size} sequence slots")
-        pages = -(-(len(ids) + params.max_tokens - 1) // self.cache.tokens_per_page)
+        pages = self.cache.pages_for(len(ids) + params.max_tokens - 1)
         if pages > self.cache.pool.num_pages:
             raise OutOfPages(
                 f"one completion of {len(ids) + params.max_tokens} tokens needs {pages} KV pages; the memory "
