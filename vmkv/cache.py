@@ -62,6 +62,9 @@ class VirtualKVCache(KVCacheBase):
             self._vm.close()
             raise
         self._k, self._v = self._make_views(config)
+        # each layer's K/V flattened to [rows, heads, dim] once: ``view`` (never a silent copy)
+        rows = (config.max_batch_size * self.seq_capacity, config.num_kv_heads, config.head_dim)
+        self._rows = [(k.view(rows), v.view(rows)) for k, v in zip(self._k, self._v)]
         super().__init__(config, geometry)
 
     def _make_views(self, config: KVCacheConfig) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -89,9 +92,7 @@ class VirtualKVCache(KVCacheBase):
         return self._k[layer][seq.slot, : seq.length], self._v[layer][seq.slot, : seq.length]
 
     def layer_storage(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = self.config.max_batch_size * self.seq_capacity
-        shape = (rows, self.config.num_kv_heads, self.config.head_dim)
-        return self._k[layer].reshape(shape), self._v[layer].reshape(shape)
+        return self._rows[layer]
 
     def attention(self, layer: int, q: torch.Tensor, plan: StepPlan, *, scale: float | None = None) -> torch.Tensor:
         self._check_plan(plan, layer)
@@ -151,7 +152,7 @@ class VirtualKVCache(KVCacheBase):
             return
         self._stop_map_ahead()
         self._vm.synchronize()
-        self._k = self._v = []
+        self._k = self._v = self._rows = []
         self._vm.close()
         self._vm = None
 
