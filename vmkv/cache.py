@@ -13,7 +13,11 @@ All-layers layout (``layout="all_layers"``): one range for K and one for V shape
 slice of it and a page covers ``num_layers`` times fewer tokens.
 
 A pool page ``p`` is backed by ``num_tensors`` physical pages of the backend, one per range:
-physical page ``p * num_tensors + t`` is what range ``t`` maps for it.
+physical page ``t * num_pages + p`` is what range ``t`` maps for it, so pool pages ``p`` and
+``p + 1`` are neighbours in the page store and, mapped side by side, merge into one mapping.
+
+Every page of a range that holds no data reads as zeros (the backend's shared zero page): a
+read past a sequence's length never faults, and views outlive ``free``, ``trim`` and ``close``.
 """
 
 from __future__ import annotations
@@ -103,6 +107,10 @@ class VirtualKVCache(KVCacheBase):
     def _addr(self, tensor: int, slot: int, index: int) -> int:
         return self._bases[tensor] + slot * self.slot_bytes + index * self.geometry.piece_bytes
 
+    def _piece(self, page: int, tensor: int) -> int:
+        """The backend page that range ``tensor`` maps for pool page ``page``."""
+        return tensor * self.geometry.num_pages + page
+
     def _attach(self, slot: int, index: int, page: int, old: int | None, keep: int) -> None:
         count = self.geometry.num_tensors
         nbytes = keep * self.geometry.piece_bytes // self.tokens_per_page  # the stored tokens only
@@ -113,7 +121,7 @@ class VirtualKVCache(KVCacheBase):
             for addr in addrs:
                 self._vm.unmap(addr)
         for t, addr in enumerate(addrs):
-            self._vm.map(addr, page * count + t)
+            self._vm.map(addr, self._piece(page, t))
         for addr, data in zip(addrs, saved):
             self._vm.tensor(addr, (nbytes,), torch.uint8).copy_(data)
 
@@ -126,7 +134,7 @@ class VirtualKVCache(KVCacheBase):
         count = self.geometry.num_tensors
         for page in pages:
             for t in range(count):
-                self._vm.release_page(page * count + t)
+                self._vm.release_page(self._piece(page, t))
 
     def _token_rows(self, slot: int, pages: list[int], start: int, count: int) -> torch.Tensor:
         return torch.arange(start, start + count) + slot * self.seq_capacity

@@ -2,14 +2,20 @@
 
 A backend owns one store of equally sized physical pages and hands out virtual ranges::
 
-    reserve(nbytes) -> addr          # address space only, no memory behind it
-    map(addr, page) / unmap(addr)    # put physical page #page at addr / take it away again
+    reserve(nbytes) -> addr          # address space only: reads as zeros, no memory behind it
+    map(addr, page) / unmap(addr)    # put physical page #page at addr / back to the zero page
     release_page(page)               # give the page's memory back to the OS (host only)
     tensor(addr, shape, dtype)       # a zero-copy torch view of a (mapped) range
     free_reservation(addr, nbytes) / close()
 
-Pages are created up front (``create_pages``) so the hot path never allocates. The same page
-may be mapped at several addresses at once: that is how sharing works.
+Pages are created up front so the hot path never allocates. The same page may be mapped at
+several addresses at once: that is how sharing works.
+
+**Empty pages read as zeros.** Every page of a reservation that has no physical page mapped is
+backed by one shared, read-only zero page: a read anywhere in a reservation returns data or
+zeros and never faults, and costs no memory; a write there still fails (SIGSEGV on the host, an
+illegal-address fault on CUDA), so no kernel may *write* outside mapped pages. A tensor from
+``tensor()`` keeps its reservation alive: after ``close()`` it reads zeros instead of faulting.
 """
 
 from __future__ import annotations
@@ -38,11 +44,13 @@ class VirtualMemory(ABC):
 
     @abstractmethod
     def reserve(self, nbytes: int) -> int:
-        """Reserve ``nbytes`` (a multiple of ``page_size``) of address space; return its address."""
+        """Reserve ``nbytes`` (a multiple of ``page_size``) of address space, every page of it
+        reading as zeros; return its address."""
 
     @abstractmethod
     def free_reservation(self, addr: int, nbytes: int) -> None:
-        """Give back a range returned by :meth:`reserve` (its pages must be unmapped)."""
+        """Give back a range returned by :meth:`reserve`: its pages are unmapped now; the address
+        space is freed once no tensor over it is left."""
 
     @abstractmethod
     def map(self, addr: int, page: int) -> None:
@@ -50,7 +58,7 @@ class VirtualMemory(ABC):
 
     @abstractmethod
     def unmap(self, addr: int) -> None:
-        """Unmap the page at ``addr``; the address stays reserved."""
+        """Unmap the page at ``addr``: it reads as zeros again; the address stays reserved."""
 
     @abstractmethod
     def release_page(self, page: int) -> None:
@@ -58,7 +66,8 @@ class VirtualMemory(ABC):
 
     @abstractmethod
     def tensor(self, addr: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A contiguous tensor of ``shape`` over ``addr`` without copying (touch only mapped parts)."""
+        """A contiguous tensor of ``shape`` over ``addr`` without copying. Reads of unmapped parts
+        see zeros; writes must touch mapped pages only. The tensor keeps the reservation alive."""
 
     @abstractmethod
     def synchronize(self) -> None:
@@ -70,7 +79,8 @@ class VirtualMemory(ABC):
 
     @abstractmethod
     def close(self) -> None:
-        """Release every page and reservation. Idempotent."""
+        """Unmap every page (live tensors read zeros), release the physical memory, and give
+        reservations back as their last tensors go. Idempotent."""
 
     def __enter__(self) -> "VirtualMemory":
         return self

@@ -1,20 +1,36 @@
 """Host backend: Linux virtual memory through libc (mmap + memfd), no GPU needed.
 
-* reserve: ``mmap(NULL, n, PROT_NONE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE)`` — address
-  space only.
+* reserve: ``mmap(NULL, n, PROT_READ, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE)`` — address
+  space only. Reading a page of it that holds nothing yet is served by the kernel's shared zero
+  page (no memory is used); writing to it is a SIGSEGV (it is read-only).
 * physical pages: one ``memfd`` sized to the page store; page ``i`` is the file range
   ``[i * page_size, (i + 1) * page_size)``. The kernel gives it memory on first touch.
 * map: ``mmap(addr, page_size, PROT_READ|PROT_WRITE, MAP_SHARED|MAP_FIXED, memfd, offset)``;
   mapping one offset at several addresses shares it.
-* unmap: map ``PROT_NONE`` anonymous memory over the page with ``MAP_FIXED`` (keeps the range
-  reserved; touching it again is a SIGSEGV).
+* unmap: map read-only anonymous memory over the page with ``MAP_FIXED``: the range stays
+  reserved and reads as zeros again.
 * release: ``fallocate(PUNCH_HOLE|KEEP_SIZE)`` gives the page's memory back to the OS.
+
+Memory picture of one reservation::
+
+    | page 7 (rw) | page 2 (rw) | zero (ro) | zero (ro) | ... zero (ro) ... |
+      memfd offsets              reads: 0.0, writes: SIGSEGV, memory: none
+
+Lifetime: a tensor from :meth:`HostVirtualMemory.tensor` keeps its reservation alive. ``close()``
+unmaps every page (its views then read zeros) and frees the memory; the address range itself is
+given back to the OS only when the last tensor over it is gone, so no view can ever fault.
+
+Mapping count: Linux allows ``vm.max_map_count`` mappings per process (65,530 by default).
+Mapped pages that are neighbours both in the range and in the memfd merge into one mapping;
+every other mapped run costs up to two (see :func:`free_map_count`).
 """
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import ctypes.util
+import errno
 import mmap
 import os
 import sys
@@ -24,10 +40,12 @@ import torch
 from ..errors import BackendError, BackendUnavailable, InvalidConfig
 from .base import VirtualMemory
 
-_PROT_NONE, _PROT_RW = 0, mmap.PROT_READ | mmap.PROT_WRITE
+_PROT_READ, _PROT_RW = mmap.PROT_READ, mmap.PROT_READ | mmap.PROT_WRITE
 _MAP_NORESERVE, _MAP_FIXED = 0x4000, 0x10
+_ZERO_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE  # read-only: the zero page
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_MAX_MAP_COUNT = "/proc/sys/vm/max_map_count"
 
 
 def _load_libc() -> ctypes.CDLL:
@@ -41,6 +59,32 @@ def _load_libc() -> ctypes.CDLL:
     libc.fallocate.restype = ctypes.c_int
     libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
     return libc
+
+
+def free_map_count() -> int | None:
+    """Mappings this process may still create before ``vm.max_map_count`` refuses more.
+
+    Returns ``None`` where ``/proc`` does not tell (not Linux, or a restricted sandbox).
+    """
+    try:
+        with open(_MAX_MAP_COUNT) as limit_file:
+            limit = int(limit_file.read())
+        with open("/proc/self/maps", "rb") as maps:
+            used = sum(1 for _ in maps)
+    except (OSError, ValueError):
+        return None
+    return limit - used
+
+
+class _Reservation:
+    """One reserved address range; given back to the OS (``munmap``) when the backend and every
+    tensor over it have let go of it."""
+
+    def __init__(self, libc: ctypes.CDLL, addr: int, nbytes: int) -> None:
+        self.libc, self.addr, self.nbytes = libc, addr, nbytes
+
+    def __del__(self) -> None:
+        self.libc.munmap(self.addr, self.nbytes)
 
 
 class HostVirtualMemory(VirtualMemory):
@@ -58,73 +102,118 @@ class HostVirtualMemory(VirtualMemory):
 
     def __init__(self, page_size: int, num_pages: int, *, populate: bool = False) -> None:
         self.granularity = mmap.PAGESIZE
-        if page_size <= 0 or page_size % self.granularity:
-            raise InvalidConfig(f"host page_size must be a positive multiple of {self.granularity} B, got {page_size}")
-        if num_pages <= 0:
-            raise InvalidConfig(f"num_pages must be positive, got {num_pages}")
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0 or page_size % self.granularity:
+            raise InvalidConfig(f"host page_size must be a positive multiple of {self.granularity} B, got {page_size!r}")
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
+            raise InvalidConfig(f"num_pages must be a positive int, got {num_pages!r}")
         self._libc = _load_libc()
         self.device = torch.device("cpu")
         self.page_size = page_size
         self.num_pages = num_pages
         self._map_flags = mmap.MAP_SHARED | _MAP_FIXED | (mmap.MAP_POPULATE if populate else 0)
+        self._reservations: dict[int, _Reservation] = {}
+        self._starts: list[int] = []  # sorted reservation addresses, to find the one holding an address
         self._fd = os.memfd_create("vmkv-pages", os.MFD_CLOEXEC)
-        os.ftruncate(self._fd, page_size * num_pages)
-        self._reservations: dict[int, int] = {}
+        try:
+            os.ftruncate(self._fd, page_size * num_pages)
+        except OSError as exc:
+            os.close(self._fd)
+            self._fd = -1
+            raise BackendError(f"sizing the page store to {page_size * num_pages} B failed: {exc}") from None
 
-    def _check(self, result: int | None, what: str) -> int:
-        if result is None or result == _MAP_FAILED:
-            err = ctypes.get_errno()
-            raise BackendError(f"{what} failed: {os.strerror(err)} (errno {err})")
-        return result
+    def _fail(self, what: str) -> BackendError:
+        err = ctypes.get_errno()
+        hint = ""
+        if err == errno.ENOMEM:
+            hint = (f"; the process may be out of mappings (Linux vm.max_map_count, {_MAX_MAP_COUNT}): "
+                    "use larger pages or raise it with sysctl -w vm.max_map_count=N")
+        return BackendError(f"{what} failed: {os.strerror(err)} (errno {err}){hint}")
+
+    def _mmap(self, addr: int | None, nbytes: int, prot: int, flags: int, fd: int, offset: int, what: str) -> int:
+        got = self._libc.mmap(addr, nbytes, prot, flags, fd, offset)
+        if got is None or got == _MAP_FAILED:
+            raise self._fail(what)
+        return got
+
+    def _open(self) -> None:
+        if self._fd < 0:
+            raise BackendError("the host backend is closed")
 
     def reserve(self, nbytes: int) -> int:
-        if nbytes <= 0 or nbytes % self.page_size:
-            raise InvalidConfig(f"reserve: {nbytes} is not a positive multiple of the page size {self.page_size}")
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
-        addr = self._check(self._libc.mmap(None, nbytes, _PROT_NONE, flags, -1, 0), f"reserving {nbytes} B")
-        self._reservations[addr] = nbytes
+        self._open()
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0 or nbytes % self.page_size:
+            raise InvalidConfig(f"reserve: {nbytes!r} is not a positive multiple of the page size {self.page_size}")
+        addr = self._mmap(None, nbytes, _PROT_READ, _ZERO_FLAGS, -1, 0, f"reserving {nbytes} B")
+        self._reservations[addr] = _Reservation(self._libc, addr, nbytes)
+        bisect.insort(self._starts, addr)
         return addr
 
     def free_reservation(self, addr: int, nbytes: int) -> None:
-        if self._reservations.pop(addr, None) is None:
-            raise BackendError(f"free_reservation: {addr:#x} is not a reservation of this backend")
-        if self._libc.munmap(addr, nbytes) != 0:
-            self._check(None, "munmap")
+        """Give a range back; it is unmapped now, and returned to the OS once no tensor uses it."""
+        reservation = self._reservations.get(addr)
+        if reservation is None or reservation.nbytes != nbytes:
+            raise BackendError(f"free_reservation: ({addr:#x}, {nbytes}) is not a reservation of this backend")
+        self._zero(reservation)
+        del self._reservations[addr]
+        self._starts.remove(addr)
+
+    def _zero(self, reservation: _Reservation) -> None:
+        """Back the whole range with the zero page again (drops every page mapped in it)."""
+        self._mmap(reservation.addr, reservation.nbytes, _PROT_READ, _ZERO_FLAGS | _MAP_FIXED, -1, 0,
+                   f"unmapping the reservation at {reservation.addr:#x}")
 
     def map(self, addr: int, page: int) -> None:
-        offset = page * self.page_size
-        got = self._libc.mmap(addr, self.page_size, _PROT_RW, self._map_flags, self._fd, offset)
-        self._check(got, f"mapping page {page} at {addr:#x}")
+        self._open()
+        if not 0 <= page < self.num_pages:
+            raise BackendError(f"map: page {page} is outside the store of {self.num_pages} pages")
+        self._mmap(addr, self.page_size, _PROT_RW, self._map_flags, self._fd, page * self.page_size,
+                   f"mapping page {page} at {addr:#x}")
 
     def unmap(self, addr: int) -> None:
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED
-        self._check(self._libc.mmap(addr, self.page_size, _PROT_NONE, flags, -1, 0), f"unmapping {addr:#x}")
+        self._open()
+        self._mmap(addr, self.page_size, _PROT_READ, _ZERO_FLAGS | _MAP_FIXED, -1, 0, f"unmapping {addr:#x}")
 
     def release_page(self, page: int) -> None:
+        self._open()
         mode = _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE
         if self._libc.fallocate(self._fd, mode, page * self.page_size, self.page_size) != 0:
-            self._check(None, f"releasing page {page}")
+            raise self._fail(f"releasing page {page}")
 
     def tensor(self, addr: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        nbytes = itemsize
+        """A zero-copy tensor over ``addr``; it keeps the reservation holding it alive, so it reads
+        zeros (never faults) after its pages are unmapped or the backend is closed."""
+        nbytes = torch.empty((), dtype=dtype).element_size()
         for dim in shape:
             nbytes *= dim
+        index = bisect.bisect_right(self._starts, addr) - 1
+        reservation = self._reservations[self._starts[index]] if index >= 0 else None
+        if reservation is None or addr + nbytes > reservation.addr + reservation.nbytes:
+            raise BackendError(f"tensor: [{addr:#x}, +{nbytes}) is not inside a reservation of this backend")
         buffer = (ctypes.c_uint8 * nbytes).from_address(addr)
+        buffer.reservation = reservation  # the tensor holds the buffer, the buffer the range
         return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
 
     def synchronize(self) -> None:
         """CPU kernels run synchronously: nothing to wait for."""
 
     def resident_bytes(self) -> int:
-        return os.fstat(self._fd).st_blocks * 512
+        return os.fstat(self._fd).st_blocks * 512 if self._fd >= 0 else 0
 
     def close(self) -> None:
-        for addr, nbytes in list(self._reservations.items()):
-            self.free_reservation(addr, nbytes)
+        """Unmap every page (views read zeros from now on) and free the page store. Idempotent."""
+        errors = []
+        for reservation in self._reservations.values():
+            try:
+                self._zero(reservation)
+            except BackendError as exc:  # keep going: the store is freed once its mappings go
+                errors.append(exc)
+        self._reservations.clear()
+        self._starts.clear()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        if errors:
+            raise errors[0]
 
     def __del__(self) -> None:
         try:
