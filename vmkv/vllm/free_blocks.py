@@ -1,0 +1,356 @@
+"""The page-aware set of free KV blocks behind :class:`vmkv.vllm.block_pool.PageAffineBlockPool`.
+
+vLLM 0.32's ``BlockPool`` (``vllm/v1/core/block_pool.py``) keeps free blocks in a
+``FreeKVCacheBlockQueue`` (``vllm/v1/core/kv_cache_utils.py``): blocks without a prefix-cache
+hash at the front (reused first, LIFO), cached blocks at the back (evicted least recently freed
+first), popped from the front. That order spreads a request's blocks over the whole buffer, so no
+page ever becomes empty. :class:`PageAwareFreeBlocks` has the same interface (``popleft``,
+``popleft_n``, ``remove``, ``append``, ``append_n``, ``prepend_n``, ``get_all_free_blocks``,
+``num_free_blocks``) and decides by pages instead (units and pages: :mod:`vmkv.vllm.layout`).
+
+A unit is *live* while any of its blocks is held (``ref_cnt > 0``, i.e. not in this set) or
+cached (free but holding a prefix-cache entry); its pages are mapped exactly while it is live.
+A block is handed out in this order:
+
+1. an empty block of the live unit with the most live blocks (fill a mapped page first);
+2. the lowest unmapped unit, if the physical budget has room for its pages;
+3. the whole least recently idle unit (live only through cached blocks): its cached blocks are
+   evicted together, so its pages are reused whole;
+4. the least recently freed cached block (its unit stays mapped for its other blocks).
+
+Units that only cached blocks keep live are capped at ``max_idle_units``: beyond it the least
+recently idle one is evicted whole and unmapped, so its memory goes back to the OS.
+
+The free count vLLM sees (``num_free_blocks``) is what steps 1-4 can deliver: empty blocks of
+live units, cached blocks, and the blocks of as many new units as the unmapped budget holds.
+
+Pages whose mapped state changed are collected; :meth:`PageAwareFreeBlocks.take_delta` returns
+what to map and unmap since the last call (a page unmapped and mapped again in between is left
+alone), which the connector sends to the workers with the step.
+
+This module imports no vLLM code: blocks only need ``block_id`` and ``block_hash``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator
+
+from ..errors import InvalidConfig
+from .layout import KVLayout
+
+
+class PageAwareFreeBlocks:
+    """Free KV blocks grouped by unit, with page mapping state (see the module docstring).
+
+    Args:
+        blocks: every block, ``blocks[i].block_id == i``; all start free.
+        layout: where blocks live (units, pages).
+        budget_pages: physical pages that may be mapped at once (at most ``layout.num_pages``).
+        max_idle_units: units kept mapped only by cached blocks before whole ones are evicted.
+        caching: whether freed blocks with a hash stay cached (vLLM's ``enable_caching``).
+        evict: removes a free block's prefix-cache entry (``BlockPool._maybe_evict_cached_block``).
+
+    Raises:
+        InvalidConfig: the budget cannot hold two units (block 0's unit stays mapped).
+    """
+
+    def __init__(self, blocks: list[Any], layout: KVLayout, budget_pages: int, max_idle_units: int,
+                 caching: bool, evict: Callable[[Any], Any]) -> None:
+        self.layout = layout
+        self.k = layout.blocks_per_unit
+        self.budget_pages = min(budget_pages, layout.num_pages)
+        need = min(2, layout.num_units) * layout.max_pages_per_unit
+        if self.budget_pages < need:
+            raise InvalidConfig(
+                f"vmkv: a physical budget of {budget_pages} pages of {layout.page_size} B cannot hold two units of "
+                f"{self.k} blocks ({layout.max_pages_per_unit} pages each); raise the budget or lower page_size")
+        self.max_idle_units = max(0, max_idle_units)
+        self.caching = caching
+        self._evict = evict
+        self._blocks = blocks
+        units = layout.num_units
+        self._held = [0] * units
+        self._cached_in = [0] * units
+        self._empty: list[dict[int, Any]] = [{} for _ in range(units)]
+        for block in blocks:
+            self._empty[layout.unit_of(block.block_id)][block.block_id] = block
+        self._cached: OrderedDict[int, Any] = OrderedDict()  # least recently freed first
+        self._idle: OrderedDict[int, None] = OrderedDict()  # least recently idle first
+        self._buckets: list[dict[int, None]] = [{} for _ in range(self.k + 1)]  # live count -> units with an empty block
+        self._bucket_of = [0] * units
+        self._unmapped = list(range(units))  # a heap, entries checked when popped
+        self._page_refs = [0] * layout.num_pages
+        self.mapped_pages = 0
+        self._empty_in_live = 0
+        self._empty_in_unmapped = len(blocks)
+        self._changed: set[int] = set()
+        self._sent: set[int] = set()
+        self.maps = 0
+        self.unmaps = 0
+        self._unbounded = False
+
+    # ---- the FreeKVCacheBlockQueue interface ----------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks :meth:`popleft_n` can deliver now within the physical budget."""
+        if self._unbounded:
+            return self._empty_in_live + self._empty_in_unmapped + len(self._cached)
+        room_units = (self.budget_pages - self.mapped_pages) // self.layout.max_pages_per_unit
+        new = min(room_units * self.k, self._empty_in_unmapped)
+        return self._empty_in_live + len(self._cached) + new
+
+    def popleft(self) -> Any:
+        return self.popleft_n(1)[0]
+
+    def popleft_n(self, n: int) -> list[Any]:
+        """Hand out ``n`` blocks (module docstring, steps 1-4).
+
+        Raises:
+            ValueError: fewer than ``n`` blocks are free within the budget (as vLLM's queue).
+        """
+        if n > self.num_free_blocks:
+            raise ValueError(f"Cannot get {n} free blocks from the pool ({self.num_free_blocks} within the budget)")
+        return [self._pick() for _ in range(n)]
+
+    def remove(self, block: Any) -> None:
+        """Take a free block out of the set (vLLM does this for a prefix-cache hit)."""
+        unit = self.layout.unit_of(block.block_id)
+        if block.block_id in self._cached:
+            self._change(unit, lambda: self._uncache(block, unit, held=True))
+        elif block.block_id in self._empty[unit]:
+            self._take_empty(unit, block.block_id)
+        else:
+            raise ValueError(f"block {block.block_id} is not free")
+
+    def append(self, block: Any) -> None:
+        self.append_n([block])
+
+    def append_n(self, blocks: Iterable[Any]) -> None:
+        """Blocks come back: cached if they carry a prefix-cache hash, else empty. Cached blocks
+        keep their order: the first given is evicted first."""
+        for block in blocks:
+            self._release(block)
+        self._enforce_idle_cap()
+
+    def prepend_n(self, blocks: Iterable[Any]) -> None:
+        """Blocks without a hash come back (vLLM's "reuse first"; here their unit decides)."""
+        self.append_n(blocks)
+
+    def get_all_free_blocks(self) -> list[Any]:
+        return [b for empty in self._empty for b in empty.values()] + list(self._cached.values())
+
+    # ---- memory control -------------------------------------------------------------------------
+    def trim(self) -> int:
+        """Evict every unit that only cached blocks keep mapped; return the pages unmapped."""
+        before = self.mapped_pages
+        while self._idle:
+            self._evict_unit(next(iter(self._idle)))
+        return before - self.mapped_pages
+
+    def forget_hashes(self) -> None:
+        """Every free block lost its hash (``BlockPool.reset_prefix_cache``): all become empty."""
+        for block in list(self._cached.values()):
+            unit = self.layout.unit_of(block.block_id)
+            self._change(unit, lambda: self._uncache(block, unit, held=False))
+
+    def hash_removed(self, block: Any) -> None:
+        """``block`` may have lost its hash while free (``BlockPool.evict_blocks``)."""
+        if block.block_id in self._cached and block.block_hash is None:
+            unit = self.layout.unit_of(block.block_id)
+            self._change(unit, lambda: self._uncache(block, unit, held=False))
+
+    @contextmanager
+    def counting_all(self) -> Iterator[None]:
+        """Within the block, ``num_free_blocks`` counts every free block, budget or not
+        (``BlockPool.reset_prefix_cache`` decides "nothing in use" from it)."""
+        self._unbounded = True
+        try:
+            yield
+        finally:
+            self._unbounded = False
+
+    @property
+    def held_blocks(self) -> int:
+        return sum(self._held)
+
+    def has_delta(self) -> bool:
+        """Whether pages changed state since the last :meth:`take_delta`."""
+        return any((self._page_refs[p] > 0) != (p in self._sent) for p in self._changed)
+
+    def take_delta(self) -> tuple[list[int], list[int]]:
+        """``(map, unmap)``: pages mapped and unmapped since the last call, net, sorted."""
+        to_map, to_unmap = [], []
+        for page in sorted(self._changed):
+            live, sent = self._page_refs[page] > 0, page in self._sent
+            if live and not sent:
+                to_map.append(page)
+                self._sent.add(page)
+            elif sent and not live:
+                to_unmap.append(page)
+                self._sent.discard(page)
+        self._changed.clear()
+        self.maps += len(to_map)
+        self.unmaps += len(to_unmap)
+        return to_map, to_unmap
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "mapped_pages": self.mapped_pages,
+            "budget_pages": self.budget_pages,
+            "mapped_units": sum(1 for u in range(self.layout.num_units) if self._live(u)),
+            "idle_units": len(self._idle),
+            "held_blocks": self.held_blocks,
+            "cached_blocks": len(self._cached),
+            "free_blocks": self.num_free_blocks,
+            "blocks_per_unit": self.k,
+            "page_size": self.layout.page_size,
+            "maps": self.maps,
+            "unmaps": self.unmaps,
+        }
+
+    # ---- policy ---------------------------------------------------------------------------------
+    def _pick(self) -> Any:
+        for live in range(self.k - 1, 0, -1):  # 1: the fullest live unit with an empty block
+            if self._buckets[live]:
+                return self._take_any(next(iter(self._buckets[live])))
+        unit = self._lowest_unmapped()  # 2: a new unit within the budget
+        if unit is not None and self._new_pages(unit) <= self.budget_pages - self.mapped_pages:
+            return self._take_any(unit)
+        if self._idle:  # 3: an idle unit, evicted whole
+            unit = next(iter(self._idle))
+            self._evict_unit(unit)
+            return self._take_any(unit)
+        if self._cached:  # 4: one cached block
+            block = next(iter(self._cached.values()))
+            self.remove(block)
+            return block
+        raise ValueError("no free KV block left")  # popleft_n checked the count: unreachable
+
+    def _lowest_unmapped(self) -> int | None:
+        while self._unmapped:
+            unit = self._unmapped[0]
+            if not self._live(unit) and self._empty[unit]:
+                return unit
+            heapq.heappop(self._unmapped)
+        return None
+
+    def _new_pages(self, unit: int) -> int:
+        return sum(1 for p in self.layout.unit_pages(unit) if self._page_refs[p] == 0)
+
+    def _enforce_idle_cap(self) -> None:
+        while len(self._idle) > self.max_idle_units:
+            self._evict_unit(next(iter(self._idle)))
+
+    def _evict_unit(self, unit: int) -> None:
+        """Evict every cached block of ``unit`` (they become empty)."""
+        for block_id in self.layout.unit_blocks(unit):
+            block = self._cached.get(block_id)
+            if block is not None:
+                self._evict(block)
+                self._change(unit, lambda: self._uncache(block, unit, held=False))
+
+    # ---- state transitions (each through _change) -----------------------------------------------
+    def _live(self, unit: int) -> int:
+        return self._held[unit] + self._cached_in[unit]
+
+    def _take_any(self, unit: int) -> Any:
+        return self._take_empty(unit, next(iter(self._empty[unit])))
+
+    def _take_empty(self, unit: int, block_id: int) -> Any:
+        block = self._empty[unit][block_id]
+
+        def take() -> None:
+            del self._empty[unit][block_id]
+            self._held[unit] += 1
+
+        self._change(unit, take)
+        return block
+
+    def _uncache(self, block: Any, unit: int, held: bool) -> None:
+        del self._cached[block.block_id]
+        self._cached_in[unit] -= 1
+        if held:
+            self._held[unit] += 1
+        else:
+            self._empty[unit][block.block_id] = block
+
+    def _release(self, block: Any) -> None:
+        unit = self.layout.unit_of(block.block_id)
+        if self.caching and block.block_hash is not None:
+            def free() -> None:
+                self._held[unit] -= 1
+                self._cached[block.block_id] = block
+                self._cached_in[unit] += 1
+        else:
+            def free() -> None:
+                self._held[unit] -= 1
+                self._empty[unit][block.block_id] = block
+        if block.block_id in self._cached or block.block_id in self._empty[unit]:
+            raise ValueError(f"block {block.block_id} is free already")
+        self._change(unit, free)
+
+    def _change(self, unit: int, update: Callable[[], None]) -> None:
+        """Apply ``update`` to ``unit`` and bring every derived structure up to date."""
+        live_before, empty_before = self._live(unit), len(self._empty[unit])
+        update()
+        live, empty = self._live(unit), len(self._empty[unit])
+        if live_before:
+            self._empty_in_live -= empty_before
+        else:
+            self._empty_in_unmapped -= empty_before
+        if live:
+            self._empty_in_live += empty
+        else:
+            self._empty_in_unmapped += empty
+        if not live_before and live:
+            self._map_pages(unit, +1)
+        elif live_before and not live:
+            self._map_pages(unit, -1)
+            heapq.heappush(self._unmapped, unit)
+        if self._held[unit] == 0 and self._cached_in[unit] > 0:
+            self._idle.setdefault(unit, None)
+        else:
+            self._idle.pop(unit, None)
+        bucket = live if live and empty else 0
+        if bucket != self._bucket_of[unit]:
+            self._buckets[self._bucket_of[unit]].pop(unit, None)
+            if bucket:
+                self._buckets[bucket][unit] = None
+            self._bucket_of[unit] = bucket
+
+    def _map_pages(self, unit: int, delta: int) -> None:
+        for page in self.layout.unit_pages(unit):
+            before = self._page_refs[page]
+            self._page_refs[page] = before + delta
+            if before == 0 or before + delta == 0:
+                self.mapped_pages += delta
+                self._changed.add(page)
+
+    # ---- for tests ------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Recompute every derived number from the per-unit sets and compare (tests only).
+
+        Raises:
+            AssertionError: a derived structure disagrees.
+        """
+        refs = [0] * self.layout.num_pages
+        for unit in range(self.layout.num_units):
+            live = self._live(unit)
+            if live:
+                for page in self.layout.unit_pages(unit):
+                    refs[page] += 1
+            if self._held[unit] + self._cached_in[unit] + len(self._empty[unit]) != len(self.layout.unit_blocks(unit)):
+                raise AssertionError(f"unit {unit}: held+cached+empty != its blocks")
+            if (unit in self._idle) != (self._held[unit] == 0 and self._cached_in[unit] > 0):
+                raise AssertionError(f"unit {unit}: idle membership wrong")
+        if refs != self._page_refs:
+            raise AssertionError("page reference counts disagree")
+        if self.mapped_pages != sum(1 for r in refs if r) or self.mapped_pages > self.budget_pages:
+            raise AssertionError(f"mapped pages {self.mapped_pages} wrong or over the budget {self.budget_pages}")
+        empty_live = sum(len(e) for u, e in enumerate(self._empty) if self._live(u))
+        empty_unmapped = sum(len(e) for u, e in enumerate(self._empty) if not self._live(u))
+        if (empty_live, empty_unmapped) != (self._empty_in_live, self._empty_in_unmapped):
+            raise AssertionError("empty block counters disagree")

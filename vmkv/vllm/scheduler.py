@@ -1,0 +1,72 @@
+"""``--scheduler-cls vmkv.vllm.scheduler.VmkvScheduler``: installs the page-affine block pool.
+
+vLLM 0.32 builds one ``BlockPool`` inside the scheduler's ``KVCacheManager``
+(``vllm/v1/core/kv_cache_manager.py``) through its coordinator
+(``vllm/v1/core/kv_cache_coordinator.py``, ``KVCacheCoordinator.__init__``) and hands it to every
+per-group manager (``vllm/v1/core/single_type_kv_cache_manager.py``,
+``SingleTypeKVCacheManager.block_pool``); ``KVCacheManager.block_pool`` keeps another reference.
+:class:`VmkvScheduler` lets vLLM build all of it, then puts a
+:class:`~vmkv.vllm.block_pool.PageAffineBlockPool` in all those places before any block is
+allocated, and rebinds the KV connector to it (``bind_kv_cache_manager``). vLLM warns that this
+surface is not public: the plugin pins vLLM 0.32 (:func:`vmkv.vllm.check_vllm`).
+
+vLLM uses ``AsyncScheduler`` when async scheduling is on (the GPU default) and ``Scheduler``
+otherwise (the CPU default); one class name serves both: constructing :class:`VmkvScheduler`
+returns a :class:`VmkvAsyncScheduler` when the config asks for async scheduling.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.logger import init_logger
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from .. import vllm as plugin
+from ..errors import InvalidConfig
+from .block_pool import PageAffineBlockPool
+
+logger = init_logger(__name__)
+
+
+class VmkvScheduler(Scheduler):
+    """vLLM's scheduler with the page-affine block pool (see the module docstring).
+
+    Raises:
+        InvalidConfig: the engine was not given vmkv's KV connector, or the model's KV cache is
+            not supported (:func:`vmkv.vllm.layout.check_supported`).
+        UnsupportedVllm: not vLLM 0.32.
+    """
+
+    def __new__(cls, vllm_config: Any, *args: Any, **kwargs: Any) -> "VmkvScheduler":
+        if cls is VmkvScheduler and vllm_config.scheduler_config.async_scheduling:
+            cls = VmkvAsyncScheduler
+        return super().__new__(cls)
+
+    def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        plugin.check_vllm()
+        super().__init__(vllm_config, *args, **kwargs)
+        from .connector import VmkvConnector
+
+        if not isinstance(self.connector, VmkvConnector):
+            raise InvalidConfig(
+                f"{plugin.SCHEDULER_CLS} needs vmkv's KV connector: start vLLM with "
+                f"--kv-transfer-config '{{\"kv_connector\":\"{plugin.CONNECTOR_NAME}\",\"kv_connector_module_path\":"
+                f"\"{plugin.CONNECTOR_MODULE}\",\"kv_role\":\"kv_producer\"}}' (or vmkv.vllm.engine_args())")
+        manager = self.kv_cache_manager
+        old = manager.block_pool
+        pool = PageAffineBlockPool.replacing(old, *self.connector.pool_settings(vllm_config))
+        coordinator = manager.coordinator
+        for index, single in enumerate(coordinator.single_type_managers):
+            if single.block_pool is not old:
+                raise InvalidConfig(f"vmkv: KV cache group {index} has its own block pool (unsupported layout)")
+            single.block_pool = pool
+        coordinator.block_pool = pool
+        manager.block_pool = pool
+        self.connector.bind_kv_cache_manager(manager)
+        logger.info("vmkv: page-affine block pool installed (%s)", pool.free_block_queue.layout)
+
+
+class VmkvAsyncScheduler(VmkvScheduler, AsyncScheduler):
+    """:class:`VmkvScheduler` over vLLM's ``AsyncScheduler`` (chosen automatically)."""

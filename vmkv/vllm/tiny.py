@@ -1,0 +1,49 @@
+"""A tiny Llama checkpoint vLLM can load from a directory, built offline (tests, benchmark, GPU smoke).
+
+The weights are vmkv's embedded default model (:mod:`vmkv.models`: seeded random weights large
+enough that greedy decoding has clear winners) with 2 layers; the tokenizer is a byte-level
+Hugging Face tokenizer over the same 259-token vocabulary (256 bytes, then BOS, EOS, PAD), so
+nothing is downloaded. Needs ``transformers``, ``safetensors`` and ``tokenizers``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..models import default_hf_model
+
+TINY_LAYERS = 2
+
+
+def save_byte_tokenizer(path: str | Path) -> None:
+    """Save a byte-level tokenizer with the default model's 259-token vocabulary to ``path``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={s: i for i, s in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    fast.save_pretrained(path)
+
+
+def save_tiny_model(path: str | Path, num_layers: int = TINY_LAYERS) -> Path:
+    """Write the tiny Llama (``config.json``, safetensors weights, tokenizer) to ``path``.
+
+    Returns:
+        ``path``, ready for ``vllm.LLM(model=str(path))``. Reuses a complete directory.
+    """
+    path = Path(path)
+    marker = path / "vmkv-tiny.json"
+    if marker.exists() and json.loads(marker.read_text()) == {"num_layers": num_layers}:
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    default_hf_model(torch.float32, num_hidden_layers=num_layers).save_pretrained(path)
+    save_byte_tokenizer(path)
+    marker.write_text(json.dumps({"num_layers": num_layers}))
+    return path
