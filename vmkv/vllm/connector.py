@@ -25,8 +25,9 @@ When pages change while no request runs (requests finished, or a trim), the conn
 ``has_pending_push_work`` so the engine runs one more (empty) step that carries the unmaps.
 
 Also here: the worker's counters as ``KVConnectorStats`` (logged by vLLM and exported as
-Prometheus metrics ``vmkv:kv_resident_bytes``, ``vmkv:kv_mapped_pages``,
-``vmkv:kv_page_maps_total``, ``vmkv:kv_page_unmaps_total``), and ``SupportsHMA`` (without it
+Prometheus metrics ``vllm:vmkv_kv_resident_bytes``, ``vllm:vmkv_kv_mapped_pages``,
+``vllm:vmkv_kv_page_maps_total``, ``vllm:vmkv_kv_page_unmaps_total``; vLLM only collects and
+unregisters names under ``vllm:``), and ``SupportsHMA`` (without it
 vLLM turns the hybrid KV cache manager off).
 """
 
@@ -116,10 +117,10 @@ class VmkvPromMetrics(KVConnectorPromMetrics):
             metric = cls(name=name, documentation=doc, labelnames=labelnames)
             return {idx: metric.labels(*values) for idx, values in per_engine_labelvalues.items()}
 
-        self._resident = per_engine(self._gauge_cls, "vmkv:kv_resident_bytes", "Bytes of memory behind vmkv's KV page stores")
-        self._mapped = per_engine(self._gauge_cls, "vmkv:kv_mapped_pages", "KV buffer pages mapped by vmkv")
-        self._maps = per_engine(self._counter_cls, "vmkv:kv_page_maps", "KV buffer pages mapped, cumulative")
-        self._unmaps = per_engine(self._counter_cls, "vmkv:kv_page_unmaps", "KV buffer pages unmapped, cumulative")
+        self._resident = per_engine(self._gauge_cls, "vllm:vmkv_kv_resident_bytes", "Bytes of memory behind vmkv's KV page stores")
+        self._mapped = per_engine(self._gauge_cls, "vllm:vmkv_kv_mapped_pages", "KV buffer pages mapped by vmkv")
+        self._maps = per_engine(self._counter_cls, "vllm:vmkv_kv_page_maps", "KV buffer pages mapped, cumulative")
+        self._unmaps = per_engine(self._counter_cls, "vllm:vmkv_kv_page_unmaps", "KV buffer pages unmapped, cumulative")
         self._seen: dict[tuple[int, str], int] = {}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:

@@ -19,11 +19,12 @@ minimal profiling cache (allocated before connectors exist, under CUDA graph pro
 stock, and ``VMKV_VLLM=1`` without the connector is refused with the flags to add.
 
 :class:`VmkvWorkerExtension` (``--worker-extension-cls``) adds ``vmkv_stats`` to every worker
-for ``LLM.collective_rpc``.
+and ``vmkv_process`` (pid and resident set, also on stock engines) for ``LLM.collective_rpc``.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -37,7 +38,7 @@ from .. import vllm as plugin
 from ..errors import InvalidConfig
 from ..vm import open_backend
 from .connector import VmkvConnector, budget_settings
-from .kvbuffer import KVBuffer
+from .kvbuffer import KVBuffer, process_rss_bytes
 from .layout import buffer_bytes, check_supported, layout_from_views
 
 logger = init_logger(__name__)
@@ -128,6 +129,11 @@ def install() -> bool:
 
 class VmkvWorkerExtension:
     """Methods mixed into every vLLM worker (``--worker-extension-cls``), for ``collective_rpc``."""
+
+    def vmkv_process(self) -> dict[str, int]:
+        """``{"pid", "rss_bytes"}`` of this worker process (works without vmkv's connector too,
+        so stock engines can be measured the same way)."""
+        return {"pid": os.getpid(), "rss_bytes": process_rss_bytes()}
 
     def vmkv_stats(self) -> dict[str, Any]:
         """This worker's KV memory counters (:meth:`VmkvConnector.worker_stats`).

@@ -1,0 +1,115 @@
+"""End-to-end runs of vLLM with and without vmkv on the tiny model, for tests/test_vllm.py.
+
+Run as a script (vLLM spawns processes, so this is not imported by pytest)::
+
+    python tests/vllm_scenarios.py OUT.json MODEL_DIR SCENARIO...
+
+Scenarios (each writes its part of OUT.json):
+
+* ``stock``    stock vLLM: greedy tokens of the workload, worker RSS.
+* ``vmkv``     vmkv, default budget: tokens, memory samples every step, stats after the
+               requests finish and after a trim, Prometheus metrics.
+* ``preempt``  vmkv with a physical budget too small for the workload: tokens, preemptions.
+* ``tp2``      vmkv with tensor parallelism 2 (CPU: ``VLLM_CPU_OMP_THREADS_BIND="0|1"``).
+* ``tp2stock`` stock vLLM with tensor parallelism 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+KV_BYTES = 256 * 2**20  # vLLM's KV buffer: 1024 blocks of 128 tokens (256 KiB each, 2 layers)
+PAGE = "512KiB"  # one page per layer holds 4 blocks: a unit is 4 blocks = 512 tokens = 1 MiB
+PREEMPT_BUDGET = 5 * 2**20  # 5 units: block 0's and 4 more = 16 blocks for requests needing 24
+PREFIX = [(7 * i + 3) % 250 for i in range(300)]  # a 300-token prefix: two full blocks to share
+
+
+def workload() -> tuple[list[list[int]], list[int]]:
+    """Prompts (token ids) and output lengths: a first wave of four requests (two share PREFIX),
+    then a second wave, run after the first finished, that finds PREFIX in the prefix cache."""
+    prompts = [
+        PREFIX + [11, 12, 13],
+        PREFIX + [21, 22],
+        [(5 * i + 1) % 250 for i in range(180)],
+        [(3 * i + 2) % 250 for i in range(40)],
+        PREFIX + [31, 32, 33, 34],
+        PREFIX[:200] + [41],
+    ]
+    outputs = [160, 200, 120, 250, 100, 140]
+    return prompts, outputs
+
+
+def run_workload(llm, vmkv: bool, sample_every: int) -> dict:
+    from vllm import SamplingParams
+
+    from vmkv.vllm import drive
+
+    prompts, outputs = workload()
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in outputs]
+    first = drive.run(llm, prompts[:4], params[:4], vmkv=vmkv, sample_every=sample_every)
+    second = drive.run(llm, prompts[4:], params[4:], vmkv=vmkv, sample_every=sample_every)
+    tokens = {**first.tokens, **{str(int(k) + 4): v for k, v in second.tokens.items()}}
+    cached = {**first.cached_tokens, **{str(int(k) + 4): v for k, v in second.cached_tokens.items()}}
+    samples = [s for r in (first, second) for s in r.as_dict()["samples"]]
+    return {"tokens": tokens, "cached_tokens": cached, "samples": samples}
+
+
+def metric_values(llm, prefix: str) -> dict[str, float]:
+    out = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith(prefix):
+            out[metric.name] = getattr(metric, "value", None)
+    return out
+
+
+def scenario(name: str, model: str) -> dict:
+    from vmkv import vllm as plugin
+    from vmkv.vllm import drive
+
+    start = time.perf_counter()
+    if name in ("stock", "tp2stock"):
+        tp = 2 if name == "tp2stock" else 1
+        llm = drive.engine(model, vmkv=False, kv_cache_bytes=KV_BYTES, tensor_parallel_size=tp)
+        init_rss = sum(p["rss_bytes"] for p in llm.collective_rpc("vmkv_process"))
+        result = run_workload(llm, vmkv=False, sample_every=0 if tp > 1 else 8)
+        result["init_rss_bytes"] = init_rss
+    elif name in ("vmkv", "tp2"):
+        tp = 2 if name == "tp2" else 1
+        llm = drive.engine(model, vmkv=True, kv_cache_bytes=KV_BYTES, options={"page_size": PAGE},
+                           tensor_parallel_size=tp, disable_log_stats=False)
+        result = {"init_stats": plugin.stats(llm)}
+        result.update(run_workload(llm, vmkv=True, sample_every=1 if tp == 1 else 0))
+        time.sleep(0.5)  # the engine runs one more (empty) step that carries the last unmaps
+        result["finished_stats"] = plugin.stats(llm)
+        result["trimmed_stats"] = plugin.trim(llm)
+        result["metrics"] = metric_values(llm, "vllm:vmkv_")
+    elif name == "preempt":
+        llm = drive.engine(model, vmkv=True, kv_cache_bytes=KV_BYTES, disable_log_stats=False,
+                           options={"page_size": PAGE, "budget": PREEMPT_BUDGET})
+        result = run_workload(llm, vmkv=True, sample_every=1)
+        result["preemptions"] = metric_values(llm, "vllm:num_preemptions")
+        result["finished_stats"] = plugin.stats(llm)
+    else:
+        raise SystemExit(f"unknown scenario {name}")
+    result["seconds"] = time.perf_counter() - start
+    llm.llm_engine.engine_core.shutdown()
+    return result
+
+
+def main() -> None:
+    out, model, names = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    results = json.loads(out.read_text()) if out.exists() else {}
+    for name in names:
+        if name.startswith("tp2"):
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+        results[name] = scenario(name, model)
+        out.write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

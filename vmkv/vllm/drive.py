@@ -1,0 +1,168 @@
+"""Run vLLM engines with and without the plugin on the same work (tests, benchmark, GPU smoke).
+
+:func:`engine` starts a ``vllm.LLM`` (stock, or with vmkv: ``VMKV_VLLM=1`` for the processes it
+spawns plus :func:`vmkv.vllm.engine_args`); :func:`run` feeds it requests at given arrival
+times through ``LLM.llm_engine`` (``add_request`` / ``step``) and samples, every few steps, the
+tokens the running requests hold next to each worker's memory (``collective_rpc``).
+
+vLLM spawns its engine and worker processes, so scripts using this need an
+``if __name__ == "__main__":`` guard.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Sequence
+
+from .. import vllm as plugin
+
+ENTRY_POINT = "vmkv.vllm:register"
+
+
+def ensure_entry_point() -> Path | None:
+    """Make the plugin's ``vllm.general_plugins`` entry point visible to the processes vLLM spawns.
+
+    An installed vmkv declares it (``pyproject.toml``); a source checkout run against an install
+    that predates it does not. Then a minimal ``dist-info`` declaring only the entry point is
+    written to a temporary directory, which is put first on ``sys.path`` (processes vLLM spawns
+    with multiprocessing inherit it) and on ``PYTHONPATH`` (other child processes).
+
+    Returns:
+        The directory added, or ``None`` when the entry point was visible already.
+    """
+    if any(ep.value == ENTRY_POINT for ep in metadata.entry_points(group="vllm.general_plugins")):
+        return None
+    root = Path(tempfile.mkdtemp(prefix="vmkv-entry-point-"))
+    info = root / "vmkv_vllm_plugin-0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vmkv-vllm-plugin\nVersion: 0\n")
+    (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\nvmkv = {ENTRY_POINT}\n")
+    sys.path.insert(0, str(root))
+    importlib.invalidate_caches()
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH", "")]))
+    return root
+
+
+def engine(model: str | Path, *, vmkv: bool, kv_cache_bytes: int, max_model_len: int = 2048,
+           options: dict[str, Any] | None = None, **llm_kwargs: Any) -> Any:
+    """A ``vllm.LLM`` over ``model``, stock or with vmkv.
+
+    Args:
+        model: a model directory (e.g. :func:`vmkv.vllm.tiny.save_tiny_model`).
+        vmkv: put vmkv under the KV cache.
+        kv_cache_bytes: vLLM's KV buffer size (``kv_cache_memory_bytes``).
+        max_model_len: the longest request.
+        options: :func:`vmkv.vllm.engine_args` keywords (page_size, budget, max_cached).
+        llm_kwargs: more ``LLM`` arguments (``enforce_eager=True`` and ``dtype="float32"`` unless
+            given).
+    """
+    from vllm import LLM
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if vmkv:
+        ensure_entry_point()
+        os.environ[plugin.ENV_FLAG] = "1"
+        llm_kwargs.update(plugin.engine_args(**(options or {})))
+    else:
+        os.environ.pop(plugin.ENV_FLAG, None)
+        llm_kwargs.setdefault("worker_extension_cls", plugin.WORKER_EXTENSION_CLS)
+    llm_kwargs.setdefault("enforce_eager", True)
+    llm_kwargs.setdefault("dtype", "float32")
+    return LLM(model=str(model), kv_cache_memory_bytes=kv_cache_bytes, max_model_len=max_model_len, **llm_kwargs)
+
+
+@dataclass
+class Sample:
+    """One look at the engine between steps.
+
+    Attributes:
+        t: seconds since the run started.
+        running: requests started and not finished.
+        live_tokens: tokens those requests hold (prompt + generated so far).
+        mapped_bytes / resident_bytes: vmkv's mapped pages and the memory behind its page store,
+            summed over workers (0 for stock engines).
+        rss_bytes: the workers' resident set sizes, summed.
+    """
+
+    t: float
+    running: int
+    live_tokens: int
+    mapped_bytes: int
+    resident_bytes: int
+    rss_bytes: int
+
+
+@dataclass
+class RunResult:
+    """What :func:`run` returns: tokens per request, cached prompt tokens, samples, timing."""
+
+    tokens: dict[str, list[int]]
+    cached_tokens: dict[str, int]
+    samples: list[Sample]
+    wall_s: float
+    output_tokens: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "samples": [asdict(s) for s in self.samples]}
+
+
+def memory_sample(llm: Any, vmkv: bool, t: float, running: int, live_tokens: int) -> Sample:
+    """Ask every worker for its memory now."""
+    if vmkv:
+        stats = plugin.stats(llm)
+        mapped, resident = sum(s["mapped_bytes"] for s in stats), sum(s["resident_bytes"] for s in stats)
+        rss = sum(s["rss_bytes"] for s in stats)
+    else:
+        mapped = resident = 0
+        rss = sum(p["rss_bytes"] for p in llm.collective_rpc("vmkv_process"))
+    return Sample(t, running, live_tokens, mapped, resident, rss)
+
+
+def run(llm: Any, prompts: Sequence[Sequence[int]], params: Sequence[Any], *, vmkv: bool,
+        arrivals: Sequence[float] | None = None, sample_every: int = 0) -> RunResult:
+    """Serve ``prompts`` (token ids) with ``params`` (``SamplingParams``), arriving at ``arrivals``.
+
+    Args:
+        llm: from :func:`engine`.
+        prompts / params: one per request; request ``i`` is named ``str(i)``.
+        vmkv: whether ``llm`` runs vmkv (decides how memory is sampled).
+        arrivals: seconds after the start at which each request arrives (default: all at 0).
+        sample_every: take a :class:`Sample` every this many engine steps (0: never).
+    """
+    engine_ = llm.llm_engine
+    arrivals = list(arrivals) if arrivals is not None else [0.0] * len(prompts)
+    order = sorted(range(len(prompts)), key=arrivals.__getitem__)
+    tokens: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
+    live: dict[str, int] = {}
+    samples: list[Sample] = []
+    start = time.perf_counter()
+    next_request, steps = 0, 0
+    while next_request < len(order) or engine_.has_unfinished_requests():
+        now = time.perf_counter() - start
+        while next_request < len(order) and arrivals[order[next_request]] <= now:
+            i = order[next_request]
+            engine_.add_request(str(i), {"prompt_token_ids": list(prompts[i])}, params[i])
+            live[str(i)] = len(prompts[i])
+            next_request += 1
+        if not engine_.has_unfinished_requests():
+            time.sleep(min(0.005, max(0.0, arrivals[order[next_request]] - now)))
+            continue
+        for out in engine_.step():
+            live[out.request_id] = len(out.prompt_token_ids) + len(out.outputs[0].token_ids)
+            if out.finished:
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+                cached[out.request_id] = out.num_cached_tokens or 0
+                live.pop(out.request_id, None)
+        steps += 1
+        if sample_every and steps % sample_every == 0:
+            samples.append(memory_sample(llm, vmkv, time.perf_counter() - start, len(live), sum(live.values())))
+    wall = time.perf_counter() - start
+    return RunResult(tokens, cached, samples, wall, sum(len(t) for t in tokens.values()))
