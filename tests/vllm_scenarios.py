@@ -7,9 +7,11 @@ Run as a script (vLLM spawns processes, so this is not imported by pytest)::
 Scenarios (each writes its part of OUT.json):
 
 * ``stock``    stock vLLM: greedy tokens of the workload, worker RSS.
-* ``vmkv``     vmkv, default budget: tokens, memory samples every step, stats after the
-               requests finish and after a trim, Prometheus metrics.
-* ``preempt``  vmkv with a physical budget too small for the workload: tokens, preemptions.
+* ``vmkv``     vmkv, budget = vLLM's buffer, no page kept for the prefix cache alone
+               (``max_cached=0``): tokens, memory samples every step, stats after the requests
+               finish and after a trim, Prometheus metrics.
+* ``preempt``  vmkv with a physical budget too small for the first wave (vLLM must preempt) and
+               two units for the prefix cache: tokens, preemptions, prefix hits of the second wave.
 * ``tp2``      vmkv with tensor parallelism 2 (CPU: ``VLLM_CPU_OMP_THREADS_BIND="0|1"``).
 * ``tp2stock`` stock vLLM with tensor parallelism 2.
 """
@@ -24,7 +26,8 @@ from pathlib import Path
 
 KV_BYTES = 256 * 2**20  # vLLM's KV buffer: 1024 blocks of 128 tokens (256 KiB each, 2 layers)
 PAGE = "512KiB"  # one page per layer holds 4 blocks: a unit is 4 blocks = 512 tokens = 1 MiB
-PREEMPT_BUDGET = 5 * 2**20  # 5 units: block 0's and 4 more = 16 blocks for requests needing 24
+PREEMPT_BUDGET = 2 * 2**20  # 2 units: 7 blocks besides block 0, for a first wave needing 11
+PREEMPT_CACHED = 2 * 2**20  # the prefix cache alone may keep 2 units mapped
 PREFIX = [(7 * i + 3) % 250 for i in range(300)]  # a 300-token prefix: two full blocks to share
 
 
@@ -79,7 +82,7 @@ def scenario(name: str, model: str) -> dict:
         result["init_rss_bytes"] = init_rss
     elif name in ("vmkv", "tp2"):
         tp = 2 if name == "tp2" else 1
-        llm = drive.engine(model, vmkv=True, kv_cache_bytes=KV_BYTES, options={"page_size": PAGE},
+        llm = drive.engine(model, vmkv=True, kv_cache_bytes=KV_BYTES, options={"page_size": PAGE, "max_cached": 0},
                            tensor_parallel_size=tp, disable_log_stats=False)
         result = {"init_stats": plugin.stats(llm)}
         result.update(run_workload(llm, vmkv=True, sample_every=1 if tp == 1 else 0))
@@ -89,10 +92,12 @@ def scenario(name: str, model: str) -> dict:
         result["metrics"] = metric_values(llm, "vllm:vmkv_")
     elif name == "preempt":
         llm = drive.engine(model, vmkv=True, kv_cache_bytes=KV_BYTES, disable_log_stats=False,
-                           options={"page_size": PAGE, "budget": PREEMPT_BUDGET})
+                           options={"page_size": PAGE, "budget": PREEMPT_BUDGET, "max_cached": PREEMPT_CACHED})
         result = run_workload(llm, vmkv=True, sample_every=1)
         result["preemptions"] = metric_values(llm, "vllm:num_preemptions")
+        time.sleep(0.5)
         result["finished_stats"] = plugin.stats(llm)
+        result["trimmed_stats"] = plugin.trim(llm)
     else:
         raise SystemExit(f"unknown scenario {name}")
     result["seconds"] = time.perf_counter() - start

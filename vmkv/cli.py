@@ -57,6 +57,7 @@ REGISTRY: dict[str, Entry] = {
               ["--prompt-len", "64", "--new-tokens", "64", "--batch-sizes", "1,4", "--beam-new-tokens", "16"]),
         Entry("serve", "benchmarks.serve",
               ["--concurrency", "1", "8", "--rates", "inf", "--requests", "16", "--output-len", "16", "--repeats", "1"]),
+        Entry("vllm", "benchmarks.vllm", in_suite=False),  # needs vLLM; minutes (two engines)
     )
 }
 

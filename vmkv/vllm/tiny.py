@@ -13,9 +13,14 @@ from pathlib import Path
 
 import torch
 
-from ..models import default_hf_model
+from ..models import DEFAULT_MODEL, default_hf_model
 
 TINY_LAYERS = 2
+
+
+def token_bytes(num_layers: int = TINY_LAYERS) -> int:
+    """KV bytes one token of the tiny model takes over all layers (K and V, float32)."""
+    return 2 * num_layers * DEFAULT_MODEL["num_key_value_heads"] * DEFAULT_MODEL["head_dim"] * 4
 
 
 def save_byte_tokenizer(path: str | Path) -> None:

@@ -1,0 +1,185 @@
+"""Stock vLLM vs vLLM + vmkv on the same bursty ShareGPT-like trace (issue 9).
+
+Both engines run the tiny Llama (:mod:`vmkv.vllm.tiny`, greedy, fp32, eager) with the same KV
+buffer (``kv_cache_memory_bytes``); the vmkv engine maps its pages on demand
+(:mod:`vmkv.vllm`). Both stay up for the whole run and take turns, round after round (the order
+alternates), each serving the full trace: requests arrive in bursts (``--bursts`` groups,
+``--gap`` seconds apart) with ShareGPT-like prompt and output lengths
+(:func:`benchmarks.common.make_trace`).
+
+Measured per round and engine: output tokens per second over the whole trace, and every few
+engine steps the workers' memory: for vmkv the bytes behind its page store (the kernel's count,
+``fstat`` of the memfd on CPU) and the mapped bytes, for both the worker processes' RSS. Stock
+vLLM's KV memory is its whole buffer from the start (``torch.zeros`` touches it), which the RSS
+difference between the two engines confirms.
+
+Verdict: the throughput ratio (vmkv / stock, median over rounds, target >= 0.97) and how the
+KV memory vmkv holds compares with stock's buffer (mean and peak over the trace).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from . import common
+
+NAME = "vllm"
+DESCRIPTION = "vLLM with and without vmkv on one bursty ShareGPT-like trace: tokens/s ratio, KV memory over time"
+
+SCHEMA = {
+    "round": "interleaving round (engines take turns within a round)",
+    "engine": "stock (vLLM's KV buffer) or vmkv (pages mapped on demand)",
+    "requests": "requests in the trace",
+    "output_tokens": "tokens generated",
+    "wall_s": "seconds from the first arrival to the last token",
+    "output_tok_per_s": "output tokens per second",
+    "kv_mean_mib": "KV memory held, mean over the samples (MiB; stock: its whole buffer)",
+    "kv_peak_mib": "KV memory held, peak (MiB)",
+    "rss_peak_mib": "peak resident set of the worker processes (MiB)",
+    "tokens_identical": "greedy tokens equal to the other engine's, every request",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """This benchmark's options (the CLI adds --device, --smoke, --seed, --out)."""
+    parser.add_argument("--requests", type=int, default=None, help="requests in the trace (default 16; smoke 4)")
+    parser.add_argument("--bursts", type=int, default=None, help="groups of requests arriving together (default 4; smoke 2)")
+    parser.add_argument("--gap", type=float, default=None, help="seconds between bursts (default 4; smoke 1)")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds per engine (default 3; smoke 1)")
+    parser.add_argument("--max-model-len", type=int, default=None, help="longest request in tokens (default 1024; smoke 384)")
+    parser.add_argument("--kv-bytes", default="256MiB", help="vLLM's KV buffer for both engines (default 256MiB)")
+    parser.add_argument("--page-size", default="512KiB", help="vmkv page size (default 512KiB: 4 blocks a page)")
+    parser.add_argument("--max-cached", default="0", help="KV the prefix cache alone may keep mapped (default 0)")
+    parser.add_argument("--sample-every", type=int, default=4, help="engine steps between memory samples (default 4)")
+    parser.add_argument("--model-dir", type=Path, default=None, help="where to write the tiny model (default: a temp dir)")
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    smoke = args.smoke
+    return {
+        "requests": args.requests or (4 if smoke else 16),
+        "bursts": args.bursts or (2 if smoke else 4),
+        "gap": args.gap if args.gap is not None else (1.0 if smoke else 4.0),
+        "rounds": args.rounds or (1 if smoke else 3),
+        "max_model_len": args.max_model_len or (384 if smoke else 1024),
+    }
+
+
+def bursty_arrivals(count: int, bursts: int, gap: float) -> list[float]:
+    """Arrival times: ``count`` requests in ``bursts`` equal groups, ``gap`` seconds apart."""
+    per = -(-count // max(1, bursts))
+    return [gap * (i // per) for i in range(count)]
+
+
+def trace_prompts(trace: list[common.Request], seed: int) -> list[list[int]]:
+    """Seeded token ids of each request's prompt length (bytes of the tiny model's vocabulary)."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(req.prompt)] for req in trace]
+
+
+def _kv_memory(samples: list[dict[str, Any]], vmkv: bool, buffer_bytes: int) -> list[float]:
+    return [s["resident_bytes"] if vmkv else buffer_bytes for s in samples]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the trace through both engines, interleaved; rows per (round, engine)."""
+    from vllm import SamplingParams
+
+    from vmkv.sizes import parse_size
+    from vmkv.vllm import check_vllm, drive, tiny
+
+    check_vllm()
+    if args.device != "cpu":
+        common.check_device(args.device)
+    s = _settings(args)
+    kv_bytes = parse_size(args.kv_bytes, name="--kv-bytes")
+    trace = common.make_trace("sharegpt", s["requests"], args.seed, s["max_model_len"])
+    prompts = trace_prompts(trace, args.seed)
+    params = [SamplingParams(max_tokens=r.output, temperature=0.0, ignore_eos=True) for r in trace]
+    arrivals = bursty_arrivals(len(trace), s["bursts"], s["gap"])
+    model = tiny.save_tiny_model(args.model_dir or Path(tempfile.gettempdir()) / "vmkv-vllm-tiny")
+    options = {"page_size": args.page_size, "max_cached": args.max_cached}
+    engines = {
+        "stock": drive.engine(model, vmkv=False, kv_cache_bytes=kv_bytes, max_model_len=s["max_model_len"]),
+        "vmkv": drive.engine(model, vmkv=True, kv_cache_bytes=kv_bytes, max_model_len=s["max_model_len"], options=options),
+    }
+    rows, series, tokens = [], {}, {}
+    for round_ in range(s["rounds"]):
+        order = ["stock", "vmkv"] if round_ % 2 == 0 else ["vmkv", "stock"]
+        for name in order:
+            vmkv = name == "vmkv"
+            result = drive.run(engines[name], prompts, params, vmkv=vmkv, arrivals=arrivals, sample_every=args.sample_every)
+            samples = result.as_dict()["samples"] or [drive.memory_sample(engines[name], vmkv, result.wall_s, 0, 0).__dict__]
+            kv = _kv_memory(samples, vmkv, kv_bytes)
+            tokens[(round_, name)] = result.tokens
+            rows.append({
+                "round": round_, "engine": name, "requests": len(trace), "output_tokens": result.output_tokens,
+                "wall_s": result.wall_s, "output_tok_per_s": result.output_tokens / result.wall_s,
+                "kv_mean_mib": statistics.fmean(kv) / 2**20, "kv_peak_mib": max(kv) / 2**20,
+                "rss_peak_mib": max(x["rss_bytes"] for x in samples) / 2**20, "tokens_identical": False,
+            })
+            series[name] = samples
+    for row in rows:
+        other = "vmkv" if row["engine"] == "stock" else "stock"
+        row["tokens_identical"] = tokens[(row["round"], row["engine"])] == tokens[(row["round"], other)]
+    token_bytes = tiny.token_bytes()
+    for llm in engines.values():
+        llm.llm_engine.engine_core.shutdown()
+    config = {**s, "kv_bytes": kv_bytes, **options, "trace": common.trace_stats(trace), "token_bytes": token_bytes}
+    return common.make_result(NAME, SCHEMA, rows, _summary(rows, kv_bytes), series=series, config=config)
+
+
+def _summary(rows: list[dict[str, Any]], kv_bytes: int) -> dict[str, Any]:
+    """Headline ratios and the verdict line."""
+    rounds = sorted({r["round"] for r in rows})
+    by = {(r["round"], r["engine"]): r for r in rows}
+    ratios = [by[(i, "vmkv")]["output_tok_per_s"] / by[(i, "stock")]["output_tok_per_s"] for i in rounds]
+    ratio = statistics.median(ratios)
+    vmkv_mean = statistics.fmean(by[(i, "vmkv")]["kv_mean_mib"] for i in rounds) * 2**20
+    vmkv_peak = max(by[(i, "vmkv")]["kv_peak_mib"] for i in rounds) * 2**20
+    rss_saved = statistics.fmean(by[(i, "stock")]["rss_peak_mib"] - by[(i, "vmkv")]["rss_peak_mib"] for i in rounds) * 2**20
+    identical = all(r["tokens_identical"] for r in rows)
+    met = ratio >= 0.97
+    verdict = (f"vmkv runs vLLM at {ratio:.2f}x stock output tokens/s (median of {len(ratios)} interleaved rounds, "
+               f"range {min(ratios):.2f}-{max(ratios):.2f}; target >= 0.97: {'met' if met else 'NOT met'}) "
+               f"while holding {vmkv_mean / kv_bytes:.1%} of stock's KV memory on average "
+               f"({vmkv_peak / kv_bytes:.1%} at peak); tokens {'identical' if identical else 'DIFFER'}")
+    return {
+        "throughput_ratio_vmkv_over_stock": ratio,
+        "throughput_ratios_per_round": ratios,
+        "goal_throughput_ratio_ge_0.97": met,
+        "kv_mean_ratio_vmkv_over_stock": vmkv_mean / kv_bytes,
+        "kv_peak_ratio_vmkv_over_stock": vmkv_peak / kv_bytes,
+        "rss_saved_bytes": rss_saved,
+        "tokens_identical": identical,
+        "verdict": verdict,
+    }
+
+
+def plot(result: dict[str, Any], out_dir: Path) -> list[str]:
+    """``vllm_kv_memory.png``: KV memory over time in the last round, both engines, next to the
+    bytes the live tokens need."""
+    plt = common.pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    token_bytes = result["config"]["token_bytes"]
+    kv_bytes = result["config"]["kv_bytes"]
+    for name, samples in result["series"].items():
+        t = [s["t"] for s in samples]
+        kv = _kv_memory(samples, name == "vmkv", kv_bytes)
+        ax.plot(t, [v / 2**20 for v in kv], label=f"{name}: KV memory held", linewidth=1.4)
+        if name == "vmkv":
+            ax.plot(t, [s["live_tokens"] * token_bytes / 2**20 for s in samples], label="live tokens x bytes per token",
+                    linestyle="--", linewidth=1.0)
+    ax.set_xlabel("seconds into the trace")
+    ax.set_ylabel("MiB")
+    ax.set_yscale("symlog", linthresh=1.0)
+    ax.set_title(f"tiny Llama on vLLM, {result['config']['requests']} bursty ShareGPT-like requests")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return [common.save_figure(fig, out_dir, "vllm_kv_memory.png")]

