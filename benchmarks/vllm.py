@@ -22,10 +22,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 from . import common
+
+SETTLE_S = 1.5  # vLLM's workers busy-poll their queue for 1 s after a step: let the idle engine go quiet
 
 NAME = "vllm"
 DESCRIPTION = "vLLM with and without vmkv on one bursty ShareGPT-like trace: tokens/s ratio, KV memory over time"
@@ -114,6 +117,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         order = ["stock", "vmkv"] if round_ % 2 == 0 else ["vmkv", "stock"]
         for name in order:
             vmkv = name == "vmkv"
+            time.sleep(SETTLE_S)
             result = drive.run(engines[name], prompts, params, vmkv=vmkv, arrivals=arrivals, sample_every=args.sample_every)
             samples = result.as_dict()["samples"] or [drive.memory_sample(engines[name], vmkv, result.wall_s, 0, 0).__dict__]
             kv = _kv_memory(samples, vmkv, kv_bytes)

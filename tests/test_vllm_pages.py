@@ -117,7 +117,7 @@ def free_set(budget_pages: int = 16, max_idle_units: int = 8, caching: bool = Tr
         block.block_hash = None
 
     free = PageAwareFreeBlocks(blocks, two_layer_layout(), budget_pages, max_idle_units, caching, evict)
-    free.remove(blocks[0])  # vLLM's null block, held for good
+    free.pin(blocks[0])  # vLLM's null block, held for good
     return free, blocks, evicted
 
 
@@ -127,19 +127,35 @@ def units_of(free, blocks) -> list[int]:
 
 def test_blocks_fill_a_mapped_page_before_the_next():
     free, _, _ = free_set()
-    got = free.popleft_n(7)
+    got = free.popleft_n(7)  # one request: block 0's page first (mapped anyway), then a new one
     assert units_of(free, got) == [0, 0, 0, 1, 1, 1, 1]
     assert free.mapped_pages == 4  # 2 units x 2 pages
     assert free.take_delta() == ([0, 1, 8, 9], [])  # pages of units 0 and 1, both layers
     free.check()
 
 
-def test_the_fullest_live_unit_is_filled_first():
+def test_each_request_fills_its_own_page_and_leaves_no_holes_behind():
     free, blocks, _ = free_set()
-    held = free.popleft_n(11)  # units 0, 1, 2 full
-    free.append_n([blocks[5], blocks[9], blocks[10]])  # unit 1 keeps 3 live blocks, unit 2 keeps 2
-    assert units_of(free, free.popleft_n(2)) == [1, 2]  # 1 first (3 live), then 2 (now the fullest with room)
-    assert len(held) == 11
+    a = free.popleft_n(2)  # request a: into block 0's page
+    b = free.popleft_n(1)  # request b: block 0's page is claimed by a now: b opens unit 1
+    with free.affinity(a[-1].block_id):
+        a += free.popleft_n(3)  # a grows in its own page, then opens unit 2
+    with free.affinity(b[-1].block_id):
+        b += free.popleft_n(2)  # b grows in unit 1, not in a's holes
+    assert units_of(free, a) == [0, 0, 0, 2, 2] and units_of(free, b) == [1, 1, 1]
+    free.append_n(b)  # b finishes: its page goes whole
+    assert free.mapped_pages == 4 and free.take_delta()[1] == []  # (unit 1 came and went)
+    free.check()
+
+
+def test_under_budget_pressure_requests_share_pages_fullest_first():
+    free, _, _ = free_set(budget_pages=6)  # 3 units: block 0's and two more
+    a, b, c = free.popleft_n(3), free.popleft_n(2), free.popleft_n(1)
+    assert units_of(free, a + b + c) == [0, 0, 0, 1, 1, 2]  # every unit mapped: the budget is used up
+    assert units_of(free, free.popleft_n(3)) == [1, 1, 2]  # a new request takes holes, fullest unit first
+    with free.affinity(c[-1].block_id):
+        assert units_of(free, free.popleft_n(2)) == [2, 2]  # c still fills its own page
+    assert free.num_free_blocks == 0
     free.check()
 
 
@@ -182,7 +198,7 @@ def hashed(blocks, ids):
 
 def test_cached_blocks_keep_their_pages_and_idle_units_are_capped():
     free, blocks, evicted = free_set(max_idle_units=1)
-    free.popleft_n(11)  # units 0, 1, 2
+    free.popleft_n(11)  # units 0, 1, 2 (one request)
     free.append_n(hashed(blocks, [4, 5, 6, 7]))  # unit 1: only cached blocks -> idle, stays mapped
     assert free.stats()["idle_units"] == 1 and free.mapped_pages == 6 and evicted == []
     free.append_n(hashed(blocks, [8, 9, 10, 11]))  # unit 2 idle too: the cap evicts unit 1 whole
@@ -239,7 +255,10 @@ def test_random_operations_keep_every_invariant_and_deltas_replay_the_mapping():
     for _ in range(600):
         op = rng.random()
         if op < 0.4 and free.num_free_blocks:
-            for block in free.popleft_n(rng.randint(1, min(5, free.num_free_blocks))):
+            hint = rng.choice(sorted(held)) if rng.random() < 0.5 else None  # a request's last block
+            with free.affinity(hint):
+                got = free.popleft_n(rng.randint(1, min(5, free.num_free_blocks)))
+            for block in got:
                 block.block_hash = None  # vLLM evicts a reused block's hash
                 held.add(block.block_id)
         elif op < 0.75 and len(held) > 1:

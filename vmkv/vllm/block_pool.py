@@ -55,7 +55,7 @@ class PageAffineBlockPool(BlockPool):
             block.prev_free_block = block.next_free_block = None
         self.free_block_queue: PageAwareFreeBlocks = PageAwareFreeBlocks(
             self.blocks, layout, budget_pages, max_idle_units, enable_caching, self._maybe_evict_cached_block)
-        self.free_block_queue.remove(self.null_block)  # block 0: its unit stays mapped for good
+        self.free_block_queue.pin(self.null_block)  # block 0: its unit stays mapped for good
 
     @classmethod
     def replacing(cls, pool: BlockPool, layout: KVLayout, budget_pages: int, max_idle_units: int) -> "PageAffineBlockPool":

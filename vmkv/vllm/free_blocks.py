@@ -10,13 +10,23 @@ page ever becomes empty. :class:`PageAwareFreeBlocks` has the same interface (``
 
 A unit is *live* while any of its blocks is held (``ref_cnt > 0``, i.e. not in this set) or
 cached (free but holding a prefix-cache entry); its pages are mapped exactly while it is live.
-A block is handed out in this order:
+A unit is *unclaimed* while no request holds a block in it (only cached blocks, or only vLLM's
+null block). A block is handed out in this order:
 
-1. an empty block of the live unit with the most live blocks (fill a mapped page first);
-2. the lowest unmapped unit, if the physical budget has room for its pages;
-3. the whole least recently idle unit (live only through cached blocks): its cached blocks are
+1. an empty block of the unit of the requesting request's last block, if only that request holds
+   it (:meth:`PageAwareFreeBlocks.affinity`; within one ``popleft_n`` call, the block handed out
+   just before): a request fills its own mapped page first;
+2. an empty block of an unclaimed live unit (memory that is mapped anyway);
+3. the lowest unmapped unit, if the physical budget has room for its pages;
+4. an empty block of the live unit with the most live blocks (under budget pressure, requests
+   share pages, fullest first);
+5. the whole least recently idle unit (live only through cached blocks): its cached blocks are
    evicted together, so its pages are reused whole;
-4. the least recently freed cached block (its unit stays mapped for its other blocks).
+6. the least recently freed cached block (its unit stays mapped for its other blocks).
+
+Without budget pressure each page is thus used by one request (besides shared prefix blocks),
+and a request leaves at most one partly filled page: its mapped KV stays within one unit of its
+tokens, and its pages go when it finishes, as in vAttention.
 
 Units that only cached blocks keep live are capped at ``max_idle_units``: beyond it the least
 recently idle one is evicted whole and unmapped, so its memory goes back to the OS.
@@ -81,6 +91,9 @@ class PageAwareFreeBlocks:
         self._idle: OrderedDict[int, None] = OrderedDict()  # least recently idle first
         self._buckets: list[dict[int, None]] = [{} for _ in range(self.k + 1)]  # live count -> units with an empty block
         self._bucket_of = [0] * units
+        self._pinned = [0] * units  # held for good (vLLM's null block)
+        self._unclaimed: dict[int, None] = {}  # live units with an empty block and no request's block
+        self._affinity: int | None = None
         self._unmapped = list(range(units))  # a heap, entries checked when popped
         self._page_refs = [0] * layout.num_pages
         self.mapped_pages = 0
@@ -113,7 +126,12 @@ class PageAwareFreeBlocks:
         """
         if n > self.num_free_blocks:
             raise ValueError(f"Cannot get {n} free blocks from the pool ({self.num_free_blocks} within the budget)")
-        return [self._pick() for _ in range(n)]
+        blocks: list[Any] = []
+        hint = self._affinity
+        for _ in range(n):  # one call serves one request: each block follows the previous one
+            blocks.append(self._pick(hint))
+            hint = blocks[-1].block_id
+        return blocks
 
     def remove(self, block: Any) -> None:
         """Take a free block out of the set (vLLM does this for a prefix-cache hit)."""
@@ -138,6 +156,22 @@ class PageAwareFreeBlocks:
     def prepend_n(self, blocks: Iterable[Any]) -> None:
         """Blocks without a hash come back (vLLM's "reuse first"; here their unit decides)."""
         self.append_n(blocks)
+
+    def pin(self, block: Any) -> None:
+        """Take a free block out of the set for good (vLLM's null block): it does not claim its unit."""
+        self.remove(block)
+        unit = self.layout.unit_of(block.block_id)
+        self._change(unit, lambda: self._pinned.__setitem__(unit, self._pinned[unit] + 1))
+
+    @contextmanager
+    def affinity(self, block_id: int | None) -> Iterator[None]:
+        """Within the block, allocations prefer the unit of ``block_id`` (the requesting request's
+        last block, held by that request only); ``None``: no preference."""
+        before, self._affinity = self._affinity, block_id
+        try:
+            yield
+        finally:
+            self._affinity = before
 
     def get_all_free_blocks(self) -> list[Any]:
         return [b for empty in self._empty for b in empty.values()] + list(self._cached.values())
@@ -212,18 +246,24 @@ class PageAwareFreeBlocks:
         }
 
     # ---- policy ---------------------------------------------------------------------------------
-    def _pick(self) -> Any:
-        for live in range(self.k - 1, 0, -1):  # 1: the fullest live unit with an empty block
-            if self._buckets[live]:
-                return self._take_any(next(iter(self._buckets[live])))
-        unit = self._lowest_unmapped()  # 2: a new unit within the budget
+    def _pick(self, hint: int | None) -> Any:
+        if hint is not None:  # 1: the request's own page
+            unit = self.layout.unit_of(hint)
+            if self._empty[unit] and self._live(unit):
+                return self._take_any(unit)
+        if self._unclaimed:  # 2: a mapped page no request holds
+            return self._take_any(next(iter(self._unclaimed)))
+        unit = self._lowest_unmapped()  # 3: a new unit within the budget
         if unit is not None and self._new_pages(unit) <= self.budget_pages - self.mapped_pages:
             return self._take_any(unit)
-        if self._idle:  # 3: an idle unit, evicted whole
+        for live in range(self.k - 1, 0, -1):  # 4: the fullest live unit with an empty block
+            if self._buckets[live]:
+                return self._take_any(next(iter(self._buckets[live])))
+        if self._idle:  # 5: an idle unit, evicted whole
             unit = next(iter(self._idle))
             self._evict_unit(unit)
             return self._take_any(unit)
-        if self._cached:  # 4: one cached block
+        if self._cached:  # 6: one cached block
             block = next(iter(self._cached.values()))
             self.remove(block)
             return block
@@ -314,6 +354,10 @@ class PageAwareFreeBlocks:
             self._idle.setdefault(unit, None)
         else:
             self._idle.pop(unit, None)
+        if live and empty and self._held[unit] == self._pinned[unit]:
+            self._unclaimed[unit] = None
+        else:
+            self._unclaimed.pop(unit, None)
         bucket = live if live and empty else 0
         if bucket != self._bucket_of[unit]:
             self._buckets[self._bucket_of[unit]].pop(unit, None)
@@ -346,6 +390,9 @@ class PageAwareFreeBlocks:
                 raise AssertionError(f"unit {unit}: held+cached+empty != its blocks")
             if (unit in self._idle) != (self._held[unit] == 0 and self._cached_in[unit] > 0):
                 raise AssertionError(f"unit {unit}: idle membership wrong")
+            unclaimed = bool(live and self._empty[unit] and self._held[unit] == self._pinned[unit])
+            if (unit in self._unclaimed) != unclaimed:
+                raise AssertionError(f"unit {unit}: unclaimed membership wrong")
         if refs != self._page_refs:
             raise AssertionError("page reference counts disagree")
         if self.mapped_pages != sum(1 for r in refs if r) or self.mapped_pages > self.budget_pages:

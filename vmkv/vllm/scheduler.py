@@ -10,6 +10,11 @@ per-group manager (``vllm/v1/core/single_type_kv_cache_manager.py``,
 allocated, and rebinds the KV connector to it (``bind_kv_cache_manager``). vLLM warns that this
 surface is not public: the plugin pins vLLM 0.32 (:func:`vmkv.vllm.check_vllm`).
 
+``BlockPool.get_new_blocks`` is not told which request asks. Each manager's
+``allocate_new_blocks(request_id, ...)`` is wrapped (on the instance) to tell the pool the
+request's last block while it allocates, so a request fills its own page before it takes
+another (:meth:`~vmkv.vllm.free_blocks.PageAwareFreeBlocks.affinity`).
+
 vLLM uses ``AsyncScheduler`` when async scheduling is on (the GPU default) and ``Scheduler``
 otherwise (the CPU default); one class name serves both: constructing :class:`VmkvScheduler`
 returns a :class:`VmkvAsyncScheduler` when the config asks for async scheduling.
@@ -62,10 +67,26 @@ class VmkvScheduler(Scheduler):
             if single.block_pool is not old:
                 raise InvalidConfig(f"vmkv: KV cache group {index} has its own block pool (unsupported layout)")
             single.block_pool = pool
+            single.allocate_new_blocks = _with_affinity(single, pool)
         coordinator.block_pool = pool
         manager.block_pool = pool
         self.connector.bind_kv_cache_manager(manager)
         logger.info("vmkv: page-affine block pool installed (%s)", pool.free_block_queue.layout)
+
+
+def _with_affinity(manager: Any, pool: PageAffineBlockPool) -> Any:
+    """``manager.allocate_new_blocks`` that tells ``pool`` the request's last block while it runs,
+    if only that request holds the block (a shared prefix block says nothing about its pages)."""
+    allocate = manager.allocate_new_blocks
+
+    def allocate_new_blocks(request_id: str, *args: Any, **kwargs: Any) -> Any:
+        blocks = manager.req_to_blocks.get(request_id) or ()
+        last = blocks[-1] if blocks else None
+        own = last is not None and not last.is_null and last.ref_cnt == 1
+        with pool.free_block_queue.affinity(last.block_id if own else None):
+            return allocate(request_id, *args, **kwargs)
+
+    return allocate_new_blocks
 
 
 class VmkvAsyncScheduler(VmkvScheduler, AsyncScheduler):
