@@ -402,3 +402,30 @@ def test_tensor_parallel_2_gives_the_same_tokens(runs, tmp_path_factory):
     for rid, tokens in runs["stock"]["tokens"].items():
         assert tp["tokens"][rid] == tokens, f"request {rid} differs under TP=2"
     assert len(tp["trimmed_stats"]) == 2 and all(s["mapped_pages"] == 2 for s in tp["trimmed_stats"])
+
+
+@needs_vllm
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: gpu_smoke would run for real")
+def test_gpu_smoke_says_why_it_cannot_run_here(tmp_path):
+    with pytest.raises(vmkv.BackendUnavailable, match="needs a CUDA GPU"):
+        plugin.gpu_smoke(tmp_path)
+    assert not any(tmp_path.iterdir())  # refused before writing anything
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_benchmark_smoke_follows_the_contract_and_ends_with_a_verdict(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-m", "vmkv.cli", "bench", "vllm", "--smoke", "--out", str(tmp_path),
+                           "--model-dir", str(tmp_path / "model")],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    result = json.loads((tmp_path / "vllm.json").read_text())
+    assert {r["engine"] for r in result["rows"]} == {"stock", "vmkv"}
+    for row in result["rows"]:
+        assert set(row) == set(result["schema"]) and row["output_tokens"] > 0 and row["tokens_identical"]
+    summary = result["summary"]
+    assert summary["tokens_identical"] and summary["throughput_ratio_vmkv_over_stock"] > 0
+    assert summary["kv_peak_ratio_vmkv_over_stock"] < 0.5  # vmkv held far less than stock's buffer
+    assert summary["verdict"].startswith("vmkv runs vLLM at ")
+    assert (tmp_path / "vllm_kv_memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
