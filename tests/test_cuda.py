@@ -16,6 +16,8 @@ The fake driver's own rules, call order, rollback and fault injection: ``tests/f
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -482,3 +484,80 @@ def test_a_driver_that_refuses_is_backend_unavailable(fake):  # noqa: F811
     with pytest.raises(BackendUnavailable, match="cuMemGetAllocationGranularity failed"):
         cuda_granularity("cuda:0", runtime=FakeRuntime())
     fake.reset()
+
+
+# ---- the GPU check script --------------------------------------------------------------------
+@pytest.fixture
+def gpu_check():
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks import gpu_check
+    finally:
+        sys.path.remove(str(ROOT))
+    return gpu_check
+
+
+def test_gpu_check_cpu_dry_run_runs_sections_in_their_own_processes(tmp_path, gpu_check):
+    """The dry run as a user runs it: the section in a worker process, the zero page's write
+    probe in a grandchild that must die (SIGSEGV on the host), the JSON and the verdict line."""
+    script = str(ROOT / "benchmarks" / "gpu_check.py")
+    run = subprocess.run([sys.executable, script, "--device", "cpu", "--smoke", "--out", str(tmp_path), "--sections", "zero_page"],
+                         capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    zero = report["sections"]["zero_page"]
+    assert list(report["sections"]) == ["zero_page"] and zero["status"] == "passed", zero
+    assert all(zero["result"]["checks"].values()) and len(zero["result"]["checks"]) == 7
+    assert zero["result"]["write_probe"]["exit"] == "killed by SIGSEGV"
+    assert run.stdout.strip().splitlines()[-1] == "gpu_check on cpu: 1 passed, 0 skipped."
+
+
+def test_gpu_check_sections_that_need_no_process_of_their_own(gpu_check, tmp_path):
+    cpu = torch.device("cpu")
+    env = gpu_check.environment(cpu, gpu_check.SMOKE)
+    assert env["selected_contiguous_kernel"] == "sdpa_per_sequence" and "cuda-bindings" in env["packages"]
+    row = gpu_check.decode_section(cpu, gpu_check.SMOKE, ["sdpa_per_sequence"])["kernels"]["sdpa_per_sequence"]
+    assert row["max_abs_diff"] == 0.0 and row["vmm_over_dense"] > 0  # same kernel, same bytes
+    mapping = gpu_check.map_unmap_section(cpu, gpu_check.SMOKE)
+    assert mapping["backend"] == "host" and mapping["map_us"]["median"] > 0
+    paged = gpu_check.paged_section(cpu, gpu_check.SMOKE)
+    assert paged["kernels"]["gather_sdpa"]["max_abs_diff_vs_vmm"] < 1e-5
+    with pytest.raises(gpu_check.SectionSkipped, match="needs a CUDA device"):
+        gpu_check.vllm_section(cpu, tmp_path)
+
+
+def test_gpu_check_isolates_a_crashing_section_and_fails_the_run(gpu_check, tmp_path, monkeypatch, capsys):
+    """A section whose process dies is recorded with the exit and its last output, the JSON is
+    rewritten after every section, the next sections still run, and the exit status is 1."""
+    seen = []
+
+    def command(name, args):
+        seen.append(json.loads((tmp_path / "gpu_check.json").read_text())["sections"] if seen else {})
+        if name == "decode":
+            return [sys.executable, "-c", "import os; print('about to crash', flush=True); os.abort()"]
+        entry = json.dumps({"status": "passed", "result": {"section": name}})
+        path = gpu_check.section_file(tmp_path, name)
+        return [sys.executable, "-c", f"import pathlib; p = pathlib.Path({str(path)!r}); p.parent.mkdir(exist_ok=True); p.write_text({entry!r})"]
+
+    monkeypatch.setattr(gpu_check, "worker_command", command)
+    code = gpu_check.main(["--device", "cpu", "--out", str(tmp_path), "--sections", "environment", "decode", "vllm"])
+    assert code == gpu_check.EXIT_FAILED
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [report["sections"][s]["status"] for s in ("environment", "decode", "vllm")] == ["passed", "failed", "passed"]
+    crash = report["sections"]["decode"]
+    assert "killed by SIGABRT" in crash["error"] and "about to crash" in crash["output_tail"]
+    assert list(seen[2]) == ["environment", "decode"]  # written before the third section started
+    assert "1 FAILED: decode (the section's process killed by SIGABRT" in capsys.readouterr().out.strip().splitlines()[-1]
+    timed_out = gpu_check.collect([sys.executable, "-c", "import time; time.sleep(30)"], tmp_path / "never.json", timeout=0.5)
+    assert timed_out["status"] == "failed" and "timed out after 0.5 s" in timed_out["error"]
+
+
+@needs_no_cuda
+def test_gpu_check_without_a_gpu_says_so_in_one_line(gpu_check, tmp_path, capsys):
+    with pytest.raises(SystemExit) as done:
+        gpu_check.parse_args(["--help"])
+    assert done.value.code == 0 and "Exit status" in capsys.readouterr().out
+    code = gpu_check.main(["--out", str(tmp_path / "out")])  # no arguments but the output folder
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert code == gpu_check.EXIT_NO_GPU == 3 and len(lines) == 1
+    assert lines[0].startswith("gpu_check: no CUDA GPU here (torch ") and not (tmp_path / "out").exists()

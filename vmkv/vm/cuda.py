@@ -8,7 +8,8 @@
 * reserve: ``cuMemAddressReserve``, then the zero page is mapped at every page of the range and
   the whole range is made read-only for this device (``cuMemSetAccess`` with
   ``CU_MEM_ACCESS_FLAGS_PROT_READ``). Reads anywhere in a reservation see zeros; a kernel that
-  writes there faults (illegal address), so no kernel may write outside mapped pages.
+  writes there faults (illegal address), so no kernel may write outside mapped pages. (A device
+  that refuses read-only mappings gets read-write zero pages and a warning at open.)
 * map: ``cuMemUnmap`` of the zero page, ``cuMemMap`` of the data page, ``cuMemSetAccess``
   read-write. Mapping one handle at several addresses shares it.
 * unmap: ``cuMemUnmap`` of the data page, then the zero page goes back (map + read access).
