@@ -58,7 +58,7 @@ def fake_cuda_backends(fake: FakeDriver, monkeypatch) -> list:
     runtime = FakeRuntime()
     backends: list = []
 
-    def open_backend(device, page_size: int, num_pages: int) -> CudaVirtualMemory:
+    def open_backend(device, page_size: int, num_pages: int, **_host_only) -> CudaVirtualMemory:
         backend = CudaVirtualMemory(page_size, num_pages, device="cuda:0", runtime=runtime)
         backends.append(backend)
         return backend
