@@ -24,6 +24,12 @@ from typing import Any, Sequence
 from .. import vllm as plugin
 
 ENTRY_POINT = "vmkv.vllm:register"
+RESERVED_CPUS = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+"""vLLM's CPU platform keeps one core per rank away from its workers for the engine process, and
+one more per rank whenever *any* KV connector is configured (``vllm/utils/ompmultiprocessing.py``,
+meant for NIXL transfers). vmkv's connector transfers nothing, so :func:`engine` sets this
+variable to the stock reservation for vmkv engines: both engines then compute on the same cores
+(on 2 cores the extra reservation leaves no core free and slows the tiny model ~7x)."""
 
 
 def ensure_entry_point() -> Path | None:
@@ -62,6 +68,9 @@ def engine(model: str | Path, *, vmkv: bool, kv_cache_bytes: int, max_model_len:
         options: :func:`vmkv.vllm.engine_args` keywords (page_size, budget, max_cached).
         llm_kwargs: more ``LLM`` arguments (``enforce_eager=True`` and ``dtype="float32"`` unless
             given).
+
+    Sets ``VMKV_VLLM`` and ``VLLM_CPU_NUM_OF_RESERVED_CPU`` (:data:`RESERVED_CPUS`) in this
+    process's environment for the engine's processes, or removes them for a stock engine.
     """
     from vllm import LLM
 
@@ -70,8 +79,11 @@ def engine(model: str | Path, *, vmkv: bool, kv_cache_bytes: int, max_model_len:
         ensure_entry_point()
         os.environ[plugin.ENV_FLAG] = "1"
         llm_kwargs.update(plugin.engine_args(**(options or {})))
+        ranks = llm_kwargs.get("tensor_parallel_size", 1) * llm_kwargs.get("pipeline_parallel_size", 1)
+        os.environ[RESERVED_CPUS] = str(ranks)  # what stock vLLM reserves (see cpu_cores_reserved)
     else:
         os.environ.pop(plugin.ENV_FLAG, None)
+        os.environ.pop(RESERVED_CPUS, None)
         llm_kwargs.setdefault("worker_extension_cls", plugin.WORKER_EXTENSION_CLS)
     llm_kwargs.setdefault("enforce_eager", True)
     llm_kwargs.setdefault("dtype", "float32")
@@ -101,13 +113,15 @@ class Sample:
 
 @dataclass
 class RunResult:
-    """What :func:`run` returns: tokens per request, cached prompt tokens, samples, timing."""
+    """What :func:`run` returns: tokens per request, cached prompt tokens, samples, timing, and
+    the engine steps that returned outputs."""
 
     tokens: dict[str, list[int]]
     cached_tokens: dict[str, int]
     samples: list[Sample]
     wall_s: float
     output_tokens: int
+    steps: int
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "samples": [asdict(s) for s in self.samples]}
@@ -165,4 +179,4 @@ def run(llm: Any, prompts: Sequence[Sequence[int]], params: Sequence[Any], *, vm
         if sample_every and steps % sample_every == 0:
             samples.append(memory_sample(llm, vmkv, time.perf_counter() - start, len(live), sum(live.values())))
     wall = time.perf_counter() - start
-    return RunResult(tokens, cached, samples, wall, sum(len(t) for t in tokens.values()))
+    return RunResult(tokens, cached, samples, wall, sum(len(t) for t in tokens.values()), steps)
