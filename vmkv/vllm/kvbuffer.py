@@ -78,7 +78,7 @@ class KVBuffer:
         """The buffer as a flat ``int8`` tensor of ``nbytes`` (what ``torch.zeros`` gave vLLM)."""
         return self.backend.tensor(self.addr, (self.nbytes,), torch.int8)
 
-    def apply(self, unmap: Sequence[int], map: Sequence[int]) -> None:
+    def apply(self, unmap: Sequence[int], to_map: Sequence[int]) -> None:
         """Unmap then map virtual pages (a step's list from the scheduler).
 
         Unmapping first lets the maps reuse the freed physical pages. The caller guarantees no
@@ -92,8 +92,8 @@ class KVBuffer:
                 this store disagree), or the OS/driver refused a call (the maps of this call
                 are undone first).
         """
-        unmap, map = list(unmap), list(map)
-        self._validate(unmap, map)
+        unmap, to_map = list(unmap), list(to_map)
+        self._validate(unmap, to_map)
         if unmap:
             self.backend.synchronize()
             for page in unmap:
@@ -104,7 +104,7 @@ class KVBuffer:
                 self.backend.release_page(physical)
         done: list[int] = []
         try:
-            for page in map:
+            for page in to_map:
                 physical = self._free.pop()
                 try:
                     self.backend.map(self.addr + page * self.page_size, physical)
@@ -120,8 +120,8 @@ class KVBuffer:
             raise
         self.maps += len(done)
 
-    def _validate(self, unmap: list[int], map: list[int]) -> None:
-        for name, pages in (("unmap", unmap), ("map", map)):
+    def _validate(self, unmap: list[int], to_map: list[int]) -> None:
+        for name, pages in (("unmap", unmap), ("map", to_map)):
             if len(set(pages)) != len(pages):
                 raise InvalidInput(f"KV buffer: a page is listed twice in the {name} list")
             bad = [p for p in pages if not (isinstance(p, int) and 0 <= p < self.num_pages)]
@@ -131,11 +131,11 @@ class KVBuffer:
         if not_mapped:
             raise InvalidInput(f"KV buffer: pages {not_mapped[:5]} are not mapped and cannot be unmapped")
         leaving = set(unmap)
-        twice = [p for p in map if p in self._physical and p not in leaving]
+        twice = [p for p in to_map if p in self._physical and p not in leaving]
         if twice:
             raise InvalidInput(f"KV buffer: pages {twice[:5]} are mapped already")
-        if len(map) > len(self._free) + len(unmap):
-            raise BackendError(f"KV buffer: {len(map)} pages to map but only {len(self._free) + len(unmap)} of "
+        if len(to_map) > len(self._free) + len(unmap):
+            raise BackendError(f"KV buffer: {len(to_map)} pages to map but only {len(self._free) + len(unmap)} of "
                                f"{self.budget_pages} physical pages free: the scheduler's budget and this worker's disagree")
 
     def stats(self) -> dict[str, Any]:
