@@ -194,6 +194,32 @@ def test_every_python_fence_is_collected() -> None:
     assert {p.name for p in (ROOT / "docs").glob("*.md")} <= {p.name for p in PAGES}
 
 
+def test_shell_commands_in_the_docs_name_real_extras_and_subcommands() -> None:
+    """The README quick start (and every ```bash block) installs extras pyproject defines and runs
+    `vmkv` subcommands and benchmarks that exist; CI runs the README's test command."""
+    import tomllib
+
+    from vmkv.cli import REGISTRY, build_parser
+
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    subcommands = {"--version", "--help", *build_parser()._subparsers._group_actions[0].choices}  # noqa: SLF001
+    commands = [line for path in PAGES for block in fenced_blocks(path) if block.info[:1] == ["bash"]
+                for line in block.source.splitlines()]
+    readme = [b.source for b in fenced_blocks(ROOT / "README.md") if b.info[:1] == ["bash"]]
+    assert 'pip install torch==2.13.0 && pip install -e ".[bench]" && vmkv bench' in readme
+    assert 'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest -q' in readme
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert 'pip install --quiet -e ".[test]"' in ci and "pytest -q" in ci
+    for line in commands:
+        for extra in re.findall(r"-e \S*\.\[([\w,]+)\]|vmkv\[([\w,]+)\]", line):
+            for name in ",".join(extra).strip(",").split(","):
+                assert name in extras, f"{line!r}: no extra {name!r} in pyproject.toml"
+        for words in re.findall(r"(?:^|&&|\|)\s*vmkv ([\w-]+)(?: ([\w-]+))?", line):
+            assert words[0] in subcommands, f"{line!r}: vmkv has no subcommand {words[0]!r}"
+            if words[0] == "bench" and words[1] and not words[1].startswith("-"):
+                assert words[1] in REGISTRY, f"{line!r}: no benchmark {words[1]!r}"
+
+
 PAGE = """\
 # A page
 
