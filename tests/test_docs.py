@@ -6,7 +6,8 @@ How blocks run:
   earlier blocks, in a **subprocess per file** (``python tests/test_docs.py FILE``) with a timeout:
   a crash, a hang or global state (threads, registered attention functions) cannot reach the
   rest of the suite. The subprocess runs in an empty temporary directory with the repository
-  first on ``PYTHONPATH``, so this checkout's ``vmkv`` is the one documented.
+  first on ``PYTHONPATH``, so this checkout's ``vmkv`` is the one documented, and reports one
+  JSON line per block into a file of its own (what the blocks print cannot garble it).
 * Each block is compiled with the Markdown file as its file name and its own line numbers, so a
   traceback points at the line of the page (``docs/api.md", line 42``).
 * Markers on a block's first line: ``# requires: cuda`` skips it unless ``torch.cuda.is_available()``,
@@ -18,12 +19,12 @@ How blocks run:
   shown in the docs is the number the code gives.
 * Other fences (``text``, ``bash``, ``json``, diagrams) are not run.
 
-Why a small collector and not pytest-markdown-docs / phmdoctest / Sybil: those run each fence as
-its own test in the pytest process (pytest-markdown-docs shares a namespace only for fences
-tagged ``continuation`` one by one; phmdoctest generates test files to commit), none isolates a
-page in a subprocess with a timeout, and none knows the ``# requires:`` markers the other docs
-already use. What is needed is ~100 lines on the standard library (``doctest`` included), with
-no new test dependency.
+Why a small collector and not an ecosystem runner: pytest-markdown-docs runs each fence as its
+own test (it shares a namespace only between fences tagged ``continuation`` one by one),
+phmdoctest generates test files to commit, Sybil shares a namespace per document but runs it
+inside the pytest process; none runs a page in a subprocess with a timeout or knows the
+``# requires:`` markers the other docs already use, and each would be a new test dependency.
+What is needed fits in ~120 lines of the standard library (``doctest``'s output checker included).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import textwrap
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 import pytest
 
@@ -49,7 +51,6 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 TIMEOUT_S = 180
 FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|~{3,})(?P<info>[^`]*)$")
 REQUIRES = re.compile(r"^#\s*requires:\s*(?P<what>[\w.-]+)\s*$")
-MARK = "@@vmkv-docs@@ "  # prefix of the result lines the subprocess prints
 
 
 @dataclass
@@ -124,18 +125,23 @@ def missing_requirement(what: str) -> str | None:
     return f"unknown requirement {what!r} (known: cuda, vllm)"
 
 
-def run_page(path: Path) -> int:
-    """Run a page's Python blocks in one namespace; print one result line per block.
+def run_page(path: Path, report: TextIO) -> int:
+    """Run a page's Python blocks in one namespace; write one JSON line per block to ``report``
+    (a file of its own: output of the blocks, or of processes they start, cannot garble it).
 
     Returns:
         0 if every block ran (or was skipped) and printed what the docs show, else 1.
     """
     namespace: dict = {"__name__": "__main__"}
+
+    def result(block: Block, status: str, detail: str = "") -> None:
+        report.write(json.dumps({"where": block.where, "status": status, "detail": detail}) + "\n")
+        report.flush()
+
     for block in python_blocks(path):
-        result = {"where": block.where}
         why = missing_requirement(block.requires) if block.requires else None
         if why is not None:
-            print(MARK + json.dumps({**result, "status": "skipped", "detail": why}), flush=True)
+            result(block, "skipped", why)
             continue
         stdout = io.StringIO()
         try:
@@ -144,30 +150,29 @@ def run_page(path: Path) -> int:
                 exec(code, namespace)  # noqa: S102 - running the documentation is the point
         except BaseException as exc:  # noqa: BLE001 - any failure of a doc block is reported with its line
             frames = exc.__traceback__.tb_next if exc.__traceback__ is not None else None  # drop this frame
-            detail = stdout.getvalue() + "".join(traceback.format_exception(type(exc), exc, frames))
-            print(MARK + json.dumps({**result, "status": "failed", "detail": detail}), flush=True)
+            result(block, "failed", stdout.getvalue() + "".join(traceback.format_exception(type(exc), exc, frames)))
             return 1
         got = stdout.getvalue()
         checker = doctest.OutputChecker()
         flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
         if block.expected is not None and not checker.check_output(block.expected, got, flags):
-            detail = "printed output differs from the docs' ```text output block:\n" + checker.output_difference(
-                doctest.Example("", block.expected), got, flags)
-            print(MARK + json.dumps({**result, "status": "failed", "detail": detail}), flush=True)
+            result(block, "failed", "printed output differs from the docs' ```text output block:\n"
+                   + checker.output_difference(doctest.Example("", block.expected), got, flags))
             return 1
-        print(MARK + json.dumps({**result, "status": "ok"}), flush=True)
+        result(block, "ok")
     return 0
 
 
 def run_page_subprocess(path: Path, cwd: Path, timeout: float = TIMEOUT_S) -> tuple[list[dict], str]:
-    """Run :func:`run_page` for ``path`` in a fresh interpreter; ``(results, all output)``."""
+    """Run :func:`run_page` for ``path`` in a fresh interpreter; ``(results, its output)``."""
     env = {"OMP_NUM_THREADS": "1",  # as the suite's one-thread fixture: small ops on a shared CPU
            **os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), str(path)], cwd=cwd, env=env,
+    report = cwd / f"{path.name}.results.jsonl"
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), str(path), str(report)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
-    results = [json.loads(line[len(MARK):]) for line in proc.stdout.splitlines() if line.startswith(MARK)]
+    results = [json.loads(line) for line in report.read_text().splitlines()] if report.exists() else []
     if proc.returncode != 0 and not any(r["status"] == "failed" for r in results):
-        results.append({"where": str(path), "status": "failed", "detail": f"exit status {proc.returncode}"})
+        results.append({"where": str(path), "status": "failed", "detail": f"exit status {proc.returncode}\n{proc.stderr[-3000:]}"})
     return results, proc.stdout + proc.stderr
 
 
@@ -304,6 +309,7 @@ def test_a_hanging_block_times_out(tmp_path: Path) -> None:
         run_page_subprocess(path, tmp_path, timeout=1.5)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # python tests/test_docs.py PAGE.md [RESULTS.jsonl] (default: results on stdout)
     sys.path.insert(0, str(ROOT))  # this checkout's vmkv, also when run by hand
-    sys.exit(run_page(Path(sys.argv[1]).resolve()))
+    with open(sys.argv[2], "w") if len(sys.argv) > 2 else contextlib.nullcontext(sys.stdout) as out:
+        sys.exit(run_page(Path(sys.argv[1]).resolve(), out))
