@@ -8,6 +8,9 @@ agree within ``atol=2e-5, rtol=1e-5`` (float32; measured <= 6e-6) with the cache
 
 from __future__ import annotations
 
+import copy
+import functools
+import gc
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +22,8 @@ pytest.importorskip("transformers")
 
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+
+import transformers  # noqa: E402
 
 import vmkv.hf as vhf  # noqa: E402
 from vmkv.errors import InvalidConfig, InvalidInput, InvalidShape, NoFreeSlot, SequenceTooLong  # noqa: E402
@@ -39,6 +44,13 @@ ARCHS = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "phi3": (Phi3Config, Phi3ForCausalLM),
 }
+# More architectures, one test each way (transformers class prefix -> what sets it apart). GPT-NeoX
+# calls cache.update(k, v, layer) without the attention kwargs; Gemma scales embeddings; Qwen3 and
+# OLMo2 normalise q/k; Phi rotates part of each head; Mixtral is a mixture of experts; OPT has
+# learned positions and no RoPE.
+MORE_ARCHS = ["GPTNeoX", "Gemma", "Qwen3", "Phi", "Olmo2", "Mixtral", "OPT"]
+# Sliding-window / soft-capped attention: the model's own attention over VMM views only.
+SLIDING = {"Mistral": dict(sliding_window=16), "Gemma2": dict(sliding_window=16, head_dim=16, query_pre_attn_scalar=16)}
 PAGED = pytest.mark.skipif(not HAS_PAGED, reason="paged mode not built yet")
 # (mode, attn_implementation)
 SETUPS = [
@@ -56,6 +68,14 @@ def models() -> dict[str, torch.nn.Module]:
         torch.manual_seed(1)
         built[name] = model_cls(config_cls(**TINY)).eval()
     return built
+
+
+@functools.cache
+def tiny_model(prefix: str, **overrides) -> torch.nn.Module:
+    """``transformers.<prefix>ForCausalLM`` of the TINY shape with seeded random weights."""
+    config_cls, model_cls = getattr(transformers, prefix + "Config"), getattr(transformers, prefix + "ForCausalLM")
+    torch.manual_seed(1)
+    return model_cls(config_cls(**{**TINY, **overrides})).eval()
 
 
 def use_attention(model: torch.nn.Module, name: str) -> torch.nn.Module:
@@ -163,6 +183,180 @@ def test_forward_logits_match_dynamic_cache(models, arch, setup):
     torch.testing.assert_close(first[real], ref_first[real], atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(second, ref_second, atol=2e-5, rtol=1e-5)
     assert cache.get_seq_length() == ids.shape[1] + 3
+
+
+# ---- more architectures; reset, deepcopy, assistants (issue 10 items 19-23) ----------------------
+@pytest.fixture(scope="module")
+def references() -> dict:
+    """DynamicCache outputs computed once per test module, by key."""
+    return {}
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize("arch", list(ARCHS) + MORE_ARCHS)
+def test_architecture_generates_again_after_reset(models, references, arch, setup):
+    """Left-padded greedy generation equals DynamicCache; after ``reset()`` the same cache serves
+    another batch (2 rows, other prompts) equally, and every page returns each time."""
+    mode, attn = setup
+    model = models[arch] if arch in ARCHS else tiny_model(arch)
+    ids, mask = prompts(padded=True)
+    cache = vhf.VirtualCache(mode, **PAGE)
+    for n, (batch_ids, batch_mask) in enumerate(((ids, mask), (ids[:2, 3:].flip(0), mask[:2, 3:].flip(0)))):
+        if (arch, n) not in references:
+            references[arch, n] = reference(model, batch_ids, batch_mask)
+        expected = references[arch, n]
+        assert torch.equal(generate(use_attention(model, attn), cache, batch_ids, batch_mask), expected)
+        assert_all_pages_return(cache)  # reset(), then every page is free
+        assert cache.get_seq_length() == 0 and not cache.is_initialized
+
+
+@pytest.mark.parametrize("arch", list(SLIDING))
+def test_sliding_window_models_run_their_own_attention_over_vmm_views(arch):
+    """Mistral (window 16) and Gemma2 (window 16, soft-capping) with their own attention in VMM
+    mode equal transformers' default cache (sliding layers) well past the window; the "vmkv"
+    attention refuses them with the reason."""
+    model = tiny_model(arch, **SLIDING[arch])
+    ids, mask = prompts(padded=True)
+    kwargs = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
+    expected = model.generate(ids, attention_mask=mask, **kwargs)  # no cache given: transformers builds its own
+    cache = vhf.VirtualCache("vmm", **PAGE)
+    assert torch.equal(model.generate(ids, attention_mask=mask, **{CACHE: cache}, **kwargs), expected)
+    assert cache.get_seq_length() == 11 + 23 > SLIDING[arch]["sliding_window"]
+    own = model.config._attn_implementation
+    try:
+        with pytest.raises(InvalidConfig, match="sliding|softcap"):
+            generate(use_attention(model, "vmkv"), vhf.VirtualCache("vmm", **PAGE), ids, mask)
+    finally:
+        use_attention(model, own)
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+@torch.no_grad()
+def test_deepcopy_reuses_a_prefilled_prompt(models, setup):
+    """transformers' prompt reuse: prefill a shared prefix once, ``copy.deepcopy`` the cache per
+    question. Same tokens as DynamicCache; a copy shares every page (no page allocated) and a
+    dropped copy frees its rows."""
+    mode, attn = setup
+    model = models["llama"]
+    gen = torch.Generator().manual_seed(11)
+    prefix = torch.randint(3, TINY["vocab_size"], (1, 40), generator=gen)  # more than one 32-token page
+    questions = [torch.randint(3, TINY["vocab_size"], (1, n), generator=gen) for n in (5, 9, 3)]
+
+    def answer(base, question):
+        full = torch.cat([prefix, question], 1)
+        return model.generate(full, attention_mask=torch.ones_like(full), max_new_tokens=8, do_sample=False,
+                              pad_token_id=0, **{CACHE: copy.deepcopy(base)})
+
+    use_attention(model, "sdpa")
+    dense = DynamicCache()
+    model(prefix, **{CACHE: dense}, use_cache=True)
+    expected = [answer(dense, q) for q in questions]
+    use_attention(model, attn)
+    base = vhf.VirtualCache(mode, **PAGE)
+    model(prefix, **{CACHE: base}, use_cache=True)
+    if attn == "sdpa":  # the first forward's K/V are written at the next call: make them pages now
+        base._flush_pending()
+    in_use = base.core.stats()["pages_in_use"]
+    clone = copy.deepcopy(base)
+    assert base.core.stats()["pages_in_use"] == in_use and clone.core is base.core  # shared, nothing copied
+    assert base.core.pages(clone.rows[0]) == base.core.pages(base.rows[0])
+    for question, want in zip(questions, expected):
+        assert torch.equal(answer(base, question), want)
+    del clone
+    gc.collect()  # dropped copies free their rows at the next call (never in the middle of a forward)
+    survivor = copy.deepcopy(base)
+    assert len(base.core) == 2 and base.get_seq_length() == 40
+    base.close()  # the copy still uses the core: it stays open
+    assert base.core is None and len(survivor.core) == 1
+    full = torch.cat([prefix, questions[0]], 1)
+    out = model.generate(full, attention_mask=torch.ones_like(full), max_new_tokens=8, do_sample=False,
+                         pad_token_id=0, **{CACHE: survivor})
+    assert torch.equal(out, expected[0])
+    survivor.close()
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_vmkv_attention_model_can_be_an_assistant(models, setup):
+    """generate() gives an assistant model a DynamicCache: its "vmkv" attention runs the stock
+    SDPA kernel, and assisted greedy decoding gives the main model's greedy tokens."""
+    mode, attn = setup
+    main = models["llama"]
+    assistant = use_attention(tiny_model("Llama", num_hidden_layers=1), "vmkv")
+    ids, mask = prompts(padded=False)
+    expected = reference(main, ids, mask)
+    out = generate(use_attention(main, attn), vhf.VirtualCache(mode, **PAGE), ids, mask, assistant_model=assistant)
+    assert torch.equal(out, expected)
+
+
+def test_vmkv_attention_with_another_cache_equals_sdpa(models):
+    """A left-padded prefill then a 3-token chunk over a DynamicCache: the "vmkv" attention's
+    stock fallback gives SDPA's logits at every real position."""
+    model = models["qwen2"]
+    ids, mask = prompts(padded=True)
+    more = torch.randint(3, TINY["vocab_size"], (3, 3), generator=torch.Generator().manual_seed(3))
+    full_mask = torch.cat([mask, torch.ones_like(more)], dim=1)
+
+    def two_forwards():
+        cache = DynamicCache()
+        first = model(ids, attention_mask=mask, **{CACHE: cache}, use_cache=True).logits
+        return first, model(more, attention_mask=full_mask, **{CACHE: cache}, use_cache=True).logits
+
+    want_first, want_second = two_forwards() if use_attention(model, "sdpa") else None
+    use_attention(model, "vmkv")
+    first, second = two_forwards()
+    real = mask.bool()
+    torch.testing.assert_close(first[real], want_first[real], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(second, want_second, atol=1e-6, rtol=1e-6)
+
+
+def test_vmkv_attention_says_when_a_model_changes_k_after_update(models):
+    """The "vmkv" attention writes the K that ``update`` returned; a model that hands its
+    attention another tensor is refused with the reason (never a silent stock fallback)."""
+    model = use_attention(models["llama"], "vmkv")
+    cache = vhf.VirtualCache("vmm", config=model.config, **PAGE)
+    k = torch.randn(1, 2, 3, 16)
+    cache.update(k, k.clone(), 0)  # as GPT-NeoX calls it: no attention kwargs
+    module = model.model.layers[0].self_attn
+    with pytest.raises(InvalidConfig, match="changes the key states"):
+        vhf.vmkv_attention_forward(module, torch.randn(1, 4, 3, 16), k * 2, k.clone(), None)
+
+
+def test_layer_keys_and_values_are_views_or_refused(models):
+    """``cache.layers[i].keys / .values``: zero-copy views equal to DynamicCache's tensors in VMM
+    mode with the model's attention; a clear ``Unsupported`` where no such view exists and from
+    every inherited feature a VirtualCache lacks."""
+    model = use_attention(models["llama"], "sdpa")
+    ids, mask = prompts(padded=True)
+    more = torch.randint(3, TINY["vocab_size"], (3, 2), generator=torch.Generator().manual_seed(4))
+    full_mask = torch.cat([mask, torch.ones_like(more)], dim=1)
+    dense, cache = DynamicCache(), vhf.VirtualCache("vmm", **PAGE)
+    for c in (dense, cache):
+        model(ids, attention_mask=mask, **{CACHE: c}, use_cache=True)
+    torch.testing.assert_close(cache.layers[1].values, dense.layers[1].values)  # first forward: kept by reference
+    for c in (dense, cache):
+        model(more, attention_mask=full_mask, **{CACHE: c}, use_cache=True)
+    k_all, _ = cache.core.kv_cache(0)
+    for layer in range(2):
+        assert cache.layers[layer].keys.shape == dense.layers[layer].keys.shape == (3, 2, 13, 16)
+        torch.testing.assert_close(cache.layers[layer].keys, dense.layers[layer].keys)
+        torch.testing.assert_close(cache.layers[layer].values, dense.layers[layer].values)
+    assert cache.layers[0].keys.data_ptr() == k_all[cache.core.slot(cache.rows[0])].data_ptr()  # a view
+    for call in (lambda: cache.layers[0].offload(), lambda: cache.layers[0].prefetch(), lambda: cache.offload(0),
+                 lambda: cache.prefetch(0), lambda: cache.early_initialization(1, 2, 16, torch.float32, "cpu"),
+                 lambda: cache.layers[0].reset(), lambda: cache.layers[0].batch_select_indices(torch.tensor([0])),
+                 lambda: setattr(cache.layers[0], "keys", torch.zeros(1))):
+        with pytest.raises(vhf.Unsupported):
+            call()
+    padded_vmkv = vhf.VirtualCache("vmm", **PAGE)
+    use_attention(model, "vmkv")(ids, attention_mask=mask, **{CACHE: padded_vmkv}, use_cache=True)
+    with pytest.raises(vhf.Unsupported, match="padding"):
+        padded_vmkv.layers[0].keys
+    if HAS_PAGED:
+        paged = vhf.VirtualCache("paged", **PAGE)
+        model(ids, **{CACHE: paged}, use_cache=True)
+        with pytest.raises(vhf.Unsupported, match="blocks"):
+            paged.layers[0].values
+        assert torch.equal(paged.core.kv(paged.rows[0], 0)[0], padded_vmkv.core.kv(padded_vmkv.rows[0], 0)[0])
 
 
 # ---- VMM views, rows, crop ----------------------------------------------------------------------

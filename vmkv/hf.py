@@ -52,7 +52,7 @@ import logging
 import math
 import threading
 import weakref
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -272,16 +272,32 @@ class _Step:
 class _SharedCore:
     """A core cache and the ``VirtualCache`` objects over it (``copy.deepcopy`` makes more).
 
-    Sequence ids come from here so that copies never collide; the core closes with its last user.
+    Sequence ids come from here so that copies never collide; the core closes with its last
+    user. A copy dropped without ``close()`` leaves its rows here (``retire``): the garbage
+    collector may run it in the middle of another copy's forward, whose plan a ``free`` would
+    invalidate, so the rows are freed at the next forward or row operation instead (``reap``).
     """
 
     def __init__(self, core: KVCacheBase) -> None:
         self.core = core
         self.users = 1
         self._ids = itertools.count()
+        self._orphans: deque[int] = deque()
 
     def new_id(self) -> int:
         return next(self._ids)
+
+    def retire(self, rows: list[int]) -> None:
+        """A user is gone without ``close()``: free ``rows`` later; close the core if it was the last."""
+        self._orphans.extend(rows)
+        self.users -= 1
+        if self.users == 0:
+            self.core.close()
+
+    def reap(self) -> None:
+        """Free the rows of users gone without ``close()``."""
+        while self._orphans:
+            self.core.free(self._orphans.popleft())
 
 
 class VirtualLayer(CacheLayerMixin):
@@ -585,7 +601,8 @@ class VirtualCache(Cache):
         The core cache stays open with its geometry, so the next use must have the same KV
         heads, head size, dtype and device (any batch size up to ``max_batch_size``).
         """
-        if self.core is not None:
+        if self._shared is not None:
+            self._shared.reap()
             for seq_id in self._rows:
                 self.core.free(seq_id)
         self._rows, self._dropped, self._pending = [], [], []
@@ -600,6 +617,7 @@ class VirtualCache(Cache):
         if shared is None:
             return
         try:
+            shared.reap()
             for seq_id in rows:
                 shared.core.free(seq_id)
         finally:
@@ -608,8 +626,10 @@ class VirtualCache(Cache):
                 shared.core.close()
 
     def __del__(self) -> None:
-        if getattr(self, "_shared", None) is not None:
-            self.close()
+        shared = getattr(self, "_shared", None)
+        if shared is not None:
+            self._shared = None
+            shared.retire(self._rows)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "VirtualCache":
         """A cache with the same rows, columns and style whose rows are forks of this cache's rows.
@@ -633,6 +653,7 @@ class VirtualCache(Cache):
         clone._shared, clone._rows = None, []
         if self._shared is None:
             return clone
+        self._shared.reap()
         core = self._shared.core
         if len(core) + len(self._rows) > core.config.max_batch_size:
             raise NoFreeSlot(f"a copy of {len(self._rows)} rows needs as many free slots; "
@@ -706,6 +727,7 @@ class VirtualCache(Cache):
             raise Unsupported("this VirtualCache was closed; make a new one")
         if self._shared is None:
             self._shared = _SharedCore(self._open_core(like, num_layers))
+        self._shared.reap()
         core = self.core
         batch, heads, _, head_dim = like.shape
         want = dict(num_layers=num_layers or core.config.num_layers, num_kv_heads=heads, head_dim=head_dim,
@@ -773,6 +795,8 @@ class VirtualCache(Cache):
     # ---- internals: steps ----------------------------------------------------------------------
     def _start_forward(self, batch: int) -> None:
         """The first layer of a forward; its plan is built lazily (the columns count once it exists)."""
+        if self._shared is not None:
+            self._shared.reap()
         if self._pending and self.attention_style != "vmkv":
             self._flush_pending()
         if self._rows and batch != len(self._rows):
@@ -907,6 +931,7 @@ class VirtualCache(Cache):
         self._step = None
         if not self._rows:
             return
+        self._shared.reap()
         limit = self.core.config.max_batch_size
         if len(sources) > limit:
             raise NoFreeSlot(f"{len(sources)} rows do not fit max_batch_size={limit}; raise it")
