@@ -356,8 +356,6 @@ def test_failed_forward_leaves_the_engine_consistent(mode, engines, monkeypatch,
     assert [final[rid].outputs[0].token_ids for rid in ids] == want
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10 item 7: the core registers a step's pages in the prefix cache "
-                   "before they are written; passes once the lead's core change is merged (then remove this marker)")
 def test_failed_forward_then_the_same_prompt_matches_a_fresh_engine(mode, engines, monkeypatch):
     """Issue 10 item 7 through the engine: a failed prefill (the loop aborts its request), then
     a request with the same prompt must not be answered from K/V that were never written."""

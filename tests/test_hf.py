@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
-import gc
+import weakref
 import subprocess
 import sys
 from pathlib import Path
@@ -262,9 +262,10 @@ def test_deepcopy_reuses_a_prefilled_prompt(models, setup):
     assert base.core.pages(clone.rows[0]) == base.core.pages(base.rows[0])
     for question, want in zip(questions, expected):
         assert torch.equal(answer(base, question), want)
+    dropped = weakref.ref(clone)
     del clone
-    gc.collect()  # dropped copies free their rows at the next call (never in the middle of a forward)
-    survivor = copy.deepcopy(base)
+    assert dropped() is None  # no reference cycle: a cache nobody holds is gone at once, without gc
+    survivor = copy.deepcopy(base)  # dropped copies free their rows here (never in the middle of a forward)
     assert len(base.core) == 2 and base.get_seq_length() == 40
     base.close()  # the copy still uses the core: it stays open
     assert base.core is None and len(survivor.core) == 1

@@ -315,8 +315,15 @@ class VirtualLayer(CacheLayerMixin):
 
     def __init__(self, cache: "VirtualCache", layer_idx: int) -> None:
         super().__init__()
-        self._cache = cache
+        self._cache_ref = weakref.ref(cache)  # not a cycle: a cache nobody holds is freed at once
         self.layer_idx = layer_idx
+
+    @property
+    def _cache(self) -> "VirtualCache":
+        cache = self._cache_ref()
+        if cache is None:
+            raise Unsupported("this layer's VirtualCache no longer exists")
+        return cache
 
     @property
     def is_initialized(self) -> bool:  # type: ignore[override]
@@ -775,9 +782,23 @@ class VirtualCache(Cache):
             budget = (max_batch * -(-max_seq // tokens_per_page) + max_batch) * page_bytes
             if config.device.type == "cuda":  # CUDA pages are allocated up front: at most half the free memory
                 budget = min(budget, torch.cuda.mem_get_info(config.device)[0] // 2)
+            elif self.mode == "vmm":  # each mapped page costs host mappings: stay within half of those left
+                budget = min(budget, self._mappable_pages(config) * page_bytes)
         core = open_cache(config.replace(memory_budget=budget), mode=self.mode)
         log.info("vmkv.hf: %s cache, %d layers, %d B budget, kernel %s", self.mode, num_layers, budget, core.kernel)
         return core
+
+    @staticmethod
+    def _mappable_pages(config: KVCacheConfig) -> int:
+        """Pool pages whose mappings (two per page and range when fragmented) fit in half of what
+        Linux's ``vm.max_map_count`` still allows this process (unbounded when unknown)."""
+        from .vm import mapping_room
+
+        room = mapping_room()
+        if room is None:
+            return 1 << 62
+        ranges = 2 * config.num_layers if config.layout == "per_layer" else 2
+        return max(1, (room // 2 // ranges - 1) // 2)
 
     def _flush_pending(self) -> None:
         """Write the first forward's K/V (kept by reference while the style was unknown)."""
