@@ -26,7 +26,9 @@ from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 import transformers  # noqa: E402
 
 import vmkv.hf as vhf  # noqa: E402
-from vmkv.errors import InvalidConfig, InvalidInput, InvalidShape, NoFreeSlot, SequenceTooLong  # noqa: E402
+from vmkv.errors import (  # noqa: E402
+    CacheClosed, InvalidConfig, InvalidInput, InvalidShape, NoFreeSlot, SequenceTooLong,
+)
 
 from conftest import HAS_PAGED  # noqa: E402
 
@@ -493,6 +495,18 @@ def test_errors_are_typed(models):
     with pytest.raises(SequenceTooLong):
         model(ids[:, :2], **{CACHE: short}, use_cache=True)
     assert short.get_seq_length() == ids.shape[1]
+    full = vhf.VirtualCache("vmm", max_batch_size=1, **PAGE)
+    model(ids, **{CACHE: full}, use_cache=True)
+    model(ids[:, :1], **{CACHE: full}, use_cache=True)
+    with pytest.raises(NoFreeSlot, match="free slots"):
+        copy.deepcopy(full)  # a copy forks every row: no slot left
+    assert len(full.core) == 1 and full.core.stats()["forks"] == 0
+    full.reset()
+    with pytest.raises(InvalidShape, match="reset cache keeps its geometry"):  # 4 KV heads of 16, not 2
+        tiny_model("GPTNeoX")(ids, **{CACHE: full}, use_cache=True)
+    full.close()
+    with pytest.raises(CacheClosed):
+        model(ids, **{CACHE: full}, use_cache=True)
 
 
 def test_default_page_size_fits_granularity_and_token_bytes():

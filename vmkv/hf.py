@@ -63,7 +63,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from .base import KVCacheBase
 from .config import KVCacheConfig
-from .errors import InvalidConfig, InvalidInput, InvalidShape, NoFreeSlot, VMKVError
+from .errors import CacheClosed, InvalidConfig, InvalidInput, InvalidShape, NoFreeSlot, VMKVError
 from .step import StepPlan
 
 log = logging.getLogger("vmkv")
@@ -512,9 +512,11 @@ class VirtualCache(Cache):
             InvalidShape: the batch changed without ``reorder_cache``/``batch_*``, or a reset
                 cache is used with K/V of another shape.
             InvalidConfig: paged mode with the model's own attention.
-            Unsupported: the cache was closed.
+            CacheClosed: the cache was closed.
             SequenceTooLong, OutOfPages, NoFreeSlot: from the core cache.
         """
+        if self._closed:
+            raise CacheClosed("this VirtualCache was closed; make a new one")
         attn_kwargs = kwargs.get("kwargs")
         if isinstance(attn_kwargs, dict):
             attn_kwargs["vmkv_cache"] = self  # how the "vmkv" attention finds this cache (5.24)
@@ -529,6 +531,8 @@ class VirtualCache(Cache):
         if self.attention_style == "vmkv":
             return key_states, value_states
         if self.attention_style is None:  # first forward: no past to add, and the style is unknown
+            if self._shared is not None and not self._pending:  # reset: the core is open already
+                self._check_geometry(key_states, None)
             self._pending.append((key_states, value_states))
             return key_states, value_states
         if not self._rows:
@@ -726,23 +730,15 @@ class VirtualCache(Cache):
         """Start a row per batch row of ``like`` (``[B, kv_heads, S, head_dim]``), opening the core if needed.
 
         Raises:
-            Unsupported: the cache was closed.
             InvalidShape: the core (kept by ``reset``) holds K/V of another shape.
             NoFreeSlot: more rows than free slots.
         """
-        if self._closed:
-            raise Unsupported("this VirtualCache was closed; make a new one")
         if self._shared is None:
             self._shared = _SharedCore(self._open_core(like, num_layers))
         self._shared.reap()
         core = self.core
-        batch, heads, _, head_dim = like.shape
-        want = dict(num_layers=num_layers or core.config.num_layers, num_kv_heads=heads, head_dim=head_dim,
-                    dtype=like.dtype, device=like.device)
-        have = {name: getattr(core.config, name) for name in want}
-        if want != have:
-            raise InvalidShape(f"this cache holds K/V with {have} but the model gives {want}; "
-                               "a reset cache keeps its geometry: use a new VirtualCache for another model")
+        batch = like.shape[0]
+        self._check_geometry(like, num_layers)
         free = core.config.max_batch_size - len(core)
         if batch > free:
             raise NoFreeSlot(f"a batch of {batch} rows does not fit the {free} free slots "
@@ -753,6 +749,17 @@ class VirtualCache(Cache):
             core.add(seq_id)
             self._rows.append(seq_id)
         self._dropped = [[] for _ in range(batch)]
+
+    def _check_geometry(self, like: torch.Tensor, num_layers: int | None) -> None:
+        """Raise ``InvalidShape`` unless the open core stores K/V shaped like ``like`` (``[B, H, S, D]``)."""
+        core = self.core
+        _, heads, _, head_dim = like.shape
+        want = dict(num_layers=num_layers or core.config.num_layers, num_kv_heads=heads, head_dim=head_dim,
+                    dtype=like.dtype, device=like.device)
+        have = {name: getattr(core.config, name) for name in want}
+        if want != have:
+            raise InvalidShape(f"this cache holds K/V with {have} but the model gives {want}; "
+                               "a reset cache keeps its geometry: use a new VirtualCache for another model")
 
     def _open_core(self, like: torch.Tensor, num_layers: int) -> KVCacheBase:
         """The core cache for tensors shaped like ``like`` (``[B, kv_heads, S, head_dim]``)."""
