@@ -298,7 +298,7 @@ def test_one_request_failing_to_sample_does_not_stop_the_others(mode, engines, m
     """Issue 10 items 10/15: the failing request (n=2, forked) ends alone with finish_reason
     "error" and its pages return; the requests batched with it get the tokens they get alone."""
     others = [("Hello world", GREEDY), ("Once upon a time", SamplingParams(max_tokens=10, seed=5, ignore_eos=True))]
-    alone = {p: o.outputs[0].token_ids for (p, _), o in zip(others, [engines(mode).generate([p], s)[0] for p, s in others])}
+    alone = {p: engines(mode).generate([p], s)[0].outputs[0].token_ids for p, s in others}
     sampler_failing_for(monkeypatch, seed=666, after=after)
     engine = engines(mode)
     ids = {engine.add_request(p, s): p for p, s in others}

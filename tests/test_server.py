@@ -176,9 +176,11 @@ BAD = [  # (path, body, status, error code, error param); raw bytes are sent as 
     ("/v1/completions", b"[1, 2]", 400, None, None),
     ("/v1/completions", b"[" * 100_000, 400, None, None),  # nested too deeply for the parser
     ("/v1/completions", {"model": "gpt-unknown", "prompt": "x"}, 404, "model_not_found", "model"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x" * 300, "max_tokens": 1}, 400, "context_length_exceeded", "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x" * 300, "max_tokens": 1}, 400, "context_length_exceeded",
+     "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, None, "max_tokens"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 10_000}, 400, "context_length_exceeded", "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 10_000}, 400, "context_length_exceeded",
+     "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "ten"}, 400, None, "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, None, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 10**30}, 400, None, "n"),
@@ -350,6 +352,7 @@ def test_a_request_failing_in_the_engine_fails_alone(server, reference, monkeypa
         return real(logits, state, argmax)
 
     monkeypatch.setattr(engine_module, "next_token", next_token)
+    before = server.metrics()
     tok = ByteTokenizer()
     prompts = [f"neighbour {i} keeps going" for i in range(3)]
     bad = {"model": MODEL, "prompt": "I fail", "max_tokens": 30, "seed": 666, "ignore_eos": True}
@@ -377,6 +380,7 @@ def test_a_request_failing_in_the_engine_fails_alone(server, reference, monkeypa
     assert json.loads(events[-1][6:])["error"]["type"] == "server_error" and "[DONE]" not in events[-1]
     after = server.wait_idle()
     assert after["vmkv_kv_pages_in_use"] == after["vmkv_kv_pages_spare"]
+    assert after["vmkv_requests_failed_total"] - before["vmkv_requests_failed_total"] == 2
 
 
 def test_metrics_print_rounded_values(server):

@@ -78,6 +78,9 @@ class Unsupported(VMKVError, NotImplementedError):
     """A ``transformers`` cache feature a ``VirtualCache`` does not provide (the message says why)."""
 
 
+_NO_LINEAR_ATTENTION = "a VirtualCache holds attention K/V only; linear-attention (Mamba-style) states are not supported"
+
+
 @functools.cache
 def cache_argument() -> str:
     """The keyword the installed transformers takes a cache as: ``"cache"`` (5.24) or ``"past_key_values"`` (5.19).
@@ -153,8 +156,10 @@ def vmkv_attention_mask(
     return None if bool(attention_mask.all()) else attention_mask
 
 
-def causal_padding_mask(padding: torch.Tensor | None, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor | None:
-    """The boolean SDPA mask ``[B or 1, 1, q_len, kv_len]`` for queries that are the last ``q_len`` of ``kv_len`` tokens.
+def causal_padding_mask(
+    padding: torch.Tensor | None, q_len: int, kv_len: int, device: torch.device
+) -> torch.Tensor | None:
+    """The boolean SDPA mask ``[B or 1, 1, q_len, kv_len]`` for queries that are the last ``q_len`` of ``kv_len``.
 
     Args:
         padding: ``[B, kv_len]`` True for real tokens, or ``None`` (no padding).
@@ -689,10 +694,10 @@ class VirtualCache(Cache):
         raise Unsupported("a VirtualCache sizes itself at the first forward; it cannot be exported")
 
     def update_conv_state(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        raise Unsupported("a VirtualCache holds attention K/V only; linear-attention (Mamba-style) states are not supported")
+        raise Unsupported(_NO_LINEAR_ATTENTION)
 
     def update_recurrent_state(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        raise Unsupported("a VirtualCache holds attention K/V only; linear-attention (Mamba-style) states are not supported")
+        raise Unsupported(_NO_LINEAR_ATTENTION)
 
     def update_indexer(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         raise Unsupported("a VirtualCache holds attention K/V only; indexer key caches are not supported")

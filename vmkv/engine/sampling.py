@@ -105,7 +105,8 @@ def _int_in(name: str, value: object, low: int | None, high: int | None) -> None
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidParameter(name, f"{name} must be an integer, got {_short(value)}")
     if (low is not None and value < low) or (high is not None and value > high):
-        raise InvalidParameter(name, f"{name} must be in [{low}, {high if high is not None else 'inf'}], got {_short(value)}")
+        bounds = f"[{low}, {high if high is not None else 'inf'}]"
+        raise InvalidParameter(name, f"{name} must be in {bounds}, got {_short(value)}")
 
 
 def _num_in(name: str, value: object, low: float, high: float) -> None:

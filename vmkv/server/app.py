@@ -325,8 +325,8 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None, pr
             message = f"Method {request.method} is not allowed on {request.url.path}"
         else:
             message = str(exc.detail)
-        error = APIError(exc.status_code, message, type_="invalid_request_error" if exc.status_code < 500 else "server_error")
-        return error.response(headers=getattr(exc, "headers", None))
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return APIError(exc.status_code, message, type_=kind).response(headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:

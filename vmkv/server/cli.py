@@ -44,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--served-model-name", default=None, help="model id clients use (default: the directory "
                        "name, or 'vmkv-default')")
     model.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
-                       help="model and KV dtype; auto = float32 on CPU, the checkpoint's on CUDA (default: %(default)s)")
+                       help="model and KV dtype; auto = float32 on CPU, the checkpoint's on CUDA "
+                       "(default: %(default)s)")
     model.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: %(default)s)")
     cache = parser.add_argument_group("KV cache")
     cache.add_argument("--kv-mode", default="vmm", choices=["vmm", "paged"],

@@ -36,6 +36,7 @@ _METRICS: list[tuple[str, str, str, tuple[str, str]]] = [
     ("vmkv_requests_added_total", "counter", "Requests accepted", ("engine", "requests_added")),
     ("vmkv_requests_finished_total", "counter", "Requests completed", ("engine", "requests_finished")),
     ("vmkv_requests_aborted_total", "counter", "Requests aborted (client gone)", ("engine", "requests_aborted")),
+    ("vmkv_requests_failed_total", "counter", "Requests the engine stopped alone because generating them failed", ("engine", "requests_failed")),
     ("vmkv_steps_total", "counter", "Engine steps (batched forwards)", ("engine", "steps")),
     ("vmkv_prompt_tokens_total", "counter", "Prompt tokens computed (recomputation included)", ("engine", "prompt_tokens")),
     ("vmkv_generation_tokens_total", "counter", "Tokens generated", ("engine", "generation_tokens")),
