@@ -63,7 +63,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from .base import KVCacheBase
 from .config import KVCacheConfig
-from .errors import CacheClosed, InvalidConfig, InvalidInput, InvalidShape, NoFreeSlot, VMKVError
+from .errors import CacheClosed, InvalidConfig, InvalidInput, InvalidShape, NoFreeSlot, Unsupported
 from .step import StepPlan
 
 log = logging.getLogger("vmkv")
@@ -72,10 +72,6 @@ ATTN_IMPLEMENTATION = "vmkv"
 MODES = ("vmm", "paged")
 DEFAULT_MAX_SEQ_LEN = 8192
 MIN_TOKENS_PER_PAGE = 64
-
-
-class Unsupported(VMKVError, NotImplementedError):
-    """A ``transformers`` cache feature a ``VirtualCache`` does not provide (the message says why)."""
 
 
 _NO_LINEAR_ATTENTION = "a VirtualCache holds attention K/V only; linear-attention (Mamba-style) states are not supported"

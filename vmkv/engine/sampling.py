@@ -15,24 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import InvalidInput
+from ..errors import InvalidParameter
 
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this are greedy (as in vLLM): dividing logits by a tinier one overflows
 float32 (``1e-40`` made every probability ``inf``), and the draw is an argmax in all but ties."""
-
-
-class InvalidParameter(InvalidInput):
-    """A request parameter is out of range; ``param`` names the field (OpenAI's error ``param``).
-
-    Args:
-        param: the field, e.g. ``"temperature"``.
-        message: what is wrong, naming the field.
-    """
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)
