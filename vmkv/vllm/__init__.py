@@ -58,10 +58,17 @@ def vllm_version() -> str:
     Raises:
         BackendUnavailable: vLLM is not installed.
     """
-    if importlib.util.find_spec("vllm") is None:
-        raise BackendUnavailable(f"vLLM is not installed; the vmkv vLLM plugin needs vLLM {SUPPORTED_VLLM}.x: {INSTALL_HINT}")
-    import vllm
-
+    missing = f"vLLM is not installed; the vmkv vLLM plugin needs vLLM {SUPPORTED_VLLM}.x: {INSTALL_HINT}"
+    try:
+        found = importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):  # a parent package or sys.modules entry that is not a module
+        found = False
+    if not found:
+        raise BackendUnavailable(missing)
+    try:
+        import vllm
+    except ImportError as exc:
+        raise BackendUnavailable(f"{missing} (import vllm failed: {exc})") from None
     return str(vllm.__version__)
 
 
