@@ -31,8 +31,9 @@ tokens, and its pages go when it finishes, as in vAttention.
 Units that only cached blocks keep live are capped at ``max_idle_units``: beyond it the least
 recently idle one is evicted whole and unmapped, so its memory goes back to the OS.
 
-The free count vLLM sees (``num_free_blocks``) is what steps 1-4 can deliver: empty blocks of
-live units, cached blocks, and the blocks of as many new units as the unmapped budget holds.
+The free count vLLM sees (``num_free_blocks``) is what these steps can deliver: empty blocks of
+live units, cached blocks, and the blocks of as many new units as the unmapped budget holds
+(counted at the most pages a unit can take, so the count never promises more than fits).
 
 Pages whose mapped state changed are collected; :meth:`PageAwareFreeBlocks.take_delta` returns
 what to map and unmap since the last call (a page unmapped and mapped again in between is left
