@@ -79,7 +79,7 @@ def test_memory_orders_the_allocators(smoke_results):
 def test_decode_outputs_agree_and_times_are_positive(smoke_results):
     result = smoke_results["decode"]
     assert result["summary"]["max_abs_diff"] < 1e-4
-    assert result["summary"]["kernels"]["vmm"] == "sdpa_per_sequence"
+    assert result["summary"]["kernels"]["vmm"] == "sdpa_adaptive"
     assert result["summary"]["read_bandwidth_gbps"] > 0
     assert all(r["vmm_ms"] > 0 and r["paged_ms"] > 0 and r["dense_ms"] > 0 for r in result["rows"])
     assert {"gather_sdpa", result["summary"]["kernels"]["paged_selected"]} == {r["paged_kernel"] for r in result["rows"]}
@@ -122,7 +122,7 @@ def test_cli_info_names_backends_and_kernels(capsys):
     text = capsys.readouterr().out
     assert "host  available; granularity" in text
     assert "cuda  " in text  # available, or unavailable with the reason
-    assert "sdpa_per_sequence" in text and "blockwise_online_softmax" in text
+    assert "sdpa_adaptive" in text and "blockwise_online_softmax" in text
 
 
 def test_cli_bench_one_smoke_writes_json_report_and_plot(tmp_path, capsys):

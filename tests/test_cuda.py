@@ -338,7 +338,7 @@ def test_slot_rows_address_each_slot_without_copying(layout):
 
 
 def test_kernel_selection_names_why_faster_kernels_are_skipped():
-    assert select_contiguous_kernel(torch.device("cpu"))[0] == "sdpa_per_sequence"
+    assert select_contiguous_kernel(torch.device("cpu"))[0] == "sdpa_adaptive"
     assert contiguous_kernel_unavailable("sdpa_per_sequence", torch.device("cpu")) is None
     assert "unknown kernel" in contiguous_kernel_unavailable("nope", torch.device("cpu"))
     if not torch.cuda.is_available():

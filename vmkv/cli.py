@@ -93,7 +93,7 @@ def info_lines() -> list[str]:
         lines.append(f"  cuda  available on {torch.cuda.get_device_name()}; granularity {cuda_gran} B (CUDA driver VMM)")
     features = torch_varlen_features()
     lines += ["", "Contiguous (VMM) mode kernels"]
-    lines.append(f"  cpu   {select_contiguous_kernel(torch.device('cpu'))[0]} (torch SDPA on each sequence's exact-length slice)")
+    lines.append(f"  cpu   {select_contiguous_kernel(torch.device('cpu'))[0]} (torch SDPA: a step's decode rows in one batched call or one call per sequence, by a measured rule)")
     lines.append(f"  cuda  flash_attn_with_kvcache: {'installed' if has_flash_attn() else 'flash-attn not installed (optional extra: pip install flash-attn)'}")
     need = {"seqused_k", "window_size", "enable_gqa"}
     lines.append(f"        varlen_attn_seqused: {'available' if need <= features else 'torch varlen_attn lacks ' + ', '.join(sorted(need - features) or ['varlen_attn'])}")
