@@ -51,7 +51,21 @@ from vmkv.step import StepPlan, causal_mask
 
 log = logging.getLogger("vmkv")
 
-DEFAULT_CHUNK_TOKENS = 128  # keys per chunk of the blockwise kernel (measured: see docs/paged.md)
+BLOCKWISE_CHUNK_TOKENS = 128  # keys per chunk of the blockwise kernel (measured: see docs/paged.md)
+DEFAULT_CHUNK_TOKENS: int | None = None  # a cache's default: each chunked kernel's own measured value
+
+
+def _chunk_tokens(value: int | None, default: int) -> int:
+    """``value`` validated (``None``: ``default``).
+
+    Raises:
+        InvalidConfig: not a positive int.
+    """
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidConfig(f"chunk_tokens must be a positive int, got {value!r}")
+    return value
 
 
 class PagedKernel(ABC):
@@ -86,12 +100,19 @@ class GatherSDPA(PagedKernel):
     name = "gather_sdpa"
 
     def __call__(self, q, k_pool, v_pool, plan, meta, scale):
+        out = torch.empty_like(q)
+        self.rows(q, k_pool, v_pool, plan, range(plan.batch_size), out, scale)
+        return out
+
+    @staticmethod
+    def rows(q, k_pool, v_pool, plan: StepPlan, indexes, out: torch.Tensor, scale: float) -> None:
+        """Attention of sequences ``indexes`` of ``plan``; writes their rows of ``out``."""
         block = k_pool.shape[1]
         gqa = q.shape[1] != k_pool.shape[2]
         offsets = _offsets(plan)
-        masks = plan.causal_masks or tuple(causal_mask(s, n) for s, n in zip(plan.starts, plan.q_lens))
-        out = torch.empty_like(q)
-        for i, (n, kv_len) in enumerate(zip(plan.q_lens, plan.kv_lens)):
+        masks = plan.causal_masks
+        for i in indexes:
+            n, kv_len = plan.q_lens[i], plan.kv_lens[i]
             blocks = plan.block_table[i, : -(-kv_len // block)]
             k_i = k_pool[blocks].flatten(0, 1)[:kv_len].transpose(0, 1)[None]  # [1, Hkv, kv_len, D]
             v_i = v_pool[blocks].flatten(0, 1)[:kv_len].transpose(0, 1)[None]
@@ -101,14 +122,174 @@ class GatherSDPA(PagedKernel):
                 out[offsets[i]] = o_i.reshape(q.shape[1:])
                 continue
             q_i = q[offsets[i] : offsets[i + 1]].transpose(0, 1)[None]  # [1, Hq, n, D] (4-D: CPU SDPA's fast path)
-            mask = masks[i]
+            mask = masks[i] if masks else causal_mask(plan.starts[i], n)
             if mask is not None:
                 mask = mask.to(q.device)
             o_i = F.scaled_dot_product_attention(
                 q_i, k_i, v_i, attn_mask=mask, is_causal=mask is None and n > 1, scale=scale, enable_gqa=gqa
             )[0]
             out[offsets[i] : offsets[i + 1]] = o_i.transpose(0, 1)
+
+
+# ---- decode: gathered chunks, one SDPA call per chunk -------------------------------------------
+DEFAULT_SDPA_CHUNK_TOKENS = 256  # keys per row and chunk (measured: benchmarks/paged_kernels.py --sweep)
+DEFAULT_SDPA_CALL_TOKENS = 256  # keys of all rows of one call: rows per call = this // chunk (at least 1)
+
+
+@dataclass(frozen=True)
+class _SdpaChunk:
+    """One call: decode rows ``lo:hi`` (longest first) over one chunk of their keys.
+
+    ``blocks``: int64 ``[rows, n]`` pool blocks (missing ones clamped to block 0);
+    ``valid``: bool ``[rows, n * block]`` keys inside each row's length (``None``: all);
+    ``mask``: the same as an additive float mask ``[rows, 1, 1, n * block]`` for SDPA.
+    """
+
+    lo: int
+    hi: int
+    blocks: torch.Tensor
+    valid: torch.Tensor | None
+    mask: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class _SdpaChunksMeta:
+    tokens: torch.Tensor | None  # int64 [Bd] packed index of each decode row, longest first
+    chunks: tuple[_SdpaChunk, ...]
+    prefill: tuple[int, ...]  # plan indexes of the sequences with several new tokens
+
+
+class ChunkedSDPA(PagedKernel):
+    """Decode rows: each sequence's blocks gathered ``chunk_tokens`` keys at a time into a
+    scratch buffer small enough to stay in the CPU caches, one fused SDPA call per chunk for
+    every sequence that reaches it (longest first), chunks merged by their log-sum-exp.
+    Prefill rows: :class:`GatherSDPA` (one gather and one SDPA call per sequence).
+
+    Why: torch's CPU SDPA kernel is the fastest attention here, but it needs a K/V tensor with
+    uniform strides, which a block pool is not. Gathering a whole sequence first writes and
+    re-reads it through memory (about 0.5x of SDPA on the contiguous VMM tensor at 2K tokens);
+    a cache-sized chunk is written and re-read from the cache instead. Per chunk the kernel
+    uses ``aten._scaled_dot_product_flash_attention_for_cpu``, the op behind CPU SDPA, which also
+    returns the log-sum-exp needed to merge chunks.
+
+    Keys past a sequence's length inside its last block are zeroed in the scratch and masked,
+    so stale pool contents (even inf/NaN) never reach an output.
+
+    Args:
+        block_size: tokens per pool block.
+        chunk_tokens: keys per row and chunk (rounded down to whole blocks, at least one);
+            ``None``: :data:`DEFAULT_SDPA_CHUNK_TOKENS`.
+        device: where the pools live (scratch buffers, reused call after call).
+        chunk_rows_tokens: keys gathered per call, all rows together: rows per call =
+            ``chunk_rows_tokens // chunk_tokens`` (at least one).
+
+    Raises:
+        InvalidConfig: ``chunk_tokens`` is not a positive int.
+    """
+
+    name = "sdpa_chunked"
+
+    def __init__(
+        self, block_size: int, chunk_tokens: int | None = None, device: torch.device | str = "cpu",
+        chunk_rows_tokens: int = DEFAULT_SDPA_CALL_TOKENS,
+    ) -> None:
+        self._block_size = block_size
+        self.chunk_tokens = _chunk_tokens(chunk_tokens, DEFAULT_SDPA_CHUNK_TOKENS)
+        self.chunk_rows_tokens = _chunk_tokens(chunk_rows_tokens, DEFAULT_SDPA_CALL_TOKENS)
+        self._scratch = _Scratch(device)
+
+    def prepare(self, plan: StepPlan, q_heads: int, scale: float) -> _SdpaChunksMeta:
+        decode = sorted((i for i, n in enumerate(plan.q_lens) if n == 1), key=lambda i: -plan.kv_lens[i])
+        prefill = tuple(i for i, n in enumerate(plan.q_lens) if n > 1)
+        if not decode:
+            return _SdpaChunksMeta(None, (), prefill)
+        table, block = plan.block_table, self._block_size
+        device = table.device
+        per_chunk = max(1, self.chunk_tokens // block)
+        group = max(1, self.chunk_rows_tokens // (per_chunk * block))  # rows gathered per call
+        lens = [plan.kv_lens[i] for i in decode]  # non-increasing
+        order = torch.tensor(decode, device=device)
+        lens_t = torch.tensor(lens, device=device)
+        chunks = []
+        for first in range(0, -(-lens[0] // block), per_chunk):
+            start = first * block
+            reach = sum(1 for n in lens if n > start)  # rows 0 .. reach-1 have keys in this chunk
+            for lo in range(0, reach, group):
+                hi = min(reach, lo + group)
+                blocks = table[order[lo:hi], first : first + per_chunk].long().clamp_min(0)  # [rows, n]
+                valid = mask = None
+                if lens[hi - 1] < start + blocks.shape[1] * block:  # some row ends inside the chunk
+                    keys = torch.arange(start, start + blocks.shape[1] * block, device=device)
+                    valid = keys[None, :] < lens_t[lo:hi, None]  # [rows, n * block]
+                    mask = torch.zeros(valid.shape, device=device).masked_fill_(~valid, -math.inf)[:, None, None, :]
+                chunks.append(_SdpaChunk(lo, hi, blocks, valid, mask))
+        offsets = _offsets(plan)
+        tokens = torch.tensor([offsets[i] for i in decode], device=device)
+        return _SdpaChunksMeta(tokens, tuple(chunks), prefill)
+
+    def __call__(self, q, k_pool, v_pool, plan, meta: _SdpaChunksMeta, scale):
+        out = torch.empty_like(q)
+        if meta.tokens is not None:
+            out[meta.tokens] = self._decode(q[meta.tokens], k_pool, v_pool, meta.chunks, scale)
+        if meta.prefill:
+            GatherSDPA.rows(q, k_pool, v_pool, plan, meta.prefill, out, scale)
         return out
+
+    def _decode(self, q, k_pool, v_pool, chunks: tuple[_SdpaChunk, ...], scale: float) -> torch.Tensor:
+        batch, q_heads, dim = q.shape
+        kv_heads = k_pool.shape[2]
+        q4 = q.reshape(batch, kv_heads, q_heads // kv_heads, dim)  # [Bd, Hkv, G, D]: a group's queries share a head
+        if len(chunks) == 1:
+            return self._chunk(q4, k_pool, v_pool, chunks[0], scale)[0].reshape(batch, q_heads, dim)
+        acc = torch.zeros(batch, kv_heads, q_heads // kv_heads, dim)  # float32 running numerator / sum
+        lse = torch.full((batch, kv_heads, q_heads // kv_heads), -math.inf)  # running log-sum-exp
+        for chunk in chunks:
+            o, l = self._chunk(q4, k_pool, v_pool, chunk, scale)
+            rows = slice(chunk.lo, chunk.hi)
+            merged = torch.logaddexp(lse[rows], l)
+            acc[rows] = acc[rows] * torch.exp(lse[rows] - merged)[..., None] + o.float() * torch.exp(l - merged)[..., None]
+            lse[rows] = merged
+        return acc.reshape(batch, q_heads, dim).to(q.dtype)
+
+    def _chunk(self, q4, k_pool, v_pool, chunk: _SdpaChunk, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """SDPA of rows ``lo:hi`` over one gathered chunk: ``o [rows, Hkv, G, D]``, ``lse`` float32 ``[rows, Hkv, G]``."""
+        k = self._scratch.gather(0, k_pool, chunk.blocks)  # [rows, Tc, Hkv, D]
+        v = self._scratch.gather(1, v_pool, chunk.blocks)
+        mask = chunk.mask
+        if chunk.valid is not None:
+            invalid = ~chunk.valid[:, :, None, None]
+            k.masked_fill_(invalid, 0.0)  # stale keys/values past a length: exactly nothing, even inf/NaN
+            v.masked_fill_(invalid, 0.0)
+            mask = mask.to(q4.dtype)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q4[chunk.lo : chunk.hi], k.transpose(1, 2), v.transpose(1, 2), 0.0, False, attn_mask=mask, scale=scale,
+        )
+
+
+class _Scratch:
+    """Flat buffers reused call after call (grown on demand): a fresh multi-MiB tensor per
+    chunk costs page faults that cost more than the copy itself. While autograd records (the
+    pool was written from tensors that require grad) a gather allocates instead."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self._device = device
+        self._buffers: dict[int, torch.Tensor] = {}
+
+    def buffer(self, slot: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = self._buffers.get(slot)
+        if buf is None or buf.numel() < count or buf.dtype != dtype:
+            buf = torch.empty(count, dtype=dtype, device=self._device)
+            self._buffers[slot] = buf
+        return buf[:count]
+
+    def gather(self, slot: int, pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """``pool[blocks]`` as ``[..., n * block, Hkv, D]`` in the pool's dtype (a view of buffer ``slot``)."""
+        shape = (*blocks.shape[:-1], blocks.shape[-1] * pool.shape[1], *pool.shape[2:])
+        if torch.is_grad_enabled() and pool.requires_grad:
+            return pool.index_select(0, blocks.reshape(-1)).view(shape)
+        raw = self.buffer(slot, blocks.numel() * pool[0].numel(), pool.dtype)
+        torch.index_select(pool, 0, blocks.reshape(-1), out=raw.view(blocks.numel(), *pool.shape[1:]))
+        return raw.view(shape)
 
 
 # ---- blockwise online softmax -----------------------------------------------------------------
@@ -163,7 +344,8 @@ class BlockwiseOnlineSoftmax(PagedKernel):
     Args:
         block_size: tokens per pool block.
         kv_heads: KV heads of the pool.
-        chunk_tokens: keys per chunk (rounded down to whole blocks, at least one).
+        chunk_tokens: keys per chunk (rounded down to whole blocks, at least one); ``None``:
+            :data:`BLOCKWISE_CHUNK_TOKENS`.
         device: where the pools live (for the scratch buffers reused across calls; a cache
             calls its kernel from one thread, one layer after another).
 
@@ -174,10 +356,9 @@ class BlockwiseOnlineSoftmax(PagedKernel):
     name = "blockwise_online_softmax"
 
     def __init__(
-        self, block_size: int, kv_heads: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, device: torch.device | str = "cpu"
+        self, block_size: int, kv_heads: int, chunk_tokens: int | None = None, device: torch.device | str = "cpu"
     ) -> None:
-        if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens <= 0:
-            raise InvalidConfig(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
+        chunk_tokens = _chunk_tokens(chunk_tokens, BLOCKWISE_CHUNK_TOKENS)
         self._block_size = block_size
         self._kv_heads = kv_heads
         self.chunk_tokens = chunk_tokens
@@ -445,6 +626,7 @@ class FlashInferDecode(PagedKernel):
 KERNELS = (
     "gather_sdpa",
     "blockwise_online_softmax",
+    "sdpa_chunked",
     "varlen_attn_block_table",
     "flash_attn_with_kvcache",
     "flashinfer_decode",
@@ -521,7 +703,7 @@ def make_paged_kernel(
     head_dim: int,
     block_size: int,
     forced: str | None = None,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
 ) -> PagedKernel:
     """Build the kernel for a pool: ``forced`` by name, else by :func:`choose_paged_kernel`. Logs once.
 
@@ -554,7 +736,7 @@ def _capability(device: torch.device) -> tuple[int, int] | None:
 
 
 def _check_forced(name: str, device, dtype, head_dim, block_size, features: set[str], capability) -> None:
-    if name in ("gather_sdpa", "blockwise_online_softmax"):
+    if name in ("gather_sdpa", "blockwise_online_softmax", "sdpa_chunked"):
         return
     blockers = [] if name == "flashinfer_decode" else flash_paged_blockers(device, dtype, head_dim, block_size, capability)
     if name == "flashinfer_decode" and device.type != "cuda":
@@ -583,6 +765,8 @@ def _build(name: str, device, dtype, kv_heads, head_dim, block_size, chunk_token
         return GatherSDPA()
     if name == "blockwise_online_softmax":
         return BlockwiseOnlineSoftmax(block_size, kv_heads, chunk_tokens, device)
+    if name == "sdpa_chunked":
+        return ChunkedSDPA(block_size, chunk_tokens, device)
     if name == "varlen_attn_block_table":
         return VarlenBlockTable()
     return FlashKVCacheBlockTable()

@@ -11,7 +11,7 @@ from paged import PagedKVCache
 from paged.attention import BlockwiseOnlineSoftmax, GatherSDPA, choose_paged_kernel
 from tests.conftest import KVMirror, dense_attention, small_config
 
-CPU_KERNELS = ["gather_sdpa", "blockwise_online_softmax"]
+CPU_KERNELS = ["gather_sdpa", "blockwise_online_softmax", "sdpa_chunked"]
 
 
 def paged_cache(kernel: str, **overrides) -> PagedKVCache:
