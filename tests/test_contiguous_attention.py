@@ -109,6 +109,30 @@ def test_stale_data_past_a_length_contributes_nothing():
         cache.close()
 
 
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_non_finite_stale_data_is_never_read_into_an_answer(poison):
+    """An earlier sequence wrote inf/NaN K/V into a page a new, shorter sequence now owns: the
+    batched call's mask cannot cancel those (``-inf + inf``, ``0 * inf``), so the row is redone
+    on its exact slice."""
+    cache = vmkv.VirtualKVCache(small_config(deferred_reclaim=True))
+    try:
+        driver = Driver(cache, q_heads=4)
+        cache.add("old")
+        plan = cache.begin_step({"old": 60})
+        for layer in range(2):
+            bad = torch.full((60, 2, 16), poison)
+            cache.write(layer, bad, bad, plan)
+        cache.free("old")
+        cache.add("new"), cache.add("long")
+        driver.fill("new", 3)
+        driver.fill("long", 70)
+        for _ in range(2):
+            plan = driver.step({"new": 1, "long": 1})  # every kernel's output checked finite and exact
+        assert CONTIGUOUS_KERNELS["sdpa_batched"].decode_batch(plan).batched
+    finally:
+        cache.close()
+
+
 def test_rows_past_every_mapped_page_read_zeros_and_are_masked():
     cache = vmkv.VirtualKVCache(small_config())
     try:

@@ -138,6 +138,7 @@ class DecodeBatch:
     dropped (rows of SDPA never mix, so whatever they read cannot reach a real row).
 
     Attributes:
+        seqs: plan index of each decode row, in the order of ``rows``/``at``.
         rows: int64 ``[Bd]`` packed index of each decode query; ``None``: every row of the step,
             in packing order, and ``at`` is ``None`` too.
         at: int64 ``[Bd]`` each decode query's row in the run (``slot - first_slot``); ``None``:
@@ -151,6 +152,7 @@ class DecodeBatch:
         batched: the rule's choice: True = one batched call, False = one call per sequence.
     """
 
+    seqs: tuple[int, ...]
     rows: torch.Tensor | None
     at: torch.Tensor | None
     first_slot: int
@@ -183,7 +185,7 @@ def plan_decode_batch(plan: StepPlan, decode: list[int], rule: "BatchRule | None
         run_lens = torch.full((span,), max_kv, dtype=torch.long)  # dummy rows: any key (finite or not)
         run_lens[torch.tensor(slots) - first] = torch.tensor(lens)
         mask = (torch.arange(max_kv)[None, :] < run_lens[:, None]).to(device)[:, None, None, :]
-    return DecodeBatch(rows, at, first, span, max_kv, mask, batched)
+    return DecodeBatch(tuple(decode), rows, at, first, span, max_kv, mask, batched)
 
 
 def sdpa_decode_batched(
@@ -250,12 +252,25 @@ class SdpaDecodeKernel:
         if batch is None or not batch.batched:
             return sdpa_per_sequence(q, k_cache, v_cache, plan, scale)
         if batch.rows is None:  # a pure decode step over a run of slots, in slot order
-            return sdpa_decode_batched(q, k_cache, v_cache, batch, scale)
-        out = torch.empty_like(q)
-        out[batch.rows] = sdpa_decode_batched(q[batch.rows], k_cache, v_cache, batch, scale)
-        prefill = [i for i, n in enumerate(plan.q_lens) if n > 1]
-        _sdpa_rows(q, k_cache, v_cache, plan, scale, prefill, out)
+            out = sdpa_decode_batched(q, k_cache, v_cache, batch, scale)
+        else:
+            out = torch.empty_like(q)
+            out[batch.rows] = sdpa_decode_batched(q[batch.rows], k_cache, v_cache, batch, scale)
+            prefill = [i for i, n in enumerate(plan.q_lens) if n > 1]
+            _sdpa_rows(q, k_cache, v_cache, plan, scale, prefill, out)
+        self._redo_non_finite(q, k_cache, v_cache, plan, scale, batch, out)
         return out
+
+    @staticmethod
+    def _redo_non_finite(q, k_cache, v_cache, plan: StepPlan, scale: float | None, batch: DecodeBatch, out: torch.Tensor) -> None:
+        """Recompute, one call per sequence on its exact slice, the decode rows the batched call
+        made non-finite. A mask gives stale keys probability 0, but stale data that is itself
+        inf/NaN (written by an earlier sequence of the page) still poisons the row (``-inf + inf``,
+        ``0 * inf``); the exact slice never reads it, so the answer is the per-sequence one."""
+        rows = torch.arange(len(batch.seqs)) if batch.rows is None else batch.rows
+        bad = ~torch.isfinite(out[rows]).flatten(1).all(1)  # [Bd]
+        if bool(bad.any()):
+            _sdpa_rows(q, k_cache, v_cache, plan, scale, [batch.seqs[i] for i in bad.nonzero().flatten().tolist()], out)
 
     def __repr__(self) -> str:
         return f"SdpaDecodeKernel({self.name!r})"
