@@ -64,9 +64,9 @@ class Driver:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("q_heads", [2, 8])  # MHA, and GQA with 4 query heads per KV head
-@pytest.mark.parametrize("layout", ["per_layer", "all_layers"])
+@pytest.mark.parametrize("layout", ["per_layer", "all_layers", "head_major"])
 def test_every_cpu_kernel_matches_dense_reference(dtype, q_heads, layout):
-    page = "4KiB" if layout == "per_layer" else "8KiB"
+    page = {"per_layer": "4KiB", "all_layers": "8KiB", "head_major": "4KiB"}[layout]
     cache = vmkv.VirtualKVCache(small_config(dtype=dtype, layout=layout, page_size=page))
     try:
         driver = Driver(cache, q_heads)
