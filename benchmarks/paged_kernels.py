@@ -75,12 +75,14 @@ def _step(cache: vmkv.KVCacheBase, new: list[int], layers: int) -> vmkv.StepPlan
     return plan
 
 
-def run(dtype: str, layers: int, repeat: int, kernels: dict[str, dict], fragment: bool) -> None:
+def run(dtype: str, layers: int, repeat: int, kernels: dict[str, dict], fragment: bool, only: str = "") -> None:
     print(f"\ndtype={dtype} kv_heads={KV_HEADS} q_heads={Q_HEADS} head_dim={HEAD_DIM} block={BLOCK} threads={torch.get_num_threads()} "
           f"blocks {'shuffled' if fragment else 'in order'}  (ms per layer, median of {repeat}; x = VMM time / this, per-round spread)")
     names = ["vmm", *kernels]
     print(f"{'workload':40s}" + "".join(f"{n:>26s}" for n in names))
     for workload, (cached, new) in WORKLOADS.items():
+        if only not in workload:
+            continue
         caches = {"vmm": vmkv.VirtualKVCache(_config(cached, new, layers, dtype, page_size="64KiB"))}
         for label, options in kernels.items():
             options = dict(options)
@@ -126,6 +128,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1], help="torch CPU threads, each in turn")
     parser.add_argument("--fragment", action="store_true", help="shuffle the pool's free blocks first")
     parser.add_argument("--sweep", action="store_true", help="sdpa_chunked at 128..1024 chunk tokens instead of the kernel set")
+    parser.add_argument("--only", default="", help="run the workloads whose name contains this text")
     args = parser.parse_args()
     if args.sweep:
         kernels = {
@@ -137,7 +140,7 @@ def main() -> None:
     for threads in args.threads:
         torch.set_num_threads(threads)
         for dtype in args.dtype:
-            run(dtype, args.layers, args.repeat, kernels, args.fragment)
+            run(dtype, args.layers, args.repeat, kernels, args.fragment, args.only)
     print(f"\nverdict: read the x columns (>= 0.8 is the target for decode at 2K, B=1 and B=8); sdpa_chunked's defaults: "
           f"{DEFAULT_SDPA_CHUNK_TOKENS} keys a row, {DEFAULT_SDPA_CALL_TOKENS} keys a call. Rerun on a quiet machine before "
           "trusting small differences.")

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vmkv.attention import torch_varlen_features
+from vmkv.attention import _flash_attn_with_kvcache, optional_import, torch_varlen_features
 from vmkv.errors import BackendUnavailable, InvalidConfig
 from vmkv.step import StepPlan, causal_mask
 
@@ -131,139 +131,150 @@ class GatherSDPA(PagedKernel):
             out[offsets[i] : offsets[i + 1]] = o_i.transpose(0, 1)
 
 
-# ---- decode: gathered chunks, one SDPA call per chunk -------------------------------------------
-DEFAULT_SDPA_CHUNK_TOKENS = 256  # keys per row and chunk (measured: benchmarks/paged_kernels.py --sweep)
-DEFAULT_SDPA_CALL_TOKENS = 256  # keys of all rows of one call: rows per call = this // chunk (at least 1)
+# ---- decode: runs of consecutive blocks read in place, the rest gathered in chunks ---------------
+DEFAULT_SDPA_CHUNK_TOKENS = 256  # keys per gathered chunk (measured: benchmarks/paged_kernels.py --sweep)
+DEFAULT_MIN_RUN_TOKENS = 64  # a run of consecutive blocks this long is read in place, not gathered
 
 
 @dataclass(frozen=True)
-class _SdpaChunk:
-    """One call: decode rows ``lo:hi`` (longest first) over one chunk of their keys.
+class _Piece:
+    """``tokens`` keys of one decode row: pool blocks ``first ..`` read in place (a run of
+    consecutive blocks: a strided view, no copy), or, when ``first`` is -1, ``blocks`` gathered
+    into a scratch buffer. Only the row's own keys are read: the last piece stops at its length."""
 
-    ``blocks``: int64 ``[rows, n]`` pool blocks (missing ones clamped to block 0);
-    ``valid``: bool ``[rows, n * block]`` keys inside each row's length (``None``: all);
-    ``mask``: the same as an additive float mask ``[rows, 1, 1, n * block]`` for SDPA.
-    """
-
-    lo: int
-    hi: int
-    blocks: torch.Tensor
-    valid: torch.Tensor | None
-    mask: torch.Tensor | None
+    first: int
+    blocks: torch.Tensor | None
+    tokens: int
 
 
 @dataclass(frozen=True)
-class _SdpaChunksMeta:
-    tokens: torch.Tensor | None  # int64 [Bd] packed index of each decode row, longest first
-    chunks: tuple[_SdpaChunk, ...]
+class _DecodeRow:
+    token: int  # packed index of the row's query
+    pieces: tuple[_Piece, ...]
+
+
+@dataclass(frozen=True)
+class _PiecesMeta:
+    rows: tuple[_DecodeRow, ...]
     prefill: tuple[int, ...]  # plan indexes of the sequences with several new tokens
 
 
 class ChunkedSDPA(PagedKernel):
-    """Decode rows: each sequence's blocks gathered ``chunk_tokens`` keys at a time into a
-    scratch buffer small enough to stay in the CPU caches, one fused SDPA call per chunk for
-    every sequence that reaches it (longest first), chunks merged by their log-sum-exp.
+    """Torch's fused CPU SDPA kernel over block pools.
+
+    Decode rows: a sequence's blocks split into *pieces*: runs of at least ``min_run_tokens``
+    keys in consecutive pool blocks are read in place (``pool[first : first + n]`` is an ordinary
+    strided tensor, exactly what the VMM cache gives SDPA), the other blocks are gathered,
+    ``chunk_tokens`` keys at a time, into a scratch buffer small enough to stay in the CPU
+    caches. One SDPA call per piece (``aten._scaled_dot_product_flash_attention_for_cpu``, the op
+    behind CPU SDPA, which also returns the log-sum-exp), pieces merged by their log-sum-exp
+    (order-free, exact). A sequence in one piece costs what it costs in VMM mode.
     Prefill rows: :class:`GatherSDPA` (one gather and one SDPA call per sequence).
 
-    Why: torch's CPU SDPA kernel is the fastest attention here, but it needs a K/V tensor with
-    uniform strides, which a block pool is not. Gathering a whole sequence first writes and
-    re-reads it through memory (about 0.5x of SDPA on the contiguous VMM tensor at 2K tokens);
-    a cache-sized chunk is written and re-read from the cache instead. Per chunk the kernel
-    uses ``aten._scaled_dot_product_flash_attention_for_cpu``, the op behind CPU SDPA, which also
-    returns the log-sum-exp needed to merge chunks.
-
-    Keys past a sequence's length inside its last block are zeroed in the scratch and masked,
-    so stale pool contents (even inf/NaN) never reach an output.
+    Why: SDPA needs K/V with uniform strides, which a block pool is not; gathering a whole
+    sequence writes and re-reads it through memory (about 0.5x of SDPA on the contiguous VMM
+    tensor at 2K tokens). A fresh pool hands out consecutive blocks to a prefill, so prompts
+    are read in place; blocks a decode adds one at a time interleave between sequences and are
+    gathered. Pieces stop at each sequence's length, so nothing stale is ever read.
 
     Args:
         block_size: tokens per pool block.
-        chunk_tokens: keys per row and chunk (rounded down to whole blocks, at least one);
+        chunk_tokens: keys per gathered chunk (rounded down to whole blocks, at least one);
             ``None``: :data:`DEFAULT_SDPA_CHUNK_TOKENS`.
         device: where the pools live (scratch buffers, reused call after call).
-        chunk_rows_tokens: keys gathered per call, all rows together: rows per call =
-            ``chunk_rows_tokens // chunk_tokens`` (at least one).
+        min_run_tokens: shortest run of consecutive blocks read in place (``None``:
+            :data:`DEFAULT_MIN_RUN_TOKENS`); shorter runs are gathered (a call costs more than
+            copying a few blocks).
 
     Raises:
-        InvalidConfig: ``chunk_tokens`` is not a positive int.
+        InvalidConfig: ``chunk_tokens`` or ``min_run_tokens`` is not a positive int.
     """
 
     name = "sdpa_chunked"
 
     def __init__(
         self, block_size: int, chunk_tokens: int | None = None, device: torch.device | str = "cpu",
-        chunk_rows_tokens: int = DEFAULT_SDPA_CALL_TOKENS,
+        min_run_tokens: int | None = None,
     ) -> None:
         self._block_size = block_size
         self.chunk_tokens = _chunk_tokens(chunk_tokens, DEFAULT_SDPA_CHUNK_TOKENS)
-        self.chunk_rows_tokens = _chunk_tokens(chunk_rows_tokens, DEFAULT_SDPA_CALL_TOKENS)
+        self.min_run_tokens = _chunk_tokens(min_run_tokens, DEFAULT_MIN_RUN_TOKENS)
         self._scratch = _Scratch(device)
 
-    def prepare(self, plan: StepPlan, q_heads: int, scale: float) -> _SdpaChunksMeta:
-        decode = sorted((i for i, n in enumerate(plan.q_lens) if n == 1), key=lambda i: -plan.kv_lens[i])
-        prefill = tuple(i for i, n in enumerate(plan.q_lens) if n > 1)
-        if not decode:
-            return _SdpaChunksMeta(None, (), prefill)
-        table, block = plan.block_table, self._block_size
-        device = table.device
-        per_chunk = max(1, self.chunk_tokens // block)
-        group = max(1, self.chunk_rows_tokens // (per_chunk * block))  # rows gathered per call
-        lens = [plan.kv_lens[i] for i in decode]  # non-increasing
-        order = torch.tensor(decode, device=device)
-        lens_t = torch.tensor(lens, device=device)
-        chunks = []
-        for first in range(0, -(-lens[0] // block), per_chunk):
-            start = first * block
-            reach = sum(1 for n in lens if n > start)  # rows 0 .. reach-1 have keys in this chunk
-            for lo in range(0, reach, group):
-                hi = min(reach, lo + group)
-                blocks = table[order[lo:hi], first : first + per_chunk].long().clamp_min(0)  # [rows, n]
-                valid = mask = None
-                if lens[hi - 1] < start + blocks.shape[1] * block:  # some row ends inside the chunk
-                    keys = torch.arange(start, start + blocks.shape[1] * block, device=device)
-                    valid = keys[None, :] < lens_t[lo:hi, None]  # [rows, n * block]
-                    mask = torch.zeros(valid.shape, device=device).masked_fill_(~valid, -math.inf)[:, None, None, :]
-                chunks.append(_SdpaChunk(lo, hi, blocks, valid, mask))
+    def prepare(self, plan: StepPlan, q_heads: int, scale: float) -> _PiecesMeta:
         offsets = _offsets(plan)
-        tokens = torch.tensor([offsets[i] for i in decode], device=device)
-        return _SdpaChunksMeta(tokens, tuple(chunks), prefill)
+        rows = tuple(
+            _DecodeRow(offsets[i], self._pieces(plan.block_table[i], plan.kv_lens[i]))
+            for i, n in enumerate(plan.q_lens) if n == 1
+        )
+        return _PiecesMeta(rows, tuple(i for i, n in enumerate(plan.q_lens) if n > 1))
 
-    def __call__(self, q, k_pool, v_pool, plan, meta: _SdpaChunksMeta, scale):
+    def _pieces(self, table_row: torch.Tensor, length: int) -> tuple[_Piece, ...]:
+        """Split a sequence's ``length`` keys into in-place runs and gathered chunks, in key order.
+
+        Every block is full but the sequence's last one, which comes last in its piece, so a
+        piece's keys are its first ``tokens`` rows."""
+        block = self._block_size
+        blocks = table_row[: -(-length // block)].tolist()
+        min_run = max(1, -(-self.min_run_tokens // block))
+        per_chunk = max(1, self.chunk_tokens // block)
+        pieces: list[_Piece] = []
+        pending: list[int] = []  # blocks waiting to be gathered, in key order
+
+        def flush(last_keys: int) -> None:  # last_keys: keys in the last pending block
+            for lo in range(0, len(pending), per_chunk):
+                part = pending[lo : lo + per_chunk]
+                keys = len(part) * block - (block - last_keys if lo + per_chunk >= len(pending) else 0)
+                pieces.append(_Piece(-1, torch.tensor(part, dtype=torch.long, device=table_row.device), keys))
+            pending.clear()
+
+        start = 0
+        while start < len(blocks):
+            end = start + 1
+            while end < len(blocks) and blocks[end] == blocks[end - 1] + 1:
+                end += 1
+            if end - start >= min_run:
+                flush(block)
+                pieces.append(_Piece(blocks[start], None, min(end * block, length) - start * block))
+            else:
+                pending.extend(blocks[start:end])
+            start = end
+        flush(length - (len(blocks) - 1) * block if pending and pending[-1] == blocks[-1] else block)
+        return tuple(pieces)
+
+    def __call__(self, q, k_pool, v_pool, plan, meta: _PiecesMeta, scale):
         out = torch.empty_like(q)
-        if meta.tokens is not None:
-            out[meta.tokens] = self._decode(q[meta.tokens], k_pool, v_pool, meta.chunks, scale)
+        kv_heads, dim = k_pool.shape[2], q.shape[2]
+        group = q.shape[1] // kv_heads
+        for row in meta.rows:
+            q4 = q[row.token].reshape(1, kv_heads, group, dim)  # [1, Hkv, G, D]: a group's queries share a head
+            out[row.token] = self._row(q4, k_pool, v_pool, row.pieces, scale).reshape(q.shape[1:])
         if meta.prefill:
             GatherSDPA.rows(q, k_pool, v_pool, plan, meta.prefill, out, scale)
         return out
 
-    def _decode(self, q, k_pool, v_pool, chunks: tuple[_SdpaChunk, ...], scale: float) -> torch.Tensor:
-        batch, q_heads, dim = q.shape
-        kv_heads = k_pool.shape[2]
-        q4 = q.reshape(batch, kv_heads, q_heads // kv_heads, dim)  # [Bd, Hkv, G, D]: a group's queries share a head
-        if len(chunks) == 1:
-            return self._chunk(q4, k_pool, v_pool, chunks[0], scale)[0].reshape(batch, q_heads, dim)
-        acc = torch.zeros(batch, kv_heads, q_heads // kv_heads, dim)  # float32 running numerator / sum
-        lse = torch.full((batch, kv_heads, q_heads // kv_heads), -math.inf)  # running log-sum-exp
-        for chunk in chunks:
-            o, l = self._chunk(q4, k_pool, v_pool, chunk, scale)
-            rows = slice(chunk.lo, chunk.hi)
-            merged = torch.logaddexp(lse[rows], l)
-            acc[rows] = acc[rows] * torch.exp(lse[rows] - merged)[..., None] + o.float() * torch.exp(l - merged)[..., None]
-            lse[rows] = merged
-        return acc.reshape(batch, q_heads, dim).to(q.dtype)
-
-    def _chunk(self, q4, k_pool, v_pool, chunk: _SdpaChunk, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """SDPA of rows ``lo:hi`` over one gathered chunk: ``o [rows, Hkv, G, D]``, ``lse`` float32 ``[rows, Hkv, G]``."""
-        k = self._scratch.gather(0, k_pool, chunk.blocks)  # [rows, Tc, Hkv, D]
-        v = self._scratch.gather(1, v_pool, chunk.blocks)
-        mask = chunk.mask
-        if chunk.valid is not None:
-            invalid = ~chunk.valid[:, :, None, None]
-            k.masked_fill_(invalid, 0.0)  # stale keys/values past a length: exactly nothing, even inf/NaN
-            v.masked_fill_(invalid, 0.0)
-            mask = mask.to(q4.dtype)
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q4[chunk.lo : chunk.hi], k.transpose(1, 2), v.transpose(1, 2), 0.0, False, attn_mask=mask, scale=scale,
-        )
+    def _row(self, q4, k_pool, v_pool, pieces: tuple[_Piece, ...], scale: float) -> torch.Tensor:
+        """One decode row over its pieces: ``[1, Hkv, G, D]``."""
+        acc = lse = None
+        for piece in pieces:
+            if piece.first >= 0:  # in place: a strided view of consecutive blocks
+                n = -(-piece.tokens // self._block_size)
+                k = k_pool[piece.first : piece.first + n].flatten(0, 1)[: piece.tokens]  # [tokens, Hkv, D]
+                v = v_pool[piece.first : piece.first + n].flatten(0, 1)[: piece.tokens]
+            else:
+                k = self._scratch.gather(0, k_pool, piece.blocks)[: piece.tokens]
+                v = self._scratch.gather(1, v_pool, piece.blocks)[: piece.tokens]
+            k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hkv, tokens, D]
+            if len(pieces) == 1:
+                return F.scaled_dot_product_attention(q4, k, v, scale=scale)
+            o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q4, k, v, 0.0, False, scale=scale)
+            if acc is None:
+                acc, lse = o.float(), l
+                continue
+            merged = torch.logaddexp(lse, l)  # [1, Hkv, G]
+            acc = acc * torch.exp(lse - merged)[..., None] + o.float() * torch.exp(l - merged)[..., None]
+            lse = merged
+        return acc.to(q4.dtype)
 
 
 class _Scratch:
@@ -460,7 +471,7 @@ class BlockwiseOnlineSoftmax(PagedKernel):
         batch, q_heads, dim = q.shape
         kv_heads = k_pool.shape[2]
         g = q_heads // kv_heads
-        qf = (q.float() * scale).view(batch, kv_heads, g, dim).transpose(0, 1)  # [Hkv, B, G, D] (view)
+        qf = (q.float() * scale).reshape(batch, kv_heads, g, dim).transpose(0, 1)  # [Hkv, B, G, D] (view)
         m = torch.full((kv_heads, batch, g), -math.inf, device=q.device)  # running max  [Hkv, B, G]
         l = torch.zeros((kv_heads, batch, g), device=q.device)  # running sum of exp     [Hkv, B, G]
         acc = torch.zeros((kv_heads, batch, g, dim), device=q.device)  # numerator   [Hkv, B, G, D]
@@ -485,7 +496,7 @@ class BlockwiseOnlineSoftmax(PagedKernel):
         kv_heads = k_pool.shape[2]
         g = q_heads // kv_heads
         # rows = (query, group member): row r * G + j is query r, head h * G + j
-        qf = (q.float() * scale).view(n, kv_heads, g * dim).transpose(0, 1).reshape(kv_heads, n * g, dim)
+        qf = (q.float() * scale).reshape(n, kv_heads, g * dim).transpose(0, 1).reshape(kv_heads, n * g, dim)
         m = torch.full((kv_heads, n * g), -math.inf, device=q.device)  # [Hkv, n*G]
         l = torch.zeros((kv_heads, n * g), device=q.device)
         acc = torch.zeros((kv_heads, n * g, dim), device=q.device)  # [Hkv, n*G, D]
@@ -541,6 +552,7 @@ class VarlenBlockTable(PagedKernel):
     def __call__(self, q, k_pool, v_pool, plan, meta, scale):
         from torch.nn.attention.varlen import varlen_attn
 
+        q = q.contiguous()  # FlashAttention wants a unit last stride (any strided q is accepted here)
         return varlen_attn(
             q, k_pool, v_pool, plan.cu_q, meta, plan.max_q, plan.max_kv,
             scale=scale, window_size=(-1, -1) if plan.is_decode else (-1, 0),
@@ -558,8 +570,8 @@ class FlashKVCacheBlockTable(PagedKernel):
     name = "flash_attn_with_kvcache"
 
     def __call__(self, q, k_pool, v_pool, plan, meta, scale):
-        from flash_attn import flash_attn_with_kvcache
-
+        flash_attn_with_kvcache = _flash_attn_with_kvcache()
+        q = q.contiguous()  # FlashAttention wants a unit last stride (any strided q is accepted here)
         if plan.is_decode:
             return flash_attn_with_kvcache(
                 q.unsqueeze(1), k_pool, v_pool, cache_seqlens=plan.kv_lens_t,
@@ -592,12 +604,13 @@ class FlashInferDecode(PagedKernel):
     def __init__(
         self, device: torch.device, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype, other: PagedKernel
     ) -> None:
-        from flashinfer import BatchDecodeWithPagedKVCacheWrapper
-
+        wrapper, why = optional_import("flashinfer", OPTIONAL_KERNELS["flashinfer"])
+        if wrapper is None:
+            raise BackendUnavailable(why)
         self.other = other
         self.name = f"flashinfer_decode+{other.name}"
         workspace = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=device)
-        self._wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+        self._wrapper = wrapper(workspace, "NHD")
         self._block_size, self._kv_heads, self._head_dim, self._dtype = block_size, kv_heads, head_dim, dtype
 
     def prepare(self, plan, q_heads, scale):
@@ -619,7 +632,7 @@ class FlashInferDecode(PagedKernel):
     def __call__(self, q, k_pool, v_pool, plan, meta, scale):
         if not plan.is_decode:
             return self.other(q, k_pool, v_pool, plan, meta, scale)
-        return self._wrapper.run(q, (k_pool, v_pool))  # [B, Hq, D]
+        return self._wrapper.run(q.contiguous(), (k_pool, v_pool))  # [B, Hq, D]
 
 
 # ---- selection --------------------------------------------------------------------------------
@@ -633,9 +646,16 @@ KERNELS = (
 )
 
 
-def has_module(name: str) -> bool:
-    """Whether an optional package is installed (not imported)."""
-    return importlib.util.find_spec(name) is not None
+OPTIONAL_KERNELS = {"flash_attn": "flash_attn_with_kvcache", "flashinfer": "BatchDecodeWithPagedKVCacheWrapper"}
+"""Optional packages with paged kernels, and what is imported from each."""
+
+
+def usable_module(name: str) -> tuple[bool, str | None]:
+    """Whether optional package ``name`` (a key of :data:`OPTIONAL_KERNELS`) imports: ``(True,
+    None)``, or ``(False, why)`` when it is missing or installed but broken. Imported once per
+    process (:func:`vmkv.attention.optional_import`)."""
+    function, why = optional_import(name, OPTIONAL_KERNELS[name])
+    return function is not None, why
 
 
 def flash_paged_blockers(
@@ -716,9 +736,13 @@ def make_paged_kernel(
     features = torch_varlen_features()
     capability = _capability(device)
     if forced is None:
+        usable = {module: usable_module(module) if device.type == "cuda" else (False, None) for module in OPTIONAL_KERNELS}
+        for _, reason in usable.values():
+            if reason is not None and "installed but" in reason:  # a broken wheel: say so, use another kernel
+                log.warning("vmkv paged attention: %s; falling back", reason)
         name, why = choose_paged_kernel(
-            device, dtype, head_dim, block_size, flash_attn=has_module("flash_attn"),
-            flashinfer=has_module("flashinfer"), varlen_features=features, capability=capability,
+            device, dtype, head_dim, block_size, flash_attn=usable["flash_attn"][0],
+            flashinfer=usable["flashinfer"][0], varlen_features=features, capability=capability,
         )
     else:
         name, why = forced, "chosen by the caller"
@@ -743,10 +767,10 @@ def _check_forced(name: str, device, dtype, head_dim, block_size, features: set[
         blockers.append("it needs CUDA")
     if name == "flashinfer_decode" and dtype not in (torch.float16, torch.bfloat16):
         blockers.append(f"it needs fp16/bf16, the cache holds {dtype}")
-    if name == "flash_attn_with_kvcache" and not has_module("flash_attn"):
-        blockers.append("flash-attn is not installed")
-    if name == "flashinfer_decode" and not has_module("flashinfer"):
-        blockers.append("flashinfer is not installed")
+    if name == "flash_attn_with_kvcache" and not usable_module("flash_attn")[0]:
+        blockers.append(usable_module("flash_attn")[1])
+    if name == "flashinfer_decode" and not usable_module("flashinfer")[0]:
+        blockers.append(usable_module("flashinfer")[1])
     if name == "varlen_attn_block_table" and not {"block_table", "seqused_k"} <= features:
         blockers.append("this torch's varlen_attn has no block_table/seqused_k")
     if blockers:
@@ -756,7 +780,7 @@ def _check_forced(name: str, device, dtype, head_dim, block_size, features: set[
 def _build(name: str, device, dtype, kv_heads, head_dim, block_size, chunk_tokens) -> PagedKernel:
     if name.startswith("flashinfer_decode"):
         other = name.partition("+")[2] or choose_paged_kernel(
-            device, dtype, head_dim, block_size, flash_attn=has_module("flash_attn"), flashinfer=False,
+            device, dtype, head_dim, block_size, flash_attn=usable_module("flash_attn")[0], flashinfer=False,
             varlen_features=torch_varlen_features(), capability=_capability(device),
         )[0]
         rest = _build(other, device, dtype, kv_heads, head_dim, block_size, chunk_tokens)

@@ -293,6 +293,7 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     Shapes: ``q: [T, Hq, D]``, ``k_cache, v_cache: [B_max, S, Hkv, D]``; returns ``[T, Hq, D]``.
     """
     flash_attn_with_kvcache = _flash_attn_with_kvcache()
+    q = q.contiguous()  # FlashAttention wants a unit last stride (any strided q is accepted here)
     if plan.is_decode:
         out = flash_attn_with_kvcache(
             q.unsqueeze(1), k_cache, v_cache,
@@ -351,6 +352,7 @@ def varlen_seqused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
     Shapes: ``q: [T, Hq, D]``, ``k_cache, v_cache: [B_max, S, Hkv, D]``; returns ``[T, Hq, D]``.
     """
+    q = q.contiguous()  # FlashAttention wants a unit last stride (any strided q is accepted here)
     k_rows, rows_per_slot = _slot_rows(k_cache)  # [B_max * R, Hkv, D] views, slot b at row b * R
     v_rows, _ = _slot_rows(v_cache)
     starts = plan.slots_t * rows_per_slot  # int32 [B]: first row of each sequence, plan order
