@@ -34,7 +34,6 @@ the cache memoises it by plan version.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import math
 from abc import ABC, abstractmethod
