@@ -10,7 +10,7 @@ it), median of ``--repeat`` rounds in which the candidates take turns, per layer
 of the per-round ratio to VMM is shown. Outputs are checked against the VMM one.
 
 ``--fragment`` hands blocks out in a shuffled order (a long-running server's pool) instead of
-in order; ``--sweep`` times ``sdpa_chunked`` at several chunk sizes and rows per call; ``--threads 1 2`` runs
+in order; ``--sweep`` times ``sdpa_chunked`` at several chunk sizes and run thresholds; ``--threads 1 2`` runs
 everything at each thread count (torch's default on this machine is 2).
 """
 
@@ -23,7 +23,7 @@ import time
 import torch
 
 import vmkv
-from paged.attention import DEFAULT_SDPA_CALL_TOKENS, DEFAULT_SDPA_CHUNK_TOKENS, ChunkedSDPA
+from paged.attention import DEFAULT_MIN_RUN_TOKENS, DEFAULT_SDPA_CHUNK_TOKENS, ChunkedSDPA
 from paged.cache import PagedKVCache
 
 KV_HEADS, Q_HEADS, HEAD_DIM, BLOCK = 8, 32, 128, 16
@@ -86,10 +86,10 @@ def run(dtype: str, layers: int, repeat: int, kernels: dict[str, dict], fragment
         caches = {"vmm": vmkv.VirtualKVCache(_config(cached, new, layers, dtype, page_size="64KiB"))}
         for label, options in kernels.items():
             options = dict(options)
-            call_tokens = options.pop("call_tokens", None)
+            min_run = options.pop("min_run_tokens", None)
             cache = caches[label] = PagedKVCache(_config(cached, new, layers, dtype), **options)
-            if call_tokens is not None:  # the sweep: one rows-per-call budget (not a cache option)
-                cache._kernel = ChunkedSDPA(BLOCK, options["chunk_tokens"], "cpu", call_tokens)
+            if min_run is not None:  # the sweep: a run threshold (not a cache option)
+                cache._kernel = ChunkedSDPA(BLOCK, options["chunk_tokens"], "cpu", min_run)
         try:
             plans = {}
             for label, cache in caches.items():
@@ -132,8 +132,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.sweep:
         kernels = {
-            f"chunk {c} call {t}": {"kernel": "sdpa_chunked", "chunk_tokens": c, "call_tokens": t}
-            for c, t in ((128, 128), (128, 1024), (256, 256), (256, 2048), (512, 512), (512, 4096), (1024, 1024))
+            f"chunk {c} run {r}": {"kernel": "sdpa_chunked", "chunk_tokens": c, "min_run_tokens": r}
+            for c, r in ((128, 64), (256, 64), (512, 64), (1024, 64), (256, 16), (256, 256))
         }
     else:
         kernels = {name: {"kernel": name} for name in ("gather_sdpa", "blockwise_online_softmax", "sdpa_chunked")}
@@ -142,7 +142,7 @@ def main() -> None:
         for dtype in args.dtype:
             run(dtype, args.layers, args.repeat, kernels, args.fragment, args.only)
     print(f"\nverdict: read the x columns (>= 0.8 is the target for decode at 2K, B=1 and B=8); sdpa_chunked's defaults: "
-          f"{DEFAULT_SDPA_CHUNK_TOKENS} keys a row, {DEFAULT_SDPA_CALL_TOKENS} keys a call. Rerun on a quiet machine before "
+          f"{DEFAULT_SDPA_CHUNK_TOKENS} keys a gathered chunk, runs of >= {DEFAULT_MIN_RUN_TOKENS} keys read in place. Rerun on a quiet machine before "
           "trusting small differences.")
 
 

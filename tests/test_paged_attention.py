@@ -189,7 +189,7 @@ def test_scale_argument_is_honoured():
 def test_cpu_default_kernel_is_named_in_stats():
     cache = vmkv.open_cache(small_config(), mode="paged")
     try:
-        assert cache.stats()["kernel"] == "blockwise_online_softmax"
+        assert cache.stats()["kernel"] == "sdpa_chunked"
     finally:
         cache.close()
 
@@ -229,7 +229,7 @@ def test_cpu_selection_rule():
     name, _ = choose_paged_kernel(
         torch.device("cpu"), torch.float32, 16, 16, flash_attn=True, flashinfer=True, varlen_features=VARLEN
     )
-    assert name == "blockwise_online_softmax"
+    assert name == "sdpa_chunked"
 
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU with the CUDA driver")
