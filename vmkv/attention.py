@@ -124,8 +124,18 @@ class BatchRule:
         return batched < per_sequence
 
 
-DEFAULT_BATCH_RULE = BatchRule(call_us=20.0, key_us=1.25, run_key_us=0.75, real_key_us=0.45, fixed_us=0.0)
-"""Placeholder until measured."""
+DEFAULT_BATCH_RULE = BatchRule(call_us=1.984, key_us=1.1787, run_key_us=0.8174, real_key_us=0.1662, fixed_us=0.0)
+"""The CPU rule, fitted by ``python -m benchmarks.contiguous_decode`` (1 thread, fp32, 32 query /
+8 KV heads of 128) on 36 decode steps: B = 4, 8, 32; 128 to 2,048 keys; equal lengths, lengths
+spread 2..L, one long row among 32-token ones, and every second slot empty (dummy rows). It
+picks the faster kernel in 36/36 of them, and in 45/45 (fp32) and 41/45 (bf16) of a noisier
+rerun (worst wrong pick 1.9x slower, where both kernels' own times spread 2x).
+
+In words: a key costs the batched call ~0.98 us against ~1.18 us per sequence, and a call
+~2 us, so one batched call wins by 1.03-1.26x when lengths are (nearly) equal and the slots
+dense (measured 1.03x at B=32 x 2K, 1.26x at B=32 x 128), and loses as soon as short rows pay
+for the longest one (0.09x for one 2K row among 31 of 32 tokens) or half the run is dummy rows
+(0.66-0.77x)."""
 
 
 @dataclass(frozen=True)
