@@ -277,10 +277,11 @@ class SdpaDecodeKernel:
         made non-finite. A mask gives stale keys probability 0, but stale data that is itself
         inf/NaN (written by an earlier sequence of the page) still poisons the row (``-inf + inf``,
         ``0 * inf``); the exact slice never reads it, so the answer is the per-sequence one."""
-        rows = torch.arange(len(batch.seqs)) if batch.rows is None else batch.rows
-        bad = ~torch.isfinite(out[rows]).flatten(1).all(1)  # [Bd]
-        if bool(bad.any()):
-            _sdpa_rows(q, k_cache, v_cache, plan, scale, [batch.seqs[i] for i in bad.nonzero().flatten().tolist()], out)
+        decode = out if batch.rows is None else out[batch.rows]  # [Bd, Hq, D]
+        if bool(torch.isfinite(decode.sum())):  # one reduction: a finite sum means every entry is finite
+            return
+        bad = (~torch.isfinite(decode).flatten(1).all(1)).nonzero().flatten().tolist()
+        _sdpa_rows(q, k_cache, v_cache, plan, scale, [batch.seqs[i] for i in bad], out)
 
     def __repr__(self) -> str:
         return f"SdpaDecodeKernel({self.name!r})"
