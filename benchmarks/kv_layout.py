@@ -10,7 +10,8 @@ One decode step (one query per sequence, every sequence ``context`` tokens long)
     token-major  [B, S, H, D]    the VMM per-layer layout (FlashAttention's), a dense tensor
     head-major   [B, H, S, D]    DynamicCache's layout, a dense tensor
     all-layers   [B, S, L, H, D] one layer's strided slice (L = 8), a dense tensor (B <= 8 only)
-    vmm          [B, S, H, D]    the same K/V in a VirtualKVCache (host virtual memory)
+    vmm          [B, S, H, D]    the same K/V in a VirtualKVCache (host virtual memory), per_layer
+    vmm-hm       [B, H, S, D]    the same in a VirtualKVCache with layout="head_major"
 
 Candidates take turns (median of ``--repeat``, spread min..max); every output is checked
 against the token-major batched one. The read bandwidth (``torch.sum`` over 512 MiB) is measured
@@ -61,17 +62,18 @@ class Setup:
             self.k_all = torch.zeros(batch, length, ALL_LAYERS, KV_HEADS, HEAD_DIM, dtype=dtype)
             self.v_all = torch.zeros_like(self.k_all)
             self.k_all[:, :, 3], self.v_all[:, :, 3] = self.k, self.v
-        self.cache = self._vmm(batch, length, dtype)
+        self.cache = self._vmm(batch, length, dtype, "per_layer")
+        self.cache_hm = self._vmm(batch, length, dtype, "head_major")
         self.q = torch.randn(batch, Q_HEADS, HEAD_DIM, generator=gen).to(dtype)
         self.plan = decode_plan(batch, context)
         self.kv_bytes = 2 * self.k.numel() * self.k.element_size()
 
-    def _vmm(self, batch: int, length: int, dtype: torch.dtype) -> vmkv.VirtualKVCache:
+    def _vmm(self, batch: int, length: int, dtype: torch.dtype, layout: str) -> vmkv.VirtualKVCache:
         token_bytes = KV_HEADS * HEAD_DIM * self.k.element_size()
         cache = vmkv.VirtualKVCache(vmkv.KVCacheConfig(
             num_layers=1, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=dtype, max_batch_size=batch,
             max_seq_len=length, memory_budget=2 * batch * (length + 1024) * token_bytes, page_size="256KiB",
-            prefix_caching=False,
+            layout=layout, prefix_caching=False,
         ))
         for seq in range(batch):
             cache.add(seq)
@@ -81,11 +83,11 @@ class Setup:
 
     def layouts(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Name -> (K, V) as the kernels take them: logical ``[B, S, H, D]`` views."""
-        k_vmm, v_vmm = self.cache.kv_cache(0)
         out = {
             "token-major": (self.k, self.v),
             "head-major": (self.k_hm.transpose(1, 2), self.v_hm.transpose(1, 2)),
-            "vmm": (k_vmm, v_vmm),
+            "vmm": self.cache.kv_cache(0),
+            "vmm-hm": self.cache_hm.kv_cache(0),
         }
         if self.k_all is not None:
             out["all-layers"] = (self.k_all[:, :, 3], self.v_all[:, :, 3])
@@ -93,6 +95,7 @@ class Setup:
 
     def close(self) -> None:
         self.cache.close()
+        self.cache_hm.close()
 
 
 def interleave(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, list[float]]:
@@ -167,7 +170,7 @@ def main() -> None:
         dtype = getattr(torch, name)
         for batch in args.batches:
             for context in args.contexts:
-                need = 2 * batch * (context + 1) * KV_HEADS * HEAD_DIM * dtype.itemsize * (3 + (ALL_LAYERS if batch <= 8 else 0))
+                need = 2 * batch * (context + 1) * KV_HEADS * HEAD_DIM * dtype.itemsize * (4 + (ALL_LAYERS if batch <= 8 else 0))
                 if need > args.max_gib * 2**30:
                     print(f"\nB={batch} context={context} {name}: skipped, needs {need / 2**30:.1f} GiB (> --max-gib)")
                     continue
