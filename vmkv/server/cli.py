@@ -26,8 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cache = parser.add_argument_group("KV cache")
     cache.add_argument("--kv-mode", default="vmm", choices=["vmm", "paged"])
     cache.add_argument("--memory-budget", default="256MiB", help="bytes for KV pages, e.g. 2GiB")
-    cache.add_argument("--page-size", default=None, help="VMM page bytes per K/V tensor (default: >= 64KiB on CPU, "
-                       ">= 2MiB on CUDA)")
+    cache.add_argument("--page-size", default=None, help="VMM page bytes per K/V tensor (default: the cache's per-device "
+                       "default, all-layers layout with >= 16 tokens a page)")
     cache.add_argument("--block-size", type=int, default=16, help="paged mode: tokens per block")
     cache.add_argument("--max-num-seqs", type=int, default=32, help="sequences running at once (cache slots)")
     cache.add_argument("--max-seq-len", type=int, default=None, help="longest prompt + completion")
