@@ -72,8 +72,11 @@ def test_head_major_pages_cover_one_head_and_map_only_what_is_stored():
         cache.close()
 
 
-def test_the_default_is_all_layers_with_at_least_16_tokens_a_page_within_the_mapping_room():
-    config = vmkv.KVCacheConfig(num_layers=32, num_kv_heads=8, head_dim=128, memory_budget="1GiB")  # Llama-3-8B, fp16
+def test_the_default_is_per_layer_when_it_fits_else_all_layers_with_16_tokens_a_page():
+    llama = dict(num_layers=32, num_kv_heads=8, head_dim=128)  # Llama-3-8B, fp16: 2 KiB a token and layer
+    small = vmkv.KVCacheConfig(**llama, memory_budget="64MiB")
+    assert small.layout == "per_layer" and small.page_size == 16 * 2048  # 32 pool pages x 64 pieces fit the room
+    config = vmkv.KVCacheConfig(**llama, memory_budget="1GiB")  # per-layer 16-token pages: ~65,600 mappings
     assert config.layout == "all_layers"
     tpp = config.page_size // config.tensor_token_bytes()
     assert config.page_size % 4096 == 0 and tpp == DEFAULT_TOKENS_PER_PAGE
@@ -94,7 +97,8 @@ def test_the_default_page_grows_to_fit_the_mapping_room():
     pages = config.memory_budget // (pieces * config.page_size)
     assert pieces * (2 * pages + 1) <= room  # even a fragmented pool fits
     assert config.page_size // config.tensor_token_bytes() > DEFAULT_TOKENS_PER_PAGE  # had to grow
-    assert vmkv.KVCacheConfig(**small, memory_budget="1MiB").page_size == 4096  # 32 tokens: the granularity
+    tiny = vmkv.KVCacheConfig(**small, memory_budget="1MiB")
+    assert (tiny.layout, tiny.page_size) == ("per_layer", 4096)  # 64 tokens: the host granularity is the floor
 
 
 def test_an_explicit_page_size_keeps_the_per_layer_layout():

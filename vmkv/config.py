@@ -72,14 +72,15 @@ class KVCacheConfig:
         page_size: VMM mode: bytes of one physical mapping in one K or V tensor (a multiple of
             the backend granularity — 4 KiB on the host, usually 2 MiB on CUDA — and of the
             bytes one token takes in that tensor). ``None`` (default): chosen with the layout
-            by :func:`default_vmm_pages` (at least 16 tokens a page, within the mapping limit).
+            by :func:`default_vmm_pages` (at least 16 tokens a page, within the mapping limit;
+            host: per-layer when that fits, else all-layers; CUDA: all-layers).
         layout: VMM mode: ``"per_layer"`` (one range per layer and per K/V, token-major
             ``[B, S, H, D]``), ``"all_layers"`` (one range for K and one for V holding every
             layer, so a page covers fewer tokens), or ``"head_major"`` (per layer,
             ``[B, H, S, D]``: each head's keys contiguous, what CPU SDPA reads fastest, but a
             page then covers one head, so ``num_kv_heads`` times more mappings than
-            ``per_layer``). ``None`` (default): ``"all_layers"`` when ``page_size`` is ``None``
-            too, else ``"per_layer"``.
+            ``per_layer``). ``None`` (default): chosen with the page size when ``page_size`` is
+            ``None`` too (:func:`default_vmm_pages`), else ``"per_layer"``.
         block_size: paged mode: tokens per block (vLLM's default is 16).
         prefix_caching: keep full pages indexed by a hash of their tokens for later prompts.
         deferred_reclaim: VMM mode: a freed slot keeps its private pages mapped for the next
@@ -114,7 +115,7 @@ class KVCacheConfig:
         object.__setattr__(self, "device", _as_device(self.device))
         object.__setattr__(self, "memory_budget", parse_size(self.memory_budget, name="memory_budget"))
         if self.page_size is None:
-            layout, page = default_vmm_pages(self, self.layout or "all_layers")
+            layout, page = default_vmm_pages(self, self.layout)
             object.__setattr__(self, "layout", layout)
             object.__setattr__(self, "page_size", page)
         else:
@@ -215,25 +216,27 @@ def vmm_pieces(config: KVCacheConfig, layout: str | None = None) -> int:
     return 2 * config.num_layers
 
 
-def default_vmm_pages(config: KVCacheConfig, layout: str) -> tuple[str, int]:
+def default_vmm_pages(config: KVCacheConfig, layout: str | None = None) -> tuple[str, int]:
     """The default VMM ``(layout, page_size)`` for ``config``'s model, device and budget.
 
-    The page is the smallest multiple of the backend granularity and of a token's bytes that
-    holds at least :data:`DEFAULT_TOKENS_PER_PAGE` tokens, enlarged (on the host) until even a
-    fragmented pool fits the mappings this process may still create (``vm.max_map_count``, less
-    what open caches promised: ``vmkv.vm.mapping_room``); a mapped piece costs up to 2 mappings.
+    A page is the smallest multiple of the backend granularity and of a token's bytes that
+    holds at least :data:`DEFAULT_TOKENS_PER_PAGE` tokens. On the host a layout qualifies only if
+    even a fragmented pool of such pages fits the mappings this process may still create
+    (``vm.max_map_count`` less what open caches promised: ``vmkv.vm.mapping_room``; a mapped
+    piece costs up to 2 mappings, and the count is ``~2 * memory_budget / page_size`` whatever
+    the layout). Layout, unless given:
 
-    Why ``all_layers`` by default: a page of it covers ``num_layers`` times fewer tokens than a
-    per-layer page of the same bytes, and the mapping count depends only on ``memory_budget /
-    page_size``, so it is the only layout that reaches 16 tokens a page (98 % utilization on
-    the ShareGPT-like trace) within the mapping limit at realistic budgets on the host, and the
-    only one that stays near 96 % under CUDA's 2 MiB granularity (32 tokens a page for
-    Llama-3-8B in fp16; per-layer pages hold 1,024 there: 42 %). What it costs the CPU decode
-    kernel is measured by ``python -m benchmarks.kv_layout`` (see docs/how-it-works.md).
+    * host: ``per_layer`` if it qualifies (CPU SDPA reads a per-layer view 1.06-1.6x faster than
+      an all-layers one: ``python -m benchmarks.kv_layout``), else ``all_layers`` (its pages
+      cover ``num_layers`` times fewer tokens for the same bytes, so it reaches 16 tokens a page
+      with ``num_layers`` times fewer mappings), its page enlarged until it fits if need be;
+    * CUDA: ``all_layers``: with 2 MiB pages it is the only layout near 16-32 tokens a page
+      (32 for Llama-3-8B in fp16, 96 % utilization on the ShareGPT-like trace; per-layer 2 MiB
+      pages hold 1,024 tokens there: 42 %). FlashAttention needs only a unit last stride.
 
     Args:
         config: the model shape, dtype, device and budget (its ``page_size`` is ignored).
-        layout: the layout to size pages for.
+        layout: size pages for this layout; ``None``: choose it as above.
     """
     from .vm import granularity, mapping_room  # the backends import this module
 
@@ -241,15 +244,26 @@ def default_vmm_pages(config: KVCacheConfig, layout: str) -> tuple[str, int]:
         gran = granularity(config.device)
     except Exception:  # noqa: BLE001 -- no CUDA driver: the cache will say so when it opens
         gran = 2 << 20
-    token_bytes = config.tensor_token_bytes(layout)
-    step = math.lcm(gran, token_bytes)
-    page = -(-DEFAULT_TOKENS_PER_PAGE * token_bytes // step) * step
     room = mapping_room() if config.device.type == "cpu" else None
-    if room is not None:
+
+    def smallest(candidate: str) -> tuple[int, int]:  # (page, step) holding DEFAULT_TOKENS_PER_PAGE tokens
+        token_bytes = config.tensor_token_bytes(candidate)
+        step = math.lcm(gran, token_bytes)
+        return -(-DEFAULT_TOKENS_PER_PAGE * token_bytes // step) * step, step
+
+    def fits(candidate: str, page: int) -> bool:
+        pieces = vmm_pieces(config, candidate)
+        pages = config.memory_budget // (pieces * page)
+        return room is None or pieces * (2 * pages + 1) <= room
+
+    if layout is None:
+        options = ("per_layer", "all_layers") if config.device.type == "cpu" else ("all_layers",)
+        layout = next((c for c in options if fits(c, smallest(c)[0])), "all_layers")
+    page, step = smallest(layout)
+    if room is not None and not fits(layout, page):
         pieces = vmm_pieces(config, layout)
-        pages_that_fit = max(1, (room // pieces - 1) // 2)  # worst case: pieces * (2 * pages + 1) mappings
-        floor = -(-config.memory_budget // (pieces * pages_that_fit))
-        page = max(page, -(-floor // step) * step)
+        pages_that_fit = max(1, (room // pieces - 1) // 2)
+        page = max(page, -(-config.memory_budget // (pieces * pages_that_fit * step)) * step)
     return layout, page
 
 
