@@ -50,6 +50,21 @@ def build_model_dir(root: Path, seed: int = 0) -> Path:
     return root
 
 
+def cpu_seconds() -> float:
+    """CPU time used so far by this process and every live child (vLLM's engine-core and worker
+    processes), user + system."""
+    import psutil
+
+    me = psutil.Process()
+    total = sum(me.cpu_times()[:2])
+    for child in me.children(recursive=True):
+        try:
+            total += sum(child.cpu_times()[:2])
+        except psutil.Error:
+            pass
+    return total
+
+
 def make_prompts(count: int, length: int, seed: int) -> list[list[int]]:
     import random
 
@@ -64,7 +79,7 @@ class VmkvRunner:
         from vmkv.engine import Engine, EngineConfig
 
         self.engine = Engine.from_config(EngineConfig(
-            model=str(model_dir), kv_mode=args.kv_mode, memory_budget="1GiB", max_num_seqs=args.requests,
+            model=str(model_dir), kv_mode=args.kv_mode, memory_budget=args.memory_budget, max_num_seqs=args.requests,
             max_seq_len=args.prompt_len + args.max_tokens + 16, max_num_batched_tokens=args.batched_tokens,
             max_prefill_chunk=args.batched_tokens, prefix_caching=False, dtype="float32",
         ))
@@ -109,6 +124,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kv-mode", default="vmm", choices=["vmm", "paged"])
     parser.add_argument("--model-dir", type=Path, default=None)
+    parser.add_argument("--memory-budget", default="256MiB", help="vmkv's KV budget (vLLM: VLLM_CPU_KVCACHE_SPACE, 2 GiB)")
     parser.add_argument("--no-vllm", action="store_true", help="time vmkv only")
     args = parser.parse_args()
 
@@ -131,18 +147,21 @@ def main() -> None:
     for runner in runners.values():  # warm-up: first-call allocations, oneDNN kernel creation
         runner.generate(prompts[: min(4, len(prompts))])
     times: dict[str, list[float]] = {name: [] for name in runners}
+    cpu: dict[str, list[float]] = {name: [] for name in runners}
     outputs: dict[str, list[list[int]]] = {}
     for _ in range(args.rounds):
         for name, runner in runners.items():
-            start = time.perf_counter()
+            cpu_start, start = cpu_seconds(), time.perf_counter()
             outputs[name] = runner.generate(prompts)
             times[name].append(time.perf_counter() - start)
+            cpu[name].append(cpu_seconds() - cpu_start)
     print(f"model {model_dir} ({SHAPE['num_hidden_layers']} layers, hidden {SHAPE['hidden_size']}), float32, "
           f"threads={args.threads}, {args.requests} requests x {args.prompt_len} prompt + {args.max_tokens} output tokens, "
           f"kv_mode={args.kv_mode}")
     for name, ts in times.items():
         print(f"  {name:5s} output tokens/s per round: " + ", ".join(f"{work / t:.0f}" for t in ts)
-              + f"   median {work / statistics.median(ts):.0f}")
+              + f"   median {work / statistics.median(ts):.0f}; CPU-seconds per round (this process and its "
+              f"children): median {statistics.median(cpu[name]):.1f} for {statistics.median(ts):.1f} s of wall time")
     if "vllm" in times:
         ratios = sorted(v / m for v, m in zip(times["vllm"], times["vmkv"]))
         same = sum(a == b for a, b in zip(outputs["vmkv"], outputs["vllm"]))
