@@ -117,6 +117,9 @@ def _workload(
         attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
         do_sample=False, num_beams=beams, pad_token_id=model.config.pad_token_id,
     )
+    import vmkv.hf
+
+    cache_kw = vmkv.hf.cache_argument()  # transformers 5.19: past_key_values=, 5.24: cache=
     times: dict[str, list[float]] = {name: [] for name in caches}
     last: dict[str, tuple[Any, torch.Tensor]] = {}
     for _ in range(args.repeats):
@@ -125,7 +128,7 @@ def _workload(
             cache = _make_cache(name, model, args, max_batch=batch * beams)
             common.synchronize(args.device)
             start = time.perf_counter()
-            out = model.generate(ids, cache=cache, **kwargs)
+            out = model.generate(ids, **{cache_kw: cache}, **kwargs)
             common.synchronize(args.device)
             times[name].append(time.perf_counter() - start)
             if name in last and hasattr(last[name][0], "close"):
