@@ -56,7 +56,7 @@ class EngineConfig:
         kv_mode: ``"vmm"`` (virtually contiguous) or ``"paged"`` (block tables).
         memory_budget: bytes for KV pages (int or "256MiB").
         page_size: VMM page bytes per K/V tensor; ``None``: the cache's per-device default
-            (:func:`vmkv.config.default_vmm_pages`: all-layers layout, >= 16 tokens a page).
+            (:func:`vmkv.config.default_vmm_pages`: >= 16 tokens a page, per-layer where that fits).
         block_size: paged mode: tokens per block.
         max_num_seqs: cache slots: sequences running at once (each completion of n is one).
         max_seq_len: longest prompt + completion; ``None``: min(model's positions, its sliding
