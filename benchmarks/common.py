@@ -112,12 +112,18 @@ def time_call(fn: Callable[[], Any], device: str, *, repeat: int = 5, warmup: in
     return statistics.median(times)
 
 
+TRIM_FROM = 5
+"""From this many samples on, a spread's range leaves out the single lowest and highest sample
+(a round another process interrupted), and says so."""
+
+
 @dataclass(frozen=True)
 class Spread:
-    """A measured value with its spread over repeats: the median and the min-max range.
+    """A measured value with its spread over repeats: the median and a min-max range.
 
-    ``runs`` is how many repeats it summarises; ``deterministic`` marks a value (a seeded
-    replay, a byte count) that has no spread to measure.
+    ``runs`` is how many repeats it summarises and ``kept`` how many of them the range covers
+    (all but the two extremes from :data:`TRIM_FROM` samples on); ``deterministic`` marks a
+    value (a seeded replay, a byte count) that has no spread to measure.
     """
 
     value: float
@@ -125,17 +131,20 @@ class Spread:
     high: float
     runs: int
     deterministic: bool = False
+    kept: int | None = None
 
     @classmethod
     def of(cls, samples: Sequence[float]) -> "Spread":
-        """Median and min-max of ``samples``.
+        """Median of ``samples`` and their min-max (of the middle ``n - 2`` from :data:`TRIM_FROM` on).
 
         Raises:
             vmkv.InvalidInput: no samples.
         """
         if not samples:
             raise vmkv.InvalidInput("a spread needs at least one sample")
-        return cls(statistics.median(samples), min(samples), max(samples), len(samples))
+        ordered = sorted(samples)
+        inner = ordered[1:-1] if len(ordered) >= TRIM_FROM else ordered
+        return cls(statistics.median(ordered), inner[0], inner[-1], len(ordered), kept=len(inner))
 
     @classmethod
     def exact(cls, value: float) -> "Spread":
@@ -149,10 +158,10 @@ class Spread:
 
     def scaled(self, factor: float) -> "Spread":
         """The same spread multiplied by ``factor`` (> 0)."""
-        return Spread(self.value * factor, self.low * factor, self.high * factor, self.runs, self.deterministic)
+        return Spread(self.value * factor, self.low * factor, self.high * factor, self.runs, self.deterministic, self.kept)
 
     def as_dict(self) -> dict[str, float]:
-        return {"value": self.value, "low": self.low, "high": self.high, "runs": self.runs}
+        return {"value": self.value, "low": self.low, "high": self.high, "runs": self.runs, "kept": self.kept or self.runs}
 
 
 @dataclass
@@ -367,7 +376,8 @@ def spread_text(spread: Spread, unit: str = "x") -> str:
         return "exact (seeded)"
     if spread.runs == 1:
         return "1 run: no spread"
-    return f"{number_text(spread.low, unit, bare=True)}-{number_text(spread.high, unit)}, {spread.runs} runs"
+    runs = f"{spread.runs} runs" if (spread.kept or spread.runs) == spread.runs else f"middle {spread.kept} of {spread.runs} runs"
+    return f"{number_text(spread.low, unit, bare=True)}-{number_text(spread.high, unit)}, {runs}"
 
 
 def number_text(value: float, unit: str = "x", bare: bool = False) -> str:

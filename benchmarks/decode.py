@@ -257,7 +257,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             paged_kernels = list(dict.fromkeys(selected_paged if name == "selected" else name for name in wanted))
             candidates, diffs = _checked(case, case.candidates(kernels, paged_kernels), tolerance, skipped, wrong)
             fns = {c.name: c.fn for c in candidates}
-            timings = common.time_interleaved({**fns, "read": read}, args.device, repeat=args.repeat, min_sample_s=0.02, clock=clock)
+            timings = common.time_interleaved({**fns, "read": read}, args.device, repeat=args.repeat, min_sample_s=0.01, clock=clock)
             skipped.update(case.skipped)
             samples[f"{batch},{context}"] = {"kv_bytes": case.kv_bytes, "read_bytes": read_bytes, "seconds": timings.samples}
             for cand in candidates:
@@ -381,29 +381,40 @@ def table(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def plot(result: dict[str, Any], out_dir) -> list[str]:
-    """``decode_time.png``: ms per step vs context, one panel per batch size, one line per candidate."""
+    """``decode_time.png``: ms per step vs context, one panel per batch size, one line per candidate
+    (median, bars from the fastest to the slowest round kept); the legend sits under the panels."""
     plt = common.pyplot()
+    from matplotlib.ticker import FuncFormatter
+
     rows = result["rows"]
     batches = sorted({r["batch"] for r in rows})
+    contexts = sorted({r["context"] for r in rows})
     names = list(dict.fromkeys(r["candidate"] for r in rows))
     styles = {"vmm": ("-", "o"), "dense": (":", "x"), "paged": ("--", "s")}
-    fig, axes = plt.subplots(1, len(batches), figsize=(4.6 * len(batches) + 3.4, 4.0), squeeze=False)
+    fig, axes = plt.subplots(1, len(batches), figsize=(4.8 * len(batches), 4.4), squeeze=False)
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
     for ax, batch in zip(axes[0], batches):
         for name in names:
             mine = sorted((r for r in rows if r["batch"] == batch and r["candidate"] == name), key=lambda r: r["context"])
             if not mine:
                 continue
             line, marker = styles.get(name.split(":")[0].split("[")[0], ("-", "."))
-            x = [r["context"] for r in mine]
-            ax.errorbar(x, [r["ms"] for r in mine], yerr=[[r["ms"] - r["ms_low"] for r in mine], [r["ms_high"] - r["ms"] for r in mine]],
+            ax.errorbar([r["context"] for r in mine], [r["ms"] for r in mine],
+                        yerr=[[r["ms"] - r["ms_low"] for r in mine], [r["ms_high"] - r["ms"] for r in mine]],
                         linestyle=line, marker=marker, markersize=4, capsize=2, linewidth=1.2, label=name)
         ax.set_title(f"decode step, batch {batch}")
         ax.set_xlabel("context (tokens)")
-        ax.set_ylabel("ms per step, one layer (median, min-max)")
+        ax.set_ylabel(f"ms per step, one layer ({result['config'].get('clock', 'wall')} clock)")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.grid(alpha=0.3)
+        ax.set_xticks(contexts)
+        ax.xaxis.set_major_formatter(plain)
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(plain)
+        ax.tick_params(axis="y", which="minor", labelsize=7)
+        ax.grid(alpha=0.3, which="both")
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="center right", fontsize=7, frameon=False)
-    fig.tight_layout(rect=(0, 0, 1 - 3.2 / (4.6 * len(batches) + 3.4), 1))
+    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8, frameon=False)
+    rows_of_legend = -(-len(labels) // 4)
+    fig.tight_layout(rect=(0, 0.06 * rows_of_legend + 0.02, 1, 1))
     return [common.save_figure(fig, out_dir, "decode_time.png", tight=False)]

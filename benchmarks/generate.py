@@ -303,14 +303,24 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[str]:
                     values.append(value)
                     errors[0].append(value - r["batch"] * r["new_tokens"] / r["seconds_high"] if r else 0)
                     errors[1].append(r["batch"] * r["new_tokens"] / r["seconds_low"] - value if r else 0)
-            ax.bar([c + i * width for c in range(len(cases))], values, width, yerr=errors if field != "kv_peak_bytes" else None,
-                   capsize=2, label=name)
+            bars = ax.bar([c + i * width for c in range(len(cases))], values, width,
+                          yerr=errors if field != "kv_peak_bytes" else None, capsize=2, label=name)
+            if field == "kv_peak_bytes":
+                ax.bar_label(bars, labels=[f"{v:.3g}" if v else "" for v in values], fontsize=7, padding=1)
         ax.set_xticks([c + 0.4 - width / 2 for c in range(len(cases))])
         ax.set_xticklabels(labels, fontsize=8)
         ax.set_ylabel(ylabel)
         if field == "kv_peak_bytes":
+            from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
+
             ax.set_yscale("log")
-        ax.set_title(f"{title}; prompt {rows[0]['prompt_len']} tokens, clock: {result['config'].get('clock', 'wall')}")
+            positive = [r[field] / 2**20 for r in rows if r[field]]
+            ax.set_ylim(min(positive) / 2, max(positive) * 2)
+            ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            ax.yaxis.set_minor_locator(NullLocator())
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+        clock = f", {result['config'].get('clock', 'wall')} clock" if field == "tokens_per_s" else ""
+        ax.set_title(f"{title}; prompt {rows[0]['prompt_len']} tokens{clock}")
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
         paths.append(common.save_figure(fig, out_dir, fname))

@@ -48,6 +48,7 @@ SCHEMA = {
     "high": "decode_share: highest leave-one-round-out estimate; map/unmap: 90th percentile call; reserve: slowest",
     "step_ms": "decode_share only: mean ms per decode step (all layers)",
     "baseline_step_ms": "decode_share only: the same with every page mapped before the loop",
+    "runs": "decode_share: rounds; map/unmap: calls timed; reserve: reservations timed",
     "reliable": "false when the measurement failed its sanity check (a negative share)",
 }
 RESERVE_BYTES = 64 * 2**30
@@ -158,7 +159,7 @@ def _share(begins: dict[str, list[list[float]]], totals: list[list[float]], vari
         return (summed(begins[variant]) - summed(begins["premapped"])) / summed(totals)
 
     value = estimate(list(rounds))
-    if len(totals) < 3:
+    if len(totals) < 3:  # too few rounds to leave one out
         return common.Spread(value, value, value, len(totals))
     jack = [estimate([r for r in rounds if r != left]) for r in rounds for left in [r]]
     return common.Spread(value, min(jack + [value]), max(jack + [value]), len(totals))
@@ -193,7 +194,7 @@ def _decode_rows(args: argparse.Namespace, page_size: str) -> list[dict[str, Any
         rows.append({
             "measure": "decode_share", "page_size": vmkv.parse_size(page_size), "map_ahead": ahead,
             "value": share.value, "low": share.low, "high": share.high, "step_ms": step_ms[name],
-            "baseline_step_ms": step_ms["premapped"], "reliable": share.value >= 0,
+            "baseline_step_ms": step_ms["premapped"], "runs": share.runs, "reliable": share.value >= 0,
         })
     return rows
 
@@ -233,11 +234,12 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         map_s, unmap_s = _map_latency(args.device, nbytes, pages)
         for measure, seconds in (("map_us", map_s), ("unmap_us", unmap_s)):
             us = _percentiles(seconds).scaled(1e6)
-            rows.append({"measure": measure, "page_size": nbytes, **empty, "value": us.value, "low": us.low, "high": us.high})
+            rows.append({"measure": measure, "page_size": nbytes, **empty, "value": us.value, "low": us.low, "high": us.high,
+                         "runs": us.runs})
     reserve_page = vmkv.parse_size(args.page_sizes[-1])
     reserve = _reserve_time(args.device, reserve_page).scaled(1e3)
     rows.append({"measure": "reserve_64GiB_ms", "page_size": reserve_page, **empty, "value": reserve.value,
-                 "low": reserve.low, "high": reserve.high})
+                 "low": reserve.low, "high": reserve.high, "runs": reserve.runs})
     backend = "host (Linux mmap + memfd)" if args.device == "cpu" else "cuda (driver VMM)"
     summary = {
         "backend": backend,
@@ -262,7 +264,7 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
     rows = {r["map_ahead"]: r for r in shares if r["page_size"] == page}
     ahead, demand = rows.get(True), rows.get(False)
     question = f"mapping cost, share of a decode step ({page // 1024} KiB pages, the most maps)"
-    spread = {k: common.Spread(r["value"], r["low"], r["high"], result["config"]["rounds"]) for k, r in rows.items()}
+    spread = {k: common.Spread(r["value"], r["low"], r["high"], r["runs"]) for k, r in rows.items()}
     bad = [r for r in rows.values() if not r["reliable"]]
     if bad or ahead is None or demand is None:
         why = "negative share after a rerun with twice the rounds: below what this machine can resolve"

@@ -70,7 +70,7 @@ SCHEMA = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", nargs="+", default=["vmm", "paged"], choices=["vmm", "paged"])
     parser.add_argument("--concurrency", type=int, nargs="+", default=None, help="closed-loop levels (default 1 4 16; smoke 1 4)")
-    parser.add_argument("--rates", type=float, nargs="+", default=None, help="open-loop req/s, inf allowed (default 4 16 inf; smoke 8 inf)")
+    parser.add_argument("--rates", type=float, nargs="+", default=None, help="open-loop req/s, inf allowed (default 4 16 inf; smoke 32 inf)")
     parser.add_argument("--requests", type=int, default=None, help="requests per run (default 32; smoke 8)")
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 64; smoke 24)")
     parser.add_argument("--output-len", type=int, default=None, help="output tokens (default 32; smoke 8)")
@@ -92,7 +92,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     smoke = args.smoke
     return {
         "concurrency": args.concurrency or ([1, 4] if smoke else [1, 4, 16]),
-        "rates": args.rates or ([8.0, math.inf] if smoke else [4.0, 16.0, math.inf]),
+        "rates": args.rates or ([32.0, math.inf] if smoke else [4.0, 16.0, math.inf]),
         "requests": args.requests or (8 if smoke else 32),
         "prompt_len": args.prompt_len or (24 if smoke else 64),
         "output_len": args.output_len or (8 if smoke else 32),

@@ -289,21 +289,29 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
 
 
 def plot(result: dict[str, Any], out_dir) -> list[str]:
-    """``sharing_saved.png``: memory saved vs n / width, one panel per (trace, scenario)."""
+    """``sharing_saved.png``: memory saved vs n / width, one panel per (trace, scenario), the
+    paper's range shaded; one legend under the panels."""
     plt = common.pyplot()
     rows = result["rows"]
     panels = list(dict.fromkeys((r["trace"], r["scenario"]) for r in rows))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.0), squeeze=False)
+    markers = ["o", "s", "^", "D"]
     for ax, (trace, scen) in zip(axes[0], panels):
         mine = [r for r in rows if r["trace"] == trace and r["scenario"] == scen]
-        for label in dict.fromkeys(r["allocator"] for r in mine):
-            pts = [r for r in mine if r["allocator"] == label]
-            ax.plot([r["n"] for r in pts], [100 * r["saved"] for r in pts], "o-", label=f"{label} ({pts[0]['tokens_per_page']} tok/page)")
         low, high = PAPER[(trace, scen)]
-        ax.axhspan(100 * low, 100 * high, color="grey", alpha=0.2, label="vLLM paper range")
-        ax.set_title(f"{trace}: {'parallel sampling' if scen == 'parallel' else 'beam search'}")
-        ax.set_xlabel("n" if scen == "parallel" else "beam width")
+        ax.axhspan(100 * low, 100 * high, color="grey", alpha=0.2, label="vLLM paper (Fig. 15) range")
+        for i, label in enumerate(dict.fromkeys(r["allocator"] for r in mine)):
+            pts = [r for r in mine if r["allocator"] == label]
+            ax.plot([r["n"] for r in pts], [100 * r["saved"] for r in pts], marker=markers[i % len(markers)],
+                    label=f"{label} ({pts[0]['tokens_per_page']} tok/page)")
+        ax.set_title(f"{trace}-like: {'parallel sampling' if scen == 'parallel' else 'beam search'}")
+        ax.set_xlabel("n (samples)" if scen == "parallel" else "beam width")
+        ax.set_xticks(sorted({r["n"] for r in mine}))
         ax.set_ylabel("memory saved (%)")
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
-    return [common.save_figure(fig, out_dir, "sharing_saved.png")]
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    columns = 2 if len(panels) <= 2 else 4
+    fig.legend(handles, labels, loc="lower center", ncol=columns, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.06 * -(-len(labels) // columns) + 0.02, 1, 1))
+    return [common.save_figure(fig, out_dir, "sharing_saved.png", tight=False)]
