@@ -112,9 +112,12 @@ def _decode_loop(args: argparse.Namespace, page_size: str, map_ahead: bool, prem
     and per-step seconds in all (wall clock)."""
     shape = {"num_layers": 4, "num_kv_heads": 4, "head_dim": 32, "dtype": "float32"}
     prompt = 16
-    config = common.cache_config(
+    page = vmkv.parse_size(page_size)
+    pages_per_seq = -(-(prompt + args.steps + 1) * 4 * 32 * 4 // page) + 1  # 512 B a token in each tensor
+    config = common.cache_config(  # a budget the run needs (+1 page a sequence), not more: mappings are finite
         shape, args.device, max_batch_size=args.batch, max_seq_len=prompt + args.steps + 1,
-        memory_budget="256MiB", page_size=page_size, prefix_caching=False, map_ahead=map_ahead,
+        memory_budget=2 * 4 * page * args.batch * pages_per_seq, page_size=page_size, prefix_caching=False,
+        map_ahead=map_ahead,
     )
     gen = torch.Generator().manual_seed(args.seed)
     with vmkv.open_cache(config, "vmm") as cache:

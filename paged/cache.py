@@ -26,9 +26,12 @@ from typing import Any
 import torch
 
 from vmkv.base import KVCacheBase, SeqId, _Sequence
-from vmkv.config import KVCacheConfig, paged_geometry
-from vmkv.errors import BackendUnavailable
+from vmkv.calls import exclusive
+from vmkv.config import KVCacheConfig, check_budget_fits, paged_geometry
+from vmkv.errors import BackendUnavailable, InvalidConfig
+from vmkv.sizes import format_size
 from vmkv.step import StepPlan
+from vmkv.validate import as_layer, as_scale
 
 from .attention import DEFAULT_CHUNK_TOKENS, PagedKernel, make_paged_kernel
 
@@ -67,6 +70,7 @@ class PagedKVCache(KVCacheBase):
         self, config: KVCacheConfig, *, kernel: str | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     ) -> None:
         geometry = paged_geometry(config)
+        check_budget_fits(config)
         if config.device.type == "cuda" and not torch.cuda.is_available():
             raise BackendUnavailable("CUDA driver not available: torch.cuda.is_available() is False")
         block, heads, dim = config.block_size, config.num_kv_heads, config.head_dim
@@ -74,48 +78,64 @@ class PagedKVCache(KVCacheBase):
             config.device, config.dtype, heads, dim, block, forced=kernel, chunk_tokens=chunk_tokens
         )
         self.kernel = self._kernel.name
-        shape = (config.num_layers, geometry.num_pages, block, heads, dim)
-        # Zeroed so that no read (kv(), a kernel's masked tail) ever sees uninitialised memory.
-        self._k: torch.Tensor | None = torch.zeros(shape, dtype=config.dtype, device=config.device)
-        self._v: torch.Tensor | None = torch.zeros(shape, dtype=config.dtype, device=config.device)
         super().__init__(config, geometry)
         self.block_size = block
         self.num_blocks = geometry.num_pages
-        self.block_table = torch.full((config.max_batch_size, self.max_pages_per_seq), NO_BLOCK, dtype=torch.int32)
         self._step_meta: tuple[tuple[int, int, float], Any] | None = None
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+        shape = (config.num_layers, geometry.num_pages, block, heads, dim)
+        try:
+            # Zeroed so that no read (kv(), a kernel's masked tail) ever sees uninitialised memory.
+            self._k = torch.zeros(shape, dtype=config.dtype, device=config.device)
+            self._v = torch.zeros(shape, dtype=config.dtype, device=config.device)
+        except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            self.close()
+            raise InvalidConfig(
+                f"memory_budget {format_size(config.memory_budget)}: the block pools could not be allocated "
+                f"on {config.device} ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+            ) from None
+        self.block_table = torch.full((config.max_batch_size, self.max_pages_per_seq), NO_BLOCK, dtype=torch.int32)
 
     # ---- what the model and kernels read ---------------------------------------------------
+    @exclusive
     def block_pool(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A layer's K and V block pools, each ``[num_blocks, block_size, kv_heads, head_dim]`` (zero-copy)."""
+        layer = as_layer(layer, self.config.num_layers)
         return self._k[layer], self._v[layer]
 
+    @exclusive
     def layer_storage(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = as_layer(layer, self.config.num_layers)
         rows = (self.num_blocks * self.block_size, self.config.num_kv_heads, self.config.head_dim)
         return self._k[layer].view(rows), self._v[layer].view(rows)
 
+    @exclusive
     def kv(self, seq_id: SeqId, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The stored K and V of one sequence in one layer, each ``[length, kv_heads, head_dim]``.
 
         Paged storage is not contiguous per sequence, so this gathers its blocks (a copy).
 
         Raises:
-            UnknownSequence.
+            UnknownSequence, InvalidInput.
         """
         seq = self._get(seq_id)
+        layer = as_layer(layer, self.config.num_layers)
         blocks = torch.tensor(seq.pages[: self.pages_for(seq.length)], dtype=torch.long, device=self.config.device)
         k = self._k[layer][blocks].flatten(0, 1)[: seq.length]
         v = self._v[layer][blocks].flatten(0, 1)[: seq.length]
         return k, v
 
+    @exclusive
     def attention(self, layer: int, q: torch.Tensor, plan: StepPlan, *, scale: float | None = None) -> torch.Tensor:
         """See :meth:`vmkv.base.KVCacheBase.attention`; runs ``stats()["kernel"]``.
 
         Raises:
             StalePlan, InvalidShape, InvalidDtype, InvalidDevice, InvalidInput.
         """
-        self._check_plan(plan, layer)
+        layer = self._check_plan(plan, layer)
         self._check_query(q, plan)
-        scale = self.config.head_dim**-0.5 if scale is None else float(scale)
+        scale = as_scale(scale, self.config.head_dim)
         meta = self._prepared(plan, q.shape[1], scale)
         return self._kernel(q, self._k[layer], self._v[layer], plan, meta, scale)
 
@@ -133,7 +153,7 @@ class PagedKVCache(KVCacheBase):
             self._v[:, page, :keep].copy_(self._v[:, old, :keep])
         self.block_table[slot, index] = page
 
-    def _detach(self, slot: int, index: int) -> None:
+    def _detach(self, slot: int, index: int, page: int) -> None:
         self.block_table[slot, index] = NO_BLOCK
 
     def _release(self, pages: list[int]) -> None:
@@ -178,10 +198,7 @@ class PagedKVCache(KVCacheBase):
         )
         return stats
 
-    def close(self) -> None:
-        """Free the pools. The cache is unusable afterwards."""
-        if self._k is None:
-            return
-        self._settle()
+    def _close_storage(self) -> None:
+        """Free the pools (views handed out keep their own reference to the memory)."""
         self._k = self._v = None
         self._step_meta = None

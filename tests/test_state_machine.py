@@ -1,8 +1,13 @@
-"""Property-based test: random add / step / fork / free / truncate / reserve / trim against a model.
+"""Property-based test: random add / step / fork / free / truncate / reserve / trim against a model,
+with backend failures injected into random calls.
 
 After every step: every page's reference count equals its owners, no page is both free and in
 use (``cache.check()``), and every sequence reads back exactly the K/V of the tokens it holds.
-At the end, freeing everything and trimming returns every page.
+A call that fails (an injected backend failure at its k-th map/unmap/allocate) leaves the cache's
+state exactly as before. At the end, freeing everything and trimming returns every page.
+
+The quick settings run in every test session; ``test_*_state_machine_long`` (marked slow) runs
+2,000 examples per mode.
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import vmkv
-from vmkv.errors import NoFreeSlot, OutOfPages
+from vmkv.errors import BackendError, NoFreeSlot, OutOfPages
 from conftest import HAS_PAGED
+from test_hardening import instrument
 
 TPP = 8  # 2 heads x 64 floats = 512 B a token: 4 KiB pages / blocks of 8 hold 8 tokens
 CONFIG = dict(
@@ -39,6 +45,7 @@ class CacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.cache = vmkv.open_cache(vmkv.KVCacheConfig(**CONFIG), mode=self.mode)
+        self.faults = instrument(self.cache)  # counts backend calls; fails one when armed
         self.tokens: dict[int, list[int]] = {}  # the model: tokens each sequence holds
         self.next_id = 0
 
@@ -126,6 +133,40 @@ class CacheMachine(RuleBasedStateMachine):
     def trim(self, keep_cached):
         self.cache.trim(keep_cached=keep_cached)
 
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), k=st.integers(1, 10), op=st.sampled_from(["step", "fork", "free", "trim", "reserve"]))
+    def fail_one_call(self, data, k, op):
+        """Arm a failure at the k-th failable call of one operation: if it fires, nothing changed."""
+        seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        before = self.cache.state()
+        self.faults.arm(k)
+        try:
+            if op == "step":
+                room = CONFIG["max_seq_len"] - len(self.tokens[seq_id])
+                if room > 0:
+                    self._step({seq_id: data.draw(st.lists(st.integers(0, 9), min_size=1, max_size=min(room, 20)))})
+            elif op == "fork":
+                self.fork_into(seq_id)
+            elif op == "free":
+                self.cache.free(seq_id)
+                del self.tokens[seq_id]
+            elif op == "trim":
+                self.cache.trim()
+            else:
+                self.cache.reserve(seq_id, min(CONFIG["max_seq_len"], len(self.tokens[seq_id]) + 3 * TPP))
+        except BackendError:
+            if op != "trim":  # trim frees pages first and gives memory back last
+                assert self.cache.state() == before, f"a failed {op} changed the cache"
+        except (OutOfPages, NoFreeSlot):
+            assert self.cache.state() == before
+        finally:
+            self.faults.fail_at = None
+
+    def fork_into(self, src: int) -> None:
+        dst, self.next_id = self.next_id, self.next_id + 1
+        self.cache.fork(src, dst)
+        self.tokens[dst] = list(self.tokens[src])
+
     @invariant()
     def pages_and_contents_are_consistent(self):
         self.cache.check()
@@ -149,6 +190,8 @@ class CacheMachine(RuleBasedStateMachine):
 
 SETTINGS = settings(max_examples=20, stateful_step_count=25, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
+LONG = settings(max_examples=2000, stateful_step_count=12, deadline=None,
+                suppress_health_check=[HealthCheck.too_slow])
 
 
 class VmmMachine(CacheMachine):
@@ -161,3 +204,7 @@ class PagedMachine(CacheMachine):
 
 TestVmmStateMachine = SETTINGS(VmmMachine).TestCase
 TestPagedStateMachine = pytest.mark.skipif(not HAS_PAGED, reason="paged mode not built yet")(SETTINGS(PagedMachine).TestCase)
+TestVmmStateMachineLong = pytest.mark.slow(type("VmmMachineLong", (CacheMachine,), {"mode": "vmm"}).TestCase)
+TestVmmStateMachineLong.settings = LONG
+TestPagedStateMachineLong = pytest.mark.slow(type("PagedMachineLong", (CacheMachine,), {"mode": "paged"}).TestCase)
+TestPagedStateMachineLong.settings = LONG

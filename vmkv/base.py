@@ -2,10 +2,10 @@
 
 ``KVCacheBase`` owns every decision about *which* pool page holds *which* tokens of *which*
 sequence. A mode only says how a page is addressed (VMM: mapped into a slot's virtual range;
-paged: written into a block-table row) through four hooks:
+paged: written into a block-table row) through these hooks, each all-or-nothing:
 
     _attach(slot, index, page, old, keep)   logical page ``index`` of ``slot`` now addresses ``page``
-    _detach(slot, index)                    ... addresses nothing
+    _detach(slot, index, page)              ... addresses nothing (reads as zeros in VMM mode)
     _release(pages)                         give free pages' memory back to the OS (if possible)
     _token_rows(slot, pages, start, n)      storage rows of tokens ``start .. start+n-1``
 
@@ -17,25 +17,33 @@ Ownership, per slot::
 
 Every page in ``seq.pages`` or in a slot's spare list holds one reference in the pool; a page
 shared by a fork or a prefix hit holds one per owner. A write into a page with two or more
-owners first copies it (copy-on-write). Full pages whose token ids are known are registered in
-the pool's prefix index once their step is complete, i.e. at the next call into the cache.
+owners first copies it (copy-on-write). A step's full pages whose token ids are known enter the
+prefix index at the next call into the cache, and only if that step wrote every layer (pages
+whose K/V were never written are never served to another prompt).
 
-Every public method validates everything first and raises before changing anything.
+Every public method validates everything first and raises before changing anything; what can
+fail half-way (the OS or driver refusing a mapping) runs inside :func:`vmkv.calls.atomic` and
+is rolled back. Calls must not overlap in time (:func:`vmkv.calls.exclusive`).
 """
 
 from __future__ import annotations
 
 import hashlib
-from concurrent.futures import Future, ThreadPoolExecutor
+import logging
+import threading
 from abc import ABC, abstractmethod
 from collections import Counter
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
+from .calls import atomic, exclusive
 from .config import KVCacheConfig, PageGeometry
 from .errors import (
+    ConcurrentUse,
     DuplicateSequence,
     InvalidDevice,
     InvalidDtype,
@@ -49,8 +57,10 @@ from .errors import (
 )
 from .pages import PagePool
 from .step import StepPlan, causal_mask
+from .validate import as_int, as_layer, as_token_ids, check_seq_id
 
 SeqId = Hashable
+log = logging.getLogger("vmkv")
 
 
 @dataclass
@@ -69,7 +79,8 @@ class _Sequence:
 class KVCacheBase(ABC):
     """Lifecycle API shared by :class:`vmkv.VirtualKVCache` and :class:`paged.PagedKVCache`.
 
-    Subclasses set ``mode`` and ``kernel``, allocate their storage, then call ``super().__init__``.
+    Subclasses set ``mode`` and ``kernel``, call ``super().__init__`` before anything that can
+    fail (so ``close()`` always finds the attributes it needs), then allocate their storage.
     """
 
     mode: str
@@ -85,8 +96,17 @@ class KVCacheBase(ABC):
         self._free_slots: set[int] = set(range(config.max_batch_size))
         self._spare: dict[int, list[int]] = {slot: [] for slot in range(config.max_batch_size)}
         self._keep_spare = config.deferred_reclaim and self.mode == "vmm"
-        self._unregistered: set[SeqId] = set()  # sequences whose last step may have filled pages
+        self._tokens = 0  # sum of the live sequences' lengths (stats() is O(1))
         self._version = 0
+        self._owner = object()  # plans carry it: a plan of another cache is refused
+        # the last step, until the next call registers its full pages: (seq_id, start) and layers written
+        self._last_step: list[tuple[SeqId, int]] = []
+        self._layers_written: set[int] = set()
+        # call discipline (vmkv.calls): one thread at a time, journaled changes, broken after a failed undo
+        self._lock = threading.RLock()
+        self._journal: list[Callable[[], None]] | None = None
+        self._closed = False
+        self._broken: str | None = None
         # map ahead (VMM mode): one long-lived worker; _ahead is its pending job, joined by _settle
         self._ahead: Future | None = None
         self._ahead_worker = (
@@ -97,15 +117,16 @@ class KVCacheBase(ABC):
     # ---- hooks a mode implements ---------------------------------------------------------
     @abstractmethod
     def _attach(self, slot: int, index: int, page: int, old: int | None, keep: int) -> None:
-        """Make logical page ``index`` of ``slot`` address ``page``.
+        """Make logical page ``index`` of ``slot`` address ``page``, all or nothing.
 
         ``old`` is the page addressed there before (``None`` if none). Copy-on-write: the first
         ``keep`` tokens of ``old`` (every layer, K and V) are copied into ``page`` first.
         """
 
     @abstractmethod
-    def _detach(self, slot: int, index: int) -> None:
-        """Make logical page ``index`` of ``slot`` address nothing."""
+    def _detach(self, slot: int, index: int, page: int) -> None:
+        """Make logical page ``index`` of ``slot`` (which addresses ``page``) address nothing,
+        all or nothing."""
 
     @abstractmethod
     def _release(self, pages: list[int]) -> None:
@@ -136,10 +157,11 @@ class KVCacheBase(ABC):
         """The stored K and V of one sequence in one layer, each ``[length, kv_heads, head_dim]``."""
 
     @abstractmethod
-    def close(self) -> None:
-        """Release all memory. The cache is unusable afterwards."""
+    def _close_storage(self) -> None:
+        """Release the mode's memory (must work on a half-built cache)."""
 
     # ---- lifecycle -------------------------------------------------------------------------
+    @exclusive
     def add(self, seq_id: SeqId, token_ids: Sequence[int] | None = None) -> int:
         """Start a sequence in a free slot, reusing cached pages of its prompt.
 
@@ -157,9 +179,10 @@ class KVCacheBase(ABC):
             DuplicateSequence, SequenceTooLong, NoFreeSlot, InvalidInput.
         """
         self._settle()
+        check_seq_id(seq_id)
         if seq_id in self._seqs:
             raise DuplicateSequence(f"sequence {seq_id!r} already exists; free it first or pick another id")
-        tokens = self._check_tokens(token_ids, 0)
+        tokens = [] if token_ids is None else as_token_ids(token_ids)
         if len(tokens) > self.config.max_seq_len:
             raise SequenceTooLong(
                 f"prompt of {len(tokens)} tokens exceeds max_seq_len={self.config.max_seq_len}"
@@ -167,20 +190,19 @@ class KVCacheBase(ABC):
         self._require_free_slot(seq_id)
         hits = self._match_prefix(tokens)
         slot = self._pick_slot(self.pages_for(len(tokens)) if tokens else None)
-        seq = _Sequence(seq_id, slot, pages=[], tokens=tokens)
-        for page, _ in hits:
-            self.pool.incref(page)
-        seq.pages = self._adopt_slot(slot, [page for page, _ in hits])
+        with atomic(self):
+            for page, _ in hits:
+                self.pool.incref(page)
+            pages = self._adopt_slot(slot, [page for page, _ in hits])
+        seq = self._start_sequence(seq_id, slot, pages, len(hits) * self.tokens_per_page, tokens)
         seq.hashes = [page_hash for _, page_hash in hits]
-        seq.length = len(hits) * self.tokens_per_page
-        self._seqs[seq_id] = seq
         if tokens and self.config.prefix_caching:
             self.counters["prefix_queries"] += 1
             self.counters["prefix_hits"] += bool(hits)
             self.counters["prefix_hit_tokens"] += seq.length
-        self._version += 1
         return slot
 
+    @exclusive
     def fork(self, src_id: SeqId, dst_id: SeqId) -> int:
         """Start ``dst_id`` as a copy of ``src_id`` that shares all of its pages (no copy).
 
@@ -191,24 +213,25 @@ class KVCacheBase(ABC):
             The slot of ``dst_id``.
 
         Raises:
-            UnknownSequence, DuplicateSequence, NoFreeSlot.
+            UnknownSequence, DuplicateSequence, NoFreeSlot, InvalidInput.
         """
         self._settle()
         src = self._get(src_id)
+        check_seq_id(dst_id)
         if dst_id in self._seqs:
             raise DuplicateSequence(f"cannot fork into {dst_id!r}: it already exists")
         self._require_free_slot(dst_id)
         slot = self._pick_slot(0)
-        for page in src.pages:
-            self.pool.incref(page)
-        pages = self._adopt_slot(slot, list(src.pages))
-        self._seqs[dst_id] = _Sequence(
-            dst_id, slot, pages, src.length, src.reserved, list(src.tokens), list(src.hashes)
-        )
+        with atomic(self):
+            for page in src.pages:
+                self.pool.incref(page)
+            pages = self._adopt_slot(slot, list(src.pages))
+        seq = self._start_sequence(dst_id, slot, pages, src.length, list(src.tokens))
+        seq.reserved, seq.hashes = src.reserved, list(src.hashes)
         self.counters["forks"] += 1
-        self._version += 1
         return slot
 
+    @exclusive
     def reserve(self, seq_id: SeqId, num_tokens: int) -> None:
         """Guarantee room for ``num_tokens`` tokens in total, mapping pages now if needed.
 
@@ -217,14 +240,15 @@ class KVCacheBase(ABC):
         """
         self._settle()
         seq = self._get(seq_id)
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-            raise InvalidInput(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        num_tokens = as_int(num_tokens, "num_tokens")
         self._check_length(seq, num_tokens)
         grow = max(0, self.pages_for(num_tokens) - len(seq.pages))
-        self._make_room(grow)
-        self._grow(seq, grow)
+        with atomic(self):
+            self._make_room(grow)
+            self._grow(seq, grow)
         seq.reserved = max(seq.reserved, num_tokens)
 
+    @exclusive
     def free(self, seq_id: SeqId) -> None:
         """End a sequence. Its full pages stay in the prefix cache; with deferred reclamation
         (VMM mode) its private pages stay mapped in the slot for the next sequence.
@@ -238,13 +262,16 @@ class KVCacheBase(ABC):
         if self._keep_spare:
             while keep < len(seq.pages) and self._is_private(seq.pages[keep]):
                 keep += 1
-        for index in range(len(seq.pages) - 1, keep - 1, -1):
-            self._drop(seq.slot, index, seq.pages[index])
+        with atomic(self):
+            for index in range(len(seq.pages) - 1, keep - 1, -1):
+                self._drop(seq.slot, index, seq.pages[index])
         self._spare[seq.slot] = seq.pages[:keep]
         del self._seqs[seq_id]
         self._free_slots.add(seq.slot)
+        self._tokens -= seq.length
         self._version += 1
 
+    @exclusive
     def truncate(self, seq_id: SeqId, length: int) -> None:
         """Forget the tokens of ``seq_id`` from position ``length`` on (pages stay until ``trim``).
 
@@ -253,13 +280,16 @@ class KVCacheBase(ABC):
         """
         self._settle()
         seq = self._get(seq_id)
-        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= seq.length:
-            raise InvalidInput(f"truncate length must be in 0..{seq.length}, got {length!r}")
+        length = as_int(length, "truncate length")
+        if length > seq.length:
+            raise InvalidInput(f"truncate length must be in 0..{seq.length}, got {length}")
+        self._tokens -= seq.length - length
         seq.length = length
         del seq.tokens[length:]
         del seq.hashes[length // self.tokens_per_page :]
         self._version += 1
 
+    @exclusive
     def trim(self, keep_cached: bool = False) -> int:
         """Return every page no live sequence needs to the pool, and free memory to the OS.
 
@@ -268,26 +298,34 @@ class KVCacheBase(ABC):
 
         Returns:
             The number of pages that became free.
+
+        Raises:
+            BackendError: the OS refused to take some free page's memory back; the pages are
+                free in the pool all the same (call ``trim()`` again to retry).
         """
         self._settle()
         before = self.pool.num_free
+        needs = {seq.seq_id: self.pages_for(max(seq.length, seq.reserved)) for seq in self._seqs.values()}
+        with atomic(self):
+            for slot in sorted(self._free_slots):
+                spare = self._spare[slot]
+                for index in range(len(spare) - 1, -1, -1):
+                    self._drop(slot, index, spare[index])
+            for seq in self._seqs.values():
+                for index in range(len(seq.pages) - 1, needs[seq.seq_id] - 1, -1):
+                    self._drop(seq.slot, index, seq.pages[index])
+            if not keep_cached:
+                self.pool.evict_all()
         for slot in self._free_slots:
-            spare = self._spare[slot]
-            for index in range(len(spare) - 1, -1, -1):
-                self._drop(slot, index, spare[index])
-            spare.clear()
+            self._spare[slot] = []
         for seq in self._seqs.values():
-            need = self.pages_for(max(seq.length, seq.reserved))
-            for index in range(len(seq.pages) - 1, need - 1, -1):
-                self._drop(seq.slot, index, seq.pages[index])
-            del seq.pages[need:]
-        if not keep_cached:
-            self.pool.evict_all()
-        self._release(self.pool.free_pages())
+            del seq.pages[needs[seq.seq_id] :]
         self._version += 1
+        self._release(self.pool.free_pages())
         return self.pool.num_free - before
 
     # ---- a step ----------------------------------------------------------------------------
+    @exclusive
     def begin_step(self, batch: Mapping[SeqId, int | Sequence[int]]) -> StepPlan:
         """Make room for a step's new tokens and build the metadata every layer will use.
 
@@ -304,38 +342,31 @@ class KVCacheBase(ABC):
             UnknownSequence, SequenceTooLong, OutOfPages, InvalidInput.
         """
         self._settle()
-        if not batch:
-            raise InvalidInput("begin_step needs at least one sequence")
-        steps = []
-        for seq_id, new in batch.items():
-            seq = self._get(seq_id)
-            if isinstance(new, bool) or not isinstance(new, int):
-                ids = self._check_tokens(new, 1)
-                count = len(ids)
-            else:
-                ids, count = None, new
-            if count <= 0:
-                raise InvalidInput(f"sequence {seq_id!r}: a step must add at least one token")
-            self._check_length(seq, seq.length + count)
-            steps.append((seq, count, ids))
+        steps = self._check_batch(batch)
         copies, grows = self._plan_pages(steps)
-        self._make_room(sum(len(c) for c in copies) + sum(grows))
-        for (seq, count, ids), copy_at, grow in zip(steps, copies, grows):
-            self._copy_on_write(seq, copy_at)
-            self._grow(seq, grow)
+        with atomic(self):
+            self._make_room(sum(len(c) for c in copies) + sum(grows))
+            for (seq, _, _), copy_at, grow in zip(steps, copies, grows):
+                self._copy_on_write(seq, copy_at)
+                self._grow(seq, grow)
+        for seq, count, ids in steps:
             self._unregister_written(seq, count)
             if ids is not None and len(seq.tokens) >= seq.length:
                 seq.tokens[seq.length : seq.length + count] = ids
             elif len(seq.tokens) < seq.length + count:
                 del seq.tokens[seq.length :]  # ids unknown from here on: stop hashing
+            self._last_step.append((seq.seq_id, seq.length))
             seq.length += count
-            self._unregistered.add(seq.seq_id)
+            self._tokens += count
+        self.counters["cow_copies"] += sum(len(c) for c in copies)
+        self._layers_written = set()
         self._version += 1
         plan = self._build_plan([s for s, _, _ in steps], [c for _, c, _ in steps])
         if self._ahead_worker is not None:
             self._start_map_ahead(plan)
         return plan
 
+    @exclusive
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> None:
         """Store the step's new keys and values of one layer.
 
@@ -347,17 +378,21 @@ class KVCacheBase(ABC):
         Raises:
             StalePlan, InvalidShape, InvalidDtype, InvalidDevice, InvalidInput.
         """
-        self._check_plan(plan, layer)
+        layer = self._check_plan(plan, layer)
         shape = (plan.num_tokens, self.config.num_kv_heads, self.config.head_dim)
         for name, tensor in (("k", k), ("v", v)):
             self._check_tensor(name, tensor, shape)
         k_rows, v_rows = self.layer_storage(layer)
         k_rows.index_copy_(0, plan.write_rows, k)
         v_rows.index_copy_(0, plan.write_rows, v)
+        self._layers_written.add(layer)
 
     # ---- queries ---------------------------------------------------------------------------
     def __contains__(self, seq_id: SeqId) -> bool:
-        return seq_id in self._seqs
+        try:
+            return seq_id in self._seqs
+        except TypeError:  # unhashable: certainly not a sequence of ours
+            return False
 
     def __len__(self) -> int:
         return len(self._seqs)
@@ -368,8 +403,12 @@ class KVCacheBase(ABC):
         return list(self._seqs)
 
     def pages_for(self, num_tokens: int) -> int:
-        """Pool pages that hold ``num_tokens`` tokens of one sequence."""
-        return -(-num_tokens // self.tokens_per_page)
+        """Pool pages that hold ``num_tokens`` tokens of one sequence.
+
+        Raises:
+            InvalidInput: ``num_tokens`` is not an int >= 0.
+        """
+        return -(-as_int(num_tokens, "num_tokens") // self.tokens_per_page)
 
     def seq_len(self, seq_id: SeqId) -> int:
         """Tokens stored for ``seq_id`` (after ``add``: the tokens found in the prefix cache)."""
@@ -379,18 +418,18 @@ class KVCacheBase(ABC):
         """The slot (batch row) of ``seq_id``."""
         return self._get(seq_id).slot
 
+    @exclusive
     def pages(self, seq_id: SeqId) -> list[int]:
         """Pool page ids holding ``seq_id``'s tokens, in order (a copy)."""
         self._settle()
         return list(self._get(seq_id).pages)
 
     def stats(self) -> dict[str, Any]:
-        """Memory and sharing counters. ``utilization`` = ``token_bytes / bytes_in_use``: above
+        """Memory and sharing counters, in O(1); callable from any thread (a snapshot that a
+        concurrent call may be changing). ``utilization`` = ``token_bytes / bytes_in_use``: above
         1.0 when sharing stores one page for several sequences."""
-        self._settle()
         page_bytes = self.geometry.page_bytes
-        tokens = sum(seq.length for seq in self._seqs.values())
-        token_bytes = tokens * self.config.bytes_per_token
+        token_bytes = self._tokens * self.config.bytes_per_token
         bytes_in_use = self.pool.num_in_use * page_bytes
         return {
             "mode": self.mode,
@@ -399,13 +438,13 @@ class KVCacheBase(ABC):
             "pages_total": self.pool.num_pages,
             "pages_free": self.pool.num_free,
             "pages_in_use": self.pool.num_in_use,
-            "pages_spare": sum(len(spare) for spare in self._spare.values()),
+            "pages_spare": sum(len(spare) for spare in list(self._spare.values())),
             "shared_pages": self.pool.num_shared,
             "cached_pages": self.pool.num_cached,
             "page_bytes": page_bytes,
             "tokens_per_page": self.tokens_per_page,
             "bytes_in_use": bytes_in_use,
-            "tokens": tokens,
+            "tokens": self._tokens,
             "token_bytes": token_bytes,
             "utilization": token_bytes / bytes_in_use if bytes_in_use else 0.0,
             "prefix_hits": self.counters["prefix_hits"],
@@ -414,8 +453,10 @@ class KVCacheBase(ABC):
             "cow_copies": self.counters["cow_copies"],
             "forks": self.counters["forks"],
             "evictions": self.pool.evictions,
+            "map_ahead_errors": self.counters["map_ahead_errors"],
         }
 
+    @exclusive
     def check(self) -> None:
         """Raise ``AssertionError`` if page ownership is inconsistent (used by the tests)."""
         self._settle()
@@ -429,8 +470,53 @@ class KVCacheBase(ABC):
             owners.update(spare)
         for page in range(self.pool.num_pages):
             assert self.pool.refcount(page) == owners[page], f"page {page}: ref != owners"
+        assert self._tokens == sum(seq.length for seq in self._seqs.values()), "token counter is off"
 
-    # ---- internals -------------------------------------------------------------------------
+    def state(self) -> tuple:
+        """Everything that defines the cache's bookkeeping, as comparable values: a failed call
+        leaves it equal (tests compare it before and after)."""
+        seqs = tuple(
+            (s.seq_id, s.slot, tuple(s.pages), s.length, s.reserved, tuple(s.tokens), tuple(s.hashes))
+            for s in self._seqs.values()
+        )
+        spare = tuple(tuple(self._spare[slot]) for slot in sorted(self._spare))
+        return (seqs, spare, tuple(sorted(self._free_slots)), self.pool.state(), self._version, self._tokens,
+                dict(self.counters))
+
+    # ---- closing ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release all memory; views handed out earlier stay readable (VMM: they read zeros).
+        The cache is unusable afterwards. Idempotent, and works on a half-built cache.
+
+        Raises:
+            ConcurrentUse: another thread is inside the cache.
+        """
+        lock = getattr(self, "_lock", None)
+        if lock is not None and not lock.acquire(blocking=False):
+            raise ConcurrentUse("close() while another thread is inside this cache")
+        try:
+            if getattr(self, "_closed", False):
+                return
+            self._closed = True
+            self._stop_map_ahead()
+            self._close_storage()
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def __enter__(self) -> "KVCacheBase":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown, or a half-built object: nothing left to do
+            pass
+
+    # ---- validation ------------------------------------------------------------------------
     def _get(self, seq_id: SeqId) -> _Sequence:
         try:
             return self._seqs[seq_id]
@@ -450,22 +536,37 @@ class KVCacheBase(ABC):
                 f"sequence {seq.seq_id!r} would hold {total} tokens, past max_seq_len={self.config.max_seq_len}"
             )
 
-    @staticmethod
-    def _check_tokens(token_ids: Iterable[int] | None, minimum: int) -> list[int]:
-        if token_ids is None:
-            return []
-        if isinstance(token_ids, torch.Tensor):
-            token_ids = token_ids.reshape(-1).tolist()
-        tokens = list(token_ids)
-        if len(tokens) < minimum or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-            raise InvalidInput("token ids must be a sequence of ints")
-        return tokens
+    def _check_batch(self, batch: Any) -> list[tuple[_Sequence, int, list[int] | None]]:
+        """``(sequence, new tokens, their ids or None)`` per entry of a ``begin_step`` batch."""
+        if not isinstance(batch, Mapping):
+            raise InvalidInput(f"begin_step takes a mapping {{seq_id: count or token ids}}, got {type(batch).__name__}")
+        if not batch:
+            raise InvalidInput("begin_step needs at least one sequence")
+        steps: list[tuple[_Sequence, int, list[int] | None]] = []
+        for seq_id, new in batch.items():
+            seq = self._get(seq_id)
+            if isinstance(new, torch.Tensor) and new.dim() == 0:
+                raise InvalidInput(
+                    f"sequence {seq_id!r}: a 0-d tensor is ambiguous; pass an int count or a list of token ids"
+                )
+            if isinstance(new, (bool, float)) or hasattr(new, "__index__"):  # a count (NumPy ints too)
+                ids, count = None, as_int(new, f"new tokens of {seq_id!r}", minimum=1)
+            else:
+                ids = as_token_ids(new, 1)
+                count = len(ids)
+            self._check_length(seq, seq.length + count)
+            steps.append((seq, count, ids))
+        return steps
 
-    def _check_plan(self, plan: StepPlan, layer: int) -> None:
+    def _check_plan(self, plan: StepPlan, layer: int) -> int:
+        """Validate a plan and layer index for this cache; return the layer as an int."""
+        if not isinstance(plan, StepPlan):
+            raise InvalidInput(f"plan must be the StepPlan returned by begin_step, got {type(plan).__name__}")
+        if plan.owner is not self._owner:
+            raise StalePlan("this plan was built by another cache; call begin_step on this one")
         if plan.version != self._version:
             raise StalePlan("the cache changed since this plan was built; call begin_step again")
-        if not 0 <= layer < self.config.num_layers:
-            raise InvalidInput(f"layer {layer} out of range 0..{self.config.num_layers - 1}")
+        return as_layer(layer, self.config.num_layers)
 
     def _check_tensor(self, name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
         if not isinstance(tensor, torch.Tensor):
@@ -486,13 +587,27 @@ class KVCacheBase(ABC):
             )
         self._check_tensor("q", q, (plan.num_tokens, heads, self.config.head_dim))
 
-    def _is_private(self, page: int) -> bool:
-        return self.pool.refcount(page) == 1 and self.pool.page_hash(page) is None
+    # ---- page ownership (inside atomic(): every change is journaled) -----------------------
+    def _log(self, undo: Callable[[], None]) -> None:
+        if self._journal is not None:
+            self._journal.append(undo)
+
+    def _map_page(self, slot: int, index: int, page: int, old: int | None = None, keep: int = 0) -> None:
+        """``_attach`` with its undo journaled (``old`` mapped back, or the address emptied)."""
+        self._attach(slot, index, page, old, keep)
+        if old is None:
+            self._log(lambda: self._detach(slot, index, page))
+        else:
+            self._log(lambda: self._attach(slot, index, old, page, 0))
 
     def _drop(self, slot: int, index: int, page: int) -> None:
         """Stop addressing ``page`` from ``slot``/``index`` and release that reference."""
-        self._detach(slot, index)
+        self._detach(slot, index, page)
+        self._log(lambda: self._attach(slot, index, page, None, 0))
         self.pool.decref(page)
+
+    def _is_private(self, page: int) -> bool:
+        return self.pool.refcount(page) == 1 and self.pool.page_hash(page) is None
 
     def _pick_slot(self, want_pages: int | None) -> int:
         """A free slot for a new sequence, reusing the spare pages it keeps mapped.
@@ -510,21 +625,68 @@ class KVCacheBase(ABC):
         return min(self._free_slots, key=fit)
 
     def _adopt_slot(self, slot: int, head: list[int]) -> list[int]:
-        """Give ``slot`` to a new sequence whose first pages are ``head`` (already referenced).
-
-        Spare pages under ``head`` are released; spare pages after it become the sequence's.
-        """
+        """Map ``head`` (already referenced) as the first pages of ``slot``; return the pages of
+        the new sequence: ``head`` then the slot's spare pages past it. Spare pages under ``head``
+        are released. The caller commits (``_start_sequence``)."""
         spare = self._spare[slot]
         for index, page in enumerate(head):
             old = spare[index] if index < len(spare) else None
-            self._attach(slot, index, page, old, keep=0)
+            self._map_page(slot, index, page, old)
             if old is not None:
                 self.pool.decref(old)
-        pages = head + spare[len(head) :]
+        return head + spare[len(head) :]
+
+    def _start_sequence(self, seq_id: SeqId, slot: int, pages: list[int], length: int, tokens: list[int]) -> _Sequence:
+        """Commit a new sequence in ``slot`` (after ``_adopt_slot`` succeeded)."""
         self._spare[slot] = []
         self._free_slots.discard(slot)
-        return pages
+        seq = _Sequence(seq_id, slot, pages, length, tokens=tokens)
+        self._seqs[seq_id] = seq
+        self._tokens += length
+        self._version += 1
+        return seq
 
+    def _make_room(self, count: int) -> None:
+        """Ensure ``pool.allocate(count)`` will succeed, taking spare pages back from freed slots.
+
+        Raises:
+            OutOfPages: even with every spare page and cached page there is not enough.
+        """
+        short = count - self.pool.num_free
+        if short <= 0:
+            return
+        spare_total = sum(len(s) for slot, s in self._spare.items() if slot in self._free_slots)
+        if count > self.pool.num_free + self.pool.num_cached + spare_total:
+            raise OutOfPages(
+                f"need {count} pages; {self.pool.num_free} free, {self.pool.num_cached} cached, {spare_total} "
+                f"spare ({self.pool.num_pages} in all); free sequences or raise memory_budget"
+            )
+        for slot in sorted(self._free_slots):
+            spare = self._spare[slot]
+            while spare and short > 0:
+                page = spare.pop()
+                self._log(lambda spare=spare, page=page: spare.append(page))
+                self._drop(slot, len(spare), page)
+                short -= 1
+
+    def _grow(self, seq: _Sequence, count: int) -> None:
+        for page in self.pool.allocate(count):
+            self._map_page(seq.slot, len(seq.pages), page)
+            seq.pages.append(page)
+            self._log(seq.pages.pop)
+
+    def _copy_on_write(self, seq: _Sequence, indexes: list[int]) -> None:
+        """Give ``seq`` private copies of the shared pages at ``indexes`` (only stored tokens are copied)."""
+        for index in indexes:
+            old = seq.pages[index]
+            (page,) = self.pool.allocate(1)
+            keep = min(self.tokens_per_page, max(0, seq.length - index * self.tokens_per_page))
+            self._map_page(seq.slot, index, page, old, keep)
+            self.pool.decref(old)
+            seq.pages[index] = page
+            self._log(lambda index=index, old=old: seq.pages.__setitem__(index, old))
+
+    # ---- prefix cache ----------------------------------------------------------------------
     def _match_prefix(self, tokens: list[int]) -> list[tuple[int, bytes]]:
         """Cached pages of the longest prefix of whole pages of ``tokens`` (leaving >= 1 token)."""
         if not self.config.prefix_caching:
@@ -554,16 +716,42 @@ class KVCacheBase(ABC):
             self.pool.register(seq.pages[index], page_hash)
             seq.hashes.append(page_hash)
 
+    def _finish_last_step(self) -> None:
+        """Index the full pages the last step filled, if it wrote every layer. If it did not
+        (a forward pass failed half-way), its tokens' K/V are unknown: forget their ids, so
+        those pages never enter the prefix cache."""
+        complete = len(self._layers_written) == self.config.num_layers
+        for seq_id, start in self._last_step:
+            seq = self._seqs.get(seq_id)
+            if seq is None:
+                continue
+            if not complete:
+                del seq.tokens[start:]
+            elif self.config.prefix_caching:
+                self._register_full_pages(seq)
+        self._last_step = []
+
+    def _unregister_written(self, seq: _Sequence, count: int) -> None:
+        """Pages this step writes into change: drop their prefix hashes (they are private now)."""
+        tpp = self.tokens_per_page
+        for index in range(seq.length // tpp, self.pages_for(seq.length + count)):
+            self.pool.unregister(seq.pages[index])
+        del seq.hashes[seq.length // tpp :]
+
+    # ---- steps -----------------------------------------------------------------------------
     def _settle(self) -> None:
-        """Finish background mapping and index the pages the previous step filled."""
+        """Join background mapping (a failure there is logged and counted, never re-raised: the
+        next step maps the page itself) and finish the last step."""
         if self._ahead is not None:
-            self._ahead.result()
-            self._ahead = None
-        if self.config.prefix_caching:
-            for seq_id in self._unregistered:
-                if seq_id in self._seqs:
-                    self._register_full_pages(self._seqs[seq_id])
-        self._unregistered.clear()
+            ahead, self._ahead = self._ahead, None
+            try:
+                ahead.result()
+            except Exception as exc:  # noqa: BLE001 - reported in stats() and the log
+                self.counters["map_ahead_errors"] += 1
+                log.warning("vmkv: mapping ahead failed (%s: %s); the next step maps the page itself",
+                            type(exc).__name__, exc)
+        if self._last_step:
+            self._finish_last_step()
 
     def _plan_pages(self, steps: list[tuple[_Sequence, int, Any]]) -> tuple[list[list[int]], list[int]]:
         """For each step: the page indexes to copy before writing, and the pages to add.
@@ -586,50 +774,6 @@ class KVCacheBase(ABC):
             grows.append(max(0, end - len(seq.pages)))
         return copies, grows
 
-    def _make_room(self, count: int) -> None:
-        """Ensure ``pool.allocate(count)`` will succeed, taking spare pages back from freed slots.
-
-        Raises:
-            OutOfPages: even with every spare page and cached page there is not enough.
-        """
-        short = count - self.pool.num_free
-        if short <= 0:
-            return
-        spare_total = sum(len(s) for slot, s in self._spare.items() if slot in self._free_slots)
-        if count > self.pool.num_free + self.pool.num_cached + spare_total:
-            raise OutOfPages(
-                f"need {count} pages; {self.pool.num_free} free, {self.pool.num_cached} cached, {spare_total} "
-                f"spare ({self.pool.num_pages} in all); free sequences or raise memory_budget"
-            )
-        for slot in sorted(self._free_slots):
-            spare = self._spare[slot]
-            while spare and short > 0:
-                self._drop(slot, len(spare) - 1, spare.pop())
-                short -= 1
-
-    def _grow(self, seq: _Sequence, count: int) -> None:
-        for page in self.pool.allocate(count):
-            self._attach(seq.slot, len(seq.pages), page, None, keep=0)
-            seq.pages.append(page)
-
-    def _copy_on_write(self, seq: _Sequence, indexes: list[int]) -> None:
-        """Give ``seq`` private copies of the shared pages at ``indexes`` (only stored tokens are copied)."""
-        for index in indexes:
-            old = seq.pages[index]
-            (page,) = self.pool.allocate(1)
-            keep = min(self.tokens_per_page, max(0, seq.length - index * self.tokens_per_page))
-            self._attach(seq.slot, index, page, old, keep)
-            self.pool.decref(old)
-            seq.pages[index] = page
-            self.counters["cow_copies"] += 1
-
-    def _unregister_written(self, seq: _Sequence, count: int) -> None:
-        """Pages this step writes into change: drop their prefix hashes (they are private now)."""
-        tpp = self.tokens_per_page
-        for index in range(seq.length // tpp, self.pages_for(seq.length + count)):
-            self.pool.unregister(seq.pages[index])
-        del seq.hashes[seq.length // tpp :]
-
     def _build_plan(self, seqs: list[_Sequence], counts: list[int]) -> StepPlan:
         device = self.config.device
         starts = [seq.length - n for seq, n in zip(seqs, counts)]
@@ -648,8 +792,10 @@ class KVCacheBase(ABC):
             block_table=self._block_table(seqs),
             causal_masks=tuple(causal_mask(s, n) for s, n in zip(starts, counts)) if device.type == "cpu" else (),
             version=self._version,
+            owner=self._owner,
         )
 
+    # ---- map ahead -------------------------------------------------------------------------
     def _start_map_ahead(self, plan: StepPlan) -> None:
         """Map the next page, on the worker thread, of each sequence whose room runs out if its
         next step is as long as this one (a decode crossing a page boundary).
@@ -667,19 +813,17 @@ class KVCacheBase(ABC):
             self._ahead = self._ahead_worker.submit(self._map_ahead, due)
 
     def _map_ahead(self, due: list[_Sequence]) -> None:
+        """On the worker: one page for each due sequence, each all or nothing."""
         for seq in due[: self.pool.num_free]:
-            self._grow(seq, 1)
+            with atomic(self):
+                self._grow(seq, 1)
             self.counters["pages_mapped_ahead"] += 1
 
     def _stop_map_ahead(self) -> None:
         """Finish pending background mapping and stop the worker (at close)."""
-        self._settle()
-        if self._ahead_worker is not None:
-            self._ahead_worker.shutdown()
+        if getattr(self, "_ahead", None) is not None:
+            self._settle()
+        worker = getattr(self, "_ahead_worker", None)
+        if worker is not None:
+            worker.shutdown()
             self._ahead_worker = None
-
-    def __enter__(self) -> "KVCacheBase":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

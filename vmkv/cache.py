@@ -24,11 +24,20 @@ from __future__ import annotations
 
 import torch
 
+import logging
+import math
+
 from .attention import select_contiguous_kernel
 from .base import KVCacheBase, SeqId, _Sequence
-from .config import KVCacheConfig, vmm_geometry
+from .calls import exclusive
+from .config import KVCacheConfig, PageGeometry, check_budget_fits, vmm_geometry
+from .errors import InvalidConfig
+from .sizes import format_size
 from .step import StepPlan
-from .vm import granularity, open_backend
+from .validate import as_layer, as_scale
+from .vm import granularity, mapping_room, open_backend
+
+log = logging.getLogger("vmkv")
 
 
 class VirtualKVCache(KVCacheBase):
@@ -36,6 +45,12 @@ class VirtualKVCache(KVCacheBase):
 
     Args:
         config: the cache configuration; ``page_size`` and ``layout`` decide the pages.
+
+    Raises:
+        InvalidConfig: bad geometry, a budget above the device's memory, or (host) more
+            mappings than Linux's ``vm.max_map_count`` leaves (the message names a page size
+            that fits).
+        BackendUnavailable: CUDA was asked for but is not available.
 
     Example::
 
@@ -52,24 +67,64 @@ class VirtualKVCache(KVCacheBase):
 
     def __init__(self, config: KVCacheConfig) -> None:
         geometry = vmm_geometry(config, granularity(config.device))
+        check_budget_fits(config)
         self.kernel, self._kernel = select_contiguous_kernel(config.device, config.dtype, config.head_dim)
+        super().__init__(config, geometry)
         tpp = geometry.tokens_per_page
         self.seq_capacity = -(-config.max_seq_len // tpp) * tpp
         self.slot_bytes = self.seq_capacity * geometry.piece_bytes // tpp
-        self._vm = open_backend(config.device, geometry.piece_bytes, geometry.num_pages * geometry.num_tensors)
-        range_bytes = config.max_batch_size * self.slot_bytes
+        self._dirty: set[int] = set()  # pool pages mapped since their memory was last released
+        self._vm = None
         self._bases: list[int] = []
         try:
+            self._vm = open_backend(config.device, geometry.piece_bytes, geometry.num_pages * geometry.num_tensors,
+                                    max_mappings=self._check_mappings(config, geometry))
+            range_bytes = config.max_batch_size * self.slot_bytes
             for _ in range(geometry.num_tensors):
                 self._bases.append(self._vm.reserve(range_bytes))
-        except Exception:
-            self._vm.close()
+            self._k, self._v = self._make_views(config)
+            # each layer's K/V flattened to [rows, heads, dim] once: ``view`` (never a silent copy)
+            rows = (config.max_batch_size * self.seq_capacity, config.num_kv_heads, config.head_dim)
+            self._rows = [(k.view(rows), v.view(rows)) for k, v in zip(self._k, self._v)]
+        except BaseException:
+            self.close()
             raise
-        self._k, self._v = self._make_views(config)
-        # each layer's K/V flattened to [rows, heads, dim] once: ``view`` (never a silent copy)
-        rows = (config.max_batch_size * self.seq_capacity, config.num_kv_heads, config.head_dim)
-        self._rows = [(k.view(rows), v.view(rows)) for k, v in zip(self._k, self._v)]
-        super().__init__(config, geometry)
+
+    @staticmethod
+    def _check_mappings(config: KVCacheConfig, geometry: PageGeometry) -> int:
+        """How many host mappings this cache needs, checked against Linux's ``vm.max_map_count``.
+
+        Each range is one mapping; a run of mapped pages that are neighbours in the page store
+        merges into one more, and splits the range once more. Pages mapped one by one (a
+        fragmented pool) cost up to two each: if that worst case does not fit, a warning is
+        logged and a map that hits the limit raises ``OutOfMappings`` (an ``OutOfPages``), rolled
+        back. Returns the mappings promised (0 on CUDA: no such limit).
+
+        Raises:
+            InvalidConfig: not even one mapping per page fits; names a page size that does.
+        """
+        if config.device.type != "cpu":
+            return 0
+        tensors = geometry.num_tensors
+        typical, worst = tensors * (geometry.num_pages + 1), tensors * (2 * geometry.num_pages + 1)
+        room = mapping_room()
+        if room is None or worst <= room:
+            return typical
+        step = math.lcm(granularity(config.device), geometry.piece_bytes // geometry.tokens_per_page)
+        most_pages = max(1, (room // tensors - 1) // 2)
+        fits = -(-config.memory_budget // (tensors * most_pages * step)) * step
+        advice = (f"page_size={format_size(fits)} or larger fits even a fragmented pool (or use the all_layers "
+                  "layout, a smaller memory_budget, or raise the limit: sysctl -w vm.max_map_count=N)")
+        if typical > room:
+            raise InvalidConfig(
+                f"page_size {format_size(config.page_size)} makes {geometry.num_pages} pages in each of {tensors} "
+                f"ranges: {typical} mappings or more, but this process may create only {room} more "
+                f"(Linux vm.max_map_count); {advice}"
+            )
+        log.warning("vmkv: %d pages in %d ranges may need up to %d mappings when fragmented, %d are left "
+                    "(Linux vm.max_map_count): a step may then raise OutOfMappings; %s",
+                    geometry.num_pages, tensors, worst, room, advice)
+        return typical
 
     def _make_views(self, config: KVCacheConfig) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Zero-copy tensors over the reserved ranges: ``[max_batch, seq_capacity, heads, dim]`` per layer."""
@@ -82,26 +137,39 @@ class VirtualKVCache(KVCacheBase):
         return [k_all[:, :, layer] for layer in range(layers)], [v_all[:, :, layer] for layer in range(layers)]
 
     # ---- what the model and kernels read ---------------------------------------------------
+    @exclusive
     def kv_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole K and V of a layer, ``[max_batch, max_seq_len, kv_heads, head_dim]`` (zero-copy).
 
-        Only positions below each sequence's length are mapped: read them through the lengths
-        of a plan (``kv_lens``); touching anything past them faults.
+        Positions past each sequence's length hold zeros or stale data (never a fault): read
+        them through the lengths of a plan (``kv_lens``). The views stay readable after the
+        cache is closed (they then read zeros).
         """
+        layer = as_layer(layer, self.config.num_layers)
         seq = self.config.max_seq_len
         return self._k[layer][:, :seq], self._v[layer][:, :seq]
 
+    @exclusive
     def kv(self, seq_id: SeqId, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored K and V of one sequence in one layer, each ``[length, kv_heads, head_dim]``
+        (zero-copy views of its slot).
+
+        Raises:
+            UnknownSequence, InvalidInput.
+        """
         seq = self._get(seq_id)
+        layer = as_layer(layer, self.config.num_layers)
         return self._k[layer][seq.slot, : seq.length], self._v[layer][seq.slot, : seq.length]
 
+    @exclusive
     def layer_storage(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._rows[layer]
+        return self._rows[as_layer(layer, self.config.num_layers)]
 
+    @exclusive
     def attention(self, layer: int, q: torch.Tensor, plan: StepPlan, *, scale: float | None = None) -> torch.Tensor:
-        self._check_plan(plan, layer)
+        layer = self._check_plan(plan, layer)
         self._check_query(q, plan)
-        return self._kernel(q, self._k[layer], self._v[layer], plan, scale)
+        return self._kernel(q, self._k[layer], self._v[layer], plan, as_scale(scale, self.config.head_dim))
 
     # ---- the mode's hooks ------------------------------------------------------------------
     def _addr(self, tensor: int, slot: int, index: int) -> int:
@@ -112,29 +180,48 @@ class VirtualKVCache(KVCacheBase):
         return tensor * self.geometry.num_pages + page
 
     def _attach(self, slot: int, index: int, page: int, old: int | None, keep: int) -> None:
-        count = self.geometry.num_tensors
+        """Map ``page`` in every range at ``slot``/``index`` (replacing ``old``), all or nothing."""
         nbytes = keep * self.geometry.piece_bytes // self.tokens_per_page  # the stored tokens only
-        addrs = [self._addr(t, slot, index) for t in range(count)]
+        addrs = [self._addr(t, slot, index) for t in range(self.geometry.num_tensors)]
         saved = [self._vm.tensor(a, (nbytes,), torch.uint8).clone() for a in addrs] if keep else []
         if old is not None:
-            self._vm.synchronize()
-            for addr in addrs:
-                self._vm.unmap(addr)
-        for t, addr in enumerate(addrs):
-            self._vm.map(addr, self._piece(page, t))
+            self._vm.synchronize()  # no kernel may still read the page we take away
+        undo = []
+        try:
+            for t, addr in enumerate(addrs):
+                if old is not None:
+                    self._vm.unmap(addr)
+                    undo.append((self._vm.map, addr, self._piece(old, t)))
+                self._vm.map(addr, self._piece(page, t))
+                undo.append((self._vm.unmap, addr))
+        except BaseException:
+            for call, *args in reversed(undo):
+                call(*args)
+            raise
         for addr, data in zip(addrs, saved):
             self._vm.tensor(addr, (nbytes,), torch.uint8).copy_(data)
+        self._dirty.add(page)
 
-    def _detach(self, slot: int, index: int) -> None:
-        self._vm.synchronize()
-        for t in range(self.geometry.num_tensors):
-            self._vm.unmap(self._addr(t, slot, index))
+    def _detach(self, slot: int, index: int, page: int) -> None:
+        """Unmap ``page`` at ``slot``/``index`` in every range (reads as zeros), all or nothing."""
+        self._vm.synchronize()  # no kernel may still read the page we take away
+        done = []
+        try:
+            for t in range(self.geometry.num_tensors):
+                addr = self._addr(t, slot, index)
+                self._vm.unmap(addr)
+                done.append((t, addr))
+        except BaseException:
+            for t, addr in reversed(done):
+                self._vm.map(addr, self._piece(page, t))
+            raise
 
     def _release(self, pages: list[int]) -> None:
-        count = self.geometry.num_tensors
-        for page in pages:
-            for t in range(count):
+        """Give the memory of free pages back to the OS (only pages mapped since their last release)."""
+        for page in sorted(self._dirty.intersection(pages)):
+            for t in range(self.geometry.num_tensors):
                 self._vm.release_page(self._piece(page, t))
+            self._dirty.discard(page)
 
     def _token_rows(self, slot: int, pages: list[int], start: int, count: int) -> torch.Tensor:
         return torch.arange(start, start + count) + slot * self.seq_capacity
@@ -145,27 +232,22 @@ class VirtualKVCache(KVCacheBase):
     # ---- memory ----------------------------------------------------------------------------
     def stats(self) -> dict:
         stats = super().stats()
+        vm = self._vm
         stats.update(
-            backend=self._vm.name,
+            backend=vm.name if vm is not None else "closed",
             layout=self.config.layout,
             page_size=self.geometry.piece_bytes,
-            resident_bytes=self._vm.resident_bytes(),
+            resident_bytes=vm.resident_bytes() if vm is not None else 0,
             reserved_bytes=len(self._bases) * self.config.max_batch_size * self.slot_bytes,
             pages_mapped_ahead=self.counters["pages_mapped_ahead"],
         )
         return stats
 
-    def close(self) -> None:
-        if getattr(self, "_vm", None) is None:
+    def _close_storage(self) -> None:
+        vm = getattr(self, "_vm", None)
+        if vm is None:
             return
-        self._stop_map_ahead()
-        self._vm.synchronize()
         self._k = self._v = self._rows = []
-        self._vm.close()
         self._vm = None
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
+        vm.synchronize()
+        vm.close()

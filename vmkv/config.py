@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from .errors import InvalidConfig
-from .sizes import parse_size
+from .sizes import format_size, parse_size
 
 Layout = Literal["per_layer", "all_layers"]
 
@@ -103,6 +104,9 @@ class KVCacheConfig:
         object.__setattr__(self, "page_size", parse_size(self.page_size, name="page_size"))
         if self.page_size <= 0:
             raise InvalidConfig("page_size must be > 0")
+        for name in ("prefix_caching", "deferred_reclaim", "map_ahead"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidConfig(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     @property
     def element_size(self) -> int:
@@ -145,6 +149,33 @@ class PageGeometry:
     def page_bytes(self) -> int:
         """Bytes of one pool page (all its pieces)."""
         return self.num_tensors * self.piece_bytes
+
+
+def device_memory(device: torch.device) -> int | None:
+    """Bytes of physical memory on ``device`` (host RAM for the CPU), or ``None`` if unknown."""
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return None
+        return torch.cuda.mem_get_info(device)[1]
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_budget_fits(config: KVCacheConfig) -> None:
+    """Refuse a ``memory_budget`` larger than the device's whole memory: such a cache would be
+    killed by the OS (or fail in the driver) long before it reported ``OutOfPages``.
+
+    Raises:
+        InvalidConfig: the budget exceeds the device's memory.
+    """
+    total = device_memory(config.device)
+    if total is not None and config.memory_budget > total:
+        raise InvalidConfig(
+            f"memory_budget {format_size(config.memory_budget)} exceeds the memory of {config.device} "
+            f"({format_size(total)} in all); lower it"
+        )
 
 
 def vmm_geometry(config: KVCacheConfig, granularity: int) -> PageGeometry:

@@ -1,7 +1,8 @@
 """Every error vmkv raises, in one place.
 
-Each error is raised *before* any state changes: a call that fails leaves the cache exactly as it
-was. Every class derives from :class:`VMKVError` and from the built-in exception a Python user
+Each error is raised *before* any state changes, or after the call rolled back what it had
+changed: a call that fails leaves the cache exactly as it was. (Only ``trim()`` may give memory
+back and still raise ``BackendError`` if the OS refused part of it; its pages are then free.) Every class derives from :class:`VMKVError` and from the built-in exception a Python user
 would expect (``ValueError`` for bad arguments, ``LookupError`` for unknown ids, ...), so both
 ``except VMKVError`` and ``except ValueError`` work.
 """
@@ -52,20 +53,35 @@ class NoFreeSlot(VMKVError, RuntimeError):
     """All ``max_batch_size`` slots are held by live sequences."""
 
 
-class OutOfPages(VMKVError, MemoryError):
-    """The page pool cannot supply the pages a call needs (nothing was allocated)."""
-
-
-class StalePlan(VMKVError, RuntimeError):
-    """A step plan was used after the cache changed (a sequence was freed, trimmed, forked...)."""
-
-
 class BackendUnavailable(VMKVError, RuntimeError):
     """A virtual-memory backend or kernel cannot run here (e.g. "CUDA driver not available")."""
 
 
 class BackendError(VMKVError, RuntimeError):
     """The operating system or the CUDA driver refused a virtual-memory call."""
+
+
+class OutOfPages(VMKVError, MemoryError):
+    """The page pool cannot supply the pages a call needs (nothing was allocated)."""
+
+
+class OutOfMappings(OutOfPages, BackendError):
+    """The process ran out of memory mappings (Linux ``vm.max_map_count``) while mapping a page;
+    the call was rolled back. Handle it like :class:`OutOfPages` (free or preempt sequences), or
+    use larger pages, or raise the limit."""
+
+
+class StalePlan(VMKVError, RuntimeError):
+    """A step plan was used after the cache changed (a sequence was freed, trimmed, forked...)."""
+
+
+class ConcurrentUse(VMKVError, RuntimeError):
+    """Two threads called into one cache at the same time. A cache serves one thread at a time
+    (``stats()`` excepted): serialise calls with your own lock, or keep the cache on one thread."""
+
+
+class CacheClosed(VMKVError, RuntimeError):
+    """The cache was used after ``close()``."""
 
 
 __all__ = [
@@ -80,7 +96,10 @@ __all__ = [
     "SequenceTooLong",
     "NoFreeSlot",
     "OutOfPages",
+    "OutOfMappings",
     "StalePlan",
+    "ConcurrentUse",
+    "CacheClosed",
     "BackendUnavailable",
     "BackendError",
 ]

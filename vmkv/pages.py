@@ -14,13 +14,22 @@ Invariants (checked by ``check()`` in tests):
     * ref[p] == 0 and hash[p] is None  <=>  p is on the free stack
     * ref[p] == 0 and hash[p] set      <=>  p is in the LRU
     * the prefix index maps hash[p] -> p for every hashed page, and nothing else
+    * num_shared == number of pages with ref >= 2 (kept as a counter: stats() is O(1))
+
+Undo: while ``journal`` is a list, every change appends a function that reverts it; calling them
+in reverse order restores the pool exactly, LRU order included (the cache uses this to roll a
+call back when a backend call fails half-way).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import count
+from typing import Callable
 
 from .errors import OutOfPages
+
+Undo = Callable[[], None]
 
 
 class PagePool:
@@ -28,6 +37,10 @@ class PagePool:
 
     Args:
         num_pages: pages in the pool; ids are ``0 .. num_pages-1``.
+
+    Attributes:
+        journal: ``None``, or a list that collects one undo function per change.
+        evictions: cached pages evicted so far.
     """
 
     def __init__(self, num_pages: int) -> None:
@@ -35,9 +48,12 @@ class PagePool:
         self._ref = [0] * num_pages
         self._hash: list[bytes | None] = [None] * num_pages
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: page 0 is handed out first
-        self._lru: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced pages
+        self._lru: OrderedDict[int, int] = OrderedDict()  # cached page -> stamp, oldest first
+        self._stamps = count()  # increasing, so LRU order == stamp order (used by undo)
         self._index: dict[bytes, int] = {}  # prefix hash -> page
+        self._shared = 0  # pages with ref >= 2
         self.evictions = 0
+        self.journal: list[Undo] | None = None
 
     # ---- queries -----------------------------------------------------------------------
     @property
@@ -58,7 +74,7 @@ class PagePool:
     @property
     def num_shared(self) -> int:
         """Pages with two or more owners."""
-        return sum(1 for ref in self._ref if ref > 1)
+        return self._shared
 
     def refcount(self, page: int) -> int:
         """Owners of ``page``."""
@@ -98,32 +114,42 @@ class PagePool:
         for _ in range(count):
             if self._free:
                 page = self._free.pop()
+                self._log(lambda page=page: self._undo_take_free(page))
             else:
-                page, _ = self._lru.popitem(last=False)
-                del self._index[self._hash[page]]
+                page, stamp = self._lru.popitem(last=False)
+                page_hash = self._hash[page]
+                del self._index[page_hash]
                 self._hash[page] = None
                 self.evictions += 1
+                self._log(lambda page=page, stamp=stamp, page_hash=page_hash: self._undo_evict(page, stamp, page_hash))
             self._ref[page] = 1
             pages.append(page)
         return pages
 
     def incref(self, page: int) -> None:
         """Add an owner to ``page`` (a cached page leaves the LRU)."""
-        if self._ref[page] == 0:
-            self._lru.pop(page)  # a page with ref 0 that someone can name is a cached one
-        self._ref[page] += 1
+        ref = self._ref[page]
+        if ref == 0:
+            stamp = self._lru.pop(page)  # a page with ref 0 that someone can name is a cached one
+            self._log(lambda: self._reinsert_lru(page, stamp))
+        self._ref[page] = ref + 1
+        self._shared += ref == 1
+        self._log(lambda: self._set_ref(page, ref))
 
     def decref(self, page: int) -> None:
         """Drop an owner of ``page``; at zero it becomes cached (if hashed) or free."""
         ref = self._ref[page] - 1
         if ref < 0:
             raise AssertionError(f"page {page} released more often than it was taken")
-        self._ref[page] = ref
+        self._set_ref(page, ref)
+        self._log(lambda: self._set_ref(page, ref + 1))
         if ref == 0:
             if self._hash[page] is None:
                 self._free.append(page)
+                self._log(self._free.pop)
             else:
-                self._lru[page] = None
+                self._lru[page] = next(self._stamps)
+                self._log(lambda: self._lru.pop(page))
 
     def register(self, page: int, page_hash: bytes) -> bool:
         """Index an in-use ``page`` under ``page_hash`` so later prompts can find it.
@@ -136,6 +162,7 @@ class PagePool:
             return False
         self._hash[page] = page_hash
         self._index[page_hash] = page
+        self._log(lambda: self.unregister(page))
         return True
 
     def unregister(self, page: int) -> None:
@@ -144,32 +171,43 @@ class PagePool:
         if page_hash is not None:
             del self._index[page_hash]
             self._hash[page] = None
+            self._log(lambda: self.register(page, page_hash))
 
     def touch(self, page: int) -> None:
         """Mark a cached page as most recently used."""
         if page in self._lru:
-            self._lru.move_to_end(page)
+            stamp = self._lru.pop(page)
+            self._lru[page] = next(self._stamps)
+            self._log(lambda: (self._lru.pop(page), self._reinsert_lru(page, stamp)))
 
     def evict_all(self) -> list[int]:
         """Move every cached, unreferenced page to the free stack; return their ids."""
-        evicted = list(self._lru)
-        for page in evicted:
-            del self._index[self._hash[page]]
+        evicted = list(self._lru.items())
+        hashes = [self._hash[page] for page, _ in evicted]
+        for (page, _), page_hash in zip(evicted, hashes):
+            del self._index[page_hash]
             self._hash[page] = None
             self._free.append(page)
         self._lru.clear()
         self.evictions += len(evicted)
-        return evicted
+        self._log(lambda: self._undo_evict_all(evicted, hashes))
+        return [page for page, _ in evicted]
 
     def free_pages(self) -> list[int]:
         """Ids on the free stack (a copy)."""
         return list(self._free)
+
+    def state(self) -> tuple:
+        """Everything that defines the pool, as comparable values (tests compare before/after)."""
+        return (list(self._ref), list(self._hash), list(self._free), list(self._lru), dict(self._index), self.evictions)
 
     def check(self) -> None:
         """Raise ``AssertionError`` if an invariant of the module docstring is broken."""
         free, lru = set(self._free), set(self._lru)
         assert len(free) == len(self._free), "a page is on the free stack twice"
         assert not free & lru, "a page is both free and cached"
+        stamps = list(self._lru.values())
+        assert stamps == sorted(stamps), "LRU order disagrees with its stamps"
         for page in range(self.num_pages):
             ref, page_hash = self._ref[page], self._hash[page]
             assert ref >= 0
@@ -178,3 +216,41 @@ class PagePool:
             if page_hash is not None:
                 assert self._index.get(page_hash) == page, f"index does not point at page {page}"
         assert len(self._index) == sum(h is not None for h in self._hash)
+        assert self._shared == sum(ref > 1 for ref in self._ref), "shared-page counter is off"
+
+    # ---- undo helpers --------------------------------------------------------------------
+    def _log(self, undo: Undo) -> None:
+        if self.journal is not None:
+            self.journal.append(undo)
+
+    def _set_ref(self, page: int, ref: int) -> None:
+        self._shared += (ref > 1) - (self._ref[page] > 1)
+        self._ref[page] = ref
+
+    def _undo_take_free(self, page: int) -> None:
+        self._ref[page] = 0
+        self._free.append(page)
+
+    def _undo_evict(self, page: int, stamp: int, page_hash: bytes) -> None:
+        self._ref[page] = 0
+        self._hash[page] = page_hash
+        self._index[page_hash] = page
+        self.evictions -= 1
+        self._reinsert_lru(page, stamp)
+
+    def _undo_evict_all(self, evicted: list[tuple[int, int]], hashes: list[bytes]) -> None:
+        del self._free[len(self._free) - len(evicted) :]
+        for (page, _), page_hash in zip(evicted, hashes):
+            self._hash[page] = page_hash
+            self._index[page_hash] = page
+        self._lru.update(evicted)  # later changes were undone first, so the LRU is empty here
+        self.evictions -= len(evicted)
+
+    def _reinsert_lru(self, page: int, stamp: int) -> None:
+        """Put ``page`` back at its place in the LRU (O(cached pages): only ever used by undo)."""
+        later = []
+        if self._lru and next(reversed(self._lru.values())) > stamp:
+            later = [p for p, s in self._lru.items() if s > stamp]
+        self._lru[page] = stamp
+        for other in later:
+            self._lru.move_to_end(other)

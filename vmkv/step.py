@@ -40,6 +40,7 @@ class StepPlan:
             step both has several new tokens and a cached prefix; ``None`` where plain causal
             (no prefix) or no mask (one token) is right.
         version: the cache version this plan belongs to (a stale plan is refused).
+        owner: identifies the cache that built the plan (a plan of another cache is refused).
     """
 
     seq_ids: tuple[Hashable, ...]
@@ -54,6 +55,7 @@ class StepPlan:
     block_table: torch.Tensor | None
     causal_masks: tuple[torch.Tensor | None, ...]
     version: int
+    owner: object = None
 
     @property
     def batch_size(self) -> int:

@@ -5,20 +5,25 @@ from __future__ import annotations
 import torch
 
 from .base import VirtualMemory
-from .host import HostVirtualMemory
+from .host import HostVirtualMemory, free_map_count, mapping_room
 
 
-def open_backend(device: torch.device, page_size: int, num_pages: int) -> VirtualMemory:
+def open_backend(device: torch.device, page_size: int, num_pages: int, *, max_mappings: int = 0) -> VirtualMemory:
     """Return the backend for ``device`` with a store of ``num_pages`` pages of ``page_size`` bytes.
+
+    Args:
+        max_mappings: host only: the most mappings the caller will need (checked against Linux's
+            ``vm.max_map_count``; 0 skips the check).
 
     Raises:
         BackendUnavailable: CUDA was asked for but the driver, a GPU or cuda-bindings is missing.
+        InvalidConfig: the host process cannot create ``max_mappings`` more mappings.
     """
     if device.type == "cuda":
         from .cuda import CudaVirtualMemory  # imported lazily: cuda-bindings is an optional extra
 
         return CudaVirtualMemory(page_size, num_pages, device=device)
-    return HostVirtualMemory(page_size, num_pages)
+    return HostVirtualMemory(page_size, num_pages, max_mappings=max_mappings)
 
 
 def granularity(device: torch.device) -> int:
@@ -32,4 +37,4 @@ def granularity(device: torch.device) -> int:
     return mmap.PAGESIZE
 
 
-__all__ = ["VirtualMemory", "HostVirtualMemory", "open_backend", "granularity"]
+__all__ = ["VirtualMemory", "HostVirtualMemory", "open_backend", "granularity", "free_map_count", "mapping_room"]

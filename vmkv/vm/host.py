@@ -34,10 +34,11 @@ import errno
 import mmap
 import os
 import sys
+import weakref
 
 import torch
 
-from ..errors import BackendError, BackendUnavailable, InvalidConfig
+from ..errors import BackendError, BackendUnavailable, InvalidConfig, OutOfMappings
 from .base import VirtualMemory
 
 _PROT_READ, _PROT_RW = mmap.PROT_READ, mmap.PROT_READ | mmap.PROT_WRITE
@@ -46,6 +47,10 @@ _ZERO_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE  # read-onl
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _MAX_MAP_COUNT = "/proc/sys/vm/max_map_count"
+MAP_HEADROOM = 2048  # mappings left to the rest of the process (libraries, the allocator, threads)
+# Live backends and the mappings each may need: the limit is per process, so every open backend's
+# promise counts against the next one (see mapping_room).
+_PROMISES: "weakref.WeakKeyDictionary[HostVirtualMemory, int]" = weakref.WeakKeyDictionary()
 
 
 def _load_libc() -> ctypes.CDLL:
@@ -76,6 +81,15 @@ def free_map_count() -> int | None:
     return limit - used
 
 
+def mapping_room() -> int | None:
+    """Mappings a new backend may promise itself: what the process may still create, less what
+    open backends promised (``max_mappings``) and ``MAP_HEADROOM``. ``None`` if unknown."""
+    free = free_map_count()
+    if free is None:
+        return None
+    return free - sum(_PROMISES.values()) - MAP_HEADROOM
+
+
 class _Reservation:
     """One reserved address range; given back to the OS (``munmap``) when the backend and every
     tensor over it have let go of it."""
@@ -96,16 +110,26 @@ class HostVirtualMemory(VirtualMemory):
             memory only for pages that were written and not released).
         populate: pre-fault a page's memory when it is mapped (``MAP_POPULATE``), so the first
             write does not take page faults; costs time in ``map`` instead.
+        max_mappings: the most mappings this backend will ever need (the caller's worst case);
+            refused with ``InvalidConfig`` if it exceeds :func:`mapping_room`, and counted
+            against later backends until ``close()``.
     """
 
     name = "host"
 
-    def __init__(self, page_size: int, num_pages: int, *, populate: bool = False) -> None:
+    def __init__(self, page_size: int, num_pages: int, *, populate: bool = False, max_mappings: int = 0) -> None:
         self.granularity = mmap.PAGESIZE
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0 or page_size % self.granularity:
             raise InvalidConfig(f"host page_size must be a positive multiple of {self.granularity} B, got {page_size!r}")
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
             raise InvalidConfig(f"num_pages must be a positive int, got {num_pages!r}")
+        room = mapping_room() if max_mappings else None
+        if room is not None and max_mappings > room:
+            raise InvalidConfig(
+                f"this store may need {max_mappings} mappings but the process can create only {room} more "
+                f"(Linux vm.max_map_count, {_MAX_MAP_COUNT}); use larger pages or raise the limit with "
+                "sysctl -w vm.max_map_count=N"
+            )
         self._libc = _load_libc()
         self.device = torch.device("cpu")
         self.page_size = page_size
@@ -120,14 +144,17 @@ class HostVirtualMemory(VirtualMemory):
             os.close(self._fd)
             self._fd = -1
             raise BackendError(f"sizing the page store to {page_size * num_pages} B failed: {exc}") from None
+        _PROMISES[self] = max_mappings
 
     def _fail(self, what: str) -> BackendError:
         err = ctypes.get_errno()
-        hint = ""
+        message = f"{what} failed: {os.strerror(err)} (errno {err})"
         if err == errno.ENOMEM:
-            hint = (f"; the process may be out of mappings (Linux vm.max_map_count, {_MAX_MAP_COUNT}): "
-                    "use larger pages or raise it with sysctl -w vm.max_map_count=N")
-        return BackendError(f"{what} failed: {os.strerror(err)} (errno {err}){hint}")
+            return OutOfMappings(
+                f"{message}; the process is out of memory mappings (Linux vm.max_map_count, {_MAX_MAP_COUNT}) "
+                "or memory: free sequences, use larger pages, or raise the limit (sysctl -w vm.max_map_count=N)"
+            )
+        return BackendError(message)
 
     def _mmap(self, addr: int | None, nbytes: int, prot: int, flags: int, fd: int, offset: int, what: str) -> int:
         got = self._libc.mmap(addr, nbytes, prot, flags, fd, offset)
@@ -209,6 +236,7 @@ class HostVirtualMemory(VirtualMemory):
                 errors.append(exc)
         self._reservations.clear()
         self._starts.clear()
+        _PROMISES.pop(self, None)
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -1,0 +1,79 @@
+"""Checks of user input shared by both modes: each returns the clean value or raises a typed error.
+
+Integers: Python ``int`` or anything with ``__index__`` (NumPy integers, 0-d integer tensors are
+*not* accepted where they could be mistaken for token ids); never ``bool`` or ``float``.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+
+from .errors import InvalidInput
+
+
+def as_int(value: Any, name: str, minimum: int = 0) -> int:
+    """``value`` as an int ``>= minimum``.
+
+    Raises:
+        InvalidInput: not an integer (bools and floats are not), or below ``minimum``.
+    """
+    if isinstance(value, (bool, float, torch.Tensor)):
+        raise InvalidInput(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise InvalidInput(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+    if number < minimum:
+        raise InvalidInput(f"{name} must be >= {minimum}, got {number}")
+    return number
+
+
+def as_token_ids(value: Any, minimum: int = 0) -> list[int]:
+    """Token ids as a list of ints: a list/tuple/range of ints, or a 1-D integer tensor/array.
+
+    Raises:
+        InvalidInput: a scalar, a string, a float, a 0-d tensor, or fewer than ``minimum`` ids.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1 or value.dtype.is_floating_point or value.dtype == torch.bool:
+            raise InvalidInput(f"token ids must be a 1-D integer tensor, got {value.dim()}-D {value.dtype}")
+        tokens = value.tolist()
+    elif isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise InvalidInput(f"token ids must be a sequence of ints, got {type(value).__name__}")
+    else:
+        tokens = [as_int(t, "a token id") for t in value]
+    if len(tokens) < minimum:
+        raise InvalidInput(f"need at least {minimum} token id(s), got {len(tokens)}")
+    return tokens
+
+
+def as_layer(value: Any, num_layers: int) -> int:
+    """A layer index in ``0 .. num_layers - 1`` (negative indexes are refused, not wrapped)."""
+    layer = as_int(value, "layer")
+    if layer >= num_layers:
+        raise InvalidInput(f"layer {layer} out of range 0..{num_layers - 1}")
+    return layer
+
+
+def as_scale(value: Any, head_dim: int) -> float:
+    """The softmax scale: ``None`` means ``head_dim ** -0.5``; else a finite positive number."""
+    if value is None:
+        return head_dim**-0.5
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise InvalidInput(f"scale must be a finite number > 0 (or None), got {value!r}")
+    return float(value)
+
+
+def check_seq_id(seq_id: Any) -> None:
+    """Sequence ids are any hashable value."""
+    if not isinstance(seq_id, Hashable):
+        raise InvalidInput(f"sequence ids must be hashable, got {type(seq_id).__name__}")
+    try:
+        hash(seq_id)
+    except TypeError as exc:  # e.g. a tuple holding a list
+        raise InvalidInput(f"sequence ids must be hashable: {exc}") from None
