@@ -279,6 +279,17 @@ def measure_read_bandwidth(device: str, nbytes: int = 256 * 2**20, repeat: int =
     return Spread.of([size / t for t in timings.samples["read"]])
 
 
+def available_memory() -> int | None:
+    """Bytes of memory the kernel says are available (``MemAvailable``), ``None`` if unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def cache_config(shape: dict[str, Any], device: str, **fields: Any) -> vmkv.KVCacheConfig:
     """A :class:`vmkv.KVCacheConfig` of model ``shape`` on ``device`` with ``fields`` set."""
     return vmkv.KVCacheConfig(**shape, device=device, **fields)

@@ -67,7 +67,7 @@ SCHEMA = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of this benchmark (the CLI adds --device, --smoke, --seed, --out)."""
     parser.add_argument("--models", nargs="+", default=["small", "mid"], choices=list(MODELS), help="model sizes (default small mid)")
-    parser.add_argument("--prompt-len", type=int, default=512, help="prompt tokens (default 512)")
+    parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default 128)")
     parser.add_argument("--new-tokens", type=int, nargs="+", default=[256, 2048], help="generated tokens, one run each (default 256 2048)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8], help="greedy batch sizes (default 1 8)")
     parser.add_argument("--beam-width", type=int, default=4, help="beam search width, 0 to skip (default 4)")
