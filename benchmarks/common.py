@@ -472,7 +472,7 @@ def _cell(value: Any) -> str:
     if isinstance(value, float):
         if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):
             return f"{value:.3g}"
-        return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
+        return f"{value:.3g}" if abs(value) < 10 else f"{value:.1f}"
     return str(value)
 
 

@@ -363,6 +363,14 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
     return out
 
 
+def table(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The terminal table: per trace and allocator, steady-state utilization and how many run."""
+    return [{"trace": r["trace"], "allocator": r["allocator"], "tok/page": r["tokens_per_page"],
+             "util %": round(100 * r["steady_util"], 1), "util p10 %": round(100 * r["steady_util_p10"], 1),
+             "running (mean)": round(r["mean_running"], 1), "steady iters": r["steady_iterations"],
+             "preemptions": r["preemptions"]} for r in result["rows"]]
+
+
 def plot(result: dict[str, Any], out_dir) -> list[str]:
     """``memory_utilization.png``: utilization at steady state against requests finished, one panel
     per trace, one line per allocator; allocators that gave the same series share one line (the

@@ -338,6 +338,20 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
     return out
 
 
+def table(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The terminal table: the headline columns of every row."""
+    out = []
+    for r in result["rows"]:
+        load = {"concurrency": f"C={r['concurrency']}", "capacity": f"{r['concurrency']} at once",
+                "rate": "all at once" if math.isinf(r["rate"]) else f"{r['rate']:g} req/s"}[r["experiment"]]
+        out.append({"experiment": r["experiment"], "load": load, "mode": r["mode"], "tok/page": r["tokens_per_page"],
+                    "tok/s": round(r["throughput_tok_s"], 1), "tok/CPU-s": round(r["tok_per_cpu_s"], 1),
+                    "TTFT p50 ms": round(r["ttft_p50_ms"], 1), "TTFT p99 ms": round(r["ttft_p99_ms"], 1),
+                    "TPOT p50 ms": round(r["tpot_p50_ms"], 2), "running mean": round(r["mean_running"], 1),
+                    "peak": r["peak_running"], "preempted": r["preemptions"]})
+    return out
+
+
 def plot(result: dict[str, Any], out_dir: Path) -> list[str]:
     """``serve.png``: throughput vs concurrency, TTFT p50/p99 vs offered load, capacity per variant."""
     plt = common.pyplot()

@@ -37,7 +37,8 @@ COMMON_OPTIONS = ("device", "smoke", "seed", "out")
 @dataclass(frozen=True)
 class Entry:
     """A registered benchmark: its module and the options the quick default suite runs it with
-    (``vmkv bench <name>`` alone runs the module's own, fuller defaults)."""
+    (``vmkv bench <name>`` alone runs the module's own, fuller defaults). ``in_suite=False``:
+    not in the quick suite, only in ``--full`` and by name."""
 
     name: str
     module: str
@@ -59,6 +60,7 @@ REGISTRY: dict[str, Entry] = {
                "--beam-new-tokens", "32", "--caches", "dynamic", "static", "vmm", "vmm+vmkv", "--repeats", "3"]),
         Entry("serve", "benchmarks.serve",
               ["--concurrency", "1", "8", "--rates", "16", "inf", "--requests", "16", "--output-len", "16", "--repeats", "3"]),
+        Entry("vllm", "benchmarks.vllm", in_suite=False),  # vLLM stock vs the vmkv plugin: needs vLLM, minutes
     )
 }
 
@@ -234,8 +236,11 @@ def _verdicts(module: ModuleType, result: dict[str, Any]) -> list[dict[str, Any]
     return verdicts
 
 
-def _suite_names(requested: str | None) -> list[str]:
-    return [requested] if requested else [name for name, entry in REGISTRY.items() if entry.in_suite]
+def _suite_names(requested: str | None, full: bool) -> list[str]:
+    """The benchmark asked for, else the quick suite, or with ``full`` every registered one."""
+    if requested:
+        return [requested]
+    return [name for name, entry in REGISTRY.items() if entry.in_suite or full]
 
 
 def bench(ns: argparse.Namespace) -> int:
@@ -255,7 +260,7 @@ def bench(ns: argparse.Namespace) -> int:
     common_ns = argparse.Namespace(**{k: getattr(ns, k) for k in (*COMMON_OPTIONS, "no_plots", "progress")})
     out = common_ns.out  # a single benchmark may set --out after its name: then its own wins
     records = []
-    names = _suite_names(ns.name)
+    names = _suite_names(ns.name, ns.full)
     for name in names:
         entry = REGISTRY[name]
         module, why = load_module(entry)
