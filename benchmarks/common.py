@@ -26,6 +26,7 @@ import math
 from contextlib import contextmanager
 import os
 import platform
+import random
 import statistics
 import time
 from dataclasses import dataclass
@@ -212,10 +213,13 @@ def time_interleaved(
     fns: dict[str, Callable[[], Any]], device: str, *, repeat: int = 5, warmup: int = 1, min_sample_s: float = 0.0,
     clock: str = "wall",
 ) -> Timings:
-    """Time every ``fn()`` in rounds: each round runs every candidate once (in a rotating order).
+    """Time every ``fn()`` in rounds: each round runs every candidate once, in a fresh (seeded)
+    random order.
 
     Interleaving spreads drifts of a shared machine (frequency, other processes) over all
-    candidates alike, which is what a ratio measured side by side needs. A candidate faster than
+    candidates alike, which is what a ratio measured side by side needs; a new order every round
+    keeps a candidate from always following the same neighbour (whose cache and memory traffic
+    would bias it one way). A candidate faster than
     ``min_sample_s`` is called several times per sample (the count fixed after the warm-up) so
     that timer resolution and one-off interruptions weigh less.
 
@@ -239,10 +243,10 @@ def time_interleaved(
         synchronize(device)
         once = (now() - start) / max(1, warmup)
         numbers[name] = max(1, math.ceil(min_sample_s / once)) if once > 0 and min_sample_s else 1
-    names = list(fns)
+    order = random.Random(0)
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for round_ in range(repeat):
-        for name in names[round_ % len(names):] + names[: round_ % len(names)]:
+    for _ in range(repeat):
+        for name in order.sample(list(fns), len(fns)):
             fn, number = fns[name], numbers[name]
             start = now()
             for _ in range(number):

@@ -47,11 +47,11 @@ DESCRIPTION = "decode-step attention: VMM (each kernel and layout) vs paged kern
 SCHEMA = {
     "batch": "sequences in the decode step",
     "context": "tokens cached per sequence before the step",
-    "candidate": "vmm:<layout>:<kernel>, dense:<kernel> or paged:<kernel> (see the module docstring)",
+    "candidate": "vmm:LAYOUT:KERNEL, dense:KERNEL or paged:KERNEL (see the module docstring)",
     "selected": "the kernel the cache itself runs for this layout / the paged kernel paged mode picks",
     "ms": "median ms per decode step (one layer)",
-    "ms_low": "fastest round, ms",
-    "ms_high": "slowest round, ms",
+    "ms_low": "fastest round, ms (from 5 rounds on, the single fastest and slowest rounds are left out)",
+    "ms_high": "slowest round, ms (same rule)",
     "gbps": "K/V bytes the step reads / median time, GB/s",
     "bw_fraction": "gbps / read bandwidth measured in the same rounds (median of per-round ratios)",
     "max_abs_diff": "largest |output - reference| (SDPA on each sequence's source K/V)",
@@ -189,7 +189,7 @@ class _Case:
                 continue
             k_view, v_view = cache.kv_cache(0)
             plan = self.plans[label]
-            dense.setdefault(tuple(k_view.shape), (k_view.contiguous(), v_view.contiguous(), plan))  # ordinary memory
+            dense.setdefault(tuple(k_view.shape), (_dense_copy(k_view), _dense_copy(v_view), plan))
             for name in kernels:
                 kernel = vattn.CONTIGUOUS_KERNELS[name]
                 out.append(_Candidate(f"{label}:{name}", self._call(kernel, k_view, v_view, plan), name == cache.kernel))
@@ -230,6 +230,12 @@ class _Case:
             cache.close()
 
 
+def _dense_copy(view: torch.Tensor) -> torch.Tensor:
+    """An ordinary, contiguous copy of ``view`` in freshly allocated memory (never the view itself,
+    which ``contiguous()`` would return for a view that is contiguous already)."""
+    return torch.empty(view.shape, dtype=view.dtype, device=view.device).copy_(view)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Time every candidate on every (batch, context) of the grid."""
     with common.torch_threads(getattr(args, "threads", None)):
@@ -248,6 +254,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     if not kernels:
         raise vmkv.BackendUnavailable(f"no contiguous kernel can run here: {skipped}")
     clock = common.pick_clock(args.clock, args.device, torch.get_num_threads())
+    config_layout = common.cache_config({"num_layers": 1, "num_kv_heads": 1, "head_dim": 8}, args.device).layout
     read, read_bytes = common.read_bandwidth_probe(args.device, READ_PROBE_BYTES)
     tolerance = 1e-4 if args.dtype in ("float32", "fp32", "float") else 2e-2
     grid = [(b, c) for b in args.batches for c in args.contexts]
@@ -266,7 +273,9 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             paged_kernels = list(dict.fromkeys(selected_paged if name == "selected" else name for name in wanted))
             candidates, diffs = _checked(case, case.candidates(kernels, paged_kernels), tolerance, skipped, wrong)
             fns = {c.name: c.fn for c in candidates}
-            timings = common.time_interleaved({**fns, "read": read}, args.device, repeat=args.repeat, min_sample_s=0.01, clock=clock)
+            control = _control_of(candidates, config_layout)
+            extra = {"read": read, **({CONTROL: fns[control]} if control else {})}
+            timings = common.time_interleaved({**fns, **extra}, args.device, repeat=args.repeat, min_sample_s=0.01, clock=clock)
             skipped.update(case.skipped)
             samples[f"{batch},{context}"] = {"kv_bytes": case.kv_bytes, "read_bytes": read_bytes, "seconds": timings.samples}
             for cand in candidates:
@@ -285,11 +294,24 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     config = {k: getattr(args, k) for k in ("kv_heads", "q_heads", "head_dim", "dtype", "page_size", "block_size",
                                              "repeat", "layouts", "kernels")}
     config["clock"] = clock
-    config["default_layout"] = common.cache_config({"num_layers": 1, "num_kv_heads": 1, "head_dim": 8}, args.device).layout
+    config["default_layout"] = config_layout
     summary = {"kernels": {"contiguous": kernels, "paged_selected": selected_paged}, "skipped": skipped,
                "wrong_outputs": wrong, "read_bandwidth_gbps": bandwidth.as_dict() if bandwidth else None,
                "max_abs_diff": max((r["max_abs_diff"] for r in rows), default=None)}
     return common.make_result(NAME, SCHEMA, rows, summary, config=config, samples=samples)
+
+
+CONTROL = "control"
+"""A second, identical candidate of the VMM kernel the verdicts are about: its ratio to the first
+shows how far two timings of the same work differ on this machine in this run (the noise floor
+under which a difference is called a tie)."""
+
+
+def _control_of(candidates: list[_Candidate], layout: str) -> str | None:
+    """The candidate the control repeats: the cache's own kernel on the default layout."""
+    mine = [c.name for c in candidates if c.name.startswith(f"vmm:{layout}:")]
+    chosen = [c.name for c in candidates if c.selected and c.name in mine]
+    return (chosen or mine or [None])[0]
 
 
 def _bytes_needed(args: argparse.Namespace, batch: int, context: int) -> int:
@@ -349,17 +371,23 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
     def ratio(a: dict[str, Any], b: dict[str, Any]) -> common.Spread:
         return timings.ratio(b["candidate"], a["candidate"])  # time of b / time of a: > 1, a faster
 
+    margin, floor = common.TIE_MARGIN, ""
+    if vmm and CONTROL in timings.samples:  # the same work timed twice: how far apart can equals be?
+        control = timings.ratio(CONTROL, vmm["candidate"])
+        margin = max(margin, *(abs(x - 1.0) for x in (control.low, control.value, control.high)))
+        floor = f"; tie within {100 * margin:.0f} % (same kernel timed twice: {control.low:.2f}-{control.high:.2f})"
+
     if vmm and paged:
         out.append(common.ratio_verdict(
             "decode.vmm_vs_paged", f"decode attention, {where}: VMM vs paged (time ratio)", ratio(vmm, paged),
-            "VMM", "paged", note=f"{vmm['candidate']} vs {paged['candidate']}",
+            "VMM", "paged", note=f"{vmm['candidate']} vs {paged['candidate']}{floor}", tie_margin=margin,
         ))
     kernel = vmm["candidate"].rsplit(":", 1)[-1] if vmm else None
     dense = next((r for r in point if r["candidate"].startswith("dense") and r["candidate"].endswith(f":{kernel}")), None)
     if vmm and dense:
         out.append(common.ratio_verdict(
             "decode.vmm_vs_dense", f"decode attention, {where}: VMM vs the same kernel on dense tensors",
-            ratio(vmm, dense), "VMM", "dense", note=kernel,
+            ratio(vmm, dense), "VMM", "dense", note=f"{kernel}{floor}", tie_margin=margin,
         ))
     per_seq = next((r for r in point if r["candidate"] == f"vmm:{default_layout}:sdpa_per_sequence"), None)
     others = [r for r in point if r["candidate"].startswith(f"vmm:{default_layout}:") and r is not per_seq]
@@ -367,7 +395,8 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
         fastest = min(others, key=lambda r: r["ms"])
         out.append(common.ratio_verdict(
             "decode.batched_vs_per_sequence", f"decode attention, {where}: {fastest['candidate'].rsplit(':', 1)[-1]} vs one SDPA per sequence",
-            ratio(fastest, per_seq), fastest["candidate"].rsplit(":", 1)[-1], "per-sequence",
+            ratio(fastest, per_seq), fastest["candidate"].rsplit(":", 1)[-1], "per-sequence", note=floor.removeprefix("; "),
+            tie_margin=margin,
         ))
     best = min((r for r in point if r["candidate"].startswith("vmm:")), key=lambda r: r["ms"], default=None)
     if best:

@@ -47,15 +47,15 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 SCHEMA = {
     "model": "small or mid (see the module docstring)",
-    "workload": "greedy or beam<width>",
+    "workload": "greedy, or beamW for beam search of width W",
     "batch": "prompts per generate() call",
     "cache": "cache (and attention) under test, see the module docstring",
     "kernel": "attention kernel that ran (VirtualCache with vmkv attention: the core's kernel; else transformers' sdpa)",
     "prompt_len": "prompt tokens",
     "new_tokens": "tokens generated per sequence",
     "seconds": "median time of generate() over the rounds, s",
-    "seconds_low": "fastest round, s",
-    "seconds_high": "slowest round, s",
+    "seconds_low": "fastest round, s (from 5 rounds on, the single fastest and slowest are left out)",
+    "seconds_high": "slowest round, s (same rule)",
     "tokens_per_s": "batch * new_tokens / seconds",
     "kv_peak_bytes": "most KV bytes held at once, B",
     "kv_need_bytes": "bytes the stored tokens take (rows x columns x bytes/token), B",

@@ -46,7 +46,7 @@ SCHEMA = {
     "value": "the measured value, in the unit of the measure (us, ms, or a fraction)",
     "low": "decode_share: lowest leave-one-round-out estimate; map/unmap: 10th percentile call; reserve: fastest",
     "high": "decode_share: highest leave-one-round-out estimate; map/unmap: 90th percentile call; reserve: slowest",
-    "step_ms": "decode_share only: mean ms per decode step (all layers)",
+    "step_ms": "decode_share only: ms per decode step (all layers), median over rounds",
     "baseline_step_ms": "decode_share only: the same with every page mapped before the loop",
     "runs": "decode_share: rounds; map/unmap: calls timed; reserve: reservations timed",
     "reliable": "false when the measurement failed its sanity check (a negative share)",

@@ -8,10 +8,11 @@ Experiments, each run for both modes back to back on identical work:
 
     concurrency   closed loop: C requests in flight, a new one as soon as one finishes
     rate          open loop: Poisson arrivals at R requests/s (``inf``: all at t=0)
-    capacity      ``--capacity-requests`` distinct prompts at once into a fixed
-                  ``--capacity-budget`` with 256 slots: how many sequences the budget keeps
-                  running (mean over steps, and the peak), and the preemptions; the same
-                  prompts in the quick preset and the full run (no two share a prefix page)
+    capacity      ``--capacity-requests`` distinct prompts of 64 tokens, each generating
+                  ``--capacity-output-len`` tokens, at once into a fixed ``--capacity-budget``
+                  with 256 slots: how many sequences the budget keeps running (mean over steps,
+                  and the peak), and the preemptions; the same experiment in the quick preset
+                  and the full run (no two prompts share a prefix page)
 
 Concurrency and rate settings run ``--repeats`` times per mode, modes alternating, and keep the
 median-throughput run of each mode. Metrics per run: output tokens/s (all output tokens / wall
@@ -80,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default 8MiB on CPU, 64MiB on CUDA)")
     parser.add_argument("--capacity-requests", type=int, default=None, help="distinct prompts sent at once in the "
                         "capacity experiment (default 64; smoke 16)")
+    parser.add_argument("--capacity-output-len", type=int, default=None, help="output tokens of each capacity request "
+                        "(default 32; smoke 8): the capacity experiment does not follow --output-len, so the quick "
+                        "preset measures what the full run does")
     parser.add_argument("--vmm-page-size", default=None, help="VMM page bytes per K/V tensor (default: the engine's, "
                         "64 KiB on CPU, 2 MiB on CUDA)")
     parser.add_argument("--block-size", type=int, default=16, help="paged tokens per block")
@@ -100,6 +104,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "memory_budget": args.memory_budget or ("64MiB" if args.device == "cpu" else "1GiB"),
         "capacity_budget": args.capacity_budget or ("8MiB" if args.device == "cpu" else "64MiB"),
         "capacity_requests": args.capacity_requests or (16 if smoke else 64),
+        "capacity_output_len": args.capacity_output_len or (8 if smoke else 32),
     }
 
 
@@ -244,8 +249,9 @@ def _measure(args: argparse.Namespace, settings: dict[str, Any]) -> tuple[list[d
     finally:
         for engine in engines.values():
             engine.close()
-    capacity_prompts = _prompts(settings["capacity_requests"], settings["prompt_len"], args.seed + 1)
-    rows += _capacity(args, settings, capacity_prompts, params)
+    capacity_prompts = _prompts(settings["capacity_requests"], CAPACITY_PROMPT_LEN, args.seed + 1)
+    capacity_params = SamplingParams(max_tokens=settings["capacity_output_len"], temperature=0.0, ignore_eos=True)
+    rows += _capacity(args, settings, capacity_prompts, capacity_params)
     return rows, samples
 
 
@@ -266,6 +272,9 @@ def _alternate(
             runs[mode].append(row)
     kept = [sorted(mine, key=lambda r: r["throughput_tok_s"])[len(mine) // 2] for mine in runs.values()]
     return kept, runs
+
+
+CAPACITY_PROMPT_LEN = 64  # fixed, like the request count and output length: one capacity experiment everywhere
 
 
 def _capacity(args: argparse.Namespace, settings: dict[str, Any], prompts: list[list[int]], params: SamplingParams) -> list[dict[str, Any]]:
