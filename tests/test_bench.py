@@ -376,6 +376,13 @@ def test_cli_bench_ends_with_the_verdict_and_writes_json_report_and_plot(tmp_pat
     assert not any(len(token) > 12 and token.replace(".", "").isdigit() for token in out.split())  # no 17-digit floats
 
 
+def test_report_keeps_earlier_records_and_names_missing_files(tmp_path):
+    verdict = common.ratio_verdict("x.speed", "x question", common.Spread.of([1.4, 1.5, 1.6]), "A", "B").as_dict()
+    records = [{"name": "x", "status": "ok", "seconds": 1.0, "json": "x.json", "plots": [], "verdicts": [verdict]}]
+    report = cli.write_report(tmp_path, records).read_text()
+    assert "x question" in report and "its result file x.json is no longer in" in report
+
+
 def test_cli_registry_lists_colleagues_and_reports_a_missing_module(tmp_path, monkeypatch, capsys):
     assert set(ALL) <= set(cli.REGISTRY)
     broken = cli.Entry("broken", "benchmarks.does_not_exist")

@@ -220,7 +220,9 @@ def run_one(module: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
     if result["verdicts"]:
         print()
         print(common.format_verdicts(result["verdicts"]))
-    return {"name": result["name"], "status": "ok", "seconds": seconds, "json": str(json_path), "plots": plots,
+    # file names, not paths: suite.json and report.md live in the same directory as the files
+    return {"name": result["name"], "status": "ok", "seconds": seconds, "json": json_path.name,
+            "plots": [Path(p).name for p in plots],
             "verdicts": result["verdicts"]}
 
 
@@ -341,7 +343,11 @@ def write_report(out: Path, records: list[dict[str, Any]]) -> Path:
         if record["status"] != "ok":
             parts += [f"{record['status']}: {record.get('reason', '')}", ""]
             continue
-        result = json.loads(Path(record["json"]).read_text())
+        path = out / Path(record["json"]).name
+        if not path.exists():
+            parts += [f"(its result file {path.name} is no longer in {out})", ""]
+            continue
+        result = json.loads(path.read_text())
         command = " ".join(["vmkv bench", record["name"], *(record.get("options") or [])])
         parts += [f"`{command}`: {record['seconds']:.0f} s", ""]
         if result["rows"]:
