@@ -347,7 +347,7 @@ def make_result(name: str, schema: dict[str, str], rows: list[dict[str, Any]], s
 
 
 TIE_MARGIN = 0.05
-"""Ratios within 5 % of 1.0 are called a tie even when every repeat agrees on the side."""
+"""A ratio whose repeats reach into 1.0 +- 5 % is called a tie even when they agree on the side."""
 
 
 @dataclass(frozen=True)
@@ -411,15 +411,16 @@ def ratio_verdict(
 ) -> Verdict:
     """A verdict on ``ratio`` = how many times ``better`` beats ``worse`` (> 1: ``better`` wins).
 
-    The winner is named only when every repeat points the same way (the min-max range does not
-    include 1.0) and the median is more than ``tie_margin`` away from 1.0; otherwise it is a tie,
-    so two runs on a noisy machine give the same answer. A single timed run is not judged.
+    The winner is named only when the whole range of the repeats lies beyond the tie band
+    ``[1 / (1 + tie_margin), 1 + tie_margin]``: every kept repeat says it wins by more than the
+    noise. Otherwise it is a tie ("spread crosses 1.0" when the repeats disagree on the side), so
+    two runs on a noisy machine give the same answer. A single timed run is not judged.
     """
     if ratio.runs < 2 and not ratio.deterministic:
         winner = "not judged (1 run)"
-    elif ratio.low > 1.0 and ratio.value >= 1.0 + tie_margin:
+    elif ratio.low > 1.0 + tie_margin:
         winner = f"{better}, {number_text(ratio.value)}"
-    elif ratio.high < 1.0 and ratio.value <= 1.0 / (1.0 + tie_margin):
+    elif ratio.high < 1.0 / (1.0 + tie_margin):
         winner = f"{worse}, {number_text(1.0 / ratio.value)}"
     elif ratio.crosses_one:
         winner = "tie (spread crosses 1.0)"
