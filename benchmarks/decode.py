@@ -27,6 +27,7 @@ head_dim x bytes x 2). Every output is checked against SDPA on the source K/V of
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import typing
 from dataclasses import dataclass
@@ -102,7 +103,7 @@ def _runnable_kernels(args: argparse.Namespace) -> tuple[list[str], dict[str, st
     unknown = sorted(set(args.kernels) - set(vattn.CONTIGUOUS_KERNELS))
     if unknown:
         raise vmkv.InvalidConfig(f"unknown kernels {unknown}; known: {list(vattn.CONTIGUOUS_KERNELS)}")
-    dtype = vmkv.config._as_dtype(args.dtype)
+    dtype = common.cache_config({"num_layers": 1, "num_kv_heads": 1, "head_dim": args.head_dim, "dtype": args.dtype}, args.device).dtype
     runnable, skipped = [], {}
     for name in args.kernels:
         why = vattn.contiguous_kernel_unavailable(name, torch.device(args.device), dtype, args.head_dim)
@@ -255,8 +256,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         raise vmkv.BackendUnavailable(f"no contiguous kernel can run here: {skipped}")
     clock = common.pick_clock(args.clock, args.device, torch.get_num_threads())
     config_layout = common.cache_config({"num_layers": 1, "num_kv_heads": 1, "head_dim": 8}, args.device).layout
-    read, read_bytes = common.read_bandwidth_probe(args.device, READ_PROBE_BYTES)
-    tolerance = 1e-4 if args.dtype in ("float32", "fp32", "float") else 2e-2
+    probe = common.read_bandwidth_probe(args.device, READ_PROBE_BYTES)
     grid = [(b, c) for b in args.batches for c in args.contexts]
     rows, wrong, samples, selected_paged = [], {}, {}, ""
     for batch, context in common.progress(grid, "decode grid", enabled=getattr(args, "progress", False)):
@@ -269,24 +269,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         case = _Case(args, batch, context)
         try:
             selected_paged = case.caches["paged"].kernel
-            wanted = args.paged_kernels or ["selected", "gather_sdpa"]
-            paged_kernels = list(dict.fromkeys(selected_paged if name == "selected" else name for name in wanted))
-            candidates, diffs = _checked(case, case.candidates(kernels, paged_kernels), tolerance, skipped, wrong)
-            fns = {c.name: c.fn for c in candidates}
-            control = _control_of(candidates, config_layout)
-            extra = {"read": read, **({CONTROL: fns[control]} if control else {})}
-            timings = common.time_interleaved({**fns, **extra}, args.device, repeat=args.repeat, min_sample_s=0.01, clock=clock)
-            skipped.update(case.skipped)
-            samples[f"{batch},{context}"] = {"kv_bytes": case.kv_bytes, "read_bytes": read_bytes, "seconds": timings.samples}
-            for cand in candidates:
-                ms = timings.spread(cand.name).scaled(1e3)
-                share = timings.ratio("read", cand.name).scaled(case.kv_bytes / read_bytes)
-                rows.append({
-                    "batch": batch, "context": context, "candidate": cand.name, "selected": cand.selected,
-                    "ms": ms.value, "ms_low": ms.low, "ms_high": ms.high,
-                    "gbps": case.kv_bytes / ms.value * 1e3 / 1e9, "bw_fraction": share.value,
-                    "max_abs_diff": diffs[cand.name],
-                })
+            found, samples[f"{batch},{context}"] = _measure_point(case, kernels, probe, clock, config_layout, skipped, wrong)
+            rows += found
         finally:
             case.close()
     reads = [s["read_bytes"] / t / 1e9 for s in samples.values() for t in s["seconds"]["read"]]
@@ -321,6 +305,37 @@ def _bytes_needed(args: argparse.Namespace, batch: int, context: int) -> int:
                                  "dtype": args.dtype}, args.device)
     one = 2 * batch * (context + 1) * probe.layer_token_bytes
     return int(one * (len(args.layouts) + 3) * 1.2)
+
+
+def _measure_point(
+    case: _Case, kernels: list[str], probe: tuple[Callable[[], Any], int], clock: str, layout: str,
+    skipped: dict[str, str], wrong: dict[str, float],
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Check, then time, every candidate of one grid point (with the read probe and the control);
+    its rows and its raw per-round samples."""
+    args = case.args
+    read, read_bytes = probe
+    wanted = args.paged_kernels or ["selected", "gather_sdpa"]
+    selected = case.caches["paged"].kernel
+    paged_kernels = list(dict.fromkeys(selected if name == "selected" else name for name in wanted))
+    tolerance = 1e-4 if case.q.dtype == torch.float32 else 2e-2
+    candidates, diffs = _checked(case, case.candidates(kernels, paged_kernels), tolerance, skipped, wrong)
+    fns = {c.name: c.fn for c in candidates}
+    control = _control_of(candidates, layout)
+    extra = {"read": read, **({CONTROL: fns[control]} if control else {})}
+    timings = common.time_interleaved({**fns, **extra}, args.device, repeat=args.repeat, min_sample_s=0.01, clock=clock)
+    skipped.update(case.skipped)
+    rows = []
+    for cand in candidates:
+        ms = timings.spread(cand.name).scaled(1e3)
+        share = timings.ratio("read", cand.name).scaled(case.kv_bytes / read_bytes)
+        rows.append({
+            "batch": case.batch, "context": case.context, "candidate": cand.name, "selected": cand.selected,
+            "ms": ms.value, "ms_low": ms.low, "ms_high": ms.high,
+            "gbps": case.kv_bytes / ms.value * 1e3 / 1e9, "bw_fraction": share.value,
+            "max_abs_diff": diffs[cand.name],
+        })
+    return rows, {"kv_bytes": case.kv_bytes, "read_bytes": read_bytes, "seconds": timings.samples}
 
 
 def _checked(case: _Case, candidates: list[_Candidate], tolerance: float, skipped: dict[str, str],
@@ -385,10 +400,10 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
     kernel = vmm["candidate"].rsplit(":", 1)[-1] if vmm else None
     dense = next((r for r in point if r["candidate"].startswith("dense") and r["candidate"].endswith(f":{kernel}")), None)
     if vmm and dense:
-        out.append(common.ratio_verdict(
-            "decode.vmm_vs_dense", f"decode attention, {where}: VMM vs the same kernel on dense tensors",
+        out.append(_cost_verdict(common.ratio_verdict(
+            "decode.vmm_vs_dense", f"decode attention, {where}: what virtual memory costs (VMM vs the same kernel on dense tensors)",
             ratio(vmm, dense), "VMM", "dense", note=f"{kernel}{floor}", tie_margin=margin,
-        ))
+        )))
     per_seq = next((r for r in point if r["candidate"] == f"vmm:{default_layout}:sdpa_per_sequence"), None)
     others = [r for r in point if r["candidate"].startswith(f"vmm:{default_layout}:") and r is not per_seq]
     if per_seq and others:
@@ -412,6 +427,16 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
             note=f"{best['candidate']}; read {bw.value:.1f} GB/s ({bw.low:.1f}-{bw.high:.1f}), threads: {result['config'].get('threads')}",
         ))
     return out
+
+
+def _cost_verdict(verdict: common.Verdict) -> common.Verdict:
+    """VMM vs dense answers "does virtual memory cost the kernel anything?": dense faster beyond
+    the noise means yes; a tie, or VMM faster, means no."""
+    if verdict.winner.startswith("dense"):
+        return dataclasses.replace(verdict, winner=f"VMM costs time: {verdict.winner.replace('dense, ', 'dense ')} faster")
+    if verdict.winner.startswith("VMM, "):
+        return dataclasses.replace(verdict, winner=f"no cost (VMM {verdict.winner.removeprefix('VMM, ')} faster)")
+    return dataclasses.replace(verdict, winner=f"no cost ({verdict.winner.split(' (')[0]})")
 
 
 def table(result: dict[str, Any]) -> list[dict[str, Any]]:

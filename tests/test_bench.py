@@ -176,6 +176,18 @@ def test_decode_picks_up_a_newly_registered_kernel_and_rejects_a_wrong_one(monke
     assert "decode.batched_vs_per_sequence" in verdicts  # the new kernel is compared with per-sequence
 
 
+@pytest.mark.parametrize("samples, winner", [
+    ([0.7, 0.75, 0.8], "VMM costs time: dense 1.33x faster"),
+    ([0.98, 1.0, 1.03], "no cost (tie)"),
+    ([1.2, 1.25, 1.3], "no cost (VMM 1.25x faster)"),
+])
+def test_decode_vmm_vs_dense_answers_what_virtual_memory_costs(samples, winner):
+    from benchmarks.decode import _cost_verdict
+
+    verdict = common.ratio_verdict("decode.vmm_vs_dense", "q", common.Spread.of(samples), "VMM", "dense")
+    assert _cost_verdict(verdict).winner == winner
+
+
 # ---- mapping ---------------------------------------------------------------------------------
 def test_mapping_measures_every_part(smoke_results):
     rows = smoke_results["mapping"]["rows"]

@@ -59,7 +59,7 @@ REGISTRY: dict[str, Entry] = {
               ["--models", "small", "--prompt-len", "64", "--new-tokens", "256", "--batch-sizes", "1", "8",
                "--beam-new-tokens", "32", "--caches", "dynamic", "static", "vmm", "vmm+vmkv", "--repeats", "3"]),
         Entry("serve", "benchmarks.serve",
-              ["--concurrency", "1", "8", "--rates", "16", "inf", "--requests", "16", "--output-len", "16", "--repeats", "3"]),
+              ["--concurrency", "1", "8", "--rates", "16", "inf", "--requests", "16", "--output-len", "16", "--repeats", "5"]),
         Entry("vllm", "benchmarks.vllm", in_suite=False),  # vLLM stock vs the vmkv plugin: needs vLLM, minutes
     )
 }
