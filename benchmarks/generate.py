@@ -123,6 +123,9 @@ def _workload(
         attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
         do_sample=False, num_beams=beams, pad_token_id=model.config.pad_token_id,
     )
+    import vmkv.hf
+
+    cache_kw = vmkv.hf.cache_argument()  # transformers 5.19: past_key_values=, 5.24: cache=
     now = common.CLOCKS[clock]
     caches = list(args.caches)
     times: dict[str, list[float]] = {name: [] for name in caches}
@@ -135,8 +138,8 @@ def _workload(
             cache = _make_cache(name, model, args, batch * beams, args.prompt_len + new_tokens)
             common.synchronize(args.device)
             start = now()
-            try:  # past_key_values= works with every transformers 5.x (5.19 has no cache= yet)
-                out = model.generate(ids, past_key_values=cache, **kwargs)
+            try:
+                out = model.generate(ids, **{cache_kw: cache}, **kwargs)
             except Exception as exc:  # noqa: BLE001 - a cache that cannot run is reported, the others go on
                 args.failed[name] = f"{type(exc).__name__}: {exc}"
                 print(f"[generate] {name} left out: {args.failed[name]}", file=sys.stderr)
@@ -186,7 +189,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     caches = [name for name in args.caches if available or not name.startswith("paged")]
     args = argparse.Namespace(**{**vars(args), "caches": caches, "failed": {}})
     warnings.filterwarnings("ignore", message=".*generation flags are not valid.*")
-    warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated.*", category=FutureWarning)
     rows: list[dict[str, Any]] = []
     samples: dict[str, dict[str, list[float]]] = {}
     with common.torch_threads(args.threads if args.device == "cpu" else None):

@@ -1,37 +1,44 @@
 #!/usr/bin/env python
-"""One-shot GPU check of vmkv: CUDA tests, decode kernels on VMM views vs dense tensors,
-map/unmap latency, and paged vs VMM on the same work. Writes ``DIR/gpu_check.json``.
+"""One-shot GPU check of vmkv: CUDA tests, the zero page, decode kernels on VMM views vs dense
+tensors, map/unmap latency, paged vs VMM on the same work, and vLLM's smoke test if present.
 
-    python benchmarks/gpu_check.py --out DIR                   # on an NVIDIA GPU, < 5 minutes
-    python benchmarks/gpu_check.py --device cpu --smoke --out DIR   # dry run of the same code, seconds
+    python benchmarks/gpu_check.py                        # on an NVIDIA GPU: every section, a few minutes
+    python benchmarks/gpu_check.py --out DIR --sections zero_page decode
+    python benchmarks/gpu_check.py --device cpu --smoke   # dry run of the same code on the CPU, seconds
 
-Sections (each runs in its own try/except; a failure is recorded in the JSON with its
-traceback and the next section still runs):
+Every section runs in its own process, so a CUDA fault (which kills the CUDA context) loses
+that section only; ``DIR/gpu_check.json`` (default ``gpu-check-out/``) is rewritten after
+every section, so an interrupted run keeps what finished.
 
-    environment   torch/CUDA/driver versions, GPU, granularity, which kernels can run and why not
-    tests         pytest on tests/test_cuda.py (CUDA backend contract + cache vs dense reference)
+    environment   torch/CUDA/driver versions, GPU, granularity, read-only zero page, kernels
+    tests         pytest tests/test_cuda.py (CUDA backend contract + cache vs dense reference)
+    zero_page     reads past a sequence and views after close() see zeros; a write into an
+                  empty page faults (in a child process, as expected)
     decode        one decode step, 32 sequences x 2048 tokens, 32 q / 8 kv heads, head_dim 128,
-                  fp16: each contiguous kernel on the VMM views and on a dense torch tensor of
-                  the same shape and contents; CUDA-event timing, interleaved; ratio vmm/dense
-    map_unmap     latency of cuMemMap+cuMemSetAccess and cuMemUnmap per page (2 MiB), of
-                  cuMemCreate per page, and of reserving 64 GiB of address space
-    paged_vs_vmm  if ``paged`` imports: each paged kernel vs the VMM cache's kernel through
-                  ``cache.attention`` on the same K/V (paged block_size 256, as FlashAttention's
-                  paged kernels require)
+                  fp16: each contiguous kernel on the VMM views and on a dense tensor of the
+                  same contents; CUDA-event timing, interleaved; ratio vmm/dense
+    map_unmap     latency of map (unmap zero page + cuMemMap + cuMemSetAccess) and unmap per
+                  2 MiB page, of creating the store, and of reserving 64 GiB (zero page at
+                  every page)
+    paged_vs_vmm  each paged kernel vs the VMM cache's kernel through ``cache.attention``
+    vllm          ``vmkv.vllm.gpu_smoke(DIR/vllm)`` if vmkv.vllm and vLLM are installed
 
-Nothing is installed or downloaded; optional packages (flash-attn, cuda-bindings, ...) are used
-when present and reported as missing otherwise. See docs/gpu.md for what each number means.
+Exit status: 0 every section passed (or was skipped, with the reason); 1 a section failed;
+2 bad arguments; 3 no CUDA GPU here (one line says why; nothing ran). Nothing is installed or
+downloaded. See docs/gpu.md for what each number means.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import importlib
 import importlib.metadata
+import importlib.util
 import json
 import math
 import platform
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -57,8 +64,15 @@ from vmkv.attention import (  # noqa: E402
     torch_varlen_features,
 )
 from vmkv.step import StepPlan  # noqa: E402
+from vmkv.vm.cuda import TorchCudaRuntime  # noqa: E402
 
 MiB = 1 << 20
+SECTIONS = ["environment", "tests", "zero_page", "decode", "map_unmap", "paged_vs_vmm", "vllm"]
+EXIT_FAILED, EXIT_USAGE, EXIT_NO_GPU = 1, 2, 3
+
+
+class SectionSkipped(Exception):
+    """A section cannot run here; the message says why (recorded, not a failure)."""
 
 
 @dataclass(frozen=True)
@@ -224,6 +238,11 @@ def environment(device: torch.device, shape: Shape) -> dict[str, Any]:
         from vmkv.vm.cuda import cuda_granularity
 
         env["vmm_granularity_bytes"] = cuda_granularity(device)
+        from vmkv.vm.cuda import CudaVirtualMemory
+
+        probe = CudaVirtualMemory(env["vmm_granularity_bytes"], 1, device=device)
+        env["zero_page_read_only"] = probe.zero_page_read_only  # False: the device refused PROT_READ
+        probe.close()
         try:
             from cuda.bindings import driver
 
@@ -242,7 +261,7 @@ def run_tests(paths: list[str], timeout: int) -> dict[str, Any]:
     summary = [line for line in output.splitlines() if re.search(r"\d+ (passed|failed|error)", line)]
     counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", summary[-1] if summary else "")}
     return {
-        "ok": proc.returncode == 0,
+        "failures": [] if proc.returncode == 0 else [f"pytest exited with {proc.returncode}: {counts}"],
         "command": " ".join(cmd),
         "returncode": proc.returncode,
         "counts": counts,
@@ -374,23 +393,171 @@ def paged_section(device: torch.device, shape: Shape) -> dict[str, Any]:
         vmm.close()
 
 
-# ---- driver ------------------------------------------------------------------------------------
-def run_section(report: dict[str, Any], name: str, fn: Callable[..., dict[str, Any]], *args: Any) -> None:
-    """Run one section; record its result, or its error and traceback, and its duration."""
-    print(f"[gpu_check] {name} ...", flush=True)
+def zero_page_section(device: torch.device, shape: Shape, out_dir: Path, smoke: bool) -> dict[str, Any]:
+    """Empty pages read as zeros (past a sequence, in an empty slot, after close) and a write
+    into one faults -- checked in a child process, since on CUDA the fault kills the context."""
+    config = decode_config(device, replace(shape, batch=2))
+    cache = vmkv.open_cache(config)
+    k_all = None
+    try:
+        tpp = cache.tokens_per_page
+        written = min(5, tpp)
+        cache.add("a")
+        plan = cache.begin_step({"a": written})
+        k = torch.randn(written, shape.kv_heads, shape.head_dim, device=device).to(config.dtype)
+        cache.write(0, k, k, plan)
+        k_all, _ = cache.kv_cache(0)  # [batch, seq_len, kv_heads, head_dim]
+        slot = plan.slots_t[0].item()
+        checks = {
+            "written_tokens_read_back": bool(torch.equal(k_all[slot, :written], k)),
+            "rest_of_the_page_reads_zeros": int(torch.count_nonzero(k_all[slot, written:tpp])) == 0,
+            "pages_past_the_sequence_read_zeros": int(torch.count_nonzero(k_all[slot, tpp:])) == 0,
+            "an_empty_slot_reads_zeros": int(torch.count_nonzero(k_all[1 - slot])) == 0,
+            "no_nan_anywhere": not bool(k_all.isnan().any()),
+        }
+    finally:
+        cache.close()
+    checks["a_view_after_close_reads_zeros"] = k_all is not None and int(torch.count_nonzero(k_all)) == 0
+    probe = write_probe(device, out_dir, smoke)
+    checks["a_write_into_an_empty_page_faults"] = probe["faulted"]
+    return {"checks": checks, "write_probe": probe, "failures": [name for name, ok in checks.items() if not ok]}
+
+
+def write_probe(device: torch.device, out_dir: Path, smoke: bool) -> dict[str, Any]:
+    """Run :func:`write_to_an_empty_page` in a child: it must die (SIGSEGV on the host, a CUDA
+    illegal-address error on a GPU) after reading zeros, without printing ``WROTE``."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "write_probe", "--device", str(device), "--out", str(out_dir)]
+    proc = subprocess.run(cmd + (["--smoke"] if smoke else []), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    return {
+        "returncode": proc.returncode,
+        "exit": describe_exit(proc.returncode),
+        "read_zeros_first": "READ 0" in proc.stdout,
+        "faulted": proc.returncode != 0 and "READ 0" in proc.stdout and "WROTE" not in proc.stdout,
+        "output_tail": output[-1500:],
+    }
+
+
+def write_to_an_empty_page(device: torch.device) -> None:
+    """Read an empty page (zeros), then write into it: this process is expected to die here."""
+    from vmkv.vm import granularity, open_backend
+
+    page = granularity(device)
+    vm = open_backend(device, page, 1)
+    addr = vm.reserve(2 * page)
+    view = vm.tensor(addr, (2 * page,), torch.uint8)
+    print("READ", int(view.sum().item()), flush=True)
+    view[page:].fill_(1)  # an empty page: read-only
+    vm.synchronize()
+    print("WROTE", int(view.sum().item()), flush=True)
+
+
+def vllm_section(device: torch.device, out_dir: Path) -> dict[str, Any]:
+    """``vmkv.vllm.gpu_smoke(out_dir)``, written by the vLLM integration, if it is there."""
+    if device.type != "cuda":
+        raise SectionSkipped("the vLLM smoke test needs a CUDA device")
+    if importlib.util.find_spec("vllm") is None:
+        raise SectionSkipped("vLLM is not installed")
+    try:
+        module = importlib.import_module("vmkv.vllm")
+    except ImportError as exc:
+        raise SectionSkipped(f"vmkv.vllm cannot be imported: {exc}") from None
+    smoke = getattr(module, "gpu_smoke", None)
+    if smoke is None:
+        raise SectionSkipped("vmkv.vllm has no gpu_smoke(out_dir)")
+    (out_dir / "vllm").mkdir(parents=True, exist_ok=True)
+    result = smoke(out_dir / "vllm")
+    result = dict(result) if isinstance(result, dict) else {"returned": result}
+    if result.get("ok") is False:
+        result.setdefault("failures", ["gpu_smoke returned ok=False"])
+    return result
+
+
+# ---- running sections, each in its own process -----------------------------------------------
+def section_call(name: str, args: argparse.Namespace, device: torch.device) -> Callable[[], dict[str, Any]]:
+    """The work of section ``name`` (run inside the worker process)."""
+    shape = SMOKE if args.smoke else FULL
+    calls: dict[str, Callable[[], dict[str, Any]]] = {
+        "environment": lambda: environment(device, shape),
+        "tests": lambda: run_tests(args.tests, args.test_timeout),
+        "zero_page": lambda: zero_page_section(device, shape, args.out, args.smoke),
+        "decode": lambda: decode_section(device, shape, args.kernels),
+        "map_unmap": lambda: map_unmap_section(device, shape),
+        "paged_vs_vmm": lambda: paged_section(device, shape),
+        "vllm": lambda: vllm_section(device, args.out),
+    }
+    return calls[name]
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """Inside a section's process: run it and write ``DIR/sections/NAME.json``."""
+    device = resolve_device(args.device)
+    if args.smoke and device.type == "cpu":
+        torch.set_num_threads(1)  # a dry run on a shared CPU: idle OpenMP threads spinning only slow it down
+    if args.worker == "write_probe":
+        write_to_an_empty_page(device)
+        return 0
+    try:
+        result = section_call(args.worker, args, device)()
+        failures = result.pop("failures", [])
+        entry = {"status": "failed" if failures else "passed", "result": result}
+        if failures:
+            entry["error"] = "; ".join(failures)
+    except SectionSkipped as exc:
+        entry = {"status": "skipped", "reason": str(exc)}
+    except Exception as exc:  # recorded: the parent reports it and goes on
+        entry = {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    path = section_file(args.out, args.worker)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(entry, indent=2, default=str))
+    return 0
+
+
+def section_file(out_dir: Path, name: str) -> Path:
+    return out_dir / "sections" / f"{name}.json"
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit status {returncode}"
+
+
+def collect(cmd: list[str], result: Path, timeout: float) -> dict[str, Any]:
+    """Run one section's process and read what it wrote; a crash, a timeout or a missing result
+    is a failed section with the process's last output."""
+    result.unlink(missing_ok=True)
     began = time.perf_counter()
     try:
-        result = fn(*args)
-        entry = {"ok": bool(result.pop("ok", True)), "result": result}
-    except Exception as exc:  # recorded: one failing section must not lose the others
-        entry = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-    entry["seconds"] = round(time.perf_counter() - began, 2)
-    report["sections"][name] = entry
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        output, ended = proc.stdout + proc.stderr, describe_exit(proc.returncode)
+    except subprocess.TimeoutExpired as exc:
+        proc, ended = None, f"timed out after {timeout:g} s"
+        output = "".join(part.decode(errors="replace") if isinstance(part, bytes) else part or "" for part in (exc.stdout, exc.stderr))
+    seconds = round(time.perf_counter() - began, 1)
+    if proc is not None and proc.returncode == 0 and result.exists():
+        return {**json.loads(result.read_text()), "seconds": seconds}
+    return {"status": "failed", "error": f"the section's process {ended} before reporting", "seconds": seconds,
+            "output_tail": output[-3000:]}
 
 
+def worker_command(name: str, args: argparse.Namespace) -> list[str]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--device", args.device, "--out", str(args.out),
+           "--kernels", *args.kernels, "--tests", *args.tests, "--test-timeout", str(args.test_timeout)]
+    return cmd + (["--smoke"] if args.smoke else [])
+
+
+def resolve_device(name: str) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+# ---- the report ------------------------------------------------------------------------------
 def fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
@@ -412,71 +579,92 @@ def print_table(title: str, rows: list[dict[str, Any]]) -> None:
 def print_report(report: dict[str, Any]) -> None:
     sections = report["sections"]
     print_table("sections", [
-        {"section": name, "ok": entry["ok"], "seconds": entry["seconds"], "error": entry.get("error", "")[:100]}
+        {"section": name, "status": entry["status"], "seconds": entry.get("seconds", ""),
+         "why": (entry.get("error") or entry.get("reason") or "")[:100]}
         for name, entry in sections.items()
     ])
-    for name, key in (("decode", "kernels"), ("paged_vs_vmm", "kernels")):
+    for name in ("decode", "paged_vs_vmm"):
         result = sections.get(name, {}).get("result")
         if result:
             rows = [{"kernel": kernel, **{k: v for k, v in row.items() if k != "skipped"}, "skipped": row.get("skipped", "")[:70]}
-                    for kernel, row in result[key].items()]
+                    for kernel, row in result["kernels"].items()]
             print_table(f"{name} ({result.get('cache_kernel') or result.get('vmm_kernel')} is the VMM cache's kernel)", rows)
+    zero = sections.get("zero_page", {}).get("result")
+    if zero:
+        print_table("zero_page", [{"check": name, "holds": ok} for name, ok in zero["checks"].items()])
     mapping = sections.get("map_unmap", {}).get("result")
     if mapping:
         print_table("map_unmap (microseconds per page)", [
             {"op": op, "page_bytes": mapping["page_bytes"], **mapping[f"{op}_us"]} for op in ("map", "unmap")
         ])
-        print(f"  store creation {mapping['create_store_us_per_page']:.1f} us/page; reserve 64 GiB {mapping['reserve_64GiB_us']:.1f} us")
+        print(f"  store creation {mapping['create_store_us_per_page']:.1f} us/page; reserve 64 GiB {mapping['reserve_64GiB_us']:.0f} us")
     tests = sections.get("tests", {}).get("result")
     if tests:
         print(f"\ntests: {tests['counts']} (returncode {tests['returncode']}): {tests['command']}")
 
 
+def verdict(report: dict[str, Any]) -> str:
+    """One line: what passed, what was skipped, what failed and why."""
+    by_status: dict[str, list[str]] = {"passed": [], "skipped": [], "failed": []}
+    for name, entry in report["sections"].items():
+        by_status[entry["status"]].append(name)
+    line = f"gpu_check on {report['device']}: {len(by_status['passed'])} passed, {len(by_status['skipped'])} skipped"
+    if by_status["failed"]:
+        firsts = [f"{name} ({(report['sections'][name].get('error') or '')[:80]})" for name in by_status["failed"]]
+        return f"{line}, {len(by_status['failed'])} FAILED: " + "; ".join(firsts)
+    decode = report["sections"].get("decode", {}).get("result", {}).get("kernels", {})
+    ratios = {k: row["vmm_over_dense"] for k, row in decode.items() if "vmm_over_dense" in row}
+    if ratios and report["device"].startswith("cuda"):
+        kernel, ratio = min(ratios.items(), key=lambda item: item[1])
+        line += f"; decode over VMM pages costs {ratio:.2f}x dense with {kernel} (1.00 = free)"
+    return line + "."
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="Sections: environment, tests, decode, map_unmap, paged_vs_vmm. See docs/gpu.md.")
-    parser.add_argument("--out", type=Path, required=True, help="directory for gpu_check.json")
+                                     epilog="Exit status: 0 passed, 1 a section failed, 2 bad arguments, 3 no CUDA GPU. "
+                                            "See docs/gpu.md.")
+    parser.add_argument("--out", type=Path, default=Path("gpu-check-out"), help="directory for gpu_check.json (default: gpu-check-out)")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu for a dry run")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and few iterations (a dry run of the code paths)")
-    parser.add_argument("--sections", nargs="+", default=["environment", "tests", "decode", "map_unmap", "paged_vs_vmm"],
-                        help="which sections to run (default: all; tests are skipped with --smoke)")
+    parser.add_argument("--sections", nargs="+", default=SECTIONS, choices=SECTIONS, metavar="SECTION",
+                        help=f"which sections to run (default: all: {' '.join(SECTIONS)}; tests are skipped with --smoke)")
     parser.add_argument("--kernels", nargs="+", default=list(CONTIGUOUS_KERNELS), choices=list(CONTIGUOUS_KERNELS),
                         help="contiguous kernels for the decode section (default: all; those that cannot run are skipped with the reason)")
     parser.add_argument("--tests", nargs="+", default=["tests/test_cuda.py"], help="pytest paths for the tests section")
-    parser.add_argument("--test-timeout", type=int, default=150, help="seconds allowed for the tests section")
+    parser.add_argument("--test-timeout", type=int, default=240, help="seconds allowed for the tests section's pytest (default 240)")
+    parser.add_argument("--section-timeout", type=int, default=360, help="seconds allowed for one section's process (default 360)")
+    parser.add_argument("--worker", choices=[*SECTIONS, "write_probe"], help=argparse.SUPPRESS)  # one section, inside its process
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.worker:
+        return run_worker(args)
     device = torch.device(args.device)
-    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    shape = SMOKE if args.smoke else FULL
-    if args.smoke and device.type == "cpu":
-        torch.set_num_threads(1)  # a dry run on a shared CPU: idle OpenMP threads spinning only slow it down
-    report: dict[str, Any] = {"device": str(device), "smoke": args.smoke, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "sections": {}}
-    runs: dict[str, tuple[Callable[..., dict[str, Any]], tuple]] = {
-        "environment": (environment, (device, shape)),
-        "tests": (run_tests, (args.tests, args.test_timeout)),
-        "decode": (decode_section, (device, shape, args.kernels)),
-        "map_unmap": (map_unmap_section, (device, shape)),
-        "paged_vs_vmm": (paged_section, (device, shape)),
-    }
-    for name in args.sections:
-        if name not in runs:
-            print(f"[gpu_check] unknown section {name!r}; known: {', '.join(runs)}", file=sys.stderr)
-            return 2
-        if name == "tests" and args.smoke:
-            continue  # the smoke run is itself called from the tests
-        fn, fn_args = runs[name]
-        run_section(report, name, fn, *fn_args)
+    if device.type == "cuda":
+        reason = TorchCudaRuntime().unavailable_reason()
+        if reason is not None:
+            print(f"gpu_check: no CUDA GPU here ({reason}); nothing was checked (dry run: --device cpu --smoke)")
+            return EXIT_NO_GPU
+    report: dict[str, Any] = {"device": str(resolve_device(args.device)), "smoke": args.smoke,
+                              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "sections": {}}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "gpu_check.json"
-    path.write_text(json.dumps(report, indent=2, default=str))
+    for name in args.sections:
+        if name == "tests" and args.smoke:
+            entry = {"status": "skipped", "reason": "--smoke: the dry run is itself one of the tests"}
+        else:
+            print(f"[gpu_check] {name} ...", flush=True)
+            entry = collect(worker_command(name, args), section_file(args.out, name), args.section_timeout)
+        report["sections"][name] = entry
+        path.write_text(json.dumps(report, indent=2, default=str))  # after every section
+        print(f"[gpu_check] {name}: {entry['status']}", (entry.get("error") or entry.get("reason") or "")[:160], flush=True)
     print_report(report)
     print(f"\n[gpu_check] wrote {path}")
-    return 0
+    print(verdict(report))
+    return EXIT_FAILED if any(entry["status"] == "failed" for entry in report["sections"].values()) else 0
 
 
 if __name__ == "__main__":

@@ -1,40 +1,47 @@
 """The CUDA backend and the CUDA kernel paths.
 
-* The backend contract (map, unmap, share a page at two addresses, views, big reservations)
-  runs on every backend that can run here: ``host`` always, ``cuda`` with a GPU, the driver
-  and cuda-bindings (else skipped, with the reason).
-* A ``VirtualKVCache`` on ``device="cuda"`` is checked against a dense float64 reference,
-  through its own kernel and through every contiguous kernel this machine can run.
+* The backend contract (map, unmap, share a page at two addresses, views, empty pages read as
+  zeros, views outlive ``close()``, big reservations) runs on every backend that can run here:
+  ``host`` always; ``fake_cuda`` -- the real CUDA backend driving the fake driver library of
+  ``tests/fake_cuda`` through the real cuda-bindings -- wherever gcc and cuda-bindings are; and
+  ``cuda`` with a GPU, the driver and cuda-bindings (else skipped, with the reason).
+* A ``VirtualKVCache`` over the CUDA backend is checked against a dense float64 reference: on
+  the fake driver here (CPU tensors over the fake's host-backed device memory), and on a GPU
+  through its own kernel and through every contiguous kernel that machine can run.
 * On a machine without CUDA: asking for it raises ``BackendUnavailable`` (never an
-  ImportError or AttributeError), and ``benchmarks/gpu_check.py --device cpu --smoke`` runs.
+  ImportError or AttributeError), and ``benchmarks/gpu_check.py`` says so or dry-runs on CPU.
+
+The fake driver's own rules, call order, rollback and fault injection: ``tests/fake_cuda/``.
 """
 
 from __future__ import annotations
 
-import enum
 import json
 import subprocess
 import sys
 import threading
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 import vmkv
+import vmkv.cache
 from conftest import dense_attention
+from fake_cuda import FakeRuntime
+from fake_cuda.fixtures import fake, fake_cuda_backends, fake_lib, runtime  # noqa: F401  (fixtures)
 from vmkv.attention import CONTIGUOUS_KERNELS, _slot_rows, contiguous_kernel_unavailable, select_contiguous_kernel
 from vmkv.errors import BackendError, BackendUnavailable, InvalidConfig
-from vmkv.vm.cuda import CudaVirtualMemory, cuda_granularity
+from vmkv.vm.cuda import CudaVirtualMemory, TorchCudaRuntime, cuda_granularity
 from vmkv.vm.host import HostVirtualMemory
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[1]
+FAKE_PAGE = 128 << 10  # two granules of the fake's default 64 KiB: pages bigger than the granularity
 
 
 def cuda_status() -> tuple[bool, str]:
-    """Whether the CUDA backend can run here, and if not, why (the skip reason)."""
+    """Whether the CUDA backend can run here on a real GPU, and if not, why (the skip reason)."""
     try:
         cuda_granularity("cuda")
     except BackendUnavailable as exc:
@@ -45,20 +52,36 @@ def cuda_status() -> tuple[bool, str]:
 CUDA_OK, CUDA_REASON = cuda_status()
 needs_cuda = pytest.mark.skipif(not CUDA_OK, reason=CUDA_REASON)
 needs_no_cuda = pytest.mark.skipif(CUDA_OK, reason="a GPU is present: the no-GPU error path cannot be shown")
-BACKENDS = ["host", pytest.param("cuda", marks=[needs_cuda, pytest.mark.gpu])]
+CUDA_KINDS = ["fake_cuda", pytest.param("cuda", marks=[needs_cuda, pytest.mark.gpu])]
+BACKENDS = ["host", *CUDA_KINDS]
 
 
-def open_vm(kind: str, num_pages: int = 8):
+def open_vm(request: pytest.FixtureRequest, kind: str, num_pages: int = 8):
+    """A backend of ``kind`` with ``num_pages`` pages (the fake's fixtures are pulled in on demand)."""
     if kind == "host":
         return HostVirtualMemory(2 * MiB, num_pages)
+    if kind == "fake_cuda":
+        return CudaVirtualMemory(FAKE_PAGE, num_pages, device="cuda:0", runtime=request.getfixturevalue("runtime"))
     return CudaVirtualMemory(cuda_granularity("cuda"), num_pages, device="cuda")
 
 
 @pytest.fixture(params=BACKENDS)
 def vm(request):
-    backend = open_vm(request.param)
+    backend = open_vm(request, request.param)
     yield backend
     backend.close()
+
+
+@pytest.fixture(params=CUDA_KINDS)
+def cuda_vm(request):
+    """The CUDA backend, on the fake driver or on a GPU: 4 pages."""
+    backend = open_vm(request, request.param, num_pages=4)
+    yield backend
+    backend.close()
+
+
+def on_fake(vm) -> bool:
+    return isinstance(getattr(vm, "_runtime", None), FakeRuntime)
 
 
 # ---- the backend contract, on every backend ------------------------------------------------
@@ -67,7 +90,7 @@ def test_mapped_page_reads_back_what_was_written(vm):
     addr = vm.reserve(4 * page)
     vm.map(addr + page, 5)
     view = vm.tensor(addr + page, (page // 4,), torch.float32)
-    view.copy_(torch.arange(page // 4, dtype=torch.float32, device=vm.device))
+    view.copy_(torch.arange(page // 4, dtype=torch.float32, device=view.device))
     again = vm.tensor(addr + page, (page // 4,), torch.float32)  # a second, independent view
     assert torch.equal(again.cpu(), torch.arange(page // 4, dtype=torch.float32))
     vm.synchronize()
@@ -87,7 +110,7 @@ def test_one_page_at_two_addresses_is_shared(vm):
     assert b[123].item() == 42 and a[page - 1].item() == 7
     vm.synchronize()
     vm.unmap(second)
-    assert a[123].item() == 42  # unmapping one address keeps the page at the other
+    assert a[123].item() == 42 and b[123].item() == 0  # the page stays at the other address
     vm.synchronize()
     vm.unmap(first + page)
     vm.free_reservation(first, 2 * page)
@@ -103,7 +126,7 @@ def test_typed_views_of_one_range_see_the_same_bytes(vm):
     halves.fill_(1.5)
     for dtype in (torch.bfloat16, torch.float32):
         view = vm.tensor(addr, (2 * page // torch.empty((), dtype=dtype).element_size(),), dtype)
-        assert view.data_ptr() == addr and view.device == vm.device
+        assert view.data_ptr() == addr and view.device == halves.device
     raw = vm.tensor(addr + page, (4,), torch.uint8)  # 1.5 in float16 is 0x3E00, little-endian
     assert raw.cpu().tolist() == [0x00, 0x3E, 0x00, 0x3E]
     vm.synchronize()
@@ -112,26 +135,58 @@ def test_typed_views_of_one_range_see_the_same_bytes(vm):
     vm.free_reservation(addr, 2 * page)
 
 
-def test_a_view_of_a_mostly_unmapped_range_is_usable_where_mapped(vm):
+def test_empty_pages_and_fresh_pages_read_zeros(vm):
+    """Every page of a reservation reads zeros until data is written, a page mapped for the
+    first time too (CUDA: cuMemCreate memory is not zeroed, so the backend zeroes it at open;
+    the fake fills new memory with 0xFF, a NaN in every float format)."""
     page = vm.page_size
-    addr = vm.reserve(64 * page)
-    whole = vm.tensor(addr, (64, page), torch.uint8)  # created before anything is mapped
-    vm.map(addr + 10 * page, 2)
-    whole[10].fill_(9)
-    assert int(vm.tensor(addr + 10 * page, (page,), torch.uint8).sum().item()) == 9 * page
+    addr = vm.reserve(vm.num_pages * page)
+    whole = vm.tensor(addr, (vm.num_pages, page // 4), torch.float32)  # created before anything is mapped
+    assert int(torch.count_nonzero(whole.cpu())) == 0
+    for p in range(vm.num_pages):
+        vm.map(addr + p * page, p)
+    assert int(torch.count_nonzero(whole.cpu())) == 0 and not whole.isnan().any()
+    whole[2].fill_(9.0)
+    assert whole.sum(1).cpu().tolist() == [0.0, 0.0, 9.0 * page // 4] + [0.0] * (vm.num_pages - 3)
     vm.synchronize()
-    vm.unmap(addr + 10 * page)
-    vm.free_reservation(addr, 64 * page)
+    vm.unmap(addr + 2 * page)  # back to the zero page: reads zeros, the data stays in page 2
+    assert int(torch.count_nonzero(whole.cpu())) == 0
+    vm.unmap(addr + 3 * page)
+    vm.map(addr + 3 * page, 2)
+    assert whole[3].sum().item() == 9.0 * page // 4
+    vm.synchronize()
+    vm.free_reservation(addr, vm.num_pages * page)  # unmaps what is still mapped
 
 
-def test_reserving_64_gib_takes_no_memory(vm):
+def test_views_outlive_close_and_read_zeros(vm):
+    page = vm.page_size
+    addr = vm.reserve(3 * page)
+    vm.map(addr + page, 1)
+    view = vm.tensor(addr, (3 * page,), torch.uint8)
+    view[page : 2 * page].fill_(5)
+    assert int(view.sum().item()) == 5 * page
+    vm.close()
+    assert int(torch.count_nonzero(view.cpu())) == 0  # the data page is gone, the range is not
+    if vm.name == "cuda":
+        assert vm.resident_bytes() == 0
+    vm.close()  # idempotent
+
+
+def test_reserving_a_lot_takes_no_memory(vm):
+    """64 GiB of address space (4,096 pages on the fake: each zero-page mapping is a host
+    mapping there, and Linux caps a process at 65,530)."""
+    real_gpu = vm.name == "cuda" and not on_fake(vm)
     before = vm.resident_bytes()
-    free_before = torch.cuda.mem_get_info(vm.device)[0] if vm.device.type == "cuda" else 0
-    addr = vm.reserve((64 << 30) // vm.page_size * vm.page_size)
+    free_before = torch.cuda.mem_get_info(vm.device)[0] if real_gpu else 0
+    size = 4096 * vm.page_size if on_fake(vm) else (64 << 30) // vm.page_size * vm.page_size
+    addr = vm.reserve(size)
     assert vm.resident_bytes() == before
-    if vm.device.type == "cuda":
+    if real_gpu:
         assert free_before - torch.cuda.mem_get_info(vm.device)[0] < 64 * MiB  # page tables at most
-    vm.free_reservation(addr, (64 << 30) // vm.page_size * vm.page_size)
+    probe = vm.tensor(addr + size - vm.page_size, (vm.page_size,), torch.uint8)
+    assert int(torch.count_nonzero(probe.cpu())) == 0
+    del probe
+    vm.free_reservation(addr, size)
 
 
 def test_bad_reservations_are_refused(vm):
@@ -141,23 +196,12 @@ def test_bad_reservations_are_refused(vm):
         vm.free_reservation(12345 * vm.page_size, vm.page_size)
 
 
-def test_close_is_idempotent_and_frees_everything():
-    for kind in ["host"] + (["cuda"] if CUDA_OK else []):
-        backend = open_vm(kind, num_pages=2)
-        addr = backend.reserve(4 * backend.page_size)
-        backend.map(addr, 1)
-        backend.close()
-        backend.close()
-
-
-# ---- CUDA only -------------------------------------------------------------------------------
-@needs_cuda
-@pytest.mark.gpu
-def test_cuda_store_is_preallocated_and_errors_are_typed():
-    vm = open_vm("cuda", num_pages=4)
+# ---- the CUDA backend, on the fake driver and on a GPU ---------------------------------------
+def test_cuda_store_is_preallocated_and_errors_are_typed(cuda_vm):
+    vm = cuda_vm
     page = vm.page_size
     assert page % vm.granularity == 0 and vm.granularity >= 4096
-    assert vm.resident_bytes() == 4 * page  # pages created x page size, before any map
+    assert vm.resident_bytes() == 5 * page  # 4 pages and the zero page, before any map
     addr = vm.reserve(4 * page)
     vm.map(addr, 0)
     with pytest.raises(BackendError, match="already holds page 0"):
@@ -170,21 +214,25 @@ def test_cuda_store_is_preallocated_and_errors_are_typed():
         vm.map(addr + 8 * page, 1)
     with pytest.raises(BackendError, match="outside the store"):
         vm.map(addr + page, 4)
-    with pytest.raises(BackendError, match="still mapped"):
-        vm.free_reservation(addr, 4 * page)
+    with pytest.raises(BackendError, match="outside the store"):
+        vm.map(addr + page, True)
+    with pytest.raises(BackendError, match="not inside a reservation"):
+        vm.tensor(addr + 3 * page, (2 * page,), torch.uint8)
     vm.release_page(0)  # a no-op: the store stays allocated
-    assert vm.resident_bytes() >= 4 * page
+    assert vm.resident_bytes() == 5 * page
     vm.close()
-    with pytest.raises(InvalidConfig, match="multiple of"):
-        CudaVirtualMemory(vm.granularity + 1, 1, device="cuda")
+    with pytest.raises(BackendError, match="closed"):
+        vm.reserve(page)
 
 
-@needs_cuda
-@pytest.mark.gpu
-def test_cuda_map_from_another_thread_uses_torchs_context():
-    import threading
+def test_cuda_bad_page_sizes_are_refused(cuda_vm):
+    for page_size, num_pages in ((cuda_vm.granularity + 4096, 1), (cuda_vm.granularity, 0), (cuda_vm.granularity, 1.5)):
+        with pytest.raises(InvalidConfig):
+            CudaVirtualMemory(page_size, num_pages, device=cuda_vm.device, runtime=cuda_vm._runtime)
 
-    vm = open_vm("cuda", num_pages=2)
+
+def test_cuda_map_from_another_thread_uses_torchs_context(cuda_vm):
+    vm = cuda_vm
     addr = vm.reserve(2 * vm.page_size)
     errors = []
 
@@ -201,9 +249,10 @@ def test_cuda_map_from_another_thread_uses_torchs_context():
     view = vm.tensor(addr + vm.page_size, (16,), torch.int32)
     view.fill_(3)
     assert int(view.sum()) == 48
-    vm.close()
+    del view
 
 
+# ---- the VMM cache over the CUDA backend ------------------------------------------------------
 def _cuda_config(dtype: str = "float16", **overrides) -> vmkv.KVCacheConfig:
     # 8 KV heads x 128 x fp16 = 2 KiB a token: a 2 MiB page holds 1024 tokens.
     values = dict(
@@ -214,6 +263,12 @@ def _cuda_config(dtype: str = "float16", **overrides) -> vmkv.KVCacheConfig:
     return vmkv.KVCacheConfig(**values)
 
 
+def _small_config(layout: str) -> vmkv.KVCacheConfig:
+    """2 layers x 2 heads x 32 x fp32: 256 B a token per tensor; 4 KiB pages hold 16 tokens
+    per layer (per_layer) or 8 (all_layers)."""
+    tensors = 4 if layout == "per_layer" else 2
+    return _cuda_config("float32", device="cpu", layout=layout, map_ahead=layout == "all_layers", num_kv_heads=2, head_dim=32,
+                        page_size="4KiB", max_seq_len=256, memory_budget=64 * tensors * 4096)
 class CudaMirror:
     """Drives a CUDA cache with random K/V and keeps dense CPU copies for the reference."""
 
@@ -271,18 +326,36 @@ def test_cuda_cache_attention_matches_dense_reference(dtype, layout):
         assert cache.kernel == "sdpa_per_sequence"  # FlashAttention kernels need fp16/bf16
     run_scenario(cache)
     stats = cache.stats()
-    store = stats["pages_total"] * stats["page_bytes"]  # preallocated; plus at most the probe granule
-    assert store <= stats["resident_bytes"] <= store + cuda_granularity("cuda")
+    assert stats["resident_bytes"] == stats["pages_total"] * stats["page_bytes"] + stats["page_size"]  # + the zero page
+    k_all, _ = cache.kv_cache(0)
     cache.close()
+    assert int(torch.count_nonzero(k_all)) == 0  # a view after close reads zeros
+
+
+@pytest.mark.parametrize("layout", ["per_layer", "all_layers"])
+def test_vmm_cache_on_the_fake_cuda_driver_matches_dense_reference(fake_cuda_backends, fake, layout):  # noqa: F811
+    """The whole VMM cache over the real CUDA backend, the real bindings and the fake driver:
+    prefill, decode, fork + copy-on-write, free, prefix hit, map-ahead from a worker thread.
+    No driver call may fail, nothing may be left behind, views read zeros after close."""
+    cache = vmkv.open_cache(_small_config(layout))
+    assert cache.stats()["backend"] == "cuda" and len(fake_cuda_backends) == 1
+    run_scenario(cache, whole=64, q_heads=4)
+    stats = cache.stats()
+    assert stats["resident_bytes"] == stats["pages_total"] * stats["page_bytes"] + stats["page_size"]
+    calls = fake.calls()
+    assert [c for c in calls if not c.ok] == [], "a driver call failed in normal use"
+    if stats["pages_mapped_ahead"]:  # the map-ahead worker pushed torch's context on its thread
+        assert any(c.name == "cuCtxPushCurrent" for c in calls)
+    k_all, v_all = cache.kv_cache(0)
+    assert int(torch.count_nonzero(k_all)) > 0
+    cache.close()
+    assert int(torch.count_nonzero(k_all)) == 0 and int(torch.count_nonzero(v_all)) == 0
 
 
 def test_the_cuda_scenario_itself_on_the_host_backend():
     """The scenario above, run here on the host backend, so the test's own logic is checked
     on machines without a GPU too."""
-    # 2 layers x 2 heads x 32 x 4 B = 512 B a token in the all-layers tensor: 8 tokens a 4 KiB page.
-    config = _cuda_config("float32", device="cpu", layout="all_layers", map_ahead=True, num_kv_heads=2, head_dim=32,
-                          page_size="4KiB", max_seq_len=256, memory_budget=64 * 2 * 4096)
-    cache = vmkv.open_cache(config)
+    cache = vmkv.open_cache(_small_config("all_layers"))
     run_scenario(cache, whole=64, q_heads=4)
     cache.close()
 
@@ -318,6 +391,8 @@ def run_scenario(cache: vmkv.KVCacheBase, whole: int = 1024, q_heads: int = 16) 
         for layer in range(cache.config.num_layers):
             k, v = cache.kv(seq, layer)
             assert torch.equal(k.cpu(), mirror.k[seq][layer]) and torch.equal(v.cpu(), mirror.v[seq][layer])
+    k_all, v_all = cache.kv_cache(0)  # past every sequence's pages: the zero page, read without a fault
+    assert int(torch.count_nonzero(k_all[:, -1])) == 0 and int(torch.count_nonzero(v_all[:, -1])) == 0
 
 
 # ---- kernels: pieces that run on any machine -----------------------------------------------
@@ -351,6 +426,7 @@ def test_kernel_selection_names_why_faster_kernels_are_skipped():
 # ---- no GPU here: one clear error ------------------------------------------------------------
 @needs_no_cuda
 def test_asking_for_cuda_without_a_gpu_raises_backend_unavailable():
+    assert "sees no CUDA GPU" in TorchCudaRuntime().unavailable_reason()
     for attempt in (
         lambda: cuda_granularity("cuda"),
         lambda: CudaVirtualMemory(2 * MiB, 1, device="cuda"),
@@ -361,171 +437,127 @@ def test_asking_for_cuda_without_a_gpu_raises_backend_unavailable():
         assert not isinstance(info.value, (ImportError, AttributeError))
 
 
+class _SeesAGpu(TorchCudaRuntime):
+    """torch's side says a GPU is there (whatever the driver says)."""
+
+    def unavailable_reason(self):
+        return None
+
+    def device_count(self):
+        return 1
+
+    def current_device(self):
+        return 0
+
+    def activate(self, index):
+        pass
+
+
 def test_missing_cuda_bindings_is_backend_unavailable(monkeypatch):
     """Even where torch sees a GPU, a missing cuda-bindings package is the same clear error."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setitem(sys.modules, "cuda.bindings", None)  # makes the import fail
     monkeypatch.setitem(sys.modules, "cuda.bindings.driver", None)
     with pytest.raises(BackendUnavailable, match="^CUDA driver not available: cannot import cuda.bindings"):
-        cuda_granularity(torch.device("cuda", 0))
+        cuda_granularity(torch.device("cuda", 0), runtime=_SeesAGpu())
+    with pytest.raises(InvalidConfig, match="does not exist"):
+        cuda_granularity("cuda:3", runtime=_SeesAGpu())
+    with pytest.raises(InvalidConfig, match="needs a cuda device"):
+        cuda_granularity("cpu", runtime=_SeesAGpu())
 
 
-# ---- the backend's own logic, against a recording fake of cuda.bindings.driver ----------------
-class FakeDriver:
-    """Just enough of ``cuda.bindings.driver`` to run ``CudaVirtualMemory`` without a GPU.
-
-    Calls return ``(CUresult, *values)`` like the real bindings; it records every call, keeps
-    the current context per thread, refuses maps of mapped ranges and unmaps of unmapped ones,
-    and fails the calls named in ``fail`` with ``CUDA_ERROR_OUT_OF_MEMORY``.
-    """
-
-    class CUresult(enum.IntEnum):
-        CUDA_SUCCESS = 0
-        CUDA_ERROR_INVALID_VALUE = 1
-        CUDA_ERROR_OUT_OF_MEMORY = 2
-
-    CUmemAllocationType = SimpleNamespace(CU_MEM_ALLOCATION_TYPE_PINNED=1)
-    CUmemLocationType = SimpleNamespace(CU_MEM_LOCATION_TYPE_DEVICE=1)
-    CUmemAccess_flags = SimpleNamespace(CU_MEM_ACCESS_FLAGS_PROT_READWRITE=3)
-    CUmemAllocationGranularity_flags = SimpleNamespace(CU_MEM_ALLOC_GRANULARITY_MINIMUM=0)
-    CUdevice_attribute = SimpleNamespace(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED=102)
-    GRANULARITY = 2 * MiB
-    CONTEXT = 0xC0
-    CUmemAllocationProp = CUmemAccessDesc = staticmethod(lambda: SimpleNamespace(location=SimpleNamespace()))
-
-    def __init__(self) -> None:
-        self.calls: list[tuple] = []
-        self.mapped: dict[int, int] = {}
-        self.fail: set[str] = set()
-        self.local = threading.local()
-        self.next_addr, self.next_handle = 1 << 40, 1
-
-    def _result(self, name: str, *args, values=()) -> tuple:
-        self.calls.append((name, *args))
-        if name in self.fail:
-            return (self.CUresult.CUDA_ERROR_OUT_OF_MEMORY,)
-        return (self.CUresult.CUDA_SUCCESS, *values)
-
-    def cuInit(self, flags): return self._result("cuInit")
-    def cuDeviceGetAttribute(self, attribute, device): return self._result("attr", values=(1,))
-    def cuMemGetAllocationGranularity(self, prop, flag): return self._result("granularity", values=(self.GRANULARITY,))
-    def cuDevicePrimaryCtxRetain(self, device): return self._result("retain", device, values=(self.CONTEXT,))
-    def cuDevicePrimaryCtxRelease(self, device): return self._result("release_ctx", device)
-    def cuCtxGetCurrent(self): return (self.CUresult.CUDA_SUCCESS, getattr(self.local, "stack", [0])[-1])
-    def cuCtxPushCurrent(self, ctx):
-        self.local.stack = getattr(self.local, "stack", [0]) + [int(ctx)]
-        return self._result("push")
-    def cuCtxPopCurrent(self):
-        return self._result("pop", values=(self.local.stack.pop(),))
-    def cuMemCreate(self, size, prop, flags):
-        self.next_handle += 1
-        return self._result("create", size, values=(self.next_handle,))
-    def cuMemAddressReserve(self, size, alignment, addr, flags):
-        self.next_addr += size + (1 << 30)
-        return self._result("reserve", size, alignment, values=(self.next_addr - size - (1 << 30),))
-    def cuMemMap(self, addr, size, offset, handle, flags):
-        if addr in self.mapped:
-            return (self.CUresult.CUDA_ERROR_INVALID_VALUE,)
-        result = self._result("map", addr, size, handle)
-        if result[0] == 0:
-            self.mapped[addr] = handle
-        return result
-    def cuMemSetAccess(self, addr, size, descs, count): return self._result("access", addr, size, count)
-    def cuMemUnmap(self, addr, size):
-        if self.mapped.pop(addr, None) is None:
-            return (self.CUresult.CUDA_ERROR_INVALID_VALUE,)
-        return self._result("unmap", addr, size)
-    def cuMemRelease(self, handle): return self._result("release", handle)
-    def cuMemAddressFree(self, addr, size): return self._result("free", addr, size)
-
-
-@pytest.fixture
-def fake_driver(monkeypatch):
-    driver = FakeDriver()
-    bindings = SimpleNamespace(driver=driver)
-    monkeypatch.setitem(sys.modules, "cuda", SimpleNamespace(bindings=bindings))
-    monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
-    monkeypatch.setitem(sys.modules, "cuda.bindings.driver", driver)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: driver.calls.append(("synchronize",)))
-    driver.local.stack = [0, FakeDriver.CONTEXT]  # torch made its primary context current here
-    return driver
-
-
-def test_backend_drives_the_driver_as_documented(fake_driver):
-    page = 2 * FakeDriver.GRANULARITY
-    assert cuda_granularity("cuda:0") == FakeDriver.GRANULARITY
-    vm = CudaVirtualMemory(page, 3, device="cuda:0")
-    assert [c[1] for c in fake_driver.calls if c[0] == "create"] == [page] * 3  # the whole store, up front
-    assert vm.resident_bytes() == 3 * page
-    addr = vm.reserve(4 * page)
-    assert ("reserve", 4 * page, FakeDriver.GRANULARITY) in fake_driver.calls
-    vm.map(addr + page, 2)
-    assert fake_driver.calls[-2:] == [("map", addr + page, page, 4), ("access", addr + page, page, 1)]
-    fake_driver.fail = {"access"}  # a refused cuMemSetAccess leaves nothing mapped
-    with pytest.raises(BackendError, match="cuMemSetAccess at .* failed: CUDA_ERROR_OUT_OF_MEMORY"):
-        vm.map(addr, 0)
-    assert addr not in fake_driver.mapped
-    fake_driver.fail = set()
-    with pytest.raises(BackendError, match="already holds page 2"):
-        vm.map(addr + page, 1)
-
-    with vm._probe_at(addr + 3 * page + 64):  # nothing mapped there: a granule is, for the call
-        assert fake_driver.mapped[addr + 3 * page] == 5
-    assert addr + 3 * page not in fake_driver.mapped and vm.resident_bytes() == 3 * page + FakeDriver.GRANULARITY
-    before = len(fake_driver.calls)
-    with vm._probe_at(addr + page + 64):  # mapped already: nothing to do
-        pass
-    assert len(fake_driver.calls) == before
-
-    def map_elsewhere() -> None:  # a thread where torch's context is not current
-        vm.map(addr + 2 * page, 0)
-
-    thread = threading.Thread(target=map_elsewhere)
-    thread.start()
-    thread.join()
-    assert [c[0] for c in fake_driver.calls[before:]] == ["push", "map", "access", "pop"]
-
-    vm.close()
-    vm.close()
-    assert fake_driver.mapped == {}
-    assert [c[0] for c in fake_driver.calls if c[0] in ("release", "release_ctx", "free")] == (
-        ["free"] + ["release"] * 4 + ["release_ctx"]  # 3 pages + the probe granule, then the context
-    )
-    assert fake_driver.calls.index(("synchronize",), before) < fake_driver.calls.index(("unmap", addr + page, page))
-
-
-def test_backend_gives_everything_back_when_the_store_does_not_fit(fake_driver):
-    fake_driver.fail = {"create"}
-    with pytest.raises(BackendError, match="does not fit in free GPU memory; lower memory_budget"):
-        CudaVirtualMemory(FakeDriver.GRANULARITY, 4, device="cuda:0")
-    assert [c[0] for c in fake_driver.calls[-2:]] == ["synchronize", "release_ctx"]
+def test_a_driver_that_refuses_is_backend_unavailable(fake):  # noqa: F811
+    fake.reset(vmm=False)
+    with pytest.raises(BackendUnavailable, match="does not support virtual memory management"):
+        cuda_granularity("cuda:0", runtime=FakeRuntime())
+    fake.reset()
+    fake.fail("cuInit", nth=-1)
+    with pytest.raises(BackendUnavailable, match="torch could not initialise cuda:0"):
+        CudaVirtualMemory(FAKE_PAGE, 1, device="cuda:0", runtime=FakeRuntime())
+    fake.reset()
+    runtime = FakeRuntime()
+    runtime.activate(0)  # torch is up; then the driver refuses cuInit
+    fake.fail("cuInit", nth=-1)
+    with pytest.raises(BackendUnavailable, match="cuInit returned CUDA_ERROR_OUT_OF_MEMORY"):
+        CudaVirtualMemory(FAKE_PAGE, 1, device="cuda:0", runtime=runtime)
+    fake.reset()
+    fake.fail("cuMemGetAllocationGranularity")
+    with pytest.raises(BackendUnavailable, match="cuMemGetAllocationGranularity failed"):
+        cuda_granularity("cuda:0", runtime=FakeRuntime())
+    fake.reset()
 
 
 # ---- the GPU check script --------------------------------------------------------------------
-def test_gpu_check_help_and_cpu_smoke_run(tmp_path, capsys):
+@pytest.fixture
+def gpu_check():
     sys.path.insert(0, str(ROOT))
     try:
         from benchmarks import gpu_check
     finally:
         sys.path.remove(str(ROOT))
-    with pytest.raises(SystemExit) as done:
-        gpu_check.parse_args(["--help"])
-    assert done.value.code == 0 and "--smoke" in capsys.readouterr().out
+    return gpu_check
+
+
+def test_gpu_check_cpu_dry_run_runs_sections_in_their_own_processes(tmp_path, gpu_check):
+    """The dry run as a user runs it: the section in a worker process, the zero page's write
+    probe in a grandchild that must die (SIGSEGV on the host), the JSON and the verdict line."""
     script = str(ROOT / "benchmarks" / "gpu_check.py")
-    run = subprocess.run(
-        [sys.executable, script, "--device", "cpu", "--smoke", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
-    )
+    run = subprocess.run([sys.executable, script, "--device", "cpu", "--smoke", "--out", str(tmp_path), "--sections", "zero_page"],
+                         capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    for section in ("environment", "decode", "map_unmap", "paged_vs_vmm"):
-        assert section in report["sections"], report["sections"].keys()
-    decode = report["sections"]["decode"]
-    assert decode["ok"], decode
-    row = decode["result"]["kernels"]["sdpa_per_sequence"]
+    zero = report["sections"]["zero_page"]
+    assert list(report["sections"]) == ["zero_page"] and zero["status"] == "passed", zero
+    assert all(zero["result"]["checks"].values()) and len(zero["result"]["checks"]) == 7
+    assert zero["result"]["write_probe"]["exit"] == "killed by SIGSEGV"
+    assert run.stdout.strip().splitlines()[-1] == "gpu_check on cpu: 1 passed, 0 skipped."
+
+
+def test_gpu_check_sections_that_need_no_process_of_their_own(gpu_check, tmp_path):
+    cpu = torch.device("cpu")
+    env = gpu_check.environment(cpu, gpu_check.SMOKE)
+    assert env["selected_contiguous_kernel"] == "sdpa_per_sequence" and "cuda-bindings" in env["packages"]
+    row = gpu_check.decode_section(cpu, gpu_check.SMOKE, ["sdpa_per_sequence"])["kernels"]["sdpa_per_sequence"]
     assert row["max_abs_diff"] == 0.0 and row["vmm_over_dense"] > 0  # same kernel, same bytes
-    assert report["sections"]["map_unmap"]["ok"], report["sections"]["map_unmap"]
-    assert "decode" in run.stdout  # the table is printed
+    mapping = gpu_check.map_unmap_section(cpu, gpu_check.SMOKE)
+    assert mapping["backend"] == "host" and mapping["map_us"]["median"] > 0
+    paged = gpu_check.paged_section(cpu, gpu_check.SMOKE)
+    assert paged["kernels"]["gather_sdpa"]["max_abs_diff_vs_vmm"] < 1e-5
+    with pytest.raises(gpu_check.SectionSkipped, match="needs a CUDA device"):
+        gpu_check.vllm_section(cpu, tmp_path)
+
+
+def test_gpu_check_isolates_a_crashing_section_and_fails_the_run(gpu_check, tmp_path, monkeypatch, capsys):
+    """A section whose process dies is recorded with the exit and its last output, the JSON is
+    rewritten after every section, the next sections still run, and the exit status is 1."""
+    seen = []
+
+    def command(name, args):
+        seen.append(json.loads((tmp_path / "gpu_check.json").read_text())["sections"] if seen else {})
+        if name == "decode":
+            return [sys.executable, "-c", "import os; print('about to crash', flush=True); os.abort()"]
+        entry = json.dumps({"status": "passed", "result": {"section": name}})
+        path = gpu_check.section_file(tmp_path, name)
+        return [sys.executable, "-c", f"import pathlib; p = pathlib.Path({str(path)!r}); p.parent.mkdir(exist_ok=True); p.write_text({entry!r})"]
+
+    monkeypatch.setattr(gpu_check, "worker_command", command)
+    code = gpu_check.main(["--device", "cpu", "--out", str(tmp_path), "--sections", "environment", "decode", "vllm"])
+    assert code == gpu_check.EXIT_FAILED
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [report["sections"][s]["status"] for s in ("environment", "decode", "vllm")] == ["passed", "failed", "passed"]
+    crash = report["sections"]["decode"]
+    assert "killed by SIGABRT" in crash["error"] and "about to crash" in crash["output_tail"]
+    assert list(seen[2]) == ["environment", "decode"]  # written before the third section started
+    assert "1 FAILED: decode (the section's process killed by SIGABRT" in capsys.readouterr().out.strip().splitlines()[-1]
+    timed_out = gpu_check.collect([sys.executable, "-c", "import time; time.sleep(30)"], tmp_path / "never.json", timeout=0.5)
+    assert timed_out["status"] == "failed" and "timed out after 0.5 s" in timed_out["error"]
+
+
+@needs_no_cuda
+def test_gpu_check_without_a_gpu_says_so_in_one_line(gpu_check, tmp_path, capsys):
+    with pytest.raises(SystemExit) as done:
+        gpu_check.parse_args(["--help"])
+    assert done.value.code == 0 and "Exit status" in capsys.readouterr().out
+    code = gpu_check.main(["--out", str(tmp_path / "out")])  # no arguments but the output folder
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert code == gpu_check.EXIT_NO_GPU == 3 and len(lines) == 1
+    assert lines[0].startswith("gpu_check: no CUDA GPU here (torch ") and not (tmp_path / "out").exists()

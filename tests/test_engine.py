@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import vmkv
-from vmkv.engine import Engine, EngineConfig, SamplingParams
+from vmkv.engine import GREEDY_TEMPERATURE, Engine, EngineConfig, InvalidParameter, SamplingParams
 from vmkv.engine.llama import LlamaForCausalLM, LlamaShape
 from vmkv.engine.runner import load_model
 from vmkv.models import ByteTokenizer, default_hf_model
@@ -231,20 +231,21 @@ def test_abort_frees_pages(mode, engines):
 
 
 @pytest.mark.parametrize(
-    "prompt, params, error",
+    "prompt, params, error, param",
     [
-        ("x" * 300, SamplingParams(max_tokens=1), vmkv.SequenceTooLong),
-        ("hi", SamplingParams(max_tokens=254), vmkv.SequenceTooLong),
-        ([], SamplingParams(), vmkv.InvalidInput),
-        ([5, 999], SamplingParams(), vmkv.InvalidInput),
-        ("hi", SamplingParams(n=9), vmkv.InvalidInput),
+        ("x" * 300, SamplingParams(max_tokens=1), vmkv.SequenceTooLong, None),
+        ("hi", SamplingParams(max_tokens=254), vmkv.SequenceTooLong, None),
+        ([], SamplingParams(), InvalidParameter, "prompt"),
+        ([5, 999], SamplingParams(), InvalidParameter, "prompt"),
+        ("hi", SamplingParams(n=9), InvalidParameter, "n"),
     ],
 )
-def test_bad_requests_change_nothing(engines, prompt, params, error):
+def test_bad_requests_change_nothing(engines, prompt, params, error, param):
     engine = engines("vmm")
     before = engine.stats()
-    with pytest.raises(error):
+    with pytest.raises(error) as info:
         engine.add_request(prompt, params)
+    assert getattr(info.value, "param", None) == param
     assert engine.stats() == before and not engine.has_unfinished()
 
 
@@ -255,10 +256,118 @@ def test_request_larger_than_the_budget_is_refused(engines):
 
 
 @pytest.mark.parametrize("field, value", [("max_tokens", 0), ("temperature", -1.0), ("top_p", 0.0), ("n", 0),
-                                          ("stop", [""]), ("top_k", -2), ("seed", 1.5)])
+                                          ("stop", [""]), ("top_k", -2), ("seed", 1.5), ("temperature", float("nan")),
+                                          ("temperature", 10**400), ("frequency_penalty", float("inf")),
+                                          ("stop_token_ids", [-1])])
 def test_sampling_params_are_validated(field, value):
-    with pytest.raises(vmkv.InvalidInput, match=field):
+    with pytest.raises(InvalidParameter, match=field) as info:
         SamplingParams(**{field: value})
+    assert info.value.param == field and isinstance(info.value, vmkv.InvalidInput)
+    assert len(str(info.value)) < 200  # a 400-digit integer is not echoed in full
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-8, GREEDY_TEMPERATURE / 2])
+def test_tiny_temperatures_are_greedy(engines, temperature):
+    """Dividing logits by 1e-40 overflowed float32 and engine.step() raised (issue 10 item 10)."""
+    engine = engines("vmm")
+    greedy = engine.generate(PROMPTS[:2], GREEDY)
+    params = SamplingParams(max_tokens=GREEDY.max_tokens, temperature=temperature, seed=1, ignore_eos=True)
+    assert params.greedy
+    tiny = engine.generate(PROMPTS[:2], params)
+    assert [o.outputs[0].token_ids for o in tiny] == [o.outputs[0].token_ids for o in greedy]
+    assert not SamplingParams(temperature=GREEDY_TEMPERATURE).greedy
+
+
+def sampler_failing_for(monkeypatch, seed: int, after: int) -> None:
+    """Make the engine's sampler raise for completions of requests seeded ``seed`` once they hold
+    ``after`` tokens (as a row of non-finite logits would make torch.multinomial raise)."""
+    from vmkv.engine import engine as engine_module
+
+    real = engine_module.next_token
+
+    def next_token(logits, state, argmax):
+        if state.params.seed == seed and len(state.output) >= after:
+            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+        return real(logits, state, argmax)
+
+    monkeypatch.setattr(engine_module, "next_token", next_token)
+
+
+@pytest.mark.parametrize("after", [0, 3], ids=["first-token", "mid-decode"])
+def test_one_request_failing_to_sample_does_not_stop_the_others(mode, engines, monkeypatch, after):
+    """Issue 10 items 10/15: the failing request (n=2, forked) ends alone with finish_reason
+    "error" and its pages return; the requests batched with it get the tokens they get alone."""
+    others = [("Hello world", GREEDY), ("Once upon a time", SamplingParams(max_tokens=10, seed=5, ignore_eos=True))]
+    alone = {p: engines(mode).generate([p], s)[0].outputs[0].token_ids for p, s in others}
+    sampler_failing_for(monkeypatch, seed=666, after=after)
+    engine = engines(mode)
+    ids = {engine.add_request(p, s): p for p, s in others}
+    bad = engine.add_request("this one fails", SamplingParams(max_tokens=10, n=2, seed=666, ignore_eos=True))
+    final = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    failed = final[bad]
+    assert failed.error.startswith("RuntimeError: probability tensor")
+    assert [c.finish_reason for c in failed.outputs] == ["error", "error"]
+    assert all(len(c.token_ids) == after for c in failed.outputs)
+    for rid, prompt in ids.items():
+        assert final[rid].error is None and final[rid].outputs[0].token_ids == alone[prompt]
+    assert engine.stats()["engine"]["requests_failed"] == 1
+    assert_all_pages_back(engine)
+
+
+def forward_failing_once(monkeypatch, engine: Engine, at_step: int) -> None:
+    """Make ``engine``'s runner raise (as a transient out-of-memory would) in step ``at_step`` only."""
+    real, calls = engine.runner.execute, []
+
+    def execute(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == at_step:
+            raise RuntimeError("CUDA out of memory (injected)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "execute", execute)
+
+
+@pytest.mark.parametrize("at_step", [1, 3], ids=["prefill", "decode"])
+def test_failed_forward_leaves_the_engine_consistent(mode, engines, monkeypatch, at_step):
+    """A forward that raises: step() raises, every sequence holds in the cache exactly the tokens
+    the engine counts, and the next steps finish every request as if nothing had happened."""
+    prompts = [PROMPTS[1], PROMPTS[3]]
+    want = [o.outputs[0].token_ids for o in engines(mode).generate(prompts, GREEDY)]
+    engine = engines(mode, max_num_batched_tokens=32, max_prefill_chunk=32)
+    forward_failing_once(monkeypatch, engine, at_step)
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    final, raised = {}, 0
+    while engine.has_unfinished():
+        try:
+            outputs = engine.step()
+        except RuntimeError as exc:
+            assert "injected" in str(exc)
+            raised += 1
+            engine.cache.check()
+            for seq in engine.scheduler.running:
+                assert engine.cache.seq_len(seq.seq_id) == seq.num_computed
+            continue
+        final.update((o.request_id, o) for o in outputs if o.finished)
+    assert raised == 1
+    assert [final[rid].outputs[0].token_ids for rid in ids] == want
+
+
+def test_failed_forward_then_the_same_prompt_matches_a_fresh_engine(mode, engines, monkeypatch):
+    """Issue 10 item 7 through the engine: a failed prefill (the loop aborts its request), then
+    a request with the same prompt must not be answered from K/V that were never written."""
+    prompt = PROMPTS[1]  # 136 tokens: 17 full pages of 8
+    want = engines(mode).generate([prompt], GREEDY)[0].outputs[0].token_ids
+    engine = engines(mode)
+    forward_failing_once(monkeypatch, engine, at_step=1)
+    rid = engine.add_request(prompt, GREEDY)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    assert engine.abort(rid)  # what EngineLoop does with the requests of a failed step
+    assert engine.generate([prompt], GREEDY)[0].outputs[0].token_ids == want
 
 
 def test_engine_refuses_a_cache_of_another_shape():

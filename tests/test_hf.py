@@ -8,6 +8,9 @@ agree within ``atol=2e-5, rtol=1e-5`` (float32; measured <= 6e-6) with the cache
 
 from __future__ import annotations
 
+import copy
+import functools
+import weakref
 import subprocess
 import sys
 from pathlib import Path
@@ -20,13 +23,18 @@ pytest.importorskip("transformers")
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
+import transformers  # noqa: E402
+
 import vmkv.hf as vhf  # noqa: E402
-from vmkv.errors import InvalidConfig, InvalidInput, InvalidShape, NoFreeSlot, SequenceTooLong  # noqa: E402
+from vmkv.errors import (  # noqa: E402
+    CacheClosed, InvalidConfig, InvalidInput, InvalidShape, NoFreeSlot, SequenceTooLong,
+)
 
 from conftest import HAS_PAGED  # noqa: E402
 
-# The logits test spells the argument as the issue does (past_key_values=); 5.x renamed it to cache=.
-pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+# transformers 5.19 takes the cache as past_key_values=, 5.24 as cache= (the old name still works
+# there with a deprecation warning): every call here uses the installed version's name.
+CACHE = vhf.cache_argument()
 
 TINY = dict(
     vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -38,6 +46,13 @@ ARCHS = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "phi3": (Phi3Config, Phi3ForCausalLM),
 }
+# More architectures, one test each way (transformers class prefix -> what sets it apart). GPT-NeoX
+# calls cache.update(k, v, layer) without the attention kwargs; Gemma scales embeddings; Qwen3 and
+# OLMo2 normalise q/k; Phi rotates part of each head; Mixtral is a mixture of experts; OPT has
+# learned positions and no RoPE.
+MORE_ARCHS = ["GPTNeoX", "Gemma", "Qwen3", "Phi", "Olmo2", "Mixtral", "OPT"]
+# Sliding-window / soft-capped attention: the model's own attention over VMM views only.
+SLIDING = {"Mistral": dict(sliding_window=16), "Gemma2": dict(sliding_window=16, head_dim=16, query_pre_attn_scalar=16)}
 PAGED = pytest.mark.skipif(not HAS_PAGED, reason="paged mode not built yet")
 # (mode, attn_implementation)
 SETUPS = [
@@ -55,6 +70,14 @@ def models() -> dict[str, torch.nn.Module]:
         torch.manual_seed(1)
         built[name] = model_cls(config_cls(**TINY)).eval()
     return built
+
+
+@functools.cache
+def tiny_model(prefix: str, **overrides) -> torch.nn.Module:
+    """``transformers.<prefix>ForCausalLM`` of the TINY shape with seeded random weights."""
+    config_cls, model_cls = getattr(transformers, prefix + "Config"), getattr(transformers, prefix + "ForCausalLM")
+    torch.manual_seed(1)
+    return model_cls(config_cls(**{**TINY, **overrides})).eval()
 
 
 def use_attention(model: torch.nn.Module, name: str) -> torch.nn.Module:
@@ -77,7 +100,7 @@ def prompts(padded: bool) -> tuple[torch.Tensor, torch.Tensor]:
 def generate(model, cache, ids, mask, **kwargs) -> torch.Tensor:
     kwargs.setdefault("max_new_tokens", 12)
     kwargs.setdefault("do_sample", False)
-    return model.generate(ids, attention_mask=mask, cache=cache, pad_token_id=0, **kwargs)
+    return model.generate(ids, attention_mask=mask, pad_token_id=0, **{CACHE: cache}, **kwargs)
 
 
 def reference(model, ids, mask, **kwargs) -> torch.Tensor:
@@ -146,8 +169,8 @@ def test_forward_logits_match_dynamic_cache(models, arch, setup):
     full_mask = torch.cat([mask, torch.ones_like(more)], dim=1)
 
     def two_forwards(cache):
-        first = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits
-        second = model(more, attention_mask=full_mask, past_key_values=cache, use_cache=True).logits
+        first = model(ids, attention_mask=mask, **{CACHE: cache}, use_cache=True).logits
+        second = model(more, attention_mask=full_mask, **{CACHE: cache}, use_cache=True).logits
         return first, second
 
     use_attention(model, "sdpa")
@@ -164,12 +187,187 @@ def test_forward_logits_match_dynamic_cache(models, arch, setup):
     assert cache.get_seq_length() == ids.shape[1] + 3
 
 
+# ---- more architectures; reset, deepcopy, assistants (issue 10 items 19-23) ----------------------
+@pytest.fixture(scope="module")
+def references() -> dict:
+    """DynamicCache outputs computed once per test module, by key."""
+    return {}
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize("arch", list(ARCHS) + MORE_ARCHS)
+def test_architecture_generates_again_after_reset(models, references, arch, setup):
+    """Left-padded greedy generation equals DynamicCache; after ``reset()`` the same cache serves
+    another batch (2 rows, other prompts) equally, and every page returns each time."""
+    mode, attn = setup
+    model = models[arch] if arch in ARCHS else tiny_model(arch)
+    ids, mask = prompts(padded=True)
+    cache = vhf.VirtualCache(mode, **PAGE)
+    for n, (batch_ids, batch_mask) in enumerate(((ids, mask), (ids[:2, 3:].flip(0), mask[:2, 3:].flip(0)))):
+        if (arch, n) not in references:
+            references[arch, n] = reference(model, batch_ids, batch_mask)
+        expected = references[arch, n]
+        assert torch.equal(generate(use_attention(model, attn), cache, batch_ids, batch_mask), expected)
+        assert_all_pages_return(cache)  # reset(), then every page is free
+        assert cache.get_seq_length() == 0 and not cache.is_initialized
+
+
+@pytest.mark.parametrize("arch", list(SLIDING))
+def test_sliding_window_models_run_their_own_attention_over_vmm_views(arch):
+    """Mistral (window 16) and Gemma2 (window 16, soft-capping) with their own attention in VMM
+    mode equal transformers' default cache (sliding layers) well past the window; the "vmkv"
+    attention refuses them with the reason."""
+    model = tiny_model(arch, **SLIDING[arch])
+    ids, mask = prompts(padded=True)
+    kwargs = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
+    expected = model.generate(ids, attention_mask=mask, **kwargs)  # no cache given: transformers builds its own
+    cache = vhf.VirtualCache("vmm", **PAGE)
+    assert torch.equal(model.generate(ids, attention_mask=mask, **{CACHE: cache}, **kwargs), expected)
+    assert cache.get_seq_length() == 11 + 23 > SLIDING[arch]["sliding_window"]
+    own = model.config._attn_implementation
+    try:
+        with pytest.raises(InvalidConfig, match="sliding|softcap"):
+            generate(use_attention(model, "vmkv"), vhf.VirtualCache("vmm", **PAGE), ids, mask)
+    finally:
+        use_attention(model, own)
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+@torch.no_grad()
+def test_deepcopy_reuses_a_prefilled_prompt(models, setup):
+    """transformers' prompt reuse: prefill a shared prefix once, ``copy.deepcopy`` the cache per
+    question. Same tokens as DynamicCache; a copy shares every page (no page allocated) and a
+    dropped copy frees its rows."""
+    mode, attn = setup
+    model = models["llama"]
+    gen = torch.Generator().manual_seed(11)
+    prefix = torch.randint(3, TINY["vocab_size"], (1, 40), generator=gen)  # more than one 32-token page
+    questions = [torch.randint(3, TINY["vocab_size"], (1, n), generator=gen) for n in (5, 9, 3)]
+
+    def answer(base, question):
+        full = torch.cat([prefix, question], 1)
+        return model.generate(full, attention_mask=torch.ones_like(full), max_new_tokens=8, do_sample=False,
+                              pad_token_id=0, **{CACHE: copy.deepcopy(base)})
+
+    use_attention(model, "sdpa")
+    dense = DynamicCache()
+    model(prefix, **{CACHE: dense}, use_cache=True)
+    expected = [answer(dense, q) for q in questions]
+    use_attention(model, attn)
+    base = vhf.VirtualCache(mode, **PAGE)
+    model(prefix, **{CACHE: base}, use_cache=True)
+    if attn == "sdpa":  # the first forward's K/V are written at the next call: make them pages now
+        base._flush_pending()
+    in_use = base.core.stats()["pages_in_use"]
+    clone = copy.deepcopy(base)
+    assert base.core.stats()["pages_in_use"] == in_use and clone.core is base.core  # shared, nothing copied
+    assert base.core.pages(clone.rows[0]) == base.core.pages(base.rows[0])
+    for question, want in zip(questions, expected):
+        assert torch.equal(answer(base, question), want)
+    dropped = weakref.ref(clone)
+    del clone
+    assert dropped() is None  # no reference cycle: a cache nobody holds is gone at once, without gc
+    survivor = copy.deepcopy(base)  # dropped copies free their rows here (never in the middle of a forward)
+    assert len(base.core) == 2 and base.get_seq_length() == 40
+    base.close()  # the copy still uses the core: it stays open
+    assert base.core is None and len(survivor.core) == 1
+    full = torch.cat([prefix, questions[0]], 1)
+    out = model.generate(full, attention_mask=torch.ones_like(full), max_new_tokens=8, do_sample=False,
+                         pad_token_id=0, **{CACHE: survivor})
+    assert torch.equal(out, expected[0])
+    survivor.close()
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_vmkv_attention_model_can_be_an_assistant(models, setup):
+    """generate() gives an assistant model a DynamicCache: its "vmkv" attention runs the stock
+    SDPA kernel, and assisted greedy decoding gives the main model's greedy tokens."""
+    mode, attn = setup
+    main = models["llama"]
+    assistant = use_attention(tiny_model("Llama", num_hidden_layers=1), "vmkv")
+    ids, mask = prompts(padded=False)
+    expected = reference(main, ids, mask)
+    out = generate(use_attention(main, attn), vhf.VirtualCache(mode, **PAGE), ids, mask, assistant_model=assistant)
+    assert torch.equal(out, expected)
+
+
+def test_vmkv_attention_with_another_cache_equals_sdpa(models):
+    """A left-padded prefill then a 3-token chunk over a DynamicCache: the "vmkv" attention's
+    stock fallback gives SDPA's logits at every real position."""
+    model = models["qwen2"]
+    ids, mask = prompts(padded=True)
+    more = torch.randint(3, TINY["vocab_size"], (3, 3), generator=torch.Generator().manual_seed(3))
+    full_mask = torch.cat([mask, torch.ones_like(more)], dim=1)
+
+    def two_forwards():
+        cache = DynamicCache()
+        first = model(ids, attention_mask=mask, **{CACHE: cache}, use_cache=True).logits
+        return first, model(more, attention_mask=full_mask, **{CACHE: cache}, use_cache=True).logits
+
+    want_first, want_second = two_forwards() if use_attention(model, "sdpa") else None
+    use_attention(model, "vmkv")
+    first, second = two_forwards()
+    real = mask.bool()
+    torch.testing.assert_close(first[real], want_first[real], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(second, want_second, atol=1e-6, rtol=1e-6)
+
+
+def test_vmkv_attention_says_when_a_model_changes_k_after_update(models):
+    """The "vmkv" attention writes the K that ``update`` returned; a model that hands its
+    attention another tensor is refused with the reason (never a silent stock fallback)."""
+    model = use_attention(models["llama"], "vmkv")
+    cache = vhf.VirtualCache("vmm", config=model.config, **PAGE)
+    k = torch.randn(1, 2, 3, 16)
+    cache.update(k, k.clone(), 0)  # as GPT-NeoX calls it: no attention kwargs
+    module = model.model.layers[0].self_attn
+    with pytest.raises(InvalidConfig, match="changes the key states"):
+        vhf.vmkv_attention_forward(module, torch.randn(1, 4, 3, 16), k * 2, k.clone(), None)
+
+
+def test_layer_keys_and_values_are_views_or_refused(models):
+    """``cache.layers[i].keys / .values``: zero-copy views equal to DynamicCache's tensors in VMM
+    mode with the model's attention; a clear ``Unsupported`` where no such view exists and from
+    every inherited feature a VirtualCache lacks."""
+    model = use_attention(models["llama"], "sdpa")
+    ids, mask = prompts(padded=True)
+    more = torch.randint(3, TINY["vocab_size"], (3, 2), generator=torch.Generator().manual_seed(4))
+    full_mask = torch.cat([mask, torch.ones_like(more)], dim=1)
+    dense, cache = DynamicCache(), vhf.VirtualCache("vmm", **PAGE)
+    for c in (dense, cache):
+        model(ids, attention_mask=mask, **{CACHE: c}, use_cache=True)
+    torch.testing.assert_close(cache.layers[1].values, dense.layers[1].values)  # first forward: kept by reference
+    for c in (dense, cache):
+        model(more, attention_mask=full_mask, **{CACHE: c}, use_cache=True)
+    k_all, _ = cache.core.kv_cache(0)
+    for layer in range(2):
+        assert cache.layers[layer].keys.shape == dense.layers[layer].keys.shape == (3, 2, 13, 16)
+        torch.testing.assert_close(cache.layers[layer].keys, dense.layers[layer].keys)
+        torch.testing.assert_close(cache.layers[layer].values, dense.layers[layer].values)
+    assert cache.layers[0].keys.data_ptr() == k_all[cache.core.slot(cache.rows[0])].data_ptr()  # a view
+    for call in (lambda: cache.layers[0].offload(), lambda: cache.layers[0].prefetch(), lambda: cache.offload(0),
+                 lambda: cache.prefetch(0), lambda: cache.early_initialization(1, 2, 16, torch.float32, "cpu"),
+                 lambda: cache.layers[0].reset(), lambda: cache.layers[0].batch_select_indices(torch.tensor([0])),
+                 lambda: setattr(cache.layers[0], "keys", torch.zeros(1))):
+        with pytest.raises(vhf.Unsupported):
+            call()
+    padded_vmkv = vhf.VirtualCache("vmm", **PAGE)
+    use_attention(model, "vmkv")(ids, attention_mask=mask, **{CACHE: padded_vmkv}, use_cache=True)
+    with pytest.raises(vhf.Unsupported, match="padding"):
+        padded_vmkv.layers[0].keys
+    if HAS_PAGED:
+        paged = vhf.VirtualCache("paged", **PAGE)
+        model(ids, **{CACHE: paged}, use_cache=True)
+        with pytest.raises(vhf.Unsupported, match="blocks"):
+            paged.layers[0].values
+        assert torch.equal(paged.core.kv(paged.rows[0], 0)[0], padded_vmkv.core.kv(padded_vmkv.rows[0], 0)[0])
+
+
 # ---- VMM views, rows, crop ----------------------------------------------------------------------
 def test_vmm_update_returns_zero_copy_views_of_exact_length(models):
     model = use_attention(models["llama"], "sdpa")
     cache = vhf.VirtualCache("vmm", config=model.config, **PAGE)
     ids, mask = prompts(padded=True)
-    model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    model(ids, attention_mask=mask, **{CACHE: cache}, use_cache=True)
     assert cache.get_mask_sizes(1, 0) == (ids.shape[1] + 1, 0)
     k_new = torch.randn(3, 2, 1, 16)
     keys, values = cache.update(k_new, k_new.clone(), 0)  # a new step of one token per row
@@ -179,7 +377,7 @@ def test_vmm_update_returns_zero_copy_views_of_exact_length(models):
     torch.testing.assert_close(keys[:, :, -1:], k_new)
     dense = DynamicCache()
     use_attention(model, "sdpa")
-    model(ids, attention_mask=mask, past_key_values=dense, use_cache=True)
+    model(ids, attention_mask=mask, **{CACHE: dense}, use_cache=True)
     torch.testing.assert_close(keys[:, :, :-1], dense.layers[0].keys)
     assert cache.stats()["gathered_views"] == 0
 
@@ -207,10 +405,10 @@ def test_row_operations_follow_dynamic_cache(models, setup):
     ids = torch.cat([ids, ids.flip(1), ids.roll(3, 1)])  # 3 rows, no padding: every column is stored
     use_attention(model, "sdpa")
     dense = DynamicCache()
-    model(ids, past_key_values=dense, use_cache=True)
+    model(ids, **{CACHE: dense}, use_cache=True)
     use_attention(model, attn)
     cache = vhf.VirtualCache(mode, max_batch_size=8, **PAGE)
-    model(ids, past_key_values=cache, use_cache=True)
+    model(ids, **{CACHE: cache}, use_cache=True)
 
     def check():
         for layer in range(2):
@@ -240,7 +438,7 @@ def test_crop_of_padded_rows_keeps_their_real_tokens(models):
     model = use_attention(models["llama"], "vmkv")
     ids, mask = prompts(padded=True)
     cache = vhf.VirtualCache("vmm", **PAGE)
-    model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    model(ids, attention_mask=mask, **{CACHE: cache}, use_cache=True)
     assert [cache.core.seq_len(s) for s in cache._rows] == [11, 6, 9]  # padding is not stored
     cache.crop(-2)
     assert cache.get_seq_length() == 9
@@ -267,9 +465,9 @@ def test_model_attention_gathers_after_a_reorder_and_says_so(models):
     model = use_attention(models["llama"], "sdpa")
     ids, mask = prompts(padded=False)
     cache = vhf.VirtualCache("vmm", **PAGE)
-    model(ids.repeat(2, 1), past_key_values=cache, use_cache=True)
+    model(ids.repeat(2, 1), **{CACHE: cache}, use_cache=True)
     cache.reorder_cache(torch.tensor([1, 0]))  # rows swap slots
-    model(ids[:, :2].repeat(2, 1), past_key_values=cache, use_cache=True)
+    model(ids[:, :2].repeat(2, 1), **{CACHE: cache}, use_cache=True)
     assert cache.stats()["gathered_views"] == 2  # once per layer of that step
 
 
@@ -281,12 +479,10 @@ def test_errors_are_typed(models):
     with pytest.raises(InvalidConfig, match="attn_implementation='vmkv'"):
         vhf.VirtualCache("paged", config=model.config)
     ids, mask = prompts(padded=False)
-    with pytest.raises(InvalidConfig, match="VirtualCache"):
-        use_attention(model, "vmkv")(ids, past_key_values=DynamicCache(), use_cache=True)
     cache = vhf.VirtualCache("vmm", max_batch_size=2, **PAGE)
-    model(ids, past_key_values=cache, use_cache=True)
+    model(ids, **{CACHE: cache}, use_cache=True)
     with pytest.raises(InvalidShape):
-        model(ids.repeat(2, 1)[:, :1], past_key_values=cache, use_cache=True)
+        model(ids.repeat(2, 1)[:, :1], **{CACHE: cache}, use_cache=True)
     with pytest.raises(NoFreeSlot):
         cache.batch_repeat_interleave(3)
     with pytest.raises(InvalidInput):
@@ -295,10 +491,22 @@ def test_errors_are_typed(models):
         cache.reorder_cache(torch.tensor([4]))
     assert cache.get_seq_length() == ids.shape[1] and len(cache._rows) == 1  # failed calls changed nothing
     short = vhf.VirtualCache("vmm", max_seq_len=12, **PAGE)
-    model(ids, past_key_values=short, use_cache=True)
+    model(ids, **{CACHE: short}, use_cache=True)
     with pytest.raises(SequenceTooLong):
-        model(ids[:, :2], past_key_values=short, use_cache=True)
+        model(ids[:, :2], **{CACHE: short}, use_cache=True)
     assert short.get_seq_length() == ids.shape[1]
+    full = vhf.VirtualCache("vmm", max_batch_size=1, **PAGE)
+    model(ids, **{CACHE: full}, use_cache=True)
+    model(ids[:, :1], **{CACHE: full}, use_cache=True)
+    with pytest.raises(NoFreeSlot, match="free slots"):
+        copy.deepcopy(full)  # a copy forks every row: no slot left
+    assert len(full.core) == 1 and full.core.stats()["forks"] == 0
+    full.reset()
+    with pytest.raises(InvalidShape, match="reset cache keeps its geometry"):  # 4 KV heads of 16, not 2
+        tiny_model("GPTNeoX")(ids, **{CACHE: full}, use_cache=True)
+    full.close()
+    with pytest.raises(CacheClosed):
+        model(ids, **{CACHE: full}, use_cache=True)
 
 
 def test_default_page_size_fits_granularity_and_token_bytes():

@@ -4,6 +4,9 @@ against servers on 127.0.0.1 with ephemeral ports (CPU, bounded traffic)."""
 from __future__ import annotations
 
 import json
+import re
+import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,11 +29,12 @@ PAGE = 8 * 4096  # one pool page of the default model with 4 KiB pages: 8 tokens
 class Running:
     """An engine loop served over HTTP on an ephemeral port."""
 
-    def __init__(self, mode: str, budget: int = 256 * PAGE, api_key: str | None = None) -> None:
+    def __init__(self, mode: str, budget: int = 256 * PAGE, api_key: str | None = None,
+                 protect_metrics: bool = False) -> None:
         engine = Engine.from_config(EngineConfig(kv_mode=mode, memory_budget=budget, page_size="4KiB", block_size=8,
                                                  max_num_seqs=8, max_seq_len=256))
         self.loop = EngineLoop(engine)
-        self.http = BackgroundServer(create_app(self.loop, MODEL, api_key=api_key))
+        self.http = BackgroundServer(create_app(self.loop, MODEL, api_key=api_key, protect_metrics=protect_metrics))
         self.url = self.http.url
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key or "none", max_retries=0, timeout=60)
 
@@ -167,33 +171,60 @@ def test_parallel_sampling_shares_prompt_pages(server):
     assert texts == [c.text for c in sorted(reply.choices, key=lambda c: c.index)]  # same seed, same text
 
 
-BAD = [
-    ("/v1/completions", b"{not json", 400, None),
-    ("/v1/completions", b"[1, 2]", 400, None),
-    ("/v1/completions", {"model": "gpt-unknown", "prompt": "x"}, 404, "model_not_found"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x" * 300, "max_tokens": 1}, 400, "context_length_exceeded"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, None),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 10_000}, 400, "context_length_exceeded"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "ten"}, 400, None),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, None),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": 3}, 400, None),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 2}, 400, None),
-    ("/v1/completions", {"model": MODEL}, 400, None),
-    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, None),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, None),
+BAD = [  # (path, body, status, error code, error param); raw bytes are sent as they are
+    ("/v1/completions", b"{not json", 400, None, None),
+    ("/v1/completions", b"[1, 2]", 400, None, None),
+    ("/v1/completions", b"[" * 100_000, 400, None, None),  # nested too deeply for the parser
+    ("/v1/completions", {"model": "gpt-unknown", "prompt": "x"}, 404, "model_not_found", "model"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x" * 300, "max_tokens": 1}, 400, "context_length_exceeded",
+     "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, None, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 10_000}, 400, "context_length_exceeded",
+     "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "ten"}, 400, None, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, None, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 10**30}, 400, None, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": 3}, 400, None, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, None, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 2}, 400, None, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": [5, 10**30]}, 400, None, "prompt"),
+    ("/v1/completions", {"model": MODEL}, 400, None, "prompt"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, None, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, None,
+     "messages.0.role"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x" * 300}]}, 400,
+     "context_length_exceeded", "max_tokens"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stop": [1]}, 400, None,
+     "stop"),
+    # issue 10 item 17: lone surrogates (valid JSON escapes, not Unicode) and numbers no float holds
+    ("/v1/completions", b'{"model": "vmkv-default", "prompt": "a\\ud800b"}', 400, None, "prompt"),
+    ("/v1/completions", b'{"model": "vmkv-default", "prompt": ["ok", "\\udfff"]}', 400, None, "prompt.1"),
+    ("/v1/chat/completions", b'{"model": "vmkv-default", "messages": [{"role": "user", "content": "\\ud83d"}]}', 400,
+     None, "messages.0.content"),
+    ("/v1/completions", b'{"model": "vmkv-default", "prompt": "x", "stop": ["\\udc00"]}', 400, None, "stop.0"),
+    ("/v1/completions", b'{"model": "vmkv-default", "prompt": "x", "temperature": 1' + b"0" * 400 + b"}", 400, None,
+     "temperature"),
+    ("/v1/completions", b'{"model": "vmkv-default", "prompt": "x", "presence_penalty": -1' + b"0" * 400 + b"}", 400,
+     None, "presence_penalty"),
+    ("/v1/completions", b'{"model": "vmkv-default", "prompt": "x", "frequency_penalty": 1' + b"0" * 309 + b"}", 400,
+     None, "frequency_penalty"),
+    ("/v1/completions", b'{"model": "vmkv-default", "prompt": "x", "top_p": 1e999}', 400, None, "top_p"),
+    ("/v1/completions", b'{"model": "vmkv-default", "prompt": "x", "temperature": NaN}', 400, None, "temperature"),
+    ("/v1/completions", b'{"model": "vmkv-default", "prompt": "x", "top_p": -Infinity}', 400, None, "top_p"),
 ]
 
 
 def test_bad_requests_get_4xx_and_change_nothing(server):
+    """Every client error is a 4xx in OpenAI's shape, naming the field in ``param``."""
     before = server.metrics()
-    for path, body, status, code in BAD:
+    for path, body, status, code, param in BAD:
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
         response = httpx.post(server.url + path, content=content, headers={"content-type": "application/json"})
-        assert response.status_code == status, (body, response.text)
+        assert response.status_code == status, (body[:200], response.text[:300])
         error = response.json()["error"]
-        assert error["message"] and error["type"] == "invalid_request_error"
-        if code is not None:
-            assert error["code"] == code
+        assert error["message"] and error["type"] == "invalid_request_error", error
+        assert error["code"] == code and error["param"] == param, (body[:200], error)
+        assert len(error["message"]) < 300  # a 400-digit number is not echoed back
     after = server.metrics()
     assert after["vmkv_requests_added_total"] == before["vmkv_requests_added_total"]
     assert after["vmkv_kv_pages_in_use"] == before["vmkv_kv_pages_in_use"]
@@ -202,15 +233,41 @@ def test_bad_requests_get_4xx_and_change_nothing(server):
     assert server.client.completions.create(model=MODEL, prompt="still serving", max_tokens=2).choices[0].text is not None
 
 
+def test_framework_errors_have_the_openai_shape(server):
+    """FastAPI's own 404 (unknown route) and 405 (wrong method) answers, in OpenAI's shape."""
+    for method, path, status in (("POST", "/v1/nowhere", 404), ("GET", "/v1/completions", 405),
+                                 ("DELETE", "/v1/models", 405), ("GET", "/", 404)):
+        response = httpx.request(method, server.url + path)
+        assert response.status_code == status
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+        assert path in error["message"]
+    assert "allow" in httpx.get(server.url + "/v1/completions").headers  # 405 still says which methods
+
+
 def test_api_key_is_required_when_set():
+    """``/v1/*`` needs ``Bearer KEY`` (the scheme in any case, RFC 7235); ``/metrics`` is open
+    unless ``protect_metrics`` (issue 10 item 18); ``/health`` is always open."""
     guarded = Running("vmm", api_key="s3cret")
+    protected = BackgroundServer(create_app(guarded.loop, MODEL, api_key="s3cret", protect_metrics=True))
     try:
         assert guarded.client.completions.create(model=MODEL, prompt="ok", max_tokens=1).choices
         wrong = openai.OpenAI(base_url=guarded.url + "/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             wrong.completions.create(model=MODEL, prompt="no", max_tokens=1)
         assert httpx.get(guarded.url + "/v1/models").status_code == 401
+        for header, status in (("bearer s3cret", 200), ("BEARER  s3cret", 200),
+                               ("Basic s3cret", 401), ("Bearer s3cre", 401), ("s3cret", 401), ("Bearer", 401)):
+            response = httpx.get(guarded.url + "/v1/models", headers={"authorization": header})
+            assert response.status_code == status, header
+            if status == 401:
+                assert response.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(guarded.url + "/metrics").status_code == 200  # open by default
+        assert httpx.get(protected.url + "/metrics").status_code == 401
+        assert httpx.get(protected.url + "/metrics", headers={"authorization": "bearer s3cret"}).status_code == 200
+        assert httpx.get(protected.url + "/health").status_code == 200
     finally:
+        protected.stop()
         guarded.close()
 
 
@@ -235,7 +292,153 @@ def test_cli_options_and_configuration_errors(capsys):
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
     args = parser.parse_args([])
-    assert (args.host, args.kv_mode, args.model) == ("127.0.0.1", "vmm", None)  # loopback unless told otherwise
+    assert (args.host, args.kv_mode, args.model, args.port) == ("127.0.0.1", "vmm", None, 8000)  # loopback by default
     bad = parser.parse_args(["--memory-budget", "1KiB", "--log-level", "error"])
     assert cli.run(bad) == 2
     assert "memory_budget" in capsys.readouterr().err
+    no_key = parser.parse_args(["--protect-metrics", "--log-level", "error"])
+    no_key.api_key = None
+    assert cli.run(no_key) == 2 and "--api-key" in capsys.readouterr().err
+    for option in (["--port", "99999"], ["--port", "-1"], ["--port", "http"], ["--max-num-seqs", "0"]):
+        with pytest.raises(SystemExit) as exit_info:  # argparse refuses it: nothing was loaded or bound
+            parser.parse_args(option)
+        assert exit_info.value.code == 2 and option[0] in capsys.readouterr().err
+    help_text = " ".join(parser.format_help().split())  # argparse wraps lines
+    for default in ("(default: 256MiB)", "(default: 8000)", "(default: 127.0.0.1", "(default: vmm)", "(default: 32)",
+                    "(default: 512)", "(default: 16)", "(default: auto)", "(default: cpu)", "(default: 0)"):
+        assert default in help_text, default
+
+
+def test_client_disconnect_while_waiting_aborts_at_once(server):
+    """Issue 10 item 16: a non-streamed request is aborted as soon as its client disconnects
+    (the engine produces output every step, so waiting for a quiet moment never came)."""
+    before = server.metrics()
+    body = json.dumps({"model": MODEL, "prompt": "wait for me", "max_tokens": 200, "n": 2, "ignore_eos": True,
+                       "temperature": 0}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection((server.http.host, server.http.port), timeout=10) as client:
+        client.sendall(head + body)
+        deadline = time.monotonic() + 20
+        while server.metrics()["vmkv_sequences_running"] < 2:  # prefilled and forked: generating
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.02)
+    left = time.monotonic()
+    after = server.wait_idle(timeout=20)
+    assert after["vmkv_requests_aborted_total"] == before["vmkv_requests_aborted_total"] + 1
+    assert after["vmkv_generation_tokens_total"] - before["vmkv_generation_tokens_total"] < 2 * 200
+    assert after["vmkv_kv_pages_in_use"] == after["vmkv_kv_pages_spare"]  # every page returned
+    assert time.monotonic() - left < 10
+
+
+def test_tiny_temperature_is_greedy_over_http(server):
+    """``temperature=1e-40`` passed validation and then crashed the batch with a 500 (issue 10 item 15)."""
+    greedy = server.client.completions.create(model=MODEL, prompt="tiny temperature", **GREEDY).choices[0].text
+    tiny = server.client.completions.create(model=MODEL, prompt="tiny temperature", temperature=1e-40, max_tokens=10,
+                                            extra_body={"ignore_eos": True}).choices[0].text
+    assert tiny == greedy
+
+
+def test_a_request_failing_in_the_engine_fails_alone(server, reference, monkeypatch):
+    """One request's sampling raises (forced): it gets a 500 in OpenAI's shape (non-streamed) or
+    an error event (streamed); the requests served beside it get their greedy text."""
+    from vmkv.engine import engine as engine_module
+
+    real = engine_module.next_token
+
+    def next_token(logits, state, argmax):
+        if state.params.seed == 666 and len(state.output) >= 2:
+            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+        return real(logits, state, argmax)
+
+    monkeypatch.setattr(engine_module, "next_token", next_token)
+    before = server.metrics()
+    tok = ByteTokenizer()
+    prompts = [f"neighbour {i} keeps going" for i in range(3)]
+    bad = {"model": MODEL, "prompt": "I fail", "max_tokens": 30, "seed": 666, "ignore_eos": True}
+
+    def good(prompt: str) -> str:
+        return server.client.completions.create(model=MODEL, prompt=prompt, **GREEDY).choices[0].text
+
+    def failing() -> httpx.Response:
+        return httpx.post(server.url + "/v1/completions", json=bad, timeout=60)
+
+    def failing_stream() -> list[str]:
+        with httpx.stream("POST", server.url + "/v1/completions", json={**bad, "stream": True}, timeout=60) as r:
+            return [line for line in r.iter_lines() if line.startswith("data: ")]
+
+    with ThreadPoolExecutor(5) as pool:
+        goods = [pool.submit(good, p) for p in prompts]
+        failed, streamed = pool.submit(failing), pool.submit(failing_stream)
+        texts = [f.result() for f in goods]
+    assert texts == [reference(tok.encode(p), 10) for p in prompts]
+    response = failed.result()
+    assert response.status_code == 500
+    error = response.json()["error"]
+    assert error["type"] == "server_error" and "probability tensor" in error["message"]
+    events = streamed.result()
+    assert json.loads(events[-1][6:])["error"]["type"] == "server_error" and "[DONE]" not in events[-1]
+    after = server.wait_idle()
+    assert after["vmkv_kv_pages_in_use"] == after["vmkv_kv_pages_spare"]
+    assert after["vmkv_requests_failed_total"] - before["vmkv_requests_failed_total"] == 2
+
+
+def test_metrics_print_rounded_values(server):
+    """Gauges as a person reads them (``0.238462``, not ``0.23846153846153847``); counters whole."""
+    server.client.completions.create(model=MODEL, prompt="make the gauges move", max_tokens=3, temperature=0)
+    samples = [line.rsplit(" ", 1)[1] for line in httpx.get(server.url + "/metrics").text.splitlines()
+               if line and not line.startswith("#")]
+    assert samples and all(re.fullmatch(r"-?\d+(\.\d{1,6})?(e[+-]\d+)?|NaN|[+-]Inf", v) for v in samples), samples
+    assert all(len(v.replace("-", "").replace(".", "").split("e")[0]) <= 7 for v in samples)
+    assert metrics.format_value(0.23846153846153847) == "0.238462" and metrics.format_value(1024.0) == "1024"
+
+
+class OverlapGuard:
+    """Wraps every public method of a cache; records when two threads are inside it at once."""
+
+    def __init__(self, cache, monkeypatch) -> None:
+        self.lock = threading.Lock()
+        self.inside: dict[int, str] = {}
+        self.overlaps: list[tuple[str, str]] = []
+        self.calls = 0
+        for name in dir(type(cache)):
+            attr = getattr(type(cache), name, None)
+            if not name.startswith("_") and callable(attr) and not isinstance(attr, type):
+                monkeypatch.setattr(cache, name, self.wrap(name, getattr(cache, name)))
+
+    def wrap(self, name, method):
+        def guarded(*args, **kwargs):
+            me = threading.get_ident()
+            with self.lock:
+                self.calls += 1
+                self.overlaps += [(name, other) for tid, other in self.inside.items() if tid != me]
+                self.inside[me] = name
+            try:
+                return method(*args, **kwargs)
+            finally:
+                with self.lock:
+                    self.inside.pop(me, None)
+
+        return guarded
+
+
+def test_the_cache_is_never_used_by_two_threads_at_once(server, monkeypatch):
+    """The thread contract (issue 10 item 8): requests, streams, aborts, tokenization and
+    /metrics from many threads; the engine only ever calls its cache from one thread at a time."""
+    guard = OverlapGuard(server.loop.engine.cache, monkeypatch)
+
+    def client(i: int) -> None:
+        if i % 3 == 0:
+            httpx.get(server.url + "/metrics")
+        elif i % 3 == 1:
+            server.client.completions.create(model=MODEL, prompt=f"thread {i}", max_tokens=4, temperature=0.5, seed=i)
+        else:
+            body = {"model": MODEL, "prompt": f"stream {i}", "max_tokens": 30, "stream": True, "ignore_eos": True}
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as response:
+                next(response.iter_lines())  # then hang up: the request is aborted
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(client, range(24)))
+    server.wait_idle()
+    assert guard.calls > 100
+    assert [pair for pair in guard.overlaps if "stats" not in pair] == []  # stats() may overlap by contract

@@ -41,6 +41,25 @@ class UnknownSequence(VMKVError, LookupError):
         return str(self.args[0]) if self.args else ""
 
 
+class InvalidParameter(InvalidInput):
+    """A request parameter (engine, server) is out of range; ``param`` names the field, as in
+    OpenAI's error ``param``.
+
+    Args:
+        param: the field, e.g. ``"temperature"``.
+        message: what is wrong, naming the field.
+    """
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class Unsupported(VMKVError, NotImplementedError):
+    """A feature vmkv does not provide here, e.g. a ``transformers`` cache method a
+    ``VirtualCache`` cannot serve (the message says why)."""
+
+
 class DuplicateSequence(VMKVError, ValueError):
     """``add``/``fork`` named a sequence id that already exists."""
 
@@ -91,6 +110,8 @@ __all__ = [
     "InvalidShape",
     "InvalidDtype",
     "InvalidDevice",
+    "InvalidParameter",
+    "Unsupported",
     "UnknownSequence",
     "DuplicateSequence",
     "SequenceTooLong",

@@ -18,7 +18,7 @@ from .engine import Engine, EngineConfig
 from .loop import EngineLoop
 from .request import CompletionOutput, RequestMetrics, RequestOutput
 from .runner import DEFAULT_MODEL_NAME, LoadedModel, ModelRunner, load_model
-from .sampling import SamplingParams
+from .sampling import GREEDY_TEMPERATURE, InvalidParameter, SamplingParams
 from .scheduler import SchedulerConfig
 
 __all__ = [
@@ -26,6 +26,8 @@ __all__ = [
     "EngineConfig",
     "EngineLoop",
     "SamplingParams",
+    "InvalidParameter",
+    "GREEDY_TEMPERATURE",
     "SchedulerConfig",
     "RequestOutput",
     "CompletionOutput",

@@ -13,12 +13,18 @@ The cycle an engine (or any server plugging vmkv in) runs, vAttention's alloc/st
         cache.free(finished)         full pages stay in the prefix cache
     abort(request_id)                cache.free of its sequences, at once
 
+Failures stay as small as they can be: a request whose sampling (or stop check, or fork) raises
+ends alone with ``finish_reason="error"`` and ``RequestOutput.error`` while the rest of the batch
+goes on; a failed forward (the whole batch: an out-of-memory, say) truncates the step's
+sequences back to what the cache held before it, so the engine stays consistent, and raises.
+
 Not thread-safe: one thread drives it (``EngineLoop`` in ``loop.py`` does, for the server).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import random
 import time
@@ -30,13 +36,15 @@ import torch
 
 from .. import open_cache
 from ..base import KVCacheBase
-from ..errors import DuplicateSequence, InvalidConfig, InvalidInput, OutOfPages, SequenceTooLong
+from ..errors import DuplicateSequence, InvalidConfig, OutOfPages, SequenceTooLong
 from ..step import StepPlan
 from ..vm import granularity
 from .request import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
 from .runner import LoadedModel, ModelRunner, cache_config_for, load_model
-from .sampling import SamplerState, SamplingParams, new_generator, sample
+from .sampling import InvalidParameter, SamplerState, SamplingParams, new_generator, next_token
 from .scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger("vmkv.engine")
 
 THROUGHPUT_WINDOW_S = 10.0
 
@@ -141,7 +149,7 @@ class Engine:
         self._ids = itertools.count()
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens generated) of recent steps
         self.counters: dict[str, int] = dict.fromkeys(
-            ("requests_added", "requests_finished", "requests_aborted", "steps", "tokens_fed",
+            ("requests_added", "requests_finished", "requests_aborted", "requests_failed", "steps", "tokens_fed",
              "prompt_tokens", "generation_tokens", "forks", "shared_pages_peak"), 0
         )
         self.ttft_sum = 0.0
@@ -186,7 +194,8 @@ class Engine:
             The request id.
 
         Raises:
-            InvalidInput: empty prompt, token ids outside the vocabulary, ``n`` above the slots.
+            InvalidParameter: empty prompt, token ids outside the vocabulary (``param`` is
+                ``"prompt"``), ``n`` above the slots (``"n"``).
             SequenceTooLong: prompt + ``max_tokens`` exceeds ``max_seq_len``.
             OutOfPages: one completion alone would need more pages than the whole budget.
             DuplicateSequence: ``request_id`` is in use.
@@ -212,20 +221,22 @@ class Engine:
             The prompt's token ids.
 
         Raises:
-            InvalidInput, SequenceTooLong, OutOfPages: as :meth:`add_request`.
+            InvalidParameter, SequenceTooLong, OutOfPages: as :meth:`add_request`.
         """
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
-            raise InvalidInput("the prompt is empty")
+            raise InvalidParameter("prompt", "the prompt is empty")
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids):
-            raise InvalidInput(f"prompt token ids must be ints in [0, {self.vocab_size})")
+            raise InvalidParameter("prompt", f"prompt token ids must be ints in [0, {self.vocab_size})")
         if len(ids) + params.max_tokens > self.max_seq_len:
+            asked = f"max_tokens is {params.max_tokens}" if params.max_tokens <= self.max_seq_len else \
+                f"max_tokens is above {self.max_seq_len}"
             raise SequenceTooLong(
                 f"this model's maximum context length is {self.max_seq_len} tokens; the prompt has {len(ids)} "
-                f"and max_tokens is {params.max_tokens} ({len(ids) + params.max_tokens} in all)"
+                f"and {asked}, so at most {max(0, self.max_seq_len - len(ids))} tokens can be generated"
             )
         if params.n > self.cache.config.max_batch_size:
-            raise InvalidInput(f"n={params.n} exceeds the {self.cache.config.max_batch_size} sequence slots")
+            raise InvalidParameter("n", f"n={params.n} exceeds the {self.cache.config.max_batch_size} sequence slots")
         pages = self.cache.pages_for(len(ids) + params.max_tokens - 1)
         if pages > self.cache.pool.num_pages:
             raise OutOfPages(
@@ -258,7 +269,13 @@ class Engine:
         """Run one batched forward over the scheduled sequences and sample their next tokens.
 
         Returns:
-            One output per request that produced tokens or finished in this step.
+            One output per request that produced tokens or finished in this step (a request
+            whose sampling failed finishes with ``error`` set; the others are not affected).
+
+        Raises:
+            Exception: whatever the forward raised; the step's sequences are truncated back to
+                what the cache held before it, so the engine stays consistent (``abort`` the
+                requests, or call ``step`` again to retry).
         """
         batch = self.scheduler.schedule()
         plan, batch = self._begin(batch)
@@ -266,7 +283,12 @@ class Engine:
             return []
         chunks = [seq.tokens[seq.num_computed : seq.num_computed + n] for seq, n in batch]
         wants = [seq.num_computed + n == len(seq.tokens) for seq, n in batch]
-        logits = self.runner.execute(self.cache, plan, chunks, wants)  # [sum(wants), vocab]
+        try:
+            logits = self.runner.execute(self.cache, plan, chunks, wants)  # [sum(wants), vocab]
+        except Exception:
+            for seq, _ in batch:  # the step's K/V were not (all) written: forget its tokens
+                self.cache.truncate(seq.seq_id, seq.num_computed)
+            raise
         for seq, n in batch:
             seq.num_computed += n
             self.counters["prompt_tokens"] += max(0, min(n, len(seq.request.prompt_ids) - (seq.num_computed - n)))
@@ -293,32 +315,54 @@ class Engine:
         return None, batch
 
     def _sample(self, sampled: list[Sequence], logits: torch.Tensor) -> list[Request]:
-        """Sample next tokens (forking n > 1 requests first), apply stops, free finished sequences."""
-        rows: list[int] = []
-        seqs: list[Sequence] = []
-        for row, seq in enumerate(sampled):
-            group = [seq]
-            if seq.index == 0 and not seq.request.forked:
-                group += self._fork(seq)
-            rows += [row] * len(group)
-            seqs += group
-        tokens = sample(logits[rows], [seq.sampler for seq in seqs]) if seqs else []
+        """Sample next tokens (forking n > 1 requests first), apply stops, free finished sequences.
+
+        Each request is handled on its own: one that raises (a row that cannot be sampled, say)
+        is failed alone (:meth:`_fail`) and the others go on.
+        """
+        logits = logits.float().cpu()  # [len(sampled), vocab]
+        argmax = logits.argmax(-1).tolist()
         now = time.monotonic()
         touched: dict[str, Request] = {}
-        for seq, token in zip(seqs, tokens):
+        generated = 0
+        for row, seq in enumerate(sampled):
             request = seq.request
-            if request.first_token_time is None:
-                request.first_token_time = now
-                self.ttft_sum += now - request.arrival
-            seq.tokens.append(token)
-            seq.sampler.output.append(token)
-            reason = self._check_stop(seq, token)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
             touched[request.request_id] = request
-        self.counters["generation_tokens"] += len(tokens)
-        self._recent.append((now, len(tokens)))
+            if request.error is not None:
+                continue
+            try:
+                group = [seq] + (self._fork(seq) if seq.index == 0 and not request.forked else [])
+                for member in group:
+                    self._advance(member, next_token(logits[row], member.sampler, argmax[row]), now)
+                    generated += 1
+            except Exception as exc:  # noqa: BLE001 - isolated: this request fails, the batch goes on
+                self._fail(request, exc)
+        self.counters["generation_tokens"] += generated
+        self._recent.append((now, generated))
         return list(touched.values())
+
+    def _advance(self, seq: Sequence, token: int, now: float) -> None:
+        """Append ``token`` to ``seq`` and finish it if a stop condition holds."""
+        request = seq.request
+        if request.first_token_time is None:
+            request.first_token_time = now
+            self.ttft_sum += now - request.arrival
+        seq.tokens.append(token)
+        seq.sampler.output.append(token)
+        reason = self._check_stop(seq, token)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+
+    def _fail(self, request: Request, exc: Exception) -> None:
+        """End every sequence of ``request`` with ``finish_reason="error"`` (their pages are freed)."""
+        log.error("vmkv engine: request %s failed and was stopped (the batch goes on): %s: %s",
+                  request.request_id, type(exc).__name__, exc, exc_info=exc)
+        request.error = f"{type(exc).__name__}: {exc}"
+        request.forked = True  # no completion is forked after this
+        for seq in request.sequences:
+            if not seq.finished:
+                self.scheduler.finish(seq, "error")
+        self.counters["requests_failed"] += 1
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Fork the other ``n - 1`` completions of ``parent``'s request: they share its prompt pages."""
@@ -371,7 +415,7 @@ class Engine:
             self._requests.pop(request.request_id, None)
             self.counters["requests_finished"] += 1
         metrics = RequestMetrics(request.arrival, request.first_token_time, request.finish_time, request.preemptions)
-        return RequestOutput(request.request_id, request.prompt_ids, outputs, finished, metrics)
+        return RequestOutput(request.request_id, request.prompt_ids, outputs, finished, metrics, request.error)
 
     # ---- convenience and introspection ---------------------------------------------------
     def generate(self, prompts: Iterable[str | list[int]], params: SamplingParams | None = None) -> list[RequestOutput]:

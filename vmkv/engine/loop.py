@@ -5,8 +5,14 @@ The engine is single-threaded; ``EngineLoop`` owns it. Other threads (an asyncio
 that request (from the loop thread, outside the lock) — and ``abort`` them. The loop steps
 while any request is unfinished and sleeps on a condition variable otherwise.
 
-If a step raises, the error is logged, every unfinished request is aborted (its pages freed)
-and its sink receives the exception; the loop keeps serving new requests.
+A request the engine fails alone (its sampling raised) arrives as a finished output with
+``error`` set; the batch goes on. If a whole step raises (the forward: a device error, say), the
+error is logged, every unfinished request is aborted (its pages freed) and its sink receives the
+exception; the loop keeps serving new requests.
+
+Every engine (hence cache) call happens under the loop's lock: steps on the loop thread, and
+``validate``/``submit``/``abort``/``stats``/``call`` from any thread, so the cache is never used
+by two threads at once (vmkv's thread contract: overlapping cache calls raise ``ConcurrentUse``).
 """
 
 from __future__ import annotations

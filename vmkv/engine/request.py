@@ -91,6 +91,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     preemptions: int = 0
+    error: str | None = None  # why the request failed (its completions finish with "error")
 
     @property
     def finished(self) -> bool:
@@ -107,7 +108,8 @@ class CompletionOutput:
         token_ids: every generated token so far.
         delta_text: text new since the last report.
         delta_token_ids: tokens new since the last report.
-        finish_reason: ``None`` while running, else ``"stop"``, ``"length"`` or ``"abort"``.
+        finish_reason: ``None`` while running, else ``"stop"``, ``"length"``, ``"abort"`` or
+            ``"error"`` (see ``RequestOutput.error``).
     """
 
     index: int
@@ -135,10 +137,16 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """What a step reports for one request: every completion, with what is new."""
+    """What a step reports for one request: every completion, with what is new.
+
+    Attributes:
+        error: ``None``, or why the engine stopped this request alone (``"RuntimeError: ..."``);
+            then ``finished`` is True and its completions end with ``finish_reason="error"``.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    error: str | None = None

@@ -1,10 +1,12 @@
 """Per-request sampling parameters and the sampler that turns logits into next tokens.
 
 Every request brings its own :class:`SamplingParams`; a step samples all sequences that reached
-the end of their known tokens at once. Greedy rows (``temperature == 0``) take the argmax;
-others apply, in order: presence/frequency penalties, temperature, top-k, top-p, then draw with
-the sequence's own ``torch.Generator`` (seeded from ``seed`` when given), so a seeded request
-gives the same tokens whatever else shares its batches.
+the end of their known tokens at once. Greedy rows (``temperature`` below
+:data:`GREEDY_TEMPERATURE`, 0 included) take the argmax; others apply, in order:
+presence/frequency penalties, temperature, top-k, top-p, then draw with the sequence's own
+``torch.Generator`` (seeded from ``seed`` when given), so a seeded request gives the same tokens
+whatever else shares its batches. :func:`next_token` samples one row, so a caller can fail one
+request whose row cannot be sampled (non-finite logits, say) and keep the others.
 """
 
 from __future__ import annotations
@@ -13,7 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import InvalidInput
+from ..errors import InvalidParameter
+
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures below this are greedy (as in vLLM): dividing logits by a tinier one overflows
+float32 (``1e-40`` made every probability ``inf``), and the draw is an argmax in all but ties."""
 
 
 @dataclass(frozen=True)
@@ -22,7 +28,8 @@ class SamplingParams:
 
     Args:
         max_tokens: tokens to generate at most per completion (>= 1).
-        temperature: 0 means greedy; otherwise logits are divided by it (0..2).
+        temperature: logits are divided by it (0..2); below ``GREEDY_TEMPERATURE`` (0 included)
+            the argmax is taken instead.
         top_p: nucleus sampling mass, in (0, 1].
         top_k: keep the k most likely tokens; -1 or 0 keeps all.
         n: completions to generate; the prompt is computed once and forked (``cache.fork``).
@@ -34,7 +41,7 @@ class SamplingParams:
         frequency_penalty: subtracted per occurrence of each generated token (-2..2).
 
     Raises:
-        InvalidInput: a value out of range (the message names the field).
+        InvalidParameter: a value out of range (``param`` and the message name the field).
     """
 
     max_tokens: int = 16
@@ -61,17 +68,20 @@ class SamplingParams:
         _num_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _num_in("top_p", self.top_p, 0.0, 1.0)
         if self.top_p == 0:
-            raise InvalidInput("top_p must be in (0, 1], got 0")
+            raise InvalidParameter("top_p", "top_p must be in (0, 1], got 0")
         if not all(isinstance(s, str) and s for s in stop):
-            raise InvalidInput("stop must be a non-empty string or a list of non-empty strings")
+            raise InvalidParameter("stop", "stop must be a non-empty string or a list of non-empty strings")
         for token in self.stop_token_ids:
-            _int_in("stop_token_ids[]", token, 0, None)
+            _int_in("stop_token_ids", token, 0, None)
         if self.seed is not None:
             _int_in("seed", self.seed, None, None)
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+            object.__setattr__(self, name, float(getattr(self, name)))  # in range: an int converts exactly enough
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Whether the argmax is taken (``temperature < GREEDY_TEMPERATURE``)."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def penalised(self) -> bool:
@@ -80,14 +90,22 @@ class SamplingParams:
 
 def _int_in(name: str, value: object, low: int | None, high: int | None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidInput(f"{name} must be an integer, got {value!r}")
+        raise InvalidParameter(name, f"{name} must be an integer, got {_short(value)}")
     if (low is not None and value < low) or (high is not None and value > high):
-        raise InvalidInput(f"{name} must be in [{low}, {high if high is not None else 'inf'}], got {value}")
+        bounds = f"[{low}, {high if high is not None else 'inf'}]"
+        raise InvalidParameter(name, f"{name} must be in {bounds}, got {_short(value)}")
 
 
 def _num_in(name: str, value: object, low: float, high: float) -> None:
+    """``value`` is an int or float within ``[low, high]`` (NaN, infinities and huge ints are not)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise InvalidInput(f"{name} must be a number in [{low}, {high}], got {value!r}")
+        raise InvalidParameter(name, f"{name} must be a number in [{low}, {high}], got {_short(value)}")
+
+
+def _short(value: object) -> str:
+    """``repr(value)``, cut to 40 characters (a 400-digit integer in an error message helps no one)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @dataclass
@@ -113,22 +131,39 @@ def sample(logits: torch.Tensor, states: list[SamplerState]) -> list[int]:
 
     Returns:
         ``R`` token ids.
+
+    Raises:
+        RuntimeError: a sampled row's probabilities are not finite (the first such row).
     """
     logits = logits.float().cpu()
-    tokens = logits.argmax(-1).tolist()  # the greedy answer; sampled rows overwrite theirs
-    for row, state in enumerate(states):
-        p = state.params
-        if p.greedy and not p.penalised:
-            continue
-        row_logits = logits[row].clone()
-        if p.penalised and state.output:
-            counts = torch.bincount(torch.tensor(state.output), minlength=row_logits.shape[0])[: row_logits.shape[0]]
-            row_logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
-        if p.greedy:
-            tokens[row] = int(row_logits.argmax())
-            continue
-        tokens[row] = _draw(row_logits / p.temperature, p.top_k, p.top_p, state.generator)
-    return tokens
+    greedy = logits.argmax(-1).tolist()
+    return [next_token(logits[row], state, greedy[row]) for row, state in enumerate(states)]
+
+
+def next_token(logits: torch.Tensor, state: SamplerState, argmax: int) -> int:
+    """Next token of one completion.
+
+    Args:
+        logits: float32 CPU ``[vocab]``.
+        state: the completion's parameters, generator and output so far.
+        argmax: ``logits.argmax()`` (computed for the whole batch at once by the caller).
+
+    Returns:
+        The token id.
+
+    Raises:
+        RuntimeError: the probabilities to draw from are not finite (``torch.multinomial``).
+    """
+    p = state.params
+    if p.greedy and not p.penalised:
+        return argmax
+    row_logits = logits.clone()
+    if p.penalised and state.output:
+        counts = torch.bincount(torch.tensor(state.output), minlength=row_logits.shape[0])[: row_logits.shape[0]]
+        row_logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    if p.greedy:
+        return int(row_logits.argmax())
+    return _draw(row_logits / p.temperature, p.top_k, p.top_p, state.generator)
 
 
 def _draw(logits: torch.Tensor, top_k: int, top_p: float, generator: torch.Generator) -> int:

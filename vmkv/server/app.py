@@ -3,16 +3,25 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE streaming with
 ``"stream": true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
 
-Every request is validated in full (JSON, fields, model name, prompt + ``max_tokens`` against
-the context and the KV budget) before anything reaches the engine, so a bad request gets an
-OpenAI-style error body and changes nothing. A client that goes away, mid-stream or while
-waiting for a non-streamed answer, has its requests aborted: their sequences are freed.
+Every request is validated in full (JSON, text encodable as UTF-8, fields, model name, prompt +
+``max_tokens`` against the context and the KV budget) before anything reaches the engine, so a
+bad request gets a 4xx with an OpenAI-style error body naming the field in ``param``, and
+changes nothing. Every other answer that is not a 200 has that shape too: unknown routes (404),
+wrong methods (405), a request the engine failed alone (500). A client that goes away,
+mid-stream or while waiting for a non-streamed answer, has its requests aborted at once: their
+sequences are freed.
+
+Threads: the engine and its cache are only touched through the :class:`EngineLoop`, whose lock
+serialises every call (steps, submissions, aborts, tokenization, ``/metrics`` reading
+``stats()``), so two threads never use the cache at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
 import secrets
 import threading
 import time
@@ -22,13 +31,17 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine import EngineLoop, RequestOutput, SamplingParams
+from ..engine import EngineLoop, InvalidParameter, RequestOutput, SamplingParams
 from ..errors import InvalidConfig, InvalidInput, OutOfPages, SequenceTooLong, VMKVError
 from . import metrics
 from .protocol import ChatBody, CompletionBody
 
-DISCONNECT_POLL_S = 0.25
+log = logging.getLogger("vmkv.server")
+
+# pydantic names a union's member in an error's location ("temperature", "int"): not a field
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|[A-Z]\w*|[a-z-]+\[.*\])$")
 
 
 class APIError(Exception):
@@ -39,20 +52,53 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
-    def response(self) -> JSONResponse:
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
         body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
+        return JSONResponse(body, status_code=self.status, headers=headers)
 
 
-def _engine_error(exc: VMKVError) -> APIError:
-    """The 4xx answer to an engine validation error."""
+def _engine_error(exc: VMKVError, prompt_param: str = "prompt") -> APIError:
+    """The 4xx answer to an engine validation error (``prompt_param``: where the prompt came from)."""
     if isinstance(exc, SequenceTooLong):
         return APIError(400, str(exc), param="max_tokens", code="context_length_exceeded")
     if isinstance(exc, OutOfPages):
         return APIError(400, str(exc), param="max_tokens", code="kv_budget_exceeded")
+    if isinstance(exc, InvalidParameter):
+        return APIError(400, str(exc), param=prompt_param if exc.param == "prompt" else exc.param)
     if isinstance(exc, (InvalidInput, InvalidConfig)):
         return APIError(400, str(exc))
     return APIError(500, str(exc), type_="server_error")
+
+
+def _param_path(loc: tuple[Any, ...]) -> str:
+    """A pydantic error location as OpenAI's ``param`` (``messages.0.content``), union tags dropped."""
+    return ".".join(str(part) for part in loc if not (isinstance(part, str) and _UNION_TAG.match(part)))
+
+
+def _lone_surrogate(data: Any) -> str | None:
+    """The path of the first string in ``data`` that is not valid Unicode (a lone surrogate such as
+    ``"\\ud800"``, which JSON allows but UTF-8 cannot encode), or ``None``."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((f"{path}.{key}" if path else str(key), key))
+                stack.append((f"{path}.{key}" if path else str(key), item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}.{i}" if path else str(i), item) for i, item in enumerate(value))
+    return None
+
+
+async def _client_gone(request: Request) -> None:
+    """Return when the client disconnects (the server's ``http.disconnect`` message)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 @dataclass
@@ -70,13 +116,16 @@ class Server:
     Args:
         loop: the engine loop (owned by the caller, who closes it).
         model_name: the only model id the server accepts and lists.
-        api_key: if set, ``/v1/*`` requires ``Authorization: Bearer <api_key>``.
+        api_key: if set, ``/v1/*`` requires ``Authorization: Bearer <api_key>`` (scheme in any case).
+        protect_metrics: ``/metrics`` requires the key too (off: scrapers read it without one).
     """
 
-    def __init__(self, loop: EngineLoop, model_name: str, api_key: str | None = None) -> None:
+    def __init__(self, loop: EngineLoop, model_name: str, api_key: str | None = None,
+                 protect_metrics: bool = False) -> None:
         self.loop = loop
         self.model_name = model_name
         self.api_key = api_key
+        self.protect_metrics = protect_metrics
         self.created = int(time.time())
 
     # ---- request handling ------------------------------------------------------------------
@@ -88,27 +137,38 @@ class Server:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise APIError(400, f"the body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise APIError(400, "the body is nested too deeply") from None
         if not isinstance(data, dict):
             raise APIError(400, "the body must be a JSON object")
+        bad_text = _lone_surrogate(data)
+        if bad_text is not None:
+            raise APIError(400, f"{bad_text}: the text holds a lone surrogate (an unpaired \\ud800-\\udfff escape), "
+                           "which is not valid Unicode", param=bad_text)
         try:
             body = schema.model_validate(data)
         except ValidationError as exc:
             first = exc.errors()[0]
-            param = ".".join(str(p) for p in first["loc"])
+            param = _param_path(first["loc"])
             raise APIError(400, f"{param}: {first['msg']}", param=param) from None
+        except RecursionError:
+            raise APIError(400, "the body is nested too deeply") from None
         if body.model != self.model_name:
             raise APIError(404, f"the model '{body.model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
         return body
 
     def authenticate(self, request: Request) -> None:
+        """Require ``Authorization: Bearer <api_key>`` when a key is set (the scheme is case-insensitive, RFC 7235)."""
         if self.api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+        scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
+        valid = scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), self.api_key.encode())
+        if not valid:
             raise APIError(401, "invalid or missing API key", type_="authentication_error", code="invalid_api_key")
 
-    async def submit(self, prompts: list[str | list[int]], make_params: Callable[[int], SamplingParams]) -> _Job:
+    async def submit(self, prompts: list[str | list[int]], make_params: Callable[[int], SamplingParams],
+                     prompt_param: str = "prompt") -> _Job:
         """Validate every prompt, then queue them all (all or nothing).
 
         The engine calls run on a worker thread: they wait for the current step to end, and
@@ -117,6 +177,7 @@ class Server:
         Args:
             prompts: text or token ids, one engine request each.
             make_params: sampling parameters given the prompt's token count.
+            prompt_param: the body field the prompts came from (named in errors about them).
         """
         aio = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -124,10 +185,10 @@ class Server:
         def sink(output: RequestOutput | BaseException) -> None:
             aio.call_soon_threadsafe(queue.put_nowait, output)
 
-        return await asyncio.to_thread(self._submit, prompts, make_params, sink, queue)
+        return await asyncio.to_thread(self._submit, prompts, make_params, sink, queue, prompt_param)
 
     def _submit(self, prompts: list[str | list[int]], make_params: Callable[[int], SamplingParams],
-                sink: Callable[[Any], None], queue: asyncio.Queue) -> _Job:
+                sink: Callable[[Any], None], queue: asyncio.Queue, prompt_param: str) -> _Job:
         try:
             checked = []
             for prompt in prompts:
@@ -135,7 +196,7 @@ class Server:
                 params = make_params(len(ids))
                 checked.append((self.loop.validate(ids, params), params))
         except VMKVError as exc:
-            raise _engine_error(exc) from None
+            raise _engine_error(exc, prompt_param) from None
         request_ids = [self.loop.submit(ids, params, sink) for ids, params in checked]
         return _Job(queue, request_ids, sum(len(ids) for ids, _ in checked))
 
@@ -149,21 +210,29 @@ class Server:
         return self.loop.call(lambda engine: engine.tokenizer.chat(messages))
 
     async def collect(self, request: Request, job: _Job) -> list[RequestOutput]:
-        """Wait for every request of ``job`` to finish (aborting them if the client leaves)."""
+        """Wait for every request of ``job`` to finish; abort them as soon as the client leaves.
+
+        Raises:
+            APIError: 500 when the engine failed one of the requests (the others are aborted).
+        """
         final: dict[str, RequestOutput] = {}
+        gone = asyncio.ensure_future(_client_gone(request))
         try:
             while len(final) < len(job.request_ids):
-                try:
-                    output = await asyncio.wait_for(job.queue.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        break
-                    continue
+                getter = asyncio.ensure_future(job.queue.get())
+                await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():  # the client disconnected: abort (finally) and answer no one
+                    getter.cancel()
+                    break
+                output = getter.result()
                 if isinstance(output, BaseException):
                     raise APIError(500, f"the engine failed: {output}", type_="server_error")
+                if output.error is not None:
+                    raise APIError(500, f"generating this request failed: {output.error}", type_="server_error")
                 if output.finished:
                     final[output.request_id] = output
         finally:
+            gone.cancel()
             self.abort_unfinished(job, final)
         return [final[rid] for rid in job.request_ids if rid in final]
 
@@ -191,8 +260,10 @@ class Server:
                     yield _sse(first(index))
             while len(finished) < len(job.request_ids):
                 output = await job.queue.get()
-                if isinstance(output, BaseException):
-                    yield _sse({"error": {"message": f"the engine failed: {output}", "type": "server_error"}})
+                if isinstance(output, BaseException) or output.error is not None:
+                    reason = f"the engine failed: {output}" if isinstance(output, BaseException) else \
+                        f"generating this request failed: {output.error}"
+                    yield _sse({"error": {"message": reason, "type": "server_error", "param": None, "code": None}})
                     return
                 base = job.request_ids.index(output.request_id) * n
                 for completion in output.outputs:
@@ -226,15 +297,18 @@ def _choices(outputs: list[RequestOutput], n: int, make: Callable[[int, Any], di
     return [make(i * n + c.index, c) for i, out in enumerate(outputs) for c in out.outputs]
 
 
-def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None) -> FastAPI:
+def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None, protect_metrics: bool = False) -> FastAPI:
     """The FastAPI application serving ``loop``'s engine under ``model_name``.
 
     Args:
         loop: a running engine loop (closed by the caller after the server stops).
         model_name: the model id clients must name.
         api_key: if set, required as a bearer token on ``/v1/*``.
+        protect_metrics: with ``api_key``, require it on ``/metrics`` too. Off by default:
+            ``/metrics`` shows counts and gauges, never prompts or outputs, and Prometheus
+            scrapers often have no key; turn it on when the port is reachable by others.
     """
-    server = Server(loop, model_name, api_key)
+    server = Server(loop, model_name, api_key, protect_metrics)
     app = FastAPI(title="vmkv", version="0.1.0")
     app.state.server = server
 
@@ -242,13 +316,33 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None) ->
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """FastAPI's own answers (unknown route 404, wrong method 405) in the OpenAI shape."""
+        if exc.status_code == 404:
+            message = f"Invalid URL ({request.method} {request.url.path})"
+        elif exc.status_code == 405:
+            message = f"Method {request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(exc.detail)
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return APIError(exc.status_code, message, type_=kind).response(headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        """A bug: logged with its traceback, answered 500 in the OpenAI shape."""
+        log.error("vmkv server: unexpected error", exc_info=exc)
+        return APIError(500, f"internal error: {type(exc).__name__}", type_="server_error").response()
+
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
-        stats = await asyncio.to_thread(loop.stats)
+    async def prometheus(request: Request) -> Response:
+        if server.protect_metrics:
+            server.authenticate(request)
+        stats = await asyncio.to_thread(loop.stats)  # read only, between steps
         return PlainTextResponse(metrics.render(stats), media_type=metrics.CONTENT_TYPE)
 
     @app.get("/v1/models")
@@ -265,7 +359,7 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None) ->
         except InvalidInput as exc:
             raise _engine_error(exc) from None
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
-        job = await server.submit(prompts, lambda _: body.sampling(max_tokens))
+        job = await server.submit(prompts, lambda _: body.sampling(max_tokens), "prompt")
         rid, created = f"cmpl-{job.request_ids[0]}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
         if body.stream:
@@ -285,14 +379,18 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None) ->
         try:
             ids = await asyncio.to_thread(server.tokenize_chat, body.chat())
         except (InvalidInput, InvalidConfig) as exc:
-            raise _engine_error(exc) from None
+            raise _engine_error(exc, "messages") from None
+        except Exception as exc:
+            if type(exc).__module__.startswith("jinja2"):  # the chat template refused these messages
+                raise APIError(400, f"the model's chat template refused the messages: {exc}", param="messages") from None
+            raise
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         context = loop.engine.max_seq_len
 
         def params(prompt_len: int) -> SamplingParams:
             return body.sampling(limit if limit is not None else max(1, context - prompt_len))
 
-        job = await server.submit([ids], params)
+        job = await server.submit([ids], params, "messages")
         rid, created = f"chatcmpl-{job.request_ids[0]}", int(time.time())
         head = {"id": rid, "object": "chat.completion.chunk" if body.stream else "chat.completion",
                 "created": created, "model": model_name}

@@ -14,33 +14,67 @@ import sys
 log = logging.getLogger("vmkv.server")
 
 
+def _port(text: str) -> int:
+    """A TCP port, 0..65535 (0: any free port), refused by argparse before anything binds."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port: use 0..65535 (0 picks a free one)")
+    return port
+
+
+def _positive(text: str) -> int:
+    """A positive int (argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``serve`` options to ``parser``."""
+    """Add the ``serve`` options to ``parser`` (every help line shows its default)."""
     model = parser.add_argument_group("model")
-    model.add_argument("--model", default=None, help="local Hugging Face model directory (Llama, Mistral, Qwen2); "
-                       "default: the embedded seeded model")
-    model.add_argument("--served-model-name", default=None, help="model id clients use (default: directory name "
-                       "or 'vmkv-default')")
-    model.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    model.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    model.add_argument("--model", default=None, help="local Hugging Face model directory (Llama, Mistral, Qwen2) "
+                       "(default: the embedded seeded model)")
+    model.add_argument("--served-model-name", default=None, help="model id clients use (default: the directory "
+                       "name, or 'vmkv-default')")
+    model.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                       help="model and KV dtype; auto = float32 on CPU, the checkpoint's on CUDA "
+                       "(default: %(default)s)")
+    model.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: %(default)s)")
     cache = parser.add_argument_group("KV cache")
-    cache.add_argument("--kv-mode", default="vmm", choices=["vmm", "paged"])
-    cache.add_argument("--memory-budget", default="256MiB", help="bytes for KV pages, e.g. 2GiB")
+    cache.add_argument("--kv-mode", default="vmm", choices=["vmm", "paged"],
+                       help="virtually contiguous tensors or block tables (default: %(default)s)")
+    cache.add_argument("--memory-budget", default="256MiB", help="bytes for KV pages, e.g. 2GiB (default: %(default)s)")
     cache.add_argument("--page-size", default=None, help="VMM page bytes per K/V tensor (default: >= 64KiB on CPU, "
                        ">= 2MiB on CUDA)")
-    cache.add_argument("--block-size", type=int, default=16, help="paged mode: tokens per block")
-    cache.add_argument("--max-num-seqs", type=int, default=32, help="sequences running at once (cache slots)")
-    cache.add_argument("--max-seq-len", type=int, default=None, help="longest prompt + completion")
-    cache.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens one step feeds at most")
-    cache.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    cache.add_argument("--block-size", type=_positive, default=16, help="paged mode: tokens per block "
+                       "(default: %(default)s)")
+    cache.add_argument("--max-num-seqs", type=_positive, default=32, help="sequences running at once (cache slots) "
+                       "(default: %(default)s)")
+    cache.add_argument("--max-seq-len", type=_positive, default=None, help="longest prompt + completion "
+                       "(default: min(model positions, sliding window, 4096))")
+    cache.add_argument("--max-num-batched-tokens", type=_positive, default=512, help="tokens one step feeds at most "
+                       "(default: %(default)s)")
+    cache.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off (default: on)")
     http = parser.add_argument_group("HTTP")
-    http.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    http.add_argument("--port", type=int, default=8000)
+    http.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
+    http.add_argument("--port", type=_port, default=8000, help="TCP port, 0..65535 (default: %(default)s)")
     http.add_argument("--api-key", default=os.environ.get("VMKV_API_KEY"),
-                      help="require 'Authorization: Bearer KEY' on /v1/* (default: $VMKV_API_KEY)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (torch.set_num_threads)")
-    parser.add_argument("--seed", type=int, default=0, help="seed for requests without one")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+                      help="require 'Authorization: Bearer KEY' on /v1/* (default: $VMKV_API_KEY, else none)")
+    http.add_argument("--protect-metrics", action="store_true",
+                      help="require the API key on /metrics too (default: /metrics is open; it shows counts, "
+                      "never prompts or outputs)")
+    parser.add_argument("--threads", type=_positive, default=None, help="torch CPU threads (torch.set_num_threads) "
+                        "(default: torch's)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for requests without one (default: %(default)s)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="(default: %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,6 +90,9 @@ def run(args: argparse.Namespace) -> int:
     from ..errors import VMKVError
     from .app import create_app
 
+    if args.protect_metrics and not args.api_key:
+        print("vmkv serve: --protect-metrics needs --api-key (or $VMKV_API_KEY)", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -76,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
              stats["mode"], stats["kernel"], stats["pages_total"], stats["tokens_per_page"])
     loop = EngineLoop(engine)
     try:
-        uvicorn.run(create_app(loop, name, args.api_key), host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.run(create_app(loop, name, args.api_key, args.protect_metrics), host=args.host, port=args.port,
+                    log_level=args.log_level)
     finally:
         loop.close()
     return 0

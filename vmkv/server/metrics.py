@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -35,6 +36,7 @@ _METRICS: list[tuple[str, str, str, tuple[str, str]]] = [
     ("vmkv_requests_added_total", "counter", "Requests accepted", ("engine", "requests_added")),
     ("vmkv_requests_finished_total", "counter", "Requests completed", ("engine", "requests_finished")),
     ("vmkv_requests_aborted_total", "counter", "Requests aborted (client gone)", ("engine", "requests_aborted")),
+    ("vmkv_requests_failed_total", "counter", "Requests the engine stopped alone because generating them failed", ("engine", "requests_failed")),
     ("vmkv_steps_total", "counter", "Engine steps (batched forwards)", ("engine", "steps")),
     ("vmkv_prompt_tokens_total", "counter", "Prompt tokens computed (recomputation included)", ("engine", "prompt_tokens")),
     ("vmkv_generation_tokens_total", "counter", "Tokens generated", ("engine", "generation_tokens")),
@@ -63,9 +65,21 @@ def render(stats: dict[str, Any]) -> str:
     lines = ["# HELP vmkv_info Model, KV mode and attention kernel of this server", "# TYPE vmkv_info gauge",
              f"vmkv_info{{{label_text}}} 1"]
     for name, kind, help_text, (section, key) in _METRICS:
-        value = float(stats[section][key])
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value:.17g}"]
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {format_value(stats[section][key])}"]
     return "\n".join(lines) + "\n"
+
+
+def format_value(value: float) -> str:
+    """A sample as a person reads it: integers whole (``1024``), others to 6 significant digits
+    (``0.238462``, not ``0.23846153846153847``); Prometheus' ``NaN``/``+Inf``/``-Inf`` otherwise."""
+    value = float(value)
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if value.is_integer() and abs(value) < 2**53:
+        return str(int(value))
+    return f"{value:.6g}"
 
 
 def parse(text: str) -> dict[str, float]:

@@ -7,14 +7,22 @@ silently ignored. Extensions as in vLLM: ``top_k``, ``stop_token_ids``, ``ignore
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, StrictBool, StrictInt
 
-from ..engine import SamplingParams
-from ..errors import InvalidInput
+from ..engine import InvalidParameter, SamplingParams
 
-Number = Union[StrictInt, float]
+
+def _number(value: Any) -> int | float:
+    """A JSON number as is (no bool, no string); the range is checked by ``SamplingParams``, so an
+    integer too large for a float is refused there with a 400, never converted here."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("Input should be a number")
+    return value
+
+
+Number = Annotated[float, PlainValidator(_number)]
 
 
 class _Body(BaseModel):
@@ -39,20 +47,24 @@ class _Body(BaseModel):
     def _refuse(self, **unsupported: bool) -> None:
         for name, present in unsupported.items():
             if present:
-                raise InvalidInput(f"'{name}' is not supported by this server")
+                raise InvalidParameter(name, f"'{name}' is not supported by this server")
 
     def sampling(self, max_tokens: int) -> SamplingParams:
-        """The engine's parameters (raises ``InvalidInput`` on a value out of range)."""
+        """The engine's parameters.
+
+        Raises:
+            InvalidParameter: a value out of range or an unsupported option (``param`` names it).
+        """
         self._refuse(logit_bias=bool(self.logit_bias))
         if self.n > 128:
-            raise InvalidInput(f"n must be in [1, 128], got {self.n}")
+            raise InvalidParameter("n", "n must be in [1, 128]")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > 4:
-            raise InvalidInput("stop takes at most 4 strings")
+            raise InvalidParameter("stop", "stop takes at most 4 strings")
         return SamplingParams(
-            max_tokens=max_tokens, temperature=float(self.temperature), top_p=float(self.top_p), top_k=self.top_k,
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             n=self.n, stop=tuple(stops), stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-            seed=self.seed, presence_penalty=float(self.presence_penalty), frequency_penalty=float(self.frequency_penalty),
+            seed=self.seed, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
         )
 
     @property
@@ -74,7 +86,7 @@ class CompletionBody(_Body):
         """Each prompt of the request (a string, or token ids).
 
         Raises:
-            InvalidInput: an empty list, or an unsupported option.
+            InvalidParameter: an empty list, or an unsupported option.
         """
         self._refuse(echo=self.echo, logprobs=self.logprobs is not None, suffix=bool(self.suffix),
                      best_of=self.best_of is not None and self.best_of != self.n)
@@ -82,7 +94,7 @@ class CompletionBody(_Body):
         if isinstance(prompt, str):
             return [prompt]
         if not prompt:
-            raise InvalidInput("prompt must not be empty")
+            raise InvalidParameter("prompt", "prompt must not be empty")
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]
         return list(prompt)
@@ -117,7 +129,7 @@ class ChatBody(_Body):
     response_format: dict[str, Any] | None = None
 
     def chat(self) -> list[dict[str, str]]:
-        """The messages as ``{"role", "content"}`` dicts (raises ``InvalidInput`` on unsupported options)."""
+        """The messages as ``{"role", "content"}`` dicts (raises ``InvalidParameter`` on unsupported options)."""
         self._refuse(logprobs=self.logprobs or self.top_logprobs is not None, tools=bool(self.tools),
                      response_format=(self.response_format or {}).get("type", "text") != "text")
         return [{"role": m.role, "content": m.text()} for m in self.messages]
