@@ -425,7 +425,7 @@ def ratio_verdict(
     elif ratio.crosses_one:
         winner = "tie (spread crosses 1.0)"
     else:
-        winner = f"tie (within {100 * tie_margin:.0f} %)"
+        winner = f"tie (spread reaches 1.0 +- {100 * tie_margin:.0f} %)"
     return Verdict(
         key=key, question=question, result=number_text(ratio.value), spread=spread_text(ratio), winner=winner,
         reference=reference, agrees=agrees, value=ratio.value, low=ratio.low, high=ratio.high, note=note,

@@ -390,7 +390,7 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
     if vmm and CONTROL in timings.samples:  # the same work timed twice: how far apart can equals be?
         control = timings.ratio(CONTROL, vmm["candidate"])
         margin = max(margin, *(abs(x - 1.0) for x in (control.low, control.value, control.high)))
-        floor = f"; tie within {100 * margin:.0f} % (same kernel timed twice: {control.low:.2f}-{control.high:.2f})"
+        floor = f"; same kernel timed twice: {control.low:.2f}-{control.high:.2f}"
 
     if vmm and paged:
         out.append(common.ratio_verdict(

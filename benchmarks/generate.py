@@ -244,7 +244,7 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
                 if vmm and base in timings.samples:
                     out.append(common.ratio_verdict(
                         f"generate.{model}.vs_{base}", f"generate() tokens/s, {where}: VirtualCache vs {label}",
-                        timings.ratio(base, vmm), "VirtualCache", label, note=f"{vmm}",
+                        timings.ratio(base, vmm), "VirtualCache", label, note=f"fastest VirtualCache: {vmm}",
                     ))
         beam = {r["cache"]: r for r in rows if r["model"] == model and r["workload"].startswith("beam")}
         vmm_beam = [beam[name] for name in ("vmm", "vmm+vmkv") if name in beam]

@@ -373,8 +373,9 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[str]:
     for mode in sorted({r["mode"] for r in rows}):
         color = colors.get(mode)
         conc = sorted((r for r in rows if r["experiment"] == "concurrency" and r["mode"] == mode), key=lambda r: r["concurrency"])
-        axes[0].plot([r["concurrency"] for r in conc], [r["throughput_tok_s"] for r in conc], marker="o", color=color,
-                     label=f"{mode}, per wall second")
+        # on an idle machine the two measures coincide: open circles under crosses keep both visible
+        axes[0].plot([r["concurrency"] for r in conc], [r["throughput_tok_s"] for r in conc], marker="o", markersize=9,
+                     markerfacecolor="none", color=color, label=f"{mode}, per wall second")
         axes[0].plot([r["concurrency"] for r in conc], [r["tok_per_cpu_s"] for r in conc], marker="x", linestyle="--",
                      color=color, label=f"{mode}, per CPU-second")
         rate = {r["rate"]: r for r in rows if r["experiment"] == "rate" and r["mode"] == mode}

@@ -282,8 +282,8 @@ def test_serve_capacity_is_the_same_experiment_in_every_preset():
     ([1.5, 1.6, 1.7], "VMM, 1.60x"),
     ([0.5, 0.6, 0.7], "paged, 1.67x"),
     ([0.9, 1.05, 1.2], "tie (spread crosses 1.0)"),
-    ([1.01, 1.02, 1.03], "tie (within 5 %)"),
-    ([1.04, 1.08, 1.10], "tie (within 5 %)"),  # the median clears the margin, the slowest repeat does not
+    ([1.01, 1.02, 1.03], "tie (spread reaches 1.0 +- 5 %)"),
+    ([1.04, 1.08, 1.10], "tie (spread reaches 1.0 +- 5 %)"),  # the median clears the margin, the slowest repeat does not
     ([1.7], "not judged (1 run)"),
 ])
 def test_ratio_verdict_names_a_winner_only_when_the_spread_allows(samples, winner):

@@ -339,7 +339,7 @@ def write_report(out: Path, records: list[dict[str, Any]]) -> Path:
     if verdicts:
         parts += ["## Verdict", "", format_verdicts(verdicts, markdown=True), ""]
     for record in records:
-        parts.append(f"## {record['name']}")
+        parts += [f"## {record['name']}", ""]
         if record["status"] != "ok":
             parts += [f"{record['status']}: {record.get('reason', '')}", ""]
             continue
