@@ -422,6 +422,8 @@ def ratio_verdict(
         winner = f"{better}, {number_text(ratio.value)}"
     elif ratio.high < 1.0 / (1.0 + tie_margin):
         winner = f"{worse}, {number_text(1.0 / ratio.value)}"
+    elif ratio.deterministic:
+        winner = f"tie (within {100 * tie_margin:.0f} %)"
     elif ratio.crosses_one:
         winner = "tie (spread crosses 1.0)"
     else:

@@ -251,6 +251,10 @@ def _summary(rows: list[dict[str, Any]], skipped: dict[str, str]) -> dict[str, A
     return summary
 
 
+def _span(widths: list[int]) -> str:
+    return str(widths[0]) if len(widths) == 1 else f"{widths[0]}-{widths[-1]}"
+
+
 def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
     """Per trace and scenario: memory saved over the widths measured, per allocator, against the
     vLLM paper's range (judged on 16-token blocks, the paper's own)."""
@@ -281,7 +285,7 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
         what = "parallel sampling, n" if scen == "parallel" else "beam search, width"
         mean_best = statistics.fmean(r["saved"] for r in by[best])
         out.append(common.Verdict(
-            key=f"sharing.{trace}.{scen}", question=f"memory saved by sharing, {what} {widths[0]}-{widths[-1]}, {trace}-like",
+            key=f"sharing.{trace}.{scen}", question=f"memory saved by sharing, {what} {_span(widths)}, {trace}-like",
             result=", ".join(parts), spread="exact (seeded)", winner=best,
             reference=f"vLLM paper Fig. 15: {100 * low:.1f}-{100 * high:.1f} %", agrees=agrees, value=mean_best,
         ))

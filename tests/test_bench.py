@@ -292,6 +292,11 @@ def test_ratio_verdict_names_a_winner_only_when_the_spread_allows(samples, winne
     assert verdict.low == min(samples) and verdict.high == max(samples)
 
 
+def test_deterministic_ratios_are_judged_on_their_value():
+    assert common.ratio_verdict("x.y", "q", common.Spread.exact(1.0), "A", "B").winner == "tie (within 5 %)"
+    assert common.ratio_verdict("x.y", "q", common.Spread.exact(0.75), "A", "B").winner == "B, 1.33x"
+
+
 def test_spread_leaves_out_one_interrupted_round_and_says_so():
     spread = common.Spread.of([1.5, 1.55, 1.6, 1.62, 3.1])  # the last round was interrupted
     assert (spread.value, spread.low, spread.high, spread.kept) == (1.6, 1.55, 1.62, 3)
