@@ -228,6 +228,7 @@ def test_mapping_share_uses_per_step_medians():
     totals = [[10.0] * steps for _ in range(3)]
     share = _share({"premapped": base, "on_demand": demand}, totals, "on_demand")
     assert share.value == pytest.approx(0.05) and share.runs == 3
+    assert share.low == pytest.approx(0.05) and share.high == pytest.approx(4.9)  # ... but its range shows it
 
 
 # ---- sharing ---------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ REGISTRY: dict[str, Entry] = {
               ["--requests", "sharegpt=120", "alpaca=300", "--budget", "sharegpt=1GiB", "alpaca=256MiB", "--page-sizes", "2MiB"]),
         Entry("decode", "benchmarks.decode",
               ["--batches", "1", "8", "32", "--contexts", "512", "2048", "--repeat", "7", "--paged-kernels", "selected"]),
-        Entry("mapping", "benchmarks.mapping", ["--steps", "128", "--rounds", "5", "--pages", "128", "--decode-page-sizes", "4KiB"]),
+        Entry("mapping", "benchmarks.mapping", ["--steps", "128", "--rounds", "7", "--pages", "128", "--decode-page-sizes", "4KiB"]),
         Entry("sharing", "benchmarks.sharing", ["--traces", "alpaca", "--requests", "3", "--widths", "2", "6"]),
         Entry("generate", "benchmarks.generate",
               ["--models", "small", "--prompt-len", "64", "--new-tokens", "256", "--batch-sizes", "1", "8",
