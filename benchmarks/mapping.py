@@ -16,7 +16,7 @@ Three measurements, all on the real backend and cache:
   thread counts). The mapping share is ``(begin_step time - baseline begin_step time) /
   baseline step time``, each time the sum over steps of the per-step median over rounds (a step
   preempted by another process in one round does not count), and its spread the min-max of the
-  same estimate leaving out one round at a time. A negative share is a measurement error (the
+  shares of the single rounds (from 5 rounds on, the lowest and highest left out). A negative share is a measurement error (the
   baseline was slower than the variant that does more work): the run is repeated once with
   twice the rounds, and if the share is still negative it is reported as unreliable, never
   rounded to zero.
