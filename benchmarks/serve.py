@@ -89,6 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="paged tokens per block")
     parser.add_argument("--repeats", type=int, default=None, help="runs per mode and setting, modes alternating; the "
                         "row kept is the median-throughput run (default 3; smoke 1)")
+    parser.add_argument("--rate-repeats", type=int, default=None, help="runs per mode and rate of the open-loop "
+                        "experiment (default: --repeats; no verdict rests on them)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads during the run (tiny model: 1 is fastest)")
 
 
@@ -101,6 +103,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "prompt_len": args.prompt_len or (24 if smoke else 64),
         "output_len": args.output_len or (8 if smoke else 32),
         "repeats": args.repeats or (1 if smoke else 3),
+        "rate_repeats": args.rate_repeats or args.repeats or (1 if smoke else 3),
         "memory_budget": args.memory_budget or ("64MiB" if args.device == "cpu" else "1GiB"),
         "capacity_budget": args.capacity_budget or ("8MiB" if args.device == "cpu" else "64MiB"),
         "capacity_requests": args.capacity_requests or (16 if smoke else 64),
@@ -244,7 +247,7 @@ def _measure(args: argparse.Namespace, settings: dict[str, Any]) -> tuple[list[d
             rows += found
             samples[f"concurrency/{concurrency}"] = {mode: [r["tok_per_cpu_s"] for r in mine] for mode, mine in runs.items()}
         for rate in settings["rates"]:
-            rows += _alternate(engines, settings["repeats"], "rate", lambda e, r=rate: (
+            rows += _alternate(engines, settings["rate_repeats"], "rate", lambda e, r=rate: (
                 run_open_loop(e, prompts, params, r, args.seed)), rate=rate)[0]
     finally:
         for engine in engines.values():

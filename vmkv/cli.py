@@ -57,9 +57,10 @@ REGISTRY: dict[str, Entry] = {
         Entry("sharing", "benchmarks.sharing", ["--traces", "alpaca", "--requests", "3", "--widths", "2", "6"]),
         Entry("generate", "benchmarks.generate",
               ["--models", "small", "--prompt-len", "64", "--new-tokens", "256", "--batch-sizes", "1", "8",
-               "--beam-new-tokens", "32", "--caches", "dynamic", "static", "vmm", "vmm+vmkv", "--repeats", "3"]),
+               "--beam-new-tokens", "32", "--caches", "dynamic", "static", "vmm", "vmm+vmkv", "--repeats", "5"]),
         Entry("serve", "benchmarks.serve",
-              ["--concurrency", "1", "8", "--rates", "16", "inf", "--requests", "16", "--output-len", "16", "--repeats", "5"]),
+              ["--concurrency", "1", "8", "--rates", "16", "inf", "--requests", "16", "--output-len", "16", "--repeats", "5",
+               "--rate-repeats", "1"]),
         Entry("vllm", "benchmarks.vllm", in_suite=False),  # vLLM stock vs the vmkv plugin: needs vLLM, minutes
     )
 }
