@@ -14,7 +14,7 @@ from .errors import *  # noqa: F403 - every typed error, as listed in errors.__a
 from .sizes import parse_size
 from .step import StepPlan
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the package version: pyproject.toml reads it from here
 
 
 def open_cache(config: KVCacheConfig, mode: str = "vmm") -> KVCacheBase:

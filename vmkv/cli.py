@@ -32,6 +32,7 @@ from types import ModuleType
 from typing import Any, Callable
 
 COMMON_OPTIONS = ("device", "smoke", "seed", "out")
+BENCH_EXTRA = ("matplotlib", "tqdm", "transformers")  # what `pip install 'vmkv[bench]'` brings (plots, bars, generate)
 
 
 @dataclass(frozen=True)
@@ -378,10 +379,24 @@ def serve(rest: list[str]) -> int:
 
 
 # ---- entry point -------------------------------------------------------------------------------
+class _SubcommandParser(argparse.ArgumentParser):
+    """A subcommand's parser that refuses unknown options with its own usage (plain argparse hands
+    them back to the top-level parser, whose usage does not list the subcommand's options)."""
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        ns, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser (benchmark and server options are parsed by their own modules)."""
+    import vmkv
+
     parser = argparse.ArgumentParser(prog="vmkv", description="KV-cache memory managed like virtual memory: info, benchmarks, server")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"vmkv {vmkv.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_SubcommandParser)
     sub.add_parser("info", help="backends, page granularity, kernels per mode and why")
     bench_parser = sub.add_parser(
         "bench", parents=[_common_parser(defaults=True)], help="run the benchmark suite or one benchmark",
@@ -404,6 +419,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["serve"]:  # everything after `serve` belongs to the server's own parser
         return serve(argv[1:])
     ns = build_parser().parse_args(argv)
+    if ns.command == "bench" and not ns.list:
+        missing = [name for name in BENCH_EXTRA if not _installed_safe(name)]
+        if missing:
+            print(f"vmkv bench needs the bench extra: pip install 'vmkv[bench]' (missing: {', '.join(missing)})",
+                  file=sys.stderr)
+            return 2
     if ns.command == "info":
         print("\n".join(info_lines()))
         return 0

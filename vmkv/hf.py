@@ -57,9 +57,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import AttentionInterface
-from transformers.cache_utils import Cache, CacheLayerMixin
-from transformers.masking_utils import AttentionMaskInterface
+
+try:
+    from transformers import AttentionInterface
+    from transformers.cache_utils import Cache, CacheLayerMixin
+    from transformers.masking_utils import AttentionMaskInterface
+except ModuleNotFoundError as exc:  # say which extra brings the missing package
+    if exc.name != "transformers":
+        raise
+    raise ModuleNotFoundError(f"vmkv.hf needs transformers: pip install 'vmkv[hf]' ({exc})", name=exc.name) from exc
 
 from .base import KVCacheBase
 from .config import KVCacheConfig

@@ -62,8 +62,17 @@ def default_hf_model(dtype: torch.dtype = torch.float32, device: str | torch.dev
         dtype: parameter dtype.
         device: where the parameters live.
         overrides: ``LlamaConfig`` fields to change (e.g. ``num_hidden_layers=2``).
+
+    Raises:
+        ModuleNotFoundError: transformers is not installed (the message names the extra).
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ModuleNotFoundError as exc:  # say which extra brings the missing package
+        if exc.name != "transformers":
+            raise
+        raise ModuleNotFoundError(f"default_hf_model needs transformers: pip install 'vmkv[hf]' ({exc})",
+                                  name=exc.name) from exc
 
     config = LlamaConfig(**{**DEFAULT_MODEL, **overrides})
     with torch.random.fork_rng(devices=[]):
