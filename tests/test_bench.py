@@ -97,9 +97,12 @@ def test_memory_covers_every_layout_and_the_library_defaults(smoke_results):
             label = f"vmm-{layout}-{page}"
             assert label in labels or skipped[label]
     assert {"vmm-per_layer-2MiB", "vmm-all_layers-2MiB"} <= labels
-    defaults = vmkv.KVCacheConfig(**common.LLAMA3_8B)
-    row = next(r for r in smoke_results["memory"]["rows"] if r["allocator"] == memory.DEFAULT_VMM)
+    budget = smoke_results["memory"]["config"]["budget"]["sharegpt"]
+    defaults = vmkv.KVCacheConfig(**common.LLAMA3_8B, memory_budget=budget)  # the default layout depends on the budget
+    row = next(r for r in smoke_results["memory"]["rows"] if (r["trace"], r["allocator"]) == ("sharegpt", memory.DEFAULT_VMM))
     assert row["geometry"].startswith(defaults.layout)
+    paged = next(r for r in smoke_results["memory"]["rows"] if (r["trace"], r["allocator"]) == ("sharegpt", "paged-b16"))
+    assert row["tokens_per_page"] >= 16 and row["steady_util"] >= paged["steady_util"] - 0.02  # defaults as good as paged
 
 
 def test_memory_plot_series_is_the_steady_state_only():
