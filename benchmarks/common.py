@@ -1,4 +1,5 @@
-"""Helpers every benchmark module shares: timing, request traces, cache shapes, tables, JSON, plots.
+"""Helpers every benchmark module shares: timing, request traces, cache shapes, tables, JSON,
+plots, and verdicts.
 
 The module contract (what ``vmkv bench`` calls)::
 
@@ -6,9 +7,16 @@ The module contract (what ``vmkv bench`` calls)::
     DESCRIPTION: str               one line for ``vmkv bench --help``
     add_arguments(parser)          the module's own options
     run(args) -> dict              args has device ("cpu"|"cuda"), smoke, seed, out (Path)
-    plot(result, out_dir) -> list[str]   optional: PNG paths written
+    plot(result, out_dir) -> list[str]        optional: PNG paths written
+    verdicts(result) -> list[Verdict]         optional: the answers this benchmark gives, one
+                                              line per question (see :class:`Verdict`)
+    table(result) -> list[dict]               optional: a condensed table for the terminal
+                                              (default: the result's rows)
 
 ``run`` returns ``{"name", "schema", "rows", "summary", ...}`` (see :func:`make_result`).
+``vmkv bench`` stores each module's verdicts in its JSON (``"verdicts"``) and prints the
+verdicts of every benchmark that ran, last, as one table (also the top of ``report.md``).
+Any module, including one the CLI registers later, contributes rows the same way.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import math
 from contextlib import contextmanager
 import os
 import platform
+import random
 import statistics
 import time
 from dataclasses import dataclass
@@ -104,24 +113,147 @@ def time_call(fn: Callable[[], Any], device: str, *, repeat: int = 5, warmup: in
     return statistics.median(times)
 
 
-def time_interleaved(fns: dict[str, Callable[[], Any]], device: str, *, repeat: int = 5, warmup: int = 1) -> dict[str, float]:
-    """Median wall time of each ``fn()`` in seconds, the candidates taking turns run by run.
+TRIM_FROM = 5
+"""From this many samples on, a spread's range leaves out the single lowest and highest sample
+(a round another process interrupted), and says so."""
+
+
+@dataclass(frozen=True)
+class Spread:
+    """A measured value with its spread over repeats: the median and a min-max range.
+
+    ``runs`` is how many repeats it summarises and ``kept`` how many of them the range covers
+    (all but the two extremes from :data:`TRIM_FROM` samples on); ``deterministic`` marks a
+    value (a seeded replay, a byte count) that has no spread to measure.
+    """
+
+    value: float
+    low: float
+    high: float
+    runs: int
+    deterministic: bool = False
+    kept: int | None = None
+
+    @classmethod
+    def of(cls, samples: Sequence[float]) -> "Spread":
+        """Median of ``samples`` and their min-max (of the middle ``n - 2`` from :data:`TRIM_FROM` on).
+
+        Raises:
+            vmkv.InvalidInput: no samples.
+        """
+        if not samples:
+            raise vmkv.InvalidInput("a spread needs at least one sample")
+        ordered = sorted(samples)
+        inner = ordered[1:-1] if len(ordered) >= TRIM_FROM else ordered
+        return cls(statistics.median(ordered), inner[0], inner[-1], len(ordered), kept=len(inner))
+
+    @classmethod
+    def exact(cls, value: float) -> "Spread":
+        """A deterministic value (a seeded replay): no spread."""
+        return cls(value, value, value, 1, deterministic=True)
+
+    @property
+    def crosses_one(self) -> bool:
+        """Whether the range includes 1.0 (a ratio that could go either way)."""
+        return self.low <= 1.0 <= self.high
+
+    def scaled(self, factor: float) -> "Spread":
+        """The same spread multiplied by ``factor`` (> 0)."""
+        return Spread(self.value * factor, self.low * factor, self.high * factor, self.runs, self.deterministic, self.kept)
+
+    def as_dict(self) -> dict[str, float]:
+        return {"value": self.value, "low": self.low, "high": self.high, "runs": self.runs, "kept": self.kept or self.runs}
+
+
+@dataclass
+class Timings:
+    """Seconds per call of each candidate, one sample per round (rounds interleave candidates)."""
+
+    samples: dict[str, list[float]]
+
+    def median(self, name: str) -> float:
+        """Median seconds per call of ``name``."""
+        return statistics.median(self.samples[name])
+
+    def spread(self, name: str) -> Spread:
+        """Median and min-max seconds per call of ``name``."""
+        return Spread.of(self.samples[name])
+
+    def ratio(self, numerator: str, denominator: str) -> Spread:
+        """``numerator / denominator`` time, round by round (the two ran side by side in each round):
+        the median of the per-round ratios and their min-max. A ratio of two times taken in the
+        same round cancels drifts of a shared machine that move both."""
+        pairs = zip(self.samples[numerator], self.samples[denominator])
+        return Spread.of([a / b for a, b in pairs])
+
+
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.thread_time}
+"""``wall``: elapsed time. ``cpu``: CPU time of the calling thread (user + system), which other
+processes of a shared machine cannot inflate; right for CPU work on one torch thread only."""
+
+
+def pick_clock(requested: str, device: str, threads: int | None) -> str:
+    """The clock a CPU timing should use: ``requested`` unless ``auto``, which is ``cpu`` when the
+    work runs on one thread of this process (``device`` cpu, one torch thread), else ``wall``.
+
+    Raises:
+        vmkv.InvalidConfig: ``cpu`` asked for work that runs on a GPU or on several threads.
+    """
+    one_thread = device == "cpu" and (threads or torch.get_num_threads()) == 1
+    if requested == "auto":
+        return "cpu" if one_thread else "wall"
+    if requested == "cpu" and not one_thread:
+        raise vmkv.InvalidConfig("--clock cpu measures the calling thread only: use it on --device cpu with --threads 1")
+    if requested not in CLOCKS:
+        raise vmkv.InvalidConfig(f"clock must be auto, {' or '.join(CLOCKS)}; got {requested!r}")
+    return requested
+
+
+def time_interleaved(
+    fns: dict[str, Callable[[], Any]], device: str, *, repeat: int = 5, warmup: int = 1, min_sample_s: float = 0.0,
+    clock: str = "wall",
+) -> Timings:
+    """Time every ``fn()`` in rounds: each round runs every candidate once, in a fresh (seeded)
+    random order.
 
     Interleaving spreads drifts of a shared machine (frequency, other processes) over all
-    candidates alike, which is what a ratio measured side by side needs.
+    candidates alike, which is what a ratio measured side by side needs; a new order every round
+    keeps a candidate from always following the same neighbour (whose cache and memory traffic
+    would bias it one way). A candidate faster than
+    ``min_sample_s`` is called several times per sample (the count fixed after the warm-up) so
+    that timer resolution and one-off interruptions weigh less.
+
+    Args:
+        fns: name -> zero-argument callable.
+        device: ``cpu`` or ``cuda`` (GPU work is synchronized before a clock is read).
+        repeat: rounds.
+        warmup: calls of each candidate before the rounds.
+        min_sample_s: the least time one sample should take.
+        clock: a :data:`CLOCKS` name.
+
+    Returns:
+        :class:`Timings`: ``repeat`` samples of seconds per call for each candidate.
     """
-    for fn in fns.values():
-        for _ in range(warmup):
+    now = CLOCKS[clock]
+    numbers = {}
+    for name, fn in fns.items():
+        start = now()
+        for _ in range(max(1, warmup)):
             fn()
-    synchronize(device)
+        synchronize(device)
+        once = (now() - start) / max(1, warmup)
+        numbers[name] = max(1, math.ceil(min_sample_s / once)) if once > 0 and min_sample_s else 1
+    order = random.Random(0)
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeat):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
+        for name in order.sample(list(fns), len(fns)):
+            fn, number = fns[name], numbers[name]
+            start = now()
+            for _ in range(number):
+                fn()
             synchronize(device)
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
+            times[name].append((now() - start) / number)
+    return Timings(times)
 
 
 @contextmanager
@@ -136,14 +268,30 @@ def torch_threads(count: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def measure_read_bandwidth(device: str, nbytes: int = 512 * 2**20, repeat: int = 5) -> float:
-    """Bytes per second this machine reads from memory: ``torch.sum`` over a large fp32 tensor.
-
-    ``nbytes`` should be well past the last-level cache; the default reads 512 MiB.
-    """
+def read_bandwidth_probe(device: str, nbytes: int = 256 * 2**20) -> tuple[Callable[[], Any], int]:
+    """A candidate for :func:`time_interleaved` that reads ``nbytes`` of memory (``torch.sum`` over
+    fp32), and the bytes it reads: timed in the same rounds as the kernels, its bytes/s is the
+    machine's read bandwidth at that moment (``nbytes`` should be well past the last-level cache)."""
     data = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    seconds = time_call(lambda: data.sum(), device, repeat=repeat, warmup=2)
-    return data.numel() * 4 / seconds
+    return (lambda: data.sum()), data.numel() * 4
+
+
+def measure_read_bandwidth(device: str, nbytes: int = 256 * 2**20, repeat: int = 5) -> Spread:
+    """Bytes per second this machine reads from memory (``torch.sum`` over fp32): median, min-max."""
+    probe, size = read_bandwidth_probe(device, nbytes)
+    timings = time_interleaved({"read": probe}, device, repeat=repeat, warmup=2)
+    return Spread.of([size / t for t in timings.samples["read"]])
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the kernel says are available (``MemAvailable``), ``None`` if unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def cache_config(shape: dict[str, Any], device: str, **fields: Any) -> vmkv.KVCacheConfig:
@@ -198,6 +346,119 @@ def make_result(name: str, schema: dict[str, str], rows: list[dict[str, Any]], s
     return {"name": name, "schema": schema, "rows": rows, "summary": summary, "machine": machine(), **extra}
 
 
+TIE_MARGIN = 0.05
+"""A ratio whose repeats reach into 1.0 +- 5 % is called a tie even when they agree on the side."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One answer of a benchmark: a line of the verdict table ``vmkv bench`` ends with.
+
+    Args:
+        key: stable id, ``"<benchmark>.<question>"``; two runs are compared key by key.
+        question: what is compared, in a few words (say which way a ratio points).
+        result: the headline as a person reads it (``"1.62x"``, ``"97 %"``).
+        spread: how sure: ``"1.55-1.70, 5 runs"`` or ``"exact (seeded replay)"``.
+        winner: who wins, in words (``"VMM"``, ``"paged"``, ``"tie"``).
+        reference: the published figure this is compared with (``""``: none).
+        agrees: whether the measurement agrees with ``reference`` (``None``: nothing to compare).
+        value, low, high: the headline number and its range (JSON, run comparison).
+        reliable: ``False`` when the measurement is known to be bad; ``note`` says why.
+        note: one short remark (e.g. which kernel or configuration won).
+    """
+
+    key: str
+    question: str
+    result: str
+    spread: str
+    winner: str
+    reference: str = ""
+    agrees: bool | None = None
+    value: float | None = None
+    low: float | None = None
+    high: float | None = None
+    reliable: bool = True
+    note: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def spread_text(spread: Spread, unit: str = "x") -> str:
+    """``"1.55-1.70x, 5 runs"`` (``unit`` ``"x"``), ``"94-97 %, 3 runs"`` (``"%"``), ``"exact
+    (seeded)"`` for a deterministic value, ``"1 run: no spread"``."""
+    if spread.deterministic:
+        return "exact (seeded)"
+    if spread.runs == 1:
+        return "1 run: no spread"
+    runs = f"{spread.runs} runs" if (spread.kept or spread.runs) == spread.runs else f"middle {spread.kept} of {spread.runs} runs"
+    return f"{number_text(spread.low, unit, bare=True)}-{number_text(spread.high, unit)}, {runs}"
+
+
+def number_text(value: float, unit: str = "x", bare: bool = False) -> str:
+    """A ratio as ``"1.62x"`` (2 significant decimals), a fraction as ``"97 %"`` / ``"1.3 %"``."""
+    if unit == "%":
+        pct = 100 * value
+        text = f"{pct:.1f}" if abs(pct) < 10 else f"{pct:.0f}"
+        return text if bare else f"{text} %"
+    text = f"{value:.2f}" if abs(value) < 10 else f"{value:.1f}"
+    return text if bare else f"{text}x"
+
+
+def ratio_verdict(
+    key: str, question: str, ratio: Spread, better: str, worse: str, *,
+    reference: str = "", agrees: bool | None = None, note: str = "", tie_margin: float = TIE_MARGIN,
+) -> Verdict:
+    """A verdict on ``ratio`` = how many times ``better`` beats ``worse`` (> 1: ``better`` wins).
+
+    The winner is named only when the whole range of the repeats lies beyond the tie band
+    ``[1 / (1 + tie_margin), 1 + tie_margin]``: every kept repeat says it wins by more than the
+    noise. Otherwise it is a tie ("spread crosses 1.0" when the repeats disagree on the side), so
+    two runs on a noisy machine give the same answer. A single timed run is not judged.
+    """
+    if ratio.runs < 2 and not ratio.deterministic:
+        winner = "not judged (1 run)"
+    elif ratio.low > 1.0 + tie_margin:
+        winner = f"{better}, {number_text(ratio.value)}"
+    elif ratio.high < 1.0 / (1.0 + tie_margin):
+        winner = f"{worse}, {number_text(1.0 / ratio.value)}"
+    elif ratio.deterministic:
+        winner = f"tie (within {100 * tie_margin:.0f} %)"
+    elif ratio.crosses_one:
+        winner = "tie (spread crosses 1.0)"
+    else:
+        winner = f"tie (spread reaches 1.0 +- {100 * tie_margin:.0f} %)"
+    return Verdict(
+        key=key, question=question, result=number_text(ratio.value), spread=spread_text(ratio), winner=winner,
+        reference=reference, agrees=agrees, value=ratio.value, low=ratio.low, high=ratio.high, note=note,
+    )
+
+
+def unreliable(key: str, question: str, why: str, value: Spread | None = None, unit: str = "x") -> Verdict:
+    """A verdict whose measurement failed its own sanity check: shown, never silently fixed."""
+    return Verdict(
+        key=key, question=question, result="unreliable" if value is None else f"{number_text(value.value, unit)} (unreliable)",
+        spread="" if value is None else spread_text(value, unit), winner="no verdict", reliable=False, note=why,
+        value=None if value is None else value.value, low=None if value is None else value.low,
+        high=None if value is None else value.high,
+    )
+
+
+VERDICT_COLUMNS = ("question", "result", "spread", "winner", "published", "agrees")
+
+
+def verdict_rows(verdicts: Iterable[dict[str, Any]]) -> list[dict[str, str]]:
+    """Verdict dicts (from JSON) as table rows with :data:`VERDICT_COLUMNS`; notes go under
+    ``winner``."""
+    rows = []
+    for v in verdicts:
+        agrees = {True: "yes", False: "no", None: ""}[v.get("agrees")]
+        winner = v["winner"] + (f" ({v['note']})" if v.get("note") else "")
+        rows.append({"question": v["question"], "result": v["result"], "spread": v["spread"], "winner": winner,
+                     "published": v.get("reference", ""), "agrees": agrees})
+    return rows
+
+
 def write_json(result: dict[str, Any], out_dir: Path) -> Path:
     """Write ``result`` to ``out_dir/<name>.json`` and return the path."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -218,12 +479,22 @@ def _cell(value: Any) -> str:
     if isinstance(value, float):
         if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):
             return f"{value:.3g}"
-        return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
+        return f"{value:.3g}" if abs(value) < 10 else f"{value:.1f}"
     return str(value)
 
 
-def format_table(rows: Iterable[dict[str, Any]], columns: Sequence[str] | None = None, *, markdown: bool = False) -> str:
-    """Rows as an aligned text table (or a Markdown table), floats rounded for reading."""
+def format_table(
+    rows: Iterable[dict[str, Any]], columns: Sequence[str] | None = None, *, markdown: bool = False,
+    wrap: dict[str, int] | None = None,
+) -> str:
+    """Rows as an aligned text table (or a Markdown table), floats rounded for reading.
+
+    Args:
+        rows: one dict per row.
+        columns: the columns to show, in order (default: the first row's keys).
+        markdown: a Markdown table instead of aligned text.
+        wrap: text tables only: column -> width; longer cells wrap onto more lines.
+    """
     rows = list(rows)
     if not rows:
         return "(no rows)"
@@ -231,13 +502,29 @@ def format_table(rows: Iterable[dict[str, Any]], columns: Sequence[str] | None =
     cells = [[_cell(row.get(col, "")) for col in columns] for row in rows]
     if markdown:
         lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-        lines += ["| " + " | ".join(line) + " |" for line in cells]
+        lines += ["| " + " | ".join(c.replace("|", "\\|") for c in line) + " |" for line in cells]
         return "\n".join(lines)
-    widths = [max(len(col), *(len(line[i]) for line in cells)) for i, col in enumerate(columns)]
-    lines = ["  ".join(col.ljust(w) for col, w in zip(columns, widths))]
+    import textwrap
+
+    wrap = wrap or {}
+    wrapped = [[textwrap.wrap(c, wrap[col], break_long_words=False) or [""] if col in wrap else [c] for c, col in zip(line, columns)] for line in cells]
+    widths = [max(len(col), *(len(part) for line in wrapped for part in line[i])) for i, col in enumerate(columns)]
+    lines = ["  ".join(col.ljust(w) for col, w in zip(columns, widths)).rstrip()]
     lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in cells]
+    for line in wrapped:
+        for depth in range(max(len(parts) for parts in line)):
+            parts = [p[depth] if depth < len(p) else "" for p in line]
+            lines.append("  ".join(c.ljust(w) for c, w in zip(parts, widths)).rstrip())
     return "\n".join(lines)
+
+
+def format_verdicts(verdicts: Iterable[dict[str, Any]], *, markdown: bool = False) -> str:
+    """The verdict table: one line per question (long cells wrap on a terminal)."""
+    rows = verdict_rows(verdicts)
+    if not rows:
+        return "(no verdicts)"
+    return format_table(rows, VERDICT_COLUMNS, markdown=markdown,
+                        wrap={"question": 30, "result": 34, "spread": 14, "winner": 30, "published": 28})
 
 
 def pyplot():
@@ -250,11 +537,13 @@ def pyplot():
     return plt
 
 
-def save_figure(fig: Any, out_dir: Path, filename: str) -> str:
-    """Save ``fig`` as ``out_dir/filename`` (PNG), close it, return the path."""
+def save_figure(fig: Any, out_dir: Path, filename: str, *, tight: bool = True) -> str:
+    """Save ``fig`` as ``out_dir/filename`` (PNG), close it, return the path (``tight``: lay the
+    figure out first; pass ``False`` when it was laid out already, e.g. around a legend)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / filename
-    fig.tight_layout()
+    path = Path(out_dir) / filename
+    if tight:
+        fig.tight_layout()
     fig.savefig(path, dpi=110)
     pyplot().close(fig)
     return str(path)

@@ -1,62 +1,82 @@
-"""Decode attention: VMM (contiguous) vs paged vs the same kernel on ordinary dense tensors.
+"""Decode attention: VMM (every registered contiguous kernel, every layout) vs paged vs dense.
 
-For each batch size B and context length C, B sequences of C tokens are written into a
-one-layer VMM cache and a one-layer paged cache with identical K/V, then one decode step
-(one new token per sequence) is timed, the candidates taking turns::
+For each batch size B and context length C, B sequences of C tokens (plus the step's new token)
+are written into one VMM cache per layout that ``vmkv.KVCacheConfig`` accepts and into a paged
+cache, with identical K/V; then one decode step (one new token per sequence, attention of
+layer 0 only) is timed, every candidate taking its turn in every round::
 
-    vmm            cache.attention on the VMM cache (its contiguous kernel, e.g. sdpa_per_sequence)
-    dense          the same contiguous kernel on plain torch tensors of the same layout
-                   [B, capacity, kv_heads, head_dim] (issue 2: the cost of virtual memory)
-    paged:<name>   each paged kernel over the paged cache's block pools and block table
+    vmm:<layout>:<kernel>   each kernel of ``vmkv.attention.CONTIGUOUS_KERNELS`` that can run
+                            here (e.g. sdpa_per_sequence, one SDPA call per sequence; a batched
+                            kernel, one call for all rows), on that layout's virtual tensors
+    dense:<kernel>          the same kernel on ordinary torch tensors of the same shape (what
+                            virtual memory costs: nothing, if the ratio is 1.0)
+    paged:<kernel>          each paged kernel asked for, over the paged cache's block pools
+    read                    ``torch.sum`` over 256 MiB: the machine's read bandwidth, measured
+                            in the same rounds as the kernels
+
+The VMM caches hold two layers (layer 0 is timed), so a layout that interleaves layers shows
+its real strides. Kernels and layouts are found by name at run time: one added to
+``vmkv.attention`` or ``vmkv.config`` is measured without touching this file; one that cannot
+run here is reported with the reason, one that raises or gives a wrong answer is reported and
+left out of the verdict.
 
 Achieved bandwidth counts the K and V bytes a step must read (sum of lengths x kv_heads x
-head_dim x bytes x 2) and is compared with the machine's read bandwidth measured in the same
-run (``torch.sum`` over 512 MiB). Every candidate's output is checked against the VMM one.
+head_dim x bytes x 2). Every output is checked against SDPA on the source K/V of each sequence.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import dataclasses
+import sys
+import typing
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 
 import vmkv
-from vmkv.attention import select_contiguous_kernel
+import vmkv.attention as vattn
+import vmkv.config
 
 from . import common
 
 NAME = "decode"
-DESCRIPTION = "decode-step attention: VMM contiguous vs paged kernels vs dense tensors, bytes/s vs measured bandwidth"
+DESCRIPTION = "decode-step attention: VMM (each kernel and layout) vs paged kernels vs dense tensors, bytes/s vs read bandwidth"
 
 SCHEMA = {
     "batch": "sequences in the decode step",
     "context": "tokens cached per sequence before the step",
-    "paged_kernel": "paged-mode kernel compared in this row",
-    "vmm_ms": "VMM decode attention, ms per step (median)",
-    "dense_ms": "same contiguous kernel on ordinary dense tensors, ms",
-    "paged_ms": "paged kernel, ms",
-    "vmm_speedup": "paged_ms / vmm_ms (> 1: VMM faster)",
-    "vmm_vs_dense": "dense_ms / vmm_ms (1.0: virtual memory costs nothing)",
-    "vmm_gbps": "K/V bytes the step reads / VMM time, GB/s",
-    "bw_fraction": "vmm_gbps / measured memory read bandwidth",
-    "max_abs_diff": "largest |paged - vmm| and |dense - vmm| output difference",
+    "candidate": "vmm:LAYOUT:KERNEL, dense:KERNEL or paged:KERNEL (see the module docstring)",
+    "selected": "the kernel the cache itself runs for this layout / the paged kernel paged mode picks",
+    "ms": "median ms per decode step (one layer)",
+    "ms_low": "fastest round, ms (from 5 rounds on, the single fastest and slowest rounds are left out)",
+    "ms_high": "slowest round, ms (same rule)",
+    "gbps": "K/V bytes the step reads / median time, GB/s",
+    "bw_fraction": "gbps / read bandwidth measured in the same rounds (median of per-round ratios)",
+    "max_abs_diff": "largest |output - reference| (SDPA on each sequence's source K/V)",
 }
+READ_PROBE_BYTES = 256 * 2**20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """This benchmark's options (the CLI adds --device, --smoke, --seed, --out)."""
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: stable on a shared CPU; 0 keeps torch's default)")
     parser.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes (default 1 8 32; smoke 1 2)")
-    parser.add_argument("--contexts", type=int, nargs="+", default=None, help="context lengths (default 512 2048 4096; smoke 64 128)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=None, help="context lengths (default 512 2048 8192; smoke 64 128)")
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--q-heads", type=int, default=32)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", default=None, help="default float32 on CPU, float16 on CUDA")
     parser.add_argument("--page-size", default="2MiB", help="VMM page size")
+    parser.add_argument("--layouts", nargs="+", default=None, help="VMM layouts (default: every layout vmkv.KVCacheConfig accepts)")
+    parser.add_argument("--kernels", nargs="+", default=None, help="contiguous kernels (default: every one in vmkv.attention.CONTIGUOUS_KERNELS that can run here)")
     parser.add_argument("--block-size", type=int, default=None, help="paged block size (default 16 on CPU, 256 on CUDA: FlashAttention's paged kernels need multiples of 256)")
     parser.add_argument("--paged-kernels", nargs="+", default=None, help="paged kernels to time; 'selected' is the one paged mode picks here (default: selected gather_sdpa)")
-    parser.add_argument("--repeat", type=int, default=None, help="timed runs per candidate (default 5; smoke 2)")
+    parser.add_argument("--repeat", type=int, default=None, help="rounds, every candidate once per round (default 7; smoke 2)")
+    parser.add_argument("--clock", default="auto", choices=["auto", *common.CLOCKS],
+                        help="auto: the thread's CPU time on CPU with one thread (a shared machine cannot inflate it), else wall time")
 
 
 def _defaults(args: argparse.Namespace) -> argparse.Namespace:
@@ -65,73 +85,156 @@ def _defaults(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(**{
         **vars(args),
         "batches": args.batches or ([1, 2] if smoke else [1, 8, 32]),
-        "contexts": args.contexts or ([64, 128] if smoke else [512, 2048, 4096]),
+        "contexts": args.contexts or ([64, 128] if smoke else [512, 2048, 8192]),
         "dtype": args.dtype or ("float16" if cuda else "float32"),
         "block_size": args.block_size or (256 if cuda else 16),
-        "repeat": args.repeat or (2 if smoke else 5),
+        "repeat": args.repeat or (2 if smoke else 7),
+        "layouts": args.layouts or list(typing.get_args(vmkv.config.Layout)),
+        "kernels": args.kernels or list(vattn.CONTIGUOUS_KERNELS),
     })
 
 
+def _runnable_kernels(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    """Contiguous kernels that can run here, and why the others cannot.
+
+    Raises:
+        vmkv.InvalidConfig: a kernel name that ``vmkv.attention`` does not know.
+    """
+    unknown = sorted(set(args.kernels) - set(vattn.CONTIGUOUS_KERNELS))
+    if unknown:
+        raise vmkv.InvalidConfig(f"unknown kernels {unknown}; known: {list(vattn.CONTIGUOUS_KERNELS)}")
+    dtype = common.cache_config({"num_layers": 1, "num_kv_heads": 1, "head_dim": args.head_dim, "dtype": args.dtype}, args.device).dtype
+    runnable, skipped = [], {}
+    for name in args.kernels:
+        why = vattn.contiguous_kernel_unavailable(name, torch.device(args.device), dtype, args.head_dim)
+        if why is None:
+            runnable.append(name)
+        else:
+            skipped[name] = why
+    return runnable, skipped
+
+
+@dataclass
+class _Candidate:
+    name: str
+    fn: Callable[[], torch.Tensor]
+    selected: bool
+
+
 class _Case:
-    """B sequences of C tokens in a VMM cache, a paged cache and dense tensors, ready to decode."""
+    """B sequences of C tokens in one VMM cache per layout, a paged cache and dense tensors."""
 
     def __init__(self, args: argparse.Namespace, batch: int, context: int) -> None:
-        shape = {"num_layers": 1, "num_kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": args.dtype}
-        probe = common.cache_config(shape, args.device)
-        tokens = batch * (context + 1)
-        fields = {"max_batch_size": batch, "max_seq_len": context + 1, "prefix_caching": False}
-        page_tokens = vmkv.parse_size(args.page_size) // probe.layer_token_bytes
-        vmm_budget = batch * -(-(context + 1) // page_tokens) * page_tokens * probe.bytes_per_token
-        paged_budget = (tokens + batch * args.block_size) * probe.bytes_per_token
-        self.vmm = vmkv.open_cache(common.cache_config(shape, args.device, page_size=args.page_size, memory_budget=vmm_budget, **fields), "vmm")
-        self.paged = vmkv.open_cache(common.cache_config(shape, args.device, block_size=args.block_size, memory_budget=paged_budget, **fields), "paged")
+        self.args, self.batch, self.context = args, batch, context
+        self.shape = {"num_layers": 1, "num_kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": args.dtype}
+        probe = common.cache_config(self.shape, args.device)
+        self.kv_bytes = batch * (context + 1) * probe.layer_token_bytes * 2  # what one layer's step reads
         gen = torch.Generator().manual_seed(args.seed)
-        dtype, device = self.vmm.config.dtype, self.vmm.config.device
+        dtype, device = probe.dtype, probe.device
 
         def randn(*size: int) -> torch.Tensor:
             return torch.randn(*size, generator=gen).to(dtype=dtype, device=device)
 
-        for seq in range(batch):
-            k, v = randn(context, args.kv_heads, args.head_dim), randn(context, args.kv_heads, args.head_dim)
-            for cache in (self.vmm, self.paged):
-                cache.add(seq)
-                cache.write(0, k, v, cache.begin_step({seq: context}))
-        k, v = randn(batch, args.kv_heads, args.head_dim), randn(batch, args.kv_heads, args.head_dim)
-        self.plans = {}
-        for cache in (self.vmm, self.paged):
-            plan = cache.begin_step({seq: 1 for seq in range(batch)})
-            cache.write(0, k, v, plan)
-            self.plans[cache.mode] = plan
+        # source K/V: [B, C + 1, Hkv, D]; the last token is the decode step's own
+        self.k_src = randn(batch, context + 1, args.kv_heads, args.head_dim)
+        self.v_src = randn(batch, context + 1, args.kv_heads, args.head_dim)
         self.q = randn(batch, args.q_heads, args.head_dim)  # q: [B, Hq, D], one new token each
-        k_cache, v_cache = self.vmm.kv_cache(0)
-        self.dense_k, self.dense_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)  # ordinary allocations
-        for seq in range(batch):
-            slot, length = self.vmm.slot(seq), self.vmm.seq_len(seq)
-            self.dense_k[slot, :length], self.dense_v[slot, :length] = self.vmm.kv(seq, 0)
-        self.kv_bytes = batch * (context + 1) * probe.layer_token_bytes * 2
+        self.scale = args.head_dim**-0.5
+        self.caches: dict[str, vmkv.KVCacheBase] = {}
+        self.plans: dict[str, Any] = {}
+        self.skipped: dict[str, str] = {}
+        for layout in args.layouts:
+            try:
+                self._fill(f"vmm:{layout}", "vmm", {"layout": layout, "page_size": args.page_size, "num_layers": 2})
+            except vmkv.VMKVError as exc:  # e.g. a page size this layout cannot use
+                self.skipped[f"vmm:{layout}"] = f"{type(exc).__name__}: {exc}"
+        self._fill("paged", "paged", {"block_size": args.block_size})
+        self.expected = self._reference()  # then the source K/V can go: memory is tight at 32 x 8K
+        del self.k_src, self.v_src
 
-    def candidates(self, paged_kernels: list[str]) -> dict[str, Any]:
-        """Name -> zero-argument callable running one decode step's attention."""
+    def _fill(self, label: str, mode: str, fields: dict[str, Any]) -> None:
+        """Open a cache, write every sequence's context, then the decode step's token (layer 0)."""
+        shape = {**self.shape, "num_layers": fields.pop("num_layers", 1)}
+        probe = common.cache_config(shape, self.args.device, **fields)
+        tokens_per_page = (
+            fields["block_size"] if mode == "paged"
+            else vmkv.parse_size(fields["page_size"]) // (probe.layer_token_bytes * (shape["num_layers"] if fields["layout"] == "all_layers" else 1))
+        )
+        pages = self.batch * (-(-(self.context + 1) // max(1, tokens_per_page)) + 1)
+        budget = pages * max(1, tokens_per_page) * probe.bytes_per_token
+        config = common.cache_config(shape, self.args.device, max_batch_size=self.batch, max_seq_len=self.context + 1,
+                                     memory_budget=budget, prefix_caching=False, **fields)
+        cache = vmkv.open_cache(config, mode)
+        self.caches[label] = cache
+        for seq in range(self.batch):
+            cache.add(seq)
+            cache.write(0, self.k_src[seq, :-1], self.v_src[seq, :-1], cache.begin_step({seq: self.context}))
+        plan = cache.begin_step({seq: 1 for seq in range(self.batch)})
+        cache.write(0, self.k_src[:, -1], self.v_src[:, -1], plan)
+        self.plans[label] = plan
+
+    def _reference(self) -> torch.Tensor:
+        """SDPA per sequence on the source K/V, in float32: ``[B, Hq, D]``."""
+        group = self.args.q_heads // self.args.kv_heads
+        q = self.q.float().reshape(self.batch, self.args.kv_heads, group, -1)  # [B, Hkv, group, D]
+        k = self.k_src.float().transpose(1, 2)  # [B, Hkv, C + 1, D]
+        v = self.v_src.float().transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, v, scale=self.scale).reshape(self.batch, self.args.q_heads, -1)
+
+    def candidates(self, kernels: list[str], paged_kernels: list[str]) -> list[_Candidate]:
+        """Every runnable candidate of this case (see the module docstring)."""
+        out = []
+        dense: dict[tuple, tuple[torch.Tensor, torch.Tensor, Any]] = {}
+        for label, cache in self.caches.items():
+            if cache.mode != "vmm":
+                continue
+            k_view, v_view = cache.kv_cache(0)
+            plan = self.plans[label]
+            dense.setdefault(tuple(k_view.shape), (_dense_copy(k_view), _dense_copy(v_view), plan))
+            for name in kernels:
+                kernel = vattn.CONTIGUOUS_KERNELS[name]
+                out.append(_Candidate(f"{label}:{name}", self._call(kernel, k_view, v_view, plan), name == cache.kernel))
+        default_layout = common.cache_config(self.shape, self.args.device).layout
+        for shape, (k_dense, v_dense, plan) in dense.items():
+            prefix = "dense" if len(dense) == 1 else f"dense{list(shape)}"
+            for name in kernels:
+                kernel = vattn.CONTIGUOUS_KERNELS[name]
+                selected = any(c.selected and c.name == f"vmm:{default_layout}:{name}" for c in out)
+                out.append(_Candidate(f"{prefix}:{name}", self._call(kernel, k_dense, v_dense, plan), selected))
+        out += self._paged(paged_kernels)
+        return out
+
+    def _call(self, kernel: vattn.Kernel, k: torch.Tensor, v: torch.Tensor, plan: Any) -> Callable[[], torch.Tensor]:
+        q, scale = self.q, self.scale
+        return lambda: kernel(q, k, v, plan, scale)
+
+    def _paged(self, names: list[str]) -> list[_Candidate]:
         from paged.attention import make_paged_kernel
 
-        cfg = self.paged.config
-        scale = cfg.head_dim**-0.5
-        _, contiguous = select_contiguous_kernel(cfg.device)
-        plan_v, plan_p, q = self.plans["vmm"], self.plans["paged"], self.q
-        fns = {
-            "vmm": lambda: self.vmm.attention(0, q, plan_v),
-            "dense": lambda: contiguous(q, self.dense_k, self.dense_v, plan_v, scale),
-        }
-        k_pool, v_pool = self.paged.block_pool(0)
-        for name in paged_kernels:
-            kernel = make_paged_kernel(cfg.device, cfg.dtype, cfg.num_kv_heads, cfg.head_dim, cfg.block_size, forced=name)
-            meta = kernel.prepare(plan_p, q.shape[1], scale)
-            fns[f"paged:{name}"] = lambda kernel=kernel, meta=meta: kernel(q, k_pool, v_pool, plan_p, meta, scale)
-        return fns
+        cache, plan = self.caches["paged"], self.plans["paged"]
+        cfg = cache.config
+        k_pool, v_pool = cache.block_pool(0)
+        out = []
+        for name in names:
+            try:
+                kernel = make_paged_kernel(cfg.device, cfg.dtype, cfg.num_kv_heads, cfg.head_dim, cfg.block_size, forced=name)
+            except vmkv.VMKVError as exc:
+                self.skipped[f"paged:{name}"] = f"{type(exc).__name__}: {exc}"
+                continue
+            meta = kernel.prepare(plan, self.q.shape[1], self.scale)
+            q, scale = self.q, self.scale
+            out.append(_Candidate(f"paged:{name}", lambda k=kernel, m=meta: k(q, k_pool, v_pool, plan, m, scale), name == cache.kernel))
+        return out
 
     def close(self) -> None:
-        self.vmm.close()
-        self.paged.close()
+        for cache in self.caches.values():
+            cache.close()
+
+
+def _dense_copy(view: torch.Tensor) -> torch.Tensor:
+    """An ordinary, contiguous copy of ``view`` in freshly allocated memory (never the view itself,
+    which ``contiguous()`` would return for a view that is contiguous already)."""
+    return torch.empty(view.shape, dtype=view.dtype, device=view.device).copy_(view)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -148,73 +251,242 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     if not has_paged:
         raise vmkv.BackendUnavailable(f"the decode benchmark compares with paged mode; {why_not}")
     args = _defaults(args)
-    bandwidth = common.measure_read_bandwidth(args.device)
+    kernels, skipped = _runnable_kernels(args)
+    if not kernels:
+        raise vmkv.BackendUnavailable(f"no contiguous kernel can run here: {skipped}")
+    clock = common.pick_clock(args.clock, args.device, torch.get_num_threads())
+    config_layout = common.cache_config({"num_layers": 1, "num_kv_heads": 1, "head_dim": 8}, args.device).layout
+    probe = common.read_bandwidth_probe(args.device, READ_PROBE_BYTES)
     grid = [(b, c) for b in args.batches for c in args.contexts]
-    rows, kernels = [], {}
+    rows, wrong, samples, selected_paged = [], {}, {}, ""
     for batch, context in common.progress(grid, "decode grid", enabled=getattr(args, "progress", False)):
+        need, free = _bytes_needed(args, batch, context), common.available_memory()
+        if args.device == "cpu" and free is not None and need > 0.8 * free:
+            skipped[f"B={batch} C={context}"] = (f"needs about {need / 2**30:.1f} GiB (caches, dense copies, source K/V), "
+                                                 f"{free / 2**30:.1f} GiB available")
+            print(f"[decode] B={batch} C={context} left out: {skipped[f'B={batch} C={context}']}", file=sys.stderr)
+            continue
         case = _Case(args, batch, context)
         try:
-            selected = case.paged.kernel
-            wanted = args.paged_kernels or ["selected", "gather_sdpa"]
-            paged_kernels = list(dict.fromkeys(selected if name == "selected" else name for name in wanted))
-            fns = case.candidates(paged_kernels)
-            outs = {name: fn() for name, fn in fns.items()}
-            times = common.time_interleaved(fns, args.device, repeat=args.repeat)
-            kernels = {"vmm": case.vmm.kernel, "paged_selected": selected}
-            for name in paged_kernels:
-                diff = max((outs[k].float() - outs["vmm"].float()).abs().max().item() for k in ("dense", f"paged:{name}"))
-                vmm_s, dense_s, paged_s = times["vmm"], times["dense"], times[f"paged:{name}"]
-                rows.append({
-                    "batch": batch, "context": context, "paged_kernel": name,
-                    "vmm_ms": vmm_s * 1e3, "dense_ms": dense_s * 1e3, "paged_ms": paged_s * 1e3,
-                    "vmm_speedup": paged_s / vmm_s, "vmm_vs_dense": dense_s / vmm_s,
-                    "vmm_gbps": case.kv_bytes / vmm_s / 1e9, "bw_fraction": case.kv_bytes / vmm_s / bandwidth,
-                    "max_abs_diff": diff,
-                })
+            selected_paged = case.caches["paged"].kernel
+            found, samples[f"{batch},{context}"] = _measure_point(case, kernels, probe, clock, config_layout, skipped, wrong)
+            rows += found
         finally:
             case.close()
-    config = {k: getattr(args, k) for k in ("kv_heads", "q_heads", "head_dim", "dtype", "page_size", "block_size", "repeat")}
-    return common.make_result(NAME, SCHEMA, rows, _summary(rows, bandwidth, kernels), config=config)
+    reads = [s["read_bytes"] / t / 1e9 for s in samples.values() for t in s["seconds"]["read"]]
+    bandwidth = common.Spread.of(reads) if reads else None
+    config = {k: getattr(args, k) for k in ("kv_heads", "q_heads", "head_dim", "dtype", "page_size", "block_size",
+                                             "repeat", "layouts", "kernels")}
+    config["clock"] = clock
+    config["default_layout"] = config_layout
+    summary = {"kernels": {"contiguous": kernels, "paged_selected": selected_paged}, "skipped": skipped,
+               "wrong_outputs": wrong, "read_bandwidth_gbps": bandwidth.as_dict() if bandwidth else None,
+               "max_abs_diff": max((r["max_abs_diff"] for r in rows), default=None)}
+    return common.make_result(NAME, SCHEMA, rows, summary, config=config, samples=samples)
 
 
-def _summary(rows: list[dict[str, Any]], bandwidth: float, kernels: dict[str, str]) -> dict[str, Any]:
-    summary: dict[str, Any] = {"kernels": kernels, "read_bandwidth_gbps": bandwidth / 1e9}
-    selected = [r for r in rows if r["paged_kernel"] == kernels.get("paged_selected")] or rows
-    long = [r for r in selected if r["context"] >= 4096]
-    if long:
-        worst = min(r["vmm_speedup"] for r in long)
-        summary["vmm_speedup_ctx_ge_4k_min"] = worst
-        summary["goal_vmm_1.2x_paged_ctx_ge_4k"] = worst >= 1.2
-    largest = max(selected, key=lambda r: r["batch"] * r["context"])
-    summary["largest_point"] = {k: largest[k] for k in ("batch", "context", "vmm_gbps", "bw_fraction")}
-    summary["goal_vmm_50pct_bandwidth"] = largest["bw_fraction"] >= 0.5
-    issue2 = [r for r in selected if r["batch"] == 32 and r["context"] == 2048]  # issue 2: 32 x 2K tokens
-    if issue2:
-        summary["vmm_vs_dense_32x2k"] = issue2[0]["vmm_vs_dense"]
-        summary["goal_vmm_ge_0.9_dense_32x2k"] = issue2[0]["vmm_vs_dense"] >= 0.9
-    summary["max_abs_diff"] = max(r["max_abs_diff"] for r in rows)
-    return summary
+CONTROL = "control"
+"""A second, identical candidate of the VMM kernel the verdicts are about: its ratio to the first
+shows how far two timings of the same work differ on this machine in this run (the noise floor
+under which a difference is called a tie)."""
+
+
+def _control_of(candidates: list[_Candidate], layout: str) -> str | None:
+    """The candidate the control repeats: the cache's own kernel on the default layout."""
+    mine = [c.name for c in candidates if c.name.startswith(f"vmm:{layout}:")]
+    chosen = [c.name for c in candidates if c.selected and c.name in mine]
+    return (chosen or mine or [None])[0]
+
+
+def _bytes_needed(args: argparse.Namespace, batch: int, context: int) -> int:
+    """Host memory one grid point touches: K and V of one layer, once for the source, once per
+    VMM layout, once for the paged cache and once for the dense copy (x 1.2 for page rounding)."""
+    probe = common.cache_config({"num_layers": 1, "num_kv_heads": args.kv_heads, "head_dim": args.head_dim,
+                                 "dtype": args.dtype}, args.device)
+    one = 2 * batch * (context + 1) * probe.layer_token_bytes
+    return int(one * (len(args.layouts) + 3) * 1.2)
+
+
+def _measure_point(
+    case: _Case, kernels: list[str], probe: tuple[Callable[[], Any], int], clock: str, layout: str,
+    skipped: dict[str, str], wrong: dict[str, float],
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Check, then time, every candidate of one grid point (with the read probe and the control);
+    its rows and its raw per-round samples."""
+    args = case.args
+    read, read_bytes = probe
+    wanted = args.paged_kernels or ["selected", "gather_sdpa"]
+    selected = case.caches["paged"].kernel
+    paged_kernels = list(dict.fromkeys(selected if name == "selected" else name for name in wanted))
+    tolerance = 1e-4 if case.q.dtype == torch.float32 else 2e-2
+    candidates, diffs = _checked(case, case.candidates(kernels, paged_kernels), tolerance, skipped, wrong)
+    fns = {c.name: c.fn for c in candidates}
+    control = _control_of(candidates, layout)
+    extra = {"read": read, **({CONTROL: fns[control]} if control else {})}
+    timings = common.time_interleaved({**fns, **extra}, args.device, repeat=args.repeat, min_sample_s=0.01, clock=clock)
+    skipped.update(case.skipped)
+    rows = []
+    for cand in candidates:
+        ms = timings.spread(cand.name).scaled(1e3)
+        share = timings.ratio("read", cand.name).scaled(case.kv_bytes / read_bytes)
+        rows.append({
+            "batch": case.batch, "context": case.context, "candidate": cand.name, "selected": cand.selected,
+            "ms": ms.value, "ms_low": ms.low, "ms_high": ms.high,
+            "gbps": case.kv_bytes / ms.value * 1e3 / 1e9, "bw_fraction": share.value,
+            "max_abs_diff": diffs[cand.name],
+        })
+    return rows, {"kv_bytes": case.kv_bytes, "read_bytes": read_bytes, "seconds": timings.samples}
+
+
+def _checked(case: _Case, candidates: list[_Candidate], tolerance: float, skipped: dict[str, str],
+             wrong: dict[str, float]) -> tuple[list[_Candidate], dict[str, float]]:
+    """The candidates that run and match the reference, and every output's largest difference;
+    a candidate that raises goes to ``skipped``, one that differs to ``wrong`` (both reported)."""
+    reference = case.expected
+    good, diffs = [], {}
+    for cand in candidates:
+        try:
+            out = cand.fn()
+        except Exception as exc:  # noqa: BLE001 - a kernel that fails on a layout is reported, not fatal
+            skipped[cand.name] = f"{type(exc).__name__}: {exc}"
+            continue
+        diffs[cand.name] = (out.float().reshape(reference.shape) - reference).abs().max().item()
+        if diffs[cand.name] > tolerance:
+            wrong[f"{cand.name} at B={case.batch} C={case.context}"] = diffs[cand.name]
+        else:
+            good.append(cand)
+    return good, diffs
+
+
+def _pick(point: list[dict[str, Any]], prefix: str, selected: bool | None = True) -> dict[str, Any] | None:
+    """The row of ``point`` whose candidate starts with ``prefix`` (the selected one, if any)."""
+    mine = [r for r in point if r["candidate"].startswith(prefix)]
+    if selected:
+        mine = [r for r in mine if r["selected"]] or mine
+    return min(mine, key=lambda r: r["ms"]) if mine else None
+
+
+def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
+    """At the largest batch and context measured: VMM (the cache's own kernel, default layout)
+    vs the paged mode's kernel, vs the same kernel on dense tensors, batched vs per-sequence,
+    and the share of read bandwidth reached."""
+    rows = result["rows"]
+    if not rows:
+        return []
+    batch = max(r["batch"] for r in rows)
+    context = max(r["context"] for r in rows if r["batch"] == batch)
+    point = [r for r in rows if (r["batch"], r["context"]) == (batch, context)]
+    timings = common.Timings(result["samples"][f"{batch},{context}"]["seconds"])
+    where = f"B={batch}, {context} tokens"
+    default_layout = result["config"]["default_layout"]
+    vmm = _pick(point, f"vmm:{default_layout}:")
+    paged = _pick(point, "paged:")
+    out = []
+
+    def ratio(a: dict[str, Any], b: dict[str, Any]) -> common.Spread:
+        return timings.ratio(b["candidate"], a["candidate"])  # time of b / time of a: > 1, a faster
+
+    margin, floor = common.TIE_MARGIN, ""
+    if vmm and CONTROL in timings.samples:  # the same work timed twice: how far apart can equals be?
+        control = timings.ratio(CONTROL, vmm["candidate"])
+        margin = max(margin, *(abs(x - 1.0) for x in (control.low, control.value, control.high)))
+        floor = f"; same kernel timed twice: {control.low:.2f}-{control.high:.2f}"
+
+    if vmm and paged:
+        out.append(common.ratio_verdict(
+            "decode.vmm_vs_paged", f"decode attention, {where}: VMM vs paged (time ratio)", ratio(vmm, paged),
+            "VMM", "paged", note=f"{vmm['candidate']} vs {paged['candidate']}{floor}", tie_margin=margin,
+        ))
+    kernel = vmm["candidate"].rsplit(":", 1)[-1] if vmm else None
+    dense = next((r for r in point if r["candidate"].startswith("dense") and r["candidate"].endswith(f":{kernel}")), None)
+    if vmm and dense:
+        out.append(_cost_verdict(common.ratio_verdict(
+            "decode.vmm_vs_dense", f"decode attention, {where}: what virtual memory costs (VMM vs the same kernel on dense tensors)",
+            ratio(vmm, dense), "VMM", "dense", note=f"{kernel}{floor}", tie_margin=margin,
+        )))
+    per_seq = next((r for r in point if r["candidate"] == f"vmm:{default_layout}:sdpa_per_sequence"), None)
+    others = [r for r in point if r["candidate"].startswith(f"vmm:{default_layout}:") and r is not per_seq]
+    if per_seq and others:
+        fastest = min(others, key=lambda r: r["ms"])
+        out.append(common.ratio_verdict(
+            "decode.batched_vs_per_sequence", f"decode attention, {where}: {fastest['candidate'].rsplit(':', 1)[-1]} vs one SDPA per sequence",
+            ratio(fastest, per_seq), fastest["candidate"].rsplit(":", 1)[-1], "per-sequence", note=floor.removeprefix("; "),
+            tie_margin=margin,
+        ))
+    best = min((r for r in point if r["candidate"].startswith("vmm:")), key=lambda r: r["ms"], default=None)
+    if best:
+        data = result["samples"][f"{batch},{context}"]
+        share = timings.ratio("read", best["candidate"]).scaled(data["kv_bytes"] / data["read_bytes"])
+        bw = common.Spread.of([data["read_bytes"] / t / 1e9 for t in data["seconds"]["read"]])
+        out.append(common.Verdict(
+            key="decode.bandwidth", question=f"KV bytes read per second, {where}, vs read bandwidth",
+            result=f"{best['gbps']:.1f} GB/s = {common.number_text(share.value, '%')}",
+            spread=common.spread_text(share, "%"),
+            winner="bandwidth-bound (>= 50 %)" if share.low >= 0.5 else "not bandwidth-bound" if share.high < 0.5 else "near 50 %",
+            value=share.value, low=share.low, high=share.high,
+            note=f"{best['candidate']}; read {bw.value:.1f} GB/s ({bw.low:.1f}-{bw.high:.1f}), threads: {result['config'].get('threads')}",
+        ))
+    return out
+
+
+def _cost_verdict(verdict: common.Verdict) -> common.Verdict:
+    """VMM vs dense answers "does virtual memory cost the kernel anything?": dense faster beyond
+    the noise means yes; a tie, or VMM faster, means no."""
+    if verdict.winner.startswith("dense"):
+        return dataclasses.replace(verdict, winner=f"VMM costs time: {verdict.winner.replace('dense, ', 'dense ')} faster")
+    if verdict.winner.startswith("VMM, "):
+        return dataclasses.replace(verdict, winner=f"no cost (VMM {verdict.winner.removeprefix('VMM, ')} faster)")
+    return dataclasses.replace(verdict, winner=f"no cost ({verdict.winner.split(' (')[0]})")
+
+
+def table(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The terminal table: one line per (batch, context), ms of each candidate (selected ones
+    marked with *)."""
+    out = []
+    for batch, context in dict.fromkeys((r["batch"], r["context"]) for r in result["rows"]):
+        line: dict[str, Any] = {"batch": batch, "context": context}
+        for r in result["rows"]:
+            if (r["batch"], r["context"]) == (batch, context):
+                line[r["candidate"] + ("*" if r["selected"] else "")] = round(r["ms"], 3)
+        out.append(line)
+    return out
 
 
 def plot(result: dict[str, Any], out_dir) -> list[str]:
-    """``decode_time.png``: ms per step vs context, one panel per batch size, one line per candidate."""
+    """``decode_time.png``: ms per step vs context, one panel per batch size, one line per candidate
+    (median, bars from the fastest to the slowest round kept); the legend sits under the panels."""
     plt = common.pyplot()
+    from matplotlib.ticker import FuncFormatter
+
     rows = result["rows"]
     batches = sorted({r["batch"] for r in rows})
-    fig, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 3.8), squeeze=False)
+    contexts = sorted({r["context"] for r in rows})
+    names = list(dict.fromkeys(r["candidate"] for r in rows))
+    styles = {"vmm": ("-", "o"), "dense": (":", "x"), "paged": ("--", "s")}
+    fig, axes = plt.subplots(1, len(batches), figsize=(4.8 * len(batches), 4.4), squeeze=False)
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
     for ax, batch in zip(axes[0], batches):
-        mine = [r for r in rows if r["batch"] == batch]
-        contexts = sorted({r["context"] for r in mine})
-        first = [next(r for r in mine if r["context"] == c) for c in contexts]
-        ax.plot(contexts, [r["vmm_ms"] for r in first], "o-", label=f"vmm ({result['summary']['kernels'].get('vmm')})")
-        ax.plot(contexts, [r["dense_ms"] for r in first], "x--", label="dense tensors, same kernel")
-        for kernel in dict.fromkeys(r["paged_kernel"] for r in mine):
-            ax.plot(contexts, [r["paged_ms"] for r in mine if r["paged_kernel"] == kernel], "s-", label=f"paged ({kernel})")
-        ax.set_title(f"batch {batch}")
+        for name in names:
+            mine = sorted((r for r in rows if r["batch"] == batch and r["candidate"] == name), key=lambda r: r["context"])
+            if not mine:
+                continue
+            line, marker = styles.get(name.split(":")[0].split("[")[0], ("-", "."))
+            ax.errorbar([r["context"] for r in mine], [r["ms"] for r in mine],
+                        yerr=[[r["ms"] - r["ms_low"] for r in mine], [r["ms_high"] - r["ms"] for r in mine]],
+                        linestyle=line, marker=marker, markersize=4, capsize=2, linewidth=1.2, label=name)
+        ax.set_title(f"decode step, batch {batch}")
         ax.set_xlabel("context (tokens)")
-        ax.set_ylabel("ms per decode step (1 layer)")
+        ax.set_ylabel(f"ms per step, one layer ({result['config'].get('clock', 'wall')} clock)")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    return [common.save_figure(fig, out_dir, "decode_time.png")]
+        ax.set_xticks(contexts)
+        ax.xaxis.set_major_formatter(plain)
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(plain)
+        ax.tick_params(axis="y", which="minor", labelsize=7)
+        ax.grid(alpha=0.3, which="both")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8, frameon=False)
+    rows_of_legend = -(-len(labels) // 4)
+    fig.tight_layout(rect=(0, 0.06 * rows_of_legend + 0.02, 1, 1))
+    return [common.save_figure(fig, out_dir, "decode_time.png", tight=False)]

@@ -5,10 +5,12 @@ and several allocators, each a real cache doing ``add`` / ``reserve`` / ``begin_
 under the same memory budget (kernels are skipped: no K/V is written, so the host backend's
 pages are mapped but never touched)::
 
-    static-max   reserve max_seq_len tokens per request up front (FasterTransformer/Orca "Max")
-    pow2         reserve the next power of two of prompt+output (Orca "Pow2": <= 2x over)
-    paged-b16    paged mode, 16-token blocks, pages on demand (vLLM)
-    vmm-*        VMM mode, per-layer or all-layers layout, 64 KiB or 2 MiB pages, on demand
+    static-max            reserve max_seq_len tokens per request up front (FasterTransformer/Orca "Max")
+    pow2                  reserve the next power of two of prompt+output (Orca "Pow2": <= 2x over)
+    paged-b16             paged mode, 16-token blocks, pages on demand (vLLM)
+    vmm-<layout>-<page>   VMM mode, every layout ``vmkv.KVCacheConfig`` accepts, 64 KiB or 2 MiB
+                          pages, on demand
+    vmm-default           VMM mode with the library's default layout and page size
 
 The two reservation baselines run on the VMM cache with the all-layers layout and 2 MiB pages
 (32 tokens a page for Llama-3-8B), so a reservation is rounded up to whole 32-token pages.
@@ -21,18 +23,22 @@ pages, the newest running request is preempted (freed, re-queued at the front, r
 vLLM's recompute preemption).
 
 Utilization = bytes of stored tokens / bytes of pages held by sequences. *Steady state* is every
-iteration after the first completion while requests are still waiting (memory is the limit).
+iteration after the first completion while requests are still waiting (memory is the limit): the
+start (filling the budget) and the end (draining the queue, when utilization climbs to 1.0 as
+the last requests finish alone) are left out. A replay is deterministic for a seed.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+import typing
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import vmkv
+from vmkv.sizes import format_size
 
 from . import common
 
@@ -42,11 +48,13 @@ DESCRIPTION = "KV utilization and sequences per budget: static/pow2 reservation 
 SCHEMA = {
     "trace": "request trace (sharegpt-like or alpaca-like)",
     "allocator": "allocation policy and cache (see module docstring)",
+    "geometry": "VMM layout and page bytes per K/V tensor, or paged block size",
     "tokens_per_page": "tokens one page (or block) holds",
     "steady_util": "mean KV utilization (stored token bytes / allocated bytes) at steady state, 0..1",
     "peak_alloc_util": "utilization at the iteration with the most bytes allocated, 0..1",
     "mean_running": "mean sequences running at steady state (how many fit the budget)",
     "steady_iterations": "iterations counted as steady state (0: memory never held requests back; the means then cover every iteration)",
+    "steady_util_p10": "10th percentile of utilization over the steady-state iterations, 0..1",
     "max_running": "most sequences running at once",
     "preemptions": "decode steps that ran out of pages and preempted a request",
     "iterations": "scheduler iterations to finish the trace",
@@ -64,27 +72,61 @@ class Allocator:
     policy: str  # "on_demand", "max" or "pow2"
 
 
-ALLOCATORS = [
+def allocators(page_sizes: list[str]) -> list[Allocator]:
+    """The baselines, then one on-demand VMM allocator per layout :class:`vmkv.KVCacheConfig`
+    accepts and page size in ``page_sizes``, then the library's defaults (no layout or page size
+    given, whatever they are on this device)."""
+    layouts = typing.get_args(vmkv.config.Layout)
+    vmm = [Allocator(f"vmm-{layout}-{page}", "vmm", {"layout": layout, "page_size": page}, "on_demand")
+           for layout in layouts for page in page_sizes]
+    return [*BASELINES, *vmm, Allocator(DEFAULT_VMM, "vmm", {}, "on_demand")]
+
+
+DEFAULT_VMM = "vmm-default"
+BASELINES = [
     Allocator("static-max", "vmm", {"layout": "all_layers", "page_size": "2MiB"}, "max"),
     Allocator("pow2", "vmm", {"layout": "all_layers", "page_size": "2MiB"}, "pow2"),
     Allocator("paged-b16", "paged", {"block_size": 16}, "on_demand"),
-    Allocator("vmm-layer-64KiB", "vmm", {"layout": "per_layer", "page_size": "64KiB"}, "on_demand"),
-    Allocator("vmm-layer-2MiB", "vmm", {"layout": "per_layer", "page_size": "2MiB"}, "on_demand"),
-    Allocator("vmm-all-64KiB", "vmm", {"layout": "all_layers", "page_size": "64KiB"}, "on_demand"),
-    Allocator("vmm-all-2MiB", "vmm", {"layout": "all_layers", "page_size": "2MiB"}, "on_demand"),
 ]
+PAGE_SIZES = ["64KiB", "2MiB"]
 DEFAULT_BUDGETS = {"sharegpt": "2GiB", "alpaca": "512MiB"}  # both hold ~30 average requests
-DEFAULT_VMM = "vmm-layer-2MiB"  # the library's defaults: per_layer layout, 2 MiB pages
+PAPER_RESERVATION = (0.204, 0.382)  # PagedAttention paper (Kwon et al., 2023), Fig. 2: KV memory
+# actually used by token states in reservation-based systems (Orca Max/Pow2/Oracle, FasterTransformer)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """This benchmark's options (the CLI adds --device, --smoke, --seed, --out)."""
     parser.add_argument("--traces", nargs="+", default=["sharegpt", "alpaca"], choices=sorted(common.TRACES))
-    parser.add_argument("--requests", type=int, default=None, help="requests per trace (default: 120 ShareGPT-like, 300 Alpaca-like; smoke: 12)")
-    parser.add_argument("--budget", default=None, help="KV memory budget (Llama-3-8B geometry: 128 KiB a token; default 2GiB "
-                        "for ShareGPT-like, 512MiB for Alpaca-like, whose requests are ~6x shorter; smoke 512MiB)")
+    parser.add_argument("--requests", nargs="+", default=None, metavar="[TRACE=]N",
+                        help="requests per trace, one number for all or TRACE=N each (default: 120 ShareGPT-like, "
+                        "300 Alpaca-like; smoke: 12)")
+    parser.add_argument("--budget", nargs="+", default=None, metavar="[TRACE=]SIZE",
+                        help="KV memory budget, one size for all or TRACE=SIZE each (Llama-3-8B geometry: 128 KiB a "
+                        "token; default 2GiB for ShareGPT-like, 512MiB for Alpaca-like, whose requests are ~6x "
+                        "shorter; smoke 512MiB)")
     parser.add_argument("--max-seq-len", type=int, default=None, help="longest request; the static baseline reserves this much (default 2048; smoke 256)")
-    parser.add_argument("--allocators", nargs="+", default=[a.label for a in ALLOCATORS], choices=[a.label for a in ALLOCATORS])
+    parser.add_argument("--page-sizes", nargs="+", default=PAGE_SIZES, help="VMM page sizes, each run with every layout "
+                        f"(default {' '.join(PAGE_SIZES)})")
+    labels = ", ".join(a.label for a in allocators(PAGE_SIZES))
+    parser.add_argument("--allocators", nargs="+", default=None, help=f"only these allocators (default: all of {labels})")
+
+
+def _per_trace(values: list[str] | None, kind: str, default: str) -> str:
+    """The value for trace ``kind`` from ``["1GiB"]`` or ``["sharegpt=1GiB", "alpaca=256MiB"]``.
+
+    Raises:
+        vmkv.InvalidConfig: a ``TRACE=`` entry names an unknown trace.
+    """
+    chosen = default
+    for value in values or []:
+        trace, sep, rest = value.partition("=")
+        if not sep:
+            chosen = value
+        elif trace not in common.TRACES:
+            raise vmkv.InvalidConfig(f"{value!r}: unknown trace {trace!r}; choose from {sorted(common.TRACES)}")
+        elif trace == kind:
+            return rest
+    return chosen
 
 
 def _next_pow2(n: int) -> int:
@@ -155,8 +197,8 @@ class _Replay:
 
     def run(self, trace: list[common.Request], show: bool, desc: str) -> dict[str, list[float]]:
         waiting = deque(trace)
-        series: dict[str, list[float]] = {"util": [], "running": [], "alloc_bytes": [], "steady": []}
-        done_any = False
+        series: dict[str, list[float]] = {"util": [], "running": [], "alloc_bytes": [], "finished": [], "steady": []}
+        finished = 0
         bar = common.progress(iter(int, 1), desc, enabled=show)  # an endless counter for tqdm
         for _ in bar:
             while waiting and not self.blocked and self._admit(waiting[0]):
@@ -165,15 +207,16 @@ class _Replay:
                 if waiting:
                     raise vmkv.OutOfPages(f"request {waiting[0].rid} does not fit the budget even alone")
                 break
-            before = len(self.running)
+            before = len(self.running) + len(waiting)
             self._decode(waiting, trace)
-            done_any = done_any or len(self.running) < before
+            finished += before - len(self.running) - len(waiting)
             held = self.cache.pool.num_in_use * self.page_bytes
             stored = sum(length for length, _ in self.running.values()) * self.token_bytes
             series["util"].append(stored / held if held else 0.0)
             series["running"].append(len(self.running))
             series["alloc_bytes"].append(held)
-            series["steady"].append(bool(done_any and waiting))
+            series["finished"].append(finished)
+            series["steady"].append(bool(finished and waiting))
         if show:
             bar.close()
         return series
@@ -188,22 +231,39 @@ def _open(allocator: Allocator, args: argparse.Namespace, budget: str) -> vmkv.K
     return vmkv.open_cache(config, mode=allocator.mode)
 
 
+def _geometry(cache: vmkv.KVCacheBase) -> str:
+    if cache.mode == "paged":
+        return f"{cache.tokens_per_page}-token blocks"
+    return f"{cache.config.layout}, {format_size(cache.geometry.piece_bytes).replace('.0 ', ' ')} pages"
+
+
 def _summarise_series(series: dict[str, list[float]]) -> dict[str, float]:
     marked = [i for i, s in enumerate(series["steady"]) if s]
     steady = marked or list(range(len(series["util"])))
     peak = max(range(len(series["alloc_bytes"])), key=series["alloc_bytes"].__getitem__)
+    utils = sorted(series["util"][i] for i in steady)
     return {
         "steady_iterations": len(marked),
-        "steady_util": sum(series["util"][i] for i in steady) / len(steady),
+        "steady_util": sum(utils) / len(utils),
+        "steady_util_p10": utils[len(utils) // 10],
         "peak_alloc_util": series["util"][peak],
         "mean_running": sum(series["running"][i] for i in steady) / len(steady),
         "max_running": max(series["running"]),
     }
 
 
-def _downsample(values: list[float], points: int = 300) -> list[float]:
-    step = max(1, len(values) // points)
-    return [round(float(v), 4) for v in values[::step]]
+def _steady_series(series: dict[str, list[float]], points: int = 150) -> dict[str, list[float]]:
+    """The steady-state iterations only (filling and draining left out) in about ``points``
+    buckets of consecutive iterations, for the plot: per bucket, requests finished at its end
+    and the mean utilization and sequences running over it."""
+    steady = [i for i, s in enumerate(series["steady"]) if s] or list(range(len(series["util"])))
+    size = max(1, -(-len(steady) // points))
+    buckets = [steady[i : i + size] for i in range(0, len(steady), size)]
+    return {
+        "finished": [int(series["finished"][b[-1]]) for b in buckets],
+        "util": [round(sum(series["util"][i] for i in b) / len(b), 4) for b in buckets],
+        "running": [round(sum(series["running"][i] for i in b) / len(b), 2) for b in buckets],
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -211,15 +271,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     common.check_device(args.device)
     show = getattr(args, "progress", False)
     has_paged, why_not = common.paged_available()
-    args = argparse.Namespace(**{**vars(args), "max_seq_len": args.max_seq_len or (256 if args.smoke else 2048),
-                                  })
+    args = argparse.Namespace(**{**vars(args), "max_seq_len": args.max_seq_len or (256 if args.smoke else 2048)})
+    chosen = allocators(args.page_sizes)
+    if args.allocators:
+        unknown = sorted(set(args.allocators) - {a.label for a in chosen})
+        if unknown:
+            raise vmkv.InvalidConfig(f"unknown allocators {unknown}; choose from {[a.label for a in chosen]}")
+        chosen = [a for a in chosen if a.label in args.allocators]
     rows, series_out, traces, skipped, budgets = [], {}, {}, {}, {}
+    done: dict[tuple[str, str, str], dict[str, Any]] = {}  # (trace, policy, geometry) -> its row
     for kind in args.traces:
-        count = args.requests or (12 if args.smoke else {"sharegpt": 120, "alpaca": 300}[kind])
-        budgets[kind] = args.budget or ("512MiB" if args.smoke else DEFAULT_BUDGETS[kind])
+        count = int(_per_trace(args.requests, kind, "12" if args.smoke else {"sharegpt": "120", "alpaca": "300"}[kind]))
+        budgets[kind] = _per_trace(args.budget, kind, "512MiB" if args.smoke else DEFAULT_BUDGETS[kind])
         trace = common.make_trace(kind, count, args.seed, args.max_seq_len)
         traces[kind] = common.trace_stats(trace)
-        for allocator in [a for a in ALLOCATORS if a.label in args.allocators]:
+        for allocator in chosen:
             if allocator.mode == "paged" and not has_paged:
                 skipped[allocator.label] = why_not
                 continue
@@ -228,63 +294,115 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             except vmkv.InvalidConfig as exc:  # e.g. 64 KiB pages under CUDA's 2 MiB granularity
                 skipped[allocator.label] = str(exc)
                 continue
+            same = done.get((kind, allocator.policy, _geometry(cache)))
+            if same is not None:  # e.g. the defaults are one of the configurations above: same replay
+                cache.close()
+                rows.append({**same, "allocator": allocator.label})
+                series_out[f"{kind}/{allocator.label}"] = series_out[f"{kind}/{same['allocator']}"]
+                continue
             try:
                 start = time.perf_counter()
                 replay = _Replay(cache, allocator, args.max_seq_len)
                 series = replay.run(trace, show, f"memory {kind} {allocator.label}")
                 wall = time.perf_counter() - start
                 rows.append({
-                    "trace": kind, "allocator": allocator.label, "tokens_per_page": cache.tokens_per_page,
-                    **_summarise_series(series), "preemptions": replay.preemptions,
-                    "iterations": len(series["util"]), "wall_s": wall,
+                    "trace": kind, "allocator": allocator.label, "geometry": _geometry(cache),
+                    "tokens_per_page": cache.tokens_per_page, **_summarise_series(series),
+                    "preemptions": replay.preemptions, "iterations": len(series["util"]), "wall_s": wall,
                 })
             finally:
                 cache.close()
-            series_out[f"{kind}/{allocator.label}"] = {k: _downsample(v) for k, v in series.items() if k != "steady"}
+            series_out[f"{kind}/{allocator.label}"] = _steady_series(series)
+            done[(kind, allocator.policy, rows[-1]["geometry"])] = rows[-1]
     return common.make_result(NAME, SCHEMA, rows, _summary(rows, skipped), traces=traces, series=series_out,
-                              config={"budget": budgets, "max_seq_len": args.max_seq_len, "shape": common.LLAMA3_8B})
+                              config={"budget": budgets, "max_seq_len": args.max_seq_len, "shape": common.LLAMA3_8B,
+                                      "seed": args.seed})
 
 
 def _summary(rows: list[dict[str, Any]], skipped: dict[str, str]) -> dict[str, Any]:
-    """Goals of issue 5, judged on the ShareGPT-like trace's steady-state utilization."""
+    """Steady-state utilization per trace and allocator, and the best VMM configuration."""
     summary: dict[str, Any] = {"skipped": skipped}
-    share = {r["allocator"]: r["steady_util"] for r in rows if r["trace"] == "sharegpt"}
-    if not share:
-        return summary
-    summary["sharegpt_steady_util"] = share
-    vmm = {label: util for label, util in share.items() if label.startswith("vmm-")}
-    if vmm:
-        best = max(vmm, key=vmm.__getitem__)
-        summary["best_vmm"] = {"allocator": best, "steady_util": vmm[best], "goal_ge_96pct": vmm[best] >= 0.96}
-    goals = (
-        ("goal_vmm_default_ge_96pct", DEFAULT_VMM, lambda u: u >= 0.96),
-        ("goal_paged_ge_96pct", "paged-b16", lambda u: u >= 0.96),
-        ("goal_static_20_to_40pct", "static-max", lambda u: 0.20 <= u <= 0.40),
-    )
-    for key, label, met in goals:
-        if label in share:
-            summary[key] = met(share[label])
+    for kind in dict.fromkeys(r["trace"] for r in rows):
+        mine = [r for r in rows if r["trace"] == kind]
+        summary[f"{kind}_steady_util"] = {r["allocator"]: round(r["steady_util"], 4) for r in mine}
+        vmm = [r for r in mine if r["allocator"].startswith("vmm-")]
+        if vmm:
+            best = max(vmm, key=lambda r: r["steady_util"])
+            summary[f"{kind}_best_vmm"] = {"allocator": best["allocator"], "geometry": best["geometry"],
+                                          "steady_util": round(best["steady_util"], 4)}
     return summary
 
 
+def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
+    """Per trace: how much of the KV memory each allocator fills with tokens at steady state."""
+    out = []
+    low, high = PAPER_RESERVATION
+    for kind in dict.fromkeys(r["trace"] for r in result["rows"]):
+        util = {r["allocator"]: r for r in result["rows"] if r["trace"] == kind}
+        shown = [(DEFAULT_VMM, "VMM default"), ("paged-b16", "paged"), ("static-max", "reserve-max")]
+        parts = [f"{name} {common.number_text(util[label]['steady_util'], '%')}" for label, name in shown if label in util]
+        vmm = [r for label, r in util.items() if label.startswith("vmm-")]
+        best_vmm = max(vmm, key=lambda r: r["steady_util"]) if vmm else None
+        top = max(util.values(), key=lambda r: r["steady_util"])
+        ties = [r["allocator"] for r in util.values() if r is not top and top["steady_util"] - r["steady_util"] <= 0.02]
+        winner = " = ".join([top["allocator"], *ties[:2]]) + (" (within 2 pts)" if ties else "")
+        note = ""
+        if best_vmm is not None and best_vmm["allocator"] != DEFAULT_VMM:
+            note = (f"best VMM {common.number_text(best_vmm['steady_util'], '%')}: {best_vmm['geometry']}, "
+                    f"{best_vmm['tokens_per_page']} tok/page")
+        static = util.get("static-max")
+        reference, agrees = "", None
+        if kind == "sharegpt" and static is not None:  # the paper measured its systems on ShareGPT
+            reference = f"PagedAttention paper: reservation uses {100 * low:.1f}-{100 * high:.1f} %"
+            agrees = low <= static["steady_util"] <= high
+        out.append(common.Verdict(
+            key=f"memory.{kind}", question=f"KV memory holding tokens, {kind}-like (steady state)",
+            result=", ".join(parts), spread="exact (seeded)", winner=winner, reference=reference,
+            agrees=agrees, value=util[DEFAULT_VMM]["steady_util"] if DEFAULT_VMM in util else None, note=note,
+        ))
+    return out
+
+
+def table(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The terminal table: per trace and allocator, steady-state utilization and how many run."""
+    return [{"trace": r["trace"], "allocator": r["allocator"], "tok/page": r["tokens_per_page"],
+             "util %": round(100 * r["steady_util"], 1), "util p10 %": round(100 * r["steady_util_p10"], 1),
+             "running (mean)": round(r["mean_running"], 1), "steady iters": r["steady_iterations"],
+             "preemptions": r["preemptions"]} for r in result["rows"]]
+
+
 def plot(result: dict[str, Any], out_dir) -> list[str]:
-    """``memory_utilization.png``: utilization over time, one panel per trace, one line per allocator
-    (allocators with the same tokens per page draw the same line)."""
+    """``memory_utilization.png``: utilization at steady state against requests finished, one panel
+    per trace, one line per allocator; allocators that gave the same series share one line (the
+    legend names them all), and the legend sits beside the panels, never on the data."""
     plt = common.pyplot()
     kinds = list(result["traces"])
-    fig, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(kinds), figsize=(6.2 * len(kinds) + 3.2, 4.4), squeeze=False)
+    styles = [("-", "o"), ("--", "s"), ("-.", "^"), (":", "D"), ("-", "v"), ("--", "P"), ("-.", "X"), (":", "*")]
+    low, high = PAPER_RESERVATION
     for ax, kind in zip(axes[0], kinds):
+        tpp = {r["allocator"]: r["tokens_per_page"] for r in result["rows"] if r["trace"] == kind}
+        groups: dict[tuple, list[str]] = {}
         for key, series in result["series"].items():
             trace, label = key.split("/", 1)
             if trace == kind:
-                util = list(series["util"])
-                while util and util[-1] == 0.0:  # the last iteration frees everything
-                    util.pop()
-                ax.plot([i / max(1, len(util) - 1) for i in range(len(util))], util, label=label, linewidth=1.2)
-        ax.set_title(f"{kind}-like trace, budget {result['config']['budget'][kind]}")
-        ax.set_xlabel("progress through the replay (fraction of its iterations)")
-        ax.set_ylabel("KV utilization (stored / allocated)")
-        ax.set_ylim(0, 1.05)
+                groups.setdefault((tuple(series["finished"]), tuple(series["util"])), []).append(label)
+        ax.axhspan(100 * low, 100 * high, color="grey", alpha=0.15, label="PagedAttention paper: reservation systems")
+        for i, ((finished, util), labels) in enumerate(groups.items()):
+            line, marker = styles[i % len(styles)]
+            name = " = ".join(labels) + f" ({tpp[labels[0]]} tok/page)"
+            ax.plot(finished, [100 * u for u in util], linestyle=line, marker=marker, markevery=max(1, len(util) // 8),
+                    markersize=4, linewidth=1.3, label=name)
+        budget = result["config"]["budget"][kind]
+        ax.set_title(f"{kind}-like trace, budget {budget}: steady state")
+        ax.set_xlabel("requests finished (steady state: requests waiting for memory)")
+        ax.set_ylabel("KV memory holding tokens (%)")
+        ax.set_ylim(0, 105)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    return [common.save_figure(fig, out_dir, "memory_utilization.png")]
+    handles, labels = axes[0][-1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center right", fontsize=7, frameon=False)
+    for ax, kind in zip(axes[0][:-1], kinds):
+        if ax.get_legend_handles_labels()[1] != labels:  # a panel with other lines gets its own legend, below it
+            ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1 - 3.0 / (6.2 * len(kinds) + 3.2), 1))
+    return [common.save_figure(fig, out_dir, "memory_utilization.png", tight=False)]

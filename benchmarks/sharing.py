@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import functools
 import random
+import statistics
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -59,11 +60,11 @@ class Allocator:
 _ONE_LAYER = {**common.LLAMA3_8B, "num_layers": 1}
 ALLOCATORS = [
     Allocator("paged-b16", "paged", {**_ONE_LAYER, "block_size": 16}),
-    Allocator("vmm-layer-64KiB", "vmm", {**_ONE_LAYER, "layout": "per_layer", "page_size": "64KiB"}),
-    Allocator("vmm-layer-2MiB", "vmm", {**_ONE_LAYER, "layout": "per_layer", "page_size": "2MiB"}),
-    Allocator("vmm-all-2MiB", "vmm", {**common.LLAMA3_8B, "layout": "all_layers", "page_size": "2MiB"}),
+    Allocator("vmm-per_layer-64KiB", "vmm", {**_ONE_LAYER, "layout": "per_layer", "page_size": "64KiB"}),
+    Allocator("vmm-per_layer-2MiB", "vmm", {**_ONE_LAYER, "layout": "per_layer", "page_size": "2MiB"}),
+    Allocator("vmm-all_layers-2MiB", "vmm", {**common.LLAMA3_8B, "layout": "all_layers", "page_size": "2MiB"}),
 ]
-DEFAULT_ALLOCATORS = ["paged-b16", "vmm-layer-64KiB", "vmm-layer-2MiB"]
+DEFAULT_ALLOCATORS = ["paged-b16", "vmm-per_layer-64KiB", "vmm-per_layer-2MiB"]
 # Requests per (trace, scenario): beam search copies a page on write almost every step (2 MiB
 # pieces with the 2 MiB allocator), so it gets fewer requests than parallel sampling.
 DEFAULT_REQUESTS = {("sharegpt", "parallel"): 12, ("alpaca", "parallel"): 30, ("sharegpt", "beam"): 2, ("alpaca", "beam"): 6}
@@ -75,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=None, help="requests per (trace, scenario) (default: parallel 12 ShareGPT-like / 30 Alpaca-like, beam 2 / 6; smoke 1)")
     parser.add_argument("--widths", type=int, nargs="+", default=None, help="n and beam widths (default 2 4 6; smoke 2)")
     parser.add_argument("--allocators", nargs="+", default=DEFAULT_ALLOCATORS, choices=[a.label for a in ALLOCATORS],
-                        help="vmm-all-2MiB has 32 tokens a page like vmm-layer-64KiB, so it gives the same pages")
+                        help="vmm-all_layers-2MiB has 32 tokens a page like vmm-per_layer-64KiB, so it gives the same pages")
     parser.add_argument("--max-seq-len", type=int, default=None, help="longest sequence (default 2048; smoke 128)")
 
 
@@ -250,22 +251,71 @@ def _summary(rows: list[dict[str, Any]], skipped: dict[str, str]) -> dict[str, A
     return summary
 
 
+def _span(widths: list[int]) -> str:
+    return str(widths[0]) if len(widths) == 1 else f"{widths[0]}-{widths[-1]}"
+
+
+def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
+    """Per trace and scenario: memory saved over the widths measured, per allocator, against the
+    vLLM paper's range (judged on 16-token blocks, the paper's own)."""
+    out = []
+    rows = result["rows"]
+    for trace, scen in dict.fromkeys((r["trace"], r["scenario"]) for r in rows):
+        mine = [r for r in rows if (r["trace"], r["scenario"]) == (trace, scen)]
+        by = {}
+        for r in mine:
+            by.setdefault(r["allocator"], []).append(r)
+        widths = sorted({r["n"] for r in mine})
+
+        def span(label: str) -> str:
+            values = [r["saved"] for r in by[label]]
+            lo, hi = min(values), max(values)
+            return common.number_text(lo, "%") if lo == hi else f"{common.number_text(lo, '%').removesuffix(' %')}-{common.number_text(hi, '%')}"
+
+        def short(label: str) -> str:
+            return "paged" if label.startswith("paged") else f"VMM {by[label][0]['tokens_per_page']}-tok pages"
+
+        parts = [f"{short(label)} {span(label)}" for label in by]
+        best = max(by, key=lambda label: sum(r["saved"] for r in by[label]))
+        low, high = PAPER[(trace, scen)]
+        agrees = None
+        if "paged-b16" in by:
+            saved = [r["saved"] for r in by["paged-b16"]]
+            agrees = min(saved) <= high and max(saved) >= low  # the measured range meets the paper's
+        what = "parallel sampling, n" if scen == "parallel" else "beam search, width"
+        mean_best = statistics.fmean(r["saved"] for r in by[best])
+        out.append(common.Verdict(
+            key=f"sharing.{trace}.{scen}", question=f"memory saved by sharing, {what} {_span(widths)}, {trace}-like",
+            result=", ".join(parts), spread="exact (seeded)", winner=best,
+            reference=f"vLLM paper Fig. 15: {100 * low:.1f}-{100 * high:.1f} %", agrees=agrees, value=mean_best,
+        ))
+    return out
+
+
 def plot(result: dict[str, Any], out_dir) -> list[str]:
-    """``sharing_saved.png``: memory saved vs n / width, one panel per (trace, scenario)."""
+    """``sharing_saved.png``: memory saved vs n / width, one panel per (trace, scenario), the
+    paper's range shaded; one legend under the panels."""
     plt = common.pyplot()
     rows = result["rows"]
     panels = list(dict.fromkeys((r["trace"], r["scenario"]) for r in rows))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.0), squeeze=False)
+    markers = ["o", "s", "^", "D"]
     for ax, (trace, scen) in zip(axes[0], panels):
         mine = [r for r in rows if r["trace"] == trace and r["scenario"] == scen]
-        for label in dict.fromkeys(r["allocator"] for r in mine):
-            pts = [r for r in mine if r["allocator"] == label]
-            ax.plot([r["n"] for r in pts], [100 * r["saved"] for r in pts], "o-", label=f"{label} ({pts[0]['tokens_per_page']} tok/page)")
         low, high = PAPER[(trace, scen)]
-        ax.axhspan(100 * low, 100 * high, color="grey", alpha=0.2, label="vLLM paper range")
-        ax.set_title(f"{trace}: {'parallel sampling' if scen == 'parallel' else 'beam search'}")
-        ax.set_xlabel("n" if scen == "parallel" else "beam width")
+        ax.axhspan(100 * low, 100 * high, color="grey", alpha=0.2, label="vLLM paper (Fig. 15) range")
+        for i, label in enumerate(dict.fromkeys(r["allocator"] for r in mine)):
+            pts = [r for r in mine if r["allocator"] == label]
+            ax.plot([r["n"] for r in pts], [100 * r["saved"] for r in pts], marker=markers[i % len(markers)],
+                    label=f"{label} ({pts[0]['tokens_per_page']} tok/page)")
+        ax.set_title(f"{trace}-like: {'parallel sampling' if scen == 'parallel' else 'beam search'}")
+        ax.set_xlabel("n (samples)" if scen == "parallel" else "beam width")
+        ax.set_xticks(sorted({r["n"] for r in mine}))
         ax.set_ylabel("memory saved (%)")
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
-    return [common.save_figure(fig, out_dir, "sharing_saved.png")]
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    columns = 2 if len(panels) <= 2 else 4
+    fig.legend(handles, labels, loc="lower center", ncol=columns, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.06 * -(-len(labels) // columns) + 0.02, 1, 1))
+    return [common.save_figure(fig, out_dir, "sharing_saved.png", tight=False)]

@@ -413,7 +413,7 @@ def test_slot_rows_address_each_slot_without_copying(layout):
 
 
 def test_kernel_selection_names_why_faster_kernels_are_skipped():
-    assert select_contiguous_kernel(torch.device("cpu"))[0] == "sdpa_per_sequence"
+    assert select_contiguous_kernel(torch.device("cpu"))[0] == "sdpa_adaptive"
     assert contiguous_kernel_unavailable("sdpa_per_sequence", torch.device("cpu")) is None
     assert "unknown kernel" in contiguous_kernel_unavailable("nope", torch.device("cpu"))
     if not torch.cuda.is_available():
@@ -515,7 +515,7 @@ def test_gpu_check_cpu_dry_run_runs_sections_in_their_own_processes(tmp_path, gp
 def test_gpu_check_sections_that_need_no_process_of_their_own(gpu_check, tmp_path):
     cpu = torch.device("cpu")
     env = gpu_check.environment(cpu, gpu_check.SMOKE)
-    assert env["selected_contiguous_kernel"] == "sdpa_per_sequence" and "cuda-bindings" in env["packages"]
+    assert env["selected_contiguous_kernel"] == "sdpa_adaptive" and "cuda-bindings" in env["packages"]
     row = gpu_check.decode_section(cpu, gpu_check.SMOKE, ["sdpa_per_sequence"])["kernels"]["sdpa_per_sequence"]
     assert row["max_abs_diff"] == 0.0 and row["vmm_over_dense"] > 0  # same kernel, same bytes
     mapping = gpu_check.map_unmap_section(cpu, gpu_check.SMOKE)

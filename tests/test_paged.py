@@ -35,7 +35,7 @@ def test_pools_are_sized_from_the_budget():
         stats = cache.stats()
         assert stats["mode"] == "paged" and stats["tokens_per_page"] == BLOCK
         assert stats["pool_bytes"] == config.memory_budget
-        assert stats["kernel"] == "blockwise_online_softmax"
+        assert stats["kernel"] == "sdpa_chunked"
         assert cache.block_table.dtype == torch.int32
         assert cache.block_table.shape == (config.max_batch_size, config.max_seq_len // BLOCK)
         assert (cache.block_table == -1).all()

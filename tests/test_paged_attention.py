@@ -3,15 +3,18 @@ kernel selection rule. CUDA kernels run only on a GPU (skipped here with the rea
 
 from __future__ import annotations
 
+import logging
+import sys
+
 import pytest
 import torch
 
 import vmkv
 from paged import PagedKVCache
-from paged.attention import BlockwiseOnlineSoftmax, GatherSDPA, choose_paged_kernel
+from paged.attention import BlockwiseOnlineSoftmax, ChunkedSDPA, GatherSDPA, choose_paged_kernel
 from tests.conftest import KVMirror, dense_attention, small_config
 
-CPU_KERNELS = ["gather_sdpa", "blockwise_online_softmax"]
+CPU_KERNELS = ["gather_sdpa", "blockwise_online_softmax", "sdpa_chunked"]
 
 
 def paged_cache(kernel: str, **overrides) -> PagedKVCache:
@@ -92,9 +95,10 @@ def test_blockwise_equals_gather_sdpa(chunk_tokens):
         cache.close()
 
 
-def test_stale_pool_contents_past_a_sequence_never_reach_the_output():
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
+def test_stale_pool_contents_past_a_sequence_never_reach_the_output(kernel):
     """Blocks are reused without clearing: inf/NaN left in a block's unused rows must not leak."""
-    cache = paged_cache("blockwise_online_softmax")
+    cache = paged_cache(kernel)
     try:
         for layer in range(2):
             for pool in cache.block_pool(layer):
@@ -104,6 +108,60 @@ def test_stale_pool_contents_past_a_sequence_never_reach_the_output():
         cache.add("b")
         mirror.step({"a": 37, "b": 5})
         mirror.step({"a": 1, "b": 1})
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
+def test_fragmented_pools_match_dense_reference(kernel):
+    """Sequences that decode together take turns at the free list, so their blocks interleave;
+    freed sequences leave holes that later prompts fill: prompts in runs, tails scattered."""
+    cache = paged_cache(kernel, max_batch_size=6, chunk_tokens=32)
+    try:
+        mirror = KVMirror(cache, q_heads=8, seed=4)
+        for seq_id in "abcd":
+            cache.add(seq_id)
+        mirror.step({"a": 70, "b": 3, "c": 20, "d": 1})
+        for _ in range(40):  # 40 decode steps: every sequence crosses 2-3 block boundaries, interleaved
+            mirror.step({"a": 1, "b": 1, "c": 1, "d": 1}, check=False)
+        mirror.free("b")
+        cache.add("e")
+        mirror.step({"e": 50, "a": 1, "c": 1, "d": 1})  # e's prompt fills b's scattered blocks first
+        for _ in range(3):
+            mirror.step({"a": 1, "c": 1, "d": 1, "e": 1})  # checked against the dense reference
+        for seq_id in "acde":
+            mirror.assert_stored(seq_id)
+    finally:
+        cache.close()
+
+
+def test_sdpa_chunked_reads_runs_in_place_and_gathers_the_rest():
+    kernel = ChunkedSDPA(block_size=4, chunk_tokens=8, min_run_tokens=16)
+    row = torch.tensor([10, 11, 12, 13, 3, 7, 8, 20, 21, 22, 23, 24, -1, -1], dtype=torch.int32)
+    pieces = kernel._pieces(row, 46)  # 12 blocks; the last (24) holds 2 keys
+    got = [(p.first, None if p.blocks is None else p.blocks.tolist(), p.tokens) for p in pieces]
+    assert got == [(10, None, 16), (-1, [3, 7], 8), (-1, [8], 4), (20, None, 18)]
+    pieces = kernel._pieces(torch.tensor([10, 11, 12, 13, 5]), 18)  # the partial last block is gathered
+    assert [(p.first, p.tokens) for p in pieces] == [(10, 16), (-1, 2)]
+    assert sum(p.tokens for p in kernel._pieces(torch.tensor([4, 2, 9]), 9)) == 9  # nothing in place
+
+
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
+def test_a_non_contiguous_query_is_accepted(kernel):
+    cache = paged_cache(kernel)
+    try:
+        mirror = KVMirror(cache, q_heads=4)
+        cache.add("a"), cache.add("b")
+        mirror.step({"a": 40, "b": 3})
+        plan = cache.begin_step({"a": 1, "b": 5})
+        for layer in range(2):
+            k = mirror.randn(6, 2, 16)
+            cache.write(layer, k, k, plan)
+        wide = mirror.randn(6, 4, 32)
+        heads_first = mirror.randn(4, 6, 16)
+        for q in (wide[:, :, ::2], heads_first.transpose(0, 1)):  # [6, 4, 16]: gaps; dense but permuted
+            assert not q.is_contiguous()
+            torch.testing.assert_close(cache.attention(0, q, plan), cache.attention(0, q.contiguous(), plan))
     finally:
         cache.close()
 
@@ -131,7 +189,7 @@ def test_scale_argument_is_honoured():
 def test_cpu_default_kernel_is_named_in_stats():
     cache = vmkv.open_cache(small_config(), mode="paged")
     try:
-        assert cache.stats()["kernel"] == "blockwise_online_softmax"
+        assert cache.stats()["kernel"] == "sdpa_chunked"
     finally:
         cache.close()
 
@@ -171,7 +229,7 @@ def test_cpu_selection_rule():
     name, _ = choose_paged_kernel(
         torch.device("cpu"), torch.float32, 16, 16, flash_attn=True, flashinfer=True, varlen_features=VARLEN
     )
-    assert name == "blockwise_online_softmax"
+    assert name == "sdpa_chunked"
 
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU with the CUDA driver")
@@ -222,3 +280,33 @@ def test_blockwise_runs_while_autograd_records():
         torch.testing.assert_close(out.detach(), dense_attention(q, k.detach(), k.detach(), 0), atol=1e-5, rtol=1e-5)
     finally:
         cache.close()
+
+
+@pytest.fixture
+def broken_optional_kernels(tmp_path, monkeypatch):
+    """flash-attn and flashinfer installed, but their imports fail the way an ABI mismatch does."""
+    from vmkv import attention
+
+    for name in ("flash_attn", "flashinfer"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"raise ImportError('{name}_C.so: undefined symbol: _ZN3c10')\n")
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    attention.optional_import.cache_clear()
+    yield
+    attention.optional_import.cache_clear()
+
+
+def test_broken_optional_kernels_fall_back_with_the_reason_logged(broken_optional_kernels, monkeypatch, caplog):
+    import paged.attention as pa
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # pretend: an sm90 GPU
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(pa, "_LOGGED", set())
+    with caplog.at_level(logging.INFO, logger="vmkv"):
+        kernel = pa.make_paged_kernel(CUDA, torch.bfloat16, 2, 128, 256)
+    assert "flash" not in kernel.name  # neither flash-attn nor flashinfer
+    warnings = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert "flash_attn is installed but" in warnings and "flashinfer is installed but" in warnings
+    with pytest.raises(vmkv.BackendUnavailable, match="undefined symbol"):
+        pa.make_paged_kernel(CUDA, torch.bfloat16, 2, 128, 256, forced="flashinfer_decode")

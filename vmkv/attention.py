@@ -1,32 +1,41 @@
 """Attention over the contiguous (VMM) cache: one entry point, the fastest stock kernel available.
 
-Every kernel here gets the whole virtual K/V of a layer, ``k_cache: [max_batch, capacity,
-kv_heads, head_dim]``, plus the plan's slots and lengths, and reads only ``k_cache[slot,
-:kv_len]`` of each sequence: nothing past its mapped pages.
+Every kernel gets the whole virtual K/V of a layer, ``k_cache: [max_batch, capacity,
+kv_heads, head_dim]``, plus the plan's slots and lengths. Per-sequence kernels read only
+``k_cache[slot, :kv_len]``; the batched CPU kernels read a run of slots up to the longest
+length, past shorter sequences' data: those reads see stale-but-finite K/V inside a partly
+filled page, or the zero page past it (the host backend backs every empty page with it), and
+a per-row length mask gives them probability exactly 0.
 
 Kernel choice, by device and what is installed (logged once, shown in ``stats()["kernel"]``;
 see :func:`select_contiguous_kernel`):
 
-    cuda  flash_attn_with_kvcache  flash-attn installed (cache_seqlens + cache_batch_idx)
+    cuda  flash_attn_with_kvcache  flash-attn installed and importable (cache_seqlens + cache_batch_idx)
           varlen_attn_seqused      torch's FlashAttention varlen op with seqused_k (torch >= 2.5)
           sdpa_per_sequence        otherwise, e.g. float32 or a pre-Ampere GPU
-    cpu   sdpa_per_sequence        torch SDPA on each sequence's exact-length slice
+    cpu   sdpa_adaptive            per step: decode rows in one batched SDPA call, or one call
+                                   per sequence, whichever BatchRule predicts faster
+          sdpa_batched             (by name) decode rows always batched
+          sdpa_per_sequence        (by name) torch SDPA on each sequence's exact-length slice
 
 The two FlashAttention kernels need sm80+, float16/bfloat16 and head_dim % 8 == 0, <= 256.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 import inspect
 import logging
 from itertools import accumulate
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 
-from .errors import InvalidShape
+from .errors import BackendUnavailable, InvalidShape
 from .step import StepPlan, causal_mask
 
 log = logging.getLogger("vmkv")
@@ -34,21 +43,23 @@ log = logging.getLogger("vmkv")
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, StepPlan, "float | None"], torch.Tensor]
 
 
-def sdpa_per_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan, scale: float | None) -> torch.Tensor:
-    """Stock ``scaled_dot_product_attention`` on each sequence's exact-length K/V slice.
+def _sdpa_rows(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan, scale: float | None,
+    indexes: Iterable[int], out: torch.Tensor,
+) -> None:
+    """SDPA of sequences ``indexes`` of ``plan``, one call each, on its exact-length K/V slice;
+    writes their rows of ``out``.
 
     Inputs are given SDPA as 4-D ``[1, heads, tokens, D]`` tensors: on the CPU, 3-D inputs take a
     slower path (about 3x for prefill). A single query token under grouped-query attention runs
     as ``[1, Hkv, group, D]`` queries against the ``Hkv`` heads (query head ``h`` reads KV head
     ``h // group``), which reads each KV head once instead of ``group`` times.
-
-    Shapes: ``q: [T, Hq, D]``, ``k_cache, v_cache: [B, S, Hkv, D]``; returns ``[T, Hq, D]``.
     """
-    out = torch.empty_like(q)
     q_heads, kv_heads = q.shape[1], k_cache.shape[2]
-    offsets = [0, *accumulate(plan.q_lens)]
-    masks = plan.causal_masks or tuple(causal_mask(s, n) for s, n in zip(plan.starts, plan.q_lens))
-    for i, (slot, n, kv_len) in enumerate(zip(plan.slots, plan.q_lens, plan.kv_lens)):
+    offsets = _offsets(plan)
+    masks = plan.causal_masks
+    for i in indexes:
+        slot, n, kv_len = plan.slots[i], plan.q_lens[i], plan.kv_lens[i]
         k_i = k_cache[slot, :kv_len].transpose(0, 1)[None]  # [1, Hkv, kv_len, D], a strided view
         v_i = v_cache[slot, :kv_len].transpose(0, 1)[None]
         rows = slice(offsets[i], offsets[i + 1])
@@ -56,7 +67,7 @@ def sdpa_per_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             q_i = q[rows].reshape(1, kv_heads, q_heads // kv_heads, -1)  # [1, Hkv, group, D]
             out[rows] = F.scaled_dot_product_attention(q_i, k_i, v_i, scale=scale).reshape(1, q_heads, -1)
             continue
-        mask = masks[i]
+        mask = masks[i] if masks else causal_mask(plan.starts[i], n)
         if mask is not None:
             mask = mask.to(q.device)
         o_i = F.scaled_dot_product_attention(
@@ -64,7 +75,216 @@ def sdpa_per_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=q_heads != kv_heads,
         )
         out[rows] = o_i[0].transpose(0, 1)
+
+
+def _offsets(plan: StepPlan) -> list[int]:
+    """Packed index of each sequence's first new token, plus the total."""
+    return [0, *accumulate(plan.q_lens)]
+
+
+def sdpa_per_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan, scale: float | None) -> torch.Tensor:
+    """Stock ``scaled_dot_product_attention`` on each sequence's exact-length K/V slice, one call
+    per sequence (reads nothing past any sequence's length).
+
+    Shapes: ``q: [T, Hq, D]``, ``k_cache, v_cache: [B, S, Hkv, D]``; returns ``[T, Hq, D]``.
+    """
+    out = torch.empty_like(q)
+    _sdpa_rows(q, k_cache, v_cache, plan, scale, range(plan.batch_size), out)
     return out
+
+
+@dataclass(frozen=True)
+class BatchRule:
+    """When one batched call beats one call per sequence, from a cost model fitted to
+    measurements (``python -m benchmarks.contiguous_decode``), all times in microseconds::
+
+        per-sequence  call_us * B + key_us * sum(L)
+        batched       fixed_us + run_key_us * span * max_kv + real_key_us * sum(L)
+
+    ``span * max_kv`` is what the batched call reads (every slot of the run, dummies included,
+    to the longest length); the CPU kernel still pays part of the cost of keys the mask
+    removes (``run_key_us``), and full cost only for real ones (``run_key_us + real_key_us``).
+    """
+
+    call_us: float
+    key_us: float
+    run_key_us: float
+    real_key_us: float
+    fixed_us: float
+
+    def predict(self, batch: int, span_keys: int, sum_kv: int) -> tuple[float, float]:
+        """Predicted ``(per_sequence_us, batched_us)`` of a decode step."""
+        per_sequence = self.call_us * batch + self.key_us * sum_kv
+        batched = self.fixed_us + self.run_key_us * span_keys + self.real_key_us * sum_kv
+        return per_sequence, batched
+
+    def batched(self, span: int, max_kv: int, lengths: list[int]) -> bool:
+        """Whether one batched call over ``span`` slots is predicted faster for these lengths."""
+        per_sequence, batched = self.predict(len(lengths), span * max_kv, sum(lengths))
+        return batched < per_sequence
+
+
+DEFAULT_BATCH_RULE = BatchRule(call_us=1.984, key_us=1.1787, run_key_us=0.8174, real_key_us=0.1662, fixed_us=0.0)
+"""The CPU rule, fitted by ``python -m benchmarks.contiguous_decode`` (1 thread, fp32, 32 query /
+8 KV heads of 128) on 36 decode steps: B = 4, 8, 32; 128 to 2,048 keys; equal lengths, lengths
+spread 2..L, one long row among 32-token ones, and every second slot empty (dummy rows). It
+picks the faster kernel in 36/36 of them, and in 45/45 (fp32) and 41/45 (bf16) of a noisier
+rerun (worst wrong pick 1.9x slower, where both kernels' own times spread 2x).
+
+In words: a key costs the batched call ~0.98 us against ~1.18 us per sequence, and a call
+~2 us, so one batched call wins by 1.03-1.26x when lengths are (nearly) equal and the slots
+dense (measured 1.03x at B=32 x 2K, 1.26x at B=32 x 128), and loses as soon as short rows pay
+for the longest one (0.09x for one 2K row among 31 of 32 tokens) or half the run is dummy rows
+(0.66-0.77x)."""
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """How one step's decode rows run as one SDPA call over a run of consecutive slots.
+
+    The call reads ``k_cache[first_slot : first_slot + span, :max_kv]``: every slot of the run,
+    ``max_kv`` tokens each, through the zero-page-backed range (nothing there faults). Slots of
+    the run that hold no decode row of the step are *dummy* rows: zero queries whose outputs are
+    dropped (rows of SDPA never mix, so whatever they read cannot reach a real row).
+
+    Attributes:
+        seqs: plan index of each decode row, in the order of ``rows``/``at``.
+        rows: int64 ``[Bd]`` packed index of each decode query; ``None``: every row of the step,
+            in packing order, and ``at`` is ``None`` too.
+        at: int64 ``[Bd]`` each decode query's row in the run (``slot - first_slot``); ``None``:
+            row ``i`` of the run is packed row ``i`` (no gather, no scatter).
+        first_slot, span: the run of slots read.
+        max_kv: keys read per slot (the longest decode row's length).
+        mask: bool ``[span, 1, 1, max_kv]``, True = attend: key ``j`` of row ``r`` counts iff
+            ``j < kv_len(r)`` (dummy rows: every key), so stale-but-finite data past a
+            sequence's length inside its last page (and the zeros past its pages) gets
+            probability exactly 0; ``None`` when every real row is ``max_kv`` long.
+        batched: the rule's choice: True = one batched call, False = one call per sequence.
+    """
+
+    seqs: tuple[int, ...]
+    rows: torch.Tensor | None
+    at: torch.Tensor | None
+    first_slot: int
+    span: int
+    max_kv: int
+    mask: torch.Tensor | None
+    batched: bool
+
+
+def plan_decode_batch(plan: StepPlan, decode: list[int], rule: "BatchRule | None") -> DecodeBatch:
+    """The batched call for sequences ``decode`` of ``plan`` (their indexes; one new token each).
+
+    Args:
+        plan: the step.
+        decode: indexes into the plan of the sequences with one new token (non-empty).
+        rule: decides batched vs per-sequence from the step's shape; ``None``: always batched.
+    """
+    slots = [plan.slots[i] for i in decode]
+    lens = [plan.kv_lens[i] for i in decode]
+    first, span, max_kv = min(slots), max(slots) - min(slots) + 1, max(lens)
+    batched = rule is None or rule.batched(span, max_kv, lens)
+    device = plan.kv_lens_t.device
+    offsets = _offsets(plan)
+    packed = [offsets[i] for i in decode]
+    identity = len(decode) == plan.num_tokens and packed == [s - first for s in slots]
+    rows = None if identity else torch.tensor(packed, device=device)
+    at = None if identity else torch.tensor([s - first for s in slots], device=device)
+    mask = None
+    if min(lens) < max_kv and batched:
+        run_lens = torch.full((span,), max_kv, dtype=torch.long)  # dummy rows: any key (finite or not)
+        run_lens[torch.tensor(slots) - first] = torch.tensor(lens)
+        mask = (torch.arange(max_kv)[None, :] < run_lens[:, None]).to(device)[:, None, None, :]
+    return DecodeBatch(tuple(decode), rows, at, first, span, max_kv, mask, batched)
+
+
+def sdpa_decode_batched(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch, scale: float | None
+) -> torch.Tensor:
+    """One SDPA call for every decode row of a step (see :class:`DecodeBatch`).
+
+    Under GQA the ``group`` query heads of a KV head act as its ``group`` queries
+    (``[span, Hkv, group, D]`` against ``[span, Hkv, max_kv, D]``): each KV head is read once.
+    K/V are strided views of the slots (``[B, S, Hkv, D]`` transposed), never copied.
+
+    Shapes: ``q: [Bd, Hq, D]`` the decode rows (packed order); returns ``[Bd, Hq, D]``.
+    """
+    q_heads, dim = q.shape[1], q.shape[2]
+    kv_heads = k_cache.shape[2]
+    group = q_heads // kv_heads
+    run = slice(batch.first_slot, batch.first_slot + batch.span)
+    k = k_cache[run, : batch.max_kv].transpose(1, 2)  # [span, Hkv, max_kv, D], a view
+    v = v_cache[run, : batch.max_kv].transpose(1, 2)
+    if batch.at is None:
+        q_run = q.reshape(batch.span, kv_heads, group, dim)
+    else:
+        q_run = q.new_zeros(batch.span, kv_heads, group, dim)  # dummy rows: zero queries
+        q_run[batch.at] = q.reshape(-1, kv_heads, group, dim)
+    out = F.scaled_dot_product_attention(q_run, k, v, attn_mask=batch.mask, scale=scale)  # [span, Hkv, G, D]
+    out = out.reshape(batch.span, q_heads, dim)
+    return out if batch.at is None else out[batch.at]
+
+
+class SdpaDecodeKernel:
+    """Torch SDPA with the decode rows of a step in one batched call (prefill rows: one call
+    per sequence, as :func:`sdpa_per_sequence`).
+
+    Args:
+        name: the name it is registered under.
+        rule: decides per step between the batched call and one call per sequence
+            (:class:`BatchRule`); ``None``: always batched.
+
+    The step's :class:`DecodeBatch` is computed by the first layer and reused by the others
+    (the last plan seen is remembered; a plan is immutable, so this is safe across caches and
+    threads: a stale memo only costs a recomputation).
+
+    Shapes: ``q: [T, Hq, D]``, ``k_cache, v_cache: [B, S, Hkv, D]`` (any strides with a unit
+    last one); returns ``[T, Hq, D]``.
+    """
+
+    def __init__(self, name: str, rule: BatchRule | None) -> None:
+        self.name = name
+        self.rule = rule
+        self._memo: tuple[StepPlan, DecodeBatch | None] | None = None
+
+    def decode_batch(self, plan: StepPlan) -> DecodeBatch | None:
+        """The batched call of ``plan``'s decode rows (``None``: the step has none)."""
+        memo = self._memo
+        if memo is not None and memo[0] is plan:
+            return memo[1]
+        decode = [i for i, n in enumerate(plan.q_lens) if n == 1]
+        batch = plan_decode_batch(plan, decode, self.rule) if decode else None
+        self._memo = (plan, batch)
+        return batch
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan, scale: float | None) -> torch.Tensor:
+        batch = self.decode_batch(plan)
+        if batch is None or not batch.batched:
+            return sdpa_per_sequence(q, k_cache, v_cache, plan, scale)
+        if batch.rows is None:  # a pure decode step over a run of slots, in slot order
+            out = sdpa_decode_batched(q, k_cache, v_cache, batch, scale)
+        else:
+            out = torch.empty_like(q)
+            out[batch.rows] = sdpa_decode_batched(q[batch.rows], k_cache, v_cache, batch, scale)
+            prefill = [i for i, n in enumerate(plan.q_lens) if n > 1]
+            _sdpa_rows(q, k_cache, v_cache, plan, scale, prefill, out)
+        self._redo_non_finite(q, k_cache, v_cache, plan, scale, batch, out)
+        return out
+
+    @staticmethod
+    def _redo_non_finite(q, k_cache, v_cache, plan: StepPlan, scale: float | None, batch: DecodeBatch, out: torch.Tensor) -> None:
+        """Recompute, one call per sequence on its exact slice, the decode rows the batched call
+        made non-finite. A mask gives stale keys probability 0, but stale data that is itself
+        inf/NaN (written by an earlier sequence of the page) still poisons the row (``-inf + inf``,
+        ``0 * inf``); the exact slice never reads it, so the answer is the per-sequence one."""
+        decode = out if batch.rows is None else out[batch.rows]  # [Bd, Hq, D]
+        if bool(torch.isfinite(decode.sum())):  # one reduction: a finite sum means every entry is finite
+            return
+        bad = (~torch.isfinite(decode).flatten(1).all(1)).nonzero().flatten().tolist()
+        _sdpa_rows(q, k_cache, v_cache, plan, scale, [batch.seqs[i] for i in bad], out)
+
+    def __repr__(self) -> str:
+        return f"SdpaDecodeKernel({self.name!r})"
 
 
 def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan, scale: float | None) -> torch.Tensor:
@@ -83,8 +303,8 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
     Shapes: ``q: [T, Hq, D]``, ``k_cache, v_cache: [B_max, S, Hkv, D]``; returns ``[T, Hq, D]``.
     """
-    from flash_attn import flash_attn_with_kvcache
-
+    flash_attn_with_kvcache = _flash_attn_with_kvcache()
+    q = q.contiguous()  # FlashAttention wants a unit last stride (any strided q is accepted here)
     if plan.is_decode:
         out = flash_attn_with_kvcache(
             q.unsqueeze(1), k_cache, v_cache,
@@ -143,6 +363,7 @@ def varlen_seqused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
     Shapes: ``q: [T, Hq, D]``, ``k_cache, v_cache: [B_max, S, Hkv, D]``; returns ``[T, Hq, D]``.
     """
+    q = q.contiguous()  # FlashAttention wants a unit last stride (any strided q is accepted here)
     k_rows, rows_per_slot = _slot_rows(k_cache)  # [B_max * R, Hkv, D] views, slot b at row b * R
     v_rows, _ = _slot_rows(v_cache)
     starts = plan.slots_t * rows_per_slot  # int32 [B]: first row of each sequence, plan order
@@ -154,9 +375,34 @@ def varlen_seqused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def optional_import(module: str, attribute: str) -> tuple[Any, str | None]:
+    """Import ``module.attribute`` of an optional package, once per process.
+
+    Returns:
+        ``(object, None)``, or ``(None, why)`` when the package is missing or its import fails
+        (an installed but broken wheel, e.g. flash-attn built for another torch: the ABI
+        mismatch surfaces as an ``ImportError``/``OSError`` naming an undefined symbol).
+    """
+    if importlib.util.find_spec(module.partition(".")[0]) is None:
+        return None, f"{module} is not installed"
+    try:
+        return getattr(importlib.import_module(module), attribute), None
+    except Exception as exc:  # noqa: BLE001 -- any failure of a third-party import means "unusable"
+        return None, f"{module} is installed but importing {attribute} from it fails ({type(exc).__name__}: {exc})"
+
+
 def has_flash_attn() -> bool:
-    """Whether the optional ``flash-attn`` package is installed (not imported)."""
+    """Whether the optional ``flash-attn`` package is installed (not whether it imports: see
+    :func:`optional_import`)."""
     return importlib.util.find_spec("flash_attn") is not None
+
+
+def _flash_attn_with_kvcache() -> Callable[..., torch.Tensor]:
+    function, why = optional_import("flash_attn", "flash_attn_with_kvcache")
+    if function is None:
+        raise BackendUnavailable(why)
+    return function
 
 
 def torch_varlen_features() -> set[str]:
@@ -181,9 +427,16 @@ def flash_varlen_has_seqused_k() -> bool:
 CONTIGUOUS_KERNELS: dict[str, Kernel] = {
     "flash_attn_with_kvcache": flash_kvcache,
     "varlen_attn_seqused": varlen_seqused,
+    "sdpa_adaptive": SdpaDecodeKernel("sdpa_adaptive", DEFAULT_BATCH_RULE),
+    "sdpa_batched": SdpaDecodeKernel("sdpa_batched", None),
     "sdpa_per_sequence": sdpa_per_sequence,
 }
-"""Every contiguous-mode kernel by name, fastest first (benchmarks pick one explicitly)."""
+"""Every contiguous-mode kernel by name, fastest first (benchmarks pick one explicitly).
+
+``sdpa_adaptive`` runs each decode step as ``sdpa_batched`` or ``sdpa_per_sequence``, whichever
+:data:`DEFAULT_BATCH_RULE` predicts faster for that step's lengths and slots."""
+
+_READS_PAST_LENGTHS = ("sdpa_adaptive", "sdpa_batched")
 
 
 def contiguous_kernel_unavailable(
@@ -193,12 +446,18 @@ def contiguous_kernel_unavailable(
     ``None`` if it can. ``dtype``/``head_dim`` of ``None`` are not checked.
 
     FlashAttention kernels (flash-attn and torch's) need CUDA, sm80 or newer, float16 or
-    bfloat16 and a head_dim that is a multiple of 8 and at most 256 (``mha_varlen_fwd`` /
-    ``mha_fwd_kvcache`` checks).
+    bfloat16, a head_dim that is a multiple of 8 and at most 256 (``mha_varlen_fwd`` /
+    ``mha_fwd_kvcache`` checks), and flash-attn must import. The batched SDPA kernels read
+    every slot of a run up to the longest length, past shorter sequences' pages: only the
+    host backend backs those with zero pages so far, so they run on CPU only.
     """
     if name not in CONTIGUOUS_KERNELS:
         return f"unknown kernel {name!r}; known: {', '.join(CONTIGUOUS_KERNELS)}"
     if name == "sdpa_per_sequence":
+        return None
+    if name in _READS_PAST_LENGTHS:
+        if device.type != "cpu":
+            return f"{name} reads past sequence lengths, which only the host backend backs with zero pages (not {device.type})"
         return None
     if device.type != "cuda" or not torch.cuda.is_available():
         return f"{name} needs a CUDA device"
@@ -209,8 +468,8 @@ def contiguous_kernel_unavailable(
     major, minor = torch.cuda.get_device_capability(device)
     if major < 8:
         return f"{name} needs compute capability 8.0 or newer, cuda:{device.index} is {major}.{minor}"
-    if name == "flash_attn_with_kvcache" and not has_flash_attn():
-        return "flash-attn is not installed"
+    if name == "flash_attn_with_kvcache":
+        return optional_import("flash_attn", "flash_attn_with_kvcache")[1]
     if name == "varlen_attn_seqused" and not flash_varlen_has_seqused_k():
         return f"torch {torch.__version__} has no FlashAttention varlen op with seqused_k"
     return None
@@ -238,5 +497,7 @@ def select_contiguous_kernel(
     key = f"{name} on {device.type}: {'; '.join(skipped)}"
     if key not in _LOGGED:
         _LOGGED.add(key)
-        log.info("vmkv contiguous attention kernel: %s (not faster ones: %s)", name, "; ".join(skipped) or "none")
+        broken = any("is installed but" in reason for reason in skipped)  # a broken wheel deserves a warning
+        log.log(logging.WARNING if broken else logging.INFO, "vmkv contiguous attention kernel: %s (not faster ones: %s)",
+                name, "; ".join(skipped) or "none")
     return name, kernel

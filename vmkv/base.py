@@ -382,10 +382,15 @@ class KVCacheBase(ABC):
         shape = (plan.num_tokens, self.config.num_kv_heads, self.config.head_dim)
         for name, tensor in (("k", k), ("v", v)):
             self._check_tensor(name, tensor, shape)
+        self._store(layer, k, v, plan)
+        self._layers_written.add(layer)
+
+    def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> None:
+        """Copy validated ``k``, ``v`` ``[T, kv_heads, head_dim]`` to their rows of ``layer``
+        (a mode whose storage is not token rows overrides this)."""
         k_rows, v_rows = self.layer_storage(layer)
         k_rows.index_copy_(0, plan.write_rows, k)
         v_rows.index_copy_(0, plan.write_rows, v)
-        self._layers_written.add(layer)
 
     # ---- queries ---------------------------------------------------------------------------
     def __contains__(self, seq_id: SeqId) -> bool:

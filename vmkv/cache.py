@@ -12,9 +12,20 @@ All-layers layout (``layout="all_layers"``): one range for K and one for V shape
 ``[max_batch, seq_capacity, num_layers, kv_heads, head_dim]``; a layer's view is a strided
 slice of it and a page covers ``num_layers`` times fewer tokens.
 
-A pool page ``p`` is backed by ``num_tensors`` physical pages of the backend, one per range:
-physical page ``t * num_pages + p`` is what range ``t`` maps for it, so pool pages ``p`` and
-``p + 1`` are neighbours in the page store and, mapped side by side, merge into one mapping.
+Head-major layout (``layout="head_major"``): one range per layer and per K/V shaped
+``[max_batch, kv_heads, seq_capacity, head_dim]``, each head's keys of a slot contiguous
+(DynamicCache's layout, what the CPU SDPA kernel reads fastest); a page is one head's run of
+tokens, so a pool page takes ``kv_heads`` pieces in each range::
+
+    K[layer]  slot 0 | head 0: page 0 | page 1 | ... | head 1: page 0 | page 1 | ... |
+              slot 1 | head 0: ...
+
+    view: the same [max_batch, max_seq_len, kv_heads, head_dim] indexing (a transposed view)
+
+A pool page ``p`` is backed by ``num_tensors`` physical pages of the backend, one per piece
+(range, and head in the head-major layout): physical page ``t * num_pages + p`` is what piece
+``t`` maps for it, so pool pages ``p`` and ``p + 1`` are neighbours in the page store and,
+mapped side by side, merge into one mapping.
 
 Every page of a range that holds no data reads as zeros (the backend's shared zero page): a
 read past a sequence's length never faults, and views outlive ``free``, ``trim`` and ``close``.
@@ -72,7 +83,10 @@ class VirtualKVCache(KVCacheBase):
         super().__init__(config, geometry)
         tpp = geometry.tokens_per_page
         self.seq_capacity = -(-config.max_seq_len // tpp) * tpp
-        self.slot_bytes = self.seq_capacity * geometry.piece_bytes // tpp
+        self._heads_per_range = config.num_kv_heads if config.layout == "head_major" else 1
+        self._run_bytes = self.seq_capacity * geometry.piece_bytes // tpp  # one slot (one head's run, head-major)
+        self.slot_bytes = self._heads_per_range * self._run_bytes
+        self._hm_rows: tuple[StepPlan, torch.Tensor] | None = None  # head-major write rows of the last plan
         self._dirty: set[int] = set()  # pool pages mapped since their memory was last released
         self._vm = None
         self._bases: list[int] = []
@@ -80,12 +94,17 @@ class VirtualKVCache(KVCacheBase):
             self._vm = open_backend(config.device, geometry.piece_bytes, geometry.num_pages * geometry.num_tensors,
                                     max_mappings=self._check_mappings(config, geometry))
             range_bytes = config.max_batch_size * self.slot_bytes
-            for _ in range(geometry.num_tensors):
+            for _ in range(geometry.num_tensors // self._heads_per_range):
                 self._bases.append(self._vm.reserve(range_bytes))
             self._k, self._v = self._make_views(config)
-            # each layer's K/V flattened to [rows, heads, dim] once: ``view`` (never a silent copy)
-            rows = (config.max_batch_size * self.seq_capacity, config.num_kv_heads, config.head_dim)
-            self._rows = [(k.view(rows), v.view(rows)) for k, v in zip(self._k, self._v)]
+            # each layer's K/V flattened to rows once: ``view`` (never a silent copy); token rows
+            # [B * S, heads, dim], or head-major (slot, head, position) rows [B * H * S, dim]
+            if config.layout == "head_major":
+                rows = (config.max_batch_size * config.num_kv_heads * self.seq_capacity, config.head_dim)
+                self._rows = [(k.transpose(1, 2).view(rows), v.transpose(1, 2).view(rows)) for k, v in zip(self._k, self._v)]
+            else:
+                rows = (config.max_batch_size * self.seq_capacity, config.num_kv_heads, config.head_dim)
+                self._rows = [(k.view(rows), v.view(rows)) for k, v in zip(self._k, self._v)]
         except BaseException:
             self.close()
             raise
@@ -133,6 +152,10 @@ class VirtualKVCache(KVCacheBase):
         if config.layout == "per_layer":
             views = [self._vm.tensor(base, (*shape, heads, dim), config.dtype) for base in self._bases]
             return views[0::2], views[1::2]
+        if config.layout == "head_major":  # [B, H, S, D] ranges, seen as [B, S, H, D] like the others
+            batch, capacity = shape
+            views = [self._vm.tensor(base, (batch, heads, capacity, dim), config.dtype).transpose(1, 2) for base in self._bases]
+            return views[0::2], views[1::2]
         k_all, v_all = (self._vm.tensor(base, (*shape, layers, heads, dim), config.dtype) for base in self._bases)
         return [k_all[:, :, layer] for layer in range(layers)], [v_all[:, :, layer] for layer in range(layers)]
 
@@ -163,7 +186,32 @@ class VirtualKVCache(KVCacheBase):
 
     @exclusive
     def layer_storage(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's K and V flattened to rows (zero-copy): ``[max_batch * capacity, kv_heads,
+        head_dim]`` token rows (row ``slot * capacity + position``, as ``plan.write_rows``), or in
+        the head-major layout ``[max_batch * kv_heads * capacity, head_dim]`` (row ``(slot *
+        kv_heads + head) * capacity + position``)."""
         return self._rows[as_layer(layer, self.config.num_layers)]
+
+    def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> None:
+        if self.config.layout != "head_major":
+            return super()._store(layer, k, v, plan)
+        rows = self._head_major_rows(plan)  # [T * H]
+        k_rows, v_rows = self._rows[layer]
+        k_rows.index_copy_(0, rows, k.reshape(-1, self.config.head_dim))
+        v_rows.index_copy_(0, rows, v.reshape(-1, self.config.head_dim))
+
+    def _head_major_rows(self, plan: StepPlan) -> torch.Tensor:
+        """Head-major storage rows of the plan's new tokens, ``[T * kv_heads]`` in ``k.reshape(-1, D)``
+        order, computed once per plan (the first layer's write) and reused by the others."""
+        memo = self._hm_rows
+        if memo is not None and memo[0] is plan:
+            return memo[1]
+        heads, capacity = self.config.num_kv_heads, self.seq_capacity
+        slot, position = plan.write_rows // capacity, plan.write_rows % capacity  # [T]
+        head = torch.arange(heads, device=plan.write_rows.device)
+        rows = ((slot[:, None] * heads + head[None, :]) * capacity + position[:, None]).reshape(-1)
+        self._hm_rows = (plan, rows)
+        return rows
 
     @exclusive
     def attention(self, layer: int, q: torch.Tensor, plan: StepPlan, *, scale: float | None = None) -> torch.Tensor:
@@ -173,7 +221,10 @@ class VirtualKVCache(KVCacheBase):
 
     # ---- the mode's hooks ------------------------------------------------------------------
     def _addr(self, tensor: int, slot: int, index: int) -> int:
-        return self._bases[tensor] + slot * self.slot_bytes + index * self.geometry.piece_bytes
+        """Address of piece ``tensor``'s logical page ``index`` of ``slot`` (head-major: piece
+        ``t`` is head ``t % kv_heads`` of range ``t // kv_heads``)."""
+        base, head = divmod(tensor, self._heads_per_range)
+        return self._bases[base] + slot * self.slot_bytes + head * self._run_bytes + index * self.geometry.piece_bytes
 
     def _piece(self, page: int, tensor: int) -> int:
         """The backend page that range ``tensor`` maps for pool page ``page``."""

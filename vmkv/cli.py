@@ -38,7 +38,8 @@ BENCH_EXTRA = ("matplotlib", "tqdm", "transformers")  # what `pip install 'vmkv[
 @dataclass(frozen=True)
 class Entry:
     """A registered benchmark: its module and the options the quick default suite runs it with
-    (``vmkv bench <name>`` alone runs the module's own, fuller defaults)."""
+    (``vmkv bench <name>`` alone runs the module's own, fuller defaults). ``in_suite=False``:
+    not in the quick suite, only in ``--full`` and by name."""
 
     name: str
     module: str
@@ -49,16 +50,19 @@ class Entry:
 REGISTRY: dict[str, Entry] = {
     entry.name: entry
     for entry in (
-        Entry("memory", "benchmarks.memory", ["--traces", "sharegpt", "--requests", "40", "--budget", "1GiB"]),
+        Entry("memory", "benchmarks.memory",
+              ["--requests", "sharegpt=120", "alpaca=300", "--budget", "sharegpt=1GiB", "alpaca=256MiB", "--page-sizes", "2MiB"]),
         Entry("decode", "benchmarks.decode",
-              ["--batches", "1", "32", "--contexts", "512", "2048", "4096", "--repeat", "3", "--paged-kernels", "selected"]),
-        Entry("mapping", "benchmarks.mapping", ["--steps", "96", "--pages", "128"]),
+              ["--batches", "1", "8", "32", "--contexts", "512", "2048", "--repeat", "7", "--paged-kernels", "selected"]),
+        Entry("mapping", "benchmarks.mapping", ["--steps", "128", "--rounds", "7", "--pages", "128", "--decode-page-sizes", "4KiB"]),
         Entry("sharing", "benchmarks.sharing", ["--traces", "alpaca", "--requests", "3", "--widths", "2", "6"]),
         Entry("generate", "benchmarks.generate",
-              ["--prompt-len", "64", "--new-tokens", "64", "--batch-sizes", "1,4", "--beam-new-tokens", "16"]),
+              ["--models", "small", "--prompt-len", "64", "--new-tokens", "256", "--batch-sizes", "1", "8",
+               "--beam-new-tokens", "32", "--caches", "dynamic", "static", "vmm", "vmm+vmkv", "--repeats", "5"]),
         Entry("serve", "benchmarks.serve",
-              ["--concurrency", "1", "8", "--rates", "inf", "--requests", "16", "--output-len", "16", "--repeats", "1"]),
-        Entry("vllm", "benchmarks.vllm", in_suite=False),  # needs vLLM; minutes (two engines)
+              ["--concurrency", "1", "8", "--rates", "16", "inf", "--requests", "16", "--output-len", "16", "--repeats", "5",
+               "--rate-repeats", "1"]),
+        Entry("vllm", "benchmarks.vllm", in_suite=False),  # vLLM stock vs the vmkv plugin: needs vLLM, minutes
     )
 }
 
@@ -95,7 +99,7 @@ def info_lines() -> list[str]:
         lines.append(f"  cuda  available on {torch.cuda.get_device_name()}; granularity {cuda_gran} B (CUDA driver VMM)")
     features = torch_varlen_features()
     lines += ["", "Contiguous (VMM) mode kernels"]
-    lines.append(f"  cpu   {select_contiguous_kernel(torch.device('cpu'))[0]} (torch SDPA on each sequence's exact-length slice)")
+    lines.append(f"  cpu   {select_contiguous_kernel(torch.device('cpu'))[0]} (torch SDPA: a step's decode rows in one batched call or one call per sequence, by a measured rule)")
     lines.append(f"  cuda  flash_attn_with_kvcache: {'installed' if has_flash_attn() else 'flash-attn not installed (optional extra: pip install flash-attn)'}")
     need = {"seqused_k", "window_size", "enable_gqa"}
     lines.append(f"        varlen_attn_seqused: {'available' if need <= features else 'torch varlen_attn lacks ' + ', '.join(sorted(need - features) or ['varlen_attn'])}")
@@ -195,12 +199,14 @@ def _module_args(module: ModuleType, entry: Entry, argv: list[str], common: argp
 
 
 def run_one(module: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
-    """Run a benchmark, write its JSON (and plots), print its table; return an index record."""
+    """Run a benchmark, write its JSON (with its verdicts) and plots, print its table and verdicts;
+    return an index record."""
     from benchmarks import common
 
     start = time.perf_counter()
     result = module.run(args)
     seconds = time.perf_counter() - start
+    result["verdicts"] = _verdicts(module, result)
     json_path = common.write_json(result, args.out)
     plots: list[str] = []
     if not args.no_plots and hasattr(module, "plot"):
@@ -208,15 +214,37 @@ def run_one(module: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
         if why:
             print(f"[{result['name']}] no plot: {why}", file=sys.stderr)
             plots = []
-    print(f"\n== {result['name']} ({seconds:.1f} s) ==")
-    print(common.format_table(result["rows"], list(result["schema"]) if result.get("schema") else None))
-    print("summary:", json.dumps(result["summary"], default=str))
-    return {"name": result["name"], "status": "ok", "seconds": seconds, "json": str(json_path), "plots": plots,
-            "summary": result["summary"]}
+    print(f"\n== {result['name']} ({seconds:.0f} s) ==")
+    if hasattr(module, "table"):  # the module's own condensed view of its rows
+        print(common.format_table(module.table(result)))
+    else:
+        print(common.format_table(result["rows"], list(result["schema"]) if result.get("schema") else None))
+    if result["verdicts"]:
+        print()
+        print(common.format_verdicts(result["verdicts"]))
+    # file names, not paths: suite.json and report.md live in the same directory as the files
+    return {"name": result["name"], "status": "ok", "seconds": seconds, "json": json_path.name,
+            "plots": [Path(p).name for p in plots],
+            "verdicts": result["verdicts"]}
 
 
-def _suite_names(requested: str | None) -> list[str]:
-    return [requested] if requested else [name for name, entry in REGISTRY.items() if entry.in_suite]
+def _verdicts(module: ModuleType, result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The module's verdicts as JSON dicts (none if it gives none); a failure becomes a line."""
+    if not hasattr(module, "verdicts"):
+        return []
+    verdicts, why = _try(lambda: [v.as_dict() for v in module.verdicts(result)])
+    if why:
+        print(f"[{result['name']}] no verdict: {why}", file=sys.stderr)
+        return [{"key": f"{result['name']}.error", "question": f"{result['name']}: verdict", "result": "error",
+                 "spread": "", "winner": "no verdict", "reliable": False, "note": why}]
+    return verdicts
+
+
+def _suite_names(requested: str | None, full: bool) -> list[str]:
+    """The benchmark asked for, else the quick suite, or with ``full`` every registered one."""
+    if requested:
+        return [requested]
+    return [name for name, entry in REGISTRY.items() if entry.in_suite or full]
 
 
 def bench(ns: argparse.Namespace) -> int:
@@ -229,10 +257,14 @@ def bench(ns: argparse.Namespace) -> int:
     if ns.name is not None and ns.name not in REGISTRY:
         print(f"vmkv bench: unknown benchmark {ns.name!r}; choose from {', '.join(REGISTRY)}", file=sys.stderr)
         return 2
+    device_error = _device_unavailable(ns.device)
+    if device_error:  # said once, before any benchmark runs or any file is written
+        print(f"vmkv bench: {device_error}", file=sys.stderr)
+        return 2
     common_ns = argparse.Namespace(**{k: getattr(ns, k) for k in (*COMMON_OPTIONS, "no_plots", "progress")})
     out = common_ns.out  # a single benchmark may set --out after its name: then its own wins
     records = []
-    names = _suite_names(ns.name)
+    names = _suite_names(ns.name, ns.full)
     for name in names:
         entry = REGISTRY[name]
         module, why = load_module(entry)
@@ -242,6 +274,10 @@ def bench(ns: argparse.Namespace) -> int:
             continue
         preset = [] if ns.smoke or ns.full else list(entry.suite_argv)  # the module's own sizes
         args = _module_args(module, entry, ns.rest if ns.name else preset, common_ns)
+        device_error = _device_unavailable(args.device)  # --device given after the benchmark's name
+        if device_error:
+            print(f"vmkv bench: {device_error}", file=sys.stderr)
+            return 2
         args.out.mkdir(parents=True, exist_ok=True)
         out = args.out if ns.name else out
         if len(names) > 1:
@@ -254,9 +290,17 @@ def bench(ns: argparse.Namespace) -> int:
                 traceback.print_exc()
             records.append({"name": name, "status": "failed", "reason": f"{type(exc).__name__}: {exc}"})
     out.mkdir(parents=True, exist_ok=True)
-    write_report(out, _merge_records(out / "suite.json", records))
-    _print_suite(records, out)
+    report = write_report(out, _merge_records(out / "suite.json", records))
+    _print_suite(records, out, report)
     return 0 if all(r["status"] == "ok" for r in records) else 1
+
+
+def _device_unavailable(device: str) -> str:
+    """Why benchmarks cannot run on ``device`` ('' if they can)."""
+    from benchmarks.common import check_device
+
+    _, why = _try(lambda: check_device(device))
+    return why.split(": ", 1)[-1]
 
 
 def _merge_records(path: Path, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -270,30 +314,44 @@ def _merge_records(path: Path, records: list[dict[str, Any]]) -> list[dict[str, 
     return merged
 
 
-def _print_suite(records: list[dict[str, Any]], out: Path) -> None:
-    from benchmarks.common import format_table
+def _print_suite(records: list[dict[str, Any]], out: Path, report: Path) -> None:
+    """The run's index (status, seconds, files written), then the verdict table, last."""
+    from benchmarks.common import format_table, format_verdicts
 
-    table = [{"benchmark": r["name"], "status": r["status"], "seconds": r.get("seconds", ""),
-              "detail": r.get("reason") or ", ".join(Path(p).name for p in [r.get("json", ""), *r.get("plots", [])])}
+    table = [{"benchmark": r["name"], "status": r["status"], "seconds": f"{r['seconds']:.0f}" if "seconds" in r else "",
+              "detail": r.get("reason") or ", ".join(Path(p).name for p in [r["json"], *r.get("plots", [])])}
              for r in records]
-    print("\n" + format_table(table))
-    print(f"\nresults in {out}/ (report.md, suite.json, <name>.json, *.png)")
+    print("\n" + format_table(table, wrap={"detail": 70}))
+    written = [report.name, "suite.json"] if any(r["status"] == "ok" for r in records) else []
+    if written:
+        print(f"\nresults in {out}/: {', '.join(written)} and the files above")
+    verdicts = [v for r in records if r["status"] == "ok" for v in r.get("verdicts", [])]
+    if verdicts:
+        print("\n== verdict ==")
+        print(format_verdicts(verdicts))
 
 
 def write_report(out: Path, records: list[dict[str, Any]]) -> Path:
-    """``out/report.md``: every result's summary, table and plots, in Markdown."""
-    from benchmarks.common import format_table
+    """``out/report.md``: the verdict table first, then every result's command, table and plots."""
+    from benchmarks.common import format_table, format_verdicts
 
+    ok = [r for r in records if r["status"] == "ok"]
     parts = ["# vmkv benchmark results", ""]
+    verdicts = [v for r in ok for v in r.get("verdicts", [])]
+    if verdicts:
+        parts += ["## Verdict", "", format_verdicts(verdicts, markdown=True), ""]
     for record in records:
-        parts.append(f"## {record['name']}")
+        parts += [f"## {record['name']}", ""]
         if record["status"] != "ok":
             parts += [f"{record['status']}: {record.get('reason', '')}", ""]
             continue
-        result = json.loads(Path(record["json"]).read_text())
+        path = out / Path(record["json"]).name
+        if not path.exists():
+            parts += [f"(its result file {path.name} is no longer in {out})", ""]
+            continue
+        result = json.loads(path.read_text())
         command = " ".join(["vmkv bench", record["name"], *(record.get("options") or [])])
-        parts += [f"`{command}`: {record['seconds']:.1f} s", ""]
-        parts += ["```json", json.dumps(result["summary"], indent=1, default=str), "```", ""]
+        parts += [f"`{command}`: {record['seconds']:.0f} s", ""]
         if result["rows"]:
             columns = list(result["schema"]) if result.get("schema") else None
             parts += [format_table(result["rows"], columns, markdown=True), ""]

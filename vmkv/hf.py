@@ -68,7 +68,7 @@ except ModuleNotFoundError as exc:  # say which extra brings the missing package
     raise ModuleNotFoundError(f"vmkv.hf needs transformers: pip install 'vmkv[hf]' ({exc})", name=exc.name) from exc
 
 from .base import KVCacheBase
-from .config import KVCacheConfig
+from .config import KVCacheConfig, vmm_pieces
 from .errors import CacheClosed, InvalidConfig, InvalidInput, InvalidShape, NoFreeSlot, Unsupported
 from .step import StepPlan
 
@@ -417,7 +417,7 @@ class VirtualCache(Cache):
             allocated up front, at most half the free GPU memory.
         page_size: VMM page per K/V tensor. Default: the smallest multiple of the backend
             granularity and of one token's bytes holding 64 tokens.
-        layout: VMM ``"per_layer"`` or ``"all_layers"``.
+        layout: VMM ``"per_layer"``, ``"all_layers"`` or ``"head_major"``.
         block_size: paged mode tokens per block.
         deferred_reclaim: VMM: freed rows keep their pages mapped for the next sequence. Off by
             default: beam search frees rows every step and that memory should return to the pool.
@@ -647,7 +647,10 @@ class VirtualCache(Cache):
         shared = getattr(self, "_shared", None)
         if shared is not None:
             self._shared = None
-            shared.retire(self._rows)
+            try:
+                shared.retire(self._rows)
+            except Exception:  # noqa: BLE001 - interpreter shutdown: modules may be gone already
+                pass
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "VirtualCache":
         """A cache with the same rows, columns and style whose rows are forks of this cache's rows.
@@ -783,11 +786,11 @@ class VirtualCache(Cache):
             layout=opts["layout"], block_size=opts["block_size"], prefix_caching=False,
             deferred_reclaim=opts["deferred_reclaim"], map_ahead=opts["map_ahead"],
         )
-        token_bytes = config.layer_token_bytes * (num_layers if config.layout == "all_layers" else 1)
+        token_bytes = config.tensor_token_bytes()  # of one VMM piece: a layer, all layers, or one head
         page = opts["page_size"] or default_page_size(token_bytes, granularity(config.device))
         config = config.replace(page_size=page)
         if self.mode == "vmm":
-            tokens_per_page, page_bytes = config.page_size // token_bytes, 2 * num_layers * config.page_size
+            tokens_per_page, page_bytes = config.page_size // token_bytes, vmm_pieces(config) * config.page_size
         else:
             tokens_per_page = config.block_size
             page_bytes = 2 * num_layers * config.block_size * config.layer_token_bytes
@@ -811,8 +814,8 @@ class VirtualCache(Cache):
         room = mapping_room()
         if room is None:
             return 1 << 62
-        ranges = 2 * config.num_layers if config.layout == "per_layer" else 2
-        return max(1, (room // 2 // ranges - 1) // 2)
+        pieces = vmm_pieces(config)
+        return max(1, (room // 2 // pieces - 1) // 2)
 
     def _flush_pending(self) -> None:
         """Write the first forward's K/V (kept by reference while the style was unknown)."""

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import random
 import time
 from collections import deque
@@ -38,7 +37,6 @@ from .. import open_cache
 from ..base import KVCacheBase
 from ..errors import DuplicateSequence, InvalidConfig, OutOfPages, SequenceTooLong
 from ..step import StepPlan
-from ..vm import granularity
 from .request import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
 from .runner import LoadedModel, ModelRunner, cache_config_for, load_model
 from .sampling import InvalidParameter, SamplerState, SamplingParams, new_generator, next_token
@@ -57,8 +55,8 @@ class EngineConfig:
         model: a local Hugging Face directory, or ``None`` for the embedded default model.
         kv_mode: ``"vmm"`` (virtually contiguous) or ``"paged"`` (block tables).
         memory_budget: bytes for KV pages (int or "256MiB").
-        page_size: VMM page bytes per K/V tensor; ``None`` picks the smallest multiple of the
-            backend granularity and of one token's bytes that is >= 64 KiB (CPU) / 2 MiB (CUDA).
+        page_size: VMM page bytes per K/V tensor; ``None``: the cache's per-device default
+            (:func:`vmkv.config.default_vmm_pages`: >= 16 tokens a page, per-layer where that fits).
         block_size: paged mode: tokens per block.
         max_num_seqs: cache slots: sequences running at once (each completion of n is one).
         max_seq_len: longest prompt + completion; ``None``: min(model's positions, its sliding
@@ -84,13 +82,6 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "cpu"
     seed: int = 0
-
-
-def default_page_size(token_bytes: int, device: torch.device) -> int:
-    """Smallest multiple of the backend granularity and ``token_bytes`` at least 64 KiB (CPU) or 2 MiB."""
-    step = math.lcm(granularity(device), token_bytes)
-    floor = 64 * 1024 if device.type == "cpu" else 2 * 1024 * 1024
-    return -(-floor // step) * step
 
 
 def _check_cache_fits(loaded: LoadedModel, cache: KVCacheBase) -> None:
@@ -164,11 +155,9 @@ class Engine:
         loaded = load_model(config.model, dtype=config.dtype, device=config.device)
         limit = min(loaded.max_position_embeddings, loaded.model.shape.sliding_window or loaded.max_position_embeddings)
         max_seq_len = config.max_seq_len or min(limit, 4096)
-        probe = cache_config_for(loaded.model)
-        page_size = config.page_size or default_page_size(probe.layer_token_bytes, probe.device)
         cache_config = cache_config_for(
             loaded.model, max_batch_size=config.max_num_seqs, max_seq_len=max_seq_len,
-            memory_budget=config.memory_budget, page_size=page_size, block_size=config.block_size,
+            memory_budget=config.memory_budget, page_size=config.page_size, block_size=config.block_size,
             prefix_caching=config.prefix_caching,
         )
         scheduler = SchedulerConfig(config.max_num_batched_tokens, config.max_prefill_chunk)

@@ -19,8 +19,9 @@ rotate-half RoPE, SwiGLU), so greedy outputs match ``generate``.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,8 @@ from ..errors import InvalidConfig
 from ..step import StepPlan
 
 FAMILIES = ("llama", "mistral", "qwen2")
+
+log = logging.getLogger("vmkv.engine")
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,71 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def linear_backend(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
+    """How the runner multiplies by its weights on ``device`` in ``dtype``: ``(name, why)``.
+
+    ``"onednn"``: weights pre-packed once into oneDNN's blocked layout
+    (``torch.ops.mkldnn._reorder_linear_weight``) and multiplied with
+    ``torch.ops.mkldnn._linear_pointwise``, the pair inductor's weight freezing emits on CPU.
+    Measured here (``python -m benchmarks.engine_linears``; 2 shared cores, 768-wide layers):
+    1.1-2.6x ``F.linear`` in float32 and 1.5-2x in bfloat16 for 1-512 rows. ``"torch"``:
+    ``F.linear`` (CUDA, float16 on CPU, or a torch built without oneDNN).
+    """
+    if device.type != "cpu":
+        return "torch", f"{device.type}: F.linear (cuBLAS)"
+    if not torch.backends.mkldnn.is_available():
+        return "torch", "this torch has no oneDNN (mkldnn)"
+    if dtype == torch.float32:
+        return "onednn", "CPU float32: oneDNN with pre-packed weights"
+    if dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "onednn", "CPU bfloat16: oneDNN with pre-packed weights"
+    return "torch", f"CPU {dtype}: oneDNN pre-packing not used for this dtype (or this CPU lacks bf16 support)"
+
+
+class PackedLinear:
+    """Several ``nn.Linear`` of the same input as one GEMM: ``x @ cat(W)^T + cat(b)``.
+
+    Fusing (q, k, v) and (gate, up) turns 5 of a layer's 7 products into 2 (vLLM's
+    ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` do the same on GPU), and with the
+    ``"onednn"`` backend the fused weight is packed once, so no step re-lays it out. The
+    weights are a snapshot: :meth:`LlamaForCausalLM.pack` rebuilds them after a weight change.
+
+    Args:
+        linears: layers with the same ``in_features`` (biases: all, some or none).
+        backend: ``"onednn"`` or ``"torch"`` (see :func:`linear_backend`).
+    """
+
+    def __init__(self, linears: Sequence[nn.Linear], backend: str) -> None:
+        weight = torch.cat([layer.weight.detach() for layer in linears])  # [sum(out), in]
+        if any(layer.bias is not None for layer in linears):
+            self.bias: torch.Tensor | None = torch.cat([
+                layer.bias.detach() if layer.bias is not None else weight.new_zeros(layer.out_features) for layer in linears
+            ])
+        else:
+            self.bias = None
+        self.sizes = [layer.out_features for layer in linears]
+        self.backend = backend
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if backend == "onednn" else weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x: [T, in]`` -> ``[T, sum(out)]``."""
+        if self.backend == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``self(x)`` split back into the fused layers' outputs (views)."""
+        return self(x).split(self.sizes, dim=-1)
+
+
+@dataclass(frozen=True)
+class _PackedLayer:
+    qkv: PackedLinear
+    o: PackedLinear
+    gate_up: PackedLinear
+    down: PackedLinear
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -206,6 +274,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.rope_scale = rope_scale
+        self.linear_backend = "modules"  # what forward() multiplies with; pack() changes it
+        self._packed: tuple[list[_PackedLayer], PackedLinear] | None = None
 
     @classmethod
     def from_hf_config(cls, config: Any) -> "LlamaForCausalLM":
@@ -242,6 +312,44 @@ class LlamaForCausalLM(nn.Module):
             for name, param in self.named_parameters():
                 if name in state:
                     param.copy_(state[name])
+        if self._packed is not None:
+            self.pack(self.linear_backend)
+
+    def pack(self, backend: str | None = None) -> str:
+        """Fuse and pack the linear layers for :meth:`forward` (call after the weights are final
+        and the model is on its device and dtype; :meth:`load_weights` repacks).
+
+        Args:
+            backend: ``"onednn"``, ``"torch"`` or ``"modules"`` (unpacked ``nn.Linear`` calls, the
+                reference path); ``None``: :func:`linear_backend`'s choice.
+
+        Returns:
+            The backend now used.
+
+        Raises:
+            InvalidConfig: an unknown backend.
+        """
+        weight = self.lm_head.weight
+        if backend is None:
+            backend, why = linear_backend(weight.device, weight.dtype)
+            log.info("vmkv engine linears: %s (%s)", backend, why)
+        if backend not in ("onednn", "torch", "modules"):
+            raise InvalidConfig(f"linear backend must be onednn, torch or modules, got {backend!r}")
+        if backend == "modules":
+            self._packed = None
+        else:
+            layers = [
+                _PackedLayer(
+                    PackedLinear([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj], backend),
+                    PackedLinear([l.self_attn.o_proj], backend),
+                    PackedLinear([l.mlp.gate_proj, l.mlp.up_proj], backend),
+                    PackedLinear([l.mlp.down_proj], backend),
+                )
+                for l in self.model.layers
+            ]
+            self._packed = (layers, PackedLinear([self.lm_head], backend))
+        self.linear_backend = backend
+        return backend
 
     # ---- forward -------------------------------------------------------------------------
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -279,6 +387,32 @@ class LlamaForCausalLM(nn.Module):
         Returns:
             float32 logits ``[R, vocab]``.
         """
+        if self._packed is None:
+            return self._forward_modules(cache, plan, input_ids, positions, logit_rows)
+        s = self.shape
+        layers, lm_head = self._packed
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self._rope(positions, x.dtype)
+        for index, (layer, ops) in enumerate(zip(self.model.layers, layers)):
+            h = layer.input_layernorm(x)
+            q, k, v = ops.qkv.split(h)  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D]
+            q = q.view(-1, s.num_heads, s.head_dim)
+            k = k.view(-1, s.num_kv_heads, s.head_dim)
+            q = q * cos + rotate_half(q) * sin  # fresh contiguous tensors
+            k = k * cos + rotate_half(k) * sin
+            cache.write(index, k, v.reshape(-1, s.num_kv_heads, s.head_dim), plan)
+            out = cache.attention(index, q, plan)  # [T, Hq, D]
+            x = x + ops.o(out.reshape(x.shape[0], -1))
+            gate, up = ops.gate_up.split(layer.post_attention_layernorm(x))
+            x = x + ops.down(F.silu(gate) * up)
+        x = self.model.norm(x[logit_rows])
+        return lm_head(x).float()
+
+    def _forward_modules(
+        self, cache: KVCacheBase, plan: StepPlan, input_ids: torch.Tensor, positions: torch.Tensor,
+        logit_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """:meth:`forward` through the ``nn.Linear`` modules one by one (the reference path)."""
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self._rope(positions, x.dtype)
         for index, layer in enumerate(self.model.layers):

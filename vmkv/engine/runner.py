@@ -142,6 +142,7 @@ def load_model(path: str | Path | None = None, *, dtype: str | torch.dtype = "au
         name = root.name
     model = model.to(device=target, dtype=_dtype(dtype, getattr(config, "dtype", None), target)).eval()
     model.inv_freq = model.inv_freq.float()  # RoPE frequencies stay float32, as in transformers
+    model.pack()  # fused, pre-packed linears (oneDNN on CPU): the weights are final now
     log.info("vmkv engine: model %s (%s, %d layers) on %s in %s", name, model.shape.family,
              model.shape.num_layers, target, model.lm_head.weight.dtype)
     return LoadedModel(model, tokenizer, name, config.max_position_embeddings)

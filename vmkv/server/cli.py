@@ -51,8 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--kv-mode", default="vmm", choices=["vmm", "paged"],
                        help="virtually contiguous tensors or block tables (default: %(default)s)")
     cache.add_argument("--memory-budget", default="256MiB", help="bytes for KV pages, e.g. 2GiB (default: %(default)s)")
-    cache.add_argument("--page-size", default=None, help="VMM page bytes per K/V tensor (default: >= 64KiB on CPU, "
-                       ">= 2MiB on CUDA)")
+    cache.add_argument("--page-size", default=None, help="VMM page bytes per K/V tensor (default: the cache's "
+                       "per-device default, >= 16 tokens a page; see docs/how-it-works.md)")
     cache.add_argument("--block-size", type=_positive, default=16, help="paged mode: tokens per block "
                        "(default: %(default)s)")
     cache.add_argument("--max-num-seqs", type=_positive, default=32, help="sequences running at once (cache slots) "

@@ -1,0 +1,269 @@
+"""The contiguous (VMM) CPU kernels against a float64 dense reference: batched decode over runs of
+slots (dummy rows, out-of-order packing, mixed prefill), stale data past a sequence's length,
+the batched/per-sequence rule, and kernel selection with a broken optional package."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import pytest
+import torch
+
+import vmkv
+from tests.conftest import dense_attention, small_config
+from vmkv import attention
+from vmkv.attention import CONTIGUOUS_KERNELS, DEFAULT_BATCH_RULE, BatchRule, SdpaDecodeKernel, plan_decode_batch
+
+CPU_KERNELS = ["sdpa_adaptive", "sdpa_batched", "sdpa_per_sequence"]
+
+
+class Driver:
+    """Writes random K/V into a VMM cache, keeps a dense copy, and checks every CPU kernel's
+    output on the cache's own views against :func:`dense_attention` (float64)."""
+
+    def __init__(self, cache: vmkv.VirtualKVCache, q_heads: int, seed: int = 0) -> None:
+        self.cache, self.q_heads = cache, q_heads
+        self.gen = torch.Generator().manual_seed(seed)
+        self.k: dict = {}
+        self.v: dict = {}
+
+    def randn(self, *shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=self.gen) * scale).to(self.cache.config.dtype)
+
+    def step(self, batch: dict, kernels=CPU_KERNELS) -> vmkv.StepPlan:
+        cfg = self.cache.config
+        plan = self.cache.begin_step(batch)
+        total = sum(batch.values())
+        for layer in range(cfg.num_layers):
+            k, v = self.randn(total, cfg.num_kv_heads, cfg.head_dim), self.randn(total, cfg.num_kv_heads, cfg.head_dim)
+            q = self.randn(total, self.q_heads, cfg.head_dim)
+            self.cache.write(layer, k, v, plan)
+            k_view, v_view = self.cache.kv_cache(layer)
+            outs = {name: CONTIGUOUS_KERNELS[name](q, k_view, v_view, plan, None) for name in kernels}
+            outs["cache.attention"] = self.cache.attention(layer, q, plan)
+            offset = 0
+            for seq_id, n in batch.items():
+                ks = self.k.setdefault(seq_id, [k[:0]] * cfg.num_layers)
+                vs = self.v.setdefault(seq_id, [v[:0]] * cfg.num_layers)
+                start = ks[layer].shape[0]
+                ks[layer] = torch.cat([ks[layer], k[offset : offset + n]])
+                vs[layer] = torch.cat([vs[layer], v[offset : offset + n]])
+                want = dense_attention(q[offset : offset + n], ks[layer], vs[layer], start)
+                tol = 1e-5 if cfg.dtype == torch.float32 else 2e-2
+                for name, out in outs.items():
+                    torch.testing.assert_close(out[offset : offset + n], want, atol=tol, rtol=tol,
+                                               msg=lambda m, name=name, s=seq_id: f"{name}, sequence {s!r}: {m}")
+                offset += n
+        return plan
+
+    def fill(self, seq_id, n: int) -> None:
+        """Prefill ``n`` tokens of ``seq_id`` (checked like any step)."""
+        self.step({seq_id: n}, kernels=["sdpa_per_sequence"])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("q_heads", [2, 8])  # MHA, and GQA with 4 query heads per KV head
+@pytest.mark.parametrize("layout", ["per_layer", "all_layers", "head_major"])
+def test_every_cpu_kernel_matches_dense_reference(dtype, q_heads, layout):
+    page = {"per_layer": "4KiB", "all_layers": "8KiB", "head_major": "4KiB"}[layout]
+    cache = vmkv.VirtualKVCache(small_config(dtype=dtype, layout=layout, page_size=page))
+    try:
+        driver = Driver(cache, q_heads)
+        for seq_id in "abcde":
+            cache.add(seq_id)
+        driver.step({"a": 37, "b": 1, "c": 64, "d": 5, "e": 31})  # mixed prefill lengths, page boundaries
+        for _ in range(3):
+            driver.step({"a": 1, "b": 1, "c": 1, "d": 1, "e": 1})  # decode, lengths 2..67
+        driver.step({"e": 1, "a": 1, "c": 1})  # packing order != slot order; slot of b, d are dummies
+        driver.step({"d": 1, "b": 30, "c": 1})  # prefill on a cached prefix mixed with decode rows
+        driver.step({"c": 1})  # one row
+    finally:
+        cache.close()
+
+
+def test_stale_data_past_a_length_contributes_nothing():
+    """A freed sequence leaves its K/V in pages its slot keeps (deferred reclaim); a shorter new
+    sequence in that slot is read by the batched call up to the step's longest length."""
+    cache = vmkv.VirtualKVCache(small_config(deferred_reclaim=True))
+    try:
+        driver = Driver(cache, q_heads=4)
+        cache.add("old")
+        plan = cache.begin_step({"old": 60})  # two pages of 32 tokens
+        for layer in range(2):
+            huge = driver.randn(60, 2, 16, scale=1e4)  # finite, and loud if it leaked into any output
+            cache.write(layer, huge, huge, plan)
+        slot = cache.slot("old")
+        cache.free("old")
+        cache.add("long")
+        cache.add("new")
+        assert cache.slot("new") == slot or cache.slot("long") == slot
+        fresh = "new" if cache.slot("new") == slot else "long"
+        driver.fill(fresh, 3)  # positions 3..59 of the slot still hold the old sequence's K/V
+        driver.fill("long" if fresh == "new" else "new", 70)  # the run's longest row: 71 keys read for both
+        for _ in range(2):
+            plan = driver.step({"new": 1, "long": 1})
+        batch = CONTIGUOUS_KERNELS["sdpa_batched"].decode_batch(plan)
+        assert batch.batched and batch.mask is not None and batch.max_kv == 72
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_non_finite_stale_data_is_never_read_into_an_answer(poison):
+    """An earlier sequence wrote inf/NaN K/V into a page a new, shorter sequence now owns: the
+    batched call's mask cannot cancel those (``-inf + inf``, ``0 * inf``), so the row is redone
+    on its exact slice."""
+    cache = vmkv.VirtualKVCache(small_config(deferred_reclaim=True))
+    try:
+        driver = Driver(cache, q_heads=4)
+        cache.add("old")
+        plan = cache.begin_step({"old": 60})
+        for layer in range(2):
+            bad = torch.full((60, 2, 16), poison)
+            cache.write(layer, bad, bad, plan)
+        cache.free("old")
+        cache.add("new"), cache.add("long")
+        driver.fill("new", 3)
+        driver.fill("long", 70)
+        for _ in range(2):
+            plan = driver.step({"new": 1, "long": 1})  # every kernel's output checked finite and exact
+        assert CONTIGUOUS_KERNELS["sdpa_batched"].decode_batch(plan).batched
+    finally:
+        cache.close()
+
+
+def test_rows_past_every_mapped_page_read_zeros_and_are_masked():
+    cache = vmkv.VirtualKVCache(small_config())
+    try:
+        driver = Driver(cache, q_heads=4)
+        for seq_id in range(4):
+            cache.add(seq_id)
+        driver.step({0: 200, 1: 1, 2: 33, 3: 2})  # slot 1 maps one page; the batched call reads 201 keys of it
+        driver.step({0: 1, 1: 1, 2: 1, 3: 1}, kernels=["sdpa_batched"])
+    finally:
+        cache.close()
+
+
+def _plan(cache: vmkv.VirtualKVCache, lengths: dict) -> vmkv.StepPlan:
+    for seq_id, n in lengths.items():
+        cache.add(seq_id)
+        plan = cache.begin_step({seq_id: n})
+        zeros = torch.zeros(n, 2, 16)
+        for layer in range(2):
+            cache.write(layer, zeros, zeros, plan)
+    return cache.begin_step({seq_id: 1 for seq_id in lengths})
+
+
+def test_decode_batch_covers_the_run_of_slots_without_copying_when_it_can():
+    cache = vmkv.VirtualKVCache(small_config())
+    try:
+        plan = _plan(cache, {"a": 10, "b": 10, "c": 10})
+        batch = plan_decode_batch(plan, [0, 1, 2], None)
+        assert (batch.first_slot, batch.span, batch.max_kv) == (min(plan.slots), 3, 11)
+        if list(plan.slots) == sorted(plan.slots):
+            assert batch.rows is None and batch.at is None  # q is viewed, not gathered
+        assert batch.mask is None  # equal lengths: nothing to mask
+        cache.free("b")
+        plan = cache.begin_step({"c": 1, "a": 1})
+        batch = plan_decode_batch(plan, [0, 1], None)
+        assert batch.span == 3 and batch.at.tolist() == [s - batch.first_slot for s in plan.slots]
+        assert batch.mask is None  # equal real lengths; the dummy row (b's slot) needs no mask
+        cache.begin_step({"a": 2})
+        plan = cache.begin_step({"c": 1, "a": 1})  # lengths 13 and 15
+        batch = plan_decode_batch(plan, [0, 1], None)
+        assert batch.mask.shape == (3, 1, 1, 15)
+        keys = dict(zip(plan.seq_ids, batch.mask[batch.at, 0, 0].sum(1).tolist()))
+        assert keys == {"c": 13, "a": 15}
+    finally:
+        cache.close()
+
+
+def test_the_rule_batches_equal_lengths_and_not_one_long_among_short():
+    rule = DEFAULT_BATCH_RULE
+    assert rule.batched(32, 2048, [2048] * 32)  # equal lengths, every slot of the run used
+    assert rule.batched(8, 128, [128] * 8)
+    assert not rule.batched(32, 2048, [2048] + [32] * 31)  # one long row makes 31 short ones pay 2048 keys
+    assert not rule.batched(64, 512, [512] * 32)  # half the run is dummy rows
+    per_sequence, batched = BatchRule(call_us=10, key_us=1, run_key_us=1, real_key_us=0, fixed_us=0).predict(4, 400, 100)
+    assert (per_sequence, batched) == (140, 400)
+
+
+def test_adaptive_kernel_follows_its_rule_and_memoises_per_plan():
+    cache = vmkv.VirtualKVCache(small_config())
+    try:
+        plan = _plan(cache, {"a": 300, "b": 2, "c": 2, "d": 2})
+        kernel = SdpaDecodeKernel("test", DEFAULT_BATCH_RULE)
+        batch = kernel.decode_batch(plan)
+        assert not batch.batched  # 3 of 4 rows would pay 301 keys for 3
+        assert kernel.decode_batch(plan) is batch  # computed once per step, reused by every layer
+        always = SdpaDecodeKernel("always", None)
+        assert always.decode_batch(plan).batched
+    finally:
+        cache.close()
+
+
+def test_a_prefill_only_step_runs_per_sequence():
+    cache = vmkv.VirtualKVCache(small_config())
+    try:
+        cache.add("a"), cache.add("b")
+        driver = Driver(cache, q_heads=4)
+        plan = driver.step({"a": 7, "b": 40})
+        assert CONTIGUOUS_KERNELS["sdpa_batched"].decode_batch(plan) is None
+    finally:
+        cache.close()
+
+
+def test_non_contiguous_q_is_accepted():
+    cache = vmkv.VirtualKVCache(small_config())
+    try:
+        plan = _plan(cache, {"a": 5, "b": 9})
+        k_view, v_view = cache.kv_cache(0)
+        wide = torch.randn(2, 4, 32)
+        q = wide[:, :, ::2]  # [2, 4, 16], non-contiguous
+        want = CONTIGUOUS_KERNELS["sdpa_per_sequence"](q.contiguous(), k_view, v_view, plan, None)
+        for name in CPU_KERNELS:
+            torch.testing.assert_close(CONTIGUOUS_KERNELS[name](q, k_view, v_view, plan, None), want)
+    finally:
+        cache.close()
+
+
+def test_cpu_selects_the_adaptive_kernel():
+    cache = vmkv.VirtualKVCache(small_config())
+    try:
+        assert cache.kernel == "sdpa_adaptive" and cache.stats()["kernel"] == "sdpa_adaptive"
+    finally:
+        cache.close()
+    reason = attention.contiguous_kernel_unavailable("sdpa_batched", torch.device("cuda", 0))
+    assert "zero pages" in reason
+
+
+@pytest.fixture
+def broken_flash_attn(tmp_path, monkeypatch):
+    """An installed flash-attn whose import fails the way an ABI mismatch does."""
+    package = tmp_path / "flash_attn"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEi')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    attention.optional_import.cache_clear()
+    yield
+    attention.optional_import.cache_clear()
+
+
+def test_a_broken_flash_attn_is_reported_not_selected(broken_flash_attn, monkeypatch, caplog):
+    function, why = attention.optional_import("flash_attn", "flash_attn_with_kvcache")
+    assert function is None and "undefined symbol" in why and "installed but" in why
+    # pretend to be an sm90 GPU, so that selection gets as far as importing flash-attn
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(attention, "_LOGGED", set())
+    with caplog.at_level(logging.INFO, logger="vmkv"):
+        name, _ = attention.select_contiguous_kernel(torch.device("cuda", 0), torch.bfloat16, 128)
+    assert name != "flash_attn_with_kvcache"
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings and "undefined symbol" in warnings[0].getMessage()
+    with pytest.raises(vmkv.BackendUnavailable, match="undefined symbol"):
+        attention._flash_attn_with_kvcache()

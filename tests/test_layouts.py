@@ -1,0 +1,109 @@
+"""VMM layouts (per_layer, all_layers, head_major) through the whole lifecycle against a dense
+mirror, and the per-device default layout and page size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vmkv
+from tests.conftest import KVMirror, small_config
+from vmkv.config import DEFAULT_TOKENS_PER_PAGE, default_vmm_pages, vmm_pieces
+from vmkv.vm import mapping_room
+
+PAGES = {"per_layer": "4KiB", "all_layers": "8KiB", "head_major": "4KiB"}  # 32, 32 and 64 tokens a page
+
+
+@pytest.mark.parametrize("layout", list(PAGES))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lifecycle_in_every_layout(layout, dtype):
+    """Prefill, decode across page boundaries, fork + copy-on-write, a prefix hit, free and trim:
+    every output against the float64 reference, every stored K/V read back exactly."""
+    cache = vmkv.VirtualKVCache(small_config(layout=layout, page_size=PAGES[layout], dtype=dtype))
+    try:
+        tpp = cache.tokens_per_page
+        mirror = KVMirror(cache, q_heads=4)
+        prompt = list(range(2 * tpp + 5))
+        cache.add("a", token_ids=prompt)
+        plan = cache.begin_step({"a": prompt})  # ids given: full pages enter the prefix cache
+        gen = torch.Generator().manual_seed(1)
+        ks = [torch.randn(len(prompt), 2, 16, generator=gen).to(cache.config.dtype) for _ in range(2)]
+        for layer in range(2):
+            cache.write(layer, ks[layer], -ks[layer], plan)
+        mirror.k["a"] = [k.clone() for k in ks]
+        mirror.v["a"] = [-k for k in ks]
+        for _ in range(3):
+            mirror.step({"a": 1})
+        mirror.fork("a", "b")  # shares every page; the partly filled last page is copied on write
+        mirror.step({"a": 1, "b": 1})
+        mirror.step({"b": tpp})  # b grows a page of its own
+        cache.add("c", token_ids=prompt)  # two full pages of the prompt come from the prefix cache
+        assert cache.seq_len("c") == 2 * tpp and cache.stats()["prefix_hits"] >= 1
+        mirror.k["c"] = [k[: 2 * tpp] for k in mirror.k["a"]]
+        mirror.v["c"] = [v[: 2 * tpp] for v in mirror.v["a"]]
+        mirror.step({"c": 5, "a": 1})
+        for seq_id in "abc":
+            mirror.assert_stored(seq_id)
+        assert cache.stats()["cow_copies"] >= 1
+        mirror.free("b")
+        cache.trim()
+        cache.check()
+        mirror.assert_stored("a"), mirror.assert_stored("c")
+    finally:
+        cache.close()
+
+
+def test_head_major_pages_cover_one_head_and_map_only_what_is_stored():
+    cache = vmkv.VirtualKVCache(small_config(layout="head_major", page_size="4KiB"))
+    try:
+        assert cache.tokens_per_page == 4096 // (16 * 4)  # one head's tokens: head_dim 16 floats
+        assert cache.geometry.num_tensors == 2 * 2 * 2 == vmm_pieces(cache.config)  # layers x K/V x heads
+        cache.add("a")
+        n = cache.tokens_per_page + 1
+        plan = cache.begin_step({"a": n})
+        for layer in range(2):
+            cache.write(layer, torch.ones(n, 2, 16), torch.ones(n, 2, 16), plan)
+        assert cache.stats()["resident_bytes"] == 2 * cache.geometry.page_bytes  # 2 pool pages, nothing more
+        k_view, _ = cache.kv_cache(0)
+        assert k_view.stride()[1:] == (16, cache.seq_capacity * 16, 1)  # [B, S, H, D] over [B, H, S, D]
+        rows, _ = cache.layer_storage(0)
+        assert rows.shape == (6 * 2 * cache.seq_capacity, 16)
+    finally:
+        cache.close()
+
+
+def test_the_default_is_per_layer_when_it_fits_else_all_layers_with_16_tokens_a_page():
+    llama = dict(num_layers=32, num_kv_heads=8, head_dim=128)  # Llama-3-8B, fp16: 2 KiB a token and layer
+    small = vmkv.KVCacheConfig(**llama, memory_budget="64MiB")
+    assert small.layout == "per_layer" and small.page_size == 16 * 2048  # 32 pool pages x 64 pieces fit the room
+    config = vmkv.KVCacheConfig(**llama, memory_budget="1GiB")  # per-layer 16-token pages: ~65,600 mappings
+    assert config.layout == "all_layers"
+    tpp = config.page_size // config.tensor_token_bytes()
+    assert config.page_size % 4096 == 0 and tpp == DEFAULT_TOKENS_PER_PAGE
+    cache = vmkv.VirtualKVCache(config.replace(max_batch_size=2, max_seq_len=64))
+    try:
+        assert cache.tokens_per_page == DEFAULT_TOKENS_PER_PAGE
+    finally:
+        cache.close()
+
+
+def test_the_default_page_grows_to_fit_the_mapping_room():
+    room = mapping_room()
+    if room is None:
+        pytest.skip("this system does not report vm.max_map_count")
+    small = dict(num_layers=2, num_kv_heads=1, head_dim=16, dtype="float32")  # 128 B a token, all layers
+    config = vmkv.KVCacheConfig(**small, memory_budget="4GiB")
+    pieces = vmm_pieces(config)
+    pages = config.memory_budget // (pieces * config.page_size)
+    assert pieces * (2 * pages + 1) <= room  # even a fragmented pool fits
+    assert config.page_size // config.tensor_token_bytes() > DEFAULT_TOKENS_PER_PAGE  # had to grow
+    tiny = vmkv.KVCacheConfig(**small, memory_budget="1MiB")
+    assert (tiny.layout, tiny.page_size) == ("per_layer", 4096)  # 64 tokens: the host granularity is the floor
+
+
+def test_an_explicit_page_size_keeps_the_per_layer_layout():
+    config = vmkv.KVCacheConfig(num_layers=2, num_kv_heads=2, head_dim=16, page_size="4KiB")
+    assert config.layout == "per_layer" and config.page_size == 4096
+    assert default_vmm_pages(config, "head_major")[0] == "head_major"
+    with pytest.raises(vmkv.InvalidConfig, match="layout must be one of"):
+        vmkv.KVCacheConfig(num_layers=2, num_kv_heads=2, head_dim=16, layout="heads")
