@@ -87,6 +87,12 @@ def trace_prompts(trace: list[common.Request], seed: int) -> list[list[int]]:
     return [[rng.randrange(256) for _ in range(req.prompt)] for req in trace]
 
 
+def _compact(samples: list[dict[str, Any]], points: int = 100) -> list[dict[str, Any]]:
+    """At most about ``points`` samples (every n-th), times rounded: what the plot and JSON need."""
+    step = max(1, len(samples) // points)
+    return [{**s, "t": round(s["t"], 3)} for s in samples[::step]]
+
+
 def _kv_memory(samples: list[dict[str, Any]], vmkv: bool, buffer_bytes: int) -> list[float]:
     return [s["resident_bytes"] if vmkv else buffer_bytes for s in samples]
 
@@ -129,7 +135,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "kv_mean_mib": statistics.fmean(kv) / 2**20, "kv_peak_mib": max(kv) / 2**20,
                 "rss_peak_mib": max(x["rss_bytes"] for x in samples) / 2**20, "tokens_identical": False,
             })
-            series[name] = samples
+            series[name] = _compact(samples)
     for row in rows:
         other = "vmkv" if row["engine"] == "stock" else "stock"
         row["tokens_identical"] = tokens[(row["round"], row["engine"])] == tokens[(row["round"], other)]
