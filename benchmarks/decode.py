@@ -156,22 +156,25 @@ class _Case:
         """Open a cache, write every sequence's context, then the decode step's token (layer 0)."""
         shape = {**self.shape, "num_layers": fields.pop("num_layers", 1)}
         probe = common.cache_config(shape, self.args.device, **fields)
-        tokens_per_page = (
+        tokens_per_page = (  # a pool page is tokens_per_page tokens of every piece, whatever the layout
             fields["block_size"] if mode == "paged"
-            else vmkv.parse_size(fields["page_size"]) // (probe.layer_token_bytes * (shape["num_layers"] if fields["layout"] == "all_layers" else 1))
+            else vmkv.parse_size(fields["page_size"]) // probe.tensor_token_bytes(fields["layout"])
         )
         pages = self.batch * (-(-(self.context + 1) // max(1, tokens_per_page)) + 1)
         budget = pages * max(1, tokens_per_page) * probe.bytes_per_token
         config = common.cache_config(shape, self.args.device, max_batch_size=self.batch, max_seq_len=self.context + 1,
                                      memory_budget=budget, prefix_caching=False, **fields)
         cache = vmkv.open_cache(config, mode)
-        self.caches[label] = cache
-        for seq in range(self.batch):
-            cache.add(seq)
-            cache.write(0, self.k_src[seq, :-1], self.v_src[seq, :-1], cache.begin_step({seq: self.context}))
-        plan = cache.begin_step({seq: 1 for seq in range(self.batch)})
-        cache.write(0, self.k_src[:, -1], self.v_src[:, -1], plan)
-        self.plans[label] = plan
+        try:
+            for seq in range(self.batch):
+                cache.add(seq)
+                cache.write(0, self.k_src[seq, :-1], self.v_src[seq, :-1], cache.begin_step({seq: self.context}))
+            plan = cache.begin_step({seq: 1 for seq in range(self.batch)})
+            cache.write(0, self.k_src[:, -1], self.v_src[:, -1], plan)
+        except BaseException:
+            cache.close()
+            raise
+        self.caches[label], self.plans[label] = cache, plan
 
     def _reference(self) -> torch.Tensor:
         """SDPA per sequence on the source K/V, in float32: ``[B, Hq, D]``."""

