@@ -10,7 +10,7 @@ import vmkv
 from vmkv.engine import GREEDY_TEMPERATURE, Engine, EngineConfig, InvalidParameter, SamplingParams
 from vmkv.engine.llama import LlamaForCausalLM, LlamaShape
 from vmkv.engine.runner import load_model
-from vmkv.models import ByteTokenizer, default_hf_model
+from vmkv.models import ByteTokenizer, default_hf_model, save_byte_tokenizer
 
 PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy dog. " * 3, "a", "Once upon a time, there"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -103,20 +103,6 @@ def test_unsupported_architecture_is_refused():
 
     with pytest.raises(vmkv.InvalidConfig, match="gpt2"):
         LlamaShape.from_hf_config(GPT2Config())
-
-
-def save_byte_tokenizer(path) -> None:
-    """A Hugging Face byte-level tokenizer with the default model's 259-token vocabulary."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={s: i for i, s in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    fast.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
-    fast.save_pretrained(path)
 
 
 def test_local_hf_directory_serves_like_transformers(tmp_path, hf_model, engines):

@@ -8,6 +8,7 @@ standard deviation large enough that greedy decoding is not a tie-break lottery.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -79,3 +80,19 @@ def default_hf_model(dtype: torch.dtype = torch.float32, device: str | torch.dev
         torch.manual_seed(DEFAULT_SEED)
         model = LlamaForCausalLM(config)
     return model.to(dtype=dtype, device=device).eval()
+
+
+def save_byte_tokenizer(path: str | Path) -> None:
+    """Save a Hugging Face byte-level tokenizer sized to the default model's 259-token vocabulary
+    (256 byte tokens, then BOS, EOS, PAD) to ``path``, for loaders that want a tokenizer
+    directory (``transformers``, vLLM). Needs ``transformers`` and ``tokenizers``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={s: i for i, s in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    fast.save_pretrained(path)

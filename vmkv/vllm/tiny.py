@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..models import DEFAULT_MODEL, default_hf_model
+from ..models import DEFAULT_MODEL, default_hf_model, save_byte_tokenizer
 
 TINY_LAYERS = 2
 
@@ -21,20 +21,6 @@ TINY_LAYERS = 2
 def token_bytes(num_layers: int = TINY_LAYERS) -> int:
     """KV bytes one token of the tiny model takes over all layers (K and V, float32)."""
     return 2 * num_layers * DEFAULT_MODEL["num_key_value_heads"] * DEFAULT_MODEL["head_dim"] * 4
-
-
-def save_byte_tokenizer(path: str | Path) -> None:
-    """Save a byte-level tokenizer with the default model's 259-token vocabulary to ``path``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={s: i for i, s in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    fast.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
-    fast.save_pretrained(path)
 
 
 def save_tiny_model(path: str | Path, num_layers: int = TINY_LAYERS) -> Path:
