@@ -72,10 +72,13 @@ def test_head_major_pages_cover_one_head_and_map_only_what_is_stored():
         cache.close()
 
 
-def test_the_default_is_per_layer_when_it_fits_else_all_layers_with_16_tokens_a_page():
-    llama = dict(num_layers=32, num_kv_heads=8, head_dim=128)  # Llama-3-8B, fp16: 2 KiB a token and layer
+def test_the_default_is_the_fastest_layout_that_fits_else_all_layers_with_16_tokens_a_page():
+    llama = dict(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float32")  # Llama-3-8B, fp32: 4 KiB a token and layer
     small = vmkv.KVCacheConfig(**llama, memory_budget="64MiB")
-    assert small.layout == "per_layer" and small.page_size == 16 * 2048  # 32 pool pages x 64 pieces fit the room
+    assert small.layout == "per_layer" and small.page_size == 16 * 4096  # 16 pool pages x 64 pieces fit the room
+    llama["dtype"] = "float16"  # half precision: head-major first (CPU SDPA reads it 1.4-2x faster) when it fits
+    half = vmkv.KVCacheConfig(**llama, memory_budget="64MiB")
+    assert half.layout == "head_major" and half.page_size == 4096  # 16 tokens of one 256 B head
     config = vmkv.KVCacheConfig(**llama, memory_budget="1GiB")  # per-layer 16-token pages: ~65,600 mappings
     assert config.layout == "all_layers"
     tpp = config.page_size // config.tensor_token_bytes()
