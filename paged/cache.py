@@ -148,13 +148,21 @@ class PagedKVCache(KVCacheBase):
 
     # ---- the mode's hooks ------------------------------------------------------------------
     def _attach(self, slot: int, index: int, page: int, old: int | None, keep: int) -> None:
+        """Point table entry ``slot``/``index`` at block ``page`` (journaled), after copying the
+        first ``keep`` tokens of ``old`` into it (copy-on-write)."""
         if keep:  # copy-on-write: the stored tokens of the block in every layer, K and V (one op each)
             self._k[:, page, :keep].copy_(self._k[:, old, :keep])
             self._v[:, page, :keep].copy_(self._v[:, old, :keep])
-        self.block_table[slot, index] = page
+        self._set_entry(slot, index, page)
 
     def _detach(self, slot: int, index: int, page: int) -> None:
-        self.block_table[slot, index] = NO_BLOCK
+        """Clear table entry ``slot``/``index`` (journaled)."""
+        self._set_entry(slot, index, NO_BLOCK)
+
+    def _set_entry(self, slot: int, index: int, block: int) -> None:
+        before = int(self.block_table[slot, index])
+        self.block_table[slot, index] = block
+        self._log(lambda: self.block_table.__setitem__((slot, index), before))
 
     def _release(self, pages: list[int]) -> None:
         """Nothing to give back: the pools are single tensors allocated up front, so a free block
@@ -168,10 +176,12 @@ class PagedKVCache(KVCacheBase):
         blocks = torch.tensor(pages[first : (start + count - 1) // block + 1], dtype=torch.long)
         return blocks[positions // block - first] * block + positions % block  # the slot mapping
 
-    def _block_table(self, seqs: list[_Sequence]) -> torch.Tensor:
+    def _block_table(self, seqs: list[_Sequence], kv_lens: list[int]) -> torch.Tensor:
         """int32 ``[B, max_blocks]`` rows of the step's sequences, on the cache's device;
-        ``max_blocks`` covers the longest sequence, entries past a sequence's blocks are -1."""
-        width = max(self.pages_for(seq.length) for seq in seqs)
+        ``max_blocks`` covers the longest sequence. Entries past the blocks a sequence's length
+        needs are whatever its row holds there (-1, or blocks ``reserve`` mapped ahead): kernels
+        read only ``kv_lens`` tokens."""
+        width = max(self.pages_for(n) for n in kv_lens)
         slots = torch.tensor([seq.slot for seq in seqs], dtype=torch.long)
         return self.block_table[slots, :width].to(self.config.device)
 
@@ -191,10 +201,11 @@ class PagedKVCache(KVCacheBase):
     # ---- memory ----------------------------------------------------------------------------
     def stats(self) -> dict:
         stats = super().stats()
+        k = self._k  # read once: close() may run on another thread (stats() is thread-free)
         stats.update(
             block_size=self.block_size,
             num_blocks=self.num_blocks,
-            pool_bytes=2 * self._k.numel() * self._k.element_size() if self._k is not None else 0,
+            pool_bytes=2 * k.numel() * k.element_size() if k is not None else 0,
         )
         return stats
 

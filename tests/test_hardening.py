@@ -150,6 +150,7 @@ class Faults:
         self.calls = 0
         self.fail_at: int | None = None
         self.error: type[Exception] = BackendError
+        self.failed = ""  # the name of the call that failed
 
     def wrap(self, owner: object, name: str) -> None:
         real = getattr(owner, name)
@@ -157,6 +158,7 @@ class Faults:
         def call(*args, **kwargs):
             self.calls += 1
             if self.calls == self.fail_at:
+                self.failed = name
                 raise self.error(f"injected failure of {name} (call {self.calls})")
             return real(*args, **kwargs)
 
@@ -292,7 +294,7 @@ def test_a_failure_at_every_call_leaves_the_cache_as_it_was(mode, scenario):
                 op(cache, mirror)
             faults.fail_at = None
             cache.check()
-            if scenario == "trim":  # memory goes back after the pages are free: only K/V must be intact
+            if faults.failed == "release_page":  # trim gives memory back after the pages are free
                 _assert_same(({},) + before[1:], ({},) + _snapshot(cache)[1:], f"{scenario}, call {k}")
             else:
                 _assert_same(before, _snapshot(cache), f"{scenario}, call {k} of {total}")
@@ -329,6 +331,71 @@ def test_a_failed_rollback_marks_the_cache_broken():
         cache.add("c")
     assert cache.stats()["sequences"] == 2  # stats() still answers
     cache.close()  # and close() still releases
+
+
+def test_a_rollback_that_fails_inside_one_page_marks_the_cache_broken_and_nothing_faults():
+    """Copy-on-write maps a page into each of 4 ranges; the OS refuses maps from the 2nd on, so
+    undoing the first range's unmap fails too: the cache must say it is broken, not carry on
+    over a range that now reads the zero page (a later write there would be a SIGSEGV)."""
+    cache = vmkv.VirtualKVCache(small_config())
+    cache.add("a")
+    fill(cache, {"a": 40})
+    cache.fork("a", "b")
+    real_map = cache._vm.map
+    calls = {"map": 0}
+
+    def map_refused_from_the_second_call(addr, page):
+        calls["map"] += 1
+        if calls["map"] >= 2:
+            raise BackendError("injected: map refused")
+        real_map(addr, page)
+
+    cache._vm.map = map_refused_from_the_second_call
+    with pytest.raises(BackendError, match="could not undo"):
+        cache.begin_step({"b": 1})
+    cache._vm.map = real_map
+    for call in (lambda: cache.begin_step({"b": 1}), lambda: cache.free("a"), lambda: cache.kv("b", 0)):
+        with pytest.raises(BackendError, match="close\\(\\) it"):
+            call()
+    cache.close()
+
+
+# ---- finishing a step: only calls that end it, only once their checks pass ---------------------------
+def _half_written_step(cache, ids):
+    cache.add("a", token_ids=ids)
+    plan = cache.begin_step({"a": ids})
+    kv = torch.ones(len(ids), 2, 16)
+    cache.write(0, kv, kv, plan)
+    return plan, kv
+
+
+def test_queries_and_failed_calls_between_layers_do_not_end_the_step(mode):
+    cache = vmkv.open_cache(small_config(), mode=mode)
+    ids = _tokens(2 * TPP + 6, 9)
+    plan, kv = _half_written_step(cache, ids)
+    before = cache.state()
+    cache.pages("a"), cache.check(), cache.stats()  # queries between layers
+    with pytest.raises(InvalidInput):
+        cache.reserve("a", 3.0)  # a failed call between layers
+    with pytest.raises(vmkv.DuplicateSequence):
+        cache.add("a")
+    assert cache.state() == before
+    cache.reserve("a", len(ids))  # a call that keeps the plan valid: it only records the reservation
+    assert cache.state()[0][0][4] == len(ids) and cache.state()[0][0][6] == ()  # no pages registered yet
+    cache.write(1, kv, kv, plan)  # the plan still works: the step completes
+    cache.add("b", token_ids=ids)
+    assert cache.seq_len("b") == 2 * TPP  # and its full pages were cached
+    cache.close()
+
+
+def test_token_ids_as_tensors_or_arrays(mode):
+    cache = vmkv.open_cache(small_config(), mode=mode)
+    cache.add("a"), cache.add("b"), cache.add("c")
+    plan = cache.begin_step({"a": torch.tensor([1, 2, 3]), "b": np.array([4, 5]), "c": np.array([7])})
+    assert plan.q_lens == (3, 2, 1)
+    with pytest.raises(InvalidInput):
+        cache.begin_step({"a": np.array(4)})  # 0-d: neither a count we accept silently nor ids
+    cache.close()
 
 
 # ---- A5: the mapping limit ------------------------------------------------------------------------

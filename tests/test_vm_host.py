@@ -1,5 +1,6 @@
 """The Linux host backend: reservations cost no memory, mapped pages do, sharing, release."""
 
+import ctypes
 import time
 
 import pytest
@@ -100,8 +101,29 @@ def test_bad_reservations_are_refused(vm):
         vm.reserve(MiB)  # not a multiple of the page size
     with pytest.raises(BackendError):
         vm.free_reservation(12345, 2 * MiB)
-    with pytest.raises(BackendError, match="reserving"):
+    with pytest.raises(InvalidConfig, match="reserving .* lower max_batch_size"):
         vm.reserve(1 << 62)  # more address space than the machine has
+
+
+def test_map_and_unmap_touch_only_this_backends_reservations(vm):
+    import mmap
+
+    other = mmap.mmap(-1, 2 * MiB)  # memory that is not ours must never be mapped over or emptied
+    other[:5] = b"hello"
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(other))
+    for call in (lambda: vm.unmap(addr), lambda: vm.map(addr, 0)):
+        with pytest.raises(BackendError, match="not inside a reservation"):
+            call()
+    assert other[:5] == b"hello"
+    base = vm.reserve(4 * MiB)
+    with pytest.raises(BackendError, match="not inside a reservation"):
+        vm.map(base + 4096, 0)  # not page-aligned within the reservation
+    for page in (-1, 16, 1.0, True):
+        with pytest.raises(BackendError, match="not a page of the store"):
+            vm.map(base, page)
+        with pytest.raises(BackendError, match="not a page of the store"):
+            vm.release_page(page)
+    del other
 
 
 def test_close_is_idempotent():

@@ -2,7 +2,8 @@
 
 ``KVCacheBase`` owns every decision about *which* pool page holds *which* tokens of *which*
 sequence. A mode only says how a page is addressed (VMM: mapped into a slot's virtual range;
-paged: written into a block-table row) through these hooks, each all-or-nothing:
+paged: written into a block-table row) through these hooks; each journals the inverse of every
+change it makes (``self._log``), so a failure half-way is rolled back:
 
     _attach(slot, index, page, old, keep)   logical page ``index`` of ``slot`` now addresses ``page``
     _detach(slot, index, page)              ... addresses nothing (reads as zeros in VMM mode)
@@ -107,7 +108,7 @@ class KVCacheBase(ABC):
         self._journal: list[Callable[[], None]] | None = None
         self._closed = False
         self._broken: str | None = None
-        # map ahead (VMM mode): one long-lived worker; _ahead is its pending job, joined by _settle
+        # map ahead (VMM mode): one long-lived worker; _ahead is its pending job, joined by _join_ahead
         self._ahead: Future | None = None
         self._ahead_worker = (
             ThreadPoolExecutor(1, thread_name_prefix="vmkv-map-ahead") if config.map_ahead and self.mode == "vmm" else None
@@ -117,7 +118,7 @@ class KVCacheBase(ABC):
     # ---- hooks a mode implements ---------------------------------------------------------
     @abstractmethod
     def _attach(self, slot: int, index: int, page: int, old: int | None, keep: int) -> None:
-        """Make logical page ``index`` of ``slot`` address ``page``, all or nothing.
+        """Make logical page ``index`` of ``slot`` address ``page``, journaling each change.
 
         ``old`` is the page addressed there before (``None`` if none). Copy-on-write: the first
         ``keep`` tokens of ``old`` (every layer, K and V) are copied into ``page`` first.
@@ -126,7 +127,7 @@ class KVCacheBase(ABC):
     @abstractmethod
     def _detach(self, slot: int, index: int, page: int) -> None:
         """Make logical page ``index`` of ``slot`` (which addresses ``page``) address nothing,
-        all or nothing."""
+        journaling each change."""
 
     @abstractmethod
     def _release(self, pages: list[int]) -> None:
@@ -137,8 +138,9 @@ class KVCacheBase(ABC):
         """int64 rows, in a layer's flattened ``[rows, heads, dim]`` storage, of ``count`` tokens."""
 
     @abstractmethod
-    def _block_table(self, seqs: list[_Sequence]) -> torch.Tensor | None:
-        """The block table a kernel needs for ``seqs`` (paged mode), or ``None``."""
+    def _block_table(self, seqs: list[_Sequence], kv_lens: list[int]) -> torch.Tensor | None:
+        """The block table a kernel needs for ``seqs`` holding ``kv_lens`` tokens (paged mode),
+        or ``None``."""
 
     @abstractmethod
     def layer_storage(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,9 +178,10 @@ class KVCacheBase(ABC):
             The slot (batch row) the sequence occupies.
 
         Raises:
-            DuplicateSequence, SequenceTooLong, NoFreeSlot, InvalidInput.
+            DuplicateSequence, SequenceTooLong, NoFreeSlot, InvalidInput; BackendError (or
+            OutOfMappings) if the OS refused a mapping: the call was rolled back.
         """
-        self._settle()
+        self._join_ahead()
         check_seq_id(seq_id)
         if seq_id in self._seqs:
             raise DuplicateSequence(f"sequence {seq_id!r} already exists; free it first or pick another id")
@@ -188,9 +191,10 @@ class KVCacheBase(ABC):
                 f"prompt of {len(tokens)} tokens exceeds max_seq_len={self.config.max_seq_len}"
             )
         self._require_free_slot(seq_id)
-        hits = self._match_prefix(tokens)
-        slot = self._pick_slot(self.pages_for(len(tokens)) if tokens else None)
         with atomic(self):
+            self._finish_last_step()
+            hits = self._match_prefix(tokens)
+            slot = self._pick_slot(self.pages_for(len(tokens)) if tokens else None)
             for page, _ in hits:
                 self.pool.incref(page)
             pages = self._adopt_slot(slot, [page for page, _ in hits])
@@ -213,9 +217,10 @@ class KVCacheBase(ABC):
             The slot of ``dst_id``.
 
         Raises:
-            UnknownSequence, DuplicateSequence, NoFreeSlot, InvalidInput.
+            UnknownSequence, DuplicateSequence, NoFreeSlot, InvalidInput; BackendError (or
+            OutOfMappings) if the OS refused a mapping: the call was rolled back.
         """
-        self._settle()
+        self._join_ahead()
         src = self._get(src_id)
         check_seq_id(dst_id)
         if dst_id in self._seqs:
@@ -223,6 +228,7 @@ class KVCacheBase(ABC):
         self._require_free_slot(dst_id)
         slot = self._pick_slot(0)
         with atomic(self):
+            self._finish_last_step()
             for page in src.pages:
                 self.pool.incref(page)
             pages = self._adopt_slot(slot, list(src.pages))
@@ -233,12 +239,14 @@ class KVCacheBase(ABC):
 
     @exclusive
     def reserve(self, seq_id: SeqId, num_tokens: int) -> None:
-        """Guarantee room for ``num_tokens`` tokens in total, mapping pages now if needed.
+        """Guarantee room for ``num_tokens`` tokens in total, mapping pages now if needed. A plan
+        from ``begin_step`` stays valid.
 
         Raises:
-            UnknownSequence, SequenceTooLong, OutOfPages, InvalidInput.
+            UnknownSequence, SequenceTooLong, OutOfPages, InvalidInput; BackendError (or
+            OutOfMappings) if the OS refused a mapping: the call was rolled back.
         """
-        self._settle()
+        self._join_ahead()
         seq = self._get(seq_id)
         num_tokens = as_int(num_tokens, "num_tokens")
         self._check_length(seq, num_tokens)
@@ -254,15 +262,17 @@ class KVCacheBase(ABC):
         (VMM mode) its private pages stay mapped in the slot for the next sequence.
 
         Raises:
-            UnknownSequence.
+            UnknownSequence; BackendError if the OS refused to unmap a page: the call was rolled
+            back.
         """
-        self._settle()
+        self._join_ahead()
         seq = self._get(seq_id)
-        keep = 0
-        if self._keep_spare:
-            while keep < len(seq.pages) and self._is_private(seq.pages[keep]):
-                keep += 1
         with atomic(self):
+            self._finish_last_step()  # first: its full pages stay in the prefix cache
+            keep = 0
+            if self._keep_spare:
+                while keep < len(seq.pages) and self._is_private(seq.pages[keep]):
+                    keep += 1
             for index in range(len(seq.pages) - 1, keep - 1, -1):
                 self._drop(seq.slot, index, seq.pages[index])
         self._spare[seq.slot] = seq.pages[:keep]
@@ -278,11 +288,13 @@ class KVCacheBase(ABC):
         Raises:
             UnknownSequence, InvalidInput (length negative or beyond the sequence).
         """
-        self._settle()
+        self._join_ahead()
         seq = self._get(seq_id)
         length = as_int(length, "truncate length")
         if length > seq.length:
             raise InvalidInput(f"truncate length must be in 0..{seq.length}, got {length}")
+        with atomic(self):
+            self._finish_last_step()
         self._tokens -= seq.length - length
         seq.length = length
         del seq.tokens[length:]
@@ -300,13 +312,15 @@ class KVCacheBase(ABC):
             The number of pages that became free.
 
         Raises:
-            BackendError: the OS refused to take some free page's memory back; the pages are
-                free in the pool all the same (call ``trim()`` again to retry).
+            BackendError: the OS refused to unmap a page (the call was rolled back), or to take
+                some free page's memory back (the pages are free in the pool all the same: call
+                ``trim()`` again to retry).
         """
-        self._settle()
+        self._join_ahead()
         before = self.pool.num_free
         needs = {seq.seq_id: self.pages_for(max(seq.length, seq.reserved)) for seq in self._seqs.values()}
         with atomic(self):
+            self._finish_last_step()
             for slot in sorted(self._free_slots):
                 spare = self._spare[slot]
                 for index in range(len(spare) - 1, -1, -1):
@@ -339,16 +353,19 @@ class KVCacheBase(ABC):
             later call that changes the cache makes it stale.
 
         Raises:
-            UnknownSequence, SequenceTooLong, OutOfPages, InvalidInput.
+            UnknownSequence, SequenceTooLong, OutOfPages, InvalidInput; BackendError (or
+            OutOfMappings) if the OS refused a mapping: the call was rolled back.
         """
-        self._settle()
+        self._join_ahead()
         steps = self._check_batch(batch)
-        copies, grows = self._plan_pages(steps)
         with atomic(self):
+            self._finish_last_step()
+            copies, grows = self._plan_pages(steps)
             self._make_room(sum(len(c) for c in copies) + sum(grows))
             for (seq, _, _), copy_at, grow in zip(steps, copies, grows):
                 self._copy_on_write(seq, copy_at)
                 self._grow(seq, grow)
+            plan = self._build_plan([s for s, _, _ in steps], [c for _, c, _ in steps])  # may fail: before the commit
         for seq, count, ids in steps:
             self._unregister_written(seq, count)
             if ids is not None and len(seq.tokens) >= seq.length:
@@ -361,7 +378,6 @@ class KVCacheBase(ABC):
         self.counters["cow_copies"] += sum(len(c) for c in copies)
         self._layers_written = set()
         self._version += 1
-        plan = self._build_plan([s for s, _, _ in steps], [c for _, c, _ in steps])
         if self._ahead_worker is not None:
             self._start_map_ahead(plan)
         return plan
@@ -425,8 +441,12 @@ class KVCacheBase(ABC):
 
     @exclusive
     def pages(self, seq_id: SeqId) -> list[int]:
-        """Pool page ids holding ``seq_id``'s tokens, in order (a copy)."""
-        self._settle()
+        """Pool page ids holding ``seq_id``'s tokens, in order (a copy).
+
+        Raises:
+            UnknownSequence.
+        """
+        self._join_ahead()
         return list(self._get(seq_id).pages)
 
     def stats(self) -> dict[str, Any]:
@@ -464,7 +484,7 @@ class KVCacheBase(ABC):
     @exclusive
     def check(self) -> None:
         """Raise ``AssertionError`` if page ownership is inconsistent (used by the tests)."""
-        self._settle()
+        self._join_ahead()
         self.pool.check()
         owners: Counter[int] = Counter()
         for seq in self._seqs.values():
@@ -554,9 +574,9 @@ class KVCacheBase(ABC):
                 raise InvalidInput(
                     f"sequence {seq_id!r}: a 0-d tensor is ambiguous; pass an int count or a list of token ids"
                 )
-            if isinstance(new, (bool, float)) or hasattr(new, "__index__"):  # a count (NumPy ints too)
-                ids, count = None, as_int(new, f"new tokens of {seq_id!r}", minimum=1)
-            else:
+            if isinstance(new, (bool, float)) or (hasattr(new, "__index__") and not hasattr(new, "__len__")):
+                ids, count = None, as_int(new, f"new tokens of {seq_id!r}", minimum=1)  # a count (NumPy ints too)
+            else:  # token ids: a list, tuple, range, 1-D tensor or array
                 ids = as_token_ids(new, 1)
                 count = len(ids)
             self._check_length(seq, seq.length + count)
@@ -597,18 +617,9 @@ class KVCacheBase(ABC):
         if self._journal is not None:
             self._journal.append(undo)
 
-    def _map_page(self, slot: int, index: int, page: int, old: int | None = None, keep: int = 0) -> None:
-        """``_attach`` with its undo journaled (``old`` mapped back, or the address emptied)."""
-        self._attach(slot, index, page, old, keep)
-        if old is None:
-            self._log(lambda: self._detach(slot, index, page))
-        else:
-            self._log(lambda: self._attach(slot, index, old, page, 0))
-
     def _drop(self, slot: int, index: int, page: int) -> None:
         """Stop addressing ``page`` from ``slot``/``index`` and release that reference."""
         self._detach(slot, index, page)
-        self._log(lambda: self._attach(slot, index, page, None, 0))
         self.pool.decref(page)
 
     def _is_private(self, page: int) -> bool:
@@ -636,7 +647,7 @@ class KVCacheBase(ABC):
         spare = self._spare[slot]
         for index, page in enumerate(head):
             old = spare[index] if index < len(spare) else None
-            self._map_page(slot, index, page, old)
+            self._attach(slot, index, page, old, 0)
             if old is not None:
                 self.pool.decref(old)
         return head + spare[len(head) :]
@@ -676,7 +687,7 @@ class KVCacheBase(ABC):
 
     def _grow(self, seq: _Sequence, count: int) -> None:
         for page in self.pool.allocate(count):
-            self._map_page(seq.slot, len(seq.pages), page)
+            self._attach(seq.slot, len(seq.pages), page, None, 0)
             seq.pages.append(page)
             self._log(seq.pages.pop)
 
@@ -686,7 +697,7 @@ class KVCacheBase(ABC):
             old = seq.pages[index]
             (page,) = self.pool.allocate(1)
             keep = min(self.tokens_per_page, max(0, seq.length - index * self.tokens_per_page))
-            self._map_page(seq.slot, index, page, old, keep)
+            self._attach(seq.slot, index, page, old, keep)
             self.pool.decref(old)
             seq.pages[index] = page
             self._log(lambda index=index, old=old: seq.pages.__setitem__(index, old))
@@ -720,21 +731,31 @@ class KVCacheBase(ABC):
             page_hash = self._page_hash(parent, seq.tokens[index * tpp : (index + 1) * tpp])
             self.pool.register(seq.pages[index], page_hash)
             seq.hashes.append(page_hash)
+            self._log(seq.hashes.pop)
 
     def _finish_last_step(self) -> None:
         """Index the full pages the last step filled, if it wrote every layer. If it did not
         (a forward pass failed half-way), its tokens' K/V are unknown: forget their ids, so
-        those pages never enter the prefix cache."""
+        those pages never enter the prefix cache.
+
+        Runs (journaled) inside the calls that make the step's plan stale, after their checks:
+        a call that fails finishes nothing, and queries between a step's layers change nothing.
+        """
+        if not self._last_step:
+            return
         complete = len(self._layers_written) == self.config.num_layers
         for seq_id, start in self._last_step:
             seq = self._seqs.get(seq_id)
             if seq is None:
                 continue
             if not complete:
+                forgotten = seq.tokens[start:]
                 del seq.tokens[start:]
+                self._log(lambda seq=seq, forgotten=forgotten: seq.tokens.extend(forgotten))
             elif self.config.prefix_caching:
                 self._register_full_pages(seq)
-        self._last_step = []
+        last, self._last_step = self._last_step, []
+        self._log(lambda: setattr(self, "_last_step", last))
 
     def _unregister_written(self, seq: _Sequence, count: int) -> None:
         """Pages this step writes into change: drop their prefix hashes (they are private now)."""
@@ -744,19 +765,18 @@ class KVCacheBase(ABC):
         del seq.hashes[seq.length // tpp :]
 
     # ---- steps -----------------------------------------------------------------------------
-    def _settle(self) -> None:
-        """Join background mapping (a failure there is logged and counted, never re-raised: the
-        next step maps the page itself) and finish the last step."""
-        if self._ahead is not None:
-            ahead, self._ahead = self._ahead, None
-            try:
-                ahead.result()
-            except Exception as exc:  # noqa: BLE001 - reported in stats() and the log
-                self.counters["map_ahead_errors"] += 1
-                log.warning("vmkv: mapping ahead failed (%s: %s); the next step maps the page itself",
-                            type(exc).__name__, exc)
-        if self._last_step:
-            self._finish_last_step()
+    def _join_ahead(self) -> None:
+        """Wait for background mapping. A failure there is logged and counted in ``stats()``,
+        never re-raised: the worker rolled its page back, and the next step maps it itself."""
+        if self._ahead is None:
+            return
+        ahead, self._ahead = self._ahead, None
+        try:
+            ahead.result()
+        except Exception as exc:  # noqa: BLE001 - reported in stats() and the log
+            self.counters["map_ahead_errors"] += 1
+            log.warning("vmkv: mapping ahead failed (%s: %s); the next step maps the page itself",
+                        type(exc).__name__, exc)
 
     def _plan_pages(self, steps: list[tuple[_Sequence, int, Any]]) -> tuple[list[list[int]], list[int]]:
         """For each step: the page indexes to copy before writing, and the pages to add.
@@ -780,8 +800,11 @@ class KVCacheBase(ABC):
         return copies, grows
 
     def _build_plan(self, seqs: list[_Sequence], counts: list[int]) -> StepPlan:
+        """The plan of a step adding ``counts[i]`` tokens to ``seqs[i]``, built before the step is
+        committed (lengths are still the old ones; the plan carries the version it commits)."""
         device = self.config.device
-        starts = [seq.length - n for seq, n in zip(seqs, counts)]
+        starts = [seq.length for seq in seqs]
+        kv_lens = [s + n for s, n in zip(starts, counts)]
         rows = [self._token_rows(seq.slot, seq.pages, s, n) for seq, s, n in zip(seqs, starts, counts)]
         cu_q = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         return StepPlan(
@@ -789,14 +812,14 @@ class KVCacheBase(ABC):
             slots=tuple(seq.slot for seq in seqs),
             starts=tuple(starts),
             q_lens=tuple(counts),
-            kv_lens=tuple(seq.length for seq in seqs),
+            kv_lens=tuple(kv_lens),
             cu_q=cu_q.to(device),
             write_rows=torch.cat(rows).to(device),
             slots_t=torch.tensor([seq.slot for seq in seqs], dtype=torch.int32, device=device),
-            kv_lens_t=torch.tensor([seq.length for seq in seqs], dtype=torch.int32, device=device),
-            block_table=self._block_table(seqs),
+            kv_lens_t=torch.tensor(kv_lens, dtype=torch.int32, device=device),
+            block_table=self._block_table(seqs, kv_lens),
             causal_masks=tuple(causal_mask(s, n) for s, n in zip(starts, counts)) if device.type == "cpu" else (),
-            version=self._version,
+            version=self._version + 1,
             owner=self._owner,
         )
 
@@ -827,7 +850,7 @@ class KVCacheBase(ABC):
     def _stop_map_ahead(self) -> None:
         """Finish pending background mapping and stop the worker (at close)."""
         if getattr(self, "_ahead", None) is not None:
-            self._settle()
+            self._join_ahead()
         worker = getattr(self, "_ahead_worker", None)
         if worker is not None:
             worker.shutdown()

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+import functools
 import logging
 import math
 
@@ -231,41 +232,32 @@ class VirtualKVCache(KVCacheBase):
         return tensor * self.geometry.num_pages + page
 
     def _attach(self, slot: int, index: int, page: int, old: int | None, keep: int) -> None:
-        """Map ``page`` in every range at ``slot``/``index`` (replacing ``old``), all or nothing."""
+        """Map ``page`` in every range at ``slot``/``index`` (replacing ``old``); each backend call
+        that succeeds journals its inverse, so a failure half-way is rolled back by the caller's
+        ``atomic`` block (and a failing rollback marks the cache broken)."""
         nbytes = keep * self.geometry.piece_bytes // self.tokens_per_page  # the stored tokens only
         addrs = [self._addr(t, slot, index) for t in range(self.geometry.num_tensors)]
         saved = [self._vm.tensor(a, (nbytes,), torch.uint8).clone() for a in addrs] if keep else []
         if old is not None:
             self._vm.synchronize()  # no kernel may still read the page we take away
-        undo = []
-        try:
-            for t, addr in enumerate(addrs):
-                if old is not None:
-                    self._vm.unmap(addr)
-                    undo.append((self._vm.map, addr, self._piece(old, t)))
-                self._vm.map(addr, self._piece(page, t))
-                undo.append((self._vm.unmap, addr))
-        except BaseException:
-            for call, *args in reversed(undo):
-                call(*args)
-            raise
+        for t, addr in enumerate(addrs):
+            if old is not None:
+                self._vm.unmap(addr)
+                self._log(functools.partial(self._vm.map, addr, self._piece(old, t)))
+            self._vm.map(addr, self._piece(page, t))
+            self._log(functools.partial(self._vm.unmap, addr))
         for addr, data in zip(addrs, saved):
             self._vm.tensor(addr, (nbytes,), torch.uint8).copy_(data)
         self._dirty.add(page)
 
     def _detach(self, slot: int, index: int, page: int) -> None:
-        """Unmap ``page`` at ``slot``/``index`` in every range (reads as zeros), all or nothing."""
+        """Unmap ``page`` at ``slot``/``index`` in every range (it reads as zeros again); each
+        unmap journals its inverse (see :meth:`_attach`)."""
         self._vm.synchronize()  # no kernel may still read the page we take away
-        done = []
-        try:
-            for t in range(self.geometry.num_tensors):
-                addr = self._addr(t, slot, index)
-                self._vm.unmap(addr)
-                done.append((t, addr))
-        except BaseException:
-            for t, addr in reversed(done):
-                self._vm.map(addr, self._piece(page, t))
-            raise
+        for t in range(self.geometry.num_tensors):
+            addr = self._addr(t, slot, index)
+            self._vm.unmap(addr)
+            self._log(functools.partial(self._vm.map, addr, self._piece(page, t)))
 
     def _release(self, pages: list[int]) -> None:
         """Give the memory of free pages back to the OS (only pages mapped since their last release)."""
@@ -277,7 +269,7 @@ class VirtualKVCache(KVCacheBase):
     def _token_rows(self, slot: int, pages: list[int], start: int, count: int) -> torch.Tensor:
         return torch.arange(start, start + count) + slot * self.seq_capacity
 
-    def _block_table(self, seqs: list[_Sequence]) -> None:
+    def _block_table(self, seqs: list[_Sequence], kv_lens: list[int]) -> None:
         return None
 
     # ---- memory ----------------------------------------------------------------------------

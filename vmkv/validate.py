@@ -46,7 +46,10 @@ def as_token_ids(value: Any, minimum: int = 0) -> list[int]:
     elif isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         raise InvalidInput(f"token ids must be a sequence of ints, got {type(value).__name__}")
     else:
-        tokens = [as_int(t, "a token id") for t in value]
+        try:
+            tokens = [as_int(t, "a token id") for t in value]
+        except TypeError:  # e.g. a 0-d NumPy array: iterable in type, not in fact
+            raise InvalidInput(f"token ids must be a sequence of ints, got {type(value).__name__}") from None
     if len(tokens) < minimum:
         raise InvalidInput(f"need at least {minimum} token id(s), got {len(tokens)}")
     return tokens

@@ -167,13 +167,26 @@ class HostVirtualMemory(VirtualMemory):
             raise BackendError("the host backend is closed")
 
     def reserve(self, nbytes: int) -> int:
+        """Reserve ``nbytes`` of address space reading as zeros (see :class:`VirtualMemory`).
+
+        Raises:
+            InvalidConfig: ``nbytes`` is not a positive multiple of the page size, or the process
+                has no such span of address space left (a ``max_batch_size * max_seq_len``
+                too large for this machine).
+        """
         self._open()
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0 or nbytes % self.page_size:
             raise InvalidConfig(f"reserve: {nbytes!r} is not a positive multiple of the page size {self.page_size}")
-        addr = self._mmap(None, nbytes, _PROT_READ, _ZERO_FLAGS, -1, 0, f"reserving {nbytes} B")
-        self._reservations[addr] = _Reservation(self._libc, addr, nbytes)
-        bisect.insort(self._starts, addr)
-        return addr
+        got = self._libc.mmap(None, nbytes, _PROT_READ, _ZERO_FLAGS, -1, 0)
+        if got is None or got == _MAP_FAILED:
+            err = ctypes.get_errno()
+            raise InvalidConfig(
+                f"reserving {nbytes} B of address space failed: {os.strerror(err)} (errno {err}); lower "
+                "max_batch_size or max_seq_len (a VMM range reserves both in full)"
+            )
+        self._reservations[got] = _Reservation(self._libc, got, nbytes)
+        bisect.insort(self._starts, got)
+        return got
 
     def free_reservation(self, addr: int, nbytes: int) -> None:
         """Give a range back; it is unmapped now, and returned to the OS once no tensor uses it."""
@@ -190,21 +203,53 @@ class HostVirtualMemory(VirtualMemory):
                    f"unmapping the reservation at {reservation.addr:#x}")
 
     def map(self, addr: int, page: int) -> None:
+        """Map store page ``page`` read-write at ``addr`` (a page of a reservation).
+
+        Raises:
+            BackendError: ``addr`` is not a page of a reservation, ``page`` not in the store, or
+                the OS refused (``OutOfMappings`` when out of mappings or memory).
+        """
         self._open()
-        if not 0 <= page < self.num_pages:
-            raise BackendError(f"map: page {page} is outside the store of {self.num_pages} pages")
+        self._check_page(page)
+        self._reservation_of(addr, self.page_size, "map")
         self._mmap(addr, self.page_size, _PROT_RW, self._map_flags, self._fd, page * self.page_size,
                    f"mapping page {page} at {addr:#x}")
 
     def unmap(self, addr: int) -> None:
+        """Put the zero page back at ``addr`` (a page of a reservation).
+
+        Raises:
+            BackendError: ``addr`` is not a page of a reservation, or the OS refused.
+        """
         self._open()
+        self._reservation_of(addr, self.page_size, "unmap")
         self._mmap(addr, self.page_size, _PROT_READ, _ZERO_FLAGS | _MAP_FIXED, -1, 0, f"unmapping {addr:#x}")
 
     def release_page(self, page: int) -> None:
+        """Give the memory behind store page ``page`` back to the OS (its contents become zeros).
+
+        Raises:
+            BackendError: ``page`` is not in the store, or the OS refused.
+        """
         self._open()
+        self._check_page(page)
         mode = _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE
         if self._libc.fallocate(self._fd, mode, page * self.page_size, self.page_size) != 0:
             raise self._fail(f"releasing page {page}")
+
+    def _check_page(self, page: int) -> None:
+        if isinstance(page, bool) or not isinstance(page, int) or not 0 <= page < self.num_pages:
+            raise BackendError(f"page {page!r} is not a page of the store (0..{self.num_pages - 1})")
+
+    def _reservation_of(self, addr: int, nbytes: int, what: str) -> _Reservation:
+        """The reservation holding ``[addr, addr + nbytes)``, page-aligned; else ``BackendError``
+        (nothing outside this backend's reservations is ever mapped over or unmapped)."""
+        index = bisect.bisect_right(self._starts, addr) - 1 if isinstance(addr, int) else -1
+        reservation = self._reservations[self._starts[index]] if index >= 0 else None
+        if (reservation is None or addr + nbytes > reservation.addr + reservation.nbytes
+                or (what != "tensor" and (addr - reservation.addr) % self.page_size)):
+            raise BackendError(f"{what}: [{addr!r}, +{nbytes}) is not inside a reservation of this backend")
+        return reservation
 
     def tensor(self, addr: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A zero-copy tensor over ``addr``; it keeps the reservation holding it alive, so it reads
@@ -212,10 +257,7 @@ class HostVirtualMemory(VirtualMemory):
         nbytes = torch.empty((), dtype=dtype).element_size()
         for dim in shape:
             nbytes *= dim
-        index = bisect.bisect_right(self._starts, addr) - 1
-        reservation = self._reservations[self._starts[index]] if index >= 0 else None
-        if reservation is None or addr + nbytes > reservation.addr + reservation.nbytes:
-            raise BackendError(f"tensor: [{addr:#x}, +{nbytes}) is not inside a reservation of this backend")
+        reservation = self._reservation_of(addr, nbytes, "tensor")
         buffer = (ctypes.c_uint8 * nbytes).from_address(addr)
         buffer.reservation = reservation  # the tensor holds the buffer, the buffer the range
         return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
@@ -224,7 +266,11 @@ class HostVirtualMemory(VirtualMemory):
         """CPU kernels run synchronously: nothing to wait for."""
 
     def resident_bytes(self) -> int:
-        return os.fstat(self._fd).st_blocks * 512 if self._fd >= 0 else 0
+        fd = self._fd  # read once: close() may run on another thread (stats() is thread-free)
+        try:
+            return os.fstat(fd).st_blocks * 512 if fd >= 0 else 0
+        except OSError:  # closed in between
+            return 0
 
     def close(self) -> None:
         """Unmap every page (views read zeros from now on) and free the page store. Idempotent."""
