@@ -116,6 +116,23 @@ def test_local_hf_directory_serves_like_transformers(tmp_path, hf_model, engines
     assert engine.tokenizer.chat([{"role": "user", "content": "hi"}]) == engine.tokenizer.encode("user: hi\nassistant:")
 
 
+@pytest.mark.parametrize("text", ["A!\u00e9\n", "plain ASCII, spaces  and\ttabs", "line one\nline two\r\n",
+                                  "multibyte: \u00e9\u00e8 \u6f22\u5b57 \U0001f600", "\x00\x7f control"])
+def test_saved_byte_tokenizer_encodes_like_byte_tokenizer(tmp_path, text):
+    """Token ids are byte values (then BOS, EOS, PAD = 256, 257, 258), BOS first, like ByteTokenizer."""
+    from transformers import AutoTokenizer
+
+    save_byte_tokenizer(tmp_path)
+    saved, ours = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True), ByteTokenizer()
+    assert saved.encode(text) == ours.encode(text)
+    assert saved.encode(text, add_special_tokens=False) == ours.encode(text, add_bos=False)
+    assert saved.decode(ours.encode(text), skip_special_tokens=True) == ours.decode(ours.encode(text)) == text
+    assert (saved.bos_token_id, saved.eos_token_id, saved.pad_token_id, len(saved)) == (256, 257, 258, 259)
+    chat = [{"role": "user", "content": text}]
+    prompt = saved.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert saved.encode(prompt, add_special_tokens=False) == ours.apply_chat_template(chat)
+
+
 def test_directory_without_config_is_refused(tmp_path):
     with pytest.raises(vmkv.InvalidConfig, match="config.json"):
         load_model(tmp_path)
