@@ -435,6 +435,24 @@ def test_gpu_smoke_says_why_it_cannot_run_here(tmp_path):
     assert not any(tmp_path.iterdir())  # refused before writing anything
 
 
+def test_gpu_smoke_passes_only_when_tokens_and_prefix_hits_match_stock():
+    from vmkv.vllm import smoke
+
+    # the smoke keeps vmkv's default max_cached: prefix-cached pages stay mapped for the second pass
+    assert plugin.PluginConfig.from_extra_config(smoke.VMKV_OPTIONS).max_cached is None
+    tokens = {"0": [5, 6], "1": [7]}
+    stock = {"tokens": tokens, "again": tokens, "cached": {"0": 288, "1": 288}}
+    ours = {**stock, "peak_mapped": 2**20}
+    assert smoke.verdict(stock, ours, 2**29)["passed"]
+    for change, failed in [({"cached": {"0": 288, "1": 0}}, "prefix_hits_identical"),
+                           ({"again": {"0": [5, 6], "1": [8]}}, "tokens_identical"),
+                           ({"peak_mapped": 2**29}, "passed")]:
+        result = smoke.verdict(stock, {**ours, **change}, 2**29)
+        assert not result[failed] and not result["passed"], change
+    nothing = {**stock, "cached": {"0": 0, "1": 0}}  # no hit anywhere: prefix caching went untested
+    assert not smoke.verdict(nothing, {**nothing, "peak_mapped": 1}, 2**29)["passed"]
+
+
 @pytest.mark.slow
 @needs_vllm
 def test_benchmark_smoke_follows_the_contract_and_ends_with_a_verdict(tmp_path):
