@@ -302,6 +302,42 @@ def test_worker_refuses_a_lost_step_and_a_foreign_layout(halves, monkeypatch):
 
 
 @needs_vllm
+def test_trim_waits_for_the_step_scheduled_after_it(halves, monkeypatch):
+    """A busy engine with a step in flight: the step scheduled before the trim does not end the wait."""
+    from vmkv.vllm.block_pool import PageAffineBlockPool
+
+    config, scheduler, worker_connector = halves
+    allocate_on(worker_connector, monkeypatch)
+    layout, _, max_idle = scheduler.pool_settings(config)
+    pool = PageAffineBlockPool(NUM_BLOCKS, True, BLOCK, layout=layout, budget_pages=24, max_idle_units=max_idle)
+    scheduler.bind_kv_cache_manager(SimpleNamespace(block_pool=pool))
+    blocks = pool.get_new_blocks(4)
+    for block in blocks:
+        pool._insert_block_hash(("h", block.block_id), block, num_tokens=BLOCK)
+    pool.free_blocks(blocks)  # prefix-cached only: their units stay mapped (max_cached: 2 units)
+    in_flight = [scheduler.build_connector_meta(None)]
+
+    class BusyLLM:
+        """Every call reaches the workers after the oldest scheduled step; the engine then schedules another."""
+
+        def collective_rpc(self, method: str) -> list[dict]:
+            assert method == "vmkv_stats"
+            worker_connector.handle_preemptions(in_flight.pop(0))
+            in_flight.append(scheduler.build_connector_meta(None))
+            return [worker_connector.worker_stats()]
+
+        def reset_prefix_cache(self, reset_connector: bool = False) -> bool:
+            assert reset_connector
+            return scheduler.reset_cache()
+
+    buffer = worker_connector._buffer
+    assert pool.free_block_queue.mapped_pages == 6  # block 0's unit and the two idle cached units
+    after = plugin.trim(BusyLLM(), timeout=5)[0]
+    assert after["mapped_pages"] == buffer.mapped_pages == 2  # the trim's unmaps were applied
+    assert after["trim_step"] == after["applied_step"] == 3  # step 2 was scheduled before the trim
+
+
+@needs_vllm
 def test_missing_pieces_are_named(halves):
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
