@@ -338,6 +338,30 @@ def test_trim_waits_for_the_step_scheduled_after_it(halves, monkeypatch):
 
 
 @needs_vllm
+def test_the_scheduler_puts_the_new_pool_and_its_null_block_in_every_group_manager(halves):
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    from vmkv.vllm.block_pool import PageAffineBlockPool
+    from vmkv.vllm.scheduler import install_pool
+
+    config, scheduler, _ = halves
+    manager = KVCacheManager(kv_cache_config(), max_model_len=NUM_BLOCKS * BLOCK, scheduler_block_size=BLOCK,
+                             hash_block_size=BLOCK)
+    pool = PageAffineBlockPool.replacing(manager.block_pool, *scheduler.pool_settings(config))
+    install_pool(manager, pool)
+    assert manager.block_pool is manager.coordinator.block_pool is pool
+    single = manager.coordinator.single_type_managers[0]
+    assert single.block_pool is pool and single._null_block is pool.null_block
+    # a request whose first block was skipped (the null block), then two blocks of its own
+    single.req_to_blocks["r"] = [pool.null_block, *pool.get_new_blocks(2)]
+    pool.touch([pool.null_block])  # vLLM does not keep the null block's ref_cnt: it drifts
+    null_refs, free = pool.null_block.ref_cnt, pool.get_num_free_blocks()
+    single._remove_blocks_in_range("r", 0, 3)  # frees blocks 2, 1 and stops at the null block
+    assert all(block is pool.null_block for block in single.req_to_blocks["r"])
+    assert pool.null_block.ref_cnt == null_refs and pool.get_num_free_blocks() == free + 2
+
+
+@needs_vllm
 def test_missing_pieces_are_named(halves):
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
