@@ -284,6 +284,30 @@ def test_client_disconnect_mid_stream_frees_its_sequence(server):
     assert after["vmkv_kv_pages_in_use"] == after["vmkv_kv_pages_spare"]
 
 
+def test_a_disconnect_during_a_long_step_does_not_hold_up_other_requests(server):
+    """The abort of a gone client waits for no engine step: other handlers answer meanwhile."""
+    before = server.metrics()
+    body = json.dumps({"model": MODEL, "prompt": "a long step", "max_tokens": 200, "ignore_eos": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection((server.http.host, server.http.port), timeout=10) as client:
+        client.sendall(head + body)
+        deadline = time.monotonic() + 20
+        while server.metrics()["vmkv_sequences_running"] < 1:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.02)
+        server.loop._lock.acquire()  # from now on the engine is inside a step that takes long
+    try:
+        time.sleep(0.5)  # the server sees the disconnect and aborts the request
+        assert httpx.get(server.url + "/health", timeout=3).json() == {"status": "ok"}
+    finally:
+        server.loop._lock.release()
+    after = server.wait_idle()
+    assert after["vmkv_requests_aborted_total"] == before["vmkv_requests_aborted_total"] + 1
+    assert after["vmkv_generation_tokens_total"] - before["vmkv_generation_tokens_total"] < 200
+    assert after["vmkv_kv_pages_in_use"] == after["vmkv_kv_pages_spare"]
+
+
 def test_cli_options_and_configuration_errors(capsys):
     import argparse
 

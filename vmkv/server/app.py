@@ -8,8 +8,8 @@ Every request is validated in full (JSON, text encodable as UTF-8, fields, model
 bad request gets a 4xx with an OpenAI-style error body naming the field in ``param``, and
 changes nothing. Every other answer that is not a 200 has that shape too: unknown routes (404),
 wrong methods (405), a request the engine failed alone (500). A client that goes away,
-mid-stream or while waiting for a non-streamed answer, has its requests aborted at once: their
-sequences are freed.
+mid-stream or while waiting for a non-streamed answer, has its requests aborted before the
+engine's next step (their sequences are freed); the event loop does not wait for that.
 
 Threads: the engine and its cache are only touched through the :class:`EngineLoop`, whose lock
 serialises every call (steps, submissions, aborts, tokenization, ``/metrics`` reading
@@ -237,9 +237,11 @@ class Server:
         return [final[rid] for rid in job.request_ids if rid in final]
 
     def abort_unfinished(self, job: _Job, finished: dict[str, Any]) -> None:
+        """Abort ``job``'s unfinished requests before the engine's next step, without blocking
+        the event loop (the engine may be in the middle of a step)."""
         for rid in job.request_ids:
             if rid not in finished:
-                self.loop.abort(rid)
+                self.loop.abort_soon(rid)
 
     async def stream(self, job: _Job, chunk: Callable[[int, str | None, str | None], dict],
                      usage_chunk: Callable[[dict], dict] | None, n: int, first: Callable[[int], dict] | None = None
