@@ -258,6 +258,25 @@ def test_request_larger_than_the_budget_is_refused(engines):
         engine.add_request("abc", SamplingParams(max_tokens=36))
 
 
+@pytest.mark.parametrize("budget_pages, prompt_len, room", [(4, 4, 29), (4, 32, 1), (64, 200, 56), (64, 255, 1)])
+def test_max_new_tokens_is_the_largest_max_tokens_accepted(engines, budget_pages, prompt_len, room):
+    """4 pages of 8 tokens hold 32 tokens (the last generated token is never stored); the context is 256."""
+    engine = engines("vmm", memory_budget=budget_pages * 8 * 4096)
+    assert engine.max_new_tokens(prompt_len) == room
+    prompt = [65] * prompt_len
+    engine.check_request(prompt, SamplingParams(max_tokens=room))
+    with pytest.raises((vmkv.OutOfPages, vmkv.SequenceTooLong)):
+        engine.check_request(prompt, SamplingParams(max_tokens=room + 1))
+
+
+def test_max_new_tokens_refuses_a_prompt_that_alone_does_not_fit(engines):
+    engine = engines("vmm", memory_budget=4 * 8 * 4096)
+    with pytest.raises(vmkv.OutOfPages, match="the prompt has 33 tokens"):
+        engine.max_new_tokens(33)
+    with pytest.raises(vmkv.SequenceTooLong, match="the prompt has 256 tokens"):
+        engines("vmm").max_new_tokens(256)
+
+
 @pytest.mark.parametrize("field, value", [("max_tokens", 0), ("temperature", -1.0), ("top_p", 0.0), ("n", 0),
                                           ("stop", [""]), ("top_k", -2), ("seed", 1.5), ("temperature", float("nan")),
                                           ("temperature", 10**400), ("frequency_penalty", float("inf")),

@@ -193,7 +193,9 @@ BAD = [  # (path, body, status, error code, error param); raw bytes are sent as 
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, None,
      "messages.0.role"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x" * 300}]}, 400,
-     "context_length_exceeded", "max_tokens"),
+     "context_length_exceeded", "messages"),  # no max_tokens sent: the prompt alone is too long
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "max_completion_tokens": 10_000}, 400, "context_length_exceeded", "max_completion_tokens"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stop": [1]}, 400, None,
      "stop"),
     # issue 10 item 17: lone surrogates (valid JSON escapes, not Unicode) and numbers no float holds
@@ -306,6 +308,26 @@ def test_a_disconnect_during_a_long_step_does_not_hold_up_other_requests(server)
     assert after["vmkv_requests_aborted_total"] == before["vmkv_requests_aborted_total"] + 1
     assert after["vmkv_generation_tokens_total"] - before["vmkv_generation_tokens_total"] < 200
     assert after["vmkv_kv_pages_in_use"] == after["vmkv_kv_pages_spare"]
+
+
+def test_chat_without_max_tokens_generates_what_a_small_kv_budget_holds():
+    """No max_tokens: the default is capped by the KV budget (not only the context), and a
+    prompt that alone does not fit is refused naming messages, the field the client sent."""
+    small = Running("vmm", budget=8 * PAGE)  # 8 pages of 8 tokens: 64 tokens, a 256-token context
+    try:
+        messages = [{"role": "user", "content": "hi"}]
+        prompt_len = len(ByteTokenizer().apply_chat_template(messages))
+        reply = small.client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                                     extra_body={"ignore_eos": True})
+        assert reply.choices[0].finish_reason == "length"
+        assert reply.usage.completion_tokens == 64 - prompt_len + 1  # the last token needs no KV
+        response = httpx.post(small.url + "/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "x" * 80}]})
+        error = response.json()["error"]
+        assert response.status_code == 400 and (error["param"], error["code"]) == ("messages", "kv_budget_exceeded")
+        assert "shorten the prompt" in error["message"]
+    finally:
+        small.close()
 
 
 def test_cli_options_and_configuration_errors(capsys):
