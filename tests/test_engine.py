@@ -211,15 +211,15 @@ def test_streamed_deltas_add_up_to_the_text(engines):
 
 
 def test_sampling_controls():
-    from vmkv.engine.sampling import SamplerState, new_generator, sample
+    from vmkv.engine.sampling import SamplerState, new_generator, next_token
 
-    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]] * 3)
+    logits = torch.tensor([0.0, 3.0, 1.0, 2.0])
     states = [SamplerState(SamplingParams(top_k=1), new_generator(0)),
               SamplerState(SamplingParams(top_p=0.01), new_generator(0)),
               SamplerState(SamplingParams(temperature=0, presence_penalty=2.0), new_generator(0), output=[1])]
-    assert sample(logits, states) == [1, 1, 3]
-    draws = sample(logits[:1].expand(200, 4), [SamplerState(SamplingParams(top_k=2), new_generator(i)) for i in range(200)])
-    assert set(draws) == {1, 3}  # the two most likely tokens, both drawn
+    assert [next_token(logits, state, 1) for state in states] == [1, 1, 3]
+    draws = {next_token(logits, SamplerState(SamplingParams(top_k=2), new_generator(i)), 1) for i in range(200)}
+    assert draws == {1, 3}  # the two most likely tokens, both drawn
 
 
 def test_abort_frees_pages(mode, engines):

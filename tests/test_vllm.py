@@ -362,6 +362,32 @@ def test_the_scheduler_puts_the_new_pool_and_its_null_block_in_every_group_manag
 
 
 @needs_vllm
+def test_drive_engine_sets_the_environment_only_while_vllm_starts(monkeypatch):
+    import vllm
+
+    from vmkv.vllm import drive
+
+    names = (plugin.ENV_FLAG, drive.RESERVED_CPUS, "HF_HUB_OFFLINE")
+    seen = []
+
+    class StartingLLM:
+        def __init__(self, **kwargs):
+            seen.append({name: os.environ.get(name) for name in names})
+
+    monkeypatch.setattr(vllm, "LLM", StartingLLM)
+    monkeypatch.setattr(drive, "ensure_entry_point", lambda: None)
+    monkeypatch.setenv(plugin.ENV_FLAG, "1")  # the caller's own settings
+    monkeypatch.setenv(drive.RESERVED_CPUS, "5")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    drive.engine("model", vmkv=False, kv_cache_bytes=2**20)
+    drive.engine("model", vmkv=True, kv_cache_bytes=2**20, tensor_parallel_size=2)
+    assert seen == [{plugin.ENV_FLAG: None, drive.RESERVED_CPUS: None, "HF_HUB_OFFLINE": "1"},
+                    {plugin.ENV_FLAG: "1", drive.RESERVED_CPUS: "2", "HF_HUB_OFFLINE": "1"}]
+    assert {name: os.environ.get(name) for name in names} == {plugin.ENV_FLAG: "1", drive.RESERVED_CPUS: "5",
+                                                               "HF_HUB_OFFLINE": None}
+
+
+@needs_vllm
 def test_missing_pieces_are_named(halves):
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 

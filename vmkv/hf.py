@@ -272,8 +272,6 @@ class _Step:
 
     plan: StepPlan
     keep: torch.Tensor | None  # int64 [T]: rows of the flattened [B * S] new tokens that are stored
-    batch: int
-    q_len: int
 
 
 class _SharedCore:
@@ -849,7 +847,7 @@ class VirtualCache(Cache):
         plan = self.core.begin_step({seq_id: q_len for seq_id in self._rows})
         self._columns += q_len
         self._note_peak()
-        return _Step(plan, None, len(self._rows), q_len)
+        return _Step(plan, None)
 
     def _begin_ragged_step(self, mask: torch.Tensor | None, batch: int, q_len: int) -> _Step:
         """"vmkv" style: each row stores only its real (unpadded) new columns."""
@@ -871,7 +869,7 @@ class VirtualCache(Cache):
         self._columns += q_len
         self._note_peak()
         keep = None if real is None else real.reshape(-1).nonzero().squeeze(1).to(mask.device)
-        return _Step(plan, keep, batch, q_len)
+        return _Step(plan, keep)
 
     def _note_peak(self) -> None:
         self.peak_bytes = max(self.peak_bytes, self.core.pool.num_in_use * self.core.geometry.page_bytes)
