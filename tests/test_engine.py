@@ -116,6 +116,23 @@ def test_local_hf_directory_serves_like_transformers(tmp_path, hf_model, engines
     assert engine.tokenizer.chat([{"role": "user", "content": "hi"}]) == engine.tokenizer.encode("user: hi\nassistant:")
 
 
+@pytest.mark.parametrize("text", ["A!\u00e9\n", "plain ASCII, spaces  and\ttabs", "line one\nline two\r\n",
+                                  "multibyte: \u00e9\u00e8 \u6f22\u5b57 \U0001f600", "\x00\x7f control"])
+def test_saved_byte_tokenizer_encodes_like_byte_tokenizer(tmp_path, text):
+    """Token ids are byte values (then BOS, EOS, PAD = 256, 257, 258), BOS first, like ByteTokenizer."""
+    from transformers import AutoTokenizer
+
+    save_byte_tokenizer(tmp_path)
+    saved, ours = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True), ByteTokenizer()
+    assert saved.encode(text) == ours.encode(text)
+    assert saved.encode(text, add_special_tokens=False) == ours.encode(text, add_bos=False)
+    assert saved.decode(ours.encode(text), skip_special_tokens=True) == ours.decode(ours.encode(text)) == text
+    assert (saved.bos_token_id, saved.eos_token_id, saved.pad_token_id, len(saved)) == (256, 257, 258, 259)
+    chat = [{"role": "user", "content": text}]
+    prompt = saved.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert saved.encode(prompt, add_special_tokens=False) == ours.apply_chat_template(chat)
+
+
 def test_directory_without_config_is_refused(tmp_path):
     with pytest.raises(vmkv.InvalidConfig, match="config.json"):
         load_model(tmp_path)
@@ -194,15 +211,15 @@ def test_streamed_deltas_add_up_to_the_text(engines):
 
 
 def test_sampling_controls():
-    from vmkv.engine.sampling import SamplerState, new_generator, sample
+    from vmkv.engine.sampling import SamplerState, new_generator, next_token
 
-    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]] * 3)
+    logits = torch.tensor([0.0, 3.0, 1.0, 2.0])
     states = [SamplerState(SamplingParams(top_k=1), new_generator(0)),
               SamplerState(SamplingParams(top_p=0.01), new_generator(0)),
               SamplerState(SamplingParams(temperature=0, presence_penalty=2.0), new_generator(0), output=[1])]
-    assert sample(logits, states) == [1, 1, 3]
-    draws = sample(logits[:1].expand(200, 4), [SamplerState(SamplingParams(top_k=2), new_generator(i)) for i in range(200)])
-    assert set(draws) == {1, 3}  # the two most likely tokens, both drawn
+    assert [next_token(logits, state, 1) for state in states] == [1, 1, 3]
+    draws = {next_token(logits, SamplerState(SamplingParams(top_k=2), new_generator(i)), 1) for i in range(200)}
+    assert draws == {1, 3}  # the two most likely tokens, both drawn
 
 
 def test_abort_frees_pages(mode, engines):
@@ -239,6 +256,25 @@ def test_request_larger_than_the_budget_is_refused(engines):
     engine = engines("vmm", memory_budget=4 * 8 * 4096)  # 4 pages of 8 tokens
     with pytest.raises(vmkv.OutOfPages, match="needs 5 KV pages"):
         engine.add_request("abc", SamplingParams(max_tokens=36))
+
+
+@pytest.mark.parametrize("budget_pages, prompt_len, room", [(4, 4, 29), (4, 32, 1), (64, 200, 56), (64, 255, 1)])
+def test_max_new_tokens_is_the_largest_max_tokens_accepted(engines, budget_pages, prompt_len, room):
+    """4 pages of 8 tokens hold 32 tokens (the last generated token is never stored); the context is 256."""
+    engine = engines("vmm", memory_budget=budget_pages * 8 * 4096)
+    assert engine.max_new_tokens(prompt_len) == room
+    prompt = [65] * prompt_len
+    engine.check_request(prompt, SamplingParams(max_tokens=room))
+    with pytest.raises((vmkv.OutOfPages, vmkv.SequenceTooLong)):
+        engine.check_request(prompt, SamplingParams(max_tokens=room + 1))
+
+
+def test_max_new_tokens_refuses_a_prompt_that_alone_does_not_fit(engines):
+    engine = engines("vmm", memory_budget=4 * 8 * 4096)
+    with pytest.raises(vmkv.OutOfPages, match="the prompt has 33 tokens"):
+        engine.max_new_tokens(33)
+    with pytest.raises(vmkv.SequenceTooLong, match="the prompt has 256 tokens"):
+        engines("vmm").max_new_tokens(256)
 
 
 @pytest.mark.parametrize("field, value", [("max_tokens", 0), ("temperature", -1.0), ("top_p", 0.0), ("n", 0),

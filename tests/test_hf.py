@@ -27,7 +27,7 @@ import transformers  # noqa: E402
 
 import vmkv.hf as vhf  # noqa: E402
 from vmkv.errors import (  # noqa: E402
-    CacheClosed, InvalidConfig, InvalidInput, InvalidShape, NoFreeSlot, SequenceTooLong,
+    CacheClosed, InvalidConfig, InvalidInput, InvalidShape, NoFreeSlot, OutOfPages, SequenceTooLong,
 )
 
 from conftest import HAS_PAGED  # noqa: E402
@@ -507,6 +507,60 @@ def test_errors_are_typed(models):
     full.close()
     with pytest.raises(CacheClosed):
         model(ids, **{CACHE: full}, use_cache=True)
+
+
+def test_failed_row_operation_changes_nothing_with_a_deep_copy_in_the_core(models):
+    """Rows a deep copy holds count against max_batch_size: the remap is refused before any fork."""
+    model = use_attention(models["llama"], "vmkv")
+    ids, _ = prompts(padded=False)
+    cache = vhf.VirtualCache("vmm", max_batch_size=5, **PAGE)
+    model(ids.repeat(2, 1), **{CACHE: cache}, use_cache=True)
+    other = copy.deepcopy(cache)  # 4 of 5 slots in use
+    before = (cache.rows, cache.core.state())
+    with pytest.raises(NoFreeSlot, match="3 of max_batch_size=5"):
+        cache.batch_repeat_interleave(2)  # 4 rows: 2 more than the one free slot
+    assert (cache.rows, cache.core.state()) == before
+    assert sorted(cache.core.seq_ids) == sorted(cache.rows + other.rows)
+    cache.close()
+    assert sorted(other.core.seq_ids) == sorted(other.rows)  # nothing of the closed copy is left
+    other.close()
+
+
+def test_row_operation_frees_its_forks_when_a_fork_fails(models, monkeypatch):
+    model = use_attention(models["llama"], "vmkv")
+    ids, _ = prompts(padded=False)
+    cache = vhf.VirtualCache("vmm", max_batch_size=8, **PAGE)
+    model(ids.repeat(2, 1), **{CACHE: cache}, use_cache=True)
+    before = (cache.rows, cache.core.state())
+    fork, calls = cache.core.fork, []
+
+    def failing_fork(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OutOfPages("injected")
+        return fork(src, dst)
+
+    monkeypatch.setattr(cache.core, "fork", failing_fork)
+    with pytest.raises(OutOfPages, match="injected"):
+        cache.batch_repeat_interleave(2)
+    assert len(calls) == 2  # the first fork was made, then freed
+    assert cache.rows == before[0] and cache.core.seq_ids == before[0]
+    assert cache.core.state()[2:4] == before[1][2:4]  # the same free slots and pool pages
+    cache.close()
+
+
+def test_row_operation_that_lost_a_row_frees_every_row_and_says_so(models, monkeypatch):
+    """A retarget rewrote an unused row, then failed: the old rows cannot come back."""
+    model = use_attention(models["llama"], "vmkv")
+    ids, _ = prompts(padded=False)
+    cache = vhf.VirtualCache("vmm", max_batch_size=2, **PAGE)
+    model(torch.cat([ids, ids.flip(1)]), **{CACHE: cache}, use_cache=True)
+    monkeypatch.setattr(cache.core, "begin_step", lambda batch: (_ for _ in ()).throw(OutOfPages("injected")))
+    with pytest.raises(OutOfPages, match="injected") as failure:
+        cache.reorder_cache(torch.tensor([0, 0]))  # row 1 (under a page) is retargeted to row 0
+    assert "every row of this cache was freed" in str(failure.value.__notes__)
+    assert cache.rows == [] and cache.core.seq_ids == [] and cache.get_seq_length() == 0
+    assert_all_pages_return(cache)
 
 
 def test_default_page_size_fits_granularity_and_token_bytes():

@@ -193,7 +193,9 @@ BAD = [  # (path, body, status, error code, error param); raw bytes are sent as 
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, None,
      "messages.0.role"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x" * 300}]}, 400,
-     "context_length_exceeded", "max_tokens"),
+     "context_length_exceeded", "messages"),  # no max_tokens sent: the prompt alone is too long
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "max_completion_tokens": 10_000}, 400, "context_length_exceeded", "max_completion_tokens"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stop": [1]}, 400, None,
      "stop"),
     # issue 10 item 17: lone surrogates (valid JSON escapes, not Unicode) and numbers no float holds
@@ -282,6 +284,50 @@ def test_client_disconnect_mid_stream_frees_its_sequence(server):
     assert after["vmkv_requests_aborted_total"] == before["vmkv_requests_aborted_total"] + 1
     assert after["vmkv_generation_tokens_total"] - before["vmkv_generation_tokens_total"] < 200
     assert after["vmkv_kv_pages_in_use"] == after["vmkv_kv_pages_spare"]
+
+
+def test_a_disconnect_during_a_long_step_does_not_hold_up_other_requests(server):
+    """The abort of a gone client waits for no engine step: other handlers answer meanwhile."""
+    before = server.metrics()
+    body = json.dumps({"model": MODEL, "prompt": "a long step", "max_tokens": 200, "ignore_eos": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection((server.http.host, server.http.port), timeout=10) as client:
+        client.sendall(head + body)
+        deadline = time.monotonic() + 20
+        while server.metrics()["vmkv_sequences_running"] < 1:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.02)
+        server.loop._lock.acquire()  # from now on the engine is inside a step that takes long
+    try:
+        time.sleep(0.5)  # the server sees the disconnect and aborts the request
+        assert httpx.get(server.url + "/health", timeout=3).json() == {"status": "ok"}
+    finally:
+        server.loop._lock.release()
+    after = server.wait_idle()
+    assert after["vmkv_requests_aborted_total"] == before["vmkv_requests_aborted_total"] + 1
+    assert after["vmkv_generation_tokens_total"] - before["vmkv_generation_tokens_total"] < 200
+    assert after["vmkv_kv_pages_in_use"] == after["vmkv_kv_pages_spare"]
+
+
+def test_chat_without_max_tokens_generates_what_a_small_kv_budget_holds():
+    """No max_tokens: the default is capped by the KV budget (not only the context), and a
+    prompt that alone does not fit is refused naming messages, the field the client sent."""
+    small = Running("vmm", budget=8 * PAGE)  # 8 pages of 8 tokens: 64 tokens, a 256-token context
+    try:
+        messages = [{"role": "user", "content": "hi"}]
+        prompt_len = len(ByteTokenizer().apply_chat_template(messages))
+        reply = small.client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                                     extra_body={"ignore_eos": True})
+        assert reply.choices[0].finish_reason == "length"
+        assert reply.usage.completion_tokens == 64 - prompt_len + 1  # the last token needs no KV
+        response = httpx.post(small.url + "/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "x" * 80}]})
+        error = response.json()["error"]
+        assert response.status_code == 400 and (error["param"], error["code"]) == ("messages", "kv_budget_exceeded")
+        assert "shorten the prompt" in error["message"]
+    finally:
+        small.close()
 
 
 def test_cli_options_and_configuration_errors(capsys):

@@ -302,6 +302,92 @@ def test_worker_refuses_a_lost_step_and_a_foreign_layout(halves, monkeypatch):
 
 
 @needs_vllm
+def test_trim_waits_for_the_step_scheduled_after_it(halves, monkeypatch):
+    """A busy engine with a step in flight: the step scheduled before the trim does not end the wait."""
+    from vmkv.vllm.block_pool import PageAffineBlockPool
+
+    config, scheduler, worker_connector = halves
+    allocate_on(worker_connector, monkeypatch)
+    layout, _, max_idle = scheduler.pool_settings(config)
+    pool = PageAffineBlockPool(NUM_BLOCKS, True, BLOCK, layout=layout, budget_pages=24, max_idle_units=max_idle)
+    scheduler.bind_kv_cache_manager(SimpleNamespace(block_pool=pool))
+    blocks = pool.get_new_blocks(4)
+    for block in blocks:
+        pool._insert_block_hash(("h", block.block_id), block, num_tokens=BLOCK)
+    pool.free_blocks(blocks)  # prefix-cached only: their units stay mapped (max_cached: 2 units)
+    in_flight = [scheduler.build_connector_meta(None)]
+
+    class BusyLLM:
+        """Every call reaches the workers after the oldest scheduled step; the engine then schedules another."""
+
+        def collective_rpc(self, method: str) -> list[dict]:
+            assert method == "vmkv_stats"
+            worker_connector.handle_preemptions(in_flight.pop(0))
+            in_flight.append(scheduler.build_connector_meta(None))
+            return [worker_connector.worker_stats()]
+
+        def reset_prefix_cache(self, reset_connector: bool = False) -> bool:
+            assert reset_connector
+            return scheduler.reset_cache()
+
+    buffer = worker_connector._buffer
+    assert pool.free_block_queue.mapped_pages == 6  # block 0's unit and the two idle cached units
+    after = plugin.trim(BusyLLM(), timeout=5)[0]
+    assert after["mapped_pages"] == buffer.mapped_pages == 2  # the trim's unmaps were applied
+    assert after["trim_step"] == after["applied_step"] == 3  # step 2 was scheduled before the trim
+
+
+@needs_vllm
+def test_the_scheduler_puts_the_new_pool_and_its_null_block_in_every_group_manager(halves):
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    from vmkv.vllm.block_pool import PageAffineBlockPool
+    from vmkv.vllm.scheduler import install_pool
+
+    config, scheduler, _ = halves
+    manager = KVCacheManager(kv_cache_config(), max_model_len=NUM_BLOCKS * BLOCK, scheduler_block_size=BLOCK,
+                             hash_block_size=BLOCK)
+    pool = PageAffineBlockPool.replacing(manager.block_pool, *scheduler.pool_settings(config))
+    install_pool(manager, pool)
+    assert manager.block_pool is manager.coordinator.block_pool is pool
+    single = manager.coordinator.single_type_managers[0]
+    assert single.block_pool is pool and single._null_block is pool.null_block
+    # a request whose first block was skipped (the null block), then two blocks of its own
+    single.req_to_blocks["r"] = [pool.null_block, *pool.get_new_blocks(2)]
+    pool.touch([pool.null_block])  # vLLM does not keep the null block's ref_cnt: it drifts
+    null_refs, free = pool.null_block.ref_cnt, pool.get_num_free_blocks()
+    single._remove_blocks_in_range("r", 0, 3)  # frees blocks 2, 1 and stops at the null block
+    assert all(block is pool.null_block for block in single.req_to_blocks["r"])
+    assert pool.null_block.ref_cnt == null_refs and pool.get_num_free_blocks() == free + 2
+
+
+@needs_vllm
+def test_drive_engine_sets_the_environment_only_while_vllm_starts(monkeypatch):
+    import vllm
+
+    from vmkv.vllm import drive
+
+    names = (plugin.ENV_FLAG, drive.RESERVED_CPUS, "HF_HUB_OFFLINE")
+    seen = []
+
+    class StartingLLM:
+        def __init__(self, **kwargs):
+            seen.append({name: os.environ.get(name) for name in names})
+
+    monkeypatch.setattr(vllm, "LLM", StartingLLM)
+    monkeypatch.setattr(drive, "ensure_entry_point", lambda: None)
+    monkeypatch.setenv(plugin.ENV_FLAG, "1")  # the caller's own settings
+    monkeypatch.setenv(drive.RESERVED_CPUS, "5")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    drive.engine("model", vmkv=False, kv_cache_bytes=2**20)
+    drive.engine("model", vmkv=True, kv_cache_bytes=2**20, tensor_parallel_size=2)
+    assert seen == [{plugin.ENV_FLAG: None, drive.RESERVED_CPUS: None, "HF_HUB_OFFLINE": "1"},
+                    {plugin.ENV_FLAG: "1", drive.RESERVED_CPUS: "2", "HF_HUB_OFFLINE": "1"}]
+    assert {name: os.environ.get(name) for name in names} == {plugin.ENV_FLAG: "1", drive.RESERVED_CPUS: "5",
+                                                               "HF_HUB_OFFLINE": None}
+
+
+@needs_vllm
 def test_missing_pieces_are_named(halves):
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
@@ -433,6 +519,24 @@ def test_gpu_smoke_says_why_it_cannot_run_here(tmp_path):
     with pytest.raises(vmkv.BackendUnavailable, match="needs a CUDA GPU"):
         plugin.gpu_smoke(tmp_path)
     assert not any(tmp_path.iterdir())  # refused before writing anything
+
+
+def test_gpu_smoke_passes_only_when_tokens_and_prefix_hits_match_stock():
+    from vmkv.vllm import smoke
+
+    # the smoke keeps vmkv's default max_cached: prefix-cached pages stay mapped for the second pass
+    assert plugin.PluginConfig.from_extra_config(smoke.VMKV_OPTIONS).max_cached is None
+    tokens = {"0": [5, 6], "1": [7]}
+    stock = {"tokens": tokens, "again": tokens, "cached": {"0": 288, "1": 288}}
+    ours = {**stock, "peak_mapped": 2**20}
+    assert smoke.verdict(stock, ours, 2**29)["passed"]
+    for change, failed in [({"cached": {"0": 288, "1": 0}}, "prefix_hits_identical"),
+                           ({"again": {"0": [5, 6], "1": [8]}}, "tokens_identical"),
+                           ({"peak_mapped": 2**29}, "passed")]:
+        result = smoke.verdict(stock, {**ours, **change}, 2**29)
+        assert not result[failed] and not result["passed"], change
+    nothing = {**stock, "cached": {"0": 0, "1": 0}}  # no hit anywhere: prefix caching went untested
+    assert not smoke.verdict(nothing, {**nothing, "peak_mapped": 1}, 2**29)["passed"]
 
 
 @pytest.mark.slow

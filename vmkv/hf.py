@@ -272,8 +272,6 @@ class _Step:
 
     plan: StepPlan
     keep: torch.Tensor | None  # int64 [T]: rows of the flattened [B * S] new tokens that are stored
-    batch: int
-    q_len: int
 
 
 class _SharedCore:
@@ -849,7 +847,7 @@ class VirtualCache(Cache):
         plan = self.core.begin_step({seq_id: q_len for seq_id in self._rows})
         self._columns += q_len
         self._note_peak()
-        return _Step(plan, None, len(self._rows), q_len)
+        return _Step(plan, None)
 
     def _begin_ragged_step(self, mask: torch.Tensor | None, batch: int, q_len: int) -> _Step:
         """"vmkv" style: each row stores only its real (unpadded) new columns."""
@@ -871,7 +869,7 @@ class VirtualCache(Cache):
         self._columns += q_len
         self._note_peak()
         keep = None if real is None else real.reshape(-1).nonzero().squeeze(1).to(mask.device)
-        return _Step(plan, keep, batch, q_len)
+        return _Step(plan, keep)
 
     def _note_peak(self) -> None:
         self.peak_bytes = max(self.peak_bytes, self.core.pool.num_in_use * self.core.geometry.page_bytes)
@@ -962,36 +960,61 @@ class VirtualCache(Cache):
         * *fork* otherwise: the old row is freed and the source forked, sharing all its pages
           (mapping each of them into the new slot); the first write into a shared page copies it.
 
+        The new rows must fit the slots left by the rows of deep copies sharing the core; that
+        is checked before anything changes. Forks made before a failing core call (out of pages
+        or mappings) are freed again; should the failure come after an unused row was already
+        freed or retargeted (its old tokens are gone), every row is freed and the error says so.
+
         Raises:
-            NoFreeSlot: more rows than ``max_batch_size``.
+            NoFreeSlot: the new rows do not fit the slots the other users of the core leave
+                (nothing changed).
         """
         self._flush_pending()
         self._step = None
         if not self._rows:
             return
         self._shared.reap()
-        limit = self.core.config.max_batch_size
-        if len(sources) > limit:
-            raise NoFreeSlot(f"{len(sources)} rows do not fit max_batch_size={limit}; raise it")
+        core = self.core
+        limit = core.config.max_batch_size
+        free = limit - (len(core) - len(self._rows))  # slots this cache may fill: others keep theirs
+        if len(sources) > free:
+            raise NoFreeSlot(f"{len(sources)} rows need as many slots; {free} of max_batch_size={limit} are "
+                             f"not held by deep copies of this cache; raise it or close the copies")
         taker: dict[int, int] = {}
         for new, old in enumerate(sources):
             if old not in taker or new == old:
                 taker[old] = new
         unused = [old for old in range(len(self._rows)) if old not in taker]
-        rows, dropped = [], []
-        for new, old in enumerate(sources):
-            if taker[old] == new:
-                rows.append(self._rows[old])
-            else:
-                rows.append(self._copy_row(old, unused))
-            dropped.append(list(self._dropped[old]))
+        rows, dropped, forks, spare = [], [], [], len(unused)
+        try:
+            for new, old in enumerate(sources):
+                if taker[old] == new:
+                    rows.append(self._rows[old])
+                else:
+                    rows.append(self._copy_row(old, unused, forks))
+                dropped.append(list(self._dropped[old]))
+        except BaseException as exc:
+            self._undo_copies(forks, len(unused) < spare, exc)
+            raise
         for old in unused:
-            self.core.free(self._rows[old])
+            core.free(self._rows[old])
             self.counters["row_frees"] += 1
         self._rows, self._dropped = rows, dropped
 
-    def _copy_row(self, source: int, unused: list[int]) -> int:
-        """A sequence holding row ``source``'s tokens: a retargeted unused row, else a fork."""
+    def _undo_copies(self, forks: list[int], lost_rows: bool, exc: BaseException) -> None:
+        """A row operation failed: free its ``forks``; if unused rows were already freed or
+        retargeted (``lost_rows``), the old rows cannot come back: free them all too."""
+        for seq_id in forks:
+            self.core.free(seq_id)
+        if lost_rows:
+            self._rows = [seq_id for seq_id in self._rows if seq_id in self.core]
+            self.reset()
+            exc.add_note("vmkv.hf: rows freed or rewritten before this failure cannot be restored, "
+                         "so every row of this cache was freed: prefill again")
+
+    def _copy_row(self, source: int, unused: list[int], forks: list[int]) -> int:
+        """A sequence holding row ``source``'s tokens: a retargeted unused row, else a fork
+        (whose id is appended to ``forks``). Used rows are removed from ``unused``."""
         src_id = self._rows[source]
         if self.mode == "vmm":
             src_pages = self.core.pages(src_id)
@@ -1001,29 +1024,34 @@ class VirtualCache(Cache):
                 same = next((n for n, (a, b) in enumerate(zip(pages, src_pages)) if a != b), min(len(pages), len(src_pages)))
                 if same > shared:
                     best, shared = old, same
-            if best is not None and self._retarget(self._rows[best], src_id, shared):
-                unused.remove(best)
+            if best is not None and self._can_retarget(self._rows[best], src_id, shared):
+                unused.remove(best)  # before the row changes: a failure must know it is gone
+                self._retarget(self._rows[best], src_id, shared)
                 return self._rows[best]
         seq_id = self._shared.new_id()
         if len(self.core) >= self.core.config.max_batch_size and unused:  # make a slot first
             self.core.free(self._rows[unused.pop()])
             self.counters["row_frees"] += 1
         self.core.fork(src_id, seq_id)
+        forks.append(seq_id)
         self.counters["row_forks"] += 1
         return seq_id
 
-    def _retarget(self, seq_id: int, src_id: int, shared_pages: int) -> bool:
-        """Make ``seq_id`` a copy of ``src_id`` whose first ``shared_pages`` pages it already shares.
+    def _retarget_keep(self, seq_id: int, src_id: int, shared_pages: int) -> int:
+        """Tokens ``seq_id`` keeps when it becomes a copy of ``src_id`` (they share ``shared_pages``)."""
+        return min(shared_pages * self.core.tokens_per_page, self.core.seq_len(src_id), self.core.seq_len(seq_id))
 
-        Returns:
-            False (nothing changed) when a full page of the source is not shared: copying it
-            would take memory a fork shares.
-        """
+    def _can_retarget(self, seq_id: int, src_id: int, shared_pages: int) -> bool:
+        """Whether ``seq_id`` shares every full page of ``src_id`` (else copying a page would take
+        memory a fork shares)."""
         tpp = self.core.tokens_per_page
+        return self._retarget_keep(seq_id, src_id, shared_pages) >= self.core.seq_len(src_id) // tpp * tpp
+
+    def _retarget(self, seq_id: int, src_id: int, shared_pages: int) -> None:
+        """Make ``seq_id`` (for which ``_can_retarget`` holds) a copy of ``src_id`` whose first
+        ``shared_pages`` pages it already shares: truncate it and write the source's last tokens."""
         length = self.core.seq_len(src_id)
-        keep = min(shared_pages * tpp, length, self.core.seq_len(seq_id))
-        if keep < length // tpp * tpp:
-            return False
+        keep = self._retarget_keep(seq_id, src_id, shared_pages)
         self.core.truncate(seq_id, keep)
         if length > keep:
             plan = self.core.begin_step({seq_id: length - keep})
@@ -1031,7 +1059,6 @@ class VirtualCache(Cache):
                 k, v = self.core.kv(src_id, layer)  # [length, H, D], views of the same storage:
                 self.core.write(layer, k[keep:].clone(), v[keep:].clone(), plan)  # torch refuses aliasing
         self.counters["row_retargets"] += 1
-        return True
 
 
 __all__ = [

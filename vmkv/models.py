@@ -51,7 +51,7 @@ class ByteTokenizer:
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a chat as ``<role>: content`` lines followed by ``assistant:``."""
+        """Token ids of a chat as BOS, ``<role>: content`` lines, then ``assistant:``."""
         lines = [f"{m['role']}: {m['content']}" for m in messages]
         return self.encode("\n".join(lines) + "\nassistant:")
 
@@ -83,16 +83,25 @@ def default_hf_model(dtype: torch.dtype = torch.float32, device: str | torch.dev
 
 
 def save_byte_tokenizer(path: str | Path) -> None:
-    """Save a Hugging Face byte-level tokenizer sized to the default model's 259-token vocabulary
-    (256 byte tokens, then BOS, EOS, PAD) to ``path``, for loaders that want a tokenizer
-    directory (``transformers``, vLLM). Needs ``transformers`` and ``tokenizers``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    """Save :class:`ByteTokenizer` as a Hugging Face tokenizer directory, for loaders that want one
+    (``transformers``, vLLM). Needs ``transformers`` and ``tokenizers``.
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={s: i for i, s in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    Token ``i < 256`` is byte ``i`` (spelled, as in GPT-2's byte-level vocabularies, by the
+    printable character ``bytes_to_unicode`` maps it to), then ``<s>``, ``</s>``, ``<pad>`` =
+    BOS, EOS, PAD = 256, 257, 258; ``encode`` puts BOS first and the chat template starts with
+    BOS, so ids, decoded text and chat prompts equal ``ByteTokenizer``'s.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    specials = {"<s>": BOS, "</s>": EOS, "<pad>": PAD}
+    vocab = {char: byte for byte, char in bytes_to_unicode().items()} | specials
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in specials])
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    fast.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    fast.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
     fast.save_pretrained(path)

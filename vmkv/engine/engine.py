@@ -234,6 +234,24 @@ class Engine:
             )
         return ids
 
+    def max_new_tokens(self, prompt_len: int) -> int:
+        """The most tokens one completion of a ``prompt_len``-token prompt may generate: what both
+        the context (``max_seq_len``) and the KV budget leave (the largest ``max_tokens``
+        :meth:`check_request` accepts). Reads only fixed sizes: callable from any thread.
+
+        Raises:
+            SequenceTooLong: the prompt alone fills the context.
+            OutOfPages: the prompt alone fills the KV budget.
+        """
+        budget_tokens = self.cache.pool.num_pages * self.cache.tokens_per_page
+        if prompt_len >= self.max_seq_len:
+            raise SequenceTooLong(f"the prompt has {prompt_len} tokens and this model's maximum context length is "
+                                  f"{self.max_seq_len}: no token can be generated; shorten the prompt")
+        if prompt_len > budget_tokens:
+            raise OutOfPages(f"the prompt has {prompt_len} tokens and the KV memory budget holds {budget_tokens} "
+                             f"({self.cache.pool.num_pages} pages): no token can be generated; shorten the prompt")
+        return min(self.max_seq_len - prompt_len, budget_tokens - prompt_len + 1)  # the last token is not stored
+
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its sequences' pages.
 

@@ -105,11 +105,12 @@ class LlamaShape:
 def rope_frequencies(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
     """RoPE inverse frequencies ``[head_dim / 2]`` and the cos/sin scale of a HF config.
 
-    The default type is computed here; static scaled types (``linear``, ``llama3``, ``yarn``,
-    ``longrope`` with a fixed factor) come from transformers' ``ROPE_INIT_FUNCTIONS``.
+    The default type is computed here; static scaled types (``linear``, ``llama3``, ``yarn``)
+    come from transformers' ``ROPE_INIT_FUNCTIONS``.
 
     Raises:
-        InvalidConfig: ``dynamic`` RoPE (its frequencies change with the sequence length).
+        InvalidConfig: ``dynamic`` or ``longrope`` RoPE (their frequencies change with the
+            sequence length), or a type this transformers version does not know.
     """
     params = getattr(config, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", "default")
@@ -167,6 +168,11 @@ class PackedLinear:
     ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` do the same on GPU), and with the
     ``"onednn"`` backend the fused weight is packed once, so no step re-lays it out. The
     weights are a snapshot: :meth:`LlamaForCausalLM.pack` rebuilds them after a weight change.
+
+    Memory: the fused (and, for oneDNN, re-laid-out) weights are a copy; the ``nn.Linear``
+    weights stay, since the reference paths (``pack("modules")``, ``forward_dense``), a repack
+    and ``state_dict`` read them. A packed model therefore holds its linear weights twice
+    (everything but the embeddings and norms: about twice the model's size in memory).
 
     Args:
         linears: layers with the same ``in_features`` (biases: all, some or none).

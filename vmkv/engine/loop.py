@@ -2,7 +2,8 @@
 
 The engine is single-threaded; ``EngineLoop`` owns it. Other threads (an asyncio server)
 ``submit`` requests with a *sink* — a callable the loop calls with each ``RequestOutput`` of
-that request (from the loop thread, outside the lock) — and ``abort`` them. The loop steps
+that request (from the loop thread, outside the lock) — and ``abort`` them (``abort_soon``
+from an event loop: it queues the abort for the loop thread instead of waiting for the lock). The loop steps
 while any request is unfinished and sleeps on a condition variable otherwise.
 
 A request the engine fails alone (its sampling raised) arrives as a finished output with
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from typing import Any, Callable
 
 from .engine import Engine
@@ -42,6 +44,7 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._sinks: dict[str, Sink] = {}
+        self._aborts: deque[str] = deque()  # abort_soon's requests, aborted before the next step
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="vmkv-engine", daemon=True)
         self._thread.start()
@@ -60,10 +63,19 @@ class EngineLoop:
         return request_id
 
     def abort(self, request_id: str) -> bool:
-        """Abort a request now (its pages are freed before this returns)."""
+        """Abort a request now (its pages are freed before this returns; waits for the current step)."""
         with self._lock:
             self._sinks.pop(request_id, None)
             return self.engine.abort(request_id)
+
+    def abort_soon(self, request_id: str) -> None:
+        """Abort a request before the engine's next step, without waiting for the current one.
+
+        Never blocks, so an event loop may call it (``abort`` would hold it up to a whole step).
+        The loop thread aborts the request (freeing its pages) before it steps again; outputs of
+        the step running now may still reach the sink.
+        """
+        self._aborts.append(request_id)  # deque.append is atomic: no lock needed
 
     def stats(self) -> dict[str, Any]:
         """``engine.stats()``, taken between steps."""
@@ -86,8 +98,10 @@ class EngineLoop:
     def _run(self) -> None:
         while True:
             with self._lock:
+                self._abort_queued()
                 while not self._closing and not self.engine.has_unfinished():
                     self._wake.wait()
+                    self._abort_queued()
                 if self._closing:
                     return
                 deliveries = self._step()
@@ -96,6 +110,13 @@ class EngineLoop:
                     sink(output)
                 except Exception:  # e.g. the client's event loop has closed: its request is moot
                     log.exception("vmkv engine: delivering an output failed")
+
+    def _abort_queued(self) -> None:
+        """Abort the requests ``abort_soon`` queued (under the lock)."""
+        while self._aborts:
+            request_id = self._aborts.popleft()
+            self._sinks.pop(request_id, None)
+            self.engine.abort(request_id)
 
     def _step(self) -> list[tuple[Sink, RequestOutput | BaseException]]:
         """One engine step under the lock; what to deliver to which sink."""

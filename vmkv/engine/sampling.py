@@ -122,26 +122,9 @@ def new_generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed % (1 << 63))
 
 
-def sample(logits: torch.Tensor, states: list[SamplerState]) -> list[int]:
-    """Next token of each row.
-
-    Args:
-        logits: float32 ``[R, vocab]``, one row per entry of ``states``.
-        states: per row, the completion's parameters, generator and output so far.
-
-    Returns:
-        ``R`` token ids.
-
-    Raises:
-        RuntimeError: a sampled row's probabilities are not finite (the first such row).
-    """
-    logits = logits.float().cpu()
-    greedy = logits.argmax(-1).tolist()
-    return [next_token(logits[row], state, greedy[row]) for row, state in enumerate(states)]
-
-
 def next_token(logits: torch.Tensor, state: SamplerState, argmax: int) -> int:
-    """Next token of one completion.
+    """Next token of one completion (the engine's only sampling path: it samples each row on
+    its own so that a row that cannot be sampled fails its request alone).
 
     Args:
         logits: float32 CPU ``[vocab]``.

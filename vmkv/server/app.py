@@ -8,8 +8,8 @@ Every request is validated in full (JSON, text encodable as UTF-8, fields, model
 bad request gets a 4xx with an OpenAI-style error body naming the field in ``param``, and
 changes nothing. Every other answer that is not a 200 has that shape too: unknown routes (404),
 wrong methods (405), a request the engine failed alone (500). A client that goes away,
-mid-stream or while waiting for a non-streamed answer, has its requests aborted at once: their
-sequences are freed.
+mid-stream or while waiting for a non-streamed answer, has its requests aborted before the
+engine's next step (their sequences are freed); the event loop does not wait for that.
 
 Threads: the engine and its cache are only touched through the :class:`EngineLoop`, whose lock
 serialises every call (steps, submissions, aborts, tokenization, ``/metrics`` reading
@@ -57,12 +57,13 @@ class APIError(Exception):
         return JSONResponse(body, status_code=self.status, headers=headers)
 
 
-def _engine_error(exc: VMKVError, prompt_param: str = "prompt") -> APIError:
-    """The 4xx answer to an engine validation error (``prompt_param``: where the prompt came from)."""
+def _engine_error(exc: VMKVError, prompt_param: str = "prompt", limit_param: str = "max_tokens") -> APIError:
+    """The 4xx answer to an engine validation error (``prompt_param``: where the prompt came from;
+    ``limit_param``: the field that set the completion's length, named when it does not fit)."""
     if isinstance(exc, SequenceTooLong):
-        return APIError(400, str(exc), param="max_tokens", code="context_length_exceeded")
+        return APIError(400, str(exc), param=limit_param, code="context_length_exceeded")
     if isinstance(exc, OutOfPages):
-        return APIError(400, str(exc), param="max_tokens", code="kv_budget_exceeded")
+        return APIError(400, str(exc), param=limit_param, code="kv_budget_exceeded")
     if isinstance(exc, InvalidParameter):
         return APIError(400, str(exc), param=prompt_param if exc.param == "prompt" else exc.param)
     if isinstance(exc, (InvalidInput, InvalidConfig)):
@@ -168,7 +169,7 @@ class Server:
             raise APIError(401, "invalid or missing API key", type_="authentication_error", code="invalid_api_key")
 
     async def submit(self, prompts: list[str | list[int]], make_params: Callable[[int], SamplingParams],
-                     prompt_param: str = "prompt") -> _Job:
+                     prompt_param: str = "prompt", limit_param: str = "max_tokens") -> _Job:
         """Validate every prompt, then queue them all (all or nothing).
 
         The engine calls run on a worker thread: they wait for the current step to end, and
@@ -176,8 +177,10 @@ class Server:
 
         Args:
             prompts: text or token ids, one engine request each.
-            make_params: sampling parameters given the prompt's token count.
+            make_params: sampling parameters given the prompt's token count (may raise
+                :class:`APIError`).
             prompt_param: the body field the prompts came from (named in errors about them).
+            limit_param: the body field that set ``max_tokens`` (named when it does not fit).
         """
         aio = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -185,10 +188,10 @@ class Server:
         def sink(output: RequestOutput | BaseException) -> None:
             aio.call_soon_threadsafe(queue.put_nowait, output)
 
-        return await asyncio.to_thread(self._submit, prompts, make_params, sink, queue, prompt_param)
+        return await asyncio.to_thread(self._submit, prompts, make_params, sink, queue, prompt_param, limit_param)
 
     def _submit(self, prompts: list[str | list[int]], make_params: Callable[[int], SamplingParams],
-                sink: Callable[[Any], None], queue: asyncio.Queue, prompt_param: str) -> _Job:
+                sink: Callable[[Any], None], queue: asyncio.Queue, prompt_param: str, limit_param: str) -> _Job:
         try:
             checked = []
             for prompt in prompts:
@@ -196,7 +199,7 @@ class Server:
                 params = make_params(len(ids))
                 checked.append((self.loop.validate(ids, params), params))
         except VMKVError as exc:
-            raise _engine_error(exc, prompt_param) from None
+            raise _engine_error(exc, prompt_param, limit_param) from None
         request_ids = [self.loop.submit(ids, params, sink) for ids, params in checked]
         return _Job(queue, request_ids, sum(len(ids) for ids, _ in checked))
 
@@ -237,9 +240,11 @@ class Server:
         return [final[rid] for rid in job.request_ids if rid in final]
 
     def abort_unfinished(self, job: _Job, finished: dict[str, Any]) -> None:
+        """Abort ``job``'s unfinished requests before the engine's next step, without blocking
+        the event loop (the engine may be in the middle of a step)."""
         for rid in job.request_ids:
             if rid not in finished:
-                self.loop.abort(rid)
+                self.loop.abort_soon(rid)
 
     async def stream(self, job: _Job, chunk: Callable[[int, str | None, str | None], dict],
                      usage_chunk: Callable[[dict], dict] | None, n: int, first: Callable[[int], dict] | None = None
@@ -384,13 +389,19 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None, pr
             if type(exc).__module__.startswith("jinja2"):  # the chat template refused these messages
                 raise APIError(400, f"the model's chat template refused the messages: {exc}", param="messages") from None
             raise
+        limit_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        context = loop.engine.max_seq_len
 
         def params(prompt_len: int) -> SamplingParams:
-            return body.sampling(limit if limit is not None else max(1, context - prompt_len))
+            """The client's limit, else as many tokens as the context and the KV budget leave."""
+            if limit is not None:
+                return body.sampling(limit)
+            try:
+                return body.sampling(loop.engine.max_new_tokens(prompt_len))
+            except (SequenceTooLong, OutOfPages) as exc:  # the prompt alone does not fit
+                raise _engine_error(exc, limit_param="messages") from None
 
-        job = await server.submit([ids], params, "messages")
+        job = await server.submit([ids], params, "messages", limit_param)
         rid, created = f"chatcmpl-{job.request_ids[0]}", int(time.time())
         head = {"id": rid, "object": "chat.completion.chunk" if body.stream else "chat.completion",
                 "created": created, "model": model_name}

@@ -22,7 +22,9 @@ Steps are numbered; a worker refuses a gap or a layout fingerprint that differs 
 scheduler's (e.g. pipeline stages with different layer counts) with a clear error.
 
 When pages change while no request runs (requests finished, or a trim), the connector reports
-``has_pending_push_work`` so the engine runs one more (empty) step that carries the unmaps.
+``has_pending_push_work`` so the engine runs one more (empty) step that carries the unmaps. The
+step that carries a trim is numbered in every later metadata (``trim_step``), so a caller waiting
+for its trim (:func:`vmkv.vllm.trim`) waits for that step, not for any step.
 
 Also here: the worker's counters as ``KVConnectorStats`` (logged by vLLM and exported as
 Prometheus metrics ``vllm:vmkv_kv_resident_bytes``, ``vllm:vmkv_kv_mapped_pages``,
@@ -69,12 +71,15 @@ class VmkvMetadata(KVConnectorMetadata):
         step: 1, 2, 3, ... in scheduling order.
         fingerprint: the scheduler's :attr:`KVLayout.fingerprint`.
         map_pages / unmap_pages: virtual pages of the KV buffer to map / unmap.
+        trim_step: the step that carries the latest trim (the first step built after the trim
+            was asked for: this one or an earlier one); 0 before any trim.
     """
 
     step: int
     fingerprint: str
     map_pages: list[int] = field(default_factory=list)
     unmap_pages: list[int] = field(default_factory=list)
+    trim_step: int = 0
 
 
 def budget_settings(config: plugin.PluginConfig, layout: KVLayout) -> tuple[int, int]:
@@ -147,6 +152,7 @@ class VmkvConnector(KVConnectorBase_V1, SupportsHMA):
         self._pool: Any = None  # scheduler: the PageAffineBlockPool
         self._step = 0
         self._flush = False
+        self._trim_step = 0  # scheduler: the step carrying the latest trim; worker: that step, once applied
         self._buffer: KVBuffer | None = None  # worker: the KV buffer
         self._layout: KVLayout | None = None
         self._applied = 0
@@ -196,7 +202,8 @@ class VmkvConnector(KVConnectorBase_V1, SupportsHMA):
         to_map, to_unmap = self._pool.free_block_queue.take_delta()
         self._step += 1
         self._flush = False
-        return VmkvMetadata(self._step, self._pool.free_block_queue.layout.fingerprint, to_map, to_unmap)
+        return VmkvMetadata(self._step, self._pool.free_block_queue.layout.fingerprint, to_map, to_unmap,
+                            self._trim_step)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return False, None
@@ -210,10 +217,12 @@ class VmkvConnector(KVConnectorBase_V1, SupportsHMA):
 
     def reset_cache(self) -> bool:
         """vmkv's trim: evict the pages only prefix-cached blocks keep mapped; the next step
-        (requested here even if nothing changed) carries the unmaps."""
+        (requested here even if nothing changed) carries the unmaps and is recorded as the trim's
+        step (``trim_step`` in every later metadata and in the workers' stats)."""
         if self._pool is not None:
             self._pool.trim()
             self._flush = True
+            self._trim_step = self._step + 1
         return True
 
     # ---- worker side ----------------------------------------------------------------------------
@@ -222,7 +231,7 @@ class VmkvConnector(KVConnectorBase_V1, SupportsHMA):
         the old: vLLM re-allocates after profiling)."""
         if self._buffer is not None and self._buffer is not buffer:
             self._buffer.close()
-        self._buffer, self._layout, self._applied = buffer, layout, 0
+        self._buffer, self._layout, self._applied, self._trim_step = buffer, layout, 0, 0
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """vLLM hands over the KV tensors; they must be views of vmkv's buffer.
@@ -269,7 +278,7 @@ class VmkvConnector(KVConnectorBase_V1, SupportsHMA):
             raise BackendError(f"vmkv: this worker's KV layout ({self._layout}) differs from the scheduler's "
                                "(e.g. pipeline stages with different layer counts): unsupported")
         self._buffer.apply(meta.unmap_pages, meta.map_pages)
-        self._applied = meta.step
+        self._applied, self._trim_step = meta.step, meta.trim_step
 
     def worker_stats(self) -> dict[str, Any]:
         """This worker's counters (see :func:`vmkv.vllm.stats`).
@@ -279,7 +288,8 @@ class VmkvConnector(KVConnectorBase_V1, SupportsHMA):
         """
         if self._buffer is None:
             raise InvalidConfig(f"vmkv: no KV buffer on this worker; set {plugin.ENV_FLAG}=1 for every vLLM process")
-        return {**self._buffer.stats(), "applied_step": self._applied, "rss_bytes": process_rss_bytes(),
+        return {**self._buffer.stats(), "applied_step": self._applied, "trim_step": self._trim_step,
+                "rss_bytes": process_rss_bytes(),
                 "pid": os.getpid(), "rank": self._rank}
 
     def get_kv_connector_stats(self) -> VmkvConnectorStats | None:

@@ -1,7 +1,7 @@
 """Run vLLM engines with and without the plugin on the same work (tests, benchmark, GPU smoke).
 
 :func:`engine` starts a ``vllm.LLM`` (stock, or with vmkv: ``VMKV_VLLM=1`` for the processes it
-spawns plus :func:`vmkv.vllm.engine_args`); :func:`run` feeds it requests at given arrival
+spawns, set only while it starts, plus :func:`vmkv.vllm.engine_args`); :func:`run` feeds it requests at given arrival
 times through ``LLM.llm_engine`` (``add_request`` / ``step``) and samples, every few steps, the
 tokens the running requests hold next to each worker's memory (``collective_rpc``).
 
@@ -16,10 +16,11 @@ import os
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from .. import vllm as plugin
 
@@ -69,25 +70,46 @@ def engine(model: str | Path, *, vmkv: bool, kv_cache_bytes: int, max_model_len:
         llm_kwargs: more ``LLM`` arguments (``enforce_eager=True`` and ``dtype="float32"`` unless
             given).
 
-    Sets ``VMKV_VLLM`` and ``VLLM_CPU_NUM_OF_RESERVED_CPU`` (:data:`RESERVED_CPUS`) in this
-    process's environment for the engine's processes, or removes them for a stock engine.
+    While the engine starts (vLLM spawns its engine and worker processes then, and loads its
+    plugins), this process's environment has ``VMKV_VLLM=1`` and ``VLLM_CPU_NUM_OF_RESERVED_CPU``
+    (:data:`RESERVED_CPUS`) for a vmkv engine, neither for a stock one, and ``HF_HUB_OFFLINE=1``
+    unless set; the environment is restored afterwards. (:func:`ensure_entry_point`'s
+    ``sys.path`` and ``PYTHONPATH`` entry stays: it only makes the plugin importable.)
     """
     from vllm import LLM
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if vmkv:
         ensure_entry_point()
-        os.environ[plugin.ENV_FLAG] = "1"
         llm_kwargs.update(plugin.engine_args(**(options or {})))
         ranks = llm_kwargs.get("tensor_parallel_size", 1) * llm_kwargs.get("pipeline_parallel_size", 1)
-        os.environ[RESERVED_CPUS] = str(ranks)  # what stock vLLM reserves (see cpu_cores_reserved)
+        env = {plugin.ENV_FLAG: "1", RESERVED_CPUS: str(ranks)}  # what stock vLLM reserves (see cpu_cores_reserved)
     else:
-        os.environ.pop(plugin.ENV_FLAG, None)
-        os.environ.pop(RESERVED_CPUS, None)
+        env = {plugin.ENV_FLAG: None, RESERVED_CPUS: None}
         llm_kwargs.setdefault("worker_extension_cls", plugin.WORKER_EXTENSION_CLS)
+    env["HF_HUB_OFFLINE"] = os.environ.get("HF_HUB_OFFLINE", "1")
     llm_kwargs.setdefault("enforce_eager", True)
     llm_kwargs.setdefault("dtype", "float32")
-    return LLM(model=str(model), kv_cache_memory_bytes=kv_cache_bytes, max_model_len=max_model_len, **llm_kwargs)
+    with _environment(env):
+        return LLM(model=str(model), kv_cache_memory_bytes=kv_cache_bytes, max_model_len=max_model_len, **llm_kwargs)
+
+
+@contextmanager
+def _environment(values: dict[str, str | None]) -> Iterator[None]:
+    """Set (``None``: remove) environment variables inside the block; restore them after it."""
+    saved = {name: os.environ.get(name) for name in values}
+    try:
+        for name, value in values.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @dataclass

@@ -4,10 +4,10 @@ vLLM 0.32 builds one ``BlockPool`` inside the scheduler's ``KVCacheManager``
 (``vllm/v1/core/kv_cache_manager.py``) through its coordinator
 (``vllm/v1/core/kv_cache_coordinator.py``, ``KVCacheCoordinator.__init__``) and hands it to every
 per-group manager (``vllm/v1/core/single_type_kv_cache_manager.py``,
-``SingleTypeKVCacheManager.block_pool``); ``KVCacheManager.block_pool`` keeps another reference.
-:class:`VmkvScheduler` lets vLLM build all of it, then puts a
-:class:`~vmkv.vllm.block_pool.PageAffineBlockPool` in all those places before any block is
-allocated, and rebinds the KV connector to it (``bind_kv_cache_manager``). vLLM warns that this
+``SingleTypeKVCacheManager.block_pool``, and its null block as ``_null_block``);
+``KVCacheManager.block_pool`` keeps another reference. :class:`VmkvScheduler` lets vLLM build all
+of it, then puts a :class:`~vmkv.vllm.block_pool.PageAffineBlockPool` (and its null block) in all
+those places before any block is allocated (:func:`install_pool`), and rebinds the KV connector to it (``bind_kv_cache_manager``). vLLM warns that this
 surface is not public: the plugin pins vLLM 0.32 (:func:`vmkv.vllm.check_vllm`).
 
 ``BlockPool.get_new_blocks`` is not told which request asks. Each manager's
@@ -60,18 +60,39 @@ class VmkvScheduler(Scheduler):
                 f"--kv-transfer-config '{{\"kv_connector\":\"{plugin.CONNECTOR_NAME}\",\"kv_connector_module_path\":"
                 f"\"{plugin.CONNECTOR_MODULE}\",\"kv_role\":\"kv_producer\"}}' (or vmkv.vllm.engine_args())")
         manager = self.kv_cache_manager
-        old = manager.block_pool
-        pool = PageAffineBlockPool.replacing(old, *self.connector.pool_settings(vllm_config))
-        coordinator = manager.coordinator
-        for index, single in enumerate(coordinator.single_type_managers):
-            if single.block_pool is not old:
-                raise InvalidConfig(f"vmkv: KV cache group {index} has its own block pool (unsupported layout)")
-            single.block_pool = pool
-            single.allocate_new_blocks = _with_affinity(single, pool)
-        coordinator.block_pool = pool
-        manager.block_pool = pool
+        pool = PageAffineBlockPool.replacing(manager.block_pool, *self.connector.pool_settings(vllm_config))
+        install_pool(manager, pool)
         self.connector.bind_kv_cache_manager(manager)
         logger.info("vmkv: page-affine block pool installed (%s)", pool.free_block_queue.layout)
+
+
+def install_pool(manager: Any, pool: PageAffineBlockPool) -> None:
+    """Put ``pool`` in every place of ``manager`` (vLLM's ``KVCacheManager``) that holds its block
+    pool or that pool's null block, before any block is allocated.
+
+    Each per-group manager keeps the pool (``block_pool``) and its null block (``_null_block``,
+    which ``_remove_blocks_in_range`` compares with ``==``, a dataclass equality that includes
+    ``ref_cnt``, and which pads requests' block lists); the coordinator and the manager keep the
+    pool too.
+
+    Raises:
+        InvalidConfig: a KV cache group has a pool of its own, or a group manager lacks the null
+            block attribute this code knows (not vLLM 0.32's layout).
+    """
+    old = manager.block_pool
+    coordinator = manager.coordinator
+    for index, single in enumerate(coordinator.single_type_managers):
+        if single.block_pool is not old:
+            raise InvalidConfig(f"vmkv: KV cache group {index} has its own block pool (unsupported layout)")
+        if getattr(single, "_null_block", None) is not old.null_block:
+            raise InvalidConfig(f"vmkv: KV cache group {index}'s manager does not keep the pool's null block "
+                                "as _null_block (not vLLM 0.32's layout)")
+    for single in coordinator.single_type_managers:
+        single.block_pool = pool
+        single._null_block = pool.null_block
+        single.allocate_new_blocks = _with_affinity(single, pool)
+    coordinator.block_pool = pool
+    manager.block_pool = pool
 
 
 def _with_affinity(manager: Any, pool: PageAffineBlockPool) -> Any:

@@ -1,9 +1,9 @@
 """A tiny Llama checkpoint vLLM can load from a directory, built offline (tests, benchmark, GPU smoke).
 
 The weights are vmkv's embedded default model (:mod:`vmkv.models`: seeded random weights large
-enough that greedy decoding has clear winners) with 2 layers; the tokenizer is a byte-level
-Hugging Face tokenizer over the same 259-token vocabulary (256 bytes, then BOS, EOS, PAD), so
-nothing is downloaded. Needs ``transformers``, ``safetensors`` and ``tokenizers``.
+enough that greedy decoding has clear winners) with 2 layers; the tokenizer is
+:class:`vmkv.models.ByteTokenizer` saved as a Hugging Face tokenizer (token ``i < 256`` is byte
+``i``, then BOS, EOS, PAD; BOS first), so nothing is downloaded. Needs ``transformers``, ``safetensors`` and ``tokenizers``.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from ..models import DEFAULT_MODEL, default_hf_model, save_byte_tokenizer
 
 TINY_LAYERS = 2
+TOKENIZER_VERSION = 2  # 1: ids in code-point order of the byte alphabet, no BOS (directories made so are rewritten)
 
 
 def token_bytes(num_layers: int = TINY_LAYERS) -> int:
@@ -30,11 +31,11 @@ def save_tiny_model(path: str | Path, num_layers: int = TINY_LAYERS) -> Path:
         ``path``, ready for ``vllm.LLM(model=str(path))``. Reuses a complete directory.
     """
     path = Path(path)
-    marker = path / "vmkv-tiny.json"
-    if marker.exists() and json.loads(marker.read_text()) == {"num_layers": num_layers}:
+    marker, made = path / "vmkv-tiny.json", {"num_layers": num_layers, "tokenizer": TOKENIZER_VERSION}
+    if marker.exists() and json.loads(marker.read_text()) == made:
         return path
     path.mkdir(parents=True, exist_ok=True)
     default_hf_model(torch.float32, num_hidden_layers=num_layers).save_pretrained(path)
     save_byte_tokenizer(path)
-    marker.write_text(json.dumps({"num_layers": num_layers}))
+    marker.write_text(json.dumps(made))
     return path
