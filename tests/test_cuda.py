@@ -396,18 +396,23 @@ def run_scenario(cache: vmkv.KVCacheBase, whole: int = 1024, q_heads: int = 16) 
 
 
 # ---- kernels: pieces that run on any machine -----------------------------------------------
-@pytest.mark.parametrize("layout", ["per_layer", "all_layers"])
+@pytest.mark.parametrize("layout", ["per_layer", "head_major", "all_layers"])
 def test_slot_rows_address_each_slot_without_copying(layout):
     layers, batch, cap, heads, dim = 3, 4, 8, 2, 4
     if layout == "per_layer":
         full = torch.randn(batch, cap, heads, dim)
-        layer_view = full
+        layer_view, rows_per_slot = full, cap
+    elif layout == "head_major":
+        full = torch.randn(batch, heads, cap, dim)
+        layer_view, rows_per_slot = full.permute(0, 2, 1, 3), heads * cap  # [B, S, H, D] over [B, H, S, D]
     else:
         full = torch.randn(batch, cap, layers, heads, dim)
-        layer_view = full[:, :, 1]
+        layer_view, rows_per_slot = full[:, :, 1], cap  # token stride L * H * D
     for view in (layer_view, layer_view[:, :5]):  # the whole capacity and a [:, :n] slice
         rows, per_slot = _slot_rows(view)
-        assert per_slot == cap and rows.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
+        assert per_slot == rows_per_slot and rows.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
+        last = rows.storage_offset() + sum((size - 1) * stride for size, stride in zip(rows.shape, rows.stride()))
+        assert last < full.numel()  # no element of the row view lies past the tensor
         for slot in range(batch):
             assert torch.equal(rows[slot * per_slot : slot * per_slot + view.shape[1]], view[slot])
 

@@ -325,9 +325,12 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def _slot_rows(cache: torch.Tensor) -> tuple[torch.Tensor, int]:
     """View ``[B, S, H, D]`` slots as one row axis ``[B * R, H, D]`` without copying.
 
-    ``R`` = slot stride / token stride (the slot capacity, whatever ``S`` the view shows), so
-    slot ``b`` starts at row ``b * R``. Works for a layer of either layout (per-layer tensors
-    or a strided layer slice of the all-layers tensor) and for ``[:, :n]`` slices of them.
+    ``R`` = slot stride / token stride (whatever ``S`` the view shows), so slot ``b`` starts at
+    row ``b * R``. Works for a layer of any layout (per-layer tensors, token- or head-major, or
+    a strided layer slice of the all-layers tensor) and for ``[:, :n]`` slices of them. The
+    view has ``(B - 1) * R + S`` rows: its last row is the last token of the last slot, so
+    no element of it lies past the last slot (with head-major slots, ``B * R`` rows would reach
+    ``(H - 1) * S_max`` rows beyond the tensor).
 
     Raises:
         InvalidShape: the slot stride is not a whole number of token rows.
@@ -336,7 +339,7 @@ def _slot_rows(cache: torch.Tensor) -> tuple[torch.Tensor, int]:
     if slot_stride % row_stride:
         raise InvalidShape(f"slot stride {slot_stride} is not a multiple of the token stride {row_stride}")
     rows_per_slot = slot_stride // row_stride
-    shape = (cache.shape[0] * rows_per_slot, *cache.shape[2:])
+    shape = ((cache.shape[0] - 1) * rows_per_slot + cache.shape[1], *cache.shape[2:])
     return cache.as_strided(shape, (row_stride, *cache.stride()[2:])), rows_per_slot
 
 
@@ -346,7 +349,7 @@ def varlen_seqused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     Calls ``torch.ops.aten._flash_attention_forward``, the op behind
     ``torch.nn.attention.varlen.varlen_attn`` (``varlen_attn`` exposes ``seqused_k`` only
     from torch 2.12; the op has had it since 2.5). The virtual tensors are flattened to
-    ``[B_max * R, Hkv, D]`` by :func:`_slot_rows` (a strided view, never a copy: a copy would
+    ``[(B_max - 1) * R + S, Hkv, D]`` by :func:`_slot_rows` (a strided view, never a copy: a copy would
     read unmapped pages) and sequence ``i`` starts at row ``slot_i * R``.
 
     Why unsorted slot offsets are correct: with ``seqused_k`` set, FlashAttention's
@@ -364,7 +367,7 @@ def varlen_seqused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     Shapes: ``q: [T, Hq, D]``, ``k_cache, v_cache: [B_max, S, Hkv, D]``; returns ``[T, Hq, D]``.
     """
     q = q.contiguous()  # FlashAttention wants a unit last stride (any strided q is accepted here)
-    k_rows, rows_per_slot = _slot_rows(k_cache)  # [B_max * R, Hkv, D] views, slot b at row b * R
+    k_rows, rows_per_slot = _slot_rows(k_cache)  # [(B_max - 1) * R + S, Hkv, D] views, slot b at row b * R
     v_rows, _ = _slot_rows(v_cache)
     starts = plan.slots_t * rows_per_slot  # int32 [B]: first row of each sequence, plan order
     cu_k = torch.cat([starts, starts.new_full((1,), k_rows.shape[0])])  # last entry unused (seqused_k)
