@@ -86,9 +86,6 @@ class PagedKernel(ABC):
         """Attention of ``q: [T, Hq, D]`` over the pools; returns ``[T, Hq, D]``."""
 
 
-def _offsets(plan: StepPlan) -> list[int]:
-    return [0, *accumulate(plan.q_lens)]
-
 
 # ---- CPU (and any device): the naive reference ------------------------------------------------
 class GatherSDPA(PagedKernel):
@@ -111,7 +108,7 @@ class GatherSDPA(PagedKernel):
         """Attention of sequences ``indexes`` of ``plan``; writes their rows of ``out``."""
         block = k_pool.shape[1]
         gqa = q.shape[1] != k_pool.shape[2]
-        offsets = _offsets(plan)
+        offsets = plan.offsets
         masks = plan.causal_masks
         for i in indexes:
             n, kv_len = plan.q_lens[i], plan.kv_lens[i]
@@ -204,7 +201,7 @@ class ChunkedSDPA(PagedKernel):
         self._scratch = _Scratch(device)
 
     def prepare(self, plan: StepPlan, q_heads: int, scale: float) -> _PiecesMeta:
-        offsets = _offsets(plan)
+        offsets = plan.offsets
         rows = tuple(
             _DecodeRow(offsets[i], self._pieces(plan.block_table[i], plan.kv_lens[i]))
             for i, n in enumerate(plan.q_lens) if n == 1
@@ -375,15 +372,14 @@ class BlockwiseOnlineSoftmax(PagedKernel):
         self._block_size = block_size
         self._kv_heads = kv_heads
         self.chunk_tokens = chunk_tokens
-        self._device = device
-        self._buffers: dict[int, torch.Tensor] = {}  # gather scratch: 0/1 K/V as stored, 2/3 as float32
+        self._scratch = _Scratch(device)  # buffers 0/1: K/V as stored, 2/3: as float32
 
     # -- per step ---------------------------------------------------------------------------
     def prepare(self, plan: StepPlan, q_heads: int, scale: float) -> _BlockwiseMeta:
         table = plan.block_table
         block = self._block_size
         per_chunk = max(1, self.chunk_tokens // block)  # blocks per chunk
-        offsets = _offsets(plan)
+        offsets = plan.offsets
         decode = [i for i, n in enumerate(plan.q_lens) if n == 1]
         decode_group = None
         if decode:
@@ -444,30 +440,14 @@ class BlockwiseOnlineSoftmax(PagedKernel):
         return out
 
     def _gather(self, which: int, pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        """The chunk's keys (``which`` 0) or values (1): ``[..., C * block, Hkv, D]`` float32.
-
-        ``index_select`` of whole blocks into a scratch buffer kept across calls: a fresh
-        multi-MiB tensor per chunk costs page faults that cost more than the copy itself.
-        While autograd records (the pool was written from tensors that require grad), the
-        gather allocates instead: ``out=`` ops and reused buffers cannot be recorded.
-        """
-        shape = (*blocks.shape[:-1], blocks.shape[-1] * pool.shape[1], *pool.shape[2:])
+        """The chunk's keys (``which`` 0) or values (1): ``[..., C * block, Hkv, D]`` float32, in
+        scratch buffers kept across calls (see :class:`_Scratch`)."""
+        raw = self._scratch.gather(which, pool, blocks)
+        if raw.dtype == torch.float32:
+            return raw
         if torch.is_grad_enabled() and pool.requires_grad:
-            return pool.index_select(0, blocks.reshape(-1)).view(shape).float()
-        count = blocks.numel() * pool[0].numel()
-        raw = self._scratch(which, count, pool.dtype)
-        torch.index_select(pool, 0, blocks.reshape(-1), out=raw.view(blocks.numel(), *pool.shape[1:]))
-        if pool.dtype == torch.float32:
-            return raw.view(shape)
-        return self._scratch(2 + which, count, torch.float32).view(shape).copy_(raw.view(shape))
-
-    def _scratch(self, slot: int, count: int, dtype: torch.dtype) -> torch.Tensor:
-        """A flat buffer of at least ``count`` elements, reused call after call (grown on demand)."""
-        buf = self._buffers.get(slot)
-        if buf is None or buf.numel() < count or buf.dtype != dtype:
-            buf = torch.empty(count, dtype=dtype, device=self._device)
-            self._buffers[slot] = buf
-        return buf[:count]
+            return raw.float()
+        return self._scratch.buffer(2 + which, raw.numel(), torch.float32).view(raw.shape).copy_(raw)
 
     def _decode(self, q, k_pool, v_pool, group: _DecodeGroup, scale: float) -> torch.Tensor:
         batch, q_heads, dim = q.shape
@@ -580,7 +560,7 @@ class FlashKVCacheBlockTable(PagedKernel):
                 block_table=plan.block_table, softmax_scale=scale, causal=True,
             ).squeeze(1)  # [B, 1, Hq, D] -> [B, Hq, D]
         out = torch.empty_like(q)
-        offsets = _offsets(plan)
+        offsets = plan.offsets
         for i in range(plan.batch_size):
             a, b = offsets[i], offsets[i + 1]
             out[a:b] = flash_attn_with_kvcache(

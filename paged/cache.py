@@ -185,13 +185,9 @@ class PagedKVCache(KVCacheBase):
         slots = torch.tensor([seq.slot for seq in seqs], dtype=torch.long)
         return self.block_table[slots, :width].to(self.config.device)
 
-    def check(self) -> None:
-        """Raise ``AssertionError`` if page ownership or the block table is inconsistent (tests).
-
-        Beyond the shared checks: each live sequence's table row lists exactly its pages, then
-        -1; a free slot's row is all -1.
-        """
-        super().check()
+    def _check_storage(self) -> None:
+        """Each live sequence's block-table row lists exactly its pages, then -1; a free slot's
+        row is all -1."""
         expected = torch.full_like(self.block_table, NO_BLOCK)
         for seq in self._seqs.values():
             expected[seq.slot, : len(seq.pages)] = torch.tensor(seq.pages, dtype=torch.int32)

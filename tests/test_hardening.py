@@ -123,6 +123,31 @@ def test_writes_to_an_empty_page_fail_loudly():
     assert proc.returncode == -11, (proc.returncode, proc.stderr[-500:])  # killed by SIGSEGV
 
 
+def test_every_map_and_unmap_waits_for_running_kernels():
+    """On CUDA a map takes the zero page away for a moment and an unmap the data page: a kernel
+    still reading the address (padded kernels read past a sequence's length) would fault. The
+    cache synchronizes the backend before each page it maps or unmaps."""
+    cache = vmkv.open_cache(small_config(), mode="vmm")
+    calls = []
+    for name in ("map", "unmap", "synchronize"):
+        real = getattr(cache._vm, name)
+        setattr(cache._vm, name, lambda *args, _real=real, _name=name: (calls.append(_name), _real(*args))[1])
+    ids = _tokens(TPP + 1, 1)
+    cache.add("a")
+    plan = cache.begin_step({"a": ids})  # maps two pages
+    for layer in range(cache.config.num_layers):
+        cache.write(layer, torch.ones(len(ids), 2, 16), torch.ones(len(ids), 2, 16), plan)
+    calls.append("|")  # kernels may run between cache calls
+    cache.fork("a", "b")
+    cache.begin_step({"b": 1})  # copy-on-write of b's shared last page: unmap + map
+    calls.append("|")
+    cache.free("a"), cache.free("b"), cache.trim()  # trim unmaps the spare pages
+    segments = [segment.split() for segment in " ".join(calls).split("|")]
+    assert [segment[0] for segment in segments] == ["synchronize"] * 3, calls
+    assert "map" in calls and "unmap" in calls
+    cache.close()
+
+
 # ---- A3: a plan is bound to its cache --------------------------------------------------------------
 def test_a_plan_from_another_cache_is_refused(mode):
     one, two = (vmkv.open_cache(small_config(), mode=mode) for _ in range(2))

@@ -47,7 +47,8 @@ def test_cached_pages_are_evicted_least_recently_used_first():
     pool.decref(a)
     pool.decref(c)
     assert pool.num_cached == 3 and pool.num_free == 0
-    pool.touch(b)  # b becomes most recent: order a, c, b
+    pool.incref(pool.lookup(b"b"))  # a hit on b, released again: b becomes most recent, order a, c, b
+    pool.decref(b)
     assert pool.allocate(2) == [a, c]
     assert pool.lookup(b"a") is None and pool.lookup(b"c") is None
     assert pool.lookup(b"b") == b and pool.evictions == 2

@@ -4,7 +4,7 @@ Every kernel gets the whole virtual K/V of a layer, ``k_cache: [max_batch, capac
 kv_heads, head_dim]``, plus the plan's slots and lengths. Per-sequence kernels read only
 ``k_cache[slot, :kv_len]``; the batched CPU kernels read a run of slots up to the longest
 length, past shorter sequences' data: those reads see stale-but-finite K/V inside a partly
-filled page, or the zero page past it (the host backend backs every empty page with it), and
+filled page, or the zero page past it (both backends back every empty page with it), and
 a per-row length mask gives them probability exactly 0.
 
 Kernel choice, by device and what is installed (logged once, shown in ``stats()["kernel"]``;
@@ -28,7 +28,6 @@ import importlib
 import importlib.util
 import inspect
 import logging
-from itertools import accumulate
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -56,7 +55,7 @@ def _sdpa_rows(
     ``h // group``), which reads each KV head once instead of ``group`` times.
     """
     q_heads, kv_heads = q.shape[1], k_cache.shape[2]
-    offsets = _offsets(plan)
+    offsets = plan.offsets
     masks = plan.causal_masks
     for i in indexes:
         slot, n, kv_len = plan.slots[i], plan.q_lens[i], plan.kv_lens[i]
@@ -75,11 +74,6 @@ def _sdpa_rows(
             attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=q_heads != kv_heads,
         )
         out[rows] = o_i[0].transpose(0, 1)
-
-
-def _offsets(plan: StepPlan) -> list[int]:
-    """Packed index of each sequence's first new token, plus the total."""
-    return [0, *accumulate(plan.q_lens)]
 
 
 def sdpa_per_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan, scale: float | None) -> torch.Tensor:
@@ -185,7 +179,7 @@ def plan_decode_batch(plan: StepPlan, decode: list[int], rule: "BatchRule | None
     first, span, max_kv = min(slots), max(slots) - min(slots) + 1, max(lens)
     batched = rule is None or rule.batched(span, max_kv, lens)
     device = plan.kv_lens_t.device
-    offsets = _offsets(plan)
+    offsets = plan.offsets
     packed = [offsets[i] for i in decode]
     identity = len(decode) == plan.num_tokens and packed == [s - first for s in slots]
     rows = None if identity else torch.tensor(packed, device=device)
@@ -312,7 +306,7 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         )  # [B, 1, Hq, D]
         return out.squeeze(1)
     out = torch.empty_like(q)
-    offsets = [0, *accumulate(plan.q_lens)]
+    offsets = plan.offsets
     for i, slot in enumerate(plan.slots):
         a, b = offsets[i], offsets[i + 1]
         out[a:b] = flash_attn_with_kvcache(
@@ -451,8 +445,9 @@ def contiguous_kernel_unavailable(
     FlashAttention kernels (flash-attn and torch's) need CUDA, sm80 or newer, float16 or
     bfloat16, a head_dim that is a multiple of 8 and at most 256 (``mha_varlen_fwd`` /
     ``mha_fwd_kvcache`` checks), and flash-attn must import. The batched SDPA kernels read
-    every slot of a run up to the longest length, past shorter sequences' pages: only the
-    host backend backs those with zero pages so far, so they run on CPU only.
+    every slot of a run up to the longest length, past shorter sequences' pages (zero pages on
+    both backends); their batching rule was measured on CPU and they have not been checked on a
+    GPU, so they run on CPU only (CUDA has the FlashAttention kernels, which read exact lengths).
     """
     if name not in CONTIGUOUS_KERNELS:
         return f"unknown kernel {name!r}; known: {', '.join(CONTIGUOUS_KERNELS)}"
@@ -460,7 +455,7 @@ def contiguous_kernel_unavailable(
         return None
     if name in _READS_PAST_LENGTHS:
         if device.type != "cpu":
-            return f"{name} reads past sequence lengths, which only the host backend backs with zero pages (not {device.type})"
+            return f"{name} is a CPU kernel (its batching rule was measured on CPU), not for {device.type}"
         return None
     if device.type != "cuda" or not torch.cuda.is_available():
         return f"{name} needs a CUDA device"

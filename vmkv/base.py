@@ -144,7 +144,8 @@ class KVCacheBase(ABC):
 
     @abstractmethod
     def layer_storage(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A layer's K and V storage flattened to ``[rows, kv_heads, head_dim]`` (zero-copy)."""
+        """A layer's K and V storage flattened to rows (zero-copy): ``[rows, kv_heads, head_dim]``,
+        or ``[rows, head_dim]`` in the VMM head-major layout (see the modes' docstrings)."""
 
     @abstractmethod
     def attention(self, layer: int, q: torch.Tensor, plan: StepPlan, *, scale: float | None = None) -> torch.Tensor:
@@ -483,7 +484,8 @@ class KVCacheBase(ABC):
 
     @exclusive
     def check(self) -> None:
-        """Raise ``AssertionError`` if page ownership is inconsistent (used by the tests)."""
+        """Raise ``AssertionError`` if page ownership (or the mode's storage, e.g. the paged block
+        table) is inconsistent (used by the tests)."""
         self._join_ahead()
         self.pool.check()
         owners: Counter[int] = Counter()
@@ -496,6 +498,10 @@ class KVCacheBase(ABC):
         for page in range(self.pool.num_pages):
             assert self.pool.refcount(page) == owners[page], f"page {page}: ref != owners"
         assert self._tokens == sum(seq.length for seq in self._seqs.values()), "token counter is off"
+        self._check_storage()
+
+    def _check_storage(self) -> None:
+        """The mode's own consistency checks (called by :meth:`check`, holding the lock)."""
 
     def state(self) -> tuple:
         """Everything that defines the cache's bookkeeping, as comparable values: a failed call

@@ -28,7 +28,9 @@ A pool page ``p`` is backed by ``num_tensors`` physical pages of the backend, on
 mapped side by side, merge into one mapping.
 
 Every page of a range that holds no data reads as zeros (the backend's shared zero page): a
-read past a sequence's length never faults, and views outlive ``free``, ``trim`` and ``close``.
+read past a sequence's length never faults, and views stay readable after ``free``, ``trim``
+and ``close`` (they read zeros there). Writes go through :meth:`write` only: a write through a
+view into an empty page faults (SIGSEGV on the host), so views are for reading.
 """
 
 from __future__ import annotations
@@ -238,8 +240,9 @@ class VirtualKVCache(KVCacheBase):
         nbytes = keep * self.geometry.piece_bytes // self.tokens_per_page  # the stored tokens only
         addrs = [self._addr(t, slot, index) for t in range(self.geometry.num_tensors)]
         saved = [self._vm.tensor(a, (nbytes,), torch.uint8).clone() for a in addrs] if keep else []
-        if old is not None:
-            self._vm.synchronize()  # no kernel may still read the page we take away
+        # No kernel may still read these addresses: ``old`` goes away, and on CUDA even the zero
+        # page is unmapped for a moment (padded kernels read past a sequence's length).
+        self._vm.synchronize()
         for t, addr in enumerate(addrs):
             if old is not None:
                 self._vm.unmap(addr)

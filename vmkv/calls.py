@@ -1,10 +1,14 @@
 """How every public cache call runs: one thread at a time, and all or nothing.
 
 **One thread at a time.** A cache is not thread-safe and does not pretend to be: each public
-method is wrapped by :func:`exclusive`, which takes the cache's lock *without waiting*. If
-another thread is inside the cache, the call raises :class:`~vmkv.errors.ConcurrentUse` instead
-of corrupting state. Serialise calls with your own lock, or keep a cache on one thread.
-``stats()`` is the exception: it only reads counters and may be called from any thread.
+method that reads or changes sequences, pages or storage (``add``, ``begin_step``, ``write``,
+``attention``, ``kv``, ``pages``, ``check``, ...) is wrapped by :func:`exclusive`, which takes
+the cache's lock *without waiting*. If another thread is inside the cache, the call raises
+:class:`~vmkv.errors.ConcurrentUse` instead of corrupting state. Serialise calls with your own
+lock, or keep a cache on one thread. Not wrapped: ``stats()`` (it only reads counters and may be
+called from any thread), the one-field lookups ``seq_len``, ``slot``, ``seq_ids``, ``in`` and
+``len`` and the arithmetic ``pages_for`` (each a single dictionary read), and ``close()``
+(it takes the lock itself and raises ``ConcurrentUse`` if it cannot).
 
 **All or nothing.** A call that changes memory (mapping, unmapping, copying pages) runs inside
 :func:`atomic`: every change appends a function that reverts it to the cache's journal (the page

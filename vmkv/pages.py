@@ -173,13 +173,6 @@ class PagePool:
             self._hash[page] = None
             self._log(lambda: self.register(page, page_hash))
 
-    def touch(self, page: int) -> None:
-        """Mark a cached page as most recently used."""
-        if page in self._lru:
-            stamp = self._lru.pop(page)
-            self._lru[page] = next(self._stamps)
-            self._log(lambda: (self._lru.pop(page), self._reinsert_lru(page, stamp)))
-
     def evict_all(self) -> list[int]:
         """Move every cached, unreferenced page to the free stack; return their ids."""
         evicted = list(self._lru.items())

@@ -16,6 +16,8 @@ reads keys ``0 .. kv_lens[i]-1``::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
+from itertools import accumulate
 from typing import Hashable
 
 import torch
@@ -56,6 +58,11 @@ class StepPlan:
     causal_masks: tuple[torch.Tensor | None, ...]
     version: int
     owner: object = None
+
+    @cached_property
+    def offsets(self) -> tuple[int, ...]:
+        """``cu_q`` as Python ints: sequence ``i``'s tokens are ``offsets[i] .. offsets[i + 1] - 1``."""
+        return (0, *accumulate(self.q_lens))
 
     @property
     def batch_size(self) -> int:

@@ -54,7 +54,9 @@ class VirtualMemory(ABC):
 
     @abstractmethod
     def map(self, addr: int, page: int) -> None:
-        """Map physical page ``page`` at ``addr`` (page-aligned, inside a reservation), read-write."""
+        """Map physical page ``page`` at ``addr`` (page-aligned, inside a reservation), read-write.
+        Call :meth:`synchronize` first if a kernel may still read ``addr``: a backend may take the
+        zero page away before the data page is in place (CUDA does)."""
 
     @abstractmethod
     def unmap(self, addr: int) -> None:

@@ -13,9 +13,10 @@
 * map: ``cuMemUnmap`` of the zero page, ``cuMemMap`` of the data page, ``cuMemSetAccess``
   read-write. Mapping one handle at several addresses shares it.
 * unmap: ``cuMemUnmap`` of the data page, then the zero page goes back (map + read access).
-  The caller synchronizes first (:meth:`CudaVirtualMemory.synchronize`), as ``VirtualKVCache``
-  does: unmapping a page a running kernel still reads is an illegal-address fault that kills
-  the CUDA context.
+* Both leave the address with nothing mapped for a moment, so the caller synchronizes first
+  (:meth:`CudaVirtualMemory.synchronize`), as ``VirtualKVCache`` does before every map and
+  unmap: a running kernel reading the address then (padded kernels read zeros past a
+  sequence's length) would take an illegal-address fault that kills the CUDA context.
 * tensors: an object exposing ``__cuda_array_interface__`` handed to ``torch.as_tensor``; the
   tensor holds that object, which holds the reservation.
 
@@ -568,7 +569,9 @@ class CudaVirtualMemory(VirtualMemory):
         self._bases.remove(addr)
 
     def map(self, addr: int, page: int) -> None:
-        """Map store page ``page`` at the page address ``addr``, read-write.
+        """Map store page ``page`` at the page address ``addr``, read-write. Call
+        :meth:`synchronize` first if a kernel may still read ``addr`` (its zero page is unmapped
+        for a moment).
 
         Raises:
             BackendError: bad page or address, a page is mapped there already, or a driver call

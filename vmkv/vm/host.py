@@ -252,8 +252,9 @@ class HostVirtualMemory(VirtualMemory):
         return reservation
 
     def tensor(self, addr: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A zero-copy tensor over ``addr``; it keeps the reservation holding it alive, so it reads
-        zeros (never faults) after its pages are unmapped or the backend is closed."""
+        """A zero-copy tensor over ``addr``; it keeps the reservation holding it alive, so reads
+        see zeros (never fault) after its pages are unmapped or the backend is closed. Writes
+        there fault (SIGSEGV): the zero page is read-only."""
         nbytes = torch.empty((), dtype=dtype).element_size()
         for dim in shape:
             nbytes *= dim
