@@ -426,6 +426,7 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
             result=f"{best['gbps']:.1f} GB/s = {common.number_text(share.value, '%')}",
             spread=common.spread_text(share, "%"),
             winner="bandwidth-bound (>= 50 %)" if share.low >= 0.5 else "not bandwidth-bound" if share.high < 0.5 else "near 50 %",
+            side="bandwidth-bound" if share.low >= 0.5 else "not bandwidth-bound" if share.high < 0.5 else "tie",
             value=share.value, low=share.low, high=share.high,
             note=f"{best['candidate']}; read {bw.value:.1f} GB/s ({bw.low:.1f}-{bw.high:.1f}), threads: {result['config'].get('threads')}",
         ))

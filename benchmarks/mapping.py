@@ -274,15 +274,15 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
         why = "negative share after a rerun with twice the rounds: below what this machine can resolve"
         return [common.unreliable("mapping.share", question, why, spread.get(True), "%")]
     if spread[True].high < spread[False].low:
-        winner = "map-ahead hides most of it"
+        winner, side = "map-ahead hides most of it", "map-ahead"
     elif spread[True].low > spread[False].high:
-        winner = "on demand (map-ahead costs more)"
+        winner, side = "on demand (map-ahead costs more)", "on demand"
     else:
-        winner = "tie (spreads overlap)"
+        winner, side = "tie (spreads overlap)", "tie"
     return [common.Verdict(
         key="mapping.share", question=question,
         result=f"ahead {common.number_text(ahead['value'], '%')}, on demand {common.number_text(demand['value'], '%')}",
-        spread=f"ahead {common.spread_text(spread[True], '%')}", winner=winner, value=ahead["value"],
+        spread=f"ahead {common.spread_text(spread[True], '%')}", winner=winner, side=side, value=ahead["value"],
         low=ahead["low"], high=ahead["high"],
         note=f"step {ahead['baseline_step_ms']:.2f} ms without mapping",
     )]

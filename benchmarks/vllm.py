@@ -208,6 +208,6 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
     memory = common.Verdict(
         key="vllm.kv_memory", question="KV memory held by vmkv, share of stock vLLM's buffer (mean over the trace)",
         result=common.number_text(mean, "%"), spread=f"peak {common.number_text(peak, '%')}",
-        winner="vmkv" if peak < 1.0 else "tie", value=mean, high=peak,
+        winner="vmkv" if peak < 1.0 else "tie", side="vmkv" if peak < 1.0 else "tie", value=mean, high=peak,
         note=f"worker RSS {summary['rss_saved_bytes'] / 2**20:.0f} MiB below stock")
     return [cost, memory]

@@ -67,6 +67,8 @@ def test_smoke_result_follows_the_contract(smoke_results, name, tmp_path):
     assert json.loads(path.read_text())["rows"] == json.loads(json.dumps(result["rows"]))
     verdicts = module.verdicts(result)
     assert verdicts and all(isinstance(v, common.Verdict) and v.key.startswith(f"{name}.") for v in verdicts)
+    for v in verdicts:  # every verdict names its side: an option of the winner text, a tie, or none
+        assert v.side == "tie" or (v.side in v.winner if v.side else not v.reliable or "not judged" in v.winner), v
     for png in module.plot(result, tmp_path) if hasattr(module, "plot") else []:
         assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -370,6 +372,28 @@ def test_compare_two_runs(tmp_path):
     assert compare.main([str(a), str(c)]) == 1  # VMM vs tie
     (row,) = compare.compare(compare.load_verdicts(a), compare.load_verdicts(c))
     assert row["winner A"] == "VMM" and row["winner B"] == "tie" and not row["same winner"]
+
+
+def test_compare_judges_the_side_not_the_wording_of_the_winner(tmp_path):
+    """Only the margin inside decode's cost verdict moved ("dense 1.20x faster" -> "1.23x"): the
+    same side won; a flip to "no cost" is a changed winner."""
+    from benchmarks.decode import _cost_verdict
+
+    def cost(samples: list[float]) -> dict:
+        verdict = common.ratio_verdict("decode.vmm_vs_dense", "q", common.Spread.of(samples), "VMM", "dense")
+        return _cost_verdict(verdict).as_dict()
+
+    first, second, flipped = cost([0.82, 0.833, 0.84]), cost([0.80, 0.813, 0.82]), cost([0.95, 1.0, 1.05])
+    assert first["winner"] != second["winner"] and first["side"] == second["side"] == "dense"
+    assert flipped["side"] == "tie"
+    (same,) = compare.compare({"k": first}, {"k": second})
+    assert same["same winner"] and (same["winner A"], same["winner B"]) == ("dense", "dense")
+    (changed,) = compare.compare({"k": first}, {"k": flipped})
+    assert not changed["same winner"]
+    one_run = common.ratio_verdict("x.y", "q", common.Spread.of([1.7]), "A", "B").as_dict()
+    assert one_run["side"] == "" and not compare.compare({"k": one_run}, {"k": one_run})[0]["same winner"]
+    legacy = {key: value for key, value in first.items() if key != "side"}  # a suite.json from before `side`
+    assert compare.winner_side(legacy) == "VMM costs time: dense 1.20x faster"
 
 
 # ---- the CLI ---------------------------------------------------------------------------------
