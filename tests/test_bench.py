@@ -181,6 +181,98 @@ def test_decode_picks_up_a_newly_registered_kernel_and_rejects_a_wrong_one(monke
     assert "decode.batched_vs_per_sequence" in verdicts  # the new kernel is compared with per-sequence
 
 
+def _without(result: dict, candidate: str, diff: float = 0.5) -> dict:
+    """``result`` as if ``candidate`` had given a wrong output at the verdicts' point (largest
+    batch and context): its rows gone, the point named in ``wrong_outputs``."""
+    import copy
+
+    result = copy.deepcopy(result)
+    batch = max(r["batch"] for r in result["rows"])
+    context = max(r["context"] for r in result["rows"] if r["batch"] == batch)
+    result["rows"] = [r for r in result["rows"] if (r["candidate"], r["batch"], r["context"]) != (candidate, batch, context)]
+    result["summary"]["wrong_outputs"][f"{candidate} at B={batch} C={context}"] = diff
+    return result
+
+
+def test_decode_verdicts_name_a_compared_candidate_that_was_wrong(smoke_results):
+    """The selected paged kernel, or the cache's own VMM kernel, wrong at the verdicts' point: the
+    comparisons it is part of are unreliable and name it, never made with another kernel."""
+    from benchmarks import decode
+
+    result = smoke_results["decode"]
+    layout = result["config"]["default_layout"]
+    kernels = result["summary"]["kernels"]
+    fine = {v.key: v for v in decode.verdicts(result)}
+    assert fine["decode.vmm_vs_paged"].reliable and fine["decode.vmm_vs_dense"].reliable
+    paged = f"paged:{kernels['paged_selected']}"
+    verdicts = {v.key: v for v in decode.verdicts(_without(result, paged))}
+    assert not verdicts["decode.vmm_vs_paged"].reliable and verdicts["decode.vmm_vs_paged"].side == ""
+    assert verdicts["decode.vmm_vs_paged"].note.startswith(f"{paged} gave a wrong output at B=2 C=128 (max |diff| 0.5)")
+    assert verdicts["decode.vmm_vs_dense"].reliable  # not part of that comparison
+    vmm = f"vmm:{layout}:{kernels['vmm_selected'][layout]}"
+    verdicts = {v.key: v for v in decode.verdicts(_without(result, vmm))}
+    for key in ("decode.vmm_vs_paged", "decode.vmm_vs_dense"):
+        assert not verdicts[key].reliable and verdicts[key].note.startswith(f"{vmm} gave a wrong output"), verdicts[key]
+    per_seq = f"vmm:{layout}:sdpa_per_sequence"
+    verdict = {v.key: v for v in decode.verdicts(_without(result, per_seq))}["decode.batched_vs_per_sequence"]
+    assert not verdict.reliable and per_seq in verdict.note
+
+
+def test_decode_run_with_a_wrong_selected_kernel_gives_no_verdict_on_it(monkeypatch, tmp_path):
+    """End to end: the kernel the VMM cache selects computes wrong; its rows are left out and the
+    VMM verdicts say why instead of timing another kernel in its place."""
+    from benchmarks import decode
+
+    probe = vmkv.open_cache(common.cache_config({"num_layers": 1, "num_kv_heads": 8, "head_dim": 128, "dtype": "float32"},
+                                                "cpu", max_batch_size=1, max_seq_len=64, memory_budget="8MiB"))
+    selected = probe.kernel
+    probe.close()
+
+    def wrong(q, k_cache, v_cache, plan, scale):
+        return torch.zeros_like(q)
+
+    monkeypatch.setitem(vmkv.attention.CONTIGUOUS_KERNELS, selected, wrong)
+    result = decode.run(_args(decode, tmp_path, ["--batches", "1", "--contexts", "64"]))
+    layout = result["config"]["default_layout"]
+    name = f"vmm:{layout}:{selected}"
+    assert result["summary"]["kernels"]["vmm_selected"][layout] == selected
+    assert f"{name} at B=1 C=64" in result["summary"]["wrong_outputs"]
+    verdicts = {v.key: v for v in decode.verdicts(result)}
+    for key in ("decode.vmm_vs_paged", "decode.vmm_vs_dense"):
+        assert not verdicts[key].reliable and name in verdicts[key].note
+
+
+def _generate_result(same: dict[str, bool], beam_same: dict[str, bool] | None = None) -> dict:
+    """A generate() result of one greedy case (and one beam case) with the given token checks."""
+    rows, samples = [], {}
+    cases = [("greedy", 2, same)] + ([("beam4", 1, beam_same)] if beam_same else [])
+    for workload, batch, checks in cases:
+        for cache, ok in checks.items():
+            rows.append({"model": "small", "workload": workload, "batch": batch, "cache": cache, "new_tokens": 4,
+                         "kv_peak_bytes": 2**20 if cache != "dynamic" else 2**21, "same_tokens_as_dynamic": ok})
+        samples[f"small/{workload}/b{batch}/4"] = {cache: [1.0, 1.1, 1.2] if cache == "vmm" else [2.0, 2.1, 2.2] for cache in checks}
+    return {"rows": rows, "samples": samples, "summary": {"failed": {}}, "config": {"caches": list(same)}}
+
+
+def test_generate_verdicts_name_a_cache_with_other_tokens():
+    from benchmarks import generate
+
+    fine = {"dynamic": True, "static": True, "vmm": True, "vmm+vmkv": True}
+    verdicts = {v.key: v for v in generate.verdicts(_generate_result(fine, fine))}
+    assert verdicts["generate.small.vs_static"].side == "VirtualCache" and verdicts["generate.small.beam_kv"].reliable
+    verdicts = {v.key: v for v in generate.verdicts(_generate_result({**fine, "vmm+vmkv": False}, fine))}
+    for key in ("generate.small.vs_dynamic", "generate.small.vs_static"):
+        assert not verdicts[key].reliable and verdicts[key].note == "vmm+vmkv generated other tokens than DynamicCache"
+    assert verdicts["generate.small.beam_kv"].reliable
+    verdicts = {v.key: v for v in generate.verdicts(_generate_result({**fine, "static": False}, {**fine, "vmm": False}))}
+    assert verdicts["generate.small.vs_dynamic"].reliable and not verdicts["generate.small.vs_static"].reliable
+    assert verdicts["generate.small.vs_static"].note == "static generated other tokens than DynamicCache"
+    assert not verdicts["generate.small.beam_kv"].reliable and "vmm generated other tokens" in verdicts["generate.small.beam_kv"].note
+    failed = _generate_result(fine)
+    failed["summary"]["failed"] = {"vmm+vmkv": "RuntimeError: boom"}
+    assert {v.note for v in generate.verdicts(failed)} == {"vmm+vmkv failed: RuntimeError: boom"}
+
+
 @pytest.mark.parametrize("samples, winner", [
     ([0.7, 0.75, 0.8], "VMM costs time: dense 1.33x faster"),
     ([0.98, 1.0, 1.03], "no cost (tie)"),
