@@ -386,6 +386,47 @@ def test_sharing_saves_memory_only_with_small_pages(smoke_results):
     assert rows[("beam", "paged-b16")]["cow_copies"] > 0
 
 
+# ---- vllm (a run starts two vLLM engines: minutes, so its saved result is checked) -----------
+def _vllm_result(**kv_mib: tuple[float, float]) -> dict:
+    """The saved run of docs/img/vllm.json with its summary made again by this code; ``kv_mib``:
+    engine -> (mean, peak) MiB held, in every round."""
+    from benchmarks import vllm
+
+    result = json.loads((Path(__file__).resolve().parents[1] / "docs" / "img" / "vllm.json").read_text())
+    for row in result["rows"]:
+        if row["engine"] in kv_mib:
+            row["kv_mean_mib"], row["kv_peak_mib"] = kv_mib[row["engine"]]
+    result["summary"] = vllm._summary(result["rows"], result["config"]["kv_bytes"])
+    result.pop("verdicts", None)
+    return result
+
+
+def test_vllm_result_follows_the_contract(tmp_path):
+    from benchmarks import vllm
+
+    result = _vllm_result()
+    _check_contract(result, "vllm")
+    verdicts = vllm.verdicts(result)
+    assert [v.key for v in verdicts] == ["vllm.throughput", "vllm.kv_memory"]
+    for png in vllm.plot(result, tmp_path):
+        assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("vmkv_mib, side", [
+    ((2.0, 5.0), "vmkv"),
+    ((100.0, 300.0), "vmkv"),  # less on average, more than the 256 MiB buffer at its peak: judged on the mean
+    ((250.0, 256.0), "tie"),
+    ((300.0, 320.0), "stock"),  # vmkv holds more: stock wins
+])
+def test_vllm_kv_memory_verdict_is_judged_on_the_mean(vmkv_mib, side):
+    from benchmarks import vllm
+
+    result = _vllm_result(vmkv=vmkv_mib)  # stock: its 256 MiB buffer
+    memory = {v.key: v for v in vllm.verdicts(result)}["vllm.kv_memory"]
+    assert memory.side == side and memory.winner.startswith(side)
+    assert memory.value == pytest.approx(vmkv_mib[0] / 256) and memory.high == pytest.approx(vmkv_mib[1] / 256)
+
+
 # ---- generate and serve (slower: one smoke run each) -----------------------------------------
 @pytest.mark.parametrize("name", ["generate", "serve"])
 def test_model_benchmarks_smoke(name, tmp_path):
