@@ -427,6 +427,37 @@ def test_vllm_kv_memory_verdict_is_judged_on_the_mean(vmkv_mib, side):
     assert memory.value == pytest.approx(vmkv_mib[0] / 256) and memory.high == pytest.approx(vmkv_mib[1] / 256)
 
 
+# ---- engine_vs_vllm (a run loads a 12-layer model and vLLM: the budget sizing is checked) ----
+@pytest.mark.parametrize("kv_mode", ["vmm", "paged"])
+@pytest.mark.parametrize("requests, prompt_len, max_tokens", [(64, 128, 128), (3, 10, 7), (5, 100, 33)])
+def test_engine_vs_vllm_budget_holds_every_request_whole(kv_mode, requests, prompt_len, max_tokens):
+    """The vmkv engine's default KV budget holds every request's prompt and output at once, in the
+    cache's own pages: it never has to preempt (the default 256 MiB did not hold the default work)."""
+    from benchmarks import engine_vs_vllm as bench
+    from vmkv.config import KVCacheConfig, paged_geometry, vmm_geometry
+    from vmkv.vm import granularity
+
+    shape = bench.SHAPE
+    budget = bench.kv_budget(requests, prompt_len, max_tokens, kv_mode)
+    config = KVCacheConfig(num_layers=shape["num_hidden_layers"], num_kv_heads=shape["num_key_value_heads"],
+                           head_dim=shape["head_dim"], dtype="float32", max_batch_size=requests,
+                           max_seq_len=prompt_len + max_tokens + 16, memory_budget=budget)
+    assert bench.token_kv_bytes() == config.bytes_per_token
+    assert budget % 2**20 == 0 and budget >= requests * (prompt_len + max_tokens) * config.bytes_per_token
+    geometry = paged_geometry(config) if kv_mode == "paged" else vmm_geometry(config, granularity(config.device))
+    pages_per_request = -(-(prompt_len + max_tokens) // geometry.tokens_per_page)
+    assert geometry.num_pages >= requests * pages_per_request
+
+
+def test_engine_vs_vllm_sizes_the_budget_unless_given():
+    from benchmarks import engine_vs_vllm as bench
+
+    sized = bench.parse_args([])
+    assert sized.budget_sized and sized.memory_budget == bench.kv_budget(64, 128, 128) == 384 * 2**20  # not 256 MiB
+    given = bench.parse_args(["--memory-budget", "256MiB", "--requests", "8"])
+    assert not given.budget_sized and given.memory_budget == "256MiB"
+
+
 # ---- generate and serve (slower: one smoke run each) -----------------------------------------
 @pytest.mark.parametrize("name", ["generate", "serve"])
 def test_model_benchmarks_smoke(name, tmp_path):
