@@ -359,7 +359,10 @@ class Verdict:
         question: what is compared, in a few words (say which way a ratio points).
         result: the headline as a person reads it (``"1.62x"``, ``"97 %"``).
         spread: how sure: ``"1.55-1.70, 5 runs"`` or ``"exact (seeded replay)"``.
-        winner: who wins, in words (``"VMM"``, ``"paged"``, ``"tie"``).
+        winner: who wins, in words (``"VMM, 1.62x"``, ``"tie (spread crosses 1.0)"``).
+        side: the winning option's bare name (``"VMM"``), ``"tie"``, or ``""`` when not judged
+            (one run, an unreliable measurement): what two runs are compared on, never the
+            margin or the wording of ``winner``.
         reference: the published figure this is compared with (``""``: none).
         agrees: whether the measurement agrees with ``reference`` (``None``: nothing to compare).
         value, low, high: the headline number and its range (JSON, run comparison).
@@ -372,6 +375,7 @@ class Verdict:
     result: str
     spread: str
     winner: str
+    side: str
     reference: str = ""
     agrees: bool | None = None
     value: float | None = None
@@ -416,12 +420,13 @@ def ratio_verdict(
     noise. Otherwise it is a tie ("spread crosses 1.0" when the repeats disagree on the side), so
     two runs on a noisy machine give the same answer. A single timed run is not judged.
     """
+    side = "tie"
     if ratio.runs < 2 and not ratio.deterministic:
-        winner = "not judged (1 run)"
+        winner, side = "not judged (1 run)", ""
     elif ratio.low > 1.0 + tie_margin:
-        winner = f"{better}, {number_text(ratio.value)}"
+        winner, side = f"{better}, {number_text(ratio.value)}", better
     elif ratio.high < 1.0 / (1.0 + tie_margin):
-        winner = f"{worse}, {number_text(1.0 / ratio.value)}"
+        winner, side = f"{worse}, {number_text(1.0 / ratio.value)}", worse
     elif ratio.deterministic:
         winner = f"tie (within {100 * tie_margin:.0f} %)"
     elif ratio.crosses_one:
@@ -429,7 +434,7 @@ def ratio_verdict(
     else:
         winner = f"tie (spread reaches 1.0 +- {100 * tie_margin:.0f} %)"
     return Verdict(
-        key=key, question=question, result=number_text(ratio.value), spread=spread_text(ratio), winner=winner,
+        key=key, question=question, result=number_text(ratio.value), spread=spread_text(ratio), winner=winner, side=side,
         reference=reference, agrees=agrees, value=ratio.value, low=ratio.low, high=ratio.high, note=note,
     )
 
@@ -438,7 +443,8 @@ def unreliable(key: str, question: str, why: str, value: Spread | None = None, u
     """A verdict whose measurement failed its own sanity check: shown, never silently fixed."""
     return Verdict(
         key=key, question=question, result="unreliable" if value is None else f"{number_text(value.value, unit)} (unreliable)",
-        spread="" if value is None else spread_text(value, unit), winner="no verdict", reliable=False, note=why,
+        spread="" if value is None else spread_text(value, unit), winner="no verdict", side="", reliable=False,
+        note=why,
         value=None if value is None else value.value, low=None if value is None else value.low,
         high=None if value is None else value.high,
     )

@@ -32,7 +32,11 @@ def load_verdicts(out_dir: Path) -> dict[str, dict[str, Any]]:
 
 
 def winner_side(verdict: dict[str, Any]) -> str:
-    """The winner without its numbers: ``"VMM, 1.62x"`` -> ``"VMM"``, ``"tie (...)"`` -> ``"tie"``."""
+    """Who won, without margin or wording: the verdict's ``side`` (the winning option's name,
+    ``"tie"``, or ``""`` when not judged). A verdict saved before verdicts carried ``side`` falls
+    back to its winner text: ``"VMM, 1.62x"`` -> ``"VMM"``, ``"tie (...)"`` -> ``"tie"``."""
+    if "side" in verdict:
+        return verdict["side"]
     return verdict["winner"].split(",")[0].split(" (")[0].strip()
 
 
@@ -41,7 +45,8 @@ def compare(a: dict[str, dict[str, Any]], b: dict[str, dict[str, Any]]) -> list[
     rows = []
     for key in [k for k in a if k in b]:
         va, vb = a[key], b[key]
-        same = winner_side(va) == winner_side(vb) and va.get("reliable", True) and vb.get("reliable", True)
+        judged = bool(winner_side(va)) and va.get("reliable", True) and vb.get("reliable", True)  # "": nothing to repeat
+        same = judged and winner_side(va) == winner_side(vb)
         moved, spread, within = None, None, None
         if va.get("value") is not None and vb.get("value") is not None:
             moved = abs(vb["value"] - va["value"])

@@ -261,7 +261,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     config_layout = common.cache_config({"num_layers": 1, "num_kv_heads": 1, "head_dim": 8}, args.device).layout
     probe = common.read_bandwidth_probe(args.device, READ_PROBE_BYTES)
     grid = [(b, c) for b in args.batches for c in args.contexts]
-    rows, wrong, samples, selected_paged = [], {}, {}, ""
+    rows, wrong, samples, selected_paged, selected_vmm = [], {}, {}, "", {}
     for batch, context in common.progress(grid, "decode grid", enabled=getattr(args, "progress", False)):
         need, free = _bytes_needed(args, batch, context), common.available_memory()
         if args.device == "cpu" and free is not None and need > 0.8 * free:
@@ -272,6 +272,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         case = _Case(args, batch, context)
         try:
             selected_paged = case.caches["paged"].kernel
+            selected_vmm.update({label.split(":", 1)[1]: c.kernel for label, c in case.caches.items() if c.mode == "vmm"})
             found, samples[f"{batch},{context}"] = _measure_point(case, kernels, probe, clock, config_layout, skipped, wrong)
             rows += found
         finally:
@@ -282,7 +283,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                                              "repeat", "layouts", "kernels")}
     config["clock"] = clock
     config["default_layout"] = config_layout
-    summary = {"kernels": {"contiguous": kernels, "paged_selected": selected_paged}, "skipped": skipped,
+    summary = {"kernels": {"contiguous": kernels, "paged_selected": selected_paged, "vmm_selected": selected_vmm},
+               "skipped": skipped,
                "wrong_outputs": wrong, "read_bandwidth_gbps": bandwidth.as_dict() if bandwidth else None,
                "max_abs_diff": max((r["max_abs_diff"] for r in rows), default=None)}
     return common.make_result(NAME, SCHEMA, rows, summary, config=config, samples=samples)
@@ -369,10 +371,35 @@ def _pick(point: list[dict[str, Any]], prefix: str, selected: bool | None = True
     return min(mine, key=lambda r: r["ms"]) if mine else None
 
 
+def _failed(summary: dict[str, Any]) -> dict[str, str]:
+    """Candidates that gave a wrong output anywhere in the grid, or raised, or whose cache could
+    not open: candidate (or ``vmm:LAYOUT``) -> why, in words."""
+    out: dict[str, str] = {}
+    for key, diff in summary.get("wrong_outputs", {}).items():
+        name, _, where = key.partition(" at ")
+        out.setdefault(name, f"{name} gave a wrong output at {where} (max |diff| {diff:.2g})")
+    for name, why in summary.get("skipped", {}).items():
+        if name.startswith(("vmm:", "dense", "paged:")):
+            out.setdefault(name, f"{name} failed: {why}")
+    return out
+
+
+def _compared(point: list[dict[str, Any]], name: str | None, prefix: str, failed: dict[str, str]) -> tuple[dict[str, Any] | None, str]:
+    """The row of candidate ``name`` at ``point``, or why there is none because it (or the cache
+    of ``prefix``, ``vmm:LAYOUT:``) failed; a ``name`` not measured at all (not asked for, or
+    ``None``) falls back to :func:`_pick` of ``prefix``."""
+    why = failed.get(prefix.rstrip(":")) or (failed.get(name) if name else None)
+    if why:
+        return None, why
+    row = next((r for r in point if r["candidate"] == name), None)
+    return row or _pick(point, prefix), ""
+
+
 def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
     """At the largest batch and context measured: VMM (the cache's own kernel, default layout)
     vs the paged mode's kernel, vs the same kernel on dense tensors, batched vs per-sequence,
-    and the share of read bandwidth reached."""
+    and the share of read bandwidth reached. A comparison whose candidate gave a wrong output
+    (or failed) is an unreliable verdict naming it, never a comparison with a stand-in."""
     rows = result["rows"]
     if not rows:
         return []
@@ -382,8 +409,12 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
     timings = common.Timings(result["samples"][f"{batch},{context}"]["seconds"])
     where = f"B={batch}, {context} tokens"
     default_layout = result["config"]["default_layout"]
-    vmm = _pick(point, f"vmm:{default_layout}:")
-    paged = _pick(point, "paged:")
+    summary = result["summary"]
+    failed = _failed(summary)
+    selected = summary["kernels"].get("vmm_selected", {}).get(default_layout)
+    vmm, vmm_why = _compared(point, selected and f"vmm:{default_layout}:{selected}", f"vmm:{default_layout}:", failed)
+    paged_selected = summary["kernels"].get("paged_selected")
+    paged, paged_why = _compared(point, paged_selected and f"paged:{paged_selected}", "paged:", failed)
     out = []
 
     def ratio(a: dict[str, Any], b: dict[str, Any]) -> common.Spread:
@@ -395,27 +426,25 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
         margin = max(margin, *(abs(x - 1.0) for x in (control.low, control.value, control.high)))
         floor = f"; same kernel timed twice: {control.low:.2f}-{control.high:.2f}"
 
-    if vmm and paged:
+    question = f"decode attention, {where}: VMM vs paged (time ratio)"
+    if vmm_why or paged_why:
+        out.append(common.unreliable("decode.vmm_vs_paged", question, "; ".join(w for w in (vmm_why, paged_why) if w)))
+    elif vmm and paged:
         out.append(common.ratio_verdict(
-            "decode.vmm_vs_paged", f"decode attention, {where}: VMM vs paged (time ratio)", ratio(vmm, paged),
+            "decode.vmm_vs_paged", question, ratio(vmm, paged),
             "VMM", "paged", note=f"{vmm['candidate']} vs {paged['candidate']}{floor}", tie_margin=margin,
         ))
-    kernel = vmm["candidate"].rsplit(":", 1)[-1] if vmm else None
+    kernel = selected if vmm_why else vmm["candidate"].rsplit(":", 1)[-1] if vmm else None
     dense = next((r for r in point if r["candidate"].startswith("dense") and r["candidate"].endswith(f":{kernel}")), None)
-    if vmm and dense:
+    dense_why = "; ".join(why for name, why in failed.items() if name.startswith("dense") and name.endswith(f":{kernel}"))
+    question = f"decode attention, {where}: what virtual memory costs (VMM vs the same kernel on dense tensors)"
+    if vmm_why or dense_why:
+        out.append(common.unreliable("decode.vmm_vs_dense", question, "; ".join(w for w in (vmm_why, dense_why) if w)))
+    elif vmm and dense:
         out.append(_cost_verdict(common.ratio_verdict(
-            "decode.vmm_vs_dense", f"decode attention, {where}: what virtual memory costs (VMM vs the same kernel on dense tensors)",
-            ratio(vmm, dense), "VMM", "dense", note=f"{kernel}{floor}", tie_margin=margin,
+            "decode.vmm_vs_dense", question, ratio(vmm, dense), "VMM", "dense", note=f"{kernel}{floor}", tie_margin=margin,
         )))
-    per_seq = next((r for r in point if r["candidate"] == f"vmm:{default_layout}:sdpa_per_sequence"), None)
-    others = [r for r in point if r["candidate"].startswith(f"vmm:{default_layout}:") and r is not per_seq]
-    if per_seq and others:
-        fastest = min(others, key=lambda r: r["ms"])
-        out.append(common.ratio_verdict(
-            "decode.batched_vs_per_sequence", f"decode attention, {where}: {fastest['candidate'].rsplit(':', 1)[-1]} vs one SDPA per sequence",
-            ratio(fastest, per_seq), fastest["candidate"].rsplit(":", 1)[-1], "per-sequence", note=floor.removeprefix("; "),
-            tie_margin=max(margin, BATCHING_MATTERS),
-        ))
+    out += _batched_verdict(point, timings, default_layout, failed, where, floor, margin)
     best = min((r for r in point if r["candidate"].startswith("vmm:")), key=lambda r: r["ms"], default=None)
     if best:
         data = result["samples"][f"{batch},{context}"]
@@ -426,6 +455,7 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
             result=f"{best['gbps']:.1f} GB/s = {common.number_text(share.value, '%')}",
             spread=common.spread_text(share, "%"),
             winner="bandwidth-bound (>= 50 %)" if share.low >= 0.5 else "not bandwidth-bound" if share.high < 0.5 else "near 50 %",
+            side="bandwidth-bound" if share.low >= 0.5 else "not bandwidth-bound" if share.high < 0.5 else "tie",
             value=share.value, low=share.low, high=share.high,
             note=f"{best['candidate']}; read {bw.value:.1f} GB/s ({bw.low:.1f}-{bw.high:.1f}), threads: {result['config'].get('threads')}",
         ))
@@ -436,6 +466,34 @@ BATCHING_MATTERS = 0.10
 """Batched vs per-sequence decode is judged a win only beyond 10 %: the calls it saves cost about
 0.1 % of a step at 2K tokens on CPU (``python -m benchmarks.contiguous_decode``), so smaller
 differences are noise and would flip the verdict from run to run."""
+
+
+def _batched_verdict(
+    point: list[dict[str, Any]], timings: common.Timings, layout: str, failed: dict[str, str], where: str, floor: str,
+    margin: float,
+) -> list[common.Verdict]:
+    """The fastest batched kernel on ``layout`` vs one SDPA call per sequence; batched kernels
+    that failed are left out and named; unreliable when per-sequence failed, or every batched one."""
+    key, prefix = "decode.batched_vs_per_sequence", f"vmm:{layout}:"
+    per_name = f"{prefix}sdpa_per_sequence"
+    per_seq = next((r for r in point if r["candidate"] == per_name), None)
+    others = [r for r in point if r["candidate"].startswith(prefix) and r is not per_seq]
+    left_out = [why for name, why in failed.items() if name.startswith(prefix) and name != per_name]
+    question = f"decode attention, {where}: batched kernel vs one SDPA per sequence"
+    if failed.get(per_name) or failed.get(prefix[:-1]):
+        return [common.unreliable(key, question, failed.get(per_name) or failed[prefix[:-1]])]
+    if per_seq and not others and left_out:
+        return [common.unreliable(key, question, "; ".join(left_out))]
+    if not (per_seq and others):
+        return []
+    fastest = min(others, key=lambda r: r["ms"])
+    name = fastest["candidate"].rsplit(":", 1)[-1]
+    note = "; ".join([floor.removeprefix("; "), *(f"left out: {why}" for why in left_out)]).strip("; ")
+    return [common.ratio_verdict(
+        key, f"decode attention, {where}: {name} vs one SDPA per sequence",
+        timings.ratio(per_seq["candidate"], fastest["candidate"]), name, "per-sequence", note=note,
+        tie_margin=max(margin, BATCHING_MATTERS),
+    )]
 
 
 def _cost_verdict(verdict: common.Verdict) -> common.Verdict:

@@ -1,7 +1,8 @@
 """vmkv's serving engine against vLLM's CPU build: output tokens/s on the same model, work and threads.
 
 Run: ``python -m benchmarks.engine_vs_vllm [--threads 2] [--requests 64] [--prompt-len 128]
-[--max-tokens 128] [--rounds 3] [--model-dir DIR] [--kv-mode vmm]``
+[--max-tokens 128] [--batched-tokens 2048] [--rounds 3] [--model-dir DIR] [--kv-mode vmm]
+[--memory-budget SIZE] [--no-vllm]``
 
 The model is a random-weight Llama (12 layers, hidden 768, 12 query / 4 KV heads of 64,
 intermediate 2048, vocabulary 8192) saved with a word-level tokenizer to ``--model-dir`` (a temp
@@ -11,6 +12,14 @@ once), float32, the same number of threads (vLLM: ``VLLM_CPU_OMP_THREADS_BIND`` 
 ``--threads`` cores; vmkv: ``torch.set_num_threads``). Rounds alternate the two engines; the
 table shows each round, the median ratio and its spread, and how many requests produced the
 same greedy tokens in both (float32 on both sides: near-ties may still differ in a few).
+
+The vmkv engine's KV budget (``--memory-budget``) is, unless given, sized to the work: every
+request whole at once (``--requests`` x (``--prompt-len`` + ``--max-tokens``) tokens, each
+request rounded up to whole pages, x the model's KV bytes per token; :func:`kv_budget`), so it
+never preempts (vLLM gets ``VLLM_CPU_KVCACHE_SPACE``, 2 GiB by default, far more than the work
+needs). Both engines' preemptions are counted per round (vmkv: its engine stats; vLLM: its
+``vllm:num_preemptions`` metric); a run in which either preempted says so in its verdict: a
+preempted request is computed again, so the two engines did not do the same work.
 
 vLLM is optional: without it the script says so and only times vmkv.
 """
@@ -27,6 +36,39 @@ from pathlib import Path
 
 SHAPE = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
              num_key_value_heads=4, head_dim=64, vocab_size=8192, max_position_embeddings=4096)
+
+
+def token_kv_bytes(element_size: int = 4) -> int:
+    """KV bytes one token takes in the model (K and V of every layer; float32 by default)."""
+    return 2 * SHAPE["num_hidden_layers"] * SHAPE["num_key_value_heads"] * SHAPE["head_dim"] * element_size
+
+
+def kv_budget(requests: int, prompt_len: int, max_tokens: int, kv_mode: str = "vmm", block_size: int = 16) -> int:
+    """Bytes of KV the vmkv engine needs to hold every request whole at once (so it never preempts).
+
+    ``requests`` x (``prompt_len`` + ``max_tokens``) tokens x :func:`token_kv_bytes`, each request
+    rounded up to whole pool pages (the cache's default VMM page for this model and budget, or
+    ``block_size`` tokens in paged mode), the total rounded up to a MiB.
+    """
+    from vmkv.config import KVCacheConfig
+
+    tokens = prompt_len + max_tokens
+    mib = 1 << 20
+
+    def round_up(n: int, step: int) -> int:
+        return -(-n // step) * step
+
+    budget = round_up(requests * tokens * token_kv_bytes(), mib)
+    for _ in range(8):  # the default page size may depend on the budget: repeat until it holds
+        config = KVCacheConfig(num_layers=SHAPE["num_hidden_layers"], num_kv_heads=SHAPE["num_key_value_heads"],
+                               head_dim=SHAPE["head_dim"], dtype="float32", device="cpu", max_batch_size=requests,
+                               max_seq_len=tokens + 16, memory_budget=budget, block_size=block_size)
+        per_page = block_size if kv_mode == "paged" else config.page_size // config.tensor_token_bytes()
+        need = round_up(requests * round_up(tokens, per_page) * config.bytes_per_token, mib)
+        if need <= budget:
+            return budget
+        budget = need
+    return budget
 
 
 def build_model_dir(root: Path, seed: int = 0) -> Path:
@@ -85,6 +127,10 @@ class VmkvRunner:
         ))
         self.max_tokens = args.max_tokens
 
+    def preemptions(self) -> int:
+        """Preemptions since the engine started."""
+        return int(self.engine.stats()["engine"]["preemptions"])
+
     def generate(self, prompts: list[list[int]]) -> list[list[int]]:
         from vmkv.engine import SamplingParams
 
@@ -106,15 +152,25 @@ class VllmRunner:
 
         self.llm = LLM(model=str(model_dir), dtype="float32", max_model_len=args.prompt_len + args.max_tokens + 16,
                        max_num_seqs=args.requests, max_num_batched_tokens=max(args.batched_tokens, args.prompt_len + args.max_tokens + 16),
-                       enable_prefix_caching=False, seed=0)
+                       enable_prefix_caching=False, seed=0, disable_log_stats=False)  # stats: the preemption counter
         self.params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
 
     def generate(self, prompts: list[list[int]]) -> list[list[int]]:
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], self.params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
+    def preemptions(self) -> int | None:
+        """Preemptions since the engine started (``vllm:num_preemptions``), ``None`` if vLLM does not report it."""
+        try:
+            values = [m.value for m in self.llm.get_metrics() if m.name == "vllm:num_preemptions"]
+        except Exception:  # noqa: BLE001 -- stats off or another vLLM: say "unknown", not 0
+            return None
+        return int(sum(values)) if values else None
 
-def main() -> None:
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; ``memory_budget`` is :func:`kv_budget` of the work unless given
+    (``budget_sized`` says which)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--requests", type=int, default=64)
@@ -124,9 +180,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kv-mode", default="vmm", choices=["vmm", "paged"])
     parser.add_argument("--model-dir", type=Path, default=None)
-    parser.add_argument("--memory-budget", default="256MiB", help="vmkv's KV budget (vLLM: VLLM_CPU_KVCACHE_SPACE, 2 GiB)")
+    parser.add_argument("--memory-budget", default=None, help="vmkv's KV budget (default: what every request needs "
+                        "at once, so it never preempts; vLLM: VLLM_CPU_KVCACHE_SPACE, 2 GiB)")
     parser.add_argument("--no-vllm", action="store_true", help="time vmkv only")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    args.budget_sized = args.memory_budget is None
+    if args.budget_sized:
+        args.memory_budget = kv_budget(args.requests, args.prompt_len, args.max_tokens, args.kv_mode)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    sized = args.budget_sized
 
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -148,26 +214,45 @@ def main() -> None:
         runner.generate(prompts[: min(4, len(prompts))])
     times: dict[str, list[float]] = {name: [] for name in runners}
     cpu: dict[str, list[float]] = {name: [] for name in runners}
+    preempted: dict[str, list[int | None]] = {name: [] for name in runners}
     outputs: dict[str, list[list[int]]] = {}
     for _ in range(args.rounds):
         for name, runner in runners.items():
+            before = runner.preemptions()
             cpu_start, start = cpu_seconds(), time.perf_counter()
             outputs[name] = runner.generate(prompts)
             times[name].append(time.perf_counter() - start)
             cpu[name].append(cpu_seconds() - cpu_start)
+            after = runner.preemptions()
+            preempted[name].append(None if before is None or after is None else after - before)
     print(f"model {model_dir} ({SHAPE['num_hidden_layers']} layers, hidden {SHAPE['hidden_size']}), float32, "
           f"threads={args.threads}, {args.requests} requests x {args.prompt_len} prompt + {args.max_tokens} output tokens, "
-          f"kv_mode={args.kv_mode}")
+          f"kv_mode={args.kv_mode}, vmkv KV budget {args.memory_budget if not sized else f'{args.memory_budget / 2**20:.0f} MiB'}"
+          f"{' (sized to the work)' if sized else ' (given)'}")
     for name, ts in times.items():
         print(f"  {name:5s} output tokens/s per round: " + ", ".join(f"{work / t:.0f}" for t in ts)
               + f"   median {work / statistics.median(ts):.0f}; CPU-seconds per round (this process and its "
-              f"children): median {statistics.median(cpu[name]):.1f} for {statistics.median(ts):.1f} s of wall time")
+              f"children): median {statistics.median(cpu[name]):.1f} for {statistics.median(ts):.1f} s of wall time; "
+              f"preemptions per round: {', '.join('unknown' if n is None else str(n) for n in preempted[name])}")
+    preempting = [name for name, counts in preempted.items() if any(counts)]
+    unknown = [name for name, counts in preempted.items() if None in counts]
+    caveat = ""
+    if preempting:
+        caveat = (f"; {' and '.join(f'{n} preempted {sum(c or 0 for c in preempted[n])} times' for n in preempting)}: "
+                  "preempted requests were computed again"
+                  + (", so the two engines did NOT do the same work (not like for like)" if len(runners) > 1 else "")
+                  + ("; raise --memory-budget or leave it unset" if "vmkv" in preempting and not sized else ""))
+    if unknown:
+        caveat += f"; preemptions of {' and '.join(unknown)} unknown"
     if "vllm" in times:
         ratios = sorted(v / m for v, m in zip(times["vllm"], times["vmkv"]))
         same = sum(a == b for a, b in zip(outputs["vmkv"], outputs["vllm"]))
         ratio = statistics.median(ratios)
         print(f"verdict: vmkv engine = {ratio:.2f}x vLLM CPU in output tokens/s (per-round {ratios[0]:.2f}-{ratios[-1]:.2f}; "
-              f"target >= 0.9: {'met' if ratio >= 0.9 else 'not met'}); identical greedy outputs {same}/{len(prompts)}")
+              f"target >= 0.9: {'met' if ratio >= 0.9 else 'not met'}); identical greedy outputs {same}/{len(prompts)}"
+              f"{caveat}")
+    elif caveat:
+        print("note: " + caveat.removeprefix("; "))
     sys.stdout.flush()
 
 

@@ -228,31 +228,53 @@ def _best_vmm(timings: common.Timings) -> str | None:
     return min(names, key=timings.median) if names else None
 
 
+def _wrong(case: list[dict[str, Any]], names: list[str], failed: dict[str, str]) -> str:
+    """Why the caches ``names`` cannot be compared on ``case`` (its rows): one raised, or one
+    generated other tokens than DynamicCache (``""``: all ran and agree)."""
+    rows = {r["cache"]: r for r in case}
+    why = [f"{name} failed: {failed[name]}" for name in names if name in failed]
+    why += [f"{name} generated other tokens than DynamicCache" for name in names
+            if name in rows and not rows[name]["same_tokens_as_dynamic"]]
+    return "; ".join(why)
+
+
 def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
     """Per model, at its largest greedy case: the faster VirtualCache (VMM) vs DynamicCache and vs
-    StaticCache; and beam search's KV memory against DynamicCache's."""
+    StaticCache; and beam search's KV memory against DynamicCache's. A comparison where a compared
+    cache raised or generated other tokens than DynamicCache is unreliable and names it."""
     out = []
     rows = result["rows"]
+    failed = result["summary"].get("failed", {})
+    caches = result.get("config", {}).get("caches", CACHES)
+    ours = [name for name in ("vmm", "vmm+vmkv") if name in caches]
     for model in dict.fromkeys(r["model"] for r in rows):
         greedy = [r for r in rows if r["model"] == model and r["workload"] == "greedy"]
         if greedy:
             top = max(greedy, key=lambda r: (r["batch"] * r["new_tokens"], r["new_tokens"]))
+            case = [r for r in greedy if _case_key(r) == _case_key(top)]
             timings = common.Timings(result["samples"][_case_key(top)])
             vmm = _best_vmm(timings)
             where = f"{model} model, B={top['batch']}, {top['new_tokens']} new tokens"
             for base, label in (("dynamic", "DynamicCache"), ("static", "StaticCache")):
-                if vmm and base in timings.samples:
+                key, question = f"generate.{model}.vs_{base}", f"generate() tokens/s, {where}: VirtualCache vs {label}"
+                why = _wrong(case, [*ours, base], failed) if base in caches and ours else ""
+                if why:
+                    out.append(common.unreliable(key, question, why))
+                elif vmm and base in timings.samples:
                     out.append(common.ratio_verdict(
-                        f"generate.{model}.vs_{base}", f"generate() tokens/s, {where}: VirtualCache vs {label}",
-                        timings.ratio(base, vmm), "VirtualCache", label, note=f"fastest VirtualCache: {vmm}",
+                        key, question, timings.ratio(base, vmm), "VirtualCache", label, note=f"fastest VirtualCache: {vmm}",
                     ))
         beam = {r["cache"]: r for r in rows if r["model"] == model and r["workload"].startswith("beam")}
         vmm_beam = [beam[name] for name in ("vmm", "vmm+vmkv") if name in beam]
-        if vmm_beam and "dynamic" in beam:
-            ours = min(vmm_beam, key=lambda r: r["kv_peak_bytes"])
-            ratio = beam["dynamic"]["kv_peak_bytes"] / ours["kv_peak_bytes"]
+        why = _wrong(list(beam.values()), [*ours, "dynamic"], failed) if beam and ours and "dynamic" in caches else ""
+        if why:
+            out.append(common.unreliable(f"generate.{model}.beam_kv", f"beam search peak KV bytes, {model} model: "
+                                         "VirtualCache vs DynamicCache", why))
+        elif vmm_beam and "dynamic" in beam:
+            least = min(vmm_beam, key=lambda r: r["kv_peak_bytes"])
+            ratio = beam["dynamic"]["kv_peak_bytes"] / least["kv_peak_bytes"]
             out.append(common.ratio_verdict(
-                f"generate.{model}.beam_kv", f"beam search (width {ours['workload'][4:]}) peak KV bytes, {model} model: "
+                f"generate.{model}.beam_kv", f"beam search (width {least['workload'][4:]}) peak KV bytes, {model} model: "
                 "VirtualCache vs DynamicCache", common.Spread.exact(ratio), "VirtualCache (less memory)", "DynamicCache (less memory)",
                 note="copy-on-write shares the beams' common pages",
             ))

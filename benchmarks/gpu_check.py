@@ -16,12 +16,15 @@ every section, so an interrupted run keeps what finished.
                   empty page faults (in a child process, as expected)
     decode        one decode step, 32 sequences x 2048 tokens, 32 q / 8 kv heads, head_dim 128,
                   fp16: each contiguous kernel on the VMM views and on a dense tensor of the
-                  same contents; CUDA-event timing, interleaved; ratio vmm/dense
+                  same contents; CUDA-event timing, interleaved; ratio vmm/dense; fails when an
+                  output is further from the fp32 reference than the dtype's ``TOLERANCE``
     map_unmap     latency of map (unmap zero page + cuMemMap + cuMemSetAccess) and unmap per
                   2 MiB page, of creating the store, and of reserving 64 GiB (zero page at
                   every page)
-    paged_vs_vmm  each paged kernel vs the VMM cache's kernel through ``cache.attention``
-    vllm          ``vmkv.vllm.gpu_smoke(DIR/vllm)`` if vmkv.vllm and vLLM are installed
+    paged_vs_vmm  each paged kernel vs the VMM cache's kernel through ``cache.attention``;
+                  fails when the outputs differ by more than twice ``TOLERANCE``
+    vllm          ``vmkv.vllm.gpu_smoke(DIR/vllm)`` if vmkv.vllm and vLLM are installed; fails
+                  unless it reports ``"passed": True``
 
 Exit status: 0 every section passed (or was skipped, with the reason); 1 a section failed;
 2 bad arguments; 3 no CUDA GPU here (one line says why; nothing ran). Nothing is installed or
@@ -93,6 +96,16 @@ class Shape:
 
 FULL = Shape(32, 2048, 32, 8, 128, "float16", iters=50, repeats=7, map_pages=256, paged_block=256)
 SMOKE = Shape(4, 64, 4, 2, 16, "float32", iters=2, repeats=2, map_pages=16, paged_block=16)
+
+# Largest |output - fp32 reference| a correct decode kernel may show, per K/V dtype. The data are
+# randn, so every output is a convex combination of V rows (|o| < ~5, typically < 0.3) and a
+# correct kernel errs only by rounding: its output, and scores or probabilities it keeps in the
+# storage dtype, are each off by about eps relative (fp16 eps 9.8e-4, bf16 7.8e-3), which gives
+# errors of a few eps x |o|. The bounds leave about 5 eps (fp16, and bf16 with its 3 fewer
+# mantissa bits 8x that); float32 sums 2048 terms in another order than the reference, ~1e-6.
+# A kernel that drops or repeats a token, reads another sequence or masks wrongly errs by
+# 1e-2 (one token of 2048 dropped) to 1 at these shapes: above every bound.
+TOLERANCE = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 4e-2}
 
 
 # ---- timing ----------------------------------------------------------------------------------
@@ -280,7 +293,9 @@ def decode_section(device: torch.device, shape: Shape, kernels: list[str]) -> di
         k_dense, v_dense = k_vmm.clone(), v_vmm.clone()  # every position is mapped: all slots are full
         reference = reference_decode(data.q, k_dense, v_dense, plan.slots_t.long())
         kv_bytes = 2 * shape.batch * shape.seq_len * shape.kv_heads * shape.head_dim * k_vmm.element_size()
+        tolerance = TOLERANCE[shape.dtype]
         rows: dict[str, Any] = {}
+        failures = []
         for name in kernels:
             kernel = CONTIGUOUS_KERNELS[name]
             reason = contiguous_kernel_unavailable(name, device, k_vmm.dtype, shape.head_dim)
@@ -299,8 +314,11 @@ def decode_section(device: torch.device, shape: Shape, kernels: list[str]) -> di
                 "max_abs_diff": (out_vmm.float() - out_dense.float()).abs().max().item(),
                 "max_abs_err_vs_fp32_reference": (out_vmm.float() - reference).abs().max().item(),
             }
+            error = rows[name]["max_abs_err_vs_fp32_reference"]
+            if not error <= tolerance:  # NaN fails too
+                failures.append(f"{name}: max |output - fp32 reference| {error:.3g} > {tolerance:g} ({shape.dtype})")
         return {"shape": asdict(shape), "cache_kernel": cache.kernel, "kv_bytes_read": kv_bytes,
-                "page_bytes": cache.stats()["page_bytes"], "kernels": rows}
+                "page_bytes": cache.stats()["page_bytes"], "tolerance": tolerance, "kernels": rows, "failures": failures}
     finally:
         cache.close()
 
@@ -367,6 +385,8 @@ def paged_section(device: torch.device, shape: Shape) -> dict[str, Any]:
         itemsize = torch.empty((), dtype=getattr(torch, shape.dtype)).element_size()
         block_bytes = shape.paged_block * shape.kv_heads * shape.head_dim * itemsize
         config = decode_config(device, shape, block_size=shape.paged_block, memory_budget=blocks * block_bytes)
+        tolerance = 2 * TOLERANCE[shape.dtype]  # each output within TOLERANCE of the fp32 reference
+        failures = []
         for name in PAGED_KERNELS:
             try:
                 paged = PagedKVCache(config, kernel=name)
@@ -388,7 +408,11 @@ def paged_section(device: torch.device, shape: Shape) -> dict[str, Any]:
                 }
             finally:
                 paged.close()
-        return {"vmm_kernel": vmm.kernel, "paged_block_size": shape.paged_block, "kernels": rows}
+            diff = rows[name]["max_abs_diff_vs_vmm"]
+            if not diff <= tolerance:  # NaN fails too
+                failures.append(f"{name}: max |paged - VMM ({vmm.kernel})| {diff:.3g} > {tolerance:g} ({shape.dtype})")
+        return {"vmm_kernel": vmm.kernel, "paged_block_size": shape.paged_block, "tolerance": tolerance, "kernels": rows,
+                "failures": failures}
     finally:
         vmm.close()
 
@@ -466,11 +490,28 @@ def vllm_section(device: torch.device, out_dir: Path) -> dict[str, Any]:
     if smoke is None:
         raise SectionSkipped("vmkv.vllm has no gpu_smoke(out_dir)")
     (out_dir / "vllm").mkdir(parents=True, exist_ok=True)
-    result = smoke(out_dir / "vllm")
+    try:
+        result = smoke(out_dir / "vllm")
+    except vmkv.BackendUnavailable as exc:  # e.g. a vLLM other than the one the plugin supports
+        raise SectionSkipped(f"vmkv.vllm.gpu_smoke: {exc}") from None
     result = dict(result) if isinstance(result, dict) else {"returned": result}
-    if result.get("ok") is False:
-        result.setdefault("failures", ["gpu_smoke returned ok=False"])
+    result["failures"] = vllm_failures(result)
     return result
+
+
+def vllm_failures(result: dict[str, Any]) -> list[str]:
+    """Why ``gpu_smoke``'s result fails (``[]`` when it reports ``"passed": True``)."""
+    if result.get("passed") is True:
+        return []
+    if "passed" not in result:
+        return [f"gpu_smoke reported no 'passed' (keys: {', '.join(sorted(result))})"]
+    why = []
+    if result.get("tokens_identical") is not True:
+        why.append("vLLM + vmkv generated other tokens than stock vLLM")
+    peak, buffer = result.get("kv_peak_mapped_bytes"), result.get("kv_buffer_bytes")
+    if isinstance(peak, int) and isinstance(buffer, int) and peak >= buffer:
+        why.append(f"vmkv mapped {peak / MiB:.0f} MiB at peak, not less than the {buffer / MiB:.0f} MiB KV buffer")
+    return why or ["gpu_smoke reported passed=False"]
 
 
 # ---- running sections, each in its own process -----------------------------------------------
@@ -604,7 +645,8 @@ def print_report(report: dict[str, Any]) -> None:
 
 
 def verdict(report: dict[str, Any]) -> str:
-    """One line: what passed, what was skipped, what failed and why."""
+    """One line: what passed, what was skipped, what failed and why; on CUDA, what decode over VMM
+    pages costs with the kernel the cache selected (``cache_kernel``)."""
     by_status: dict[str, list[str]] = {"passed": [], "skipped": [], "failed": []}
     for name, entry in report["sections"].items():
         by_status[entry["status"]].append(name)
@@ -612,11 +654,14 @@ def verdict(report: dict[str, Any]) -> str:
     if by_status["failed"]:
         firsts = [f"{name} ({(report['sections'][name].get('error') or '')[:80]})" for name in by_status["failed"]]
         return f"{line}, {len(by_status['failed'])} FAILED: " + "; ".join(firsts)
-    decode = report["sections"].get("decode", {}).get("result", {}).get("kernels", {})
-    ratios = {k: row["vmm_over_dense"] for k, row in decode.items() if "vmm_over_dense" in row}
-    if ratios and report["device"].startswith("cuda"):
-        kernel, ratio = min(ratios.items(), key=lambda item: item[1])
-        line += f"; decode over VMM pages costs {ratio:.2f}x dense with {kernel} (1.00 = free)"
+    decode = report["sections"].get("decode", {}).get("result", {})
+    kernel = decode.get("cache_kernel")
+    if kernel and report["device"].startswith("cuda"):  # the kernel the cache runs, not the best-looking one
+        row = decode["kernels"].get(kernel, {})
+        if "vmm_over_dense" in row:
+            line += f"; decode over VMM pages costs {row['vmm_over_dense']:.2f}x dense with {kernel}, the cache's kernel (1.00 = free)"
+        else:
+            line += f"; the cache's kernel {kernel} was not timed ({row.get('skipped', 'not in --kernels')})"
     return line + "."
 
 

@@ -13,13 +13,14 @@ Three measurements, all on the real backend and cache:
   demand, with ``map_ahead=True`` (the next page mapped on a background thread), and with every
   page reserved before the loop (no mapping at all: the baseline). The variants take turns for
   ``--rounds`` rounds; every ``begin_step`` is timed (wall clock: waiting for the map-ahead
-  thread counts). The mapping share is ``(begin_step time - baseline begin_step time) /
-  baseline step time``, each time the sum over steps of the per-step median over rounds (a step
-  preempted by another process in one round does not count), and its spread the min-max of the
-  shares of the single rounds (from 5 rounds on, the lowest and highest left out). A negative share is a measurement error (the
-  baseline was slower than the variant that does more work): the run is repeated once with
-  twice the rounds, and if the share is still negative it is reported as unreliable, never
-  rounded to zero.
+  thread counts). Each round gives a share, ``(begin_step time - baseline begin_step time) /
+  baseline step time``, all summed over the round's steps and taken against the baseline of the
+  same round; the share reported is the median of the rounds' shares (a round another process
+  preempted does not move it) and its range their min-max (from 5 rounds on, the lowest and
+  highest left out): one estimator for both. A variant does more work than the baseline, so a
+  negative share, or a step time below the baseline's by more than the baseline's own spread,
+  is a measurement error: the run is repeated once with twice the rounds, and if it persists
+  the measurement is reported as unreliable (with the reason), never rounded to zero.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ SCHEMA = {
     "step_ms": "decode_share only: ms per decode step (all layers), median over rounds",
     "baseline_step_ms": "decode_share only: the same with every page mapped before the loop",
     "runs": "decode_share: rounds; map/unmap: calls timed; reserve: reservations timed",
-    "reliable": "false when the measurement failed its sanity check (a negative share)",
+    "reliable": "false when the measurement failed its sanity check (a negative share, or a step faster than the baseline beyond its spread)",
+    "why": "why the measurement is unreliable ('' when it is reliable)",
 }
 RESERVE_BYTES = 64 * 2**30
 
@@ -151,25 +153,18 @@ VARIANTS = {"on_demand": (False, False), "ahead": (True, False), "premapped": (F
 
 
 def _share(begins: dict[str, list[list[float]]], totals: list[list[float]], variant: str) -> common.Spread:
-    """Mapping share of ``variant`` (see the module docstring): the estimate from per-step medians
-    over all rounds, and as its range the spread of the shares of the single rounds (each round's
-    ``begin_step`` time against the baseline's per-step medians; from 5 rounds on, the lowest and
-    highest left out). Scheduling on a shared machine changes from round to round, most of all
-    for the map-ahead thread, and this range shows it."""
-    steps = range(len(totals[0]))
-    rounds = range(len(totals))
-
-    def median_sum(per_round: list[list[float]]) -> float:
-        return sum(statistics.median(per_round[r][s] for r in rounds) for s in steps)
-
-    base, total = median_sum(begins["premapped"]), median_sum(totals)
-    value = (median_sum(begins[variant]) - base) / total
-    single = common.Spread.of([(sum(begins[variant][r]) - base) / total for r in rounds])
-    return common.Spread(value, min(single.low, value), max(single.high, value), len(totals), kept=single.kept)
+    """Mapping share of ``variant`` (see the module docstring): one share per round, the
+    variant's ``begin_step`` time minus the baseline's in the same round over the baseline's
+    step time in that round (each summed over the steps); their median and min-max (from 5 rounds
+    on, the lowest and highest left out). Scheduling on a shared machine changes from round to
+    round, most of all for the map-ahead thread, and the range shows it."""
+    per_round = zip(begins[variant], begins["premapped"], totals)
+    return common.Spread.of([(sum(mine) - sum(base)) / sum(total) for mine, base, total in per_round])
 
 
-def _measure_shares(args: argparse.Namespace, page_size: str, rounds: int) -> tuple[dict[str, common.Spread], float, float]:
-    """Shares of ``on_demand`` and ``ahead``, and the median step ms of each and of the baseline."""
+def _measure_shares(args: argparse.Namespace, page_size: str, rounds: int) -> tuple[dict[str, common.Spread], dict[str, common.Spread]]:
+    """Shares of ``on_demand`` and ``ahead``, and the ms per step of each variant and of the
+    baseline (``premapped``): median and min-max over rounds."""
     begins: dict[str, list[list[float]]] = {name: [] for name in VARIANTS}
     totals: dict[str, list[list[float]]] = {name: [] for name in VARIANTS}
     names = list(VARIANTS)
@@ -179,25 +174,46 @@ def _measure_shares(args: argparse.Namespace, page_size: str, rounds: int) -> tu
             begins[name].append(begin)
             totals[name].append(total)
     shares = {name: _share(begins, totals["premapped"], name) for name in ("on_demand", "ahead")}
-    step_ms = {name: statistics.median(sum(t) for t in totals[name]) / args.steps * 1e3 for name in VARIANTS}
+    step_ms = {name: common.Spread.of([sum(t) / args.steps * 1e3 for t in totals[name]]) for name in VARIANTS}
     return shares, step_ms
+
+
+def _errors(shares: dict[str, common.Spread], step_ms: dict[str, common.Spread]) -> dict[str, str]:
+    """Variant -> why its measurement is an error: a variant maps pages on top of the baseline's
+    work, so it cannot cost less; a negative share, or a step faster than the baseline's by more
+    than the baseline's own spread (min-max over rounds), says the machine moved under the
+    measurement."""
+    base = step_ms["premapped"]
+    errors = {}
+    for name, share in shares.items():
+        why = []
+        if share.value < 0:
+            why.append(f"negative share {common.number_text(share.value, '%')} (begin_step without mapping took longer)")
+        if base.value - step_ms[name].value > base.high - base.low:
+            why.append(f"step {step_ms[name].value:.3g} ms, below the no-mapping baseline's {base.value:.3g} ms by more "
+                       f"than its spread ({base.low:.3g}-{base.high:.3g} ms)")
+        if why:
+            errors[name] = "; ".join(why) + ": a negative cost is a measurement error"
+    return errors
 
 
 def _decode_rows(args: argparse.Namespace, page_size: str) -> list[dict[str, Any]]:
     """Mapping share of decode time for ``page_size``, with and without mapping ahead; measured
-    again with twice the rounds if a share comes out negative."""
+    again with twice the rounds if a variant came out cheaper than no mapping at all."""
     rounds = args.rounds
     shares, step_ms = _measure_shares(args, page_size, rounds)
-    if any(share.value < 0 for share in shares.values()):
+    if _errors(shares, step_ms):
         rounds *= 2
         shares, step_ms = _measure_shares(args, page_size, rounds)
+    errors = _errors(shares, step_ms)
     rows = []
     for name, ahead in (("on_demand", False), ("ahead", True)):
         share = shares[name]
         rows.append({
             "measure": "decode_share", "page_size": vmkv.parse_size(page_size), "map_ahead": ahead,
-            "value": share.value, "low": share.low, "high": share.high, "step_ms": step_ms[name],
-            "baseline_step_ms": step_ms["premapped"], "runs": share.runs, "reliable": share.value >= 0,
+            "value": share.value, "low": share.low, "high": share.high, "step_ms": step_ms[name].value,
+            "baseline_step_ms": step_ms["premapped"].value, "runs": share.runs, "reliable": name not in errors,
+            "why": errors.get(name, ""),
         })
     return rows
 
@@ -227,7 +243,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         "page_sizes": args.page_sizes or _default_sizes(args.device, ["64KiB", "2MiB"]),
     })
     rows: list[dict[str, Any]] = []
-    empty = {"map_ahead": None, "step_ms": None, "baseline_step_ms": None, "reliable": True}
+    empty = {"map_ahead": None, "step_ms": None, "baseline_step_ms": None, "reliable": True, "why": ""}
     work = [("latency", size) for size in args.page_sizes] + [("decode", size) for size in args.decode_page_sizes]
     for what, size in common.progress(work, "mapping", enabled=getattr(args, "progress", False)):
         nbytes = vmkv.parse_size(size)
@@ -251,7 +267,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         "reserve_64GiB_ms": round(reserve.value, 3),
         "decode_share": {f"{r['page_size']}B{' ahead' if r['map_ahead'] else ''}": round(r["value"], 4)
                          for r in rows if r["measure"] == "decode_share"},
-        "unreliable": [f"{r['page_size']}B{' ahead' if r['map_ahead'] else ''}" for r in rows if not r["reliable"]],
+        "unreliable": {f"{r['page_size']}B{' ahead' if r['map_ahead'] else ''}": r["why"] for r in rows if not r["reliable"]},
     }
     config = {"pages": pages, "batch": args.batch, "steps": args.steps, "rounds": args.rounds, "clock": "wall"}
     return common.make_result(NAME, SCHEMA, rows, summary, config=config)
@@ -271,18 +287,19 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
               for k, r in rows.items()}
     bad = [r for r in rows.values() if not r["reliable"]]
     if bad or ahead is None or demand is None:
-        why = "negative share after a rerun with twice the rounds: below what this machine can resolve"
+        why = "; ".join(f"{'ahead' if r['map_ahead'] else 'on demand'}: {r.get('why') or 'negative share'}" for r in bad)
+        why = f"{why} (after a rerun with twice the rounds)" if bad else "a variant was not measured"
         return [common.unreliable("mapping.share", question, why, spread.get(True), "%")]
     if spread[True].high < spread[False].low:
-        winner = "map-ahead hides most of it"
+        winner, side = "map-ahead hides most of it", "map-ahead"
     elif spread[True].low > spread[False].high:
-        winner = "on demand (map-ahead costs more)"
+        winner, side = "on demand (map-ahead costs more)", "on demand"
     else:
-        winner = "tie (spreads overlap)"
+        winner, side = "tie (spreads overlap)", "tie"
     return [common.Verdict(
         key="mapping.share", question=question,
         result=f"ahead {common.number_text(ahead['value'], '%')}, on demand {common.number_text(demand['value'], '%')}",
-        spread=f"ahead {common.spread_text(spread[True], '%')}", winner=winner, value=ahead["value"],
+        spread=f"ahead {common.spread_text(spread[True], '%')}", winner=winner, side=side, value=ahead["value"],
         low=ahead["low"], high=ahead["high"],
         note=f"step {ahead['baseline_step_ms']:.2f} ms without mapping",
     )]

@@ -346,6 +346,7 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
         top = max(util.values(), key=lambda r: r["steady_util"])
         ties = [r["allocator"] for r in util.values() if r is not top and top["steady_util"] - r["steady_util"] <= 0.02]
         winner = " = ".join([top["allocator"], *ties[:2]]) + (" (within 2 pts)" if ties else "")
+        side = "tie" if ties else top["allocator"]
         note = ""
         if best_vmm is not None and best_vmm["allocator"] != DEFAULT_VMM:
             note = (f"best VMM {common.number_text(best_vmm['steady_util'], '%')}: {best_vmm['geometry']}, "
@@ -357,7 +358,7 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
             agrees = low <= static["steady_util"] <= high
         out.append(common.Verdict(
             key=f"memory.{kind}", question=f"KV memory holding tokens, {kind}-like (steady state)",
-            result=", ".join(parts), spread="exact (seeded)", winner=winner, reference=reference,
+            result=", ".join(parts), spread="exact (seeded)", winner=winner, side=side, reference=reference,
             agrees=agrees, value=util[DEFAULT_VMM]["steady_util"] if DEFAULT_VMM in util else None, note=note,
         ))
     return out

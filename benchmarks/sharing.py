@@ -286,7 +286,7 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
         mean_best = statistics.fmean(r["saved"] for r in by[best])
         out.append(common.Verdict(
             key=f"sharing.{trace}.{scen}", question=f"memory saved by sharing, {what} {_span(widths)}, {trace}-like",
-            result=", ".join(parts), spread="exact (seeded)", winner=best,
+            result=", ".join(parts), spread="exact (seeded)", winner=best, side=best,
             reference=f"vLLM paper Fig. 15: {100 * low:.1f}-{100 * high:.1f} %", agrees=agrees, value=mean_best,
         ))
     return out

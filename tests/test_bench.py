@@ -67,6 +67,8 @@ def test_smoke_result_follows_the_contract(smoke_results, name, tmp_path):
     assert json.loads(path.read_text())["rows"] == json.loads(json.dumps(result["rows"]))
     verdicts = module.verdicts(result)
     assert verdicts and all(isinstance(v, common.Verdict) and v.key.startswith(f"{name}.") for v in verdicts)
+    for v in verdicts:  # every verdict names its side: an option of the winner text, a tie, or none
+        assert v.side == "tie" or (v.side in v.winner if v.side else not v.reliable or "not judged" in v.winner), v
     for png in module.plot(result, tmp_path) if hasattr(module, "plot") else []:
         assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -179,6 +181,98 @@ def test_decode_picks_up_a_newly_registered_kernel_and_rejects_a_wrong_one(monke
     assert "decode.batched_vs_per_sequence" in verdicts  # the new kernel is compared with per-sequence
 
 
+def _without(result: dict, candidate: str, diff: float = 0.5) -> dict:
+    """``result`` as if ``candidate`` had given a wrong output at the verdicts' point (largest
+    batch and context): its rows gone, the point named in ``wrong_outputs``."""
+    import copy
+
+    result = copy.deepcopy(result)
+    batch = max(r["batch"] for r in result["rows"])
+    context = max(r["context"] for r in result["rows"] if r["batch"] == batch)
+    result["rows"] = [r for r in result["rows"] if (r["candidate"], r["batch"], r["context"]) != (candidate, batch, context)]
+    result["summary"]["wrong_outputs"][f"{candidate} at B={batch} C={context}"] = diff
+    return result
+
+
+def test_decode_verdicts_name_a_compared_candidate_that_was_wrong(smoke_results):
+    """The selected paged kernel, or the cache's own VMM kernel, wrong at the verdicts' point: the
+    comparisons it is part of are unreliable and name it, never made with another kernel."""
+    from benchmarks import decode
+
+    result = smoke_results["decode"]
+    layout = result["config"]["default_layout"]
+    kernels = result["summary"]["kernels"]
+    fine = {v.key: v for v in decode.verdicts(result)}
+    assert fine["decode.vmm_vs_paged"].reliable and fine["decode.vmm_vs_dense"].reliable
+    paged = f"paged:{kernels['paged_selected']}"
+    verdicts = {v.key: v for v in decode.verdicts(_without(result, paged))}
+    assert not verdicts["decode.vmm_vs_paged"].reliable and verdicts["decode.vmm_vs_paged"].side == ""
+    assert verdicts["decode.vmm_vs_paged"].note.startswith(f"{paged} gave a wrong output at B=2 C=128 (max |diff| 0.5)")
+    assert verdicts["decode.vmm_vs_dense"].reliable  # not part of that comparison
+    vmm = f"vmm:{layout}:{kernels['vmm_selected'][layout]}"
+    verdicts = {v.key: v for v in decode.verdicts(_without(result, vmm))}
+    for key in ("decode.vmm_vs_paged", "decode.vmm_vs_dense"):
+        assert not verdicts[key].reliable and verdicts[key].note.startswith(f"{vmm} gave a wrong output"), verdicts[key]
+    per_seq = f"vmm:{layout}:sdpa_per_sequence"
+    verdict = {v.key: v for v in decode.verdicts(_without(result, per_seq))}["decode.batched_vs_per_sequence"]
+    assert not verdict.reliable and per_seq in verdict.note
+
+
+def test_decode_run_with_a_wrong_selected_kernel_gives_no_verdict_on_it(monkeypatch, tmp_path):
+    """End to end: the kernel the VMM cache selects computes wrong; its rows are left out and the
+    VMM verdicts say why instead of timing another kernel in its place."""
+    from benchmarks import decode
+
+    probe = vmkv.open_cache(common.cache_config({"num_layers": 1, "num_kv_heads": 8, "head_dim": 128, "dtype": "float32"},
+                                                "cpu", max_batch_size=1, max_seq_len=64, memory_budget="8MiB"))
+    selected = probe.kernel
+    probe.close()
+
+    def wrong(q, k_cache, v_cache, plan, scale):
+        return torch.zeros_like(q)
+
+    monkeypatch.setitem(vmkv.attention.CONTIGUOUS_KERNELS, selected, wrong)
+    result = decode.run(_args(decode, tmp_path, ["--batches", "1", "--contexts", "64"]))
+    layout = result["config"]["default_layout"]
+    name = f"vmm:{layout}:{selected}"
+    assert result["summary"]["kernels"]["vmm_selected"][layout] == selected
+    assert f"{name} at B=1 C=64" in result["summary"]["wrong_outputs"]
+    verdicts = {v.key: v for v in decode.verdicts(result)}
+    for key in ("decode.vmm_vs_paged", "decode.vmm_vs_dense"):
+        assert not verdicts[key].reliable and name in verdicts[key].note
+
+
+def _generate_result(same: dict[str, bool], beam_same: dict[str, bool] | None = None) -> dict:
+    """A generate() result of one greedy case (and one beam case) with the given token checks."""
+    rows, samples = [], {}
+    cases = [("greedy", 2, same)] + ([("beam4", 1, beam_same)] if beam_same else [])
+    for workload, batch, checks in cases:
+        for cache, ok in checks.items():
+            rows.append({"model": "small", "workload": workload, "batch": batch, "cache": cache, "new_tokens": 4,
+                         "kv_peak_bytes": 2**20 if cache != "dynamic" else 2**21, "same_tokens_as_dynamic": ok})
+        samples[f"small/{workload}/b{batch}/4"] = {cache: [1.0, 1.1, 1.2] if cache == "vmm" else [2.0, 2.1, 2.2] for cache in checks}
+    return {"rows": rows, "samples": samples, "summary": {"failed": {}}, "config": {"caches": list(same)}}
+
+
+def test_generate_verdicts_name_a_cache_with_other_tokens():
+    from benchmarks import generate
+
+    fine = {"dynamic": True, "static": True, "vmm": True, "vmm+vmkv": True}
+    verdicts = {v.key: v for v in generate.verdicts(_generate_result(fine, fine))}
+    assert verdicts["generate.small.vs_static"].side == "VirtualCache" and verdicts["generate.small.beam_kv"].reliable
+    verdicts = {v.key: v for v in generate.verdicts(_generate_result({**fine, "vmm+vmkv": False}, fine))}
+    for key in ("generate.small.vs_dynamic", "generate.small.vs_static"):
+        assert not verdicts[key].reliable and verdicts[key].note == "vmm+vmkv generated other tokens than DynamicCache"
+    assert verdicts["generate.small.beam_kv"].reliable
+    verdicts = {v.key: v for v in generate.verdicts(_generate_result({**fine, "static": False}, {**fine, "vmm": False}))}
+    assert verdicts["generate.small.vs_dynamic"].reliable and not verdicts["generate.small.vs_static"].reliable
+    assert verdicts["generate.small.vs_static"].note == "static generated other tokens than DynamicCache"
+    assert not verdicts["generate.small.beam_kv"].reliable and "vmm generated other tokens" in verdicts["generate.small.beam_kv"].note
+    failed = _generate_result(fine)
+    failed["summary"]["failed"] = {"vmm+vmkv": "RuntimeError: boom"}
+    assert {v.note for v in generate.verdicts(failed)} == {"vmm+vmkv failed: RuntimeError: boom"}
+
+
 @pytest.mark.parametrize("samples, winner", [
     ([0.7, 0.75, 0.8], "VMM costs time: dense 1.33x faster"),
     ([0.98, 1.0, 1.03], "no cost (tie)"),
@@ -208,8 +302,8 @@ def test_mapping_share_is_never_clamped(monkeypatch, tmp_path):
 
     def negative(args, page_size, rounds):
         calls.append(rounds)
-        share = common.Spread(-0.01, -0.02, 0.0, rounds)
-        return {"on_demand": share, "ahead": share}, {"on_demand": 1.0, "ahead": 1.0, "premapped": 1.0}
+        share, step = common.Spread(-0.01, -0.02, 0.0, rounds), common.Spread(1.0, 0.9, 1.1, rounds)
+        return {"on_demand": share, "ahead": share}, {"on_demand": step, "ahead": step, "premapped": step}
 
     monkeypatch.setattr(mapping, "_measure_shares", negative)
     result = mapping.run(_args(mapping, tmp_path, ["--rounds", "3"]))
@@ -220,8 +314,8 @@ def test_mapping_share_is_never_clamped(monkeypatch, tmp_path):
     assert not verdict.reliable and "negative" in verdict.note and verdict.result.startswith("-1.0 %")
 
 
-def test_mapping_share_uses_per_step_medians():
-    """One round preempted (every step slow) does not move the estimate."""
+def test_mapping_share_is_the_median_of_round_shares():
+    """One round preempted (every step slow) does not move the estimate, but its range shows it."""
     from benchmarks.mapping import _share
 
     steps = 10
@@ -231,7 +325,55 @@ def test_mapping_share_uses_per_step_medians():
     totals = [[10.0] * steps for _ in range(3)]
     share = _share({"premapped": base, "on_demand": demand}, totals, "on_demand")
     assert share.value == pytest.approx(0.05) and share.runs == 3
-    assert share.low == pytest.approx(0.05) and share.high == pytest.approx(4.9)  # ... but its range shows it
+    assert share.low == pytest.approx(0.05) and share.high == pytest.approx(4.9)
+
+
+def test_mapping_share_value_and_range_come_from_one_estimator():
+    """Each round has one slow step, a different one: no round is as fast as the per-step medians
+    across rounds. The headline is the median of the rounds' shares, inside their range (a
+    per-step-median headline sat below every round, at the range's low end)."""
+    from benchmarks.mapping import _share
+
+    base = [[1.0, 1.0, 1.0] for _ in range(3)]
+    demand = [[1.1, 1.1, 2.1], [1.1, 2.1, 1.1], [2.1, 1.1, 1.1]]
+    demand[1][1] += 0.1  # rounds differ: shares 1.3, 1.4 and 1.6 / 30
+    demand[2][0] += 0.3
+    totals = [[10.0] * 3 for _ in range(3)]
+    share = _share({"premapped": base, "on_demand": demand}, totals, "on_demand")
+    assert share.value == pytest.approx(1.4 / 30) and share.low == pytest.approx(1.3 / 30) and share.high == pytest.approx(1.6 / 30)
+    demand[0] = [x + 0.5 for x in demand[0]]  # a round slower for both: each round is paired with its own baseline
+    base[0] = [x + 0.5 for x in base[0]]
+    assert _share({"premapped": base, "on_demand": demand}, totals, "on_demand").value == pytest.approx(1.4 / 30)
+
+
+def test_mapping_variant_faster_than_no_mapping_is_unreliable(monkeypatch, tmp_path):
+    """On demand steps 20 % faster than the premapped baseline (whose rounds spread 2 %): a
+    negative cost, so a measurement error -- rerun with twice the rounds, then reported as
+    unreliable with the reason, the measured numbers kept as they are."""
+    from benchmarks import mapping
+
+    rounds_seen = []
+
+    def loop(args, page_size, map_ahead, premap):
+        name = "premapped" if premap else "ahead" if map_ahead else "on_demand"
+        rounds_seen.append(name)
+        jitter = 1.0 + 0.02 * (rounds_seen.count(name) % 2)  # the baseline's own spread: 2 %
+        begin = {"premapped": 1e-5, "on_demand": 3e-5, "ahead": 2e-5}[name]
+        step = {"premapped": 1e-3, "on_demand": 0.8e-3, "ahead": 1.05e-3}[name] * jitter
+        return [begin] * args.steps, [step] * args.steps
+
+    monkeypatch.setattr(mapping, "_decode_loop", loop)
+    result = mapping.run(_args(mapping, tmp_path, ["--rounds", "2", "--page-sizes", "64KiB"]))
+    assert rounds_seen.count("premapped") == 2 + 4  # measured again with twice the rounds
+    shares = {r["map_ahead"]: r for r in result["rows"] if r["measure"] == "decode_share"}
+    demand, ahead = shares[False], shares[True]
+    assert not demand["reliable"] and "below the no-mapping baseline" in demand["why"] and "measurement error" in demand["why"]
+    assert demand["value"] > 0 and demand["step_ms"] < demand["baseline_step_ms"]  # kept, not clamped
+    assert ahead["reliable"] and ahead["why"] == ""
+    (verdict,) = mapping.verdicts(result)
+    assert not verdict.reliable and verdict.side == ""
+    assert verdict.note.startswith("on demand: step 0.8") and "measurement error" in verdict.note
+    assert list(result["summary"]["unreliable"]) == ["4096B"]
 
 
 # ---- sharing ---------------------------------------------------------------------------------
@@ -242,6 +384,78 @@ def test_sharing_saves_memory_only_with_small_pages(smoke_results):
         # 1024-token pages: a short request fits one page, and every write copies it
         assert rows[(scenario, "vmm-per_layer-2MiB")]["saved"] < rows[(scenario, "paged-b16")]["saved"]
     assert rows[("beam", "paged-b16")]["cow_copies"] > 0
+
+
+# ---- vllm (a run starts two vLLM engines: minutes, so its saved result is checked) -----------
+def _vllm_result(**kv_mib: tuple[float, float]) -> dict:
+    """The saved run of docs/img/vllm.json with its summary made again by this code; ``kv_mib``:
+    engine -> (mean, peak) MiB held, in every round."""
+    from benchmarks import vllm
+
+    result = json.loads((Path(__file__).resolve().parents[1] / "docs" / "img" / "vllm.json").read_text())
+    for row in result["rows"]:
+        if row["engine"] in kv_mib:
+            row["kv_mean_mib"], row["kv_peak_mib"] = kv_mib[row["engine"]]
+    result["summary"] = vllm._summary(result["rows"], result["config"]["kv_bytes"])
+    result.pop("verdicts", None)
+    return result
+
+
+def test_vllm_result_follows_the_contract(tmp_path):
+    from benchmarks import vllm
+
+    result = _vllm_result()
+    _check_contract(result, "vllm")
+    verdicts = vllm.verdicts(result)
+    assert [v.key for v in verdicts] == ["vllm.throughput", "vllm.kv_memory"]
+    for png in vllm.plot(result, tmp_path):
+        assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("vmkv_mib, side", [
+    ((2.0, 5.0), "vmkv"),
+    ((100.0, 300.0), "vmkv"),  # less on average, more than the 256 MiB buffer at its peak: judged on the mean
+    ((250.0, 256.0), "tie"),
+    ((300.0, 320.0), "stock"),  # vmkv holds more: stock wins
+])
+def test_vllm_kv_memory_verdict_is_judged_on_the_mean(vmkv_mib, side):
+    from benchmarks import vllm
+
+    result = _vllm_result(vmkv=vmkv_mib)  # stock: its 256 MiB buffer
+    memory = {v.key: v for v in vllm.verdicts(result)}["vllm.kv_memory"]
+    assert memory.side == side and memory.winner.startswith(side)
+    assert memory.value == pytest.approx(vmkv_mib[0] / 256) and memory.high == pytest.approx(vmkv_mib[1] / 256)
+
+
+# ---- engine_vs_vllm (a run loads a 12-layer model and vLLM: the budget sizing is checked) ----
+@pytest.mark.parametrize("kv_mode", ["vmm", "paged"])
+@pytest.mark.parametrize("requests, prompt_len, max_tokens", [(64, 128, 128), (3, 10, 7), (5, 100, 33)])
+def test_engine_vs_vllm_budget_holds_every_request_whole(kv_mode, requests, prompt_len, max_tokens):
+    """The vmkv engine's default KV budget holds every request's prompt and output at once, in the
+    cache's own pages: it never has to preempt (the default 256 MiB did not hold the default work)."""
+    from benchmarks import engine_vs_vllm as bench
+    from vmkv.config import KVCacheConfig, paged_geometry, vmm_geometry
+    from vmkv.vm import granularity
+
+    shape = bench.SHAPE
+    budget = bench.kv_budget(requests, prompt_len, max_tokens, kv_mode)
+    config = KVCacheConfig(num_layers=shape["num_hidden_layers"], num_kv_heads=shape["num_key_value_heads"],
+                           head_dim=shape["head_dim"], dtype="float32", max_batch_size=requests,
+                           max_seq_len=prompt_len + max_tokens + 16, memory_budget=budget)
+    assert bench.token_kv_bytes() == config.bytes_per_token
+    assert budget % 2**20 == 0 and budget >= requests * (prompt_len + max_tokens) * config.bytes_per_token
+    geometry = paged_geometry(config) if kv_mode == "paged" else vmm_geometry(config, granularity(config.device))
+    pages_per_request = -(-(prompt_len + max_tokens) // geometry.tokens_per_page)
+    assert geometry.num_pages >= requests * pages_per_request
+
+
+def test_engine_vs_vllm_sizes_the_budget_unless_given():
+    from benchmarks import engine_vs_vllm as bench
+
+    sized = bench.parse_args([])
+    assert sized.budget_sized and sized.memory_budget == bench.kv_budget(64, 128, 128) == 384 * 2**20  # not 256 MiB
+    given = bench.parse_args(["--memory-budget", "256MiB", "--requests", "8"])
+    assert not given.budget_sized and given.memory_budget == "256MiB"
 
 
 # ---- generate and serve (slower: one smoke run each) -----------------------------------------
@@ -370,6 +584,28 @@ def test_compare_two_runs(tmp_path):
     assert compare.main([str(a), str(c)]) == 1  # VMM vs tie
     (row,) = compare.compare(compare.load_verdicts(a), compare.load_verdicts(c))
     assert row["winner A"] == "VMM" and row["winner B"] == "tie" and not row["same winner"]
+
+
+def test_compare_judges_the_side_not_the_wording_of_the_winner(tmp_path):
+    """Only the margin inside decode's cost verdict moved ("dense 1.20x faster" -> "1.23x"): the
+    same side won; a flip to "no cost" is a changed winner."""
+    from benchmarks.decode import _cost_verdict
+
+    def cost(samples: list[float]) -> dict:
+        verdict = common.ratio_verdict("decode.vmm_vs_dense", "q", common.Spread.of(samples), "VMM", "dense")
+        return _cost_verdict(verdict).as_dict()
+
+    first, second, flipped = cost([0.82, 0.833, 0.84]), cost([0.80, 0.813, 0.82]), cost([0.95, 1.0, 1.05])
+    assert first["winner"] != second["winner"] and first["side"] == second["side"] == "dense"
+    assert flipped["side"] == "tie"
+    (same,) = compare.compare({"k": first}, {"k": second})
+    assert same["same winner"] and (same["winner A"], same["winner B"]) == ("dense", "dense")
+    (changed,) = compare.compare({"k": first}, {"k": flipped})
+    assert not changed["same winner"]
+    one_run = common.ratio_verdict("x.y", "q", common.Spread.of([1.7]), "A", "B").as_dict()
+    assert one_run["side"] == "" and not compare.compare({"k": one_run}, {"k": one_run})[0]["same winner"]
+    legacy = {key: value for key, value in first.items() if key != "side"}  # a suite.json from before `side`
+    assert compare.winner_side(legacy) == "VMM costs time: dense 1.20x faster"
 
 
 # ---- the CLI ---------------------------------------------------------------------------------

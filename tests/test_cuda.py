@@ -557,6 +557,90 @@ def test_gpu_check_isolates_a_crashing_section_and_fails_the_run(gpu_check, tmp_
     assert timed_out["status"] == "failed" and "timed out after 0.5 s" in timed_out["error"]
 
 
+def test_gpu_check_decode_fails_a_kernel_off_the_reference(gpu_check, monkeypatch):
+    """A kernel 0.01 off the fp32 reference (fp32 data: 100x the tolerance) fails the section;
+    the right kernels do not."""
+    cpu = torch.device("cpu")
+
+    def off(q, k_cache, v_cache, plan, scale):
+        return CONTIGUOUS_KERNELS["sdpa_per_sequence"](q, k_cache, v_cache, plan, scale) + 0.01
+
+    monkeypatch.setitem(gpu_check.CONTIGUOUS_KERNELS, "test_off", off)
+    real = gpu_check.contiguous_kernel_unavailable
+    monkeypatch.setattr(gpu_check, "contiguous_kernel_unavailable", lambda name, *a: None if name == "test_off" else real(name, *a))
+    result = gpu_check.decode_section(cpu, gpu_check.SMOKE, ["sdpa_per_sequence", "test_off"])
+    assert result["tolerance"] == gpu_check.TOLERANCE["float32"]
+    assert result["kernels"]["test_off"]["max_abs_err_vs_fp32_reference"] == pytest.approx(0.01, rel=1e-3)
+    assert len(result["failures"]) == 1 and result["failures"][0].startswith("test_off: max |output - fp32 reference| 0.01 > 0.0001")
+    assert not gpu_check.decode_section(cpu, gpu_check.SMOKE, ["sdpa_per_sequence"])["failures"]
+
+
+def test_gpu_check_paged_vs_vmm_fails_a_kernel_that_disagrees(gpu_check, monkeypatch):
+    import paged.cache
+
+    real = paged.cache.make_paged_kernel
+
+    def skewed(*args, **kwargs):  # gather_sdpa, 0.01 off
+        kernel = real(*args, **kwargs)
+        if kernel.name != "gather_sdpa":
+            return kernel
+
+        class Off:
+            name = kernel.name
+
+            def prepare(self, *a):
+                return kernel.prepare(*a)
+
+            def __call__(self, *a):
+                return kernel(*a) + 0.01
+
+        return Off()
+
+    monkeypatch.setattr(paged.cache, "make_paged_kernel", skewed)
+    result = gpu_check.paged_section(torch.device("cpu"), gpu_check.SMOKE)
+    assert result["kernels"]["gather_sdpa"]["max_abs_diff_vs_vmm"] == pytest.approx(0.01, rel=1e-3)
+    assert [f.split(":")[0] for f in result["failures"]] == ["gather_sdpa"]
+    assert "> 0.0002 (float32)" in result["failures"][0]
+
+
+def test_gpu_check_vllm_section_fails_a_failed_smoke(gpu_check, monkeypatch, tmp_path):
+    """gpu_smoke reports "passed" (vmkv/vllm/smoke.py): passed=False fails the section with the
+    reasons, through the worker as gpu_check runs it; passed=True passes; no "passed" fails."""
+    import importlib.util
+
+    answer: dict = {}
+    fake = type(sys)("vmkv.vllm")
+    fake.gpu_smoke = lambda out_dir: dict(answer)
+    monkeypatch.setitem(sys.modules, "vmkv.vllm", fake)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
+
+    def worker() -> dict:
+        gpu_check.run_worker(gpu_check.parse_args(["--worker", "vllm", "--device", "cuda", "--out", str(tmp_path)]))
+        return json.loads(gpu_check.section_file(tmp_path, "vllm").read_text())
+
+    answer.update(passed=False, tokens_identical=False, kv_peak_mapped_bytes=512 * MiB, kv_buffer_bytes=512 * MiB)
+    entry = worker()
+    assert entry["status"] == "failed", entry
+    assert "other tokens than stock vLLM" in entry["error"] and "mapped 512 MiB at peak" in entry["error"]
+    answer.update(passed=True, tokens_identical=True, kv_peak_mapped_bytes=8 * MiB)
+    assert worker()["status"] == "passed"
+    answer.clear()
+    answer["ok"] = True  # not gpu_smoke's contract
+    assert "no 'passed'" in worker()["error"]
+
+
+def test_gpu_check_verdict_headlines_the_caches_own_kernel(gpu_check):
+    kernels = {"sdpa_per_sequence": {"vmm_over_dense": 1.30}, "varlen_attn_seqused": {"vmm_over_dense": 1.02},
+               "flash_attn_varlen": {"vmm_over_dense": 0.97}}
+    report = {"device": "cuda:0", "sections": {"decode": {"status": "passed", "result": {
+        "cache_kernel": "varlen_attn_seqused", "kernels": kernels}}}}
+    line = gpu_check.verdict(report)
+    assert line.endswith("costs 1.02x dense with varlen_attn_seqused, the cache's kernel (1.00 = free).")
+    kernels["varlen_attn_seqused"] = {"skipped": "needs flash"}
+    assert "the cache's kernel varlen_attn_seqused was not timed (needs flash)" in gpu_check.verdict(report)
+
+
 @needs_no_cuda
 def test_gpu_check_without_a_gpu_says_so_in_one_line(gpu_check, tmp_path, capsys):
     with pytest.raises(SystemExit) as done:

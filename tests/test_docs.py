@@ -225,6 +225,28 @@ def test_shell_commands_in_the_docs_name_real_extras_and_subcommands() -> None:
                 assert words[1] in REGISTRY, f"{line!r}: no benchmark {words[1]!r}"
 
 
+def test_hf_generate_benchmark_section_names_the_real_options() -> None:
+    """docs/hf.md's Benchmark section lists every option of ``benchmarks/generate.py`` and its
+    ``vmkv bench generate ...`` command lines parse with them (lists are space-separated)."""
+    import argparse
+    import shlex
+
+    from benchmarks import generate
+
+    parser = argparse.ArgumentParser()
+    generate.add_arguments(parser)
+    section = (ROOT / "docs" / "hf.md").read_text().split("## Benchmark", 1)[1].split("\n## ", 1)[0]
+    options = {o for action in parser._actions for o in action.option_strings if o.startswith("--")}  # noqa: SLF001
+    options.discard("--help")
+    assert {o for o in options if f"`{o}`" not in section} == set(), "options of generate.py missing from docs/hf.md"
+    assert set(re.findall(r"`(--[\w-]+)`", section)) <= options | {"--device", "--smoke", "--seed", "--out", "--no-plots",
+                                                                    "--progress", "--no-progress"}
+    commands = re.findall(r"`vmkv bench generate([^`]*)`", section)
+    assert commands
+    for command in commands:
+        parser.parse_args(shlex.split(command))  # exits on an unknown option or a wrong value
+
+
 PAGE = """\
 # A page
 

@@ -236,7 +236,7 @@ def _verdicts(module: ModuleType, result: dict[str, Any]) -> list[dict[str, Any]
     if why:
         print(f"[{result['name']}] no verdict: {why}", file=sys.stderr)
         return [{"key": f"{result['name']}.error", "question": f"{result['name']}: verdict", "result": "error",
-                 "spread": "", "winner": "no verdict", "reliable": False, "note": why}]
+                 "spread": "", "winner": "no verdict", "side": "", "reliable": False, "note": why}]
     return verdicts
 
 
