@@ -21,6 +21,9 @@ Three measurements, all on the real backend and cache:
   negative share, or a step time below the baseline's by more than the baseline's own spread,
   is a measurement error: the run is repeated once with twice the rounds, and if it persists
   the measurement is reported as unreliable (with the reason), never rounded to zero.
+  Whether map-ahead wins is judged on its saving paired per round (on demand's share minus
+  map-ahead's in the same round): map-ahead if it saved in every kept round, on demand if it
+  cost in every one, else a tie.
 """
 
 from __future__ import annotations
@@ -52,6 +55,9 @@ SCHEMA = {
     "runs": "decode_share: rounds; map/unmap: calls timed; reserve: reservations timed",
     "reliable": "false when the measurement failed its sanity check (a negative share, or a step faster than the baseline beyond its spread)",
     "why": "why the measurement is unreliable ('' when it is reliable)",
+    "saving": "decode_share with map_ahead only: on demand's share minus map-ahead's, paired per round (median)",
+    "saving_low": "its lowest round (same trimming rule as low)",
+    "saving_high": "its highest round",
 }
 RESERVE_BYTES = 64 * 2**30
 
@@ -162,9 +168,21 @@ def _share(begins: dict[str, list[list[float]]], totals: list[list[float]], vari
     return common.Spread.of([(sum(mine) - sum(base)) / sum(total) for mine, base, total in per_round])
 
 
-def _measure_shares(args: argparse.Namespace, page_size: str, rounds: int) -> tuple[dict[str, common.Spread], dict[str, common.Spread]]:
-    """Shares of ``on_demand`` and ``ahead``, and the ms per step of each variant and of the
-    baseline (``premapped``): median and min-max over rounds."""
+def _saving(begins: dict[str, list[list[float]]], totals: list[list[float]]) -> common.Spread:
+    """What map-ahead saves over mapping on demand, as a share of the baseline's step time,
+    paired per round: on demand's ``begin_step`` time minus map-ahead's in the same round, over
+    that round's baseline step time. Pairing cancels what moves a whole round (another process,
+    frequency), which the two shares' own ranges carry: it is what decides the verdict."""
+    per_round = zip(begins["on_demand"], begins["ahead"], totals)
+    return common.Spread.of([(sum(demand) - sum(ahead)) / sum(total) for demand, ahead, total in per_round])
+
+
+def _measure_shares(
+    args: argparse.Namespace, page_size: str, rounds: int
+) -> tuple[dict[str, common.Spread], common.Spread, dict[str, common.Spread]]:
+    """Shares of ``on_demand`` and ``ahead``, map-ahead's paired saving (:func:`_saving`), and
+    the ms per step of each variant and of the baseline (``premapped``): median and min-max over
+    rounds."""
     begins: dict[str, list[list[float]]] = {name: [] for name in VARIANTS}
     totals: dict[str, list[list[float]]] = {name: [] for name in VARIANTS}
     names = list(VARIANTS)
@@ -175,7 +193,7 @@ def _measure_shares(args: argparse.Namespace, page_size: str, rounds: int) -> tu
             totals[name].append(total)
     shares = {name: _share(begins, totals["premapped"], name) for name in ("on_demand", "ahead")}
     step_ms = {name: common.Spread.of([sum(t) / args.steps * 1e3 for t in totals[name]]) for name in VARIANTS}
-    return shares, step_ms
+    return shares, _saving(begins, totals["premapped"]), step_ms
 
 
 def _errors(shares: dict[str, common.Spread], step_ms: dict[str, common.Spread]) -> dict[str, str]:
@@ -201,10 +219,10 @@ def _decode_rows(args: argparse.Namespace, page_size: str) -> list[dict[str, Any
     """Mapping share of decode time for ``page_size``, with and without mapping ahead; measured
     again with twice the rounds if a variant came out cheaper than no mapping at all."""
     rounds = args.rounds
-    shares, step_ms = _measure_shares(args, page_size, rounds)
+    shares, saving, step_ms = _measure_shares(args, page_size, rounds)
     if _errors(shares, step_ms):
         rounds *= 2
-        shares, step_ms = _measure_shares(args, page_size, rounds)
+        shares, saving, step_ms = _measure_shares(args, page_size, rounds)
     errors = _errors(shares, step_ms)
     rows = []
     for name, ahead in (("on_demand", False), ("ahead", True)):
@@ -214,6 +232,8 @@ def _decode_rows(args: argparse.Namespace, page_size: str) -> list[dict[str, Any
             "value": share.value, "low": share.low, "high": share.high, "step_ms": step_ms[name].value,
             "baseline_step_ms": step_ms["premapped"].value, "runs": share.runs, "reliable": name not in errors,
             "why": errors.get(name, ""),
+            "saving": saving.value if ahead else None, "saving_low": saving.low if ahead else None,
+            "saving_high": saving.high if ahead else None,
         })
     return rows
 
@@ -243,7 +263,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         "page_sizes": args.page_sizes or _default_sizes(args.device, ["64KiB", "2MiB"]),
     })
     rows: list[dict[str, Any]] = []
-    empty = {"map_ahead": None, "step_ms": None, "baseline_step_ms": None, "reliable": True, "why": ""}
+    empty = {"map_ahead": None, "step_ms": None, "baseline_step_ms": None, "reliable": True, "why": "", "saving": None,
+             "saving_low": None, "saving_high": None}
     work = [("latency", size) for size in args.page_sizes] + [("decode", size) for size in args.decode_page_sizes]
     for what, size in common.progress(work, "mapping", enabled=getattr(args, "progress", False)):
         nbytes = vmkv.parse_size(size)
@@ -290,16 +311,19 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
         why = "; ".join(f"{'ahead' if r['map_ahead'] else 'on demand'}: {r.get('why') or 'negative share'}" for r in bad)
         why = f"{why} (after a rerun with twice the rounds)" if bad else "a variant was not measured"
         return [common.unreliable("mapping.share", question, why, spread.get(True), "%")]
-    if spread[True].high < spread[False].low:
+    saving = common.Spread(ahead["saving"], ahead["saving_low"], ahead["saving_high"], ahead["runs"])
+    if saving.low > 0:  # map-ahead cheaper in every (kept) round
         winner, side = "map-ahead hides most of it", "map-ahead"
-    elif spread[True].low > spread[False].high:
+    elif saving.high < 0:
         winner, side = "on demand (map-ahead costs more)", "on demand"
     else:
-        winner, side = "tie (spreads overlap)", "tie"
+        winner, side = "tie (map-ahead's saving changes sign between rounds)", "tie"
     return [common.Verdict(
         key="mapping.share", question=question,
         result=f"ahead {common.number_text(ahead['value'], '%')}, on demand {common.number_text(demand['value'], '%')}",
         spread=f"ahead {common.spread_text(spread[True], '%')}", winner=winner, side=side, value=ahead["value"],
         low=ahead["low"], high=ahead["high"],
-        note=f"step {ahead['baseline_step_ms']:.2f} ms without mapping",
+        note=(f"saves {common.number_text(saving.value, '%')} of a step, rounds "
+              f"{common.number_text(saving.low, '%')} to {common.number_text(saving.high, '%')}; "
+              f"step {ahead['baseline_step_ms']:.2f} ms without mapping"),
     )]

@@ -303,7 +303,7 @@ def test_mapping_share_is_never_clamped(monkeypatch, tmp_path):
     def negative(args, page_size, rounds):
         calls.append(rounds)
         share, step = common.Spread(-0.01, -0.02, 0.0, rounds), common.Spread(1.0, 0.9, 1.1, rounds)
-        return {"on_demand": share, "ahead": share}, {"on_demand": step, "ahead": step, "premapped": step}
+        return {"on_demand": share, "ahead": share}, share, {"on_demand": step, "ahead": step, "premapped": step}
 
     monkeypatch.setattr(mapping, "_measure_shares", negative)
     result = mapping.run(_args(mapping, tmp_path, ["--rounds", "3"]))
@@ -344,6 +344,35 @@ def test_mapping_share_value_and_range_come_from_one_estimator():
     demand[0] = [x + 0.5 for x in demand[0]]  # a round slower for both: each round is paired with its own baseline
     base[0] = [x + 0.5 for x in base[0]]
     assert _share({"premapped": base, "on_demand": demand}, totals, "on_demand").value == pytest.approx(1.4 / 30)
+
+
+@pytest.mark.parametrize("savings, side", [
+    ([0.02, 0.03, 0.01, 0.04, 0.02], "map-ahead"),  # saves in every round, however much rounds move
+    ([0.02, -0.01, 0.03, -0.02, 0.02], "tie"),  # map-ahead cost more in a kept round (the extremes are left out)
+    ([-0.02, -0.03, -0.01, -0.02, -0.02], "on demand"),
+])
+def test_mapping_winner_is_judged_on_the_paired_saving(savings, side):
+    """Rounds move both variants together (here the baseline's step time doubles every other
+    round): the paired saving decides, not whether the two shares' ranges overlap."""
+    from benchmarks import mapping
+
+    steps = 4
+    totals = [[1.0 * (1 + r % 2)] * steps for r in range(5)]
+    base = [[0.1] * steps for _ in range(5)]
+    ahead = [[0.1 + 0.01 * (r + 1)] * steps for r in range(5)]
+    demand = [[a[0] + s * sum(t) / steps] * steps for a, s, t in zip(ahead, savings, totals)]
+    begins = {"premapped": base, "ahead": ahead, "on_demand": demand}
+    saving = mapping._saving(begins, totals)
+    assert saving.value == pytest.approx(sorted(savings)[2])
+    row = lambda ahead_row, share: {  # noqa: E731
+        "measure": "decode_share", "page_size": 4096, "map_ahead": ahead_row, "value": share.value, "low": share.low,
+        "high": share.high, "runs": 5, "reliable": True, "why": "", "step_ms": 1.0, "baseline_step_ms": 1.0,
+        "saving": saving.value if ahead_row else None, "saving_low": saving.low if ahead_row else None,
+        "saving_high": saving.high if ahead_row else None,
+    }
+    rows = [row(False, mapping._share(begins, totals, "on_demand")), row(True, mapping._share(begins, totals, "ahead"))]
+    (verdict,) = mapping.verdicts({"rows": rows})
+    assert verdict.side == side and verdict.reliable
 
 
 def test_mapping_variant_faster_than_no_mapping_is_unreliable(monkeypatch, tmp_path):

@@ -54,13 +54,13 @@ REGISTRY: dict[str, Entry] = {
               ["--requests", "sharegpt=120", "alpaca=300", "--budget", "sharegpt=1GiB", "alpaca=256MiB", "--page-sizes", "2MiB"]),
         Entry("decode", "benchmarks.decode",
               ["--batches", "1", "8", "32", "--contexts", "512", "2048", "--repeat", "7", "--paged-kernels", "selected"]),
-        Entry("mapping", "benchmarks.mapping", ["--steps", "128", "--rounds", "7", "--pages", "128", "--decode-page-sizes", "4KiB"]),
+        Entry("mapping", "benchmarks.mapping", ["--steps", "128", "--rounds", "11", "--pages", "128", "--decode-page-sizes", "4KiB"]),
         Entry("sharing", "benchmarks.sharing", ["--traces", "alpaca", "--requests", "3", "--widths", "2", "6"]),
         Entry("generate", "benchmarks.generate",
-              ["--models", "small", "--prompt-len", "64", "--new-tokens", "256", "--batch-sizes", "1", "8",
-               "--beam-new-tokens", "32", "--caches", "dynamic", "static", "vmm", "vmm+vmkv", "--repeats", "5"]),
+              ["--models", "small", "--prompt-len", "64", "--new-tokens", "256", "--batch-sizes", "8",
+               "--beam-new-tokens", "32", "--caches", "dynamic", "static", "vmm", "vmm+vmkv", "--repeats", "7"]),
         Entry("serve", "benchmarks.serve",
-              ["--concurrency", "1", "8", "--rates", "16", "inf", "--requests", "16", "--output-len", "16", "--repeats", "5",
+              ["--concurrency", "1", "8", "--rates", "16", "inf", "--requests", "16", "--output-len", "16", "--repeats", "7",
                "--rate-repeats", "1"]),
         Entry("vllm", "benchmarks.vllm", in_suite=False),  # vLLM stock vs the vmkv plugin: needs vLLM, minutes
     )
