@@ -7,7 +7,9 @@
 Reads ``suite.json`` of each output directory and prints, per verdict (matched by key): both
 results, whether the winner is the same, and whether the headline moved less than the spread
 the runs report (the larger of the two min-max ranges; a deterministic value must not move).
-Exits 0 when every verdict present in both runs agrees on both counts, 1 otherwise.
+Exits 0 when every verdict present in both runs agrees on both counts, 1 otherwise. The last
+line sorts the disagreements: opposite winners (a contradiction) or a winner against a tie (a
+margin near the tie band: neither run is wrong, the machine is too noisy to be sure).
 """
 
 from __future__ import annotations
@@ -72,7 +74,20 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rows, wrap={"question": 40, "run A": 24, "run B": 24}))
     bad = [r for r in rows if not r["same winner"] or r["moved <= spread"] is False]
     print(f"\n{len(rows) - len(bad)} of {len(rows)} verdicts repeat (same winner, moved less than the spread)")
+    print(_disagreements(rows))
     return 0 if not bad else 1
+
+
+def _disagreements(rows: list[dict[str, Any]]) -> str:
+    """What the verdicts that did not repeat mean: opposite winners contradict each other; a
+    winner in one run and a tie in the other is a margin near the tie band (not yet sure)."""
+    opposite = [r for r in rows if r["winner A"] and r["winner B"] and "tie" not in (r["winner A"], r["winner B"])
+                and r["winner A"] != r["winner B"]]
+    borderline = [r for r in rows if not r["same winner"] and r not in opposite and r["winner A"] and r["winner B"]]
+    return (f"{len(opposite)} contradict (opposite winners)"
+            f"{': ' + '; '.join(r['question'] for r in opposite) if opposite else ''}; "
+            f"{len(borderline)} borderline (a winner in one run, a tie in the other)"
+            f"{': ' + '; '.join(r['question'] for r in borderline) if borderline else ''}")
 
 
 if __name__ == "__main__":

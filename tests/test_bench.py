@@ -613,6 +613,10 @@ def test_compare_two_runs(tmp_path):
     assert compare.main([str(a), str(c)]) == 1  # VMM vs tie
     (row,) = compare.compare(compare.load_verdicts(a), compare.load_verdicts(c))
     assert row["winner A"] == "VMM" and row["winner B"] == "tie" and not row["same winner"]
+    assert compare._disagreements([row]).startswith("0 contradict (opposite winners); 1 borderline")
+    opposite = common.ratio_verdict("x.speed", "q", common.Spread.of([0.6, 0.65, 0.7]), "VMM", "paged").as_dict()
+    (row,) = compare.compare(compare.load_verdicts(a), {"x.speed": opposite})
+    assert compare._disagreements([row]) == "1 contradict (opposite winners): q; 0 borderline (a winner in one run, a tie in the other)"
 
 
 def test_compare_judges_the_side_not_the_wording_of_the_winner(tmp_path):
