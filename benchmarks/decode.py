@@ -557,3 +557,9 @@ def plot(result: dict[str, Any], out_dir) -> list[str]:
     rows_of_legend = -(-len(labels) // 4)
     fig.tight_layout(rect=(0, 0.06 * rows_of_legend + 0.02, 1, 1))
     return [common.save_figure(fig, out_dir, "decode_time.png", tight=False)]
+
+
+if __name__ == "__main__":  # python -m benchmarks.decode [options] runs `vmkv bench decode [options]`
+    from vmkv.cli import main
+
+    sys.exit(main(["bench", NAME, *sys.argv[1:]]))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -327,3 +328,9 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
               f"{common.number_text(saving.low, '%')} to {common.number_text(saving.high, '%')}; "
               f"step {ahead['baseline_step_ms']:.2f} ms without mapping"),
     )]
+
+
+if __name__ == "__main__":  # python -m benchmarks.mapping [options] runs `vmkv bench mapping [options]`
+    from vmkv.cli import main
+
+    sys.exit(main(["bench", NAME, *sys.argv[1:]]))

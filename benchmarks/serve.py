@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -405,3 +406,9 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[str]:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(0.0, -0.16), ncol=2, frameon=False)
     fig.tight_layout()
     return [common.save_figure(fig, out_dir, "serve.png", tight=False)]
+
+
+if __name__ == "__main__":  # python -m benchmarks.serve [options] runs `vmkv bench serve [options]`
+    from vmkv.cli import main
+
+    sys.exit(main(["bench", NAME, *sys.argv[1:]]))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -223,3 +224,9 @@ def kv_memory_side(mean: float, tie_margin: float = common.TIE_MARGIN) -> tuple[
     if mean > 1.0 + tie_margin:
         return "stock", f"stock, vmkv holds {common.number_text(mean)} its buffer on average"
     return "tie", f"tie (mean within {100 * tie_margin:.0f} % of stock's buffer)"
+
+
+if __name__ == "__main__":  # python -m benchmarks.vllm [options] runs `vmkv bench vllm [options]`
+    from vmkv.cli import main
+
+    sys.exit(main(["bench", NAME, *sys.argv[1:]]))
