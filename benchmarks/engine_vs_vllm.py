@@ -27,6 +27,7 @@ vLLM is optional: without it the script says so and only times vmkv.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import sys
@@ -209,7 +210,9 @@ def main() -> None:
         try:
             runners["vllm"] = VllmRunner(model_dir, args)
         except ImportError as exc:
-            print(f"vLLM not available ({exc}); timing vmkv only")
+            if importlib.util.find_spec("vllm") is not None:
+                raise  # installed, but an import failed: an error, not a reason to time vmkv alone
+            print(f"vLLM is not installed ({exc}); timing vmkv only")
     for runner in runners.values():  # warm-up: first-call allocations, oneDNN kernel creation
         runner.generate(prompts[: min(4, len(prompts))])
     times: dict[str, list[float]] = {name: [] for name in runners}
