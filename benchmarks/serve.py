@@ -36,8 +36,6 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from vmkv.engine import Engine, EngineConfig, RequestOutput, SamplingParams
 from vmkv.errors import BackendUnavailable
 

@@ -86,7 +86,6 @@ class PagedKernel(ABC):
         """Attention of ``q: [T, Hq, D]`` over the pools; returns ``[T, Hq, D]``."""
 
 
-
 # ---- CPU (and any device): the naive reference ------------------------------------------------
 class GatherSDPA(PagedKernel):
     """Gather each sequence's blocks into one contiguous K/V, then torch SDPA on it.

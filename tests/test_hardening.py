@@ -31,7 +31,6 @@ from vmkv.errors import (
     InvalidConfig,
     InvalidInput,
     OutOfMappings,
-    OutOfPages,
     StalePlan,
     UnknownSequence,
 )

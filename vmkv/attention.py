@@ -317,7 +317,7 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def _slot_rows(cache: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """View ``[B, S, H, D]`` slots as one row axis ``[B * R, H, D]`` without copying.
+    """View ``[B, S, H, D]`` slots as one row axis ``[(B - 1) * R + S, H, D]`` without copying.
 
     ``R`` = slot stride / token stride (whatever ``S`` the view shows), so slot ``b`` starts at
     row ``b * R``. Works for a layer of any layout (per-layer tensors, token- or head-major, or
