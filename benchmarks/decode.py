@@ -498,12 +498,15 @@ def _batched_verdict(
 
 def _cost_verdict(verdict: common.Verdict) -> common.Verdict:
     """VMM vs dense answers "does virtual memory cost the kernel anything?": dense faster beyond
-    the noise means yes; a tie, or VMM faster, means no."""
-    if verdict.winner.startswith("dense"):
+    the noise means yes (side ``dense``); a tie, or VMM faster, means no (side ``no cost``: the
+    same kernel reads the same bytes, so VMM "winning" is no separate answer)."""
+    if verdict.side == "dense":
         return dataclasses.replace(verdict, winner=f"VMM costs time: {verdict.winner.replace('dense, ', 'dense ')} faster")
-    if verdict.winner.startswith("VMM, "):
-        return dataclasses.replace(verdict, winner=f"no cost (VMM {verdict.winner.removeprefix('VMM, ')} faster)")
-    return dataclasses.replace(verdict, winner=f"no cost ({verdict.winner.split(' (')[0]})")
+    if not verdict.side:  # not judged (one run, or unreliable)
+        return verdict
+    if verdict.side == "VMM":
+        return dataclasses.replace(verdict, side="no cost", winner=f"no cost (VMM {verdict.winner.removeprefix('VMM, ')} faster)")
+    return dataclasses.replace(verdict, side="no cost", winner=f"no cost ({verdict.winner.split(' (')[0]})")
 
 
 def table(result: dict[str, Any]) -> list[dict[str, Any]]:
