@@ -224,6 +224,11 @@ static CUresult injected(const char *name) {
         return r_;                                                                       \
     } while (0)
 #define OK(NAME) LEAVE(NAME, CUDA_SUCCESS, NULL)
+/* the driver's first checks: cuInit was called, the device ordinal exists */
+#define REQUIRE_INIT(NAME) \
+    if (!initialized) LEAVE(NAME, CUDA_ERROR_NOT_INITIALIZED, "cuInit was not called")
+#define REQUIRE_DEVICE(NAME, DEV) \
+    if (!valid_device(DEV)) LEAVE(NAME, CUDA_ERROR_INVALID_DEVICE, "no device %d", (DEV))
 
 /* ---- helpers (lock held) ----------------------------------------------------------------- */
 static int valid_device(int dev) { return dev >= 0 && dev < device_count; }
@@ -317,39 +322,39 @@ EXPORT CUresult cuDriverGetVersion(int *version) {
 
 EXPORT CUresult cuDeviceGetCount(int *count) {
     ENTER("cuDeviceGetCount", "%s", "");
-    if (!initialized) LEAVE("cuDeviceGetCount", CUDA_ERROR_NOT_INITIALIZED, "cuInit was not called");
+    REQUIRE_INIT("cuDeviceGetCount");
     *count = device_count;
     OK("cuDeviceGetCount");
 }
 
 EXPORT CUresult cuDeviceGet(CUdevice *device, int ordinal) {
     ENTER("cuDeviceGet", "ordinal=%d", ordinal);
-    if (!initialized) LEAVE("cuDeviceGet", CUDA_ERROR_NOT_INITIALIZED, "cuInit was not called");
-    if (!valid_device(ordinal)) LEAVE("cuDeviceGet", CUDA_ERROR_INVALID_DEVICE, "no device %d", ordinal);
+    REQUIRE_INIT("cuDeviceGet");
+    REQUIRE_DEVICE("cuDeviceGet", ordinal);
     *device = ordinal;
     OK("cuDeviceGet");
 }
 
 EXPORT CUresult cuDeviceGetName(char *name, int len, CUdevice dev) {
     ENTER("cuDeviceGetName", "dev=%d", dev);
-    if (!initialized) LEAVE("cuDeviceGetName", CUDA_ERROR_NOT_INITIALIZED, "cuInit was not called");
-    if (!valid_device(dev)) LEAVE("cuDeviceGetName", CUDA_ERROR_INVALID_DEVICE, "no device %d", dev);
+    REQUIRE_INIT("cuDeviceGetName");
+    REQUIRE_DEVICE("cuDeviceGetName", dev);
     snprintf(name, (size_t)len, "vmkv fake CUDA device %d", dev);
     OK("cuDeviceGetName");
 }
 
 EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
     ENTER("cuDeviceTotalMem", "dev=%d", dev);
-    if (!initialized) LEAVE("cuDeviceTotalMem", CUDA_ERROR_NOT_INITIALIZED, "cuInit was not called");
-    if (!valid_device(dev)) LEAVE("cuDeviceTotalMem", CUDA_ERROR_INVALID_DEVICE, "no device %d", dev);
+    REQUIRE_INIT("cuDeviceTotalMem");
+    REQUIRE_DEVICE("cuDeviceTotalMem", dev);
     *bytes = device_memory;
     OK("cuDeviceTotalMem");
 }
 
 EXPORT CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice dev) {
     ENTER("cuDeviceGetAttribute", "attribute=%d, dev=%d", attribute, dev);
-    if (!initialized) LEAVE("cuDeviceGetAttribute", CUDA_ERROR_NOT_INITIALIZED, "cuInit was not called");
-    if (!valid_device(dev)) LEAVE("cuDeviceGetAttribute", CUDA_ERROR_INVALID_DEVICE, "no device %d", dev);
+    REQUIRE_INIT("cuDeviceGetAttribute");
+    REQUIRE_DEVICE("cuDeviceGetAttribute", dev);
     if (attribute != ATTR_VMM_SUPPORTED)
         LEAVE("cuDeviceGetAttribute", CUDA_ERROR_INVALID_VALUE, "the fake knows only attribute %d", ATTR_VMM_SUPPORTED);
     *value = vmm_supported;
@@ -359,8 +364,8 @@ EXPORT CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice dev) {
 /* ---- contexts ---------------------------------------------------------------------------- */
 EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
     ENTER("cuDevicePrimaryCtxRetain", "dev=%d", dev);
-    if (!initialized) LEAVE("cuDevicePrimaryCtxRetain", CUDA_ERROR_NOT_INITIALIZED, "cuInit was not called");
-    if (!valid_device(dev)) LEAVE("cuDevicePrimaryCtxRetain", CUDA_ERROR_INVALID_DEVICE, "no device %d", dev);
+    REQUIRE_INIT("cuDevicePrimaryCtxRetain");
+    REQUIRE_DEVICE("cuDevicePrimaryCtxRetain", dev);
     contexts[dev].device = dev;
     contexts[dev].retains++;
     *pctx = &contexts[dev];
@@ -369,8 +374,8 @@ EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
 
 EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
     ENTER("cuDevicePrimaryCtxRelease", "dev=%d", dev);
-    if (!initialized) LEAVE("cuDevicePrimaryCtxRelease", CUDA_ERROR_NOT_INITIALIZED, "cuInit was not called");
-    if (!valid_device(dev)) LEAVE("cuDevicePrimaryCtxRelease", CUDA_ERROR_INVALID_DEVICE, "no device %d", dev);
+    REQUIRE_INIT("cuDevicePrimaryCtxRelease");
+    REQUIRE_DEVICE("cuDevicePrimaryCtxRelease", dev);
     if (contexts[dev].retains <= 0)
         LEAVE("cuDevicePrimaryCtxRelease", CUDA_ERROR_INVALID_CONTEXT, "the primary context is not retained");
     contexts[dev].retains--;
@@ -385,14 +390,14 @@ static int valid_ctx(CUcontext ctx) {
 
 EXPORT CUresult cuCtxGetCurrent(CUcontext *pctx) {
     ENTER("cuCtxGetCurrent", "%s", "");
-    if (!initialized) LEAVE("cuCtxGetCurrent", CUDA_ERROR_NOT_INITIALIZED, "cuInit was not called");
+    REQUIRE_INIT("cuCtxGetCurrent");
     *pctx = current_ctx();
     OK("cuCtxGetCurrent");
 }
 
 EXPORT CUresult cuCtxSetCurrent(CUcontext ctx) {
     ENTER("cuCtxSetCurrent", "ctx=%p", (void *)ctx);
-    if (!initialized) LEAVE("cuCtxSetCurrent", CUDA_ERROR_NOT_INITIALIZED, "cuInit was not called");
+    REQUIRE_INIT("cuCtxSetCurrent");
     if (!ctx) {
         if (ctx_depth) ctx_depth--;
         OK("cuCtxSetCurrent");
@@ -405,7 +410,7 @@ EXPORT CUresult cuCtxSetCurrent(CUcontext ctx) {
 
 EXPORT CUresult cuCtxPushCurrent_v2(CUcontext ctx) {
     ENTER("cuCtxPushCurrent", "ctx=%p", (void *)ctx);
-    if (!initialized) LEAVE("cuCtxPushCurrent", CUDA_ERROR_NOT_INITIALIZED, "cuInit was not called");
+    REQUIRE_INIT("cuCtxPushCurrent");
     if (!valid_ctx(ctx)) LEAVE("cuCtxPushCurrent", CUDA_ERROR_INVALID_CONTEXT, "not an active context");
     if (ctx_depth == MAX_STACK) LEAVE("cuCtxPushCurrent", CUDA_ERROR_INVALID_VALUE, "context stack full");
     ctx_stack[ctx_depth++] = ctx;
@@ -414,7 +419,7 @@ EXPORT CUresult cuCtxPushCurrent_v2(CUcontext ctx) {
 
 EXPORT CUresult cuCtxPopCurrent_v2(CUcontext *pctx) {
     ENTER("cuCtxPopCurrent", "%s", "");
-    if (!initialized) LEAVE("cuCtxPopCurrent", CUDA_ERROR_NOT_INITIALIZED, "cuInit was not called");
+    REQUIRE_INIT("cuCtxPopCurrent");
     if (!ctx_depth) LEAVE("cuCtxPopCurrent", CUDA_ERROR_INVALID_CONTEXT, "no current context to pop");
     CUcontext ctx = ctx_stack[--ctx_depth];
     if (pctx) *pctx = ctx;
@@ -443,7 +448,7 @@ EXPORT CUresult cuCtxSynchronize(void) {
 /* ---- physical memory --------------------------------------------------------------------- */
 EXPORT CUresult cuMemGetAllocationGranularity(size_t *out, const CUmemAllocationProp *prop, int option) {
     ENTER("cuMemGetAllocationGranularity", "option=%d", option);
-    if (!initialized) LEAVE("cuMemGetAllocationGranularity", CUDA_ERROR_NOT_INITIALIZED, "cuInit was not called");
+    REQUIRE_INIT("cuMemGetAllocationGranularity");
     const char *bad = check_prop(prop);
     if (bad) LEAVE("cuMemGetAllocationGranularity", CUDA_ERROR_INVALID_VALUE, "%s", bad);
     if (option != 0 && option != 1) LEAVE("cuMemGetAllocationGranularity", CUDA_ERROR_INVALID_VALUE, "bad option");
