@@ -87,8 +87,20 @@ class KVMirror:
         self.k: dict = {}  # seq_id -> list over layers of [len, H, D]
         self.v: dict = {}
 
-    def randn(self, *shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=self.gen).to(self.cache.config.dtype)
+    def randn(self, *shape: int, scale: float = 1.0) -> torch.Tensor:
+        """Random values on the CPU, in the cache's dtype."""
+        return (torch.randn(*shape, generator=self.gen) * scale).to(self.cache.config.dtype)
+
+    def record(self, seq_id, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
+        """Append ``seq_id``'s new K/V rows of ``layer`` to the dense copy; return how many
+        tokens it held before them (the step's start)."""
+        layers = self.cache.config.num_layers
+        ks = self.k.setdefault(seq_id, [k[:0]] * layers)
+        vs = self.v.setdefault(seq_id, [v[:0]] * layers)
+        start = ks[layer].shape[0]
+        ks[layer] = torch.cat([ks[layer], k])
+        vs[layer] = torch.cat([vs[layer], v])
+        return start
 
     def step(self, batch: dict, check: bool = True) -> list[torch.Tensor]:
         """One step: write random K/V for ``batch`` {seq_id: n}, attend, compare with the reference."""
@@ -104,13 +116,9 @@ class KVMirror:
             out = self.cache.attention(layer, q, plan)
             offset = 0
             for seq_id, n in batch.items():
-                ks = self.k.setdefault(seq_id, [torch.empty(0, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype)] * cfg.num_layers)
-                vs = self.v.setdefault(seq_id, [torch.empty(0, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype)] * cfg.num_layers)
-                start = ks[layer].shape[0]
-                ks[layer] = torch.cat([ks[layer], k[offset : offset + n]])
-                vs[layer] = torch.cat([vs[layer], v[offset : offset + n]])
+                start = self.record(seq_id, layer, k[offset : offset + n], v[offset : offset + n])
                 if check:
-                    want = dense_attention(q[offset : offset + n], ks[layer], vs[layer], start)
+                    want = dense_attention(q[offset : offset + n], self.k[seq_id][layer], self.v[seq_id][layer], start)
                     tol = 1e-5 if cfg.dtype == torch.float32 else 2e-2
                     torch.testing.assert_close(out[offset : offset + n], want, atol=tol, rtol=tol)
                 offset += n

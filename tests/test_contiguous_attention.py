@@ -11,25 +11,16 @@ import pytest
 import torch
 
 import vmkv
-from tests.conftest import dense_attention, small_config
+from tests.conftest import KVMirror, dense_attention, small_config
 from vmkv import attention
 from vmkv.attention import CONTIGUOUS_KERNELS, DEFAULT_BATCH_RULE, BatchRule, SdpaDecodeKernel, plan_decode_batch
 
 CPU_KERNELS = ["sdpa_adaptive", "sdpa_batched", "sdpa_per_sequence"]
 
 
-class Driver:
+class Driver(KVMirror):
     """Writes random K/V into a VMM cache, keeps a dense copy, and checks every CPU kernel's
     output on the cache's own views against :func:`dense_attention` (float64)."""
-
-    def __init__(self, cache: vmkv.VirtualKVCache, q_heads: int, seed: int = 0) -> None:
-        self.cache, self.q_heads = cache, q_heads
-        self.gen = torch.Generator().manual_seed(seed)
-        self.k: dict = {}
-        self.v: dict = {}
-
-    def randn(self, *shape: int, scale: float = 1.0) -> torch.Tensor:
-        return (torch.randn(*shape, generator=self.gen) * scale).to(self.cache.config.dtype)
 
     def step(self, batch: dict, kernels=CPU_KERNELS) -> vmkv.StepPlan:
         cfg = self.cache.config
@@ -44,12 +35,8 @@ class Driver:
             outs["cache.attention"] = self.cache.attention(layer, q, plan)
             offset = 0
             for seq_id, n in batch.items():
-                ks = self.k.setdefault(seq_id, [k[:0]] * cfg.num_layers)
-                vs = self.v.setdefault(seq_id, [v[:0]] * cfg.num_layers)
-                start = ks[layer].shape[0]
-                ks[layer] = torch.cat([ks[layer], k[offset : offset + n]])
-                vs[layer] = torch.cat([vs[layer], v[offset : offset + n]])
-                want = dense_attention(q[offset : offset + n], ks[layer], vs[layer], start)
+                start = self.record(seq_id, layer, k[offset : offset + n], v[offset : offset + n])
+                want = dense_attention(q[offset : offset + n], self.k[seq_id][layer], self.v[seq_id][layer], start)
                 tol = 1e-5 if cfg.dtype == torch.float32 else 2e-2
                 for name, out in outs.items():
                     torch.testing.assert_close(out[offset : offset + n], want, atol=tol, rtol=tol,

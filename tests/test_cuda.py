@@ -27,7 +27,7 @@ import torch
 
 import vmkv
 import vmkv.cache
-from conftest import dense_attention
+from conftest import KVMirror, dense_attention
 from fake_cuda import FakeRuntime
 from fake_cuda.fixtures import fake, fake_cuda_backends, fake_lib, runtime  # noqa: F401  (fixtures)
 from vmkv.attention import CONTIGUOUS_KERNELS, _slot_rows, contiguous_kernel_unavailable, select_contiguous_kernel
@@ -269,17 +269,8 @@ def _small_config(layout: str) -> vmkv.KVCacheConfig:
     tensors = 4 if layout == "per_layer" else 2
     return _cuda_config("float32", device="cpu", layout=layout, map_ahead=layout == "all_layers", num_kv_heads=2, head_dim=32,
                         page_size="4KiB", max_seq_len=256, memory_budget=64 * tensors * 4096)
-class CudaMirror:
+class CudaMirror(KVMirror):
     """Drives a CUDA cache with random K/V and keeps dense CPU copies for the reference."""
-
-    def __init__(self, cache: vmkv.KVCacheBase, q_heads: int) -> None:
-        self.cache, self.q_heads = cache, q_heads
-        self.gen = torch.Generator().manual_seed(0)
-        self.k: dict = {}
-        self.v: dict = {}
-
-    def rand(self, *shape: int) -> torch.Tensor:  # CPU, in the cache dtype
-        return torch.randn(*shape, generator=self.gen).to(self.cache.config.dtype)
 
     def step(self, batch: dict) -> None:
         cfg, dev = self.cache.config, self.cache.config.device
@@ -287,8 +278,8 @@ class CudaMirror:
         counts = {seq_id: new if isinstance(new, int) else len(new) for seq_id, new in batch.items()}
         total = sum(counts.values())
         for layer in range(cfg.num_layers):
-            k, v = self.rand(total, cfg.num_kv_heads, cfg.head_dim), self.rand(total, cfg.num_kv_heads, cfg.head_dim)
-            q = self.rand(total, self.q_heads, cfg.head_dim)
+            k, v = self.randn(total, cfg.num_kv_heads, cfg.head_dim), self.randn(total, cfg.num_kv_heads, cfg.head_dim)
+            q = self.randn(total, self.q_heads, cfg.head_dim)
             self.cache.write(layer, k.to(dev), v.to(dev), plan)
             outs = {"cache": self.cache.attention(layer, q.to(dev), plan).cpu()}
             k_view, v_view = self.cache.kv_cache(layer)
@@ -297,21 +288,14 @@ class CudaMirror:
                     outs[name] = CONTIGUOUS_KERNELS[name](q.to(dev), k_view, v_view, plan, None).cpu()
             offset = 0
             for seq_id, n in counts.items():
-                ks = self.k.setdefault(seq_id, [k[:0]] * cfg.num_layers)
-                vs = self.v.setdefault(seq_id, [v[:0]] * cfg.num_layers)
-                start = ks[layer].shape[0]
-                ks[layer] = torch.cat([ks[layer], k[offset : offset + n]])
-                vs[layer] = torch.cat([vs[layer], v[offset : offset + n]])
-                want = dense_attention(q[offset : offset + n].float(), ks[layer].float(), vs[layer].float(), start)
+                start = self.record(seq_id, layer, k[offset : offset + n], v[offset : offset + n])
+                want = dense_attention(q[offset : offset + n].float(), self.k[seq_id][layer].float(),
+                                       self.v[seq_id][layer].float(), start)
                 for name, out in outs.items():
                     got = out[offset : offset + n].float()
                     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2, msg=lambda m: f"{name}: {m}")
                 offset += n
         self.cache.check()
-
-    def fork(self, src, dst) -> None:
-        self.cache.fork(src, dst)
-        self.k[dst], self.v[dst] = list(self.k[src]), list(self.v[src])
 
 
 @needs_cuda
