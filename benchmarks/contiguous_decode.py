@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import numpy as np
 import torch
 
 import vmkv
 from vmkv.attention import BatchRule, DEFAULT_BATCH_RULE, plan_decode_batch, sdpa_decode_batched, sdpa_per_sequence
+
+from . import common
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
@@ -82,12 +83,7 @@ def measure(lengths: list[int], every: int, dtype: str, repeat: int) -> dict:
         }
         outs = {name: fn() for name, fn in candidates.items()}  # warm-up, and the check
         diff = (outs["per_sequence"].float() - outs["batched"].float()).abs().max().item()
-        times: dict[str, list[float]] = {name: [] for name in candidates}
-        for _ in range(repeat):
-            for name, fn in candidates.items():
-                start = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - start)
+        times = common.time_interleaved(candidates, "cpu", repeat=repeat, warmup=0).samples  # warmed up above
         batch = plan_decode_batch(plan, decode, None)
         return {
             "B": len(lengths), "sum_kv": sum(lengths), "span_keys": batch.span * batch.max_kv, "max_abs_diff": diff,

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Callable
 
 import torch
@@ -31,6 +30,8 @@ import torch
 import vmkv
 from vmkv.attention import CONTIGUOUS_KERNELS
 from vmkv.step import StepPlan
+
+from . import common
 
 Q_HEADS, KV_HEADS, HEAD_DIM, ALL_LAYERS = 32, 8, 128, 8
 
@@ -98,19 +99,6 @@ class Setup:
         self.cache_hm.close()
 
 
-def interleave(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, list[float]]:
-    """Seconds of each candidate per round, candidates taking turns (one warm-up round first)."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeat):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return times
-
-
 def measure(batch: int, context: int, dtype: torch.dtype, repeat: int) -> dict:
     setup = Setup(batch, context, dtype, all_layers=batch <= 8)
     try:
@@ -125,7 +113,7 @@ def measure(batch: int, context: int, dtype: torch.dtype, repeat: int) -> dict:
                 outs[f"{layout} {kernel}"] = call().float()
         ref = outs["token-major sdpa_batched"]
         diff = max((o - ref).abs().max().item() for o in outs.values())
-        times = interleave(fns, repeat)
+        times = common.time_interleaved(fns, "cpu", repeat=repeat).samples  # one warm-up call each
         bandwidth = [probe.numel() * 4 / t / 1e9 for t in times.pop("bandwidth")]
         return {"times": times, "bandwidth": bandwidth, "kv_bytes": setup.kv_bytes, "max_abs_diff": diff}
     finally:
