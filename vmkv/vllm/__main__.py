@@ -7,7 +7,7 @@ import argparse
 import shlex
 import sys
 
-from . import ENV_FLAG, serve_flags
+from .settings import ENV_FLAG, serve_flags
 
 
 def main(argv: list[str] | None = None) -> int:

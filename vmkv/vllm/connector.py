@@ -48,8 +48,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.logger import init_logger
 
-from .. import vllm as plugin
 from ..errors import BackendError, InvalidConfig
+from . import settings as plugin
+from .block_pool import PageAffineBlockPool
 from .kvbuffer import KVBuffer, process_rss_bytes
 from .layout import KVLayout, check_supported, meta_layout
 
@@ -169,19 +170,15 @@ class VmkvConnector(KVConnectorBase_V1, SupportsHMA):
         Raises:
             InvalidConfig: the model's KV cache is not supported, or the budget is too small.
         """
-        from .worker import vllm_allocate_kv_cache
-
         check_supported(self._kv_cache_config)
         kv_layout = meta_layout(self._kv_cache_config, vllm_config.cache_config.get_resolved_kv_cache_layout(),
-                                self.config.page_size, vllm_allocate_kv_cache())
+                                self.config.page_size)
         budget_pages, max_idle_units = budget_settings(self.config, kv_layout)
         logger.info("vmkv: %s; %s", plugin.describe(self.config), kv_layout)
         return kv_layout, budget_pages, max_idle_units
 
     def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
-        from .block_pool import PageAffineBlockPool
-
         pool = kv_cache_manager.block_pool
         self._pool = pool if isinstance(pool, PageAffineBlockPool) else None
 

@@ -22,7 +22,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from .. import vllm as plugin
+from . import settings as plugin
+from .control import stats as vmkv_stats
 
 ENTRY_POINT = "vmkv.vllm:register"
 RESERVED_CPUS = "VLLM_CPU_NUM_OF_RESERVED_CPU"
@@ -152,7 +153,7 @@ class RunResult:
 def memory_sample(llm: Any, vmkv: bool, t: float, running: int, live_tokens: int) -> Sample:
     """Ask every worker for its memory now."""
     if vmkv:
-        stats = plugin.stats(llm)
+        stats = vmkv_stats(llm)
         mapped, resident = sum(s["mapped_bytes"] for s in stats), sum(s["resident_bytes"] for s in stats)
         rss = sum(s["rss_bytes"] for s in stats)
     else:

@@ -232,14 +232,22 @@ def check_supported(kv_cache_config: Any) -> None:
     buffer_bytes(kv_cache_config)
 
 
-def meta_layout(kv_cache_config: Any, layout: Any, page_size: int, allocate: Callable[..., dict[str, torch.Tensor]]) -> KVLayout:
+def vllm_allocate_kv_cache() -> Callable[..., dict[str, torch.Tensor]]:
+    """vLLM's own ``allocate_kv_cache`` (``vllm.v1.worker.utils``), never the plugin's replacement
+    (:func:`vmkv.vllm.worker.install` keeps the original as ``__wrapped__``)."""
+    from vllm.v1.worker import utils
+
+    allocate = utils.allocate_kv_cache
+    return getattr(allocate, "__wrapped__", allocate)
+
+
+def meta_layout(kv_cache_config: Any, layout: Any, page_size: int) -> KVLayout:
     """The layout vLLM's view builder gives ``kv_cache_config``, computed without memory.
 
     Args:
         kv_cache_config: vLLM's ``KVCacheConfig``.
         layout: the resolved ``KVCacheLayout``.
         page_size: backend page size in bytes.
-        allocate: vLLM's own ``allocate_kv_cache`` (run on the ``meta`` device).
     """
-    views = allocate(kv_cache_config, torch.device("meta"), layout, None)
+    views = vllm_allocate_kv_cache()(kv_cache_config, torch.device("meta"), layout, None)
     return layout_from_views(views, kv_cache_config.num_blocks, buffer_bytes(kv_cache_config), page_size)

@@ -28,9 +28,10 @@ from vllm.logger import init_logger
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from .. import vllm as plugin
 from ..errors import InvalidConfig
+from . import settings as plugin
 from .block_pool import PageAffineBlockPool
+from .connector import VmkvConnector
 
 logger = init_logger(__name__)
 
@@ -52,8 +53,6 @@ class VmkvScheduler(Scheduler):
     def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
         plugin.check_vllm()
         super().__init__(vllm_config, *args, **kwargs)
-        from .connector import VmkvConnector
-
         if not isinstance(self.connector, VmkvConnector):
             raise InvalidConfig(
                 f"{plugin.SCHEDULER_CLS} needs vmkv's KV connector: start vLLM with "

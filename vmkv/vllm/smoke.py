@@ -17,6 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BackendUnavailable
+from . import drive, tiny
+from .control import trim
+from .settings import check_vllm
 
 PAGE_SIZE = 2 * 2**20  # the CUDA VMM granularity
 KV_BYTES = 512 * 2**20
@@ -47,10 +50,7 @@ def gpu_smoke(out_dir: str | Path) -> dict[str, Any]:
     """
     import torch
 
-    from .. import vllm as plugin
-    from . import drive, tiny
-
-    version = plugin.check_vllm()
+    version = check_vllm()
     if not torch.cuda.is_available():
         raise BackendUnavailable("vmkv.vllm.gpu_smoke needs a CUDA GPU; torch sees none")
     from vllm import SamplingParams
@@ -75,7 +75,7 @@ def gpu_smoke(out_dir: str | Path) -> dict[str, Any]:
                                  "async": bool(config.scheduler_config.async_scheduling)}
         if vmkv:
             entry["peak_mapped"] = max((s.mapped_bytes for s in run.samples), default=0)
-            entry["trimmed"] = plugin.trim(llm)
+            entry["trimmed"] = trim(llm)
         results[name] = entry
         llm.llm_engine.engine_core.shutdown()
     summary = {

@@ -34,21 +34,16 @@ from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_
 from vllm.logger import init_logger
 from vllm.v1.worker import utils as worker_utils
 
-from .. import vllm as plugin
 from ..errors import InvalidConfig
 from ..vm import open_backend
+from . import settings as plugin
 from .connector import VmkvConnector, budget_settings
 from .kvbuffer import KVBuffer, process_rss_bytes
-from .layout import buffer_bytes, check_supported, layout_from_views
+from .layout import buffer_bytes, check_supported, layout_from_views, vllm_allocate_kv_cache
 
 logger = init_logger(__name__)
 
-_VLLM_ALLOCATE = getattr(worker_utils.allocate_kv_cache, "__wrapped__", worker_utils.allocate_kv_cache)
-
-
-def vllm_allocate_kv_cache() -> Any:
-    """vLLM's own ``allocate_kv_cache`` (never the replacement)."""
-    return _VLLM_ALLOCATE
+_VLLM_ALLOCATE = vllm_allocate_kv_cache()
 
 
 def _engine_connector() -> VmkvConnector | None:

