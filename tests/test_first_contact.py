@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 import vmkv
 from vmkv import cli
@@ -70,8 +70,8 @@ def test_vmkv_hf_without_transformers_names_the_extra():
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert len(lines) == 2
-    assert lines[0].startswith("transformers | vmkv.hf needs transformers: pip install 'vmkv[hf]'")
-    assert lines[1].startswith("transformers | default_hf_model needs transformers: pip install 'vmkv[hf]'")
+    assert lines[0].startswith("transformers | vmkv.hf needs transformers: pip install -e '.[hf]' (in a vmkv clone)")
+    assert lines[1].startswith("transformers | default_hf_model needs transformers: pip install -e '.[hf]' (in a vmkv clone)")
 
 
 def test_vmkv_bench_without_the_bench_extra_says_so_and_runs_nothing(tmp_path):
@@ -99,11 +99,11 @@ print(json.dumps(results))
     assert result.returncode == 0, result.stderr
     for missing, status, listed, err in json.loads(result.stdout.splitlines()[-1]):
         assert status == 2 and listed == 0  # the registry needs no extra
-        assert err.strip() == f"vmkv bench needs the bench extra: pip install 'vmkv[bench]' (missing: {', '.join(missing)})"
+        assert err.strip() == f"vmkv bench needs the bench extra: pip install -e '.[bench]' (in a vmkv clone) (missing: {', '.join(missing)})"
     assert not (tmp_path / "out").exists()  # nothing ran
 
 
 def test_vmkv_serve_without_the_serve_extra_says_so():
     result = python(without("fastapi", "uvicorn") + "from vmkv import cli\nsys.exit(cli.main(['serve']))")
     assert result.returncode == 2
-    assert "vmkv serve needs the serve extra: pip install 'vmkv[serve]'" in result.stderr
+    assert "vmkv serve needs the serve extra: pip install -e '.[serve]' (in a vmkv clone)" in result.stderr

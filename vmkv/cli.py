@@ -31,8 +31,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
+from .extras import install_hint
+
 COMMON_OPTIONS = ("device", "smoke", "seed", "out")
-BENCH_EXTRA = ("matplotlib", "tqdm", "transformers")  # what `pip install 'vmkv[bench]'` brings (plots, bars, generate)
+BENCH_EXTRA = ("matplotlib", "tqdm", "transformers")  # what the bench extra brings (plots, bars, generate)
 
 
 @dataclass(frozen=True)
@@ -369,12 +371,12 @@ def serve(rest: list[str]) -> int:
         parser = argparse.ArgumentParser(prog="vmkv serve", description="OpenAI-compatible server over a vmkv cache")
         server_cli.add_arguments(parser)
     except ImportError as exc:
-        print(f"vmkv serve needs the serve extra: pip install 'vmkv[serve]' ({exc})", file=sys.stderr)
+        print(f"vmkv serve needs the serve extra: {install_hint('serve')} ({exc})", file=sys.stderr)
         return 2
     try:
         return int(server_cli.run(parser.parse_args(rest)) or 0)
     except ImportError as exc:
-        print(f"vmkv serve needs the serve extra: pip install 'vmkv[serve]' ({exc})", file=sys.stderr)
+        print(f"vmkv serve needs the serve extra: {install_hint('serve')} ({exc})", file=sys.stderr)
         return 2
 
 
@@ -422,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "bench" and not ns.list:
         missing = [name for name in BENCH_EXTRA if not _installed_safe(name)]
         if missing:
-            print(f"vmkv bench needs the bench extra: pip install 'vmkv[bench]' (missing: {', '.join(missing)})",
+            print(f"vmkv bench needs the bench extra: {install_hint('bench')} (missing: {', '.join(missing)})",
                   file=sys.stderr)
             return 2
     if ns.command == "info":

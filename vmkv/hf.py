@@ -58,6 +58,8 @@ from typing import Any
 
 import torch
 
+from .extras import install_hint
+
 try:
     from transformers import AttentionInterface
     from transformers.cache_utils import Cache, CacheLayerMixin
@@ -65,7 +67,7 @@ try:
 except ModuleNotFoundError as exc:  # say which extra brings the missing package
     if exc.name != "transformers":
         raise
-    raise ModuleNotFoundError(f"vmkv.hf needs transformers: pip install 'vmkv[hf]' ({exc})", name=exc.name) from exc
+    raise ModuleNotFoundError(f"vmkv.hf needs transformers: {install_hint('hf')} ({exc})", name=exc.name) from exc
 
 from .base import KVCacheBase
 from .config import KVCacheConfig, vmm_pieces

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from .extras import install_hint
+
 BOS, EOS, PAD = 256, 257, 258
 
 DEFAULT_MODEL: dict[str, Any] = {
@@ -72,7 +74,7 @@ def default_hf_model(dtype: torch.dtype = torch.float32, device: str | torch.dev
     except ModuleNotFoundError as exc:  # say which extra brings the missing package
         if exc.name != "transformers":
             raise
-        raise ModuleNotFoundError(f"default_hf_model needs transformers: pip install 'vmkv[hf]' ({exc})",
+        raise ModuleNotFoundError(f"default_hf_model needs transformers: {install_hint('hf')} ({exc})",
                                   name=exc.name) from exc
 
     config = LlamaConfig(**{**DEFAULT_MODEL, **overrides})

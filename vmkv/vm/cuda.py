@@ -60,6 +60,7 @@ from typing import Any, Iterator
 import torch
 
 from ..errors import BackendError, BackendUnavailable, InvalidConfig
+from ..extras import install_hint
 from .base import VirtualMemory
 
 _UNAVAILABLE = "CUDA driver not available: "
@@ -125,7 +126,7 @@ def _driver_for(device: torch.device | str | int, runtime: TorchCudaRuntime) -> 
         from cuda.bindings import driver
     except ImportError as exc:
         raise BackendUnavailable(
-            f"{_UNAVAILABLE}cannot import cuda.bindings.driver ({exc}); install it with pip install 'vmkv[cuda]'"
+            f"{_UNAVAILABLE}cannot import cuda.bindings.driver ({exc}); install it with {install_hint('cuda')}"
         ) from None
     try:
         runtime.activate(index)
