@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import json
 import math
-from contextlib import contextmanager
 import os
 import platform
 import random
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence

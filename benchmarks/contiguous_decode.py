@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 import vmkv
-from vmkv.attention import BatchRule, DEFAULT_BATCH_RULE, plan_decode_batch, sdpa_decode_batched, sdpa_per_sequence
+from vmkv.attention import DEFAULT_BATCH_RULE, BatchRule, plan_decode_batch, sdpa_decode_batched, sdpa_per_sequence
 
 from . import common
 

@@ -38,9 +38,9 @@ def main() -> None:
     parser.add_argument("--vmkv-attention", action="store_true", help="also time attn_implementation='vmkv' candidates")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    import vmkv.hf  # noqa: F401 -- registers attn_implementation="vmkv"
     from transformers import DynamicCache
 
+    import vmkv.hf  # noqa: F401 -- registers attn_implementation="vmkv"
     from vmkv.hf import VirtualCache
     from vmkv.models import default_hf_model
 

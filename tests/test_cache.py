@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import KVMirror, small_config
 
 import vmkv
 from vmkv.errors import (
@@ -19,8 +20,6 @@ from vmkv.errors import (
     StalePlan,
     UnknownSequence,
 )
-
-from conftest import KVMirror, small_config
 
 TPP = 32  # tokens per page of the SMALL geometry in both modes
 

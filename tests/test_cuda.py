@@ -24,12 +24,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import vmkv
-import vmkv.cache
 from conftest import KVMirror, dense_attention
 from fake_cuda import FakeRuntime
 from fake_cuda.fixtures import fake, fake_cuda_backends, fake_lib, runtime  # noqa: F401  (fixtures)
+
+import vmkv
+import vmkv.cache
 from vmkv.attention import CONTIGUOUS_KERNELS, _slot_rows, contiguous_kernel_unavailable, select_contiguous_kernel
 from vmkv.errors import BackendError, BackendUnavailable, InvalidConfig
 from vmkv.vm.cuda import CudaVirtualMemory, TorchCudaRuntime, cuda_granularity
@@ -463,11 +463,11 @@ def test_a_driver_that_refuses_is_backend_unavailable(fake):  # noqa: F811
     with pytest.raises(BackendUnavailable, match="torch could not initialise cuda:0"):
         CudaVirtualMemory(FAKE_PAGE, 1, device="cuda:0", runtime=FakeRuntime())
     fake.reset()
-    runtime = FakeRuntime()
-    runtime.activate(0)  # torch is up; then the driver refuses cuInit
+    torch_up = FakeRuntime()
+    torch_up.activate(0)  # torch is up; then the driver refuses cuInit
     fake.fail("cuInit", nth=-1)
     with pytest.raises(BackendUnavailable, match="cuInit returned CUDA_ERROR_OUT_OF_MEMORY"):
-        CudaVirtualMemory(FAKE_PAGE, 1, device="cuda:0", runtime=runtime)
+        CudaVirtualMemory(FAKE_PAGE, 1, device="cuda:0", runtime=torch_up)
     fake.reset()
     fake.fail("cuMemGetAllocationGranularity")
     with pytest.raises(BackendUnavailable, match="cuMemGetAllocationGranularity failed"):
@@ -593,9 +593,9 @@ def test_gpu_check_vllm_section_fails_a_failed_smoke(gpu_check, monkeypatch, tmp
     import importlib.util
 
     answer: dict = {}
-    fake = type(sys)("vmkv.vllm")
-    fake.gpu_smoke = lambda out_dir: dict(answer)
-    monkeypatch.setitem(sys.modules, "vmkv.vllm", fake)
+    plugin = type(sys)("vmkv.vllm")
+    plugin.gpu_smoke = lambda out_dir: dict(answer)
+    monkeypatch.setitem(sys.modules, "vmkv.vllm", plugin)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
 

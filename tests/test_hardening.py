@@ -22,6 +22,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import KVMirror, small_config
 
 import vmkv
 from vmkv.errors import (
@@ -36,7 +37,6 @@ from vmkv.errors import (
 )
 from vmkv.pages import PagePool
 from vmkv.vm import free_map_count
-from conftest import KVMirror, small_config
 
 TPP = 32  # tokens a page in the small config (4 KiB pages / blocks of 32, 128 B a token)
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import copy
 import functools
-import weakref
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -20,17 +20,20 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM  # noqa: E402
-from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
-
 import transformers  # noqa: E402
+from conftest import HAS_PAGED  # noqa: E402
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402  # noqa: E402
 
 import vmkv.hf as vhf  # noqa: E402
 from vmkv.errors import (  # noqa: E402
-    CacheClosed, InvalidConfig, InvalidInput, InvalidShape, NoFreeSlot, OutOfPages, SequenceTooLong,
+    CacheClosed,
+    InvalidConfig,
+    InvalidInput,
+    InvalidShape,
+    NoFreeSlot,
+    OutOfPages,
+    SequenceTooLong,
 )
-
-from conftest import HAS_PAGED  # noqa: E402
 
 # transformers 5.19 takes the cache as past_key_values=, 5.24 as cache= (the old name still works
 # there with a deprecation warning): every call here uses the installed version's name.

@@ -1,9 +1,9 @@
 """VMM mode on the host: the memory mapped is exactly what the tokens need, seen by the process."""
 
 import torch
+from test_vm_host import rss_bytes
 
 import vmkv
-from test_vm_host import rss_bytes
 
 MiB = 1 << 20
 

@@ -14,13 +14,12 @@ import httpx
 import openai
 import pytest
 import torch
+from conftest import MODES
 
 from vmkv.engine import Engine, EngineConfig, EngineLoop
 from vmkv.models import ByteTokenizer, default_hf_model
 from vmkv.server import metrics
 from vmkv.server.app import BackgroundServer, create_app
-
-from conftest import MODES
 
 MODEL = "vmkv-default"
 PAGE = 8 * 4096  # one pool page of the default model with 4 KiB pages: 8 tokens x 4 layers x K/V

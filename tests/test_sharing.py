@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import KVMirror, dense_attention
 
 import vmkv
 from vmkv.errors import DuplicateSequence, OutOfPages, UnknownSequence
-from conftest import KVMirror, dense_attention
 
 TPP = 32
 

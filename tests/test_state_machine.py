@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import HAS_PAGED
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from test_hardening import instrument
 
 import vmkv
 from vmkv.errors import BackendError, NoFreeSlot, OutOfPages
-from conftest import HAS_PAGED
-from test_hardening import instrument
 
 TPP = 8  # 2 heads x 64 floats = 512 B a token: 4 KiB pages / blocks of 8 hold 8 tokens
 CONFIG = dict(

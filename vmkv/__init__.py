@@ -6,11 +6,12 @@ on demand, read by stock attention kernels) and ``paged.PagedKVCache`` (block ta
 
 from __future__ import annotations
 
+from . import errors
 from .base import KVCacheBase
 from .cache import VirtualKVCache
 from .config import KVCacheConfig
-from . import errors
 from .errors import *  # noqa: F403 - every typed error, as listed in errors.__all__
+from .errors import InvalidConfig
 from .sizes import parse_size
 from .step import StepPlan
 

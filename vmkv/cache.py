@@ -35,11 +35,11 @@ view into an empty page faults (SIGSEGV on the host), so views are for reading.
 
 from __future__ import annotations
 
-import torch
-
 import functools
 import logging
 import math
+
+import torch
 
 from .attention import select_contiguous_kernel
 from .base import KVCacheBase, SeqId, _Sequence

@@ -14,7 +14,6 @@ import threading
 
 import pytest
 
-
 G = 64 << 10  # the fake's default granularity in these tests
 
 
