@@ -71,6 +71,9 @@ class PagedKVCache(KVCacheBase):
     ) -> None:
         geometry = paged_geometry(config)
         check_budget_fits(config)
+        if config.shared_budget is not None:
+            raise InvalidConfig("shared_budget needs VMM mode: paged mode's block pool is one allocation made up "
+                                "front, which cannot give memory back to other members")
         if config.device.type == "cuda" and not torch.cuda.is_available():
             raise BackendUnavailable("CUDA driver not available: torch.cuda.is_available() is False")
         block, heads, dim = config.block_size, config.num_kv_heads, config.head_dim

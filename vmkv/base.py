@@ -41,7 +41,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
-from .calls import atomic, exclusive
+from .calls import atomic, enter, exclusive
 from .config import KVCacheConfig, PageGeometry
 from .errors import (
     ConcurrentUse,
@@ -57,6 +57,7 @@ from .errors import (
     UnknownSequence,
 )
 from .pages import PagePool
+from .share import BudgetShare
 from .step import StepPlan, causal_mask
 from .validate import as_int, as_layer, as_token_ids, check_seq_id
 
@@ -114,6 +115,7 @@ class KVCacheBase(ABC):
             ThreadPoolExecutor(1, thread_name_prefix="vmkv-map-ahead") if config.map_ahead and self.mode == "vmm" else None
         )
         self.counters: Counter[str] = Counter()
+        self._share: BudgetShare | None = None  # the host ledger this cache joined (shared_budget), if any
 
     # ---- hooks a mode implements ---------------------------------------------------------
     @abstractmethod
@@ -281,6 +283,8 @@ class KVCacheBase(ABC):
         self._free_slots.add(seq.slot)
         self._tokens -= seq.length
         self._version += 1
+        if self._share is not None:
+            self._ledger_boundary()
 
     @exclusive
     def truncate(self, seq_id: SeqId, length: int) -> None:
@@ -337,6 +341,9 @@ class KVCacheBase(ABC):
             del seq.pages[needs[seq.seq_id] :]
         self._version += 1
         self._release(self.pool.free_pages())
+        if self._share is not None:
+            self._share.member.give(self._share.member.held - self._backed())
+            self._ledger_boundary()
         return self.pool.num_free - before
 
     # ---- a step ----------------------------------------------------------------------------
@@ -358,6 +365,8 @@ class KVCacheBase(ABC):
             OutOfMappings) if the OS refused a mapping: the call was rolled back.
         """
         self._join_ahead()
+        if self._share is not None:
+            self._ledger_boundary()
         steps = self._check_batch(batch)
         with atomic(self):
             self._finish_last_step()
@@ -523,7 +532,7 @@ class KVCacheBase(ABC):
             ConcurrentUse: another thread is inside the cache.
         """
         lock = getattr(self, "_lock", None)
-        if lock is not None and not lock.acquire(blocking=False):
+        if lock is not None and not enter(self):
             raise ConcurrentUse("close() while another thread is inside this cache")
         try:
             if getattr(self, "_closed", False):
@@ -531,6 +540,9 @@ class KVCacheBase(ABC):
             self._closed = True
             self._stop_map_ahead()
             self._close_storage()
+            share, self._share = getattr(self, "_share", None), None
+            if share is not None:
+                share.close()
         finally:
             if lock is not None:
                 lock.release()
@@ -669,11 +681,18 @@ class KVCacheBase(ABC):
         return seq
 
     def _make_room(self, count: int) -> None:
-        """Ensure ``pool.allocate(count)`` will succeed, taking spare pages back from freed slots.
+        """Ensure ``pool.allocate(count)`` will succeed, taking spare pages back from freed slots,
+        and, in a shared budget, that the ledger granted the memory it will back.
 
         Raises:
-            OutOfPages: even with every spare page and cached page there is not enough.
+            OutOfPages: even with every spare page and cached page there is not enough, or the
+                shared budget did not free up in time.
         """
+        self._room_in_pool(count)
+        if self._share is not None:
+            self._cover(count)
+
+    def _room_in_pool(self, count: int) -> None:
         short = count - self.pool.num_free
         if short <= 0:
             return
@@ -696,6 +715,96 @@ class KVCacheBase(ABC):
             self._attach(seq.slot, len(seq.pages), page, None, 0)
             seq.pages.append(page)
             self._log(seq.pages.pop)
+
+    # ---- shared budget (vmkv.share: member.held >= _backed() at all times) -------------------
+    def _backed(self) -> int:
+        """Pages whose memory the cache may hold (a mode that can give memory back overrides it)."""
+        return self.pool.num_pages
+
+    def _fresh(self, pages: list[int]) -> int:
+        """How many of ``pages`` hold no memory yet (mapping them backs new memory)."""
+        return 0
+
+    def _backed_after(self, count: int) -> int:
+        """``_backed()`` once ``pool.allocate(count)`` took its pages (cached ones hold memory already)."""
+        return self._backed() + self._fresh(self.pool.peek_free(count))
+
+    def _cover(self, count: int) -> None:
+        """Hold grants for ``allocate(count)``: from the ledger's free budget first, then by reusing
+        this cache's own idle memory (spare, then cached pages), then by asking the others.
+
+        Raises:
+            OutOfPages: the others did not give back enough within the share's wait.
+        """
+        member = self._share.member
+        short = member.take(self._backed_after(count), extra=self._share.batch)
+        if short:
+            self._recycle(short)
+            member.take(self._backed_after(count), extra=self._share.batch, wait_s=self._share.wait_s)
+
+    def _recycle(self, count: int) -> int:
+        """Put up to ``count`` idle pages that hold memory on top of the free stack (journaled):
+        spare pages of freed slots first, then the oldest cached pages. Returns how many."""
+        done = 0
+        for slot in sorted(self._free_slots):
+            spare = self._spare[slot]
+            while spare and done < count:
+                page = spare.pop()
+                self._log(lambda spare=spare, page=page: spare.append(page))
+                self._drop(slot, len(spare), page)
+                done += 1
+        return done + len(self.pool.evict_oldest(count - done))
+
+    def _covered(self, count: int) -> int:
+        """How many of the next ``count`` free pages the grants held cover (map ahead takes no more)."""
+        count = min(count, self.pool.num_free)
+        if self._share is None:
+            return count
+        while count and self._backed_after(count) > self._share.member.held:
+            count -= 1
+        return count
+
+    def _live_pages(self) -> int:
+        """Pages live sequences hold (in use, less the spare pages of freed slots)."""
+        spare = sum(len(self._spare[slot]) for slot in self._free_slots)
+        return self.pool.num_in_use - spare
+
+    def _ledger_boundary(self) -> None:
+        """At a step boundary: serve others' requests, and say what this cache could give back."""
+        member = self._share.member
+        if member.asked():
+            self._give_back(member.asked())
+        member.offer(member.held - max(self._live_pages(), member.min_pages))
+
+    def _give_back(self, asked: int) -> None:
+        """Release idle memory until ``asked`` grants are unused (never below what live
+        sequences or the member's ``min`` need), then return the unused grants."""
+        member = self._share.member
+        target = max(member.held - asked, self._live_pages(), member.min_pages)
+        excess = self._backed() - target
+        if excess > 0:
+            with atomic(self):
+                self._finish_last_step()
+                dirty_free = self._backed() - self.pool.num_in_use - self.pool.num_cached
+                self._recycle(excess - dirty_free)
+            self._release(self.pool.free_pages())
+        member.give(member.held - max(target, self._backed()), reclaim=True)
+        self.counters["ledger_reclaims"] += 1
+
+    def _serve_ledger(self) -> None:
+        """The watcher's entry: serve a request if the cache is idle (no call, no step in flight)."""
+        self._share.serving = True
+        try:
+            if not self._lock.acquire(blocking=False):
+                return  # a call is running: its next begin_step serves the request
+            try:
+                if not (self._closed or self._broken or self._last_step):
+                    self._join_ahead()
+                    self._ledger_boundary()
+            finally:
+                self._lock.release()
+        finally:
+            self._share.serving = False
 
     def _copy_on_write(self, seq: _Sequence, indexes: list[int]) -> None:
         """Give ``seq`` private copies of the shared pages at ``indexes`` (only stored tokens are copied)."""
@@ -848,7 +957,7 @@ class KVCacheBase(ABC):
 
     def _map_ahead(self, due: list[_Sequence]) -> None:
         """On the worker: one page for each due sequence, each all or nothing."""
-        for seq in due[: self.pool.num_free]:
+        for seq in due[: self._covered(len(due))]:
             with atomic(self):
                 self._grow(seq, 1)
             self.counters["pages_mapped_ahead"] += 1

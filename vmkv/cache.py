@@ -45,7 +45,8 @@ from .attention import select_contiguous_kernel
 from .base import KVCacheBase, SeqId, _Sequence
 from .calls import exclusive
 from .config import KVCacheConfig, PageGeometry, check_budget_fits, vmm_geometry
-from .errors import InvalidConfig
+from .errors import InvalidConfig, OutOfPages
+from .share import BudgetShare
 from .sizes import format_size
 from .step import StepPlan
 from .validate import as_layer, as_scale
@@ -100,6 +101,8 @@ class VirtualKVCache(KVCacheBase):
             for _ in range(geometry.num_tensors // self._heads_per_range):
                 self._bases.append(self._vm.reserve(range_bytes))
             self._k, self._v = self._make_views(config)
+            if config.shared_budget is not None:
+                self._share = BudgetShare(self, config.shared_budget)
             # each layer's K/V flattened to rows once: ``view`` (never a silent copy); token rows
             # [B * S, heads, dim], or head-major (slot, head, position) rows [B * H * S, dim]
             if config.layout == "head_major":
@@ -242,6 +245,8 @@ class VirtualKVCache(KVCacheBase):
         saved = [self._vm.tensor(a, (nbytes,), torch.uint8).clone() for a in addrs] if keep else []
         # No kernel may still read these addresses: ``old`` goes away, and on CUDA even the zero
         # page is unmapped for a moment (padded kernels read past a sequence's length).
+        if page not in self._dirty:
+            self._check_granted()
         self._vm.synchronize()
         for t, addr in enumerate(addrs):
             if old is not None:
@@ -252,6 +257,19 @@ class VirtualKVCache(KVCacheBase):
         for addr, data in zip(addrs, saved):
             self._vm.tensor(addr, (nbytes,), torch.uint8).copy_(data)
         self._dirty.add(page)
+
+    def _check_granted(self) -> None:
+        """Refuse to back one more page with memory unless the shared budget granted it (the one
+        place a page gets memory, so no member ever maps past the ledger's budget)."""
+        if self._share is not None and len(self._dirty) >= self._share.member.held:
+            raise OutOfPages(f"ledger {self._share.ledger.name!r} granted {self._share.member.held} pages, "
+                             "all backed; the page was not mapped")
+
+    def _backed(self) -> int:
+        return len(self._dirty)
+
+    def _fresh(self, pages: list[int]) -> int:
+        return sum(page not in self._dirty for page in pages)
 
     def _detach(self, slot: int, index: int, page: int) -> None:
         """Unmap ``page`` at ``slot``/``index`` in every range (it reads as zeros again); each
@@ -287,6 +305,10 @@ class VirtualKVCache(KVCacheBase):
             reserved_bytes=len(self._bases) * self.config.max_batch_size * self.slot_bytes,
             pages_mapped_ahead=self.counters["pages_mapped_ahead"],
         )
+        share = self._share
+        if share is not None:
+            stats.update(ledger=share.ledger.name, ledger_pages_held=share.member.held,
+                         ledger_reclaims=self.counters["ledger_reclaims"])
         return stats
 
     def _close_storage(self) -> None:

@@ -8,7 +8,9 @@ the cache's lock *without waiting*. If another thread is inside the cache, the c
 lock, or keep a cache on one thread. Not wrapped: ``stats()`` (it only reads counters and may be
 called from any thread), the one-field lookups ``seq_len``, ``slot``, ``seq_ids``, ``in`` and
 ``len`` and the arithmetic ``pages_for`` (each a single dictionary read), and ``close()``
-(it takes the lock itself and raises ``ConcurrentUse`` if it cannot).
+(it takes the lock itself and raises ``ConcurrentUse`` if it cannot). The one other thread a
+cache may run is a shared budget's watcher (:mod:`vmkv.share`): a call that finds it inside
+waits for it (a moment) instead of raising.
 
 **All or nothing.** A call that changes memory (mapping, unmapping, copying pages) runs inside
 :func:`atomic`: every change appends a function that reverts it to the cache's journal (the page
@@ -46,7 +48,7 @@ def exclusive(method: Method) -> Method:
 
     @functools.wraps(method)
     def call(cache: "KVCacheBase", *args, **kwargs):
-        if not cache._lock.acquire(blocking=False):
+        if not enter(cache):
             raise ConcurrentUse(
                 f"{method.__name__}() from thread {threading.current_thread().name!r} while another thread is "
                 "inside this cache; a cache serves one thread at a time (stats() excepted): serialise calls "
@@ -62,6 +64,19 @@ def exclusive(method: Method) -> Method:
             cache._lock.release()
 
     return call  # type: ignore[return-value]
+
+
+LEDGER_WAIT_S = 10.0
+"""How long a call waits for a shared-budget watcher that is giving pages back (``vmkv.share``)."""
+
+
+def enter(cache: "KVCacheBase") -> bool:
+    """Take the cache's lock without waiting for another caller; only a shared budget's watcher
+    thread, which holds it briefly while giving idle pages back, is waited for."""
+    if cache._lock.acquire(blocking=False):
+        return True
+    share = getattr(cache, "_share", None)
+    return share is not None and share.serving and cache._lock.acquire(timeout=LEDGER_WAIT_S)
 
 
 @contextmanager

@@ -10,6 +10,7 @@ from typing import Literal
 import torch
 
 from .errors import InvalidConfig
+from .ledger import SharedBudget
 from .sizes import format_size, parse_size
 
 Layout = Literal["per_layer", "all_layers", "head_major"]
@@ -87,6 +88,11 @@ class KVCacheConfig:
             sequence (saves map/unmap calls); ``trim()`` or memory pressure takes them back.
         map_ahead: VMM mode: after each ``begin_step`` map the next page of each running
             sequence on a background thread, overlapping mapping with compute.
+        shared_budget: VMM mode: join a host-wide KV budget shared with other caches and
+            processes (:mod:`vmkv.ledger`): ``"NAME:SIZE"``, optionally followed by
+            ``,min=SIZE``, ``,max=SIZE``, ``,member=LABEL``, ``,wait=SECONDS``. The cache then backs
+            a page with memory only once the ledger granted it, gives idle pages back when
+            others need them, and ``memory_budget`` is only its own ceiling.
     """
 
     num_layers: int
@@ -103,6 +109,7 @@ class KVCacheConfig:
     prefix_caching: bool = True
     deferred_reclaim: bool = True
     map_ahead: bool = False
+    shared_budget: SharedBudget | str | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "max_batch_size", "max_seq_len", "block_size"):
@@ -114,6 +121,8 @@ class KVCacheConfig:
         object.__setattr__(self, "dtype", _as_dtype(self.dtype))
         object.__setattr__(self, "device", _as_device(self.device))
         object.__setattr__(self, "memory_budget", parse_size(self.memory_budget, name="memory_budget"))
+        if self.shared_budget is not None and not isinstance(self.shared_budget, SharedBudget):
+            object.__setattr__(self, "shared_budget", SharedBudget.parse(self.shared_budget))
         if self.page_size is None:
             layout, page = default_vmm_pages(self, self.layout)
             object.__setattr__(self, "layout", layout)

@@ -98,6 +98,19 @@ class OutOfMappings(OutOfPages, BackendError):
     use larger pages, or raise the limit."""
 
 
+class LedgerError(VMKVError, RuntimeError):
+    """A host-wide KV ledger (:mod:`vmkv.ledger`, the ``shared_budget`` setting) cannot be used."""
+
+
+class LedgerCorrupt(LedgerError):
+    """A ledger file is not a vmkv ledger, or its record breaks an invariant: it is refused, never
+    trusted (the message names the file; remove it once nothing uses it)."""
+
+
+class LedgerMismatch(LedgerError):
+    """A ledger of that name exists with another budget or format version, or has no free slot."""
+
+
 class StalePlan(VMKVError, RuntimeError):
     """A step plan was used after the cache changed (a sequence was freed, trimmed, forked...)."""
 
@@ -126,6 +139,9 @@ __all__ = [
     "NoFreeSlot",
     "OutOfPages",
     "OutOfMappings",
+    "LedgerError",
+    "LedgerCorrupt",
+    "LedgerMismatch",
     "StalePlan",
     "ConcurrentUse",
     "CacheClosed",

@@ -175,16 +175,24 @@ class PagePool:
 
     def evict_all(self) -> list[int]:
         """Move every cached, unreferenced page to the free stack; return their ids."""
-        evicted = list(self._lru.items())
+        return self.evict_oldest(len(self._lru))
+
+    def evict_oldest(self, count: int) -> list[int]:
+        """Move up to ``count`` cached pages, least recently used first, to the top of the free
+        stack (the next ``allocate`` takes them first); return their ids."""
+        evicted = [self._lru.popitem(last=False) for _ in range(min(count, len(self._lru)))]
         hashes = [self._hash[page] for page, _ in evicted]
         for (page, _), page_hash in zip(evicted, hashes):
             del self._index[page_hash]
             self._hash[page] = None
             self._free.append(page)
-        self._lru.clear()
         self.evictions += len(evicted)
-        self._log(lambda: self._undo_evict_all(evicted, hashes))
+        self._log(lambda: self._undo_evict_oldest(evicted, hashes))
         return [page for page, _ in evicted]
+
+    def peek_free(self, count: int) -> list[int]:
+        """The free pages the next ``allocate(count)`` takes first (at most ``count``), in that order."""
+        return self._free[: -count - 1 : -1] if count > 0 else []
 
     def free_pages(self) -> list[int]:
         """Ids on the free stack (a copy)."""
@@ -231,12 +239,15 @@ class PagePool:
         self.evictions -= 1
         self._reinsert_lru(page, stamp)
 
-    def _undo_evict_all(self, evicted: list[tuple[int, int]], hashes: list[bytes]) -> None:
+    def _undo_evict_oldest(self, evicted: list[tuple[int, int]], hashes: list[bytes]) -> None:
         del self._free[len(self._free) - len(evicted) :]
         for (page, _), page_hash in zip(evicted, hashes):
             self._hash[page] = page_hash
             self._index[page_hash] = page
-        self._lru.update(evicted)  # later changes were undone first, so the LRU is empty here
+        newer = list(self._lru.items())  # later changes were undone first: what is left is newer
+        self._lru.clear()
+        self._lru.update(evicted)
+        self._lru.update(newer)
         self.evictions -= len(evicted)
 
     def _reinsert_lru(self, page: int, stamp: int) -> None:

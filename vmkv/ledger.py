@@ -1,0 +1,504 @@
+"""A host-wide KV budget that several processes share, the way an OS shares RAM between them.
+
+A *ledger* is a small file in shared memory (``/dev/shm/vmkv-ledger.NAME``, or any path) that
+every member maps. It records one byte budget and, per member, what it holds::
+
+    header  magic "VMKVLDG1" | version | slots | budget bytes | crc32 of the fields before it
+    slot i  pid | process start time | member name | page bytes | held | min | max |
+            grants | returns | reclaims | request | reclaimable | want
+
+Members count bytes (each in its own page size): a member that is about to back ``n`` more pages
+with memory first takes ``n * page_bytes`` from the ledger (:meth:`Member.take`, in batches, so
+the hot path does not lock per page), and gives bytes back when their memory went back to the OS
+(:meth:`Member.give`).
+
+Invariants (checked on every locked read; a file that breaks one is refused, never trusted):
+    * ``sum(held) <= budget``: no member ever holds memory past the ledger's budget;
+    * ``min <= max`` and ``held <= max`` for every member;
+    * an empty slot (``pid == 0``) holds nothing.
+
+Pressure: when the budget is spent, :meth:`Member.take` posts a ``request`` (bytes to give back)
+on the members that said they have reclaimable bytes, and waits a bounded time for them to give;
+members read their own ``request`` without the lock (:meth:`Member.asked`) at their next step
+boundary, or on their watcher thread while idle.
+
+Faults: a member whose process is gone (no ``/proc/PID``, a zombie, or another process under a
+reused pid) is *dead*: :meth:`Ledger.reap` frees its slot and its bytes. The lock is
+``fcntl.flock`` on the file, which the kernel drops when its holder dies.
+
+Every read or change of the record takes the lock; the only lock-free accesses are a member's
+reads of its own ``request`` and writes of its own ``reclaimable`` (aligned 8-byte fields that
+only hint).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import re
+import struct
+import time
+import zlib
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from .errors import InvalidConfig, LedgerCorrupt, LedgerMismatch, OutOfPages
+from .sizes import format_size, parse_size
+
+MAGIC = b"VMKVLDG1"
+VERSION = 1
+NUM_SLOTS = 32
+LEDGER_DIR = "/dev/shm"
+_HEADER = struct.Struct("<8sIIQ")  # magic, version, slots, budget; then a crc32 of these bytes
+_CRC = struct.Struct("<I")
+_HEADER_BYTES = 64
+_SLOT = struct.Struct("<qQ32sQQQQQQQQQQ")
+_SLOT_BYTES = 128
+_FIELDS = ("pid", "start", "name", "page_bytes", "held", "min", "max", "grants", "returns", "reclaims",
+           "request", "reclaimable", "want")
+_OFFSETS = {name: offset for name, offset in zip(_FIELDS, (0, 8, 16, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120))}
+_U64 = struct.Struct("<Q")
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+WAIT_STEP_S = 0.005
+
+
+def ledger_path(name: str) -> str:
+    """The file of ledger ``name``: ``/dev/shm/vmkv-ledger.NAME``, or ``name`` itself if it is a path.
+
+    Raises:
+        InvalidConfig: the name is empty or has characters other than letters, digits, ``_.-``.
+    """
+    if "/" in name:
+        return name
+    if not _NAME.match(name):
+        raise InvalidConfig(f"ledger name {name!r}: use 1-64 letters, digits, '_', '.' or '-' (or a path)")
+    return os.path.join(LEDGER_DIR, f"vmkv-ledger.{name}")
+
+
+@dataclass(frozen=True)
+class SharedBudget:
+    """A parsed ``shared_budget`` setting: ``"NAME:SIZE[,min=SIZE][,max=SIZE][,member=LABEL][,wait=SECONDS]"``.
+
+    Attributes:
+        name: the ledger's name (or path).
+        budget: bytes the ledger holds for all members together.
+        min_bytes: bytes this member is never asked to give back.
+        max_bytes: bytes this member never holds more than (``None``: the whole budget).
+        member: the label ``vmkv ledger`` shows (``None``: the program name and pid).
+        wait_s: how long a member short of budget waits for others to give back before
+            ``OutOfPages`` (default 2 s).
+    """
+
+    name: str
+    budget: int
+    min_bytes: int = 0
+    max_bytes: int | None = None
+    member: str | None = None
+    wait_s: float = 2.0
+
+    @classmethod
+    def parse(cls, text: str) -> "SharedBudget":
+        """Read a ``shared_budget`` string.
+
+        Raises:
+            InvalidConfig: it is not ``NAME:SIZE`` with optional ``,min=``, ``,max=``, ``,member=``.
+        """
+        if not isinstance(text, str) or ":" not in text:
+            raise InvalidConfig(f"shared_budget must be 'NAME:SIZE[,min=SIZE][,max=SIZE][,member=LABEL][,wait=SECONDS]', "
+                                f"got {text!r}")
+        name, _, rest = text.partition(":")
+        size, *options = rest.split(",")
+        fields: dict[str, str] = {}
+        for option in options:
+            key, sep, value = option.partition("=")
+            if not sep or key.strip() not in ("min", "max", "member", "wait") or key.strip() in fields:
+                raise InvalidConfig(f"shared_budget: {option!r} is not min=SIZE, max=SIZE, member=LABEL or "
+                                    "wait=SECONDS (each once)")
+            fields[key.strip()] = value.strip()
+        ledger_path(name)  # validates the name
+        budget = parse_size(size.strip(), name="shared_budget size")
+        low = parse_size(fields.get("min", "0"), name="shared_budget min")
+        high = parse_size(fields["max"], name="shared_budget max") if "max" in fields else None
+        if budget == 0 or low > (budget if high is None else min(high, budget)):
+            raise InvalidConfig(f"shared_budget {text!r}: the budget must be > 0 and min <= max <= budget")
+        member = fields.get("member")
+        if member is not None and not 0 < len(member.encode()) <= 32:
+            raise InvalidConfig(f"shared_budget member label must be 1-32 bytes, got {member!r}")
+        try:
+            wait_s = float(fields.get("wait", "2"))
+        except ValueError:
+            wait_s = -1.0
+        if not 0 <= wait_s <= 3600:
+            raise InvalidConfig(f"shared_budget wait must be 0-3600 seconds, got {fields['wait']!r}")
+        return cls(name, budget, low, high, member, wait_s)
+
+
+@dataclass(frozen=True)
+class MemberInfo:
+    """One member as the ledger records it (bytes, except the counters of grants and returns)."""
+
+    slot: int
+    pid: int
+    name: str
+    page_bytes: int
+    held: int
+    min: int
+    max: int
+    grants: int
+    returns: int
+    reclaims: int
+    request: int
+    reclaimable: int
+    want: int
+    alive: bool
+
+
+def process_start(pid: int) -> int | None:
+    """The start time of process ``pid`` (clock ticks since boot), or ``None`` if it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rpartition(b")")[2].split()
+    except OSError:
+        return None
+    return None if fields[0] == b"Z" else int(fields[19])
+
+
+def process_alive(pid: int, start: int) -> bool:
+    """Whether ``pid`` is the live process that started at ``start`` (not a zombie, not a reused pid;
+    ``start`` 0: unknown, then any live ``pid`` counts)."""
+    if start:
+        return process_start(pid) == start
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Ledger:
+    """One host-wide budget, opened (created if need be) by every member process.
+
+    Args:
+        name: the ledger's name (``/dev/shm/vmkv-ledger.NAME``) or path.
+        budget: its bytes; ``None`` to open an existing ledger whatever its budget (``vmkv ledger``).
+        alive: ``alive(pid, start)`` says whether a member's process lives (tests pass their own).
+
+    Raises:
+        LedgerCorrupt: the file is not a vmkv ledger, or breaks an invariant.
+        LedgerMismatch: the ledger exists with another budget or version.
+        FileNotFoundError: ``budget`` is ``None`` and no such ledger exists.
+    """
+
+    def __init__(self, name: str, budget: int | None, *, alive: Callable[[int, int], bool] = process_alive) -> None:
+        self.path = ledger_path(name)
+        self.name = name
+        self._alive = alive
+        self._fd = -1
+        self._map: mmap.mmap | None = None
+        while self._map is None:  # the last member may remove the file between our open and our lock: retry
+            fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if budget is not None else 0), 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                if os.path.exists(self.path) and os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                    self._open_locked(fd, budget)
+            finally:
+                if self._map is None:
+                    os.close(fd)  # also drops the lock
+                else:
+                    self._fd = fd
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+
+    # ---- file format -------------------------------------------------------------------------
+    def _open_locked(self, fd: int, budget: int | None) -> None:
+        """Map the file (holding its lock), writing a fresh header into an empty one if ``budget``."""
+        size, actual = _HEADER_BYTES + NUM_SLOTS * _SLOT_BYTES, os.fstat(fd).st_size
+        fresh = actual == 0 and budget is not None
+        if fresh:
+            os.ftruncate(fd, size)
+        elif actual != size:
+            raise LedgerCorrupt(f"{self.path} is not a vmkv ledger ({actual} bytes, a ledger has {size}); "
+                                "remove it if nothing uses it")
+        self._map = mmap.mmap(fd, size)
+        try:
+            if fresh:
+                self._write_header(budget)
+            self.budget = self._read_header(budget)
+            self._check()
+        except BaseException:
+            self._map.close()
+            self._map = None
+            raise
+
+    def _write_header(self, budget: int) -> None:
+        header = _HEADER.pack(MAGIC, VERSION, NUM_SLOTS, budget)
+        self._map[: _HEADER.size] = header
+        _CRC.pack_into(self._map, _HEADER.size, zlib.crc32(header))
+
+    def _read_header(self, budget: int | None) -> int:
+        header = bytes(self._map[: _HEADER.size])
+        magic, version, slots, found = _HEADER.unpack(header)
+        (crc,) = _CRC.unpack_from(self._map, _HEADER.size)
+        if magic != MAGIC or crc != zlib.crc32(header):
+            raise LedgerCorrupt(f"{self.path} is not a vmkv ledger (bad magic or checksum); remove it if nothing uses it")
+        if version != VERSION or slots != NUM_SLOTS:
+            raise LedgerMismatch(f"{self.path} is a version {version} ledger with {slots} slots; this vmkv reads "
+                                 f"version {VERSION} with {NUM_SLOTS}")
+        if budget is not None and found != budget:
+            raise LedgerMismatch(f"ledger {self.name!r} exists with a budget of {format_size(found)}, not "
+                                 f"{format_size(budget)}: use the same budget, or another name")
+        return found
+
+    def _slot(self, index: int) -> dict:
+        values = _SLOT.unpack_from(self._map, _HEADER_BYTES + index * _SLOT_BYTES)
+        return dict(zip(_FIELDS, values))
+
+    def _write(self, index: int, **fields: int | bytes) -> None:
+        base = _HEADER_BYTES + index * _SLOT_BYTES
+        for name, value in fields.items():
+            if name == "name":
+                self._map[base + 16 : base + 48] = value.ljust(32, b"\0")
+            else:
+                struct.pack_into("<q" if name == "pid" else "<Q", self._map, base + _OFFSETS[name], value)
+
+    def _check(self) -> list[dict]:
+        """All slots, after checking the invariants of the module docstring (holding the lock)."""
+        slots = [self._slot(i) for i in range(NUM_SLOTS)]
+        total = 0
+        for index, slot in enumerate(slots):
+            if slot["pid"] < 0 or (slot["pid"] == 0 and (slot["held"] or slot["page_bytes"])):
+                raise LedgerCorrupt(f"{self.path}: slot {index} is inconsistent (pid {slot['pid']}, "
+                                    f"holding {slot['held']} B); the file is damaged: remove it when nothing uses it")
+            if slot["pid"] and not (slot["min"] <= slot["max"] and slot["held"] <= slot["max"] and slot["page_bytes"]):
+                raise LedgerCorrupt(f"{self.path}: member in slot {index} breaks min <= max, held <= max")
+            total += slot["held"]
+        if total > self.budget:
+            raise LedgerCorrupt(f"{self.path}: members hold {total} B, more than the budget {self.budget} B")
+        return slots
+
+    @contextmanager
+    def locked(self) -> Iterator[list[dict]]:
+        """Hold the ledger's lock; yield its slots, checked (see the module docstring).
+
+        Raises:
+            LedgerCorrupt: the record breaks an invariant (nothing is changed).
+        """
+        if self._map is None:
+            raise LedgerCorrupt(f"ledger {self.name!r} is closed")
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            yield self._check()
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    # ---- members -----------------------------------------------------------------------------
+    def join(self, label: str, page_bytes: int, *, min_bytes: int = 0, max_bytes: int | None = None,
+             pid: int | None = None) -> "Member":
+        """Add a member holding nothing yet.
+
+        Args:
+            label: what ``vmkv ledger`` shows (1-32 bytes of UTF-8).
+            page_bytes: bytes of one of its pages (it takes and gives whole pages).
+            min_bytes: it is never asked to give back below this.
+            max_bytes: it never holds more (``None``: the budget), rounded down to whole pages.
+            pid: the member's process (default: this one).
+
+        Raises:
+            InvalidConfig: bad sizes, or no page fits in ``max_bytes``.
+            LedgerMismatch: every slot is taken by a live member.
+        """
+        encoded = label.encode()[:32]
+        high = self.budget if max_bytes is None else min(max_bytes, self.budget)
+        high -= high % page_bytes if page_bytes > 0 else 0
+        if page_bytes <= 0 or high <= 0 or min_bytes > high:
+            raise InvalidConfig(f"ledger member {label!r}: page_bytes {page_bytes}, min {min_bytes} and max "
+                                f"{max_bytes} leave no page within the budget {format_size(self.budget)}")
+        pid = os.getpid() if pid is None else pid
+        start = process_start(pid) or 0
+        with self.locked() as slots:
+            free = [i for i, slot in enumerate(slots) if slot["pid"] == 0]
+            if not free:
+                self._reap(slots)
+                free = [i for i, slot in enumerate(self._check()) if slot["pid"] == 0]
+            if not free:
+                raise LedgerMismatch(f"ledger {self.name!r} has {NUM_SLOTS} live members already")
+            index = free[0]
+            self._write(index, pid=pid, start=start, name=encoded, page_bytes=page_bytes, held=0, min=min_bytes,
+                        max=high, grants=0, returns=0, reclaims=0, request=0, reclaimable=0, want=0)
+        return Member(self, index, pid, page_bytes)
+
+    def members(self) -> list[MemberInfo]:
+        """Every member, live or dead (a snapshot taken under the lock)."""
+        with self.locked() as slots:
+            return [
+                MemberInfo(slot=i, pid=s["pid"], name=s["name"].rstrip(b"\0").decode(errors="replace"),
+                           page_bytes=s["page_bytes"], held=s["held"], min=s["min"], max=s["max"],
+                           grants=s["grants"], returns=s["returns"], reclaims=s["reclaims"], request=s["request"],
+                           reclaimable=s["reclaimable"], want=s["want"], alive=self._alive(s["pid"], s["start"]))
+                for i, s in enumerate(slots) if s["pid"]
+            ]
+
+    def reap(self) -> int:
+        """Free the slots and bytes of members whose processes are gone; return the bytes freed."""
+        with self.locked() as slots:
+            return self._reap(slots)
+
+    def _reap(self, slots: list[dict]) -> int:
+        freed = 0
+        for index, slot in enumerate(slots):
+            if slot["pid"] and not self._alive(slot["pid"], slot["start"]):
+                freed += slot["held"]
+                self._clear(index)
+        return freed
+
+    def _clear(self, index: int) -> None:
+        self._write(index, pid=0, start=0, name=b"", page_bytes=0, held=0, min=0, max=0, grants=0, returns=0,
+                    reclaims=0, request=0, reclaimable=0, want=0)
+
+    def close(self, *, unlink_if_empty: bool = False) -> None:
+        """Unmap the ledger (and remove its file if ``unlink_if_empty`` and no member is left). Idempotent."""
+        if self._map is None:
+            return
+        if unlink_if_empty:
+            with self.locked() as slots:
+                if not any(slot["pid"] for slot in slots) and os.path.exists(self.path) \
+                        and os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
+                    os.unlink(self.path)
+        self._map.close()
+        self._map = None
+        os.close(self._fd)
+        self._fd = -1
+
+    def __enter__(self) -> "Ledger":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Member:
+    """One member's handle on a ledger: it takes and gives whole pages of ``page_bytes``.
+
+    ``held`` (pages) is this process's copy of its slot's ``held``; only this handle changes it
+    (other processes only clear a dead member's slot), so it is read without the lock.
+    """
+
+    def __init__(self, ledger: Ledger, slot: int, pid: int, page_bytes: int) -> None:
+        self.ledger = ledger
+        self.slot = slot
+        self.pid = pid
+        self.page_bytes = page_bytes
+        self.held = 0
+        self._base = _HEADER_BYTES + slot * _SLOT_BYTES
+
+    def take(self, pages: int, *, extra: int = 0, wait_s: float = 0.0) -> int:
+        """Hold at least ``pages`` pages in all, plus up to ``extra`` more if the budget has them.
+
+        Without enough free budget it reaps dead members; then, if ``wait_s > 0``, asks members
+        with reclaimable bytes to give back and waits up to ``wait_s`` seconds for them.
+
+        Returns:
+            The pages it could not get (0: it holds ``pages``); with ``wait_s > 0`` always 0.
+
+        Raises:
+            OutOfPages: ``wait_s > 0`` and the budget did not free up in time (it then holds
+                whatever it had before, plus what it got meanwhile), or ``pages`` is past its max.
+        """
+        deadline = time.monotonic() + wait_s
+        while True:
+            with self.ledger.locked() as slots:
+                short = self._grant(slots, pages, extra)
+                if short and self.ledger._reap(slots):
+                    short = self._grant(self.ledger._check(), pages, extra)
+                if not short or wait_s <= 0:
+                    self.ledger._write(self.slot, want=0)
+                    return short
+                if not any(s["request"] for i, s in enumerate(slots) if i != self.slot):
+                    self._ask(slots, short * self.page_bytes)  # the first time, or when the last asks were served
+            if time.monotonic() >= deadline:
+                with self.ledger.locked():
+                    self.ledger._write(self.slot, want=0)
+                raise OutOfPages(
+                    f"ledger {self.ledger.name!r} ({format_size(self.ledger.budget)}) is full: this member needs "
+                    f"{short} more pages of {format_size(self.page_bytes)} and the others gave back too little "
+                    f"within {wait_s:.1f} s; free sequences, lower other members' use, or raise the shared budget"
+                )
+            time.sleep(WAIT_STEP_S)
+
+    def _grant(self, slots: list[dict], pages: int, extra: int) -> int:
+        """Grant what the free budget allows towards ``pages`` (+ ``extra``); return the pages still short."""
+        me = self._mine(slots)
+        if pages * self.page_bytes > me["max"]:
+            raise OutOfPages(f"ledger {self.ledger.name!r}: {pages} pages of {format_size(self.page_bytes)} exceed "
+                             f"this member's max of {format_size(me['max'])}")
+        free = self.ledger.budget - sum(slot["held"] for slot in slots)
+        room = min(free, me["max"] - me["held"]) // self.page_bytes
+        need = max(0, pages - self.held)
+        got = min(room, need + extra)
+        if got > 0:
+            self.held += got
+            me["held"] = self.held * self.page_bytes
+            self.ledger._write(self.slot, held=me["held"], grants=me["grants"] + got)
+        return max(0, need - got)
+
+    def _mine(self, slots: list[dict]) -> dict:
+        me = slots[self.slot]
+        if me["pid"] != self.pid or me["held"] != self.held * self.page_bytes:
+            raise LedgerCorrupt(f"ledger {self.ledger.name!r}: this member's slot was changed by another process "
+                                "(was it counted dead? is /proc readable?)")
+        return me
+
+    def _ask(self, slots: list[dict], nbytes: int) -> None:
+        """Post requests for ``nbytes`` on the others, largest reclaimable first."""
+        self.ledger._write(self.slot, want=nbytes)
+        others = sorted((i for i, s in enumerate(slots) if s["pid"] and i != self.slot),
+                        key=lambda i: -slots[i]["reclaimable"])
+        for index in others:
+            slot = slots[index]
+            offer = min(slot["reclaimable"], max(0, slot["held"] - slot["min"]), nbytes)
+            if offer > 0:
+                self.ledger._write(index, request=slot["request"] + offer)
+                nbytes -= offer
+            if nbytes <= 0:
+                return
+
+    def give(self, pages: int, *, reclaim: bool = False) -> None:
+        """Give back ``pages`` pages (whose memory went back to the OS); ``reclaim``: on request."""
+        pages = min(pages, self.held)
+        if pages <= 0 and not reclaim:
+            return
+        with self.ledger.locked() as slots:
+            me = self._mine(slots)
+            self.held -= pages
+            fields = {"held": self.held * self.page_bytes, "returns": me["returns"] + pages}
+            if reclaim:
+                fields.update(reclaims=me["reclaims"] + pages, request=0)
+            self.ledger._write(self.slot, **fields)
+
+    def asked(self) -> int:
+        """Pages others asked this member to give back (read without the lock)."""
+        (nbytes,) = _U64.unpack_from(self.ledger._map, self._base + _OFFSETS["request"])
+        return -(-nbytes // self.page_bytes)
+
+    def offer(self, pages: int) -> None:
+        """Say how many pages this member could give back if asked (written without the lock)."""
+        _U64.pack_into(self.ledger._map, self._base + _OFFSETS["reclaimable"], max(0, pages) * self.page_bytes)
+
+    @property
+    def min_pages(self) -> int:
+        """Pages this member keeps whatever it is asked."""
+        (nbytes,) = _U64.unpack_from(self.ledger._map, self._base + _OFFSETS["min"])
+        return -(-nbytes // self.page_bytes)
+
+    def leave(self) -> None:
+        """Give everything back and free the slot (the ledger's file goes with its last member)."""
+        if self.ledger._map is None:
+            return
+        with self.ledger.locked() as slots:
+            if slots[self.slot]["pid"] == self.pid:
+                self.ledger._clear(self.slot)
+        self.held = 0
+        self.ledger.close(unlink_if_empty=True)

@@ -1,0 +1,94 @@
+"""A cache's membership in a host-wide ledger (the ``shared_budget`` setting).
+
+The cache keeps one invariant with it: ``member.held >= cache._backed()``, the pages whose
+memory the cache may hold (VMM mode: every page mapped since its memory was last given back to
+the OS). The cache takes grants before it backs pages (``KVCacheBase._cover``), and gives them
+back only once that memory went back to the OS (``trim``, or a reclaim on request): so the
+resident KV memory of all members together never exceeds the ledger's budget.
+
+Requests from other members are served at the cache's next step boundary (``begin_step``) or,
+while the cache is idle, by the watcher thread here, which polls the member's ``request`` field
+(a lock-free read) and reclaims when no step is in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import weakref
+from typing import TYPE_CHECKING
+
+from .ledger import Ledger, Member, SharedBudget
+
+if TYPE_CHECKING:
+    from .base import KVCacheBase
+
+log = logging.getLogger("vmkv")
+
+POLL_S = 0.01
+"""How often an idle member's watcher looks for requests (a member busy with steps answers at
+its next ``begin_step``)."""
+
+BATCH_DIVISOR = 64
+"""A member takes grants in batches of ``1/BATCH_DIVISOR`` of the budget (1 to 64 pages), so
+the ledger's lock is taken about once a batch, not once a page."""
+
+
+class BudgetShare:
+    """One cache's seat in a ledger: its member handle, batch size and watcher thread.
+
+    Args:
+        cache: the cache (held weakly by the watcher, so a dropped cache still closes).
+        spec: the parsed setting.
+
+    Attributes:
+        member: the ledger handle (``member.held``: pages granted).
+        batch: pages taken beyond need per grant, when the budget has them.
+        wait_s: how long a member short of budget waits for others.
+        serving: the watcher is inside the cache (``vmkv.calls`` waits for it instead of
+            raising ``ConcurrentUse``).
+    """
+
+    def __init__(self, cache: "KVCacheBase", spec: SharedBudget) -> None:
+        page_bytes = cache.geometry.page_bytes
+        ceiling = cache.geometry.num_pages * page_bytes
+        self.ledger = Ledger(spec.name, spec.budget)
+        label = spec.member or f"{os.path.basename(sys.argv[0]) or 'python'}:{os.getpid()}"
+        try:
+            self.member: Member = self.ledger.join(label, page_bytes, min_bytes=spec.min_bytes,
+                                                   max_bytes=min(spec.max_bytes or ceiling, ceiling))
+        except BaseException:
+            self.ledger.close()
+            raise
+        self.batch = max(1, min(64, spec.budget // page_bytes // BATCH_DIVISOR))
+        self.wait_s = spec.wait_s
+        self.serving = False
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(target=_watch, args=(weakref.ref(cache), self.member, self._stop),
+                                         name="vmkv-ledger", daemon=True)
+        self._watcher.start()
+
+    def close(self) -> None:
+        """Stop the watcher and leave the ledger (call after the cache's memory is released)."""
+        self._stop.set()
+        if self._watcher is not threading.current_thread():
+            self._watcher.join()
+        self.member.leave()
+
+
+def _watch(ref: "weakref.ref[KVCacheBase]", member: Member, stop: threading.Event) -> None:
+    """The watcher: serve requests while the cache sits idle; stop with the cache."""
+    while not stop.wait(POLL_S):
+        if not member.asked():
+            continue
+        cache = ref()
+        if cache is None:
+            return
+        try:
+            cache._serve_ledger()
+        except Exception as exc:  # noqa: BLE001 -- the next begin_step serves the request itself
+            log.warning("vmkv: giving pages back to ledger %r failed (%s: %s)", member.ledger.name,
+                        type(exc).__name__, exc)
+        del cache
