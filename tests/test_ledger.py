@@ -1,0 +1,347 @@
+"""The host-wide KV ledger (vmkv/ledger.py) and caches sharing one budget (the shared_budget setting).
+
+Processes: tests/ledger_member.py owns one VMM cache per process; the resident bytes of every
+member's page store are sampled from outside (``fstat`` of ``/proc/PID/fd/MEMFD``: the kernel's
+count) all along, and must never add up past the budget.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import vmkv
+from vmkv.errors import InvalidConfig, LedgerCorrupt, LedgerMismatch, OutOfPages
+from vmkv.ledger import Ledger, SharedBudget, ledger_path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import ledger_member  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+BUDGET = 4 << 20  # 128 member pages of 32 KiB: less than two members' 4 MiB each
+PAGE = 32 << 10
+BURST = dict(seqs=6, tokens=256)  # 6 x 17 pages = 102 pages, more than half the budget
+
+
+@pytest.fixture
+def name(request):
+    """A ledger name of this test alone; its file is gone afterwards."""
+    label = f"test-{os.getpid()}-{request.node.name[:40]}".replace("[", "-").replace("]", "")
+    yield label
+    if os.path.exists(ledger_path(label)):
+        os.unlink(ledger_path(label))
+
+
+class Member:
+    """A tests/ledger_member.py process."""
+
+    def __init__(self, shared_budget: str) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("ledger_member.py")), shared_budget],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=env)
+        self.memfd = self.read(120)["memfd"]
+
+    def read(self, timeout: float = 60) -> dict:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            self.proc.kill()
+            raise AssertionError(f"member gave no answer: {self.proc.stderr.read()[-3000:]}")
+        return json.loads(line)
+
+    def send(self, **command) -> dict:
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write('{"op": "quit"}\n')
+            self.proc.stdin.flush()
+            self.proc.wait(30)
+
+
+class ResidentSampler(threading.Thread):
+    """Sums the members' page-store resident bytes every millisecond; keeps the peak."""
+
+    def __init__(self, members: list[Member]) -> None:
+        super().__init__(daemon=True)
+        self.paths = [f"/proc/{m.proc.pid}/fd/{m.memfd}" for m in members]
+        self.peak = self.samples = 0
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.001):
+            total = 0
+            for path in self.paths:
+                try:
+                    total += os.stat(path).st_blocks * 512
+                except OSError:  # the member exited
+                    pass
+            self.peak = max(self.peak, total)
+            self.samples += 1
+
+    def stop(self) -> int:
+        self.done.set()
+        self.join()
+        return self.peak
+
+
+@pytest.fixture
+def reference():
+    """Digests of bursts run alone (no ledger), by seed."""
+    cache = ledger_member.open_member(None)
+    yield lambda seed: ledger_member.run_burst(cache, BURST["seqs"], BURST["tokens"], seed)
+    cache.close()
+
+
+def test_idle_members_pages_move_to_the_one_that_bursts(name, reference):
+    a, b = Member(f"{name}:4MiB,member=a"), Member(f"{name}:4MiB,member=b")
+    sampler = ResidentSampler([a, b])
+    sampler.start()
+    try:
+        first = a.send(op="burst", seed=1, **BURST)
+        assert first["held"] > BUDGET // PAGE // 2  # A alone got more than half
+        second = b.send(op="burst", seed=2, **BURST)  # A idles: its watcher gives back
+        after = a.send(op="stats")
+    finally:
+        peak = sampler.stop()
+        a.close()
+        b.close()
+    assert first["digest"] == reference(1) and second["digest"] == reference(2)
+    assert second["held"] >= 102 and after["held"] <= BUDGET // PAGE - 102
+    assert after["resident"] <= after["held"] * PAGE
+    assert sampler.samples >= 20 and 3 << 20 < peak <= BUDGET, (sampler.samples, peak)
+
+
+def test_a_killed_members_pages_go_to_the_survivor(name, reference):
+    a, b = Member(f"{name}:4MiB,member=a"), Member(f"{name}:4MiB,member=b,wait=10")
+    try:
+        assert a.send(op="hold", seed=1, **BURST)["held"] >= 102  # live sequences: nothing to reclaim
+        assert a.send(op="spin") == {"spinning": True}
+        time.sleep(0.2)
+        os.kill(a.proc.pid, signal.SIGKILL)  # mid-step; left a zombie until waited for
+        start = time.monotonic()
+        answer = b.send(op="burst", seed=2, **BURST)
+        took = time.monotonic() - start
+        with Ledger(name, None) as ledger:
+            members = ledger.members()
+    finally:
+        a.proc.wait(10)
+        b.close()
+    assert answer["digest"] == reference(2) and answer["held"] >= 102
+    assert [m.name for m in members] == ["b"]
+    assert took < 10, took
+
+
+# ---- in one process ---------------------------------------------------------------------------
+def small(name: str, extra: str = "") -> vmkv.VirtualKVCache:
+    return ledger_member.open_member(f"{name}:4MiB{extra}")
+
+
+def test_a_member_short_of_budget_waits_then_raises_and_changes_nothing(name):
+    with small(name, ",member=a") as a, small(name, ",member=b,wait=0.2") as b:
+        ledger_member.run_burst(a, 7, 256, seed=1, keep=True)  # 119 pages, live: nothing to give back
+        b.add("x")
+        before = b.state()
+        start = time.monotonic()
+        with pytest.raises(OutOfPages, match="ledger"):
+            b.begin_step({"x": 256})
+        assert 0.2 <= time.monotonic() - start < 2
+        assert b.state() == before
+        b.check()
+        held = {m.name: m.held for m in Ledger(name, None).members()}
+        assert sum(held.values()) <= BUDGET and held["a"] >= 119 * PAGE
+
+
+def test_trim_returns_grants_and_close_leaves(name):
+    with small(name) as cache:
+        ledger_member.run_burst(cache, 2, 128, seed=3)
+        assert cache.stats()["ledger_pages_held"] >= 18
+        cache.trim()
+        assert cache.stats()["ledger_pages_held"] == 0 == cache.stats()["resident_bytes"]
+        assert os.path.exists(ledger_path(name))
+    assert not os.path.exists(ledger_path(name))
+
+
+def test_map_ahead_stays_within_grants(name):
+    config = vmkv.KVCacheConfig(**ledger_member.CONFIG, map_ahead=True, shared_budget=f"{name}:4MiB")
+    with vmkv.VirtualKVCache(config) as cache:
+        ledger_member.run_burst(cache, 6, 256, seed=4, keep=True)
+        cache.check()
+        assert cache._backed() <= cache.stats()["ledger_pages_held"]
+        assert cache.stats()["map_ahead_errors"] == 0
+
+
+# ---- refusals ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("text", ["nocolon", "x:0", "x:1MiB,min=2MiB", "x:1MiB,foo=1", "bad name!:1MiB",
+                                  "x:1MiB,wait=-1", "x:1MiB,min=1,min=2"])
+def test_bad_settings_are_refused(text):
+    with pytest.raises(InvalidConfig):
+        SharedBudget.parse(text)
+
+
+def test_paged_mode_refuses_a_shared_budget(name):
+    with pytest.raises(InvalidConfig, match="VMM"):
+        vmkv.open_cache(vmkv.KVCacheConfig(**ledger_member.CONFIG, shared_budget=f"{name}:4MiB"), mode="paged")
+
+
+def test_same_name_other_budget_is_refused(name):
+    with Ledger(name, BUDGET):
+        with pytest.raises(LedgerMismatch, match="budget"):
+            Ledger(name, BUDGET * 2)
+
+
+@pytest.mark.parametrize("damage", ["foreign", "short", "overdrawn", "empty slot holding"])
+def test_corrupt_or_foreign_files_are_refused_untouched(name, damage):
+    path = ledger_path(name)
+    if damage in ("foreign", "short"):
+        Path(path).write_bytes(os.urandom(64 + 32 * 128 if damage == "foreign" else 100))
+    else:
+        with Ledger(name, BUDGET) as ledger:
+            member = ledger.join("m", PAGE)
+            member.take(4)
+            base = 64 + (member.slot if damage == "overdrawn" else 5) * 128
+            struct.pack_into("<Q", ledger._map, base + 56, 2 * BUDGET if damage == "overdrawn" else PAGE)
+    before = Path(path).read_bytes()
+    with pytest.raises(LedgerCorrupt):
+        Ledger(name, BUDGET)
+    with pytest.raises(LedgerCorrupt):
+        small(name)  # a cache refuses it too (and leaks nothing: its memory is closed)
+    assert Path(path).read_bytes() == before
+
+
+def test_dead_processes_are_reaped_once(name):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    with Ledger(name, BUDGET) as ledger:
+        theirs = ledger.join("child", PAGE, pid=child.pid)
+        assert theirs.take(100) == 0
+        mine = ledger.join("me", PAGE)
+        assert mine.take(100) == 72  # the child lives: 28 granted, 72 short
+        child.kill()  # a zombie until waited for: counted dead all the same
+        time.sleep(0.1)
+        assert mine.take(100) == 0
+        assert ledger.reap() == 0  # its bytes came back once
+        child.wait()
+        assert [m.name for m in ledger.members()] == ["me"]
+
+
+# ---- the state machine --------------------------------------------------------------------------
+class LedgerMachine(RuleBasedStateMachine):
+    """Members of different page sizes take, give, ask and die; the ledger must agree with a
+    model of who holds what, and never hold more than its budget."""
+
+    UNIT = 4096
+    BUDGET = 64 * 4096
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.name = f"machine-{os.getpid()}-{id(self)}"
+        self.dead: set[int] = set()
+        self.ledger = Ledger(self.name, self.BUDGET, alive=lambda pid, start: pid not in self.dead)
+        self.members: list = []  # live handles
+        self.held: dict[int, int] = {}  # pid -> bytes, what the ledger should record (dead until reaped)
+        self.next_pid = 10_000_000
+
+    def teardown(self) -> None:
+        self.ledger.close()
+        os.unlink(ledger_path(self.name))
+
+    def free(self) -> int:
+        return self.BUDGET - sum(self.held.values())
+
+    @precondition(lambda self: len(self.members) < 4)
+    @rule(size=st.sampled_from([1, 2, 4]))
+    def join(self, size):
+        self.next_pid += 1
+        self.members.append(self.ledger.join(f"m{self.next_pid}", size * self.UNIT, pid=self.next_pid))
+        self.held[self.next_pid] = 0
+
+    def model_take(self, member, pages: int, extra: int) -> int:
+        need = max(0, pages - member.held)
+        got = min(min(self.free(), self.BUDGET - member.held * member.page_bytes) // member.page_bytes, need + extra)
+        if need - got > 0 and any(pid in self.dead for pid in self.held):
+            self.held = {pid: held for pid, held in self.held.items() if pid not in self.dead}
+            got = min(min(self.free(), self.BUDGET - member.held * member.page_bytes) // member.page_bytes,
+                      need + extra)
+        self.held[member.pid] += got * member.page_bytes
+        return max(0, need - got)
+
+    @precondition(lambda self: self.members)
+    @rule(data=st.data(), pages=st.integers(0, 64), extra=st.integers(0, 4))
+    def take(self, data, pages, extra):
+        member = data.draw(st.sampled_from(self.members))
+        pages = min(pages, self.BUDGET // member.page_bytes)
+        expected = self.model_take(member, pages, extra)
+        assert member.take(pages, extra=extra) == expected
+
+    @precondition(lambda self: self.members)
+    @rule(data=st.data(), pages=st.integers(0, 64), on_request=st.booleans())
+    def give(self, data, pages, on_request):
+        member = data.draw(st.sampled_from(self.members))
+        given = min(pages, member.held)
+        member.give(pages, reclaim=on_request)
+        self.held[member.pid] -= given * member.page_bytes
+        if on_request:
+            assert member.asked() == 0
+
+    @precondition(lambda self: len(self.members) >= 2)
+    @rule(data=st.data())
+    def ask_and_serve(self, data):
+        asker, giver = data.draw(st.permutations(self.members))[:2]
+        for member in self.members:
+            member.offer(member.held if member is giver else 0)
+        if not giver.held:
+            return
+        with self.ledger.locked() as slots:
+            asker._ask(slots, giver.held * giver.page_bytes)
+        assert giver.asked() == giver.held and all(m.asked() == 0 for m in self.members if m is not giver)
+        self.held[giver.pid] = 0
+        giver.give(giver.asked(), reclaim=True)
+        assert giver.held == 0 == giver.asked()
+
+    @precondition(lambda self: self.members)
+    @rule(data=st.data())
+    def die(self, data):
+        member = data.draw(st.sampled_from(self.members))
+        self.members.remove(member)
+        self.dead.add(member.pid)
+
+    @rule()
+    def reap(self):
+        freed = sum(held for pid, held in self.held.items() if pid in self.dead)
+        assert self.ledger.reap() == freed
+        self.held = {pid: held for pid, held in self.held.items() if pid not in self.dead}
+
+    @invariant()
+    def agrees_with_the_model(self):
+        recorded = {m.pid: m.held for m in self.ledger.members()}
+        assert recorded == self.held
+        assert sum(recorded.values()) <= self.BUDGET
+        for member in self.members:
+            assert member.held * member.page_bytes == recorded[member.pid]  # counted once, in one place
+
+
+TestLedgerMachine = LedgerMachine.TestCase
+TestLedgerMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
+                                      suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_reference_outputs_do_not_depend_on_the_ledger(name, reference):
+    """The digest is a real check: another seed, or a damaged page, changes it."""
+    with small(name) as cache:
+        assert ledger_member.run_burst(cache, BURST["seqs"], BURST["tokens"], 1) == reference(1) != reference(2)
