@@ -1,4 +1,4 @@
-"""The ``vmkv`` command: ``info``, ``bench`` and ``serve``.
+"""The ``vmkv`` command: ``info``, ``bench``, ``serve`` and ``ledger``.
 
 ::
 
@@ -9,6 +9,7 @@
     vmkv bench <name> [options]        one benchmark with its own options (--help lists them)
     vmkv bench --list                  the registry
     vmkv serve [options]               the OpenAI-compatible server (vmkv.server.cli)
+    vmkv ledger NAME [--reap]          a host-wide KV budget's members, holdings and verdict
 
 Benchmark modules are imported only when needed; one that is missing or fails to import is
 reported plainly and the others still run. Every module follows the contract described in
@@ -412,7 +413,27 @@ def build_parser() -> argparse.ArgumentParser:
     bench_parser.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options")
     serve_parser = sub.add_parser("serve", add_help=False, help="OpenAI-compatible server (vmkv serve --help)")
     serve_parser.add_argument("rest", nargs=argparse.REMAINDER)
+    ledger_parser = sub.add_parser("ledger", help="members of a shared KV budget (shared_budget=NAME:SIZE)")
+    ledger_parser.add_argument("name", help="the ledger's name (or path)")
+    ledger_parser.add_argument("--reap", action="store_true", help="first free what dead members hold")
     return parser
+
+
+def show_ledger(name: str, reap: bool) -> int:
+    """``vmkv ledger NAME``: print the ledger's report; 1 if it does not exist or cannot be read."""
+    from .errors import VMKVError
+    from .ledger import report
+
+    try:
+        print("\n".join(report(name, reap=reap)))
+    except FileNotFoundError:
+        print(f"vmkv ledger: no ledger named {name!r} (it appears when a cache with shared_budget='{name}:SIZE' "
+              "opens, and goes with its last member)", file=sys.stderr)
+        return 1
+    except VMKVError as exc:
+        print(f"vmkv ledger: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -430,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "info":
         print("\n".join(info_lines()))
         return 0
+    if ns.command == "ledger":
+        return show_ledger(ns.name, ns.reap)
     return bench(ns)
 
 

@@ -398,7 +398,8 @@ class Member:
         """Hold at least ``pages`` pages in all, plus up to ``extra`` more if the budget has them.
 
         Without enough free budget it reaps dead members; then, if ``wait_s > 0``, asks members
-        with reclaimable bytes to give back and waits up to ``wait_s`` seconds for them.
+        with reclaimable bytes to give back and waits up to ``wait_s`` seconds for them (not at
+        all when no member offers any: the caller preempts or fails at once).
 
         Returns:
             The pages it could not get (0: it holds ``pages``); with ``wait_s > 0`` always 0.
@@ -408,23 +409,26 @@ class Member:
                 whatever it had before, plus what it got meanwhile), or ``pages`` is past its max.
         """
         deadline = time.monotonic() + wait_s
+        reason = f"the others gave back too little within {wait_s:.1f} s"
         while True:
             with self.ledger.locked() as slots:
                 short = self._grant(slots, pages, extra)
                 if short and self.ledger._reap(slots):
-                    short = self._grant(self.ledger._check(), pages, extra)
+                    slots = self.ledger._check()
+                    short = self._grant(slots, pages, extra)
                 if not short or wait_s <= 0:
                     self.ledger._write(self.slot, want=0)
                     return short
-                if not any(s["request"] for i, s in enumerate(slots) if i != self.slot):
-                    self._ask(slots, short * self.page_bytes)  # the first time, or when the last asks were served
+                if not any(s["request"] for i, s in enumerate(slots) if i != self.slot) \
+                        and not self._ask(slots, short * self.page_bytes):
+                    deadline, reason = 0.0, "no other member has idle memory to give back"  # waiting cannot help
             if time.monotonic() >= deadline:
                 with self.ledger.locked():
                     self.ledger._write(self.slot, want=0)
                 raise OutOfPages(
                     f"ledger {self.ledger.name!r} ({format_size(self.ledger.budget)}) is full: this member needs "
-                    f"{short} more pages of {format_size(self.page_bytes)} and the others gave back too little "
-                    f"within {wait_s:.1f} s; free sequences, lower other members' use, or raise the shared budget"
+                    f"{short} more pages of {format_size(self.page_bytes)} and {reason}; free sequences, lower "
+                    "other members' use, or raise the shared budget"
                 )
             time.sleep(WAIT_STEP_S)
 
@@ -451,19 +455,19 @@ class Member:
                                 "(was it counted dead? is /proc readable?)")
         return me
 
-    def _ask(self, slots: list[dict], nbytes: int) -> None:
-        """Post requests for ``nbytes`` on the others, largest reclaimable first."""
+    def _ask(self, slots: list[dict], nbytes: int) -> int:
+        """Post requests for ``nbytes`` on the others, largest reclaimable first; return the bytes asked."""
         self.ledger._write(self.slot, want=nbytes)
         others = sorted((i for i, s in enumerate(slots) if s["pid"] and i != self.slot),
                         key=lambda i: -slots[i]["reclaimable"])
+        asked = 0
         for index in others:
             slot = slots[index]
-            offer = min(slot["reclaimable"], max(0, slot["held"] - slot["min"]), nbytes)
+            offer = min(slot["reclaimable"], max(0, slot["held"] - slot["min"]), nbytes - asked)
             if offer > 0:
                 self.ledger._write(index, request=slot["request"] + offer)
-                nbytes -= offer
-            if nbytes <= 0:
-                return
+                asked += offer
+        return asked
 
     def give(self, pages: int, *, reclaim: bool = False) -> None:
         """Give back ``pages`` pages (whose memory went back to the OS); ``reclaim``: on request."""
@@ -502,3 +506,69 @@ class Member:
                 self.ledger._clear(self.slot)
         self.held = 0
         self.ledger.close(unlink_if_empty=True)
+
+
+def report(name: str, *, reap: bool = False) -> list[str]:
+    """What ``vmkv ledger NAME`` prints: the budget, one row per member, and a verdict line.
+
+    Args:
+        name: the ledger's name or path.
+        reap: first free the slots of members whose processes are gone.
+
+    Raises:
+        FileNotFoundError: no such ledger; LedgerCorrupt, LedgerMismatch: it cannot be read.
+    """
+    with Ledger(name, None) as ledger:
+        freed = ledger.reap() if reap else 0
+        members = ledger.members()
+        budget = ledger.budget
+    used = sum(m.held for m in members)
+    lines = [f"ledger {name} ({ledger.path}): budget {format_size(budget)}, held {format_size(used)}, "
+             f"free {format_size(budget - used)}"]
+    header = ("member", "pid", "state", "page", "held", "pages", "min", "max", "grants", "returns", "reclaims",
+              "asked", "idle")
+    rows = [(m.name, str(m.pid), "alive" if m.alive else "dead", format_size(m.page_bytes), format_size(m.held),
+             str(m.held // m.page_bytes), format_size(m.min), format_size(m.max), str(m.grants), str(m.returns),
+             str(m.reclaims), format_size(m.request), format_size(m.reclaimable)) for m in members]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in [header, *rows]]
+    return lines + [verdict(budget, members, freed)]
+
+
+def verdict(budget: int, members: list[MemberInfo], reaped: int = 0) -> str:
+    """One line that says what the ledger's state means."""
+    used = sum(m.held for m in members)
+    dead = [m for m in members if not m.alive]
+    waiting = [m for m in members if m.want]
+    if not members:
+        state = "no members: the whole budget is free"
+    elif dead:
+        state = (f"{len(dead)} dead member(s) hold {format_size(sum(m.held for m in dead))}: the next member short "
+                 "of budget takes it back (or run with --reap)")
+    elif waiting:
+        state = (f"{', '.join(m.name for m in waiting)} wait(s) for {format_size(sum(m.want for m in waiting))}; "
+                 f"the others offer {format_size(sum(m.reclaimable for m in members if not m.want))} idle")
+    else:
+        state = (f"{len(members)} member(s) hold {used / budget:.0%} of the budget; "
+                 f"{format_size(sum(m.reclaimable for m in members))} of it idle (given back on demand)")
+    return f"verdict: {state}" + (f"; reaped {format_size(reaped)} of dead members" if reaped else "")
+
+
+def prometheus_lines(name: str) -> list[str]:
+    """Prometheus gauges of ledger ``name``: its budget, and each member's bytes held and idle."""
+    with Ledger(name, None) as ledger:
+        members, budget = ledger.members(), ledger.budget
+    lines = ["# HELP vmkv_ledger_budget_bytes Bytes of the host-wide KV budget this cache shares",
+             "# TYPE vmkv_ledger_budget_bytes gauge", f'vmkv_ledger_budget_bytes{{ledger="{_label(name)}"}} {budget}']
+    for metric, field, text in (("held_bytes", "held", "Bytes of the shared KV budget a member holds"),
+                                ("idle_bytes", "reclaimable", "Bytes a member could give back when asked"),
+                                ("reclaims_total", "reclaims", "Pages a member gave back on request")):
+        kind = "counter" if metric.endswith("_total") else "gauge"
+        lines += [f"# HELP vmkv_ledger_member_{metric} {text}", f"# TYPE vmkv_ledger_member_{metric} {kind}"]
+        lines += [f'vmkv_ledger_member_{metric}{{ledger="{_label(name)}",member="{_label(m.name)}",pid="{m.pid}"}} '
+                  f"{getattr(m, field)}" for m in members]
+    return lines
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -67,6 +67,8 @@ class EngineConfig:
         dtype: model and cache dtype (``auto``: float32 on CPU).
         device: ``cpu`` or ``cuda[:N]``.
         seed: seeds the generators of requests that bring no seed.
+        shared_budget: VMM: join a host-wide KV budget (:mod:`vmkv.ledger`), e.g.
+            ``"kv-host:16GiB"``; ``memory_budget`` is then this engine's ceiling.
     """
 
     model: str | None = None
@@ -82,6 +84,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "cpu"
     seed: int = 0
+    shared_budget: str | None = None
 
 
 def _check_cache_fits(loaded: LoadedModel, cache: KVCacheBase) -> None:
@@ -158,7 +161,7 @@ class Engine:
         cache_config = cache_config_for(
             loaded.model, max_batch_size=config.max_num_seqs, max_seq_len=max_seq_len,
             memory_budget=config.memory_budget, page_size=config.page_size, block_size=config.block_size,
-            prefix_caching=config.prefix_caching,
+            prefix_caching=config.prefix_caching, shared_budget=config.shared_budget,
         )
         scheduler = SchedulerConfig(config.max_num_batched_tokens, config.max_prefill_chunk)
         cache = open_cache(cache_config, mode=config.kv_mode)

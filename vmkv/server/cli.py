@@ -62,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--max-num-batched-tokens", type=_positive, default=512, help="tokens one step feeds at most "
                        "(default: %(default)s)")
     cache.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off (default: on)")
+    cache.add_argument("--shared-budget", default=None, help="VMM: share one host-wide KV budget with other "
+                       "engines, e.g. kv-host:16GiB[,min=1GiB,max=8GiB,member=NAME]; --memory-budget is then "
+                       "this engine's ceiling (vmkv ledger NAME shows the members)")
     http = parser.add_argument_group("HTTP")
     http.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
     http.add_argument("--port", type=_port, default=8000, help="TCP port, 0..65535 (default: %(default)s)")
@@ -101,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_seq_len=args.max_seq_len,
         max_num_batched_tokens=args.max_num_batched_tokens, max_prefill_chunk=args.max_num_batched_tokens,
         prefix_caching=not args.no_prefix_caching, dtype=args.dtype, device=args.device, seed=args.seed,
+        shared_budget=args.shared_budget,
     )
     try:
         engine = Engine.from_config(config)

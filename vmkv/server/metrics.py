@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..ledger import prometheus_lines
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # (metric name, type, help, where in engine.stats(): ("engine"|"cache", key))
@@ -66,6 +68,8 @@ def render(stats: dict[str, Any]) -> str:
              f"vmkv_info{{{label_text}}} 1"]
     for name, kind, help_text, (section, key) in _METRICS:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {format_value(stats[section][key])}"]
+    if "ledger" in cache:  # a shared budget: one gauge per member of the host's ledger
+        lines += prometheus_lines(cache["ledger"])
     return "\n".join(lines) + "\n"
 
 
