@@ -83,6 +83,9 @@ class VirtualKVCache(KVCacheBase):
     def __init__(self, config: KVCacheConfig) -> None:
         geometry = vmm_geometry(config, granularity(config.device))
         check_budget_fits(config)
+        if config.shared_budget is not None and config.device.type != "cpu":
+            raise InvalidConfig("shared_budget is host-only for now: the CUDA backend creates its whole page store "
+                                "when the cache opens, so pages given back would not return to the device")
         self.kernel, self._kernel = select_contiguous_kernel(config.device, config.dtype, config.head_dim)
         super().__init__(config, geometry)
         tpp = geometry.tokens_per_page

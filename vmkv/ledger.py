@@ -395,7 +395,8 @@ class Member:
         self._base = _HEADER_BYTES + slot * _SLOT_BYTES
 
     def take(self, pages: int, *, extra: int = 0, wait_s: float = 0.0) -> int:
-        """Hold at least ``pages`` pages in all, plus up to ``extra`` more if the budget has them.
+        """Hold at least ``pages`` pages in all, plus up to ``extra`` more if the budget has them
+        (only when it takes any: a member that holds ``pages`` already returns at once, unlocked).
 
         Without enough free budget it reaps dead members; then, if ``wait_s > 0``, asks members
         with reclaimable bytes to give back and waits up to ``wait_s`` seconds for them (not at
@@ -408,6 +409,8 @@ class Member:
             OutOfPages: ``wait_s > 0`` and the budget did not free up in time (it then holds
                 whatever it had before, plus what it got meanwhile), or ``pages`` is past its max.
         """
+        if pages <= self.held:
+            return 0
         deadline = time.monotonic() + wait_s
         reason = f"the others gave back too little within {wait_s:.1f} s"
         while True:
