@@ -407,3 +407,23 @@ def test_grants_come_in_batches_not_a_lock_per_page(name):
         ledger_member.run_burst(cache, 6, 256, seed=6, keep=True)
         assert cache.stats()["ledger_pages_held"] >= 102
     assert 0 < len(calls) <= 12, len(calls)  # 102 pages in 8 steps, a lock at most per step that grows
+
+
+@pytest.mark.slow
+def test_two_engines_benchmark_follows_the_contract(tmp_path):
+    """`vmkv bench two_engines --smoke`, smaller still: rows of both setups, the shared one within
+    its budget, both completing every request, and the two TTFT verdicts."""
+    import argparse
+
+    from benchmarks import two_engines
+
+    parser = argparse.ArgumentParser()
+    two_engines.add_arguments(parser)
+    args = parser.parse_args(["--bursts", "2", "--burst-requests", "6", "--output-len", "8", "--period", "1"])
+    args.device, args.smoke, args.seed, args.out, args.progress = "cpu", True, 0, tmp_path, False
+    result = two_engines.run(args)
+    assert [row["setup"] for row in result["rows"]] == ["static", "shared"]
+    for row in result["rows"]:
+        assert set(row) == set(result["schema"]) and row["completed"] == 12
+        assert 0 < row["peak_resident_mib"] <= row["budget_mib"]
+    assert [v.key for v in two_engines.verdicts(result)] == ["two_engines.p99_ttft", "two_engines.p50_ttft"]

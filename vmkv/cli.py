@@ -66,6 +66,7 @@ REGISTRY: dict[str, Entry] = {
               ["--concurrency", "1", "8", "--rates", "16", "inf", "--requests", "16", "--output-len", "16", "--repeats", "7",
                "--rate-repeats", "1"]),
         Entry("vllm", "benchmarks.vllm", in_suite=False),  # vLLM stock vs the vmkv plugin: needs vLLM, minutes
+        Entry("two_engines", "benchmarks.two_engines", in_suite=False),  # two engine processes, alternating bursts
     )
 }
 
