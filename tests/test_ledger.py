@@ -24,11 +24,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import vmkv
-from vmkv.errors import InvalidConfig, LedgerCorrupt, LedgerMismatch, OutOfPages
+from vmkv.errors import BackendError, InvalidConfig, LedgerCorrupt, LedgerMismatch, OutOfPages
 from vmkv.ledger import Ledger, SharedBudget, ledger_path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import ledger_member  # noqa: E402
+from fake_cuda.fixtures import fake, fake_cuda_backends, fake_lib  # noqa: E402, F401  (fixtures)
 
 ROOT = Path(__file__).resolve().parent.parent
 BUDGET = 4 << 20  # 128 member pages of 32 KiB: less than two members' 4 MiB each
@@ -427,3 +428,41 @@ def test_two_engines_benchmark_follows_the_contract(tmp_path):
         assert set(row) == set(result["schema"]) and row["completed"] == 12
         assert 0 < row["peak_resident_mib"] <= row["budget_mib"]
     assert [v.key for v in two_engines.verdicts(result)] == ["two_engines.p99_ttft", "two_engines.p50_ttft"]
+
+
+# ---- CUDA (the fake driver): pages given back really go back to the device ----------------------
+def test_cuda_members_create_pages_in_batches_and_release_them(name, reference, fake_cuda_backends, fake):  # noqa: F811
+    zero_pages = 2 * 8192  # one zero page per backend
+    a, b = small(name, ",member=a"), small(name, ",member=b")
+    try:
+        assert [backend.on_demand for backend in fake_cuda_backends] == [True, True]
+        assert fake.state()["memory_used"] == zero_pages  # nothing created up front
+        fake.calls(clear=True)
+        first = ledger_member.run_burst(a, BURST["seqs"], BURST["tokens"], 1)
+        calls = [call.name for call in fake.calls()]
+        after_a = fake.state()["memory_used"]
+        second = ledger_member.run_burst(b, BURST["seqs"], BURST["tokens"], 2)  # a idles: its watcher gives back
+        after_b = fake.state()["memory_used"]
+        released = [call.name for call in fake.calls()].count("cuMemRelease")
+        a.check()
+        b.check()
+    finally:
+        a.close()
+        b.close()
+    assert first == reference(1) and second == reference(2)  # the same outputs as host caches alone
+    assert 102 * PAGE <= after_a - zero_pages <= BUDGET and after_b - zero_pages <= BUDGET
+    assert calls.count("cuMemCreate") >= 102 * 4 and calls.count("cuMemsetD8") <= 12  # a batch, not a page, a memset
+    assert released >= 4 * (102 - (BUDGET // PAGE - 102))  # a gave back at least what b lacked
+
+
+def test_cuda_trim_gives_memory_back_to_the_device(name, fake_cuda_backends, fake):  # noqa: F811
+    with small(name) as cache:
+        ledger_member.run_burst(cache, 2, 128, seed=3)
+        assert fake.state()["memory_used"] > 8192
+        cache.trim()
+        assert fake.state()["memory_used"] == 8192 and cache.stats()["ledger_pages_held"] == 0
+        cache.add("x")
+        cache.begin_step({"x": 4})
+        page = cache.pages("x")[0]
+        with pytest.raises(BackendError, match="still mapped"):
+            fake_cuda_backends[0].release_page(cache._piece(page, 0))

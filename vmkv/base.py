@@ -737,10 +737,16 @@ class KVCacheBase(ABC):
             OutOfPages: the others did not give back enough within the share's wait.
         """
         member = self._share.member
+        held = member.held
         short = member.take(self._backed_after(count), extra=self._share.batch)
         if short:
             self._recycle(short)
             member.take(self._backed_after(count), extra=self._share.batch, wait_s=self._share.wait_s)
+        if member.held > held:
+            self._provision(count)
+
+    def _provision(self, count: int) -> None:
+        """Give the pages a new grant covers memory now, where the backend needs that (see VMM)."""
 
     def _recycle(self, count: int) -> int:
         """Put up to ``count`` idle pages that hold memory on top of the free stack (journaled):

@@ -83,9 +83,6 @@ class VirtualKVCache(KVCacheBase):
     def __init__(self, config: KVCacheConfig) -> None:
         geometry = vmm_geometry(config, granularity(config.device))
         check_budget_fits(config)
-        if config.shared_budget is not None and config.device.type != "cpu":
-            raise InvalidConfig("shared_budget is host-only for now: the CUDA backend creates its whole page store "
-                                "when the cache opens, so pages given back would not return to the device")
         self.kernel, self._kernel = select_contiguous_kernel(config.device, config.dtype, config.head_dim)
         super().__init__(config, geometry)
         tpp = geometry.tokens_per_page
@@ -99,7 +96,8 @@ class VirtualKVCache(KVCacheBase):
         self._bases: list[int] = []
         try:
             self._vm = open_backend(config.device, geometry.piece_bytes, geometry.num_pages * geometry.num_tensors,
-                                    max_mappings=self._check_mappings(config, geometry))
+                                    max_mappings=self._check_mappings(config, geometry),
+                                    on_demand=config.shared_budget is not None)
             range_bytes = config.max_batch_size * self.slot_bytes
             for _ in range(geometry.num_tensors // self._heads_per_range):
                 self._bases.append(self._vm.reserve(range_bytes))
@@ -270,6 +268,17 @@ class VirtualKVCache(KVCacheBase):
 
     def _backed(self) -> int:
         return len(self._dirty)
+
+    def _provision(self, count: int) -> None:
+        """A backend that creates pages on demand (CUDA) gets, in one batch, every free page the
+        grants held cover from the next ``count`` on: those the next allocations take, so a
+        grant's batch is created at once, not one page per step. They count as backed now."""
+        if not self._vm.on_demand:
+            return
+        room = self._share.member.held - self._backed()
+        pages = [page for page in self.pool.peek_free(count + room) if page not in self._dirty][:room]
+        self._vm.provision([self._piece(page, t) for page in pages for t in range(self.geometry.num_tensors)])
+        self._dirty.update(pages)
 
     def _fresh(self, pages: list[int]) -> int:
         return sum(page not in self._dirty for page in pages)

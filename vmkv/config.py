@@ -92,7 +92,8 @@ class KVCacheConfig:
             processes (:mod:`vmkv.ledger`): ``"NAME:SIZE"``, optionally followed by
             ``,min=SIZE``, ``,max=SIZE``, ``,member=LABEL``, ``,wait=SECONDS``. The cache then backs
             a page with memory only once the ledger granted it, gives idle pages back when
-            others need them, and ``memory_budget`` is only its own ceiling.
+            others need them, and ``memory_budget`` is only its own ceiling (on CUDA the
+            backend then creates pages per grant and releases them, instead of all at open).
     """
 
     num_layers: int

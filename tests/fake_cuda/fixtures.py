@@ -58,8 +58,9 @@ def fake_cuda_backends(fake: FakeDriver, monkeypatch) -> list:
     runtime = FakeRuntime()
     backends: list = []
 
-    def open_backend(device, page_size: int, num_pages: int, **_host_only) -> CudaVirtualMemory:
-        backend = CudaVirtualMemory(page_size, num_pages, device="cuda:0", runtime=runtime)
+    def open_backend(device, page_size: int, num_pages: int, *, on_demand: bool = False,
+                     **_host_only) -> CudaVirtualMemory:
+        backend = CudaVirtualMemory(page_size, num_pages, device="cuda:0", runtime=runtime, on_demand=on_demand)
         backends.append(backend)
         return backend
 

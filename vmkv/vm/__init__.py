@@ -8,12 +8,15 @@ from .base import VirtualMemory
 from .host import HostVirtualMemory, free_map_count, mapping_room
 
 
-def open_backend(device: torch.device, page_size: int, num_pages: int, *, max_mappings: int = 0) -> VirtualMemory:
+def open_backend(device: torch.device, page_size: int, num_pages: int, *, max_mappings: int = 0,
+                 on_demand: bool = False) -> VirtualMemory:
     """Return the backend for ``device`` with a store of ``num_pages`` pages of ``page_size`` bytes.
 
     Args:
         max_mappings: host only: the most mappings the caller will need (checked against Linux's
             ``vm.max_map_count``; 0 skips the check).
+        on_demand: CUDA only: create pages when provisioned, give them back when released (the
+            host's pages come and go with their data anyway).
 
     Raises:
         BackendUnavailable: CUDA was asked for but the driver, a GPU or cuda-bindings is missing.
@@ -22,7 +25,7 @@ def open_backend(device: torch.device, page_size: int, num_pages: int, *, max_ma
     if device.type == "cuda":
         from .cuda import CudaVirtualMemory  # imported lazily: cuda-bindings is an optional extra
 
-        return CudaVirtualMemory(page_size, num_pages, device=device)
+        return CudaVirtualMemory(page_size, num_pages, device=device, on_demand=on_demand)
     return HostVirtualMemory(page_size, num_pages, max_mappings=max_mappings)
 
 

@@ -4,7 +4,8 @@ A backend owns one store of equally sized physical pages and hands out virtual r
 
     reserve(nbytes) -> addr          # address space only: reads as zeros, no memory behind it
     map(addr, page) / unmap(addr)    # put physical page #page at addr / back to the zero page
-    release_page(page)               # give the page's memory back to the OS (host only)
+    release_page(page)               # give the page's memory back (host; CUDA on demand)
+    provision(pages)                 # CUDA on demand: create pages' memory in one batch
     tensor(addr, shape, dtype)       # a zero-copy torch view of a (mapped) range
     free_reservation(addr, nbytes) / close()
 
@@ -65,6 +66,15 @@ class VirtualMemory(ABC):
     @abstractmethod
     def release_page(self, page: int) -> None:
         """Return the memory behind an unmapped page to the operating system, if the backend can."""
+
+    on_demand = False
+    """Whether pages get memory only when provisioned (CUDA in a shared budget); the host's pages
+    get it when first written."""
+
+    def provision(self, pages: list[int]) -> int:
+        """Give ``pages`` memory now, in one batch, where the backend creates pages on demand;
+        return how many it created (default: none, the backend needs no step)."""
+        return 0
 
     @abstractmethod
     def tensor(self, addr: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

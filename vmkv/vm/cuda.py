@@ -5,6 +5,10 @@
   one more handle: the **zero page**. New device memory holds whatever was there before, so all
   of them are zeroed once at open: mapped side by side into a scratch range, ``cuMemsetD8``,
   ``cuCtxSynchronize``, unmapped. The hot path never allocates; ``release_page`` is a no-op.
+  With ``on_demand=True`` (a cache in a shared budget) only the zero page is created at open:
+  :meth:`CudaVirtualMemory.provision` creates and zeroes a batch of pages at once (the cache
+  calls it when the ledger grants a batch, off the per-page path), ``map`` creates a page not
+  provisioned yet, and ``release_page`` gives an unmapped page's handle back to the driver.
 * reserve: ``cuMemAddressReserve``, then the zero page is mapped at every page of the range and
   the whole range is made read-only for this device (``cuMemSetAccess`` with
   ``CU_MEM_ACCESS_FLAGS_PROT_READ``). Reads anywhere in a reservation see zeros; a kernel that
@@ -54,6 +58,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+from collections import Counter
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -347,9 +352,11 @@ class CudaVirtualMemory(VirtualMemory):
     Args:
         page_size: bytes of one page: a multiple of :func:`cuda_granularity`.
         num_pages: pages in the store, all created now (``(num_pages + 1) * page_size`` bytes of
-            GPU memory are taken at once: the extra page is the zero page).
+            GPU memory are taken at once: the extra page is the zero page), unless ``on_demand``.
         device: the CUDA device (``"cuda"`` means torch's current device).
         runtime: torch's side of CUDA (tests substitute it); default :class:`TorchCudaRuntime`.
+        on_demand: create only the zero page now; pages are created by :meth:`provision` (or a
+            ``map``) and given back by :meth:`release_page`.
 
     Attributes:
         zero_page_read_only: empty pages are mapped read-only (a write there faults); ``False``
@@ -365,8 +372,10 @@ class CudaVirtualMemory(VirtualMemory):
     name = "cuda"
 
     def __init__(self, page_size: int, num_pages: int, *, device: torch.device | str | int = "cuda",
-                 runtime: TorchCudaRuntime | None = None) -> None:
-        self._handles: list[int] = []
+                 runtime: TorchCudaRuntime | None = None, on_demand: bool = False) -> None:
+        self._handles: list[int | None] = []  # None: not created (on demand), no memory behind it
+        self._maps: Counter[int] = Counter()  # page -> addresses it is mapped at
+        self.on_demand = on_demand
         self._zero: int | None = None
         self._reservations: dict[int, _Reservation] = {}
         self._bases: list[int] = []  # sorted reservation addresses, to find the one holding an address
@@ -393,7 +402,7 @@ class CudaVirtualMemory(VirtualMemory):
             with self._context.current():
                 self._zero = self._create("cuMemCreate (zero page)")
                 for page in range(num_pages):
-                    self._handles.append(self._create(f"cuMemCreate (page {page} of {num_pages})"))
+                    self._handles.append(None if on_demand else self._create(f"cuMemCreate (page {page} of {num_pages})"))
                 self._zero_store()
         except BaseException as exc:
             self.close()
@@ -419,15 +428,18 @@ class CudaVirtualMemory(VirtualMemory):
         return int(self._call(self._context.driver.cuMemCreate(self.page_size, self._prop, 0), what))
 
     def _zero_store(self) -> None:
-        """Zero every page once: cuMemCreate memory holds stale bytes (NaN patterns, say, which
-        a masked read times a zero weight still turns into NaN). All handles are mapped side by
+        """Zero every page created at open, then probe whether empty pages can be read-only."""
+        self._zero_handles([self._zero, *(h for h in self._handles if h is not None)], probe=True)
+
+    def _zero_handles(self, handles: list[int], *, probe: bool = False) -> None:
+        """Zero new pages once: cuMemCreate memory holds stale bytes (NaN patterns, say, which
+        a masked read times a zero weight still turns into NaN). The handles are mapped side by
         side into a scratch range, set to 0 with one ``cuMemsetD8``, then unmapped.
 
         Raises:
             BackendError: a driver call failed (the scratch range is given back first).
         """
         driver = self._context.driver
-        handles = [self._zero, *self._handles]
         scratch = _Reservation(self._context, len(handles) * self.page_size, self.page_size, self.granularity)
         try:
             for addr, handle in zip(scratch.pages(), handles):
@@ -436,7 +448,8 @@ class CudaVirtualMemory(VirtualMemory):
             self._call(driver.cuMemSetAccess(scratch.addr, scratch.nbytes, self._read_write, 1), "cuMemSetAccess (zeroing)")
             self._call(driver.cuMemsetD8(scratch.addr, 0, scratch.nbytes), "cuMemsetD8 (zeroing the store)")
             self._call(driver.cuCtxSynchronize(), "cuCtxSynchronize (zeroing)")
-            self._empty_access = self._probe_read_only(scratch.addr)
+            if probe:
+                self._empty_access = self._probe_read_only(scratch.addr)
         finally:
             errors = scratch.free()
         if errors:
@@ -592,10 +605,13 @@ class CudaVirtualMemory(VirtualMemory):
             self._call(self._context.driver.cuMemUnmap(addr, self.page_size), f"cuMemUnmap (zero page) at {addr:#x}")
             res.holes.add(addr)
         try:
+            if self._handles[page] is None:
+                self._provision_locked([page])
             self._map_at(res, addr, self._handles[page], self._read_write)
         except BackendError as exc:
             raise (self._refill(res, addr, exc) if addr in res.holes else exc) from None
         res.data[addr] = page
+        self._maps[page] += 1
 
     def unmap(self, addr: int) -> None:
         """Unmap the page at ``addr``; it reads as zeros again. Call :meth:`synchronize` first if
@@ -616,6 +632,7 @@ class CudaVirtualMemory(VirtualMemory):
         page = res.data[addr]
         self._call(self._context.driver.cuMemUnmap(addr, self.page_size), f"cuMemUnmap at {addr:#x}")
         del res.data[addr]
+        self._maps[page] -= 1
         res.holes.add(addr)
         try:
             self._map_at(res, addr, self._zero, self._empty_access)
@@ -627,11 +644,64 @@ class CudaVirtualMemory(VirtualMemory):
             except BackendError as undo:
                 raise BackendError(f"{exc}; mapping page {page} back failed too ({undo}): reads at {addr:#x} fault") from None
             res.data[addr] = page
+            self._maps[page] += 1
             raise
 
+    def provision(self, pages: list[int]) -> int:
+        """On demand: create and zero, in one batch, the pages of ``pages`` that have no memory
+        yet (one ``cuMemsetD8`` and one synchronize for the batch). A no-op otherwise.
+
+        Returns:
+            How many pages were created.
+
+        Raises:
+            BackendError: a page id is outside the store, or the driver refused (e.g. out of
+                memory): the pages created by this call are given back first.
+        """
+        self._check_open()
+        if not self.on_demand:
+            return 0
+        for page in pages:
+            if not isinstance(page, int) or isinstance(page, bool) or not 0 <= page < self.num_pages:
+                raise BackendError(f"provision: page {page!r} is outside the store of {self.num_pages} pages")
+        with self._context.current():
+            return self._provision_locked(pages)
+
+    def _provision_locked(self, pages: list[int]) -> int:
+        new = sorted({page for page in pages if self._handles[page] is None})
+        created: list[int] = []
+        try:
+            for page in new:
+                created.append(self._create(f"cuMemCreate (page {page}, on demand)"))
+            if created:
+                self._zero_handles(created)
+        except BaseException:
+            errors: list[str] = []
+            for handle in created:
+                self._context.attempt(self._context.driver.cuMemRelease(handle), "cuMemRelease (undo)", errors)
+            if errors:
+                log.warning("CUDA backend: giving back pages after a failed provision: %s", _summary(errors))
+            raise
+        for page, handle in zip(new, created):
+            self._handles[page] = handle
+        return len(created)
+
     def release_page(self, page: int) -> None:
-        """No-op: the page store is preallocated (one ``cuMemCreate`` handle per page) and is
-        only given back to the driver by :meth:`close`."""
+        """On demand: give the memory of unmapped page ``page`` back to the driver
+        (``cuMemRelease``); it is created again when next provisioned or mapped. Otherwise a
+        no-op: the preallocated store is only given back by :meth:`close`.
+
+        Raises:
+            BackendError: the page is still mapped somewhere, or the driver refused.
+        """
+        self._check_open()
+        if not self.on_demand or self._handles[page] is None:
+            return
+        if self._maps[page]:
+            raise BackendError(f"release_page: page {page} is still mapped at {self._maps[page]} address(es)")
+        with self._context.current():
+            self._call(self._context.driver.cuMemRelease(self._handles[page]), f"cuMemRelease (page {page})")
+        self._handles[page] = None
 
     def tensor(self, addr: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A contiguous tensor of ``shape`` over ``addr`` without copying; it keeps the reservation
@@ -666,7 +736,7 @@ class CudaVirtualMemory(VirtualMemory):
         """GPU memory the store holds: (pages + the zero page) times the page size; 0 once closed."""
         if self._closed:
             return 0
-        return (len(self._handles) + (self._zero is not None)) * self.page_size
+        return (sum(h is not None for h in self._handles) + (self._zero is not None)) * self.page_size
 
     def close(self) -> None:
         """Put the zero page back wherever data is mapped (views read zeros), release every page
@@ -700,7 +770,7 @@ class CudaVirtualMemory(VirtualMemory):
                         except BackendError as exc:  # that page keeps its data until the range is freed
                             errors.append(str(exc))
                 zero = [] if self._zero is None else [self._zero]
-                for handle in zero + self._handles:  # still-mapped handles are freed with their last mapping
+                for handle in zero + [h for h in self._handles if h is not None]:  # still-mapped handles are freed with their last mapping
                     self._context.attempt(driver.cuMemRelease(handle), "cuMemRelease", errors)
         except BackendError as exc:  # the context could not be made current
             errors.append(str(exc))
