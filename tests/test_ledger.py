@@ -466,3 +466,39 @@ def test_cuda_trim_gives_memory_back_to_the_device(name, fake_cuda_backends, fak
         page = cache.pages("x")[0]
         with pytest.raises(BackendError, match="still mapped"):
             fake_cuda_backends[0].release_page(cache._piece(page, 0))
+
+
+def test_a_members_min_is_never_asked_back(name):
+    with small(name, ",member=a,min=3MiB") as a, small(name, ",member=b,wait=0.5") as b:
+        ledger_member.run_burst(a, *BURST.values(), seed=1)  # 102 pages, then idle (cached)
+        with pytest.raises(OutOfPages):
+            ledger_member.run_burst(b, *BURST.values(), seed=2)
+        assert a.stats()["ledger_pages_held"] >= 96  # 3 MiB of 32 KiB pages
+        b.check()
+
+
+def test_a_call_waits_for_the_watcher_instead_of_raising(name):
+    from vmkv.errors import ConcurrentUse
+
+    with small(name) as cache:
+        share, inside = cache._share, threading.Event()
+
+        def hold(seconds: float, serving: bool) -> None:
+            share.serving = serving
+            with cache._lock:
+                inside.set()
+                time.sleep(seconds)
+            share.serving = False
+
+        watcher = threading.Thread(target=hold, args=(0.2, True))
+        watcher.start()
+        inside.wait()
+        cache.add("x")  # the watcher is giving pages back: wait for it
+        watcher.join()
+        inside.clear()
+        other = threading.Thread(target=hold, args=(0.2, False))
+        other.start()
+        inside.wait()
+        with pytest.raises(ConcurrentUse):  # any other thread is still refused
+            cache.add("y")
+        other.join()
