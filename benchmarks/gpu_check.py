@@ -23,6 +23,10 @@ every section, so an interrupted run keeps what finished.
                   every page)
     paged_vs_vmm  each paged kernel vs the VMM cache's kernel through ``cache.attention``;
                   fails when the outputs differ by more than twice ``TOLERANCE``
+    shared_budget two caches in one ledger of 48 pages (each could take 64): one fills 40, frees
+                  them, the other fills 40; the device memory both stores hold (backend count
+                  and, on CUDA, cudaMemGetInfo) stays within the budget and the first one's
+                  pages really go back; the time to create a page in a grant's batch
     vllm          ``vmkv.vllm.gpu_smoke(DIR/vllm)`` if vmkv.vllm and vLLM are installed; fails
                   unless it reports ``"passed": True``
 
@@ -70,7 +74,7 @@ from vmkv.step import StepPlan  # noqa: E402
 from vmkv.vm.cuda import TorchCudaRuntime  # noqa: E402
 
 MiB = 1 << 20
-SECTIONS = ["environment", "tests", "zero_page", "decode", "map_unmap", "paged_vs_vmm", "vllm"]
+SECTIONS = ["environment", "tests", "zero_page", "decode", "map_unmap", "paged_vs_vmm", "shared_budget", "vllm"]
 EXIT_FAILED, EXIT_USAGE, EXIT_NO_GPU = 1, 2, 3
 
 
@@ -417,6 +421,64 @@ def paged_section(device: torch.device, shape: Shape) -> dict[str, Any]:
         vmm.close()
 
 
+def shared_budget_section(device: torch.device, shape: Shape) -> dict[str, Any]:
+    """Two caches share one ledger: device memory follows the pages between them (docs/shared-budget.md)."""
+    import os
+
+    base = decode_config(device, replace(shape, batch=8))
+    page = base.page_size * 2 * base.num_layers  # a pool page: one piece per layer, K and V (per-layer layout)
+    budget, name = 48 * page, f"gpu-check-{os.getpid()}"
+    tokens = 5 * (base.page_size // base.layer_token_bytes)  # 5 pages a sequence, 40 for 8
+    config = decode_config(device, replace(shape, batch=8, seq_len=tokens), memory_budget=64 * page,
+                           shared_budget=f"{name}:{budget}")
+
+    def device_used() -> int | None:  # what the driver handed out beyond torch's own allocator
+        if device.type != "cuda":
+            return None
+        return torch.cuda.mem_get_info(device)[1] - torch.cuda.mem_get_info(device)[0] - torch.cuda.memory_reserved(device)
+
+    used_before = device_used()
+    caches = [vmkv.open_cache(config), vmkv.open_cache(config)]
+
+    def resident() -> int:
+        return sum(cache.stats()["resident_bytes"] for cache in caches)
+
+    def fill(cache: vmkv.KVCacheBase, tag: str) -> float:
+        began = time.perf_counter()
+        for i in range(8):
+            cache.add(f"{tag}{i}")
+        plan = cache.begin_step({f"{tag}{i}": tokens for i in range(8)})
+        seconds = time.perf_counter() - began
+        kv = torch.randn(8 * tokens, shape.kv_heads, shape.head_dim, device=device).to(config.dtype)
+        for layer in range(config.num_layers):
+            cache.write(layer, kv, kv, plan)
+        return seconds
+
+    try:
+        first_s = fill(caches[0], "a")
+        after_first = resident()
+        for i in range(8):
+            caches[0].free(f"a{i}")
+        second_s = fill(caches[1], "b")
+        after_second = resident()
+        held = [cache.stats()["ledger_pages_held"] for cache in caches]
+        used = None if used_before is None else device_used() - used_before
+    finally:
+        for cache in caches:
+            cache.close()
+    zero = 2 * config.page_size if device.type == "cuda" else 0  # each backend's zero page
+    limit = budget + zero
+    checks = {
+        "first_cache_got_more_than_half": after_first > budget // 2,
+        "stores_within_the_budget": after_first <= limit and after_second <= limit,
+        "first_cache_gave_pages_back": held[0] * page <= budget - 40 * page,
+        "device_memory_within_the_budget": used is None or used <= limit + 2 * MiB,  # the driver's rounding aside
+    }
+    return {"budget_bytes": budget, "resident_after_first": after_first, "resident_after_second": after_second,
+            "pages_held": held, "device_bytes_used": used, "grow_40_pages_s": [first_s, second_s],
+            "checks": checks, "failures": [name for name, ok in checks.items() if not ok]}
+
+
 def zero_page_section(device: torch.device, shape: Shape, out_dir: Path, smoke: bool) -> dict[str, Any]:
     """Empty pages read as zeros (past a sequence, in an empty slot, after close) and a write
     into one faults -- checked in a child process, since on CUDA the fault kills the context."""
@@ -525,6 +587,7 @@ def section_call(name: str, args: argparse.Namespace, device: torch.device) -> C
         "decode": lambda: decode_section(device, shape, args.kernels),
         "map_unmap": lambda: map_unmap_section(device, shape),
         "paged_vs_vmm": lambda: paged_section(device, shape),
+        "shared_budget": lambda: shared_budget_section(device, shape),
         "vllm": lambda: vllm_section(device, args.out),
     }
     return calls[name]

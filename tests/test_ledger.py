@@ -502,3 +502,13 @@ def test_a_call_waits_for_the_watcher_instead_of_raising(name):
         with pytest.raises(ConcurrentUse):  # any other thread is still refused
             cache.add("y")
         other.join()
+
+
+def test_gpu_check_shared_budget_section_dry_runs_on_the_cpu():
+    import torch
+
+    from benchmarks import gpu_check
+
+    result = gpu_check.shared_budget_section(torch.device("cpu"), gpu_check.SMOKE)
+    assert result["failures"] == [] and all(result["checks"].values())
+    assert result["resident_after_second"] <= result["budget_bytes"] and result["pages_held"][1] >= 40
