@@ -501,14 +501,13 @@ class Member:
         return -(-nbytes // self.page_bytes)
 
     def leave(self) -> None:
-        """Give everything back and free the slot (the ledger's file goes with its last member)."""
-        if self.ledger._map is None:
+        """Give everything back and free the slot. Idempotent."""
+        if self.ledger._map is None or self.slot < 0:
             return
         with self.ledger.locked() as slots:
             if slots[self.slot]["pid"] == self.pid:
                 self.ledger._clear(self.slot)
-        self.held = 0
-        self.ledger.close(unlink_if_empty=True)
+        self.held, self.slot = 0, -1
 
 
 def report(name: str, *, reap: bool = False) -> list[str]:

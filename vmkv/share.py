@@ -71,11 +71,13 @@ class BudgetShare:
         self._watcher.start()
 
     def close(self) -> None:
-        """Stop the watcher and leave the ledger (call after the cache's memory is released)."""
+        """Stop the watcher and leave the ledger, whose file goes with its last member (call
+        after the cache's memory is released)."""
         self._stop.set()
         if self._watcher is not threading.current_thread():
             self._watcher.join()
         self.member.leave()
+        self.ledger.close(unlink_if_empty=True)
 
 
 def _watch(ref: "weakref.ref[KVCacheBase]", member: Member, stop: threading.Event) -> None:
