@@ -19,11 +19,13 @@ import time
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, settings
+import torch
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import vmkv
+import vmkv.share
 from vmkv.errors import BackendError, InvalidConfig, LedgerCorrupt, LedgerMismatch, OutOfPages
 from vmkv.ledger import Ledger, SharedBudget, ledger_path
 
@@ -512,3 +514,100 @@ def test_gpu_check_shared_budget_section_dry_runs_on_the_cpu():
     result = gpu_check.shared_budget_section(torch.device("cpu"), gpu_check.SMOKE)
     assert result["failures"] == [] and all(result["checks"].values())
     assert result["resident_after_second"] <= result["budget_bytes"] and result["pages_held"][1] >= 40
+
+
+class SharedCachesMachine(RuleBasedStateMachine):
+    """Two VMM caches in one ledger smaller than their sum: sequences come, grow and go, caches
+    trim and serve requests (the watcher's work, called here so runs replay). A call either
+    succeeds or raises OutOfPages having changed nothing; every stored token reads back as
+    written; no cache backs a page it was not granted, and the ledger never holds more than its
+    budget."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.name = f"caches-{os.getpid()}-{id(self)}"
+        self._poll, vmkv.share.POLL_S = vmkv.share.POLL_S, 3600.0  # no watcher wakes: the rules serve
+        config = dict(num_layers=1, num_kv_heads=1, head_dim=16, dtype="float32", page_size="4KiB", max_batch_size=4,
+                      max_seq_len=1024, memory_budget=24 * 2 * 4096)  # 24 pages of 2 x 4 KiB each, 256 tokens a page
+        self.caches = [vmkv.VirtualKVCache(vmkv.KVCacheConfig(**config, shared_budget=f"{self.name}:{32 * 8192},wait=0.05"))
+                       for _ in range(2)]
+        self.tokens: list[dict[str, list[float]]] = [{}, {}]  # per cache: seq -> the value of each token
+        self.next_id = 0
+        self.last_error = ""
+
+    def teardown(self) -> None:
+        for cache in self.caches:
+            cache.close()
+        vmkv.share.POLL_S = self._poll
+
+    def attempt(self, which: int, call) -> bool:
+        cache = self.caches[which]
+        before = cache.state()
+        try:
+            call(cache)
+        except OutOfPages as exc:
+            self.last_error = "ledger full" if "ledger" in str(exc) else "cache full"
+            event(self.last_error)
+            assert cache.state() == before
+            return False
+        return True
+
+    @precondition(lambda self: any(len(t) < 4 for t in self.tokens))
+    @rule(which=st.integers(0, 1), length=st.integers(1, 1500))
+    def add_and_prefill(self, which, length):
+        if len(self.tokens[which]) == 4:
+            return
+        seq, self.next_id = f"s{self.next_id}", self.next_id + 1
+        length = min(length, 1024)
+        cache = self.caches[which]
+        cache.add(seq)
+
+        def prefill(cache):
+            plan = cache.begin_step({seq: length})
+            values = torch.arange(length, dtype=torch.float32) + 10_000 * self.next_id
+            cache.write(0, values[:, None, None].expand(length, 1, 16), values[:, None, None].expand(length, 1, 16), plan)
+
+        done = self.attempt(which, prefill)
+        if not done and self.last_error == "ledger full":  # the other's watcher would serve the request now
+            self.serve(1 - which)
+            done = self.attempt(which, prefill)
+        if done:
+            self.tokens[which][seq] = [float(v) for v in range(length)]
+        else:
+            cache.free(seq)
+
+    @precondition(lambda self: any(self.tokens))
+    @rule(data=st.data())
+    def free_one(self, data):
+        which = data.draw(st.sampled_from([i for i in (0, 1) if self.tokens[i]]))
+        seq = data.draw(st.sampled_from(sorted(self.tokens[which])))
+        self.caches[which].free(seq)
+        del self.tokens[which][seq]
+
+    @rule(which=st.integers(0, 1))
+    def trim(self, which):
+        self.caches[which].trim(keep_cached=True)
+
+    @rule(which=st.integers(0, 1))
+    def serve(self, which):
+        held = self.caches[which]._share.member.held
+        self.caches[which]._serve_ledger()
+        event("gave back" if self.caches[which]._share.member.held < held else "nothing to give")
+
+    @invariant()
+    def within_grants_and_intact(self):
+        held = 0
+        for cache, tokens in zip(self.caches, self.tokens):
+            member = cache._share.member
+            assert cache._backed() <= member.held
+            assert cache.stats()["resident_bytes"] <= member.held * cache.geometry.page_bytes
+            held += member.held * cache.geometry.page_bytes
+            for seq, values in tokens.items():
+                k, _ = cache.kv(seq, 0)
+                assert k.shape[0] == len(values) and torch.equal(k[:, 0, 0] % 10_000, torch.tensor(values))
+        assert held <= 32 * 8192
+
+
+TestSharedCachesMachine = SharedCachesMachine.TestCase
+TestSharedCachesMachine.settings = settings(max_examples=60, stateful_step_count=20, deadline=None,
+                                            suppress_health_check=[HealthCheck.too_slow])

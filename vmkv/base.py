@@ -365,8 +365,6 @@ class KVCacheBase(ABC):
             OutOfMappings) if the OS refused a mapping: the call was rolled back.
         """
         self._join_ahead()
-        if self._share is not None:
-            self._ledger_boundary()
         steps = self._check_batch(batch)
         with atomic(self):
             self._finish_last_step()
@@ -388,6 +386,8 @@ class KVCacheBase(ABC):
         self.counters["cow_copies"] += sum(len(c) for c in copies)
         self._layers_written = set()
         self._version += 1
+        if self._share is not None:  # after the commit: a step that fails changes nothing
+            self._ledger_boundary()
         if self._ahead_worker is not None:
             self._start_map_ahead(plan)
         return plan
@@ -741,7 +741,10 @@ class KVCacheBase(ABC):
         short = member.take(self._backed_after(count), extra=self._share.batch)
         if short:
             self._recycle(short)
-            member.take(self._backed_after(count), extra=self._share.batch, wait_s=self._share.wait_s)
+            short = member.take(self._backed_after(count), extra=self._share.batch, wait_s=self._share.wait_s)
+        if short:  # wait=0: no waiting, and nothing came back
+            raise OutOfPages(f"ledger {self._share.ledger.name!r} is full: {short} more pages needed and no "
+                             "wait allowed (wait=0); free sequences or raise the shared budget")
         if member.held > held:
             self._provision(count)
 
@@ -784,13 +787,14 @@ class KVCacheBase(ABC):
 
     def _give_back(self, asked: int) -> None:
         """Release idle memory until ``asked`` grants are unused (never below what live
-        sequences or the member's ``min`` need), then return the unused grants."""
+        sequences or the member's ``min`` need), then return the unused grants. Touches only
+        pages no live sequence holds (spare pages of freed slots, cached and free pages), so a
+        plan in flight stays valid."""
         member = self._share.member
         target = max(member.held - asked, self._live_pages(), member.min_pages)
         excess = self._backed() - target
         if excess > 0:
             with atomic(self):
-                self._finish_last_step()
                 dirty_free = self._backed() - self.pool.num_in_use - self.pool.num_cached
                 self._recycle(excess - dirty_free)
             self._release(self.pool.free_pages())
