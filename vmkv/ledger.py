@@ -520,10 +520,13 @@ def report(name: str, *, reap: bool = False) -> list[str]:
     Raises:
         FileNotFoundError: no such ledger; LedgerCorrupt, LedgerMismatch: it cannot be read.
     """
-    with Ledger(name, None) as ledger:
+    ledger = Ledger(name, None)
+    try:
         freed = ledger.reap() if reap else 0
         members = ledger.members()
         budget = ledger.budget
+    finally:
+        ledger.close(unlink_if_empty=reap)  # a reaped ledger with no member left goes
     used = sum(m.held for m in members)
     lines = [f"ledger {name} ({ledger.path}): budget {format_size(budget)}, held {format_size(used)}, "
              f"free {format_size(budget - used)}"]
