@@ -611,3 +611,15 @@ class SharedCachesMachine(RuleBasedStateMachine):
 TestSharedCachesMachine = SharedCachesMachine.TestCase
 TestSharedCachesMachine.settings = settings(max_examples=60, stateful_step_count=20, deadline=None,
                                             suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_another_version_and_a_missing_directory_say_so(name, tmp_path):
+    import vmkv.ledger as ledger_module
+    from vmkv.errors import LedgerError
+
+    path = ledger_path(name)
+    Path(path).write_bytes(struct.pack("<8sIIQ", ledger_module.MAGIC, 2, 64, BUDGET).ljust(64 + 64 * 128, b"\0"))
+    with pytest.raises(LedgerMismatch, match="version 2"):
+        Ledger(name, BUDGET)
+    with pytest.raises(LedgerError, match="directory does not exist"):
+        Ledger(str(tmp_path / "missing" / "ledger"), BUDGET)

@@ -44,7 +44,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from .errors import InvalidConfig, LedgerCorrupt, LedgerMismatch, OutOfPages
+from .errors import InvalidConfig, LedgerCorrupt, LedgerError, LedgerMismatch, OutOfPages
 from .sizes import format_size, parse_size
 
 MAGIC = b"VMKVLDG1"
@@ -200,7 +200,7 @@ class Ledger:
         self._fd = -1
         self._map: mmap.mmap | None = None
         while self._map is None:  # the last member may remove the file between our open and our lock: retry
-            fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if budget is not None else 0), 0o600)
+            fd = self._open_file(budget is not None)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 if os.path.exists(self.path) and os.stat(self.path).st_ino == os.fstat(fd).st_ino:
@@ -213,6 +213,18 @@ class Ledger:
                     fcntl.flock(fd, fcntl.LOCK_UN)
 
     # ---- file format -------------------------------------------------------------------------
+    def _open_file(self, create: bool) -> int:
+        try:
+            return os.open(self.path, os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0), 0o600)
+        except FileNotFoundError:
+            if not create:
+                raise
+            raise LedgerError(f"cannot create the ledger file {self.path}: its directory does not exist "
+                              "(name the ledger by a path in a directory that does)") from None
+        except PermissionError as exc:
+            raise LedgerError(f"cannot open the ledger file {self.path}: {exc.strerror} (ledgers are "
+                              "private to their owner's processes)") from None
+
     def _open_locked(self, fd: int, budget: int | None) -> None:
         """Map the file (holding its lock), writing a fresh header into an empty one if ``budget``."""
         size, actual = _HEADER_BYTES + NUM_SLOTS * _SLOT_BYTES, os.fstat(fd).st_size
@@ -220,6 +232,10 @@ class Ledger:
         if fresh:
             os.ftruncate(fd, size)
         elif actual != size:
+            head = os.pread(fd, _HEADER.size, 0)
+            if len(head) == _HEADER.size and head[:8] == MAGIC and _HEADER.unpack(head)[1] != VERSION:
+                raise LedgerMismatch(f"{self.path} is a version {_HEADER.unpack(head)[1]} ledger; this vmkv reads "
+                                     f"version {VERSION}")
             raise LedgerCorrupt(f"{self.path} is not a vmkv ledger ({actual} bytes, a ledger has {size}); "
                                 "remove it if nothing uses it")
         self._map = mmap.mmap(fd, size)
