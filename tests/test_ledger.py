@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,7 @@ BURST = dict(seqs=6, tokens=256)  # 6 x 17 pages = 102 pages, more than half the
 @pytest.fixture
 def name(request):
     """A ledger name of this test alone; its file is gone afterwards."""
-    label = f"test-{os.getpid()}-{request.node.name[:40]}".replace("[", "-").replace("]", "")
+    label = f"test-{os.getpid()}-{zlib.crc32(request.node.nodeid.encode()):08x}"
     yield label
     if os.path.exists(ledger_path(label)):
         os.unlink(ledger_path(label))
