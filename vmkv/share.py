@@ -6,9 +6,11 @@ the OS). The cache takes grants before it backs pages (``KVCacheBase._cover``), 
 back only once that memory went back to the OS (``trim``, or a reclaim on request): so the
 resident KV memory of all members together never exceeds the ledger's budget.
 
-Requests from other members are served at the cache's next step boundary (``begin_step``) or,
-while the cache is idle, by the watcher thread here, which polls the member's ``request`` field
-(a lock-free read) and reclaims when no step is in flight.
+Requests from other members are served at the cache's next step boundary (the end of a
+``begin_step`` that succeeded, ``free``, ``trim``) or, while the cache is idle, by the watcher
+thread here, which polls the member's ``request`` field (a lock-free read) and reclaims when no
+step is in flight. Giving back touches only pages no live sequence holds (spare pages of freed
+slots, then the oldest cached pages, and free pages), so it never invalidates a plan.
 """
 
 from __future__ import annotations
