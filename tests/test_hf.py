@@ -219,7 +219,7 @@ def test_architecture_generates_again_after_reset(models, references, arch, setu
 def test_sliding_window_models_run_their_own_attention_over_vmm_views(arch):
     """Mistral (window 16) and Gemma2 (window 16, soft-capping) with their own attention in VMM
     mode equal transformers' default cache (sliding layers) well past the window; the "vmkv"
-    attention refuses them with the reason."""
+    attention refuses them with the reason and the way out (this very setup)."""
     model = tiny_model(arch, **SLIDING[arch])
     ids, mask = prompts(padded=True)
     kwargs = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
@@ -229,8 +229,10 @@ def test_sliding_window_models_run_their_own_attention_over_vmm_views(arch):
     assert cache.get_seq_length() == 11 + 23 > SLIDING[arch]["sliding_window"]
     own = model.config._attn_implementation
     try:
-        with pytest.raises(InvalidConfig, match="sliding|softcap"):
+        with pytest.raises(InvalidConfig, match="sliding window|soft-capping") as refused:
             generate(use_attention(model, "vmkv"), vhf.VirtualCache("vmm", **PAGE), ids, mask)
+        assert "attn_implementation='sdpa'" in str(refused.value) and "VirtualCache('vmm')" in str(refused.value)
+        assert "identical" in str(refused.value)
     finally:
         use_attention(model, own)
 
