@@ -44,8 +44,8 @@ class VirtualLayer(CacheLayerMixin):
 
     Pages hold every layer of a token, so batch operations (reorder, crop, fork) act on the
     whole cache: call them on the ``VirtualCache``, not on a layer. ``keys`` / ``values`` are
-    zero-copy views ``[B, kv_heads, columns, head_dim]`` where the stored K/V have that layout
-    (see :meth:`VirtualCache.layer_kv`).
+    ``[B, kv_heads, columns, head_dim]`` as in ``DynamicCache``: zero-copy views where the stored
+    K/V have that layout, else materialised copies (see :meth:`VirtualCache.layer_states`).
     """
 
     is_sliding = False
@@ -74,8 +74,8 @@ class VirtualLayer(CacheLayerMixin):
 
     @property
     def keys(self) -> torch.Tensor | None:  # type: ignore[override]
-        """``[B, kv_heads, columns, head_dim]`` view of this layer's K (``None`` before the first forward)."""
-        return self._cache.layer_kv(self.layer_idx)[0]
+        """This layer's K, ``[B, kv_heads, columns, head_dim]``: a view or a copy (``VirtualCache.layer_states``)."""
+        return self._cache.layer_states(self.layer_idx, 0)
 
     @keys.setter
     def keys(self, value: torch.Tensor | None) -> None:
@@ -83,8 +83,8 @@ class VirtualLayer(CacheLayerMixin):
 
     @property
     def values(self) -> torch.Tensor | None:  # type: ignore[override]
-        """``[B, kv_heads, columns, head_dim]`` view of this layer's V (``None`` before the first forward)."""
-        return self._cache.layer_kv(self.layer_idx)[1]
+        """This layer's V, ``[B, kv_heads, columns, head_dim]``: a view or a copy (``VirtualCache.layer_states``)."""
+        return self._cache.layer_states(self.layer_idx, 1)
 
     @values.setter
     def values(self, value: torch.Tensor | None) -> None:
@@ -130,7 +130,7 @@ class VirtualLayer(CacheLayerMixin):
 def _refuse_assignment(value: Any) -> None:
     """``CacheLayerMixin.__init__`` sets ``keys``/``values`` to ``None``; any tensor is refused."""
     if value is not None:
-        raise Unsupported("a VirtualCache layer's keys/values are views of the cache; write through update()")
+        raise Unsupported("a VirtualCache layer's keys/values are read from the cache; write through update()")
 
 
 class VirtualCache(RowPolicy, Cache):
@@ -287,32 +287,55 @@ class VirtualCache(RowPolicy, Cache):
     def layer_kv(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(keys, values)`` of ``layer`` in ``DynamicCache``'s layout ``[B, kv_heads, columns, head_dim]``.
 
-        Zero-copy views of the stored K/V (VMM mode); ``(None, None)`` before the first forward.
+        ``(None, None)`` before the first forward. See :meth:`layer_states` for when they are
+        views and when copies.
+        """
+        return self.layer_states(layer, 0), self.layer_states(layer, 1)
+
+    def layer_states(self, layer: int, part: int) -> torch.Tensor | None:
+        """``layer``'s keys (``part=0``) or values (``part=1``) as ``[B, kv_heads, columns, head_dim]``.
+
+        A zero-copy view of the stored K/V wherever they have that layout: VMM mode, every column
+        stored, rows in slots of arithmetic order. Elsewhere a **copy** (counted in
+        ``stats()["materialised_kv"]``, logged once): paged mode (K/V live in blocks), the
+        ``"vmkv"`` attention on a padded batch (padding columns are not stored: they read zeros),
+        rows out of slot order after a beam reorder. Rows are in batch order either way; a copy
+        does not follow later steps (read it again). ``None`` before the first forward.
 
         Raises:
-            Unsupported: the stored K/V have no such layout: paged mode (blocks), padding columns
-                not stored (``"vmkv"`` attention with a padded batch), or rows out of slot order
-                (after a beam reorder). Read each row with ``core.kv(seq_id, layer)`` instead.
+            InvalidInput: no such layer.
         """
         if self._pending:
-            k, v = self._pending[layer] if layer < len(self._pending) else (None, None)
-            return k, v
+            return self._pending[layer][part] if layer < len(self._pending) else None
         if not self._rows:
-            return None, None
-        if self.mode != "vmm":
-            raise Unsupported("paged mode stores K/V in blocks, not [B, H, columns, D] tensors; "
-                              "read rows with cache.core.kv(seq_id, layer) for seq_id in cache.rows")
-        if any(self._dropped):
-            raise Unsupported("padding columns are not stored (attn_implementation='vmkv'), so rows differ in length; "
-                              "read rows with cache.core.kv(seq_id, layer) for seq_id in cache.rows")
-        rows = self._slot_slice([self.core.slot(seq_id) for seq_id in self._rows])
-        if rows is None:
-            raise Unsupported("after this beam reorder the rows are not in consecutive slots, so no view holds them; "
-                              "read rows with cache.core.kv(seq_id, layer) for seq_id in cache.rows")
-        k_all, v_all = self.core.kv_cache(layer)  # [max_batch, max_seq, H, D]
-        length = self._columns
-        return k_all[rows, :length].transpose(1, 2), v_all[rows, :length].transpose(1, 2)
+            return None
+        if self.mode == "vmm" and not any(self._dropped):
+            rows = self._slot_slice([self.core.slot(seq_id) for seq_id in self._rows])
+            if rows is not None:
+                stored = self.core.kv_cache(layer)[part]  # [max_batch, max_seq, H, D]
+                return stored[rows, : self._columns].transpose(1, 2)
+        return self._materialise(layer, part)
 
+    def _materialise(self, layer: int, part: int) -> torch.Tensor:
+        """A new ``[B, kv_heads, columns, head_dim]`` tensor of ``layer``'s K or V, row by row
+        (``core.kv``), the columns no row stores (padding, "vmkv" attention) left zero."""
+        self.counters["materialised_kv"] += 1
+        if self.counters["materialised_kv"] == 1:
+            log.info("vmkv.hf: cache.layers[i].keys/.values have no zero-copy view here (%s mode, %s); "
+                     "they are materialised copies", self.mode, "padding not stored" if any(self._dropped) else
+                     "rows out of slot order" if self.mode == "vmm" else "K/V in blocks")
+        rows = [self.core.kv(seq_id, layer)[part] for seq_id in self._rows]  # each [stored, H, D]
+        _, heads, dim = rows[0].shape
+        out = rows[0].new_zeros(len(rows), heads, self._columns, dim)
+        for row, states in enumerate(rows):
+            dropped = self._dropped[row]
+            if not dropped:
+                out[row, :, : states.shape[0]] = states.transpose(0, 1)
+                continue
+            gone = set(dropped)
+            columns = torch.tensor([c for c in range(self._columns) if c not in gone], device=out.device)
+            out[row, :, columns] = states.transpose(0, 1)
+        return out
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` columns of every row (``truncate``; 0 is a no-op).
@@ -401,13 +424,15 @@ class VirtualCache(RowPolicy, Cache):
 
         Extra keys: ``rows``, ``columns``, ``attention_style``, ``peak_bytes`` (most pool bytes in
         use after any step), ``gathered_views`` (model-style steps whose rows were not in
-        consecutive slots, so the views had to be gathered: a copy), ``row_forks``/``row_frees``
+        consecutive slots, so the views had to be gathered: a copy), ``materialised_kv`` (reads of
+        ``layers[i].keys``/``.values`` that had no view and returned a copy), ``row_forks``/``row_frees``
         and ``row_retargets`` (rows reorder_cache rewrote in place, see ``_remap_rows``).
         """
         stats = self.core.stats() if self.core is not None else {"mode": self.mode}
         stats.update(
             rows=len(self._rows), columns=self.get_seq_length(), attention_style=self.attention_style,
             peak_bytes=self.peak_bytes, gathered_views=self.counters["gathered_views"],
+            materialised_kv=self.counters["materialised_kv"],
             row_forks=self.counters["row_forks"], row_frees=self.counters["row_frees"],
             row_retargets=self.counters["row_retargets"],
         )
