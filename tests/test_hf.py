@@ -63,7 +63,9 @@ SETUPS = [
     pytest.param(("vmm", "vmkv"), id="vmm+vmkv"),
     pytest.param(("paged", "vmkv"), id="paged+vmkv", marks=PAGED),
 ]
-PAGE = dict(page_size="4KiB", block_size=16)  # 32 tokens a VMM page of this geometry (128 B a token)
+# 32 tokens a VMM page of this geometry (128 B a token and layer); VirtualCache()'s own defaults
+# (head-major on the host) are tested in test_defaults_*
+PAGE = dict(page_size="4KiB", block_size=16, layout="per_layer")
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +190,35 @@ def test_forward_logits_match_dynamic_cache(models, arch, setup):
     torch.testing.assert_close(first[real], ref_first[real], atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(second, ref_second, atol=2e-5, rtol=1e-5)
     assert cache.get_seq_length() == ids.shape[1] + 3
+
+
+# ---- VirtualCache() with no arguments (issue 16: defaults that win) -----------------------------
+@functools.cache
+def model_in(dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(1)
+    return LlamaForCausalLM(LlamaConfig(**TINY)).eval().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize("workload", ["greedy", "beam", "sampling"])
+def test_defaults_generate_dynamic_cache_tokens(dtype, setup, workload):
+    """``VirtualCache(mode)`` with every default (the layout it picks: head-major on the host)
+    gives DynamicCache's tokens on a left-padded batch, greedy, beams and seeded sampling, in
+    float32 and bfloat16; stats() names the layout and why."""
+    mode, attn = setup
+    model = model_in(dtype)
+    ids, mask = prompts(padded=True)
+    kwargs = {"greedy": {}, "beam": dict(num_beams=3, num_return_sequences=2),
+              "sampling": dict(do_sample=True, num_return_sequences=2, top_k=0)}[workload]
+    torch.manual_seed(5)
+    expected = reference(model, ids, mask, **kwargs)
+    cache = vhf.VirtualCache(mode)
+    torch.manual_seed(5)
+    assert torch.equal(generate(use_attention(model, attn), cache, ids, mask, **kwargs), expected)
+    stats = cache.stats()
+    assert stats["layout"] == ("head_major" if mode == "vmm" else "blocks") and stats["layout_reason"]
+    assert_all_pages_return(cache)
 
 
 # ---- more architectures; reset, deepcopy, assistants (issue 10 items 19-23) ----------------------

@@ -17,7 +17,9 @@ from typing import Any
 import torch
 
 from ..base import KVCacheBase
+from ..config import LAYOUTS
 from ..errors import CacheClosed, InvalidConfig, InvalidInput, InvalidShape, NoFreeSlot, Unsupported
+from ..sizes import parse_size
 from ..step import StepPlan
 from .attention import ATTN_IMPLEMENTATION, HANDOFF
 from .compat import Cache, CacheLayerMixin, attention_kwargs
@@ -147,16 +149,21 @@ class VirtualCache(RowPolicy, Cache):
         memory_budget: bytes of physical pages (int or "1GiB"). Default: room for every slot at
             ``max_seq_len`` (host memory is only used when touched); on CUDA, where pages are
             allocated up front, at most half the free GPU memory.
-        page_size: VMM page per K/V tensor. Default: the smallest multiple of the backend
-            granularity and of one token's bytes holding 64 tokens.
-        layout: VMM ``"per_layer"``, ``"all_layers"`` or ``"head_major"``.
+        page_size: VMM page per K/V piece (int or "16KiB"). Default: the smallest multiple of
+            the backend granularity and of one token's bytes holding 64 tokens (head-major: grown
+            until the mappings fit, see ``vmkv.hf.sizing.choose_layout``).
+        layout: VMM ``"per_layer"``, ``"all_layers"`` or ``"head_major"``. Default: the one
+            measured fastest for the attention path on this device (``choose_layout``; host:
+            ``head_major``, CUDA: ``all_layers``); ``stats()["layout"]`` and
+            ``stats()["layout_reason"]`` say which and why.
         block_size: paged mode tokens per block.
         deferred_reclaim: VMM: freed rows keep their pages mapped for the next sequence. Off by
             default: beam search frees rows every step and that memory should return to the pool.
         map_ahead: VMM: map the next page on a background thread.
 
     Raises:
-        InvalidConfig: unknown mode, or paged mode with a config whose attention is not "vmkv".
+        InvalidConfig: unknown mode or layout, a page size that is no size, or paged mode with a
+            config whose attention is not "vmkv".
 
     Threads: like the core cache, one thread at a time (see ``docs/hf.md``).
     """
@@ -170,18 +177,21 @@ class VirtualCache(RowPolicy, Cache):
         max_seq_len: int | None = None,
         memory_budget: int | str | None = None,
         page_size: int | str | None = None,
-        layout: str = "per_layer",
+        layout: str | None = None,
         block_size: int = 16,
         deferred_reclaim: bool = False,
         map_ahead: bool = False,
     ) -> None:
         if mode not in MODES:
             raise InvalidConfig(f"mode must be 'vmm' or 'paged', got {mode!r}")
+        if layout is not None and layout not in LAYOUTS:
+            raise InvalidConfig(f"layout must be one of {', '.join(LAYOUTS)} or None (chosen), got {layout!r}")
         super().__init__(layers=[])
         self.mode = mode
         self._options = CacheOptions(
             max_batch_size=max_batch_size, max_seq_len=max_seq_len, memory_budget=memory_budget,
-            page_size=page_size, layout=layout, block_size=block_size,
+            page_size=None if page_size is None else parse_size(page_size, name="page_size"),
+            layout=layout, block_size=block_size,
             deferred_reclaim=deferred_reclaim, map_ahead=map_ahead,
         )
         self._num_layers: int | None = None
@@ -426,10 +436,14 @@ class VirtualCache(RowPolicy, Cache):
         use after any step), ``gathered_views`` (model-style steps whose rows were not in
         consecutive slots, so the views had to be gathered: a copy), ``materialised_kv`` (reads of
         ``layers[i].keys``/``.values`` that had no view and returned a copy), ``row_forks``/``row_frees``
-        and ``row_retargets`` (rows reorder_cache rewrote in place, see ``_remap_rows``).
+        and ``row_retargets`` (rows reorder_cache rewrote in place, see ``_remap_rows``), ``layout``
+        (VMM layout, ``"blocks"`` in paged mode; ``None`` before the first forward) and
+        ``layout_reason`` (``"given"``, or why the default chose it: ``sizing.choose_layout``).
         """
         stats = self.core.stats() if self.core is not None else {"mode": self.mode}
+        choice = self._shared.choice if self._shared is not None else None
         stats.update(
+            layout=choice.layout if choice else None, layout_reason=choice.reason if choice else None,
             rows=len(self._rows), columns=self.get_seq_length(), attention_style=self.attention_style,
             peak_bytes=self.peak_bytes, gathered_views=self.counters["gathered_views"],
             materialised_kv=self.counters["materialised_kv"],
@@ -457,7 +471,7 @@ class VirtualCache(RowPolicy, Cache):
             NoFreeSlot: more rows than free slots.
         """
         if self._shared is None:
-            self._shared = SharedCore(open_core(self.mode, self._options, like, num_layers))
+            self._shared = SharedCore(*open_core(self.mode, self._options, like, num_layers, self.attention_style))
         self._shared.reap()
         core = self.core
         batch = like.shape[0]

@@ -22,6 +22,7 @@ import torch
 
 from ..base import KVCacheBase
 from ..errors import InvalidInput, NoFreeSlot
+from .sizing import Choice
 
 
 class SharedCore:
@@ -33,8 +34,9 @@ class SharedCore:
     invalidate, so the rows are freed at the next forward or row operation instead (``reap``).
     """
 
-    def __init__(self, core: KVCacheBase) -> None:
+    def __init__(self, core: KVCacheBase, choice: Choice) -> None:
         self.core = core
+        self.choice = choice  # the layout it opened with, and why
         self.users = 1
         self._ids = itertools.count()
         self._orphans: deque[int] = deque()
