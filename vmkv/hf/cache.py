@@ -21,6 +21,7 @@ from ..config import LAYOUTS
 from ..errors import CacheClosed, InvalidConfig, InvalidInput, InvalidShape, NoFreeSlot, Unsupported
 from ..sizes import parse_size
 from ..step import StepPlan
+from ..validate import as_layer
 from .attention import ATTN_IMPLEMENTATION, HANDOFF
 from .compat import Cache, CacheLayerMixin, attention_kwargs
 from .rows import RowPolicy, SharedCore
@@ -38,6 +39,7 @@ class _Step:
 
     plan: StepPlan
     keep: torch.Tensor | None  # int64 [T]: rows of the flattened [B * S] new tokens that are stored
+    rows: slice | None = None  # "model" style: the slots of the batch rows as a slice (None: not one)
 
 
 
@@ -322,8 +324,7 @@ class VirtualCache(RowPolicy, Cache):
         if self.mode == "vmm" and not any(self._dropped):
             rows = self._slot_slice([self.core.slot(seq_id) for seq_id in self._rows])
             if rows is not None:
-                stored = self.core.kv_cache(layer)[part]  # [max_batch, max_seq, H, D]
-                return stored[rows, : self._columns].transpose(1, 2)
+                return self._shared.dense_views(as_layer(layer, self.core.config.num_layers))[part][rows, :, : self._columns]
         return self._materialise(layer, part)
 
     def _materialise(self, layer: int, part: int) -> torch.Tensor:
@@ -532,7 +533,7 @@ class VirtualCache(RowPolicy, Cache):
         plan = self.core.begin_step({seq_id: q_len for seq_id in self._rows})
         self._columns += q_len
         self._note_peak()
-        return _Step(plan, None)
+        return _Step(plan, None, self._slot_slice(plan.slots))
 
     def _begin_ragged_step(self, mask: torch.Tensor | None, batch: int, q_len: int) -> _Step:
         """"vmkv" style: each row stores only its real (unpadded) new columns."""
@@ -575,20 +576,18 @@ class VirtualCache(RowPolicy, Cache):
 
     def _write_and_view(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """"model" style: write, then return ``[B, H, columns, D]`` views of the virtual tensors."""
-        plan = self._step.plan
-        self.core.write(layer, self._pack(k), self._pack(v), plan)
-        k_all, v_all = self.core.kv_cache(layer)  # [max_batch, max_seq, H, D], mapped up to each length
+        step = self._step
+        self.core.write(layer, self._pack(k), self._pack(v), step.plan)
+        k_all, v_all = self._shared.dense_views(layer)  # [max_batch, H, max_seq, D], mapped up to each length
         length = self._columns
-        rows = self._slot_slice(plan.slots)
-        if rows is not None:
-            return k_all[rows, :length].transpose(1, 2), v_all[rows, :length].transpose(1, 2)
+        if step.rows is not None:
+            return k_all[step.rows, :, :length], v_all[step.rows, :, :length]
         self.counters["gathered_views"] += 1  # rows not in arithmetic slot order: one copy
         if self.counters["gathered_views"] == 1:
             log.info("vmkv.hf: rows are not in consecutive slots (beam reorder); views are gathered (a copy). "
                      "attn_implementation='vmkv' avoids this")
-        index = plan.slots_t.to(torch.long)
-        k_view = k_all[:, :length].index_select(0, index).transpose(1, 2)
-        return k_view, v_all[:, :length].index_select(0, index).transpose(1, 2)
+        index = step.plan.slots_t.to(torch.long)
+        return k_all[:, :, :length].index_select(0, index), v_all[:, :, :length].index_select(0, index)
 
     def _attend(
         self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -37,9 +37,17 @@ class SharedCore:
     def __init__(self, core: KVCacheBase, choice: Choice) -> None:
         self.core = core
         self.choice = choice  # the layout it opened with, and why
+        self._views: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # see dense_views
         self.users = 1
         self._ids = itertools.count()
         self._orphans: deque[int] = deque()
+
+    def dense_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s whole K and V as ``[max_batch, kv_heads, max_seq_len, head_dim]`` views
+        (VMM mode; made once per layer: the ranges stay where they are for the core's life)."""
+        if self._views is None:
+            self._views = [tuple(t.transpose(1, 2) for t in self.core.kv_cache(i)) for i in range(self.core.config.num_layers)]
+        return self._views[layer]
 
     def new_id(self) -> int:
         return next(self._ids)
