@@ -662,6 +662,7 @@ def test_generate_benchmark_smoke(tmp_path: Path):
     assert result["rows"] and set(result["rows"][0]) == set(result["schema"])
     assert all(row["same_tokens_as_dynamic"] for row in result["rows"])
     assert set(result["summary"]["small/greedy/b2/4 speed vs dynamic"]) >= {"static", "vmm"}
+    assert result["update_overhead"]["small/greedy/b2/4"]["decode_steps"] >= 1
     assert {v.key for v in bench.verdicts(result)} >= {"generate.small.vs_dynamic", "generate.small.vs_static"}
     pngs = bench.plot(result, tmp_path)
     assert pngs and all(Path(p).exists() for p in pngs)
