@@ -22,7 +22,8 @@ Where things live (one concept per module):
 
 ``vmkv.hf.cache``
     :class:`VirtualCache` (the ``Cache``) and :class:`VirtualLayer` (its per-layer face), the
-    steps of a forward and what ``cache.layers[i].keys`` / ``.values`` return.
+    steps of a forward and what ``cache.layers[i].keys`` / ``.values`` return (zero-copy views,
+    or copies counted in ``stats()["materialised_kv"]`` where no view exists).
 ``vmkv.hf.attention``
     the ``"vmkv"`` attention, its mask, and how it finds its cache (the 5.24 attention kwargs, or
     a per-thread note ``update`` leaves); the stock SDPA fallback for other caches.
@@ -31,7 +32,8 @@ Where things live (one concept per module):
     copies as ``free`` + ``fork`` (copy-on-write, no K/V copied).
 ``vmkv.hf.sizing``
     the core cache's size, page size, layout and budget from the first K/V (lazy: the layer
-    count comes from ``config``, the ``"vmkv"`` attention's module, or the first forward).
+    count comes from ``config``, the ``"vmkv"`` attention's module, or the first forward), and
+    the default layout rule (``choose_layout``: head-major on the host).
 ``vmkv.hf.compat``
     what differs between transformers versions.
 
