@@ -19,6 +19,15 @@ Every cache runs the same work; the caches take turns for ``--repeats`` rounds a
 kept, with the min-max over rounds; ratios are taken round by round. On CPU with one torch thread
 the clock is the thread's CPU time (other processes of a shared machine cannot inflate it).
 ``min_new_tokens = max_new_tokens`` keeps every run to the same length (no early EOS).
+
+Targets (issue 16): VirtualCache >= 1.0x DynamicCache at every greedy point, >= 1.2x at the long
+point (``--long-point``: 512-token prompts + 2,048 new tokens, B=8, where DynamicCache's
+per-step ``torch.cat`` copies dominate), >= 1.0x StaticCache; each verdict says whether its
+target is met and by how much it is missed. ``update()`` overhead: one extra, untimed run of
+``vmm`` measures the CPU time spent inside ``VirtualCache.update`` (writes, page mapping, views:
+all of the cache's per-step work) per decode step, against the decode step (target < 5 %).
+``--profile`` adds one cProfile'd run per cache and point: where the time goes (SDPA, torch.cat,
+linear layers, cache updates), which says why a target is missed.
 KV bytes: DynamicCache and StaticCache report their tensors' bytes at the end (their peak, not
 counting DynamicCache's transient concatenation copy); VirtualCache the most pool bytes in use
 after any step. ``need_bytes`` is what the stored tokens take (rows x columns x bytes a token).
@@ -29,6 +38,7 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +50,9 @@ NAME = "generate"
 DESCRIPTION = "transformers generate(): VirtualCache (vmm, paged) vs DynamicCache/StaticCache tokens/s and KV bytes"
 
 CACHES = ("dynamic", "static", "vmm", "vmm+vmkv", "paged+vmkv")
+LONG_POINT = (512, 2048, 8)  # prompt tokens, new tokens, batch: issue 16's long point
+TARGETS = {"main": 1.0, "long": 1.2, "static": 1.0}  # VirtualCache speed / the other cache's
+UPDATE_SHARE_TARGET = 0.05  # most of a decode step update() may take
 MODELS: dict[str, dict[str, Any]] = {
     "small": {},  # vmkv.models.DEFAULT_MODEL as it is
     "mid": {"num_hidden_layers": 12, "hidden_size": 768, "intermediate_size": 2048,
@@ -52,6 +65,7 @@ SCHEMA = {
     "cache": "cache (and attention) under test, see the module docstring",
     "kernel": "attention kernel that ran (VirtualCache with vmkv attention: the core's kernel; else transformers' sdpa)",
     "prompt_len": "prompt tokens",
+    "point": "main (the --prompt-len/--new-tokens grid) or long (--long-point)",
     "new_tokens": "tokens generated per sequence",
     "seconds": "median time of generate() over the rounds, s",
     "seconds_low": "fastest round, s (from 5 rounds on, the single fastest and slowest are left out)",
@@ -78,6 +92,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: stable on shared CPUs)")
     parser.add_argument("--clock", default="auto", choices=["auto", *common.CLOCKS],
                         help="auto: the thread's CPU time on CPU with one thread, else wall time")
+    parser.add_argument("--long-point", action="store_true",
+                        help=f"also run the long point: {LONG_POINT[0]}-token prompts + {LONG_POINT[1]} new tokens, "
+                             f"B={LONG_POINT[2]}, greedy (target >= {TARGETS['long']}x DynamicCache)")
+    parser.add_argument("--profile", action="store_true",
+                        help="one cProfile'd run per cache and point: seconds in SDPA, torch.cat, linear, cache updates")
 
 
 def _smoke(args: argparse.Namespace) -> argparse.Namespace:
@@ -113,19 +132,42 @@ def _kv_bytes(cache: Any) -> tuple[int, int, int]:
     return held, need, 0
 
 
-def _workload(
-    model: torch.nn.Module, args: argparse.Namespace, batch: int, beams: int, new_tokens: int, clock: str,
-) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
-    """Time every cache on one workload, the caches taking turns; rows and per-round seconds."""
+@dataclass(frozen=True)
+class Point:
+    """One workload: ``batch`` prompts of ``prompt_len`` tokens, ``new_tokens`` generated with ``beams`` beams."""
+
+    prompt_len: int
+    batch: int
+    beams: int
+    new_tokens: int
+    kind: str = "main"  # "main" (the option grid) or "long" (--long-point)
+
+
+def _generate_call(model: torch.nn.Module, args: argparse.Namespace, point: Point) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The prompt ids of ``point`` and the generate() keyword arguments (the cache aside)."""
     gen = torch.Generator().manual_seed(args.seed)
-    ids = torch.randint(0, 256, (batch, args.prompt_len), generator=gen).to(args.device)
+    ids = torch.randint(0, 256, (point.batch, point.prompt_len), generator=gen).to(args.device)
     kwargs = dict(
-        attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-        do_sample=False, num_beams=beams, pad_token_id=model.config.pad_token_id,
+        attention_mask=torch.ones_like(ids), max_new_tokens=point.new_tokens, min_new_tokens=point.new_tokens,
+        do_sample=False, num_beams=point.beams, pad_token_id=model.config.pad_token_id,
     )
+    return ids, kwargs
+
+
+def _run_once(model: torch.nn.Module, args: argparse.Namespace, point: Point, name: str) -> tuple[Any, torch.Tensor]:
+    """One generate() of ``point`` with cache ``name``: ``(cache, output ids)``."""
     import vmkv.hf
 
-    cache_kw = vmkv.hf.cache_argument()  # transformers 5.19: past_key_values=, 5.24: cache=
+    ids, kwargs = _generate_call(model, args, point)
+    model.set_attn_implementation("vmkv" if "vmkv" in name else "sdpa")
+    cache = _make_cache(name, model, args, point.batch * point.beams, point.prompt_len + point.new_tokens)
+    return cache, model.generate(ids, **{vmkv.hf.cache_argument(): cache}, **kwargs)
+
+
+def _workload(
+    model: torch.nn.Module, args: argparse.Namespace, point: Point, clock: str,
+) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
+    """Time every cache on one point, the caches taking turns; rows and per-round seconds."""
     now = common.CLOCKS[clock]
     caches = list(args.caches)
     times: dict[str, list[float]] = {name: [] for name in caches}
@@ -134,12 +176,10 @@ def _workload(
         for name in caches[round_ % len(caches):] + caches[: round_ % len(caches)]:
             if name in args.failed:
                 continue
-            model.set_attn_implementation("vmkv" if "vmkv" in name else "sdpa")
-            cache = _make_cache(name, model, args, batch * beams, args.prompt_len + new_tokens)
             common.synchronize(args.device)
             start = now()
             try:
-                out = model.generate(ids, **{cache_kw: cache}, **kwargs)
+                cache, out = _run_once(model, args, point, name)
             except Exception as exc:  # noqa: BLE001 - a cache that cannot run is reported, the others go on
                 args.failed[name] = f"{type(exc).__name__}: {exc}"
                 print(f"[generate] {name} left out: {args.failed[name]}", file=sys.stderr)
@@ -158,11 +198,11 @@ def _workload(
         seconds = common.Spread.of(times[name])
         peak, need, page = _kv_bytes(cache)
         rows.append({
-            "model": args.model, "workload": "greedy" if beams == 1 else f"beam{beams}", "batch": batch, "cache": name,
-            "kernel": cache.core.kernel if "vmkv" in name else "sdpa (transformers)",
-            "prompt_len": args.prompt_len, "new_tokens": new_tokens, "seconds": seconds.value,
+            "model": args.model, "workload": "greedy" if point.beams == 1 else f"beam{point.beams}", "batch": point.batch,
+            "cache": name, "kernel": cache.core.kernel if "vmkv" in name else "sdpa (transformers)",
+            "prompt_len": point.prompt_len, "point": point.kind, "new_tokens": point.new_tokens, "seconds": seconds.value,
             "seconds_low": seconds.low, "seconds_high": seconds.high,
-            "tokens_per_s": batch * new_tokens / seconds.value, "kv_peak_bytes": peak, "kv_need_bytes": need,
+            "tokens_per_s": point.batch * point.new_tokens / seconds.value, "kv_peak_bytes": peak, "kv_need_bytes": need,
             "page_bytes": page, "same_tokens_as_dynamic": True if reference is None else bool(torch.equal(out, reference)),
         })
         if hasattr(cache, "close"):
@@ -170,8 +210,100 @@ def _workload(
     return rows, times
 
 
+def update_share(model: torch.nn.Module, args: argparse.Namespace, point: Point) -> dict[str, float]:
+    """CPU time inside ``VirtualCache.update`` per decode step of ``vmm`` at ``point``, and the decode
+    step's own time (one untimed run; the prefill and the first decode step, which opens the
+    core cache and writes the prefill's K/V, are left out of both).
+
+    ``update`` is all of the cache's per-step work in the model's attention path (the step's
+    plan, page mapping, writes, views); a decode step is one forward of a single new token.
+    """
+    from vmkv.hf import VirtualCache
+
+    now = common.CLOCKS["cpu"] if args.device == "cpu" else common.CLOCKS["wall"]
+    spent = {"update": 0.0, "steps": 0.0, "count": 0}
+    decode, forwards = [False], [0]
+    forward, update = model.forward, VirtualCache.update
+
+    def timed_forward(*a: Any, **kw: Any) -> Any:
+        ids = kw.get("input_ids", a[0] if a else None)
+        forwards[0] += 1
+        decode[0] = forwards[0] > 2 and ids is not None and ids.shape[1] == 1
+        start = now()
+        try:
+            return forward(*a, **kw)
+        finally:
+            if decode[0]:
+                spent["steps"] += now() - start
+                spent["count"] += 1
+
+    def timed_update(self: VirtualCache, *a: Any, **kw: Any) -> Any:
+        start = now()
+        try:
+            return update(self, *a, **kw)
+        finally:
+            if decode[0]:
+                spent["update"] += now() - start
+
+    model.forward = timed_forward
+    VirtualCache.update = timed_update
+    try:
+        cache, _ = _run_once(model, args, point, "vmm")
+        cache.close()
+    finally:
+        del model.forward
+        VirtualCache.update = update
+    steps = max(1, spent["count"])
+    return {"update_ms_per_step": 1e3 * spent["update"] / steps, "step_ms": 1e3 * spent["steps"] / steps,
+            "share": spent["update"] / spent["steps"] if spent["steps"] else 0.0, "decode_steps": spent["count"]}
+
+
+PROFILED = {"scaled_dot_product_attention": "sdpa_s", "cat": "cat_s", "linear": "linear_s"}  # torch built-in -> key
+
+
+def profile_point(model: torch.nn.Module, args: argparse.Namespace, point: Point) -> dict[str, dict[str, float]]:
+    """One cProfile'd generate() per cache at ``point`` (thread CPU time): seconds in SDPA,
+    ``torch.cat``, the linear layers, the cache's ``update`` (cumulative) and in all."""
+    import cProfile
+    import pstats
+
+    out: dict[str, dict[str, float]] = {}
+    for name in args.caches:
+        if name in args.failed:
+            continue
+        profiler = cProfile.Profile(common.CLOCKS["cpu"] if args.device == "cpu" else common.CLOCKS["wall"])
+        profiler.enable()
+        cache, _ = _run_once(model, args, point, name)
+        profiler.disable()
+        if hasattr(cache, "close"):
+            cache.close()
+        stats = pstats.Stats(profiler).stats  # (file, line, function) -> (calls, calls, tottime, cumtime, callers)
+        found = {"sdpa_s": 0.0, "cat_s": 0.0, "linear_s": 0.0, "cache_update_s": 0.0,
+                 "total_s": sum(entry[2] for entry in stats.values())}
+        for (filename, _, function), (_, _, tottime, cumtime, _) in stats.items():
+            builtin = function.removeprefix("<built-in method ").removesuffix(">").rsplit(".", 1)[-1]
+            if function.startswith("<built-in method") and builtin in PROFILED:  # e.g. torch._C._nn.linear
+                found[PROFILED[builtin]] += tottime
+            elif function == "update" and ("cache_utils" in filename or "vmkv/hf" in filename):
+                found["cache_update_s"] = max(found["cache_update_s"], cumtime)  # Cache.update, not its layers'
+        out[name] = {k: round(v, 3) for k, v in found.items()}
+    return out
+
+
 def _case_key(row: dict[str, Any]) -> str:
-    return f"{row['model']}/{row['workload']}/b{row['batch']}/{row['new_tokens']}"
+    key = f"{row['model']}/{row['workload']}/b{row['batch']}/{row['new_tokens']}"
+    return f"{key}/prompt{row['prompt_len']}" if row.get("point") == "long" else key
+
+
+def _points(args: argparse.Namespace) -> list[Point]:
+    """The option grid (greedy at every batch size and length, then beam search), then the long point."""
+    work = [Point(args.prompt_len, b, 1, n) for n in args.new_tokens for b in args.batch_sizes]
+    if args.beam_width > 1:
+        work.append(Point(args.prompt_len, 1, args.beam_width, args.beam_new_tokens))
+    if args.long_point:
+        prompt, new, batch = (16, 8, 2) if args.smoke else LONG_POINT
+        work.append(Point(prompt, batch, 1, new, "long"))
+    return work
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -191,22 +323,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     warnings.filterwarnings("ignore", message=".*generation flags are not valid.*")
     rows: list[dict[str, Any]] = []
     samples: dict[str, dict[str, list[float]]] = {}
+    overhead: dict[str, dict[str, float]] = {}
+    profiles: dict[str, dict[str, dict[str, float]]] = {}
     with common.torch_threads(args.threads if args.device == "cpu" else None):
         clock = common.pick_clock(args.clock, args.device, torch.get_num_threads())
         for model_name in args.models:
             model = default_hf_model(device=args.device, **MODELS[model_name])
             margs = argparse.Namespace(**{**vars(args), "model": model_name})
-            work = [(b, 1, n) for n in args.new_tokens for b in args.batch_sizes]
-            if args.beam_width > 1:
-                work.append((1, args.beam_width, args.beam_new_tokens))
-            for batch, beams, new_tokens in common.progress(work, f"generate {model_name}", enabled=getattr(args, "progress", False)):
-                found, times = _workload(model, margs, batch, beams, new_tokens, clock)
+            for point in common.progress(_points(args), f"generate {model_name}", enabled=getattr(args, "progress", False)):
+                found, times = _workload(model, margs, point, clock)
                 rows += found
-                samples[_case_key(found[0])] = times
+                key = _case_key(found[0])
+                samples[key] = times
+                if point.beams == 1 and "vmm" in times:
+                    overhead[key] = update_share(model, margs, point)
+                if args.profile:
+                    profiles[key] = profile_point(model, margs, point)
             del model
     config = {k: v for k, v in vars(args).items() if k not in ("out", "progress", "failed")}
     config["clock"] = clock
-    extra = {"config": config, "samples": samples, **({"paged_note": why} if why else {})}
+    extra = {"config": config, "samples": samples, "update_overhead": overhead, "profiles": profiles,
+             **({"paged_note": why} if why else {})}
     summary = {**_summary(rows, samples), "failed": args.failed}
     return common.make_result(NAME, SCHEMA, rows, summary, **extra)
 
@@ -238,32 +375,84 @@ def _wrong(case: list[dict[str, Any]], names: list[str], failed: dict[str, str])
     return "; ".join(why)
 
 
+def _target_note(ratio: common.Spread, target: float, profile: dict[str, dict[str, float]] | None) -> str:
+    """Whether ``ratio`` (VirtualCache speed / the other cache's) meets ``target``, by how much
+    it misses, and (with a profile of the point) where the time went."""
+    if ratio.value >= target:
+        return f"target >= {target}x met"
+    note = f"target >= {target}x missed by {target - ratio.value:.2f}x (needs {100 * (target / ratio.value - 1):.0f} % more speed)"
+    if profile:
+        parts = [f"{name} " + ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in found.items() if v >= 0.005)
+                 for name, found in profile.items()]
+        note += "; profile (s): " + "; ".join(parts)
+    return note
+
+
+def _speed_verdicts(result: dict[str, Any], model: str, case: list[dict[str, Any]], label: str) -> list[common.Verdict]:
+    """VirtualCache (the faster of vmm, vmm+vmkv) vs DynamicCache and vs StaticCache on ``case``
+    (the rows of one point), each against its target; ``label`` prefixes the keys (``""``, ``"long_"``)."""
+    out = []
+    failed = result["summary"].get("failed", {})
+    caches = result.get("config", {}).get("caches", CACHES)
+    ours = [name for name in ("vmm", "vmm+vmkv") if name in caches]
+    top = case[0]
+    key_case = _case_key(top)
+    timings = common.Timings(result["samples"][key_case])
+    vmm = _best_vmm(timings)
+    profiled = result.get("profiles", {}).get(key_case, {})
+    where = f"{model} model, B={top['batch']}, {top.get('prompt_len', '?')}+{top['new_tokens']} tokens"
+    for base, name in (("dynamic", "DynamicCache"), ("static", "StaticCache")):
+        key, question = f"generate.{model}.{label}vs_{base}", f"generate() tokens/s, {where}: VirtualCache vs {name}"
+        target = TARGETS["static"] if base == "static" else TARGETS["long" if label else "main"]
+        why = _wrong(case, [*ours, base], failed) if base in caches and ours else ""
+        if why:
+            out.append(common.unreliable(key, question, why))
+        elif vmm and base in timings.samples:
+            ratio = timings.ratio(base, vmm)
+            out.append(common.ratio_verdict(
+                key, question, ratio, "VirtualCache", name, reference=f"target >= {target}x", agrees=ratio.value >= target,
+                note=f"fastest VirtualCache: {vmm}; "
+                + _target_note(ratio, target, {n: profiled[n] for n in (vmm, base) if n in profiled}),
+            ))
+    return out
+
+
+def _overhead_verdict(result: dict[str, Any], model: str) -> list[common.Verdict]:
+    """``update()``'s share of a decode step at the model's largest measured greedy point."""
+    measured = {key: found for key, found in result.get("update_overhead", {}).items() if key.startswith(f"{model}/")}
+    if not measured:
+        return []
+    key_case, found = max(measured.items(), key=lambda item: item[1]["step_ms"])
+    share = found["share"]
+    met = share < UPDATE_SHARE_TARGET
+    return [common.Verdict(
+        key=f"generate.{model}.update_share", question=f"VirtualCache.update() CPU time per decode step, {key_case} (vmm)",
+        result=common.number_text(share, "%"), spread=f"{found['update_ms_per_step']:.2f} of {found['step_ms']:.2f} ms a step, "
+        f"{found['decode_steps']} steps, one run", winner="below target" if met else "above target", side="",
+        reference=f"target < {common.number_text(UPDATE_SHARE_TARGET, '%')}", agrees=met, value=share, low=share, high=share,
+        note="plan, page mapping, writes and views: all of the cache's per-step work"
+        + ("" if met else f"; missed by {100 * (share - UPDATE_SHARE_TARGET):.1f} points"),
+    )]
+
+
 def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
-    """Per model, at its largest greedy case: the faster VirtualCache (VMM) vs DynamicCache and vs
-    StaticCache; and beam search's KV memory against DynamicCache's. A comparison where a compared
-    cache raised or generated other tokens than DynamicCache is unreliable and names it."""
+    """Per model: at its largest greedy case of the option grid, and at the long point if run,
+    the faster VirtualCache (VMM) vs DynamicCache and vs StaticCache, each against its target;
+    update()'s share of a decode step; and beam search's KV memory against DynamicCache's. A
+    comparison where a compared cache raised or generated other tokens than DynamicCache is
+    unreliable and names it."""
     out = []
     rows = result["rows"]
     failed = result["summary"].get("failed", {})
     caches = result.get("config", {}).get("caches", CACHES)
     ours = [name for name in ("vmm", "vmm+vmkv") if name in caches]
     for model in dict.fromkeys(r["model"] for r in rows):
-        greedy = [r for r in rows if r["model"] == model and r["workload"] == "greedy"]
-        if greedy:
-            top = max(greedy, key=lambda r: (r["batch"] * r["new_tokens"], r["new_tokens"]))
-            case = [r for r in greedy if _case_key(r) == _case_key(top)]
-            timings = common.Timings(result["samples"][_case_key(top)])
-            vmm = _best_vmm(timings)
-            where = f"{model} model, B={top['batch']}, {top['new_tokens']} new tokens"
-            for base, label in (("dynamic", "DynamicCache"), ("static", "StaticCache")):
-                key, question = f"generate.{model}.vs_{base}", f"generate() tokens/s, {where}: VirtualCache vs {label}"
-                why = _wrong(case, [*ours, base], failed) if base in caches and ours else ""
-                if why:
-                    out.append(common.unreliable(key, question, why))
-                elif vmm and base in timings.samples:
-                    out.append(common.ratio_verdict(
-                        key, question, timings.ratio(base, vmm), "VirtualCache", label, note=f"fastest VirtualCache: {vmm}",
-                    ))
+        for label, kind in (("", "main"), ("long_", "long")):
+            greedy = [r for r in rows if r["model"] == model and r["workload"] == "greedy" and r.get("point", "main") == kind]
+            if greedy:
+                top = max(greedy, key=lambda r: (r["batch"] * r["new_tokens"], r["new_tokens"]))
+                out += _speed_verdicts(result, model, [r for r in greedy if _case_key(r) == _case_key(top)], label)
+        out += _overhead_verdict(result, model)
         beam = {r["cache"]: r for r in rows if r["model"] == model and r["workload"].startswith("beam")}
         vmm_beam = [beam[name] for name in ("vmm", "vmm+vmkv") if name in beam]
         why = _wrong(list(beam.values()), [*ours, "dynamic"], failed) if beam and ours and "dynamic" in caches else ""
@@ -287,7 +476,7 @@ def table(result: dict[str, Any]) -> list[dict[str, Any]]:
     for key in result["samples"]:
         mine = [r for r in result["rows"] if _case_key(r) == key]
         line: dict[str, Any] = {"model": mine[0]["model"], "workload": mine[0]["workload"], "batch": mine[0]["batch"],
-                                "new_tokens": mine[0]["new_tokens"]}
+                                "prompt_len": mine[0]["prompt_len"], "new_tokens": mine[0]["new_tokens"]}
         for r in mine:
             line[f"{r['cache']} tok/s"] = round(r["tokens_per_s"], 1)
         line["same tokens"] = all(r["same_tokens_as_dynamic"] for r in mine)
@@ -305,7 +494,7 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[str]:
     labels = []
     for key in cases:
         r = next(r for r in rows if _case_key(r) == key)
-        labels.append(f"{r['model']}\n{r['workload']} B={r['batch']}\n{r['new_tokens']} new")
+        labels.append(f"{r['model']}\n{r['workload']} B={r['batch']}\n{r['prompt_len']}+{r['new_tokens']}")
     paths = []
     width = 0.8 / len(caches)
     for field, ylabel, fname, title in [
@@ -344,7 +533,7 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[str]:
             ax.yaxis.set_minor_locator(NullLocator())
             ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
         clock = f", {result['config'].get('clock', 'wall')} clock" if field == "tokens_per_s" else ""
-        ax.set_title(f"{title}; prompt {rows[0]['prompt_len']} tokens{clock}")
+        ax.set_title(f"{title} (prompt + new tokens){clock}")
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
         paths.append(common.save_figure(fig, out_dir, fname))

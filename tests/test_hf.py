@@ -63,7 +63,9 @@ SETUPS = [
     pytest.param(("vmm", "vmkv"), id="vmm+vmkv"),
     pytest.param(("paged", "vmkv"), id="paged+vmkv", marks=PAGED),
 ]
-PAGE = dict(page_size="4KiB", block_size=16)  # 32 tokens a VMM page of this geometry (128 B a token)
+# 32 tokens a VMM page of this geometry (128 B a token and layer); VirtualCache()'s own defaults
+# (head-major on the host) are tested in test_defaults_*
+PAGE = dict(page_size="4KiB", block_size=16, layout="per_layer")
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +192,35 @@ def test_forward_logits_match_dynamic_cache(models, arch, setup):
     assert cache.get_seq_length() == ids.shape[1] + 3
 
 
+# ---- VirtualCache() with no arguments (issue 16: defaults that win) -----------------------------
+@functools.cache
+def model_in(dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(1)
+    return LlamaForCausalLM(LlamaConfig(**TINY)).eval().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize("workload", ["greedy", "beam", "sampling"])
+def test_defaults_generate_dynamic_cache_tokens(dtype, setup, workload):
+    """``VirtualCache(mode)`` with every default (the layout it picks: head-major on the host)
+    gives DynamicCache's tokens on a left-padded batch, greedy, beams and seeded sampling, in
+    float32 and bfloat16; stats() names the layout and why."""
+    mode, attn = setup
+    model = model_in(dtype)
+    ids, mask = prompts(padded=True)
+    kwargs = {"greedy": {}, "beam": dict(num_beams=3, num_return_sequences=2),
+              "sampling": dict(do_sample=True, num_return_sequences=2, top_k=0)}[workload]
+    torch.manual_seed(5)
+    expected = reference(model, ids, mask, **kwargs)
+    cache = vhf.VirtualCache(mode)
+    torch.manual_seed(5)
+    assert torch.equal(generate(use_attention(model, attn), cache, ids, mask, **kwargs), expected)
+    stats = cache.stats()
+    assert stats["layout"] == ("head_major" if mode == "vmm" else "blocks") and stats["layout_reason"]
+    assert_all_pages_return(cache)
+
+
 # ---- more architectures; reset, deepcopy, assistants (issue 10 items 19-23) ----------------------
 @pytest.fixture(scope="module")
 def references() -> dict:
@@ -219,7 +250,7 @@ def test_architecture_generates_again_after_reset(models, references, arch, setu
 def test_sliding_window_models_run_their_own_attention_over_vmm_views(arch):
     """Mistral (window 16) and Gemma2 (window 16, soft-capping) with their own attention in VMM
     mode equal transformers' default cache (sliding layers) well past the window; the "vmkv"
-    attention refuses them with the reason."""
+    attention refuses them with the reason and the way out (this very setup)."""
     model = tiny_model(arch, **SLIDING[arch])
     ids, mask = prompts(padded=True)
     kwargs = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
@@ -229,8 +260,10 @@ def test_sliding_window_models_run_their_own_attention_over_vmm_views(arch):
     assert cache.get_seq_length() == 11 + 23 > SLIDING[arch]["sliding_window"]
     own = model.config._attn_implementation
     try:
-        with pytest.raises(InvalidConfig, match="sliding|softcap"):
+        with pytest.raises(InvalidConfig, match="sliding window|soft-capping") as refused:
             generate(use_attention(model, "vmkv"), vhf.VirtualCache("vmm", **PAGE), ids, mask)
+        assert "attn_implementation='sdpa'" in str(refused.value) and "VirtualCache('vmm')" in str(refused.value)
+        assert "identical" in str(refused.value)
     finally:
         use_attention(model, own)
 
@@ -327,10 +360,10 @@ def test_vmkv_attention_says_when_a_model_changes_k_after_update(models):
         vhf.vmkv_attention_forward(module, torch.randn(1, 4, 3, 16), k * 2, k.clone(), None)
 
 
-def test_layer_keys_and_values_are_views_or_refused(models):
+def test_layer_keys_and_values_are_views_where_the_layout_allows(models):
     """``cache.layers[i].keys / .values``: zero-copy views equal to DynamicCache's tensors in VMM
-    mode with the model's attention; a clear ``Unsupported`` where no such view exists and from
-    every inherited feature a VirtualCache lacks."""
+    mode with the model's attention (no copy counted); a clear ``Unsupported`` from every
+    inherited feature a VirtualCache lacks."""
     model = use_attention(models["llama"], "sdpa")
     ids, mask = prompts(padded=True)
     more = torch.randint(3, TINY["vocab_size"], (3, 2), generator=torch.Generator().manual_seed(4))
@@ -347,22 +380,55 @@ def test_layer_keys_and_values_are_views_or_refused(models):
         torch.testing.assert_close(cache.layers[layer].keys, dense.layers[layer].keys)
         torch.testing.assert_close(cache.layers[layer].values, dense.layers[layer].values)
     assert cache.layers[0].keys.data_ptr() == k_all[cache.core.slot(cache.rows[0])].data_ptr()  # a view
+    assert cache.stats()["materialised_kv"] == 0
     for call in (lambda: cache.layers[0].offload(), lambda: cache.layers[0].prefetch(), lambda: cache.offload(0),
                  lambda: cache.prefetch(0), lambda: cache.early_initialization(1, 2, 16, torch.float32, "cpu"),
                  lambda: cache.layers[0].reset(), lambda: cache.layers[0].batch_select_indices(torch.tensor([0])),
                  lambda: setattr(cache.layers[0], "keys", torch.zeros(1))):
         with pytest.raises(vhf.Unsupported):
             call()
-    padded_vmkv = vhf.VirtualCache("vmm", **PAGE)
-    use_attention(model, "vmkv")(ids, attention_mask=mask, **{CACHE: padded_vmkv}, use_cache=True)
-    with pytest.raises(vhf.Unsupported, match="padding"):
-        padded_vmkv.layers[0].keys
-    if HAS_PAGED:
-        paged = vhf.VirtualCache("paged", **PAGE)
-        model(ids, **{CACHE: paged}, use_cache=True)
-        with pytest.raises(vhf.Unsupported, match="blocks"):
-            paged.layers[0].values
-        assert torch.equal(paged.core.kv(paged.rows[0], 0)[0], padded_vmkv.core.kv(padded_vmkv.rows[0], 0)[0])
+
+
+# the three setups where no [B, H, columns, D] view exists: (mode, attention, workload)
+NO_VIEW = [
+    pytest.param(("paged", "vmkv", "greedy"), id="paged-greedy", marks=PAGED),
+    pytest.param(("paged", "vmkv", "beam"), id="paged-beam", marks=PAGED),
+    pytest.param(("vmm", "vmkv", "greedy"), id="vmm+vmkv-padded-greedy"),
+    pytest.param(("vmm", "vmkv", "beam"), id="vmm+vmkv-padded-beam"),
+    pytest.param(("vmm", "sdpa", "beam"), id="vmm-beam-rows-out-of-slot-order"),
+]
+
+
+@pytest.mark.parametrize("case", NO_VIEW)
+def test_layer_keys_and_values_are_copies_equal_to_dynamic_cache_where_no_view_exists(models, case):
+    """transformers' own generation tests read ``out.past_key_values.layers[i].keys``: where no
+    view exists they are materialised copies, counted in stats(), equal to DynamicCache's tensors
+    (padding columns, not stored by the "vmkv" attention, read zeros), rows in batch order."""
+    mode, attn, workload = case
+    model = models["llama"]
+    ids, mask = prompts(padded=True)
+    beams = dict(num_beams=3, max_new_tokens=10) if workload == "beam" else {}
+    if attn == "sdpa":  # rows land out of slot order when a reorder forks rows into other slots
+        ids, mask = ids[:1], mask[:1]
+    kwargs = dict(return_dict_in_generate=True, **beams)
+    want = generate(use_attention(model, "sdpa"), DynamicCache(), ids, mask, **kwargs)
+    cache = vhf.VirtualCache(mode, **PAGE)
+    got = generate(use_attention(model, attn), cache, ids, mask, **kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    dense = want.past_key_values
+    rows = dense.layers[0].keys.shape[0]
+    real = mask.repeat_interleave(rows // mask.shape[0], 0).bool()  # [rows, prompt]: beams follow their prompt
+    real = torch.cat([real, torch.ones(rows, dense.get_seq_length() - real.shape[1], dtype=torch.bool)], 1)
+    if attn == "sdpa":  # the model's attention stores the padding columns too
+        real[:] = True
+    for layer in range(2):
+        for part in ("keys", "values"):
+            mine, theirs = getattr(cache.layers[layer], part), getattr(dense.layers[layer], part)
+            assert mine.shape == theirs.shape == (rows, 2, dense.get_seq_length(), 16)
+            torch.testing.assert_close(mine.transpose(1, 2)[real], theirs.transpose(1, 2)[real], atol=2e-5, rtol=1e-5)
+            assert not mine.transpose(1, 2)[~real].any()  # padding columns read zeros
+    assert cache.stats()["materialised_kv"] == 4  # one copy per read: 2 layers x K and V
+    assert got.past_key_values is cache
 
 
 # ---- VMM views, rows, crop ----------------------------------------------------------------------
@@ -596,6 +662,7 @@ def test_generate_benchmark_smoke(tmp_path: Path):
     assert result["rows"] and set(result["rows"][0]) == set(result["schema"])
     assert all(row["same_tokens_as_dynamic"] for row in result["rows"])
     assert set(result["summary"]["small/greedy/b2/4 speed vs dynamic"]) >= {"static", "vmm"}
+    assert result["update_overhead"]["small/greedy/b2/4"]["decode_steps"] >= 1
     assert {v.key for v in bench.verdicts(result)} >= {"generate.small.vs_dynamic", "generate.small.vs_static"}
     pngs = bench.plot(result, tmp_path)
     assert pngs and all(Path(p).exists() for p in pngs)

@@ -1,0 +1,206 @@
+"""The ``"vmkv"`` attention: ``attn_implementation="vmkv"``, its mask, and how it finds its cache.
+
+How the attention finds its cache: transformers 5.24 passes the attention kwargs to
+``Cache.update`` (``update(k, v, layer, kwargs=...)``), so ``update`` leaves itself there; 5.19
+and models such as GPT-NeoX do not. So ``update`` also leaves a per-thread note
+(:data:`HANDOFF`: this cache, this layer, weak references to the K it returned); the attention of
+the same layer takes it back if it received that very tensor. When no ``VirtualCache`` handed
+the K over (a ``DynamicCache``: generate()'s assistant model, say), the attention runs the stock
+SDPA kernel instead.
+
+The cache side is duck-typed (``attention_style`` and ``_attend``): this module does not import
+the cache, the cache imports it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..errors import InvalidConfig
+from .compat import AttentionInterface, AttentionMaskInterface
+
+if TYPE_CHECKING:
+    from .cache import VirtualCache
+
+log = logging.getLogger("vmkv")
+
+ATTN_IMPLEMENTATION = "vmkv"
+# what a model the "vmkv" kernels cannot run should use instead
+WAY_OUT = ("load the model with its own attention (attn_implementation='sdpa' or 'eager') and pass "
+           "VirtualCache('vmm'): update() then returns zero-copy views of every stored token, the model's "
+           "own mask and kernel apply, and the tokens are identical to transformers' own cache")
+
+# ---- how the "vmkv" attention finds its cache ----------------------------------------------------
+class _Handoff(threading.local):
+    """What the last ``VirtualCache.update`` of this thread handed its layer's attention.
+
+    Weak references only: a note nobody takes back keeps neither the cache nor the tensor alive.
+    """
+
+    def __init__(self) -> None:
+        self.cache: weakref.ref | None = None
+        self.key: weakref.ref | None = None
+        self.layer = -1
+
+    def give(self, cache: "VirtualCache", key: torch.Tensor, layer: int) -> None:
+        self.cache, self.key, self.layer = weakref.ref(cache), weakref.ref(key), layer
+
+    def take(self, module: torch.nn.Module, key: torch.Tensor) -> "VirtualCache | None":
+        """The cache whose ``update`` returned ``key``, or ``None`` if none did (the cache is not ours).
+
+        Raises:
+            InvalidConfig: a "vmkv"-style cache's update of this very layer returned another
+                tensor: the model changed K between ``cache.update`` and its attention.
+        """
+        cache = self.cache() if self.cache is not None else None
+        handed = self.key() if self.key is not None else None
+        layer, self.cache, self.key, self.layer = self.layer, None, None, -1
+        if cache is None:
+            return None
+        if handed is key:
+            return cache
+        if layer == getattr(module, "layer_idx", None) and cache.attention_style == ATTN_IMPLEMENTATION:
+            raise InvalidConfig(
+                f"{type(module).__name__} changes the key states between cache.update() and its attention, so "
+                f"attn_implementation='vmkv' cannot run it; {WAY_OUT}"
+            )
+        return None
+
+
+HANDOFF = _Handoff()
+
+
+# ---- the registered attention -----------------------------------------------------------------
+def vmkv_attention_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Any = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """The mask the ``"vmkv"`` attention gets: the 2D padding mask ``[B, kv_length]`` or ``None``.
+
+    Causality is the kernel's job; only padding is the model's information to pass on.
+    """
+    if attention_mask is None:
+        return None
+    attention_mask = attention_mask[:, -kv_length:].to(torch.bool)
+    return None if bool(attention_mask.all()) else attention_mask
+
+
+def causal_padding_mask(
+    padding: torch.Tensor | None, q_len: int, kv_len: int, device: torch.device
+) -> torch.Tensor | None:
+    """The boolean SDPA mask ``[B or 1, 1, q_len, kv_len]`` for queries that are the last ``q_len`` of ``kv_len``.
+
+    Args:
+        padding: ``[B, kv_len]`` True for real tokens, or ``None`` (no padding).
+
+    Returns:
+        ``None`` when SDPA's own ``is_causal`` gives the same answer (no padding and the queries
+        are all the tokens, or a single query). Query rows that may attend to nothing (padding
+        queries of a left-padded row) attend to everything instead: their outputs are meaningless
+        either way, and a fully masked row would give NaN.
+    """
+    if padding is None and (q_len == 1 or q_len == kv_len):
+        return None
+    positions = torch.arange(kv_len, device=device)
+    mask = (positions[None, :] <= positions[kv_len - q_len :, None])[None, None]  # [1, 1, q, kv]
+    if padding is not None:
+        mask = mask & padding.to(device=device, dtype=torch.bool)[:, None, None, :]
+    return mask | ~mask.any(-1, keepdim=True)
+
+
+def vmkv_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    vmkv_cache: "VirtualCache | None" = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``attn_implementation="vmkv"``: write the step into the cache and run the cache's kernel.
+
+    With a cache that is not a ``VirtualCache`` (``DynamicCache``, as generate() gives an
+    assistant model) or a ``VirtualCache`` running the model's attention style, ``key``/``value``
+    already hold every token: the stock SDPA kernel runs on them with a causal + padding mask.
+
+    Args:
+        module: the attention module (its ``layer_idx`` and ``config`` are read).
+        query: ``[B, q_heads, S, head_dim]``.
+        key, value: the step's new states ``[B, kv_heads, S, head_dim]`` (``update`` returns them as
+            is), or all states ``[B, kv_heads, L, head_dim]`` from another cache.
+        attention_mask: 2D padding mask from :func:`vmkv_attention_mask`, or ``None``.
+        scaling: softmax scale.
+        vmkv_cache: set by ``VirtualCache.update`` in the attention kwargs (transformers 5.24);
+            otherwise found through the note ``update`` leaves for this layer.
+
+    Returns:
+        ``([B, S, q_heads, head_dim], None)``; padding positions give zeros.
+
+    Raises:
+        InvalidConfig: a feature the kernel lacks was asked for (dropout, softcap, sliding
+            window), or the model changes K between ``cache.update`` and its attention.
+    """
+    handed = HANDOFF.take(module, key)
+    cache = vmkv_cache if vmkv_cache is not None else handed
+    if dropout:
+        raise InvalidConfig("the vmkv attention has no dropout; call model.eval()")
+    _refuse_what_the_kernels_lack(module, kwargs)
+    if cache is None or cache.attention_style == "model":
+        return _stock_attention(module, query, key, value, attention_mask, scaling, **kwargs)
+    return cache._attend(module, query, key, value, attention_mask, scaling), None
+
+
+# attention kwargs the "vmkv" kernels have no counterpart for -> what a user calls them
+_UNSUPPORTED_KWARGS = {"softcap": "soft-capping", "sliding_window": "a sliding window", "s_aux": "attention sinks"}
+
+
+def _refuse_what_the_kernels_lack(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    """Raise ``InvalidConfig`` naming the feature and the way out (:data:`WAY_OUT`) if the layer
+    asks for soft-capping, a sliding window or attention sinks."""
+    found = [what for name, what in _UNSUPPORTED_KWARGS.items() if kwargs.get(name) is not None]
+    if getattr(module, "sliding_window", None) is not None and "a sliding window" not in found:
+        found.append("a sliding window")
+    if found:
+        raise InvalidConfig(f"{type(module).__name__} uses {' and '.join(found)}, which the vmkv attention's "
+                            f"kernels do not have; {WAY_OUT}")
+
+
+def _stock_attention(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    padding: torch.Tensor | None, scaling: float | None, **kwargs: Any,
+) -> tuple[torch.Tensor, Any]:
+    """transformers' SDPA attention over K/V that already hold every token (``[B, H, L, D]``)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    _log_stock_kernel()
+    mask = causal_padding_mask(padding, query.shape[2], key.shape[2], query.device)
+    kwargs.pop("is_causal", None)
+    return sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scaling, **kwargs)
+
+
+@functools.cache
+def _log_stock_kernel() -> None:
+    log.info("vmkv attention: the cache is not a VirtualCache in 'vmkv' style; running the stock SDPA kernel")
+
+
+def register() -> None:
+    """Register ``attn_implementation="vmkv"`` (attention and mask) with transformers (idempotent).
+
+    Called when ``vmkv.hf`` is imported.
+    """
+    AttentionInterface.register(ATTN_IMPLEMENTATION, vmkv_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, vmkv_attention_mask)

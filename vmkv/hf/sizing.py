@@ -1,0 +1,148 @@
+"""How a ``VirtualCache`` sizes its core cache from the first K/V it sees: slots, length, page
+size, layout and memory budget (the defaults are documented in docs/hf.md, "Sizing")."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..base import KVCacheBase
+from ..config import KVCacheConfig, vmm_pieces
+
+log = logging.getLogger("vmkv")
+
+DEFAULT_MAX_SEQ_LEN = 8192
+MIN_TOKENS_PER_PAGE = 64
+MAX_HEAD_MAJOR_TOKENS = 1024  # the largest head-major page the default grows to before it takes per_layer
+
+
+def default_page_size(token_bytes: int, granularity: int, min_tokens: int = MIN_TOKENS_PER_PAGE) -> int:
+    """Smallest page that is a multiple of ``granularity`` and ``token_bytes`` and holds ``min_tokens``."""
+    step = math.lcm(granularity, token_bytes)
+    return step * max(1, -(-min_tokens * token_bytes // step))
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """What the user gave ``VirtualCache(...)``; ``None``: the default (see :func:`open_core`)."""
+
+    max_batch_size: int | None = None
+    max_seq_len: int | None = None
+    memory_budget: int | str | None = None
+    page_size: int | str | None = None
+    layout: str | None = None
+    block_size: int = 16
+    deferred_reclaim: bool = False
+    map_ahead: bool = False
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The layout and page size a cache opened with, and why (``VirtualCache.stats()`` shows both)."""
+
+    layout: str
+    page_size: int
+    reason: str
+
+
+def choose_layout(config: KVCacheConfig, style: str, options: CacheOptions) -> Choice:
+    """The VMM layout and page size for ``config`` (its ``layout`` and ``page_size`` are ignored)
+    when the attention reading the K/V is ``style`` (``"model"``: the model's SDPA/eager over
+    ``[B, kv_heads, len, head_dim]`` views; ``"vmkv"``: the cache's own kernel).
+
+    The rule (measurements in docs/hf.md, "Defaults"; ``python -m benchmarks.hf_layouts``):
+
+    * host: ``head_major`` (each head's keys of a row contiguous: DynamicCache's own layout, what
+      CPU SDPA reads fastest, in float32 and half precision alike) if the mappings it needs fit
+      (``head_major`` maps ``kv_heads`` pieces per page and layer): its page grows from 64 tokens
+      (doubling, up to :data:`MAX_HEAD_MAJOR_TOKENS`) until a pool holding the first batch at
+      ``max_seq_len`` fits half the mappings ``vm.max_map_count`` leaves; else ``per_layer``;
+    * CUDA: ``all_layers`` with the backend's 2 MiB granularity (``vmkv.config.default_vmm_pages``):
+      FlashAttention/SDPA read token-major ``[B, S, H, D]`` with a unit last stride, and it is the
+      only layout near 16-32 tokens a page.
+
+    A layout or page size the user gave is kept (the page then defaults as for that layout).
+    """
+    from ..config import default_vmm_pages
+    from ..vm import granularity
+
+    gran = granularity(config.device)
+    if options.layout is not None:
+        layout = options.layout
+        page = options.page_size or default_page_size(config.tensor_token_bytes(layout), gran)
+        return Choice(layout, page, "given")
+    if config.device.type != "cpu":
+        layout, page = default_vmm_pages(config.replace(memory_budget=max(config.memory_budget, 1)))
+        return Choice(layout, options.page_size or page, f"{config.device.type}: token-major pages of the "
+                      "backend granularity, the layout FlashAttention/SDPA read natively")
+    token_bytes = config.tensor_token_bytes("head_major")
+    page = options.page_size or default_page_size(token_bytes, gran)
+    need_tokens = config.max_batch_size * config.max_seq_len  # (rows * length) the pool should hold
+    while True:
+        pages = mappable_pages(config.replace(layout="head_major"))
+        if pages * (page // token_bytes) >= need_tokens + config.max_batch_size * (page // token_bytes):
+            return Choice("head_major", page, f"{style} attention on the host: head-major views are what CPU "
+                          f"SDPA reads fastest ({page // token_bytes} tokens a page fit the mappings)")
+        if options.page_size or page // token_bytes >= MAX_HEAD_MAJOR_TOKENS:
+            break
+        page *= 2
+    layout = "per_layer"
+    return Choice(layout, options.page_size or default_page_size(config.tensor_token_bytes(layout), gran),
+                  "host: head-major pages would need more mappings than vm.max_map_count leaves; per_layer")
+
+
+def open_core(mode: str, options: CacheOptions, like: torch.Tensor, num_layers: int, style: str) -> tuple[KVCacheBase, Choice]:
+    """The core cache for K/V shaped like ``like`` (``[B, kv_heads, S, head_dim]``) read by
+    attention ``style``, and the layout choice it opened with.
+
+    Defaults: ``max(8, 4 * B)`` slots, :data:`DEFAULT_MAX_SEQ_LEN` tokens, the layout and page
+    of :func:`choose_layout`, and a budget with room for every slot full plus one page per slot
+    (copy-on-write), capped on CUDA at half the free memory and on the host (VMM) at half the
+    mappings ``vm.max_map_count`` still allows.
+    """
+    from .. import open_cache
+
+    batch, heads, _, head_dim = like.shape
+    max_batch = options.max_batch_size or max(8, 4 * batch)
+    max_seq = options.max_seq_len or DEFAULT_MAX_SEQ_LEN
+    config = KVCacheConfig(
+        num_layers=num_layers, num_kv_heads=heads, head_dim=head_dim, dtype=like.dtype, device=like.device,
+        max_batch_size=max_batch, max_seq_len=max_seq, memory_budget=1, page_size=1,
+        block_size=options.block_size, prefix_caching=False,
+        deferred_reclaim=options.deferred_reclaim, map_ahead=options.map_ahead,
+    )
+    if mode == "vmm":
+        first_batch = config.replace(max_batch_size=batch, max_seq_len=max_seq)
+        choice = choose_layout(first_batch, style, options)
+        config = config.replace(layout=choice.layout, page_size=choice.page_size)
+        tokens_per_page, page_bytes = config.page_size // config.tensor_token_bytes(), vmm_pieces(config) * config.page_size
+    else:
+        choice = Choice("blocks", 0, f"paged mode: {config.block_size}-token blocks")
+        tokens_per_page = config.block_size
+        page_bytes = 2 * num_layers * config.block_size * config.layer_token_bytes
+    budget = options.memory_budget
+    if budget is None:  # every slot full, plus one page per slot for copy-on-write
+        budget = (max_batch * -(-max_seq // tokens_per_page) + max_batch) * page_bytes
+        if config.device.type == "cuda":  # CUDA pages are allocated up front: at most half the free memory
+            budget = min(budget, torch.cuda.mem_get_info(config.device)[0] // 2)
+        elif mode == "vmm":  # each mapped page costs host mappings: stay within half of those left
+            budget = min(budget, mappable_pages(config) * page_bytes)
+    core = open_cache(config.replace(memory_budget=budget), mode=mode)
+    log.info("vmkv.hf: %s cache, %d layers, %d B budget, layout %s (%s), kernel %s",
+             mode, num_layers, budget, choice.layout, choice.reason, core.kernel)
+    return core, choice
+
+
+def mappable_pages(config: KVCacheConfig) -> int:
+    """Pool pages whose mappings (two per page and range when fragmented) fit in half of what
+    Linux's ``vm.max_map_count`` still allows this process (unbounded when unknown)."""
+    from ..vm import mapping_room
+
+    room = mapping_room()
+    if room is None:
+        return 1 << 62
+    pieces = vmm_pieces(config)
+    return max(1, (room // 2 // pieces - 1) // 2)
