@@ -108,15 +108,23 @@ def two_layer_layout(blocks: int = 32) -> KVLayout:
     return KVLayout([Segment(0, 1024, 1024), Segment(blocks * 1024, 1024, 1024)], blocks, 2 * blocks * 1024, 4096)
 
 
-def free_set(budget_pages: int = 16, max_idle_units: int = 8, caching: bool = True):
-    blocks = [Block(i) for i in range(32)]
+def layer_runs(blocks: int, layers: int) -> KVLayout:
+    """vLLM's CPU layout (LBHNC): one run of 1 KiB blocks per layer, 4 KiB pages (4 blocks a unit).
+    With ``blocks`` not a multiple of 4, layer runs after the first do not start on a page."""
+    return KVLayout([Segment(layer * blocks * 1024, 1024, 1024) for layer in range(layers)], blocks,
+                    layers * blocks * 1024, 4096)
+
+
+def free_set(budget_pages: int = 16, max_idle_units: int = 8, caching: bool = True, layout: KVLayout | None = None):
+    layout = layout or two_layer_layout()
+    blocks = [Block(i) for i in range(layout.num_blocks)]
     evicted: list[int] = []
 
     def evict(block: Block) -> None:
         evicted.append(block.block_id)
         block.block_hash = None
 
-    free = PageAwareFreeBlocks(blocks, two_layer_layout(), budget_pages, max_idle_units, caching, evict)
+    free = PageAwareFreeBlocks(blocks, layout, budget_pages, max_idle_units, caching, evict)
     free.pin(blocks[0])  # vLLM's null block, held for good
     return free, blocks, evicted
 
@@ -190,6 +198,44 @@ def test_budget_too_small_for_two_units_is_refused():
         free_set(budget_pages=3)
 
 
+@pytest.mark.parametrize("blocks", [1000, 1001, 255])  # page-aligned layer runs, and two unaligned counts
+@pytest.mark.parametrize("layers", [1, 2, 3, 8, 32])
+def test_with_the_whole_buffer_as_budget_every_free_block_counts_and_one_allocation_gets_them(blocks, layers):
+    layout = layer_runs(blocks, layers)
+    free, _, _ = free_set(budget_pages=layout.num_pages, layout=layout)
+    assert free.num_free_blocks == blocks - 1  # as vLLM's own queue: every block but the null block
+    got = free.popleft_n(blocks - 1)
+    assert sorted(b.block_id for b in got) == list(range(1, blocks))
+    assert free.num_free_blocks == 0 and free.mapped_pages == layout.num_pages
+    free.check()
+
+
+@pytest.mark.parametrize("blocks", [1000, 1001, 255])
+@pytest.mark.parametrize("layers", [1, 2, 3, 8, 32])
+def test_under_a_smaller_budget_the_free_count_is_what_one_allocation_obtains(blocks, layers):
+    layout = layer_runs(blocks, layers)
+    free, blocks_, _ = free_set(budget_pages=layout.num_pages // 3, layout=layout)
+    free.check()  # before anything: one popleft_n(num_free_blocks) succeeds and leaves no unit that fits
+    with free.affinity(None):
+        held = free.popleft_n(free.num_free_blocks // 2)
+    free.append_n(held[1::3])  # holes: units next to mapped ones need fewer new pages
+    free.check()
+    count = free.num_free_blocks
+    assert len(free.popleft_n(count)) == count and free.num_free_blocks == 0
+    assert free.mapped_pages <= free.budget_pages
+    with pytest.raises(ValueError, match="Cannot get 1 free blocks"):
+        free.popleft_n(1)
+
+
+def test_a_small_buffer_is_not_refused_when_the_budget_is_all_of_it():
+    layout = layer_runs(5, 2)  # 3 pages; a unit may touch 3 (layer 1 straddles pages 1 and 2)
+    assert (layout.num_pages, layout.max_pages_per_unit) == (3, 3)
+    free, _, _ = free_set(budget_pages=3, layout=layout)
+    assert free.num_free_blocks == 4 and len(free.popleft_n(4)) == 4
+    with pytest.raises(vmkv.InvalidConfig, match="cannot hold two units"):
+        free_set(budget_pages=2, layout=layout)
+
+
 def hashed(blocks, ids):
     for i in ids:
         blocks[i].block_hash = ("hash", i)
@@ -247,9 +293,10 @@ def test_trim_unmaps_every_idle_unit_and_reset_forgets_hashes():
     free.check()
 
 
-def test_random_operations_keep_every_invariant_and_deltas_replay_the_mapping():
+@pytest.mark.parametrize("layout", [two_layer_layout(), layer_runs(33, 3)], ids=["aligned", "unaligned"])
+def test_random_operations_keep_every_invariant_and_deltas_replay_the_mapping(layout):
     rng = random.Random(0)
-    free, blocks, _ = free_set(budget_pages=10, max_idle_units=2)
+    free, blocks, _ = free_set(budget_pages=10, max_idle_units=2, layout=layout)
     held = {0}
     worker: set[int] = set()
     for _ in range(600):

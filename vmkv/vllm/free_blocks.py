@@ -31,9 +31,12 @@ tokens, and its pages go when it finishes, as in vAttention.
 Units that only cached blocks keep live are capped at ``max_idle_units``: beyond it the least
 recently idle one is evicted whole and unmapped, so its memory goes back to the OS.
 
-The free count vLLM sees (``num_free_blocks``) is what these steps can deliver: empty blocks of
-live units, cached blocks, and the blocks of as many new units as the unmapped budget holds
-(counted at the most pages a unit can take, so the count never promises more than fits).
+The free count vLLM sees (``num_free_blocks``) is exactly what these steps can deliver: empty
+blocks of live units, cached blocks, and the blocks of the new units step 3 would map one after
+the other, lowest first, until the next one's pages do not fit the budget. Those pages are counted
+as they are, not at a per-unit bound: when layer runs do not start on a page boundary,
+neighbouring units share a page, and a unit next to a mapped one needs fewer new pages. With the
+budget the whole buffer every free block counts, as in vLLM's own queue.
 
 Pages whose mapped state changed are collected; :meth:`PageAwareFreeBlocks.take_delta` returns
 what to map and unmap since the last call (a page unmapped and mapped again in between is left
@@ -44,6 +47,7 @@ This module imports no vLLM code: blocks only need ``block_id`` and ``block_hash
 
 from __future__ import annotations
 
+import copy
 import heapq
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -65,7 +69,8 @@ class PageAwareFreeBlocks:
         evict: removes a free block's prefix-cache entry (``BlockPool._maybe_evict_cached_block``).
 
     Raises:
-        InvalidConfig: the budget cannot hold two units (block 0's unit stays mapped).
+        InvalidConfig: a budget smaller than the buffer cannot hold two units (block 0's unit
+            stays mapped); a budget of the whole buffer is never refused.
     """
 
     def __init__(self, blocks: list[Any], layout: KVLayout, budget_pages: int, max_idle_units: int,
@@ -74,7 +79,7 @@ class PageAwareFreeBlocks:
         self.k = layout.blocks_per_unit
         self.budget_pages = min(budget_pages, layout.num_pages)
         need = min(2, layout.num_units) * layout.max_pages_per_unit
-        if self.budget_pages < need:
+        if self.budget_pages < min(need, layout.num_pages):
             raise InvalidConfig(
                 f"vmkv: a physical budget of {budget_pages} pages of {layout.page_size} B cannot hold two units of "
                 f"{self.k} blocks ({layout.max_pages_per_unit} pages each); raise the budget or lower page_size")
@@ -105,16 +110,13 @@ class PageAwareFreeBlocks:
         self.maps = 0
         self.unmaps = 0
         self._unbounded = False
+        self._new_count: int | None = None  # blocks step 3 can deliver; None: to recount
 
     # ---- the FreeKVCacheBlockQueue interface ----------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
         """Blocks :meth:`popleft_n` can deliver now within the physical budget."""
-        if self._unbounded:
-            return self._empty_in_live + self._empty_in_unmapped + len(self._cached)
-        room_units = (self.budget_pages - self.mapped_pages) // self.layout.max_pages_per_unit
-        new = min(room_units * self.k, self._empty_in_unmapped)
-        return self._empty_in_live + len(self._cached) + new
+        return self._empty_in_live + len(self._cached) + self._new_blocks()
 
     def popleft(self) -> Any:
         return self.popleft_n(1)[0]
@@ -281,6 +283,32 @@ class PageAwareFreeBlocks:
     def _new_pages(self, unit: int) -> int:
         return sum(1 for p in self.layout.unit_pages(unit) if self._page_refs[p] == 0)
 
+    def _new_blocks(self) -> int:
+        """Empty blocks of unmapped units that step 3 can map, one unit after the other."""
+        if self._unbounded or self.budget_pages >= self.layout.num_pages:
+            return self._empty_in_unmapped
+        if self._new_count is None:
+            self._new_count = self._count_new_blocks()
+        return self._new_count
+
+    def _count_new_blocks(self) -> int:
+        """Replay step 3: the lowest unmapped unit while its new pages fit the room left, each
+        unit's pages mapped for the next (neighbouring units may share pages)."""
+        first = self._lowest_unmapped()
+        if first is None:
+            return 0
+        room, counted, blocks = self.budget_pages - self.mapped_pages, set(), 0
+        for unit in range(first, self.layout.num_units):
+            if self._live(unit):
+                continue
+            pages = {p for p in self.layout.unit_pages(unit) if self._page_refs[p] == 0} - counted
+            if len(pages) > room:
+                break
+            room -= len(pages)
+            counted |= pages
+            blocks += len(self._empty[unit])
+        return blocks
+
     def _enforce_idle_cap(self) -> None:
         while len(self._idle) > self.max_idle_units:
             self._evict_unit(next(iter(self._idle)))
@@ -346,6 +374,8 @@ class PageAwareFreeBlocks:
             self._empty_in_live += empty
         else:
             self._empty_in_unmapped += empty
+        if not (live_before and live):  # an unmapped unit is involved: step 3's count changes
+            self._new_count = None
         if not live_before and live:
             self._map_pages(unit, +1)
         elif live_before and not live:
@@ -375,8 +405,9 @@ class PageAwareFreeBlocks:
                 self._changed.add(page)
 
     # ---- for tests ------------------------------------------------------------------------------
-    def check(self) -> None:
-        """Recompute every derived number from the per-unit sets and compare (tests only).
+    def check(self, drain: bool = True) -> None:
+        """Recompute every derived number from the per-unit sets and compare (tests only); with
+        ``drain``, also allocate the whole free count at once on a copy (:meth:`check_obtainable`).
 
         Raises:
             AssertionError: a derived structure disagrees.
@@ -402,3 +433,30 @@ class PageAwareFreeBlocks:
         empty_unmapped = sum(len(e) for u, e in enumerate(self._empty) if not self._live(u))
         if (empty_live, empty_unmapped) != (self._empty_in_live, self._empty_in_unmapped):
             raise AssertionError("empty block counters disagree")
+        if drain:
+            self.check_obtainable()
+
+    def check_obtainable(self) -> None:
+        """On a copy (this set unchanged, nothing evicted): one ``popleft_n(num_free_blocks)``
+        succeeds, and no block it left is one step 3 could still map (tests only).
+
+        Raises:
+            AssertionError: the free count promises more or less than one allocation obtains.
+        """
+        memo: dict[int, Any] = {id(b): b for b in self._blocks}  # blocks are read, never written
+        memo[id(self.layout)] = self.layout
+        memo[id(self._evict)] = lambda block: None
+        clone = copy.deepcopy(self, memo)
+        count = clone.num_free_blocks
+        try:
+            got = clone.popleft_n(count)
+        except ValueError as error:
+            raise AssertionError(f"the free count {count} is more than one allocation obtains: {error}") from None
+        if len({b.block_id for b in got}) != count or clone.num_free_blocks:
+            raise AssertionError(f"after taking {count} blocks, {clone.num_free_blocks} more are counted free")
+        clone.check(drain=False)
+        unit = clone._lowest_unmapped()
+        if unit is not None and clone._new_pages(unit) <= clone.budget_pages - clone.mapped_pages:
+            raise AssertionError(f"the free count {count} misses unit {unit}, which fits the budget")
+        if any(clone._live(clone.layout.unit_of(b.block_id)) for b in clone.get_all_free_blocks()):
+            raise AssertionError(f"the free count {count} misses free blocks of mapped units")
