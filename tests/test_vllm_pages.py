@@ -279,6 +279,29 @@ def test_under_budget_pressure_a_whole_idle_unit_goes_before_single_cached_block
     free.check()
 
 
+def free_like_vllm(free, blocks, ids):
+    """A request finishes: its full blocks keep their prefix-cache hash, and vLLM frees them
+    last block first (``free_blocks`` gets them in eviction order)."""
+    free.append_n(hashed(blocks, ids)[::-1])
+
+
+def test_when_only_the_block_count_is_short_cached_blocks_go_one_by_one_least_recent_first():
+    """13 blocks, 4 a unit, the whole buffer as budget: x holds blocks 1-3, a blocks 4-7, both
+    finish; b needs 6. vLLM's queue evicts the least recently freed block (x's last) and keeps a's
+    prefix; evicting a's idle unit whole would cost all of a's hits and free no memory."""
+    layout = layer_runs(13, 2)
+    free, blocks, evicted = free_set(budget_pages=layout.num_pages, layout=layout)
+    x, a = free.popleft_n(3), free.popleft_n(4)
+    assert [b.block_id for b in x + a] == [1, 2, 3, 4, 5, 6, 7]
+    free_like_vllm(free, blocks, [1, 2, 3])
+    free_like_vllm(free, blocks, [4, 5, 6, 7])
+    b = free.popleft_n(6)
+    assert sorted(block.block_id for block in b) == [3, 8, 9, 10, 11, 12] and evicted == []
+    assert all(blocks[i].block_hash is not None for i in (4, 5, 6, 7))  # a's prefix is still cached
+    assert [blk.block_id for blk in free.get_all_free_blocks()] == [2, 1, 7, 6, 5, 4]  # stock's eviction order
+    free.check()
+
+
 def test_trim_unmaps_every_idle_unit_and_reset_forgets_hashes():
     free, blocks, evicted = free_set()
     free.popleft_n(11)

@@ -20,9 +20,19 @@ null block). A block is handed out in this order:
 3. the lowest unmapped unit, if the physical budget has room for its pages;
 4. an empty block of the live unit with the most live blocks (under budget pressure, requests
    share pages, fullest first);
-5. the whole least recently idle unit (live only through cached blocks): its cached blocks are
-   evicted together, so its pages are reused whole;
-6. the least recently freed cached block (its unit stays mapped for its other blocks).
+5. under *physical* pressure only (an unmapped unit is left but its pages do not fit the
+   budget): the whole least recently idle unit (live only through cached blocks), its cached
+   blocks evicted together, so its pages are reused whole;
+6. the least recently freed cached block, as vLLM's queue evicts (its unit stays mapped for its
+   other blocks).
+
+Eviction policy: prefix-cache hits are only given up once no empty block can be had (steps 1-4),
+and then block by block in vLLM's own LRU order (step 6) whenever vLLM's *block count* is what is
+short: every cached block's page is mapped already, so evicting by page would cost hits stock
+vLLM keeps and free no memory. Whole pages are evicted (step 5) only when the *budget* is what is
+short, so a request reuses one page whole instead of spreading over many. Idle pages beyond
+``max_idle_units`` and :meth:`PageAwareFreeBlocks.trim` evict whole units too: that is what gives
+memory back.
 
 Without budget pressure each page is thus used by one request (besides shared prefix blocks),
 and a request leaves at most one partly filled page: its mapped KV stays within one unit of its
@@ -122,7 +132,7 @@ class PageAwareFreeBlocks:
         return self.popleft_n(1)[0]
 
     def popleft_n(self, n: int) -> list[Any]:
-        """Hand out ``n`` blocks (module docstring, steps 1-4).
+        """Hand out ``n`` blocks (module docstring, steps 1-6).
 
         Raises:
             ValueError: fewer than ``n`` blocks are free within the budget (as vLLM's queue).
@@ -256,17 +266,17 @@ class PageAwareFreeBlocks:
                 return self._take_any(unit)
         if self._unclaimed:  # 2: a mapped page no request holds
             return self._take_any(next(iter(self._unclaimed)))
-        unit = self._lowest_unmapped()  # 3: a new unit within the budget
-        if unit is not None and self._new_pages(unit) <= self.budget_pages - self.mapped_pages:
-            return self._take_any(unit)
+        new = self._lowest_unmapped()  # 3: a new unit within the budget
+        if new is not None and self._new_pages(new) <= self.budget_pages - self.mapped_pages:
+            return self._take_any(new)
         for live in range(self.k - 1, 0, -1):  # 4: the fullest live unit with an empty block
             if self._buckets[live]:
                 return self._take_any(next(iter(self._buckets[live])))
-        if self._idle:  # 5: an idle unit, evicted whole
+        if self._idle and new is not None:  # 5: the budget is short (a unit is left unmapped): a whole idle unit
             unit = next(iter(self._idle))
             self._evict_unit(unit)
             return self._take_any(unit)
-        if self._cached:  # 6: one cached block
+        if self._cached:  # 6: vLLM's block count is short: the least recently freed cached block
             block = next(iter(self._cached.values()))
             self.remove(block)
             return block
