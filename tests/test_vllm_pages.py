@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import signal
 import subprocess
@@ -302,6 +303,35 @@ def test_when_only_the_block_count_is_short_cached_blocks_go_one_by_one_least_re
     free.check()
 
 
+def test_retained_blocks_go_last_and_keep_their_page_mapped_until_handed_out():
+    """vLLM's unpin_blocks: released blocks join the tail of the free queue and stay readable
+    until reused; here their unit stays mapped, whatever the idle cap or a trim would do."""
+    free, blocks, evicted = free_set(max_idle_units=0, caching=True)
+    held = free.popleft_n(11)  # units 0, 1, 2
+    free.append_n(hashed(blocks, [8]))  # cached before the unpin
+    with free.retaining():
+        free.append_n([blocks[4], blocks[5], blocks[6], blocks[7]])  # unit 1: retained only
+    free.take_delta()
+    assert free.mapped_pages == 6 and free.trim() == 0 and evicted == []  # still read: nothing unmapped
+    assert free.stats()["retained_blocks"] == 4 and free.num_free_blocks == 31 - 11 + 5
+    free.append_n([b for b in held if b.block_id in (9, 10, 11)])  # unit 2 keeps cached block 8 only
+    assert evicted == [8]  # the idle cap (0) evicts unit 2, not the retained unit 1
+    order = [b.block_id for b in free.popleft_n(free.num_free_blocks)]
+    assert sorted(order[:-4]) == [8, 9, 10, 11] + list(range(12, 32)) and order[-4:] == [4, 5, 6, 7]
+    free.check()
+
+
+def test_reset_forgets_retained_blocks_too():
+    free, blocks, _ = free_set()
+    free.popleft_n(7)
+    with free.retaining():
+        free.append_n(blocks[4:8])
+    free.take_delta()
+    free.forget_hashes()  # BlockPool.reset_prefix_cache tells their readers to stop first
+    assert free.stats()["retained_blocks"] == 0 and free.take_delta() == ([], [1, 9])
+    free.check()
+
+
 def test_trim_unmaps_every_idle_unit_and_reset_forgets_hashes():
     free, blocks, evicted = free_set()
     free.popleft_n(11)
@@ -321,6 +351,7 @@ def test_random_operations_keep_every_invariant_and_deltas_replay_the_mapping(la
     rng = random.Random(0)
     free, blocks, _ = free_set(budget_pages=10, max_idle_units=2, layout=layout)
     held = {0}
+    retained: set[int] = set()
     worker: set[int] = set()
     for _ in range(600):
         op = rng.random()
@@ -328,6 +359,7 @@ def test_random_operations_keep_every_invariant_and_deltas_replay_the_mapping(la
             hint = rng.choice(sorted(held)) if rng.random() < 0.5 else None  # a request's last block
             with free.affinity(hint):
                 got = free.popleft_n(rng.randint(1, min(5, free.num_free_blocks)))
+            retained.difference_update(b.block_id for b in got)
             for block in got:
                 block.block_hash = None  # vLLM evicts a reused block's hash
                 held.add(block.block_id)
@@ -336,20 +368,24 @@ def test_random_operations_keep_every_invariant_and_deltas_replay_the_mapping(la
             for i in out:
                 blocks[i].block_hash = ("h", i) if rng.random() < 0.5 else None
                 held.discard(i)
-            free.append_n([blocks[i] for i in out])
+            retain = rng.random() < 0.2  # unpin_blocks: still read until handed out again
+            with free.retaining() if retain else contextlib.nullcontext():
+                free.append_n([blocks[i] for i in out])
+            retained.update(out if retain else ())
         elif op < 0.85:
             cached = [b for b in free.get_all_free_blocks() if b.block_hash is not None]
             if cached:
                 block = rng.choice(cached)
                 free.remove(block)
                 held.add(block.block_id)
+                retained.discard(block.block_id)
         elif op < 0.9:
             free.trim()
         to_map, to_unmap = free.take_delta()
         assert not set(to_map) & worker and set(to_unmap) <= worker
         worker = (worker - set(to_unmap)) | set(to_map)
         assert len(worker) == free.mapped_pages <= 10
-        for block_id in held:  # every held block's pages are mapped on the worker
+        for block_id in held | retained:  # every held or retained block's pages are mapped on the worker
             assert set(free.layout.unit_pages(free.layout.unit_of(block_id))) <= worker
         free.check()
 

@@ -12,13 +12,16 @@ about *which* free block to use goes through that queue (``get_new_blocks`` ->
   limited by the physical budget, so the check counts every free block; afterwards no free block
   is cached any more and idle pages are unmapped.
 * ``evict_blocks``: a free block that lost its hash is empty now (its page may be unmapped).
+* ``unpin_blocks``: vLLM's, with the released blocks *retained*: last in the eviction order and
+  their pages mapped until ``get_new_blocks`` hands them out (vLLM's "stay readable until
+  reused").
 * ``trim``: evict the pages only prefix-cached blocks keep mapped (called by the connector's
   ``reset_cache``, i.e. ``LLM.reset_prefix_cache(reset_connector=True)``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Iterable
 
 from vllm.logger import init_logger
 from vllm.v1.core.block_pool import BlockPool
@@ -78,6 +81,11 @@ class PageAffineBlockPool(BlockPool):
         if reset:
             self.free_block_queue.forget_hashes()
         return reset
+
+    def unpin_blocks(self, blocks: Iterable[Any], on_reuse: Callable[[Any], None]) -> None:
+        """vLLM's ``unpin_blocks``; the blocks it releases are retained (module docstring)."""
+        with self.free_block_queue.retaining():
+            super().unpin_blocks(blocks, on_reuse)
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         super().evict_blocks(block_ids)

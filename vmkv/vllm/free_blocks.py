@@ -8,8 +8,9 @@ page ever becomes empty. :class:`PageAwareFreeBlocks` has the same interface (``
 ``popleft_n``, ``remove``, ``append``, ``append_n``, ``prepend_n``, ``get_all_free_blocks``,
 ``num_free_blocks``) and decides by pages instead (units and pages: :mod:`vmkv.vllm.layout`).
 
-A unit is *live* while any of its blocks is held (``ref_cnt > 0``, i.e. not in this set) or
-cached (free but holding a prefix-cache entry); its pages are mapped exactly while it is live.
+A unit is *live* while any of its blocks is held (``ref_cnt > 0``, i.e. not in this set),
+cached (free but holding a prefix-cache entry) or retained (free after ``BlockPool.unpin_blocks``,
+still read by its caller until handed out again); its pages are mapped exactly while it is live.
 A unit is *unclaimed* while no request holds a block in it (only cached blocks, or only vLLM's
 null block). A block is handed out in this order:
 
@@ -23,8 +24,13 @@ null block). A block is handed out in this order:
 5. under *physical* pressure only (an unmapped unit is left but its pages do not fit the
    budget): the whole least recently idle unit (live only through cached blocks), its cached
    blocks evicted together, so its pages are reused whole;
-6. the least recently freed cached block, as vLLM's queue evicts (its unit stays mapped for its
-   other blocks).
+6. the least recently freed cached or retained block, as vLLM's queue evicts (its unit stays
+   mapped for its other blocks).
+
+Retained blocks keep vLLM's ``unpin_blocks`` contract: they join the tail of the eviction order
+(handed out after every empty block and every block cached before them) and their pages stay
+mapped until they are handed out; the idle cap and :meth:`PageAwareFreeBlocks.trim` never unmap
+a unit that holds one.
 
 Eviction policy: prefix-cache hits are only given up once no empty block can be had (steps 1-4),
 and then block by block in vLLM's own LRU order (step 6) whenever vLLM's *block count* is what is
@@ -99,11 +105,14 @@ class PageAwareFreeBlocks:
         self._blocks = blocks
         units = layout.num_units
         self._held = [0] * units
-        self._cached_in = [0] * units
+        self._cached_in = [0] * units  # prefix-cached free blocks (not retained)
+        self._retained_in = [0] * units
+        self._retained: set[int] = set()  # free blocks still read by unpin_blocks' caller
+        self._retaining = False
         self._empty: list[dict[int, Any]] = [{} for _ in range(units)]
         for block in blocks:
             self._empty[layout.unit_of(block.block_id)][block.block_id] = block
-        self._cached: OrderedDict[int, Any] = OrderedDict()  # least recently freed first
+        self._cached: OrderedDict[int, Any] = OrderedDict()  # cached and retained, least recently freed first
         self._idle: OrderedDict[int, None] = OrderedDict()  # least recently idle first
         self._buckets: list[dict[int, None]] = [{} for _ in range(self.k + 1)]  # live count -> units with an empty block
         self._bucket_of = [0] * units
@@ -166,6 +175,16 @@ class PageAwareFreeBlocks:
             self._release(block)
         self._enforce_idle_cap()
 
+    @contextmanager
+    def retaining(self) -> Iterator[None]:
+        """Within the block, blocks that come back are retained (``BlockPool.unpin_blocks``): free,
+        last in the eviction order, their pages mapped until they are handed out again."""
+        self._retaining = True
+        try:
+            yield
+        finally:
+            self._retaining = False
+
     def prepend_n(self, blocks: Iterable[Any]) -> None:
         """Blocks without a hash come back (vLLM's "reuse first"; here their unit decides)."""
         self.append_n(blocks)
@@ -198,14 +217,15 @@ class PageAwareFreeBlocks:
         return before - self.mapped_pages
 
     def forget_hashes(self) -> None:
-        """Every free block lost its hash (``BlockPool.reset_prefix_cache``): all become empty."""
+        """Every free block lost its hash (``BlockPool.reset_prefix_cache``, which also tells
+        retained blocks' readers to stop): all become empty."""
         for block in list(self._cached.values()):
             unit = self.layout.unit_of(block.block_id)
             self._change(unit, lambda: self._uncache(block, unit, held=False))
 
     def hash_removed(self, block: Any) -> None:
         """``block`` may have lost its hash while free (``BlockPool.evict_blocks``)."""
-        if block.block_id in self._cached and block.block_hash is None:
+        if block.block_id in self._cached and block.block_hash is None and block.block_id not in self._retained:
             unit = self.layout.unit_of(block.block_id)
             self._change(unit, lambda: self._uncache(block, unit, held=False))
 
@@ -250,7 +270,8 @@ class PageAwareFreeBlocks:
             "mapped_units": sum(1 for u in range(self.layout.num_units) if self._live(u)),
             "idle_units": len(self._idle),
             "held_blocks": self.held_blocks,
-            "cached_blocks": len(self._cached),
+            "cached_blocks": len(self._cached) - len(self._retained),
+            "retained_blocks": len(self._retained),
             "free_blocks": self.num_free_blocks,
             "blocks_per_unit": self.k,
             "page_size": self.layout.page_size,
@@ -276,7 +297,7 @@ class PageAwareFreeBlocks:
             unit = next(iter(self._idle))
             self._evict_unit(unit)
             return self._take_any(unit)
-        if self._cached:  # 6: vLLM's block count is short: the least recently freed cached block
+        if self._cached:  # 6: vLLM's block count is short: the least recently freed cached/retained block
             block = next(iter(self._cached.values()))
             self.remove(block)
             return block
@@ -332,8 +353,12 @@ class PageAwareFreeBlocks:
                 self._change(unit, lambda: self._uncache(block, unit, held=False))
 
     # ---- state transitions (each through _change) -----------------------------------------------
+    def _idle_now(self, unit: int) -> bool:
+        """Live only through prefix-cached blocks: evictable whole."""
+        return self._held[unit] == 0 and self._cached_in[unit] > 0 and self._retained_in[unit] == 0
+
     def _live(self, unit: int) -> int:
-        return self._held[unit] + self._cached_in[unit]
+        return self._held[unit] + self._cached_in[unit] + self._retained_in[unit]
 
     def _take_any(self, unit: int) -> Any:
         return self._take_empty(unit, next(iter(self._empty[unit])))
@@ -350,7 +375,11 @@ class PageAwareFreeBlocks:
 
     def _uncache(self, block: Any, unit: int, held: bool) -> None:
         del self._cached[block.block_id]
-        self._cached_in[unit] -= 1
+        if block.block_id in self._retained:
+            self._retained.discard(block.block_id)
+            self._retained_in[unit] -= 1
+        else:
+            self._cached_in[unit] -= 1
         if held:
             self._held[unit] += 1
         else:
@@ -358,7 +387,13 @@ class PageAwareFreeBlocks:
 
     def _release(self, block: Any) -> None:
         unit = self.layout.unit_of(block.block_id)
-        if self.caching and block.block_hash is not None:
+        if self._retaining:
+            def free() -> None:
+                self._held[unit] -= 1
+                self._cached[block.block_id] = block
+                self._retained.add(block.block_id)
+                self._retained_in[unit] += 1
+        elif self.caching and block.block_hash is not None:
             def free() -> None:
                 self._held[unit] -= 1
                 self._cached[block.block_id] = block
@@ -391,7 +426,7 @@ class PageAwareFreeBlocks:
         elif live_before and not live:
             self._map_pages(unit, -1)
             heapq.heappush(self._unmapped, unit)
-        if self._held[unit] == 0 and self._cached_in[unit] > 0:
+        if self._idle_now(unit):
             self._idle.setdefault(unit, None)
         else:
             self._idle.pop(unit, None)
@@ -428,13 +463,19 @@ class PageAwareFreeBlocks:
             if live:
                 for page in self.layout.unit_pages(unit):
                     refs[page] += 1
-            if self._held[unit] + self._cached_in[unit] + len(self._empty[unit]) != len(self.layout.unit_blocks(unit)):
-                raise AssertionError(f"unit {unit}: held+cached+empty != its blocks")
-            if (unit in self._idle) != (self._held[unit] == 0 and self._cached_in[unit] > 0):
+            if self._live(unit) + len(self._empty[unit]) != len(self.layout.unit_blocks(unit)):
+                raise AssertionError(f"unit {unit}: held+cached+retained+empty != its blocks")
+            retained = sum(1 for b in self.layout.unit_blocks(unit) if b in self._retained)
+            cached = sum(1 for b in self.layout.unit_blocks(unit) if b in self._cached) - retained
+            if (retained, cached) != (self._retained_in[unit], self._cached_in[unit]):
+                raise AssertionError(f"unit {unit}: retained/cached counts disagree")
+            if (unit in self._idle) != self._idle_now(unit):
                 raise AssertionError(f"unit {unit}: idle membership wrong")
             unclaimed = bool(live and self._empty[unit] and self._held[unit] == self._pinned[unit])
             if (unit in self._unclaimed) != unclaimed:
                 raise AssertionError(f"unit {unit}: unclaimed membership wrong")
+        if not self._retained <= self._cached.keys():
+            raise AssertionError("a retained block is not in the eviction order")
         if refs != self._page_refs:
             raise AssertionError("page reference counts disagree")
         if self.mapped_pages != sum(1 for r in refs if r) or self.mapped_pages > self.budget_pages:
