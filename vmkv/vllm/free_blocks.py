@@ -476,6 +476,9 @@ class PageAwareFreeBlocks:
                 raise AssertionError(f"unit {unit}: unclaimed membership wrong")
         if not self._retained <= self._cached.keys():
             raise AssertionError("a retained block is not in the eviction order")
+        lost = [i for i, b in self._cached.items() if i not in self._retained and b.block_hash is None]
+        if lost:
+            raise AssertionError(f"cached blocks {lost} lost their prefix-cache hash but stay cached")
         if refs != self._page_refs:
             raise AssertionError("page reference counts disagree")
         if self.mapped_pages != sum(1 for r in refs if r) or self.mapped_pages > self.budget_pages:
