@@ -133,8 +133,8 @@ def outcomes(junit: Path) -> dict[str, str]:
     return result
 
 
-def run(files: list[str], plugin: bool, timeout: int = 1500) -> tuple[dict[str, str], str]:
-    """Run ``files`` of vLLM's tests (stock, or with vmkv's pool); ``(outcomes, output tail)``."""
+def run(files: list[str], plugin: bool, deselect: tuple[str, ...] = (), timeout: int = 1500) -> tuple[dict[str, str], str]:
+    """Run ``files`` of vLLM's tests but ``deselect`` (stock, or with vmkv's pool); ``(outcomes, output tail)``."""
     root = vllm_tests()
     redirect = write_stand_ins(root)
     repo = HERE.parent
@@ -144,7 +144,8 @@ def run(files: list[str], plugin: bool, timeout: int = 1500) -> tuple[dict[str, 
                    TRANSFORMERS_OFFLINE="1", VLLM_MODEL_REDIRECT_PATH=str(redirect),
                    VMKV_CORE_POOL="1" if plugin else "0")
         proc = subprocess.run([sys.executable, "-m", "pytest", *files, "-q", "-p", "vllm_core_plugin",
-                               "-p", "no:cacheprovider", "--tb=short", "-rfE", f"--junitxml={junit}"],
+                               "-p", "no:cacheprovider", "--tb=short", "-rfE", f"--junitxml={junit}",
+                               *(f"--deselect={test}" for test in deselect)],
                               cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
         if not junit.exists():
             raise RuntimeError(f"vLLM's tests did not run: {(proc.stdout + proc.stderr)[-2000:]}")

@@ -105,8 +105,8 @@ class PageAffineBlockPool(BlockPool):
     def check(self) -> None:
         """The pool's consistency, for tests (vLLM's own core tests run it on every pool they
         build): every block but the null block is free exactly when its ``ref_cnt`` is 0, and free
-        once; the null block (block 0) is never free, cached or hashed (its ``ref_cnt`` is not kept
-        by vLLM); every prefix-cache entry names a block that carries it; with the whole buffer as
+        once; the null block (block 0) is never free, hashed or named by a prefix-cache entry (its
+        ``ref_cnt`` is not kept by vLLM); with the whole buffer as
         budget the free count is stock's (every free block); the free set's own structures agree
         and one allocation of the free count succeeds (:meth:`PageAwareFreeBlocks.check`).
 
@@ -114,9 +114,10 @@ class PageAffineBlockPool(BlockPool):
             AssertionError: naming the first inconsistency found.
         """
         queue = self.free_block_queue
-        free = [block.block_id for block in queue.get_all_free_blocks()]
-        if len(set(free)) != len(free):
-            raise AssertionError(f"a block is free twice: {sorted(b for b in free if free.count(b) > 1)}")
+        listed = [block.block_id for block in queue.get_all_free_blocks()]
+        free = set(listed)
+        if len(free) != len(listed):
+            raise AssertionError(f"a block is free twice: {sorted(b for b in free if listed.count(b) > 1)}")
         null = self.null_block
         if null.block_id != 0 or not null.is_null or 0 in free or null.block_hash is not None \
                 or 0 in self.cached_block_hashes_by_block:
@@ -125,10 +126,9 @@ class PageAffineBlockPool(BlockPool):
             if block.is_null or block.ref_cnt < 0 or (block.ref_cnt == 0) != (block.block_id in free):
                 state = "free" if block.block_id in free else "not free"
                 raise AssertionError(f"block {block.block_id} has ref_cnt {block.ref_cnt} and is {state}")
-        for key, entry in self.cached_block_hash_to_block._cache.items():
-            for block in entry.values() if isinstance(entry, dict) else [entry]:
-                if key != block.block_hash and key not in self.cached_block_hashes_by_block.get(block.block_id, ()):
-                    raise AssertionError(f"a prefix-cache entry names block {block.block_id}, which does not carry it")
+        for entry in self.cached_block_hash_to_block._cache.values():
+            if null in (entry.values() if isinstance(entry, dict) else [entry]):
+                raise AssertionError("a prefix-cache entry names the null block")
         if queue.budget_pages >= queue.layout.num_pages and self.get_num_free_blocks() != len(free):
             raise AssertionError(f"{self.get_num_free_blocks()} blocks counted free, {len(free)} are")
         queue.check()

@@ -479,6 +479,9 @@ class PageAwareFreeBlocks:
         lost = [i for i, b in self._cached.items() if i not in self._retained and b.block_hash is None]
         if lost:
             raise AssertionError(f"cached blocks {lost} lost their prefix-cache hash but stay cached")
+        hashed = [i for empty in self._empty for i, b in empty.items() if self.caching and b.block_hash is not None]
+        if hashed:
+            raise AssertionError(f"free blocks {hashed} carry a prefix-cache hash but would be handed out as empty")
         if refs != self._page_refs:
             raise AssertionError("page reference counts disagree")
         if self.mapped_pages != sum(1 for r in refs if r) or self.mapped_pages > self.budget_pages:
