@@ -228,6 +228,18 @@ def test_under_a_smaller_budget_the_free_count_is_what_one_allocation_obtains(bl
         free.popleft_n(1)
 
 
+@pytest.mark.parametrize("blocks", [100, 61])
+def test_the_tiny_engines_buffers_count_every_block_free_as_stock(blocks):
+    """The tiny model's KV (128 KiB a block and layer, 2 layers) in 2 MiB pages: 16 blocks a unit.
+    A 26,214,400-byte buffer (100 blocks) used to count 63 of 99 free, a 15,990,784-byte one (61)
+    31 of 60, so a 6,000-token prompt (47 blocks) was never scheduled."""
+    layout = KVLayout([Segment(layer * blocks * 131072, 131072, 131072) for layer in range(2)], blocks,
+                      2 * blocks * 131072, 2 * 2**20)
+    assert layout.blocks_per_unit == 16
+    free, _, _ = free_set(budget_pages=layout.num_pages, layout=layout)
+    assert free.num_free_blocks == blocks - 1 and len(free.popleft_n(blocks - 1)) == blocks - 1
+
+
 def test_a_small_buffer_is_not_refused_when_the_budget_is_all_of_it():
     layout = layer_runs(5, 2)  # 3 pages; a unit may touch 3 (layer 1 straddles pages 1 and 2)
     assert (layout.num_pages, layout.max_pages_per_unit) == (3, 3)
