@@ -84,12 +84,16 @@ def vllm_tests() -> Path:
         return root
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, TMPDIR=tmp)
-        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                               "--no-clean", "--no-build-isolation", f"vllm=={VLLM_VERSION}", "-d", tmp],
-                              capture_output=True, text=True, env=env, timeout=600)
+        try:
+            proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                                   "--no-clean", "--no-build-isolation", f"vllm=={VLLM_VERSION}", "-d", tmp],
+                                  capture_output=True, text=True, env=env, timeout=600)
+            said = (proc.stdout + proc.stderr)[-600:]
+        except subprocess.TimeoutExpired:
+            said = "pip download ran past 10 minutes"
         unpacked = glob.glob(os.path.join(tmp, "pip-download-*", "vllm_*", "tests"))
         if not unpacked:
-            raise RuntimeError(f"vLLM {VLLM_VERSION}'s source could not be fetched: {(proc.stdout + proc.stderr)[-600:]}")
+            raise RuntimeError(f"vLLM {VLLM_VERSION}'s source could not be fetched: {said}")
         partial = root.with_name(root.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
         shutil.copytree(unpacked[0], partial / "tests")  # vLLM's own vllm/ stays behind: the installed one is imported
