@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import signal
 import subprocess
@@ -108,15 +109,23 @@ def two_layer_layout(blocks: int = 32) -> KVLayout:
     return KVLayout([Segment(0, 1024, 1024), Segment(blocks * 1024, 1024, 1024)], blocks, 2 * blocks * 1024, 4096)
 
 
-def free_set(budget_pages: int = 16, max_idle_units: int = 8, caching: bool = True):
-    blocks = [Block(i) for i in range(32)]
+def layer_runs(blocks: int, layers: int) -> KVLayout:
+    """vLLM's CPU layout (LBHNC): one run of 1 KiB blocks per layer, 4 KiB pages (4 blocks a unit).
+    With ``blocks`` not a multiple of 4, layer runs after the first do not start on a page."""
+    return KVLayout([Segment(layer * blocks * 1024, 1024, 1024) for layer in range(layers)], blocks,
+                    layers * blocks * 1024, 4096)
+
+
+def free_set(budget_pages: int = 16, max_idle_units: int = 8, caching: bool = True, layout: KVLayout | None = None):
+    layout = layout or two_layer_layout()
+    blocks = [Block(i) for i in range(layout.num_blocks)]
     evicted: list[int] = []
 
     def evict(block: Block) -> None:
         evicted.append(block.block_id)
         block.block_hash = None
 
-    free = PageAwareFreeBlocks(blocks, two_layer_layout(), budget_pages, max_idle_units, caching, evict)
+    free = PageAwareFreeBlocks(blocks, layout, budget_pages, max_idle_units, caching, evict)
     free.pin(blocks[0])  # vLLM's null block, held for good
     return free, blocks, evicted
 
@@ -190,6 +199,56 @@ def test_budget_too_small_for_two_units_is_refused():
         free_set(budget_pages=3)
 
 
+@pytest.mark.parametrize("blocks", [1000, 1001, 255])  # page-aligned layer runs, and two unaligned counts
+@pytest.mark.parametrize("layers", [1, 2, 3, 8, 32])
+def test_with_the_whole_buffer_as_budget_every_free_block_counts_and_one_allocation_gets_them(blocks, layers):
+    layout = layer_runs(blocks, layers)
+    free, _, _ = free_set(budget_pages=layout.num_pages, layout=layout)
+    assert free.num_free_blocks == blocks - 1  # as vLLM's own queue: every block but the null block
+    got = free.popleft_n(blocks - 1)
+    assert sorted(b.block_id for b in got) == list(range(1, blocks))
+    assert free.num_free_blocks == 0 and free.mapped_pages == layout.num_pages
+    free.check()
+
+
+@pytest.mark.parametrize("blocks", [1000, 1001, 255])
+@pytest.mark.parametrize("layers", [1, 2, 3, 8, 32])
+def test_under_a_smaller_budget_the_free_count_is_what_one_allocation_obtains(blocks, layers):
+    layout = layer_runs(blocks, layers)
+    free, blocks_, _ = free_set(budget_pages=layout.num_pages // 3, layout=layout)
+    free.check()  # before anything: one popleft_n(num_free_blocks) succeeds and leaves no unit that fits
+    with free.affinity(None):
+        held = free.popleft_n(free.num_free_blocks // 2)
+    free.append_n(held[1::3])  # holes: units next to mapped ones need fewer new pages
+    free.check()
+    count = free.num_free_blocks
+    assert len(free.popleft_n(count)) == count and free.num_free_blocks == 0
+    assert free.mapped_pages <= free.budget_pages
+    with pytest.raises(ValueError, match="Cannot get 1 free blocks"):
+        free.popleft_n(1)
+
+
+@pytest.mark.parametrize("blocks", [100, 61])
+def test_the_tiny_engines_buffers_count_every_block_free_as_stock(blocks):
+    """The tiny model's KV (128 KiB a block and layer, 2 layers) in 2 MiB pages: 16 blocks a unit.
+    A 26,214,400-byte buffer (100 blocks) used to count 63 of 99 free, a 15,990,784-byte one (61)
+    31 of 60, so a 6,000-token prompt (47 blocks) was never scheduled."""
+    layout = KVLayout([Segment(layer * blocks * 131072, 131072, 131072) for layer in range(2)], blocks,
+                      2 * blocks * 131072, 2 * 2**20)
+    assert layout.blocks_per_unit == 16
+    free, _, _ = free_set(budget_pages=layout.num_pages, layout=layout)
+    assert free.num_free_blocks == blocks - 1 and len(free.popleft_n(blocks - 1)) == blocks - 1
+
+
+def test_a_small_buffer_is_not_refused_when_the_budget_is_all_of_it():
+    layout = layer_runs(5, 2)  # 3 pages; a unit may touch 3 (layer 1 straddles pages 1 and 2)
+    assert (layout.num_pages, layout.max_pages_per_unit) == (3, 3)
+    free, _, _ = free_set(budget_pages=3, layout=layout)
+    assert free.num_free_blocks == 4 and len(free.popleft_n(4)) == 4
+    with pytest.raises(vmkv.InvalidConfig, match="cannot hold two units"):
+        free_set(budget_pages=2, layout=layout)
+
+
 def hashed(blocks, ids):
     for i in ids:
         blocks[i].block_hash = ("hash", i)
@@ -233,6 +292,58 @@ def test_under_budget_pressure_a_whole_idle_unit_goes_before_single_cached_block
     free.check()
 
 
+def free_like_vllm(free, blocks, ids):
+    """A request finishes: its full blocks keep their prefix-cache hash, and vLLM frees them
+    last block first (``free_blocks`` gets them in eviction order)."""
+    free.append_n(hashed(blocks, ids)[::-1])
+
+
+def test_when_only_the_block_count_is_short_cached_blocks_go_one_by_one_least_recent_first():
+    """13 blocks, 4 a unit, the whole buffer as budget: x holds blocks 1-3, a blocks 4-7, both
+    finish; b needs 6. vLLM's queue evicts the least recently freed block (x's last) and keeps a's
+    prefix; evicting a's idle unit whole would cost all of a's hits and free no memory."""
+    layout = layer_runs(13, 2)
+    free, blocks, evicted = free_set(budget_pages=layout.num_pages, layout=layout)
+    x, a = free.popleft_n(3), free.popleft_n(4)
+    assert [b.block_id for b in x + a] == [1, 2, 3, 4, 5, 6, 7]
+    free_like_vllm(free, blocks, [1, 2, 3])
+    free_like_vllm(free, blocks, [4, 5, 6, 7])
+    b = free.popleft_n(6)
+    assert sorted(block.block_id for block in b) == [3, 8, 9, 10, 11, 12] and evicted == []
+    assert all(blocks[i].block_hash is not None for i in (4, 5, 6, 7))  # a's prefix is still cached
+    assert [blk.block_id for blk in free.get_all_free_blocks()] == [2, 1, 7, 6, 5, 4]  # stock's eviction order
+    free.check()
+
+
+def test_retained_blocks_go_last_and_keep_their_page_mapped_until_handed_out():
+    """vLLM's unpin_blocks: released blocks join the tail of the free queue and stay readable
+    until reused; here their unit stays mapped, whatever the idle cap or a trim would do."""
+    free, blocks, evicted = free_set(max_idle_units=0, caching=True)
+    held = free.popleft_n(11)  # units 0, 1, 2
+    free.append_n(hashed(blocks, [8]))  # cached before the unpin
+    with free.retaining():
+        free.append_n([blocks[4], blocks[5], blocks[6], blocks[7]])  # unit 1: retained only
+    free.take_delta()
+    assert free.mapped_pages == 6 and free.trim() == 0 and evicted == []  # still read: nothing unmapped
+    assert free.stats()["retained_blocks"] == 4 and free.num_free_blocks == 31 - 11 + 5
+    free.append_n([b for b in held if b.block_id in (9, 10, 11)])  # unit 2 keeps cached block 8 only
+    assert evicted == [8]  # the idle cap (0) evicts unit 2, not the retained unit 1
+    order = [b.block_id for b in free.popleft_n(free.num_free_blocks)]
+    assert sorted(order[:-4]) == [8, 9, 10, 11] + list(range(12, 32)) and order[-4:] == [4, 5, 6, 7]
+    free.check()
+
+
+def test_reset_forgets_retained_blocks_too():
+    free, blocks, _ = free_set()
+    free.popleft_n(7)
+    with free.retaining():
+        free.append_n(blocks[4:8])
+    free.take_delta()
+    free.forget_hashes()  # BlockPool.reset_prefix_cache tells their readers to stop first
+    assert free.stats()["retained_blocks"] == 0 and free.take_delta() == ([], [1, 9])
+    free.check()
+
+
 def test_trim_unmaps_every_idle_unit_and_reset_forgets_hashes():
     free, blocks, evicted = free_set()
     free.popleft_n(11)
@@ -247,10 +358,12 @@ def test_trim_unmaps_every_idle_unit_and_reset_forgets_hashes():
     free.check()
 
 
-def test_random_operations_keep_every_invariant_and_deltas_replay_the_mapping():
+@pytest.mark.parametrize("layout", [two_layer_layout(), layer_runs(33, 3)], ids=["aligned", "unaligned"])
+def test_random_operations_keep_every_invariant_and_deltas_replay_the_mapping(layout):
     rng = random.Random(0)
-    free, blocks, _ = free_set(budget_pages=10, max_idle_units=2)
+    free, blocks, _ = free_set(budget_pages=10, max_idle_units=2, layout=layout)
     held = {0}
+    retained: set[int] = set()
     worker: set[int] = set()
     for _ in range(600):
         op = rng.random()
@@ -258,6 +371,7 @@ def test_random_operations_keep_every_invariant_and_deltas_replay_the_mapping():
             hint = rng.choice(sorted(held)) if rng.random() < 0.5 else None  # a request's last block
             with free.affinity(hint):
                 got = free.popleft_n(rng.randint(1, min(5, free.num_free_blocks)))
+            retained.difference_update(b.block_id for b in got)
             for block in got:
                 block.block_hash = None  # vLLM evicts a reused block's hash
                 held.add(block.block_id)
@@ -266,20 +380,24 @@ def test_random_operations_keep_every_invariant_and_deltas_replay_the_mapping():
             for i in out:
                 blocks[i].block_hash = ("h", i) if rng.random() < 0.5 else None
                 held.discard(i)
-            free.append_n([blocks[i] for i in out])
+            retain = rng.random() < 0.2  # unpin_blocks: still read until handed out again
+            with free.retaining() if retain else contextlib.nullcontext():
+                free.append_n([blocks[i] for i in out])
+            retained.update(out if retain else ())
         elif op < 0.85:
             cached = [b for b in free.get_all_free_blocks() if b.block_hash is not None]
             if cached:
                 block = rng.choice(cached)
                 free.remove(block)
                 held.add(block.block_id)
+                retained.discard(block.block_id)
         elif op < 0.9:
             free.trim()
         to_map, to_unmap = free.take_delta()
         assert not set(to_map) & worker and set(to_unmap) <= worker
         worker = (worker - set(to_unmap)) | set(to_map)
         assert len(worker) == free.mapped_pages <= 10
-        for block_id in held:  # every held block's pages are mapped on the worker
+        for block_id in held | retained:  # every held or retained block's pages are mapped on the worker
             assert set(free.layout.unit_pages(free.layout.unit_of(block_id))) <= worker
         free.check()
 

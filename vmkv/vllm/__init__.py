@@ -7,7 +7,7 @@ mapped only while vLLM blocks that live in them hold data. Four pieces, one focu
 
 * :mod:`vmkv.vllm.worker` -- the KV buffer: covers ``allocate_kv_cache`` (worker side).
 * :mod:`vmkv.vllm.block_pool` and :mod:`vmkv.vllm.free_blocks` -- which blocks vLLM hands out:
-  packed into pages, prefix-cache eviction by whole pages, free blocks counted from the physical
+  packed into pages, idle prefix-cache pages given back whole, free blocks counted from the physical
   budget (scheduler side); installed by :mod:`vmkv.vllm.scheduler` (``--scheduler-cls``).
 * :mod:`vmkv.vllm.connector` -- the map/unmap lists travel with every step to every rank as KV
   connector metadata (vLLM's own scheduler->worker path), plus stats and Prometheus metrics.

@@ -12,13 +12,16 @@ about *which* free block to use goes through that queue (``get_new_blocks`` ->
   limited by the physical budget, so the check counts every free block; afterwards no free block
   is cached any more and idle pages are unmapped.
 * ``evict_blocks``: a free block that lost its hash is empty now (its page may be unmapped).
+* ``unpin_blocks``: vLLM's, with the released blocks *retained*: last in the eviction order and
+  their pages mapped until ``get_new_blocks`` hands them out (vLLM's "stay readable until
+  reused").
 * ``trim``: evict the pages only prefix-cached blocks keep mapped (called by the connector's
   ``reset_cache``, i.e. ``LLM.reset_prefix_cache(reset_connector=True)``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Iterable
 
 from vllm.logger import init_logger
 from vllm.v1.core.block_pool import BlockPool
@@ -79,6 +82,11 @@ class PageAffineBlockPool(BlockPool):
             self.free_block_queue.forget_hashes()
         return reset
 
+    def unpin_blocks(self, blocks: Iterable[Any], on_reuse: Callable[[Any], None]) -> None:
+        """vLLM's ``unpin_blocks``; the blocks it releases are retained (module docstring)."""
+        with self.free_block_queue.retaining():
+            super().unpin_blocks(blocks, on_reuse)
+
     def evict_blocks(self, block_ids: set[int]) -> None:
         super().evict_blocks(block_ids)
         for block_id in block_ids:
@@ -93,3 +101,34 @@ class PageAffineBlockPool(BlockPool):
     def memory_stats(self) -> dict[str, int]:
         """Mapped pages, units, held/cached blocks and the budget, as the scheduler sees them."""
         return self.free_block_queue.stats()
+
+    def check(self) -> None:
+        """The pool's consistency, for tests (vLLM's own core tests run it on every pool they
+        build): every block but the null block is free exactly when its ``ref_cnt`` is 0, and free
+        once; the null block (block 0) is never free, hashed or named by a prefix-cache entry (its
+        ``ref_cnt`` is not kept by vLLM); with the whole buffer as
+        budget the free count is stock's (every free block); the free set's own structures agree
+        and one allocation of the free count succeeds (:meth:`PageAwareFreeBlocks.check`).
+
+        Raises:
+            AssertionError: naming the first inconsistency found.
+        """
+        queue = self.free_block_queue
+        listed = [block.block_id for block in queue.get_all_free_blocks()]
+        free = set(listed)
+        if len(free) != len(listed):
+            raise AssertionError(f"a block is free twice: {sorted(b for b in free if listed.count(b) > 1)}")
+        null = self.null_block
+        if null.block_id != 0 or not null.is_null or 0 in free or null.block_hash is not None \
+                or 0 in self.cached_block_hashes_by_block:
+            raise AssertionError(f"the null block was touched: {null!r}")
+        for block in self.blocks[1:]:
+            if block.is_null or block.ref_cnt < 0 or (block.ref_cnt == 0) != (block.block_id in free):
+                state = "free" if block.block_id in free else "not free"
+                raise AssertionError(f"block {block.block_id} has ref_cnt {block.ref_cnt} and is {state}")
+        for entry in self.cached_block_hash_to_block._cache.values():
+            if null in (entry.values() if isinstance(entry, dict) else [entry]):
+                raise AssertionError("a prefix-cache entry names the null block")
+        if queue.budget_pages >= queue.layout.num_pages and self.get_num_free_blocks() != len(free):
+            raise AssertionError(f"{self.get_num_free_blocks()} blocks counted free, {len(free)} are")
+        queue.check()

@@ -8,8 +8,9 @@ page ever becomes empty. :class:`PageAwareFreeBlocks` has the same interface (``
 ``popleft_n``, ``remove``, ``append``, ``append_n``, ``prepend_n``, ``get_all_free_blocks``,
 ``num_free_blocks``) and decides by pages instead (units and pages: :mod:`vmkv.vllm.layout`).
 
-A unit is *live* while any of its blocks is held (``ref_cnt > 0``, i.e. not in this set) or
-cached (free but holding a prefix-cache entry); its pages are mapped exactly while it is live.
+A unit is *live* while any of its blocks is held (``ref_cnt > 0``, i.e. not in this set),
+cached (free but holding a prefix-cache entry) or retained (free after ``BlockPool.unpin_blocks``,
+still read by its caller until handed out again); its pages are mapped exactly while it is live.
 A unit is *unclaimed* while no request holds a block in it (only cached blocks, or only vLLM's
 null block). A block is handed out in this order:
 
@@ -20,9 +21,24 @@ null block). A block is handed out in this order:
 3. the lowest unmapped unit, if the physical budget has room for its pages;
 4. an empty block of the live unit with the most live blocks (under budget pressure, requests
    share pages, fullest first);
-5. the whole least recently idle unit (live only through cached blocks): its cached blocks are
-   evicted together, so its pages are reused whole;
-6. the least recently freed cached block (its unit stays mapped for its other blocks).
+5. under *physical* pressure only (an unmapped unit is left but its pages do not fit the
+   budget): the whole least recently idle unit (live only through cached blocks), its cached
+   blocks evicted together, so its pages are reused whole;
+6. the least recently freed cached or retained block, as vLLM's queue evicts (its unit stays
+   mapped for its other blocks).
+
+Retained blocks keep vLLM's ``unpin_blocks`` contract: they join the tail of the eviction order
+(handed out after every empty block and every block cached before them) and their pages stay
+mapped until they are handed out; the idle cap and :meth:`PageAwareFreeBlocks.trim` never unmap
+a unit that holds one.
+
+Eviction policy: prefix-cache hits are only given up once no empty block can be had (steps 1-4),
+and then block by block in vLLM's own LRU order (step 6) whenever vLLM's *block count* is what is
+short: every cached block's page is mapped already, so evicting by page would cost hits stock
+vLLM keeps and free no memory. Whole pages are evicted (step 5) only when the *budget* is what is
+short, so a request reuses one page whole instead of spreading over many. Idle pages beyond
+``max_idle_units`` and :meth:`PageAwareFreeBlocks.trim` evict whole units too: that is what gives
+memory back.
 
 Without budget pressure each page is thus used by one request (besides shared prefix blocks),
 and a request leaves at most one partly filled page: its mapped KV stays within one unit of its
@@ -31,9 +47,12 @@ tokens, and its pages go when it finishes, as in vAttention.
 Units that only cached blocks keep live are capped at ``max_idle_units``: beyond it the least
 recently idle one is evicted whole and unmapped, so its memory goes back to the OS.
 
-The free count vLLM sees (``num_free_blocks``) is what these steps can deliver: empty blocks of
-live units, cached blocks, and the blocks of as many new units as the unmapped budget holds
-(counted at the most pages a unit can take, so the count never promises more than fits).
+The free count vLLM sees (``num_free_blocks``) is exactly what these steps can deliver: empty
+blocks of live units, cached blocks, and the blocks of the new units step 3 would map one after
+the other, lowest first, until the next one's pages do not fit the budget. Those pages are counted
+as they are, not at a per-unit bound: when layer runs do not start on a page boundary,
+neighbouring units share a page, and a unit next to a mapped one needs fewer new pages. With the
+budget the whole buffer every free block counts, as in vLLM's own queue.
 
 Pages whose mapped state changed are collected; :meth:`PageAwareFreeBlocks.take_delta` returns
 what to map and unmap since the last call (a page unmapped and mapped again in between is left
@@ -44,6 +63,7 @@ This module imports no vLLM code: blocks only need ``block_id`` and ``block_hash
 
 from __future__ import annotations
 
+import copy
 import heapq
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -65,7 +85,8 @@ class PageAwareFreeBlocks:
         evict: removes a free block's prefix-cache entry (``BlockPool._maybe_evict_cached_block``).
 
     Raises:
-        InvalidConfig: the budget cannot hold two units (block 0's unit stays mapped).
+        InvalidConfig: a budget smaller than the buffer cannot hold two units (block 0's unit
+            stays mapped); a budget of the whole buffer is never refused.
     """
 
     def __init__(self, blocks: list[Any], layout: KVLayout, budget_pages: int, max_idle_units: int,
@@ -74,7 +95,7 @@ class PageAwareFreeBlocks:
         self.k = layout.blocks_per_unit
         self.budget_pages = min(budget_pages, layout.num_pages)
         need = min(2, layout.num_units) * layout.max_pages_per_unit
-        if self.budget_pages < need:
+        if self.budget_pages < min(need, layout.num_pages):
             raise InvalidConfig(
                 f"vmkv: a physical budget of {budget_pages} pages of {layout.page_size} B cannot hold two units of "
                 f"{self.k} blocks ({layout.max_pages_per_unit} pages each); raise the budget or lower page_size")
@@ -84,11 +105,14 @@ class PageAwareFreeBlocks:
         self._blocks = blocks
         units = layout.num_units
         self._held = [0] * units
-        self._cached_in = [0] * units
+        self._cached_in = [0] * units  # prefix-cached free blocks (not retained)
+        self._retained_in = [0] * units
+        self._retained: set[int] = set()  # free blocks still read by unpin_blocks' caller
+        self._retaining = False
         self._empty: list[dict[int, Any]] = [{} for _ in range(units)]
         for block in blocks:
             self._empty[layout.unit_of(block.block_id)][block.block_id] = block
-        self._cached: OrderedDict[int, Any] = OrderedDict()  # least recently freed first
+        self._cached: OrderedDict[int, Any] = OrderedDict()  # cached and retained, least recently freed first
         self._idle: OrderedDict[int, None] = OrderedDict()  # least recently idle first
         self._buckets: list[dict[int, None]] = [{} for _ in range(self.k + 1)]  # live count -> units with an empty block
         self._bucket_of = [0] * units
@@ -105,22 +129,19 @@ class PageAwareFreeBlocks:
         self.maps = 0
         self.unmaps = 0
         self._unbounded = False
+        self._new_count: int | None = None  # blocks step 3 can deliver; None: to recount
 
     # ---- the FreeKVCacheBlockQueue interface ----------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
         """Blocks :meth:`popleft_n` can deliver now within the physical budget."""
-        if self._unbounded:
-            return self._empty_in_live + self._empty_in_unmapped + len(self._cached)
-        room_units = (self.budget_pages - self.mapped_pages) // self.layout.max_pages_per_unit
-        new = min(room_units * self.k, self._empty_in_unmapped)
-        return self._empty_in_live + len(self._cached) + new
+        return self._empty_in_live + len(self._cached) + self._new_blocks()
 
     def popleft(self) -> Any:
         return self.popleft_n(1)[0]
 
     def popleft_n(self, n: int) -> list[Any]:
-        """Hand out ``n`` blocks (module docstring, steps 1-4).
+        """Hand out ``n`` blocks (module docstring, steps 1-6).
 
         Raises:
             ValueError: fewer than ``n`` blocks are free within the budget (as vLLM's queue).
@@ -154,6 +175,16 @@ class PageAwareFreeBlocks:
             self._release(block)
         self._enforce_idle_cap()
 
+    @contextmanager
+    def retaining(self) -> Iterator[None]:
+        """Within the block, blocks that come back are retained (``BlockPool.unpin_blocks``): free,
+        last in the eviction order, their pages mapped until they are handed out again."""
+        self._retaining = True
+        try:
+            yield
+        finally:
+            self._retaining = False
+
     def prepend_n(self, blocks: Iterable[Any]) -> None:
         """Blocks without a hash come back (vLLM's "reuse first"; here their unit decides)."""
         self.append_n(blocks)
@@ -186,14 +217,15 @@ class PageAwareFreeBlocks:
         return before - self.mapped_pages
 
     def forget_hashes(self) -> None:
-        """Every free block lost its hash (``BlockPool.reset_prefix_cache``): all become empty."""
+        """Every free block lost its hash (``BlockPool.reset_prefix_cache``, which also tells
+        retained blocks' readers to stop): all become empty."""
         for block in list(self._cached.values()):
             unit = self.layout.unit_of(block.block_id)
             self._change(unit, lambda: self._uncache(block, unit, held=False))
 
     def hash_removed(self, block: Any) -> None:
         """``block`` may have lost its hash while free (``BlockPool.evict_blocks``)."""
-        if block.block_id in self._cached and block.block_hash is None:
+        if block.block_id in self._cached and block.block_hash is None and block.block_id not in self._retained:
             unit = self.layout.unit_of(block.block_id)
             self._change(unit, lambda: self._uncache(block, unit, held=False))
 
@@ -238,7 +270,8 @@ class PageAwareFreeBlocks:
             "mapped_units": sum(1 for u in range(self.layout.num_units) if self._live(u)),
             "idle_units": len(self._idle),
             "held_blocks": self.held_blocks,
-            "cached_blocks": len(self._cached),
+            "cached_blocks": len(self._cached) - len(self._retained),
+            "retained_blocks": len(self._retained),
             "free_blocks": self.num_free_blocks,
             "blocks_per_unit": self.k,
             "page_size": self.layout.page_size,
@@ -254,17 +287,17 @@ class PageAwareFreeBlocks:
                 return self._take_any(unit)
         if self._unclaimed:  # 2: a mapped page no request holds
             return self._take_any(next(iter(self._unclaimed)))
-        unit = self._lowest_unmapped()  # 3: a new unit within the budget
-        if unit is not None and self._new_pages(unit) <= self.budget_pages - self.mapped_pages:
-            return self._take_any(unit)
+        new = self._lowest_unmapped()  # 3: a new unit within the budget
+        if new is not None and self._new_pages(new) <= self.budget_pages - self.mapped_pages:
+            return self._take_any(new)
         for live in range(self.k - 1, 0, -1):  # 4: the fullest live unit with an empty block
             if self._buckets[live]:
                 return self._take_any(next(iter(self._buckets[live])))
-        if self._idle:  # 5: an idle unit, evicted whole
+        if self._idle and new is not None:  # 5: the budget is short (a unit is left unmapped): a whole idle unit
             unit = next(iter(self._idle))
             self._evict_unit(unit)
             return self._take_any(unit)
-        if self._cached:  # 6: one cached block
+        if self._cached:  # 6: vLLM's block count is short: the least recently freed cached/retained block
             block = next(iter(self._cached.values()))
             self.remove(block)
             return block
@@ -281,6 +314,32 @@ class PageAwareFreeBlocks:
     def _new_pages(self, unit: int) -> int:
         return sum(1 for p in self.layout.unit_pages(unit) if self._page_refs[p] == 0)
 
+    def _new_blocks(self) -> int:
+        """Empty blocks of unmapped units that step 3 can map, one unit after the other."""
+        if self._unbounded or self.budget_pages >= self.layout.num_pages:
+            return self._empty_in_unmapped
+        if self._new_count is None:
+            self._new_count = self._count_new_blocks()
+        return self._new_count
+
+    def _count_new_blocks(self) -> int:
+        """Replay step 3: the lowest unmapped unit while its new pages fit the room left, each
+        unit's pages mapped for the next (neighbouring units may share pages)."""
+        first = self._lowest_unmapped()
+        if first is None:
+            return 0
+        room, counted, blocks = self.budget_pages - self.mapped_pages, set(), 0
+        for unit in range(first, self.layout.num_units):
+            if self._live(unit):
+                continue
+            pages = {p for p in self.layout.unit_pages(unit) if self._page_refs[p] == 0} - counted
+            if len(pages) > room:
+                break
+            room -= len(pages)
+            counted |= pages
+            blocks += len(self._empty[unit])
+        return blocks
+
     def _enforce_idle_cap(self) -> None:
         while len(self._idle) > self.max_idle_units:
             self._evict_unit(next(iter(self._idle)))
@@ -294,8 +353,12 @@ class PageAwareFreeBlocks:
                 self._change(unit, lambda: self._uncache(block, unit, held=False))
 
     # ---- state transitions (each through _change) -----------------------------------------------
+    def _idle_now(self, unit: int) -> bool:
+        """Live only through prefix-cached blocks: evictable whole."""
+        return self._held[unit] == 0 and self._cached_in[unit] > 0 and self._retained_in[unit] == 0
+
     def _live(self, unit: int) -> int:
-        return self._held[unit] + self._cached_in[unit]
+        return self._held[unit] + self._cached_in[unit] + self._retained_in[unit]
 
     def _take_any(self, unit: int) -> Any:
         return self._take_empty(unit, next(iter(self._empty[unit])))
@@ -312,7 +375,11 @@ class PageAwareFreeBlocks:
 
     def _uncache(self, block: Any, unit: int, held: bool) -> None:
         del self._cached[block.block_id]
-        self._cached_in[unit] -= 1
+        if block.block_id in self._retained:
+            self._retained.discard(block.block_id)
+            self._retained_in[unit] -= 1
+        else:
+            self._cached_in[unit] -= 1
         if held:
             self._held[unit] += 1
         else:
@@ -320,7 +387,13 @@ class PageAwareFreeBlocks:
 
     def _release(self, block: Any) -> None:
         unit = self.layout.unit_of(block.block_id)
-        if self.caching and block.block_hash is not None:
+        if self._retaining:
+            def free() -> None:
+                self._held[unit] -= 1
+                self._cached[block.block_id] = block
+                self._retained.add(block.block_id)
+                self._retained_in[unit] += 1
+        elif self.caching and block.block_hash is not None:
             def free() -> None:
                 self._held[unit] -= 1
                 self._cached[block.block_id] = block
@@ -346,12 +419,14 @@ class PageAwareFreeBlocks:
             self._empty_in_live += empty
         else:
             self._empty_in_unmapped += empty
+        if not (live_before and live):  # an unmapped unit is involved: step 3's count changes
+            self._new_count = None
         if not live_before and live:
             self._map_pages(unit, +1)
         elif live_before and not live:
             self._map_pages(unit, -1)
             heapq.heappush(self._unmapped, unit)
-        if self._held[unit] == 0 and self._cached_in[unit] > 0:
+        if self._idle_now(unit):
             self._idle.setdefault(unit, None)
         else:
             self._idle.pop(unit, None)
@@ -375,8 +450,9 @@ class PageAwareFreeBlocks:
                 self._changed.add(page)
 
     # ---- for tests ------------------------------------------------------------------------------
-    def check(self) -> None:
-        """Recompute every derived number from the per-unit sets and compare (tests only).
+    def check(self, drain: bool = True) -> None:
+        """Recompute every derived number from the per-unit sets and compare (tests only); with
+        ``drain``, also allocate the whole free count at once on a copy (:meth:`check_obtainable`).
 
         Raises:
             AssertionError: a derived structure disagrees.
@@ -387,13 +463,25 @@ class PageAwareFreeBlocks:
             if live:
                 for page in self.layout.unit_pages(unit):
                     refs[page] += 1
-            if self._held[unit] + self._cached_in[unit] + len(self._empty[unit]) != len(self.layout.unit_blocks(unit)):
-                raise AssertionError(f"unit {unit}: held+cached+empty != its blocks")
-            if (unit in self._idle) != (self._held[unit] == 0 and self._cached_in[unit] > 0):
+            if self._live(unit) + len(self._empty[unit]) != len(self.layout.unit_blocks(unit)):
+                raise AssertionError(f"unit {unit}: held+cached+retained+empty != its blocks")
+            retained = sum(1 for b in self.layout.unit_blocks(unit) if b in self._retained)
+            cached = sum(1 for b in self.layout.unit_blocks(unit) if b in self._cached) - retained
+            if (retained, cached) != (self._retained_in[unit], self._cached_in[unit]):
+                raise AssertionError(f"unit {unit}: retained/cached counts disagree")
+            if (unit in self._idle) != self._idle_now(unit):
                 raise AssertionError(f"unit {unit}: idle membership wrong")
             unclaimed = bool(live and self._empty[unit] and self._held[unit] == self._pinned[unit])
             if (unit in self._unclaimed) != unclaimed:
                 raise AssertionError(f"unit {unit}: unclaimed membership wrong")
+        if not self._retained <= self._cached.keys():
+            raise AssertionError("a retained block is not in the eviction order")
+        lost = [i for i, b in self._cached.items() if i not in self._retained and b.block_hash is None]
+        if lost:
+            raise AssertionError(f"cached blocks {lost} lost their prefix-cache hash but stay cached")
+        hashed = [i for empty in self._empty for i, b in empty.items() if self.caching and b.block_hash is not None]
+        if hashed:
+            raise AssertionError(f"free blocks {hashed} carry a prefix-cache hash but would be handed out as empty")
         if refs != self._page_refs:
             raise AssertionError("page reference counts disagree")
         if self.mapped_pages != sum(1 for r in refs if r) or self.mapped_pages > self.budget_pages:
@@ -402,3 +490,30 @@ class PageAwareFreeBlocks:
         empty_unmapped = sum(len(e) for u, e in enumerate(self._empty) if not self._live(u))
         if (empty_live, empty_unmapped) != (self._empty_in_live, self._empty_in_unmapped):
             raise AssertionError("empty block counters disagree")
+        if drain:
+            self.check_obtainable()
+
+    def check_obtainable(self) -> None:
+        """On a copy (this set unchanged, nothing evicted): one ``popleft_n(num_free_blocks)``
+        succeeds, and no block it left is one step 3 could still map (tests only).
+
+        Raises:
+            AssertionError: the free count promises more or less than one allocation obtains.
+        """
+        memo: dict[int, Any] = {id(b): b for b in self._blocks}  # blocks are read, never written
+        memo[id(self.layout)] = self.layout
+        memo[id(self._evict)] = lambda block: None
+        clone = copy.deepcopy(self, memo)
+        count = clone.num_free_blocks
+        try:
+            got = clone.popleft_n(count)
+        except ValueError as error:
+            raise AssertionError(f"the free count {count} is more than one allocation obtains: {error}") from None
+        if len({b.block_id for b in got}) != count or clone.num_free_blocks:
+            raise AssertionError(f"after taking {count} blocks, {clone.num_free_blocks} more are counted free")
+        clone.check(drain=False)
+        unit = clone._lowest_unmapped()
+        if unit is not None and clone._new_pages(unit) <= clone.budget_pages - clone.mapped_pages:
+            raise AssertionError(f"the free count {count} misses unit {unit}, which fits the budget")
+        if any(clone._live(clone.layout.unit_of(b.block_id)) for b in clone.get_all_free_blocks()):
+            raise AssertionError(f"the free count {count} misses free blocks of mapped units")
