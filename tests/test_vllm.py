@@ -377,12 +377,16 @@ def test_drive_engine_sets_the_environment_only_while_vllm_starts(monkeypatch):
     monkeypatch.setattr(vllm, "LLM", StartingLLM)
     monkeypatch.setattr(drive, "ensure_entry_point", lambda: None)
     monkeypatch.setenv(plugin.ENV_FLAG, "1")  # the caller's own settings
-    monkeypatch.setenv(drive.RESERVED_CPUS, "5")
+    monkeypatch.delenv(drive.RESERVED_CPUS, raising=False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    for tp in (1, 2):  # stock and vmkv engines reserve the same cores: one per rank
+        drive.engine("model", vmkv=False, kv_cache_bytes=2**20, tensor_parallel_size=tp)
+        drive.engine("model", vmkv=True, kv_cache_bytes=2**20, tensor_parallel_size=tp)
+    monkeypatch.setenv(drive.RESERVED_CPUS, "5")  # a caller's reservation applies to both
     drive.engine("model", vmkv=False, kv_cache_bytes=2**20)
-    drive.engine("model", vmkv=True, kv_cache_bytes=2**20, tensor_parallel_size=2)
-    assert seen == [{plugin.ENV_FLAG: None, drive.RESERVED_CPUS: None, "HF_HUB_OFFLINE": "1"},
-                    {plugin.ENV_FLAG: "1", drive.RESERVED_CPUS: "2", "HF_HUB_OFFLINE": "1"}]
+    drive.engine("model", vmkv=True, kv_cache_bytes=2**20)
+    assert seen == [{plugin.ENV_FLAG: flag, drive.RESERVED_CPUS: cpus, "HF_HUB_OFFLINE": "1"}
+                    for cpus in ("1", "2", "5") for flag in (None, "1")]
     assert {name: os.environ.get(name) for name in names} == {plugin.ENV_FLAG: "1", drive.RESERVED_CPUS: "5",
                                                                "HF_HUB_OFFLINE": None}
 
