@@ -13,7 +13,10 @@ surface is not public: the plugin pins vLLM 0.32 (:func:`vmkv.vllm.check_vllm`).
 ``BlockPool.get_new_blocks`` is not told which request asks. Each manager's
 ``allocate_new_blocks(request_id, ...)`` is wrapped (on the instance) to tell the pool the
 request's last block while it allocates, so a request fills its own page before it takes
-another (:meth:`~vmkv.vllm.free_blocks.PageAwareFreeBlocks.affinity`).
+another (:meth:`~vmkv.vllm.free_blocks.PageAwareFreeBlocks.affinity`). vLLM calls it for every
+scheduled request at every step; the calls that allocate nothing (nearly all decode steps) go
+straight to vLLM's method, so the wrapper costs a dictionary lookup and a division per request
+and step.
 
 vLLM uses ``AsyncScheduler`` when async scheduling is on (the GPU default) and ``Scheduler``
 otherwise (the CPU default); one class name serves both: constructing :class:`VmkvScheduler`
@@ -107,14 +110,14 @@ def _with_affinity(manager: Any, pool: PageAffineBlockPool) -> Any:
     allocate = manager.allocate_new_blocks
     stock = type(manager).allocate_new_blocks is SingleTypeKVCacheManager.allocate_new_blocks
 
-    def allocate_new_blocks(request_id: str, num_tokens: int, *args: Any, **kwargs: Any) -> Any:
+    def allocate_new_blocks(request_id: str, num_tokens: int, num_tokens_main_model: int) -> Any:
         blocks = manager.req_to_blocks.get(request_id) or ()
         if stock and not _allocates(manager, request_id, num_tokens, len(blocks)):
-            return allocate(request_id, num_tokens, *args, **kwargs)
+            return allocate(request_id, num_tokens, num_tokens_main_model)
         last = blocks[-1] if blocks else None
         own = last is not None and not last.is_null and last.ref_cnt == 1
         with pool.free_block_queue.affinity(last.block_id if own else None):
-            return allocate(request_id, num_tokens, *args, **kwargs)
+            return allocate(request_id, num_tokens, num_tokens_main_model)
 
     return allocate_new_blocks
 
