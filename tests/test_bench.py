@@ -431,12 +431,17 @@ def _vllm_result(**kv_mib: tuple[float, float]) -> dict:
 
 
 def test_vllm_result_follows_the_contract(tmp_path):
-    from benchmarks import vllm
+    from benchmarks import vllm, vllm_client
 
     result = _vllm_result()
     _check_contract(result, "vllm")
     verdicts = vllm.verdicts(result)
-    assert [v.key for v in verdicts] == ["vllm.throughput", "vllm.kv_memory"]
+    assert [v.key for v in verdicts] == ["vllm.throughput", "vllm.kv_memory", "vllm.client_inf.throughput",
+                                         "vllm.client_inf.ttft", "vllm.client_16.throughput", "vllm.client_16.ttft"]
+    client = result["client"]  # the client part: its own rows, summary made again by this code
+    assert client["rows"] and all(set(row) == set(client["schema"]) for row in client["rows"])
+    assert vllm_client.summary(client["rows"]) == client["summary"]
+    assert all(s["same_tokens"] and s["texts_identical"] for s in client["summary"].values())
     for png in vllm.plot(result, tmp_path):
         assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
