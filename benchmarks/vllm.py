@@ -1,4 +1,7 @@
-"""Stock vLLM vs vLLM + vmkv on the same bursty ShareGPT-like trace (issue 9).
+"""Stock vLLM vs vLLM + vmkv: on the same bursty ShareGPT-like trace (issue 9), and under vLLM's
+own benchmark client against its OpenAI server (issue 19, :mod:`benchmarks.vllm_client`).
+
+``--parts`` picks them (default both). The trace part:
 
 Both engines run the tiny Llama (:mod:`vmkv.vllm.tiny`, greedy, fp32, eager) with the same KV
 buffer (``kv_cache_memory_bytes``); the vmkv engine maps its pages on demand
@@ -16,7 +19,8 @@ difference between the two engines confirms.
 Verdicts: the throughput ratio (vmkv / stock, median over rounds, against the target >= 0.97)
 and the KV memory vmkv holds as a share of stock's buffer, judged on the mean over the trace
 (vmkv wins below ``1 / (1 + TIE_MARGIN)``, stock above ``1 + TIE_MARGIN``, a tie between), with
-the peak as the upper end of its range.
+the peak as the upper end of its range. The client part adds, per request rate, the output
+tokens/s and mean TTFT ratios (``result["client"]``, :func:`benchmarks.vllm_client.verdicts`).
 """
 
 from __future__ import annotations
@@ -29,12 +33,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import common
+from . import common, vllm_client
 
 SETTLE_S = 1.5  # vLLM's workers busy-poll their queue for 1 s after a step: let the idle engine go quiet
 
 NAME = "vllm"
-DESCRIPTION = "vLLM with and without vmkv on one bursty ShareGPT-like trace: tokens/s ratio, KV memory over time"
+DESCRIPTION = ("vLLM with and without vmkv: one bursty ShareGPT-like trace (tokens/s ratio, KV memory over time) "
+               "and vLLM's own benchmark client at rate inf and a finite rate (tokens/s and TTFT ratios)")
+PARTS = ("trace", "client")
 
 SCHEMA = {
     "round": "interleaving round (engines take turns within a round)",
@@ -63,6 +69,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-cached", default="0", help="KV the prefix cache alone may keep mapped (default 0)")
     parser.add_argument("--sample-every", type=int, default=4, help="engine steps between memory samples (default 4)")
     parser.add_argument("--model-dir", type=Path, default=None, help="where to write the tiny model (default: a temp dir)")
+    parser.add_argument("--parts", default="trace,client", help="what to run, comma-separated: trace (in-process "
+                        "engines, bursty trace), client (vLLM's OpenAI servers and benchmark client); default both")
+    parser.add_argument("--client-prompts", type=int, default=None, help="requests per client run (default 64; smoke 4)")
+    parser.add_argument("--client-rates", default=None, help="request rates per second, comma-separated, inf = all at "
+                        "once (default inf,16; smoke inf)")
+    parser.add_argument("--client-rounds", type=int, default=None, help="interleaved client rounds per rate (default 6; smoke 2)")
+    parser.add_argument("--client-input-len", type=int, default=64, help="prompt tokens of each client request (default 64)")
+    parser.add_argument("--client-output-len", type=int, default=None, help="output tokens of each client request "
+                        "(default 64; smoke 8)")
+    parser.add_argument("--client-page-size", default="2MiB", help="vmkv page size of the client part (default 2MiB, "
+                        "as docs/vllm.md starts the server)")
+    parser.add_argument("--log-dir", type=Path, default=None, help="where the client part's servers write their logs "
+                        "(default: discarded)")
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -74,6 +93,28 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "rounds": args.rounds or (1 if smoke else 3),
         "max_model_len": args.max_model_len or (384 if smoke else 1024),
     }
+
+
+def _client_settings(args: argparse.Namespace) -> dict[str, Any]:
+    smoke = args.smoke
+    return {
+        "prompts": args.client_prompts or (4 if smoke else 64),
+        "rates": vllm_client.parse_rates(args.client_rates or ("inf" if smoke else "inf,16")),
+        "rounds": args.client_rounds or (2 if smoke else 6),
+        "input_len": args.client_input_len,
+        "output_len": args.client_output_len or (8 if smoke else 64),
+        "max_model_len": 512,
+    }
+
+
+def _parts(text: str) -> list[str]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown or not parts:
+        import vmkv
+
+        raise vmkv.InvalidInput(f"--parts {text!r}: expected a comma-separated subset of {', '.join(PARTS)}")
+    return parts
 
 
 def bursty_arrivals(count: int, bursts: int, gap: float) -> list[float]:
@@ -101,22 +142,48 @@ def _kv_memory(samples: list[dict[str, Any]], vmkv: bool, buffer_bytes: int) -> 
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the trace through both engines, interleaved; rows per (round, engine)."""
-    from vllm import SamplingParams
+    """Run the parts ``--parts`` names: rows per (round, engine) of the trace; the client part's
+    rows and summary under ``result["client"]``.
 
+    Raises:
+        vmkv.InvalidInput: ``--parts`` or ``--client-rates`` not understood.
+    """
     from vmkv.sizes import parse_size
-    from vmkv.vllm import check_vllm, drive, tiny
+    from vmkv.vllm import check_vllm, tiny
 
+    parts = _parts(args.parts)
     check_vllm()
     if args.device != "cpu":
         common.check_device(args.device)
-    s = _settings(args)
     kv_bytes = parse_size(args.kv_bytes, name="--kv-bytes")
+    model = tiny.save_tiny_model(args.model_dir or Path(tempfile.gettempdir()) / "vmkv-vllm-tiny")
+    rows: list[dict[str, Any]] = []
+    summary: dict[str, Any] = {}
+    extra: dict[str, Any] = {"config": {"parts": parts, "kv_bytes": kv_bytes, "token_bytes": tiny.token_bytes()}}
+    if "trace" in parts:
+        rows, series, config = _run_trace(args, model, kv_bytes)
+        summary = _summary(rows, kv_bytes)
+        extra["series"] = series
+        extra["config"].update(config)
+    if "client" in parts:
+        options = {"page_size": args.client_page_size}
+        client = vllm_client.measure(_client_settings(args), model, kv_bytes, options, args.seed, args.log_dir)
+        extra["client"] = client
+        summary["client"] = {rate: s["verdict"] for rate, s in client["summary"].items()}
+    return common.make_result(NAME, SCHEMA, rows, summary, **extra)
+
+
+def _run_trace(args: argparse.Namespace, model: Path, kv_bytes: int) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    """The trace through both in-process engines, interleaved: ``(rows, series, config)``."""
+    from vllm import SamplingParams
+
+    from vmkv.vllm import drive
+
+    s = _settings(args)
     trace = common.make_trace("sharegpt", s["requests"], args.seed, s["max_model_len"])
     prompts = trace_prompts(trace, args.seed)
     params = [SamplingParams(max_tokens=r.output, temperature=0.0, ignore_eos=True) for r in trace]
     arrivals = bursty_arrivals(len(trace), s["bursts"], s["gap"])
-    model = tiny.save_tiny_model(args.model_dir or Path(tempfile.gettempdir()) / "vmkv-vllm-tiny")
     options = {"page_size": args.page_size, "max_cached": args.max_cached}
     engines = {
         "stock": drive.engine(model, vmkv=False, kv_cache_bytes=kv_bytes, max_model_len=s["max_model_len"]),
@@ -142,11 +209,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for row in rows:
         other = "vmkv" if row["engine"] == "stock" else "stock"
         row["tokens_identical"] = tokens[(row["round"], row["engine"])] == tokens[(row["round"], other)]
-    token_bytes = tiny.token_bytes()
     for llm in engines.values():
         llm.llm_engine.engine_core.shutdown()
-    config = {**s, "kv_bytes": kv_bytes, **options, "trace": common.trace_stats(trace), "token_bytes": token_bytes}
-    return common.make_result(NAME, SCHEMA, rows, _summary(rows, kv_bytes), series=series, config=config)
+    return rows, series, {**s, **options, "trace": common.trace_stats(trace)}
 
 
 def _summary(rows: list[dict[str, Any]], kv_bytes: int) -> dict[str, Any]:
@@ -176,7 +241,9 @@ def _summary(rows: list[dict[str, Any]], kv_bytes: int) -> dict[str, Any]:
 
 def plot(result: dict[str, Any], out_dir: Path) -> list[str]:
     """``vllm_kv_memory.png``: KV memory over time in the last round, both engines, next to the
-    bytes the live tokens need."""
+    bytes the live tokens need (none without the trace part)."""
+    if not result.get("series"):
+        return []
     plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
     token_bytes = result["config"]["token_bytes"]
@@ -197,9 +264,27 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[str]:
     return [common.save_figure(fig, out_dir, "vllm_kv_memory.png")]
 
 
+def table(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The terminal table: per part (the trace; the client at each rate) and engine, medians over
+    the rounds."""
+    out = []
+    for engine in ("stock", "vmkv") if result["rows"] else ():
+        mine = [r for r in result["rows"] if r["engine"] == engine]
+        out.append({"workload": f"bursty trace, {mine[0]['requests']} requests", "engine": engine, "rounds": len(mine),
+                    "output tok/s": statistics.median(r["output_tok_per_s"] for r in mine), "mean TTFT ms": "",
+                    "same text": all(r["tokens_identical"] for r in mine)})
+    if "client" in result:
+        out += vllm_client.table(result["client"])
+    return out
+
+
 def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
-    """Two answers: what the plugin costs in output tokens/s, and how much KV memory it holds."""
+    """What the plugin costs in output tokens/s and how much KV memory it holds (the trace), and
+    what it costs in output tokens/s and time to first token under vLLM's client, per rate."""
+    client = vllm_client.verdicts(result["client"]) if "client" in result else []
     summary = result["summary"]
+    if "throughput_ratios_per_round" not in summary:  # the trace part did not run
+        return client
     ratio = common.Spread.of(summary["throughput_ratios_per_round"])
     cost = common.ratio_verdict(
         "vllm.throughput", "vLLM output tokens/s, vmkv over stock (same trace, interleaved)", ratio,
@@ -212,7 +297,7 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
         result=common.number_text(mean, "%"), spread=f"peak {common.number_text(peak, '%')}",
         winner=winner, side=side, value=mean, high=peak,
         note=f"worker RSS {abs(summary['rss_saved_bytes']) / 2**20:.0f} MiB {'below' if summary['rss_saved_bytes'] >= 0 else 'above'} stock")
-    return [cost, memory]
+    return [cost, memory, *client]
 
 
 def kv_memory_side(mean: float, tie_margin: float = common.TIE_MARGIN) -> tuple[str, str]:

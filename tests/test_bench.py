@@ -431,12 +431,17 @@ def _vllm_result(**kv_mib: tuple[float, float]) -> dict:
 
 
 def test_vllm_result_follows_the_contract(tmp_path):
-    from benchmarks import vllm
+    from benchmarks import vllm, vllm_client
 
     result = _vllm_result()
     _check_contract(result, "vllm")
     verdicts = vllm.verdicts(result)
-    assert [v.key for v in verdicts] == ["vllm.throughput", "vllm.kv_memory"]
+    assert [v.key for v in verdicts] == ["vllm.throughput", "vllm.kv_memory", "vllm.client_inf.throughput",
+                                         "vllm.client_inf.ttft", "vllm.client_16.throughput", "vllm.client_16.ttft"]
+    client = result["client"]  # the client part: its own rows, summary made again by this code
+    assert client["rows"] and all(set(row) == set(client["schema"]) for row in client["rows"])
+    assert vllm_client.summary(client["rows"]) == client["summary"]
+    assert all(s["same_tokens"] and s["texts_identical"] for s in client["summary"].values())
     for png in vllm.plot(result, tmp_path):
         assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -454,6 +459,73 @@ def test_vllm_kv_memory_verdict_is_judged_on_the_mean(vmkv_mib, side):
     memory = {v.key: v for v in vllm.verdicts(result)}["vllm.kv_memory"]
     assert memory.side == side and memory.winner.startswith(side)
     assert memory.value == pytest.approx(vmkv_mib[0] / 256) and memory.high == pytest.approx(vmkv_mib[1] / 256)
+
+
+def _client_rows(tok_s: dict[str, list[float]], ttft: dict[str, list[float]], rate: str = "inf", tokens: int = 4096,
+                 identical: bool = True) -> list[dict]:
+    """Client-part rows: ``tok_s`` / ``ttft``: engine -> one value per round."""
+    from benchmarks import vllm_client
+
+    rows = []
+    for engine in ("stock", "vmkv"):
+        for i, (speed, first) in enumerate(zip(tok_s[engine], ttft[engine])):
+            row = {"rate": rate, "round": i, "engine": engine, "requests": 64, "completed": 64, "output_tokens": tokens,
+                   "duration_s": tokens / speed, "output_tok_per_s": speed, "mean_ttft_ms": first,
+                   "median_ttft_ms": first, "mean_tpot_ms": 20.0, "texts_identical": identical}
+            assert set(row) == set(vllm_client.SCHEMA)
+            rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize("vmkv_tok_s, vmkv_ttft, throughput_side, ttft_side, agrees", [
+    ([2000, 2010, 1990], [400, 410, 390], "tie", "tie", (True, True)),  # parity
+    ([1000, 1100, 1200], [800, 900, 1000], "stock", "stock", (False, False)),  # the issue's plugin: slower, later
+    ([1990, 2300, 1700], [300, 420, 500], "tie", "tie", (True, True)),  # rounds disagree: no winner, median on target
+    ([2600, 2700, 2800], [200, 210, 220], "vmkv", "vmkv", (True, True)),
+])
+def test_vllm_client_verdicts_name_a_winner_only_when_every_round_agrees(vmkv_tok_s, vmkv_ttft, throughput_side,
+                                                                          ttft_side, agrees):
+    from benchmarks import vllm_client
+
+    rows = _client_rows({"stock": [2000] * 3, "vmkv": vmkv_tok_s}, {"stock": [400] * 3, "vmkv": vmkv_ttft})
+    client = {"rows": rows, "summary": vllm_client.summary(rows)}
+    throughput, ttft = vllm_client.verdicts(client)
+    assert (throughput.key, ttft.key) == ("vllm.client_inf.throughput", "vllm.client_inf.ttft")
+    assert (throughput.side, ttft.side) == (throughput_side, ttft_side)
+    assert (throughput.agrees, ttft.agrees) == agrees
+    assert throughput.value == pytest.approx(sorted(v / 2000 for v in vmkv_tok_s)[1])
+    assert ttft.value == pytest.approx(sorted(400 / v for v in vmkv_ttft)[1])
+    assert throughput.note == "same tokens, texts identical"
+    line = client["summary"]["inf"]["verdict"]
+    assert line.startswith("at rate inf: vmkv ") and line.endswith("same tokens, texts identical")
+
+
+def test_vllm_client_summary_flags_lost_tokens_and_other_texts():
+    from benchmarks import vllm_client
+
+    rows = _client_rows({"stock": [2000] * 2, "vmkv": [2000] * 2}, {"stock": [400] * 2, "vmkv": [400] * 2}, rate="16",
+                        identical=False)
+    rows[-1]["output_tokens"] -= 1
+    summary = vllm_client.summary(rows)["16"]
+    assert not summary["same_tokens"] and not summary["texts_identical"]
+    (throughput, _) = vllm_client.verdicts({"rows": rows, "summary": {"16": summary}})
+    assert throughput.note == "TOKEN COUNTS DIFFER, TEXTS DIFFER"
+    assert [line["workload"] for line in vllm_client.table({"rows": rows})] == ["vLLM client, rate 16"] * 2
+
+
+@pytest.mark.parametrize("text, rates", [("inf", [math.inf]), ("inf,16", [math.inf, 16.0]), ("0.5", [0.5])])
+def test_vllm_client_rates_parse(text, rates):
+    from benchmarks import vllm_client
+
+    assert vllm_client.parse_rates(text) == rates
+
+
+@pytest.mark.parametrize("text", ["", "fast", "0", "-2", "nan", "inf,"])
+def test_vllm_client_bad_rates_are_refused(text):
+    from benchmarks import vllm_client
+
+    with pytest.raises(vmkv.InvalidInput, match="positive number or 'inf'"):
+        vllm_client.parse_rates(text)
 
 
 # ---- engine_vs_vllm (a run loads a 12-layer model and vLLM: the budget sizing is checked) ----

@@ -362,6 +362,33 @@ def test_the_scheduler_puts_the_new_pool_and_its_null_block_in_every_group_manag
 
 
 @needs_vllm
+def test_a_request_fills_its_own_page_and_decode_steps_allocate_nothing():
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    from vmkv.vllm.block_pool import PageAffineBlockPool
+    from vmkv.vllm.connector import VmkvConnector
+    from vmkv.vllm.scheduler import install_pool
+
+    config = vllm_config(page_size="8KiB")  # 4 blocks a unit
+    connector = VmkvConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
+    manager = KVCacheManager(kv_cache_config(), max_model_len=NUM_BLOCKS * BLOCK, scheduler_block_size=BLOCK,
+                             hash_block_size=BLOCK)
+    pool = PageAffineBlockPool.replacing(manager.block_pool, *connector.pool_settings(config))
+    install_pool(manager, pool)
+    single, unit_of = manager.coordinator.single_type_managers[0], pool.free_block_queue.layout.unit_of
+    (a1,) = single.allocate_new_blocks("a", BLOCK, BLOCK)  # the null block's unit: mapped, no request's
+    (b1,) = single.allocate_new_blocks("b", BLOCK, BLOCK)  # a's unit is a's: a new one
+    assert unit_of(a1.block_id) == 0 and unit_of(b1.block_id) == 1
+    (a2,) = single.allocate_new_blocks("a", 2 * BLOCK, 2 * BLOCK)  # a's next block: in a's unit, not a third one
+    assert unit_of(a2.block_id) == 0
+    free = pool.get_num_free_blocks()
+    for tokens in range(2 * BLOCK - 3, 2 * BLOCK + 1):  # decode steps within a's blocks
+        assert single.allocate_new_blocks("a", tokens, tokens) == []
+    assert pool.get_num_free_blocks() == free and [b.block_id for b in single.req_to_blocks["a"]] == [a1.block_id, a2.block_id]
+
+
+@needs_vllm
 def test_drive_engine_sets_the_environment_only_while_vllm_starts(monkeypatch):
     import vllm
 
@@ -377,12 +404,16 @@ def test_drive_engine_sets_the_environment_only_while_vllm_starts(monkeypatch):
     monkeypatch.setattr(vllm, "LLM", StartingLLM)
     monkeypatch.setattr(drive, "ensure_entry_point", lambda: None)
     monkeypatch.setenv(plugin.ENV_FLAG, "1")  # the caller's own settings
-    monkeypatch.setenv(drive.RESERVED_CPUS, "5")
+    monkeypatch.delenv(drive.RESERVED_CPUS, raising=False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    for tp in (1, 2):  # stock and vmkv engines reserve the same cores: one per rank
+        drive.engine("model", vmkv=False, kv_cache_bytes=2**20, tensor_parallel_size=tp)
+        drive.engine("model", vmkv=True, kv_cache_bytes=2**20, tensor_parallel_size=tp)
+    monkeypatch.setenv(drive.RESERVED_CPUS, "5")  # a caller's reservation applies to both
     drive.engine("model", vmkv=False, kv_cache_bytes=2**20)
-    drive.engine("model", vmkv=True, kv_cache_bytes=2**20, tensor_parallel_size=2)
-    assert seen == [{plugin.ENV_FLAG: None, drive.RESERVED_CPUS: None, "HF_HUB_OFFLINE": "1"},
-                    {plugin.ENV_FLAG: "1", drive.RESERVED_CPUS: "2", "HF_HUB_OFFLINE": "1"}]
+    drive.engine("model", vmkv=True, kv_cache_bytes=2**20)
+    assert seen == [{plugin.ENV_FLAG: flag, drive.RESERVED_CPUS: cpus, "HF_HUB_OFFLINE": "1"}
+                    for cpus in ("1", "2", "5") for flag in (None, "1")]
     assert {name: os.environ.get(name) for name in names} == {plugin.ENV_FLAG: "1", drive.RESERVED_CPUS: "5",
                                                                "HF_HUB_OFFLINE": None}
 
@@ -555,5 +586,13 @@ def test_benchmark_smoke_follows_the_contract_and_ends_with_a_verdict(tmp_path):
     assert summary["tokens_identical"] and summary["throughput_ratio_vmkv_over_stock"] > 0
     assert summary["kv_peak_ratio_vmkv_over_stock"] < 0.5  # vmkv held far less than stock's buffer
     assert summary["verdict"].startswith("vmkv runs vLLM at ")
-    assert [v["key"] for v in result["verdicts"]] == ["vllm.throughput", "vllm.kv_memory"]
+    # the client part: vLLM's servers under vLLM's client, 2 rounds of 4 requests at rate inf
+    client = result["client"]
+    assert [(r["round"], r["engine"]) for r in client["rows"]] == [(0, "stock"), (0, "vmkv"), (1, "vmkv"), (1, "stock")]
+    for row in client["rows"]:
+        assert set(row) == set(client["schema"]) and row["completed"] == row["requests"] == 4
+        assert row["output_tokens"] == 4 * 8 and row["mean_ttft_ms"] > 0 and row["texts_identical"]
+    assert summary["client"]["inf"].startswith("at rate inf: vmkv ")
+    assert [v["key"] for v in result["verdicts"]] == ["vllm.throughput", "vllm.kv_memory", "vllm.client_inf.throughput",
+                                                      "vllm.client_inf.ttft"]
     assert (tmp_path / "vllm_kv_memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -13,7 +13,10 @@ surface is not public: the plugin pins vLLM 0.32 (:func:`vmkv.vllm.check_vllm`).
 ``BlockPool.get_new_blocks`` is not told which request asks. Each manager's
 ``allocate_new_blocks(request_id, ...)`` is wrapped (on the instance) to tell the pool the
 request's last block while it allocates, so a request fills its own page before it takes
-another (:meth:`~vmkv.vllm.free_blocks.PageAwareFreeBlocks.affinity`).
+another (:meth:`~vmkv.vllm.free_blocks.PageAwareFreeBlocks.affinity`). vLLM calls it for every
+scheduled request at every step; the calls that allocate nothing (nearly all decode steps) go
+straight to vLLM's method, so the wrapper costs a dictionary lookup and a division per request
+and step.
 
 vLLM uses ``AsyncScheduler`` when async scheduling is on (the GPU default) and ``Scheduler``
 otherwise (the CPU default); one class name serves both: constructing :class:`VmkvScheduler`
@@ -27,6 +30,7 @@ from typing import Any
 from vllm.logger import init_logger
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 
 from ..errors import InvalidConfig
 from . import settings as plugin
@@ -96,17 +100,33 @@ def install_pool(manager: Any, pool: PageAffineBlockPool) -> None:
 
 def _with_affinity(manager: Any, pool: PageAffineBlockPool) -> Any:
     """``manager.allocate_new_blocks`` that tells ``pool`` the request's last block while it runs,
-    if only that request holds the block (a shared prefix block says nothing about its pages)."""
-    allocate = manager.allocate_new_blocks
+    if only that request holds the block (a shared prefix block says nothing about its pages).
 
-    def allocate_new_blocks(request_id: str, *args: Any, **kwargs: Any) -> Any:
+    vLLM calls it for every scheduled request at every step, and almost every call allocates
+    nothing (a decoding request's last block still has room), so for vLLM's own implementation
+    (:func:`_allocates`) those calls go straight through: the hint only matters to
+    ``get_new_blocks``.
+    """
+    allocate = manager.allocate_new_blocks
+    stock = type(manager).allocate_new_blocks is SingleTypeKVCacheManager.allocate_new_blocks
+
+    def allocate_new_blocks(request_id: str, num_tokens: int, num_tokens_main_model: int) -> Any:
         blocks = manager.req_to_blocks.get(request_id) or ()
+        if stock and not _allocates(manager, request_id, num_tokens, len(blocks)):
+            return allocate(request_id, num_tokens, num_tokens_main_model)
         last = blocks[-1] if blocks else None
         own = last is not None and not last.is_null and last.ref_cnt == 1
         with pool.free_block_queue.affinity(last.block_id if own else None):
-            return allocate(request_id, *args, **kwargs)
+            return allocate(request_id, num_tokens, num_tokens_main_model)
 
     return allocate_new_blocks
+
+
+def _allocates(manager: Any, request_id: str, num_tokens: int, num_blocks: int) -> bool:
+    """Whether vLLM 0.32's ``SingleTypeKVCacheManager.allocate_new_blocks`` takes blocks from the
+    pool for this call: a copy-on-write block for a partial prefix hit, or blocks for tokens
+    beyond the request's ``num_blocks`` (its ``cdiv(num_tokens, block_size) - len(req_blocks)``)."""
+    return request_id in manager._partial_hit_reqs or -(-num_tokens // manager.block_size) > num_blocks
 
 
 class VmkvAsyncScheduler(VmkvScheduler, AsyncScheduler):
