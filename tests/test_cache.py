@@ -261,6 +261,19 @@ def test_every_invalid_call_raises_its_error_and_changes_nothing(make_cache):
     cache.check()
 
 
+def test_shape_errors_name_each_tensor_s_dimensions(make_cache):
+    cache = make_cache()
+    cfg = cache.config
+    cache.add("a")
+    plan = cache.begin_step({"a": 4})
+    kv = torch.zeros(3, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype)
+    with pytest.raises(InvalidShape, match=r"k must have shape \[4, 2, 16\] \(\[tokens, kv_heads, head_dim\]\)"):
+        cache.write(0, kv, kv, plan)
+    q = torch.zeros(7, 2 * cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype)  # 7 tokens where the plan has 4
+    with pytest.raises(InvalidShape, match=r"q must have shape \[4, 4, 16\] \(\[tokens, q_heads, head_dim\]\)"):
+        cache.attention(0, q, plan)
+
+
 def test_no_free_slot(make_cache):
     cache = make_cache(max_batch_size=2)
     cache.add(1), cache.add(2)
