@@ -21,13 +21,14 @@ and ``-1`` everywhere else.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from vmkv.base import KVCacheBase, SeqId, _Sequence
 from vmkv.calls import exclusive
-from vmkv.config import KVCacheConfig, check_budget_fits, paged_geometry
+from vmkv.config import KVCacheConfig, as_config, check_budget_fits, paged_geometry
 from vmkv.errors import BackendUnavailable, InvalidConfig
 from vmkv.sizes import format_size
 from vmkv.step import StepPlan
@@ -44,6 +45,7 @@ class PagedKVCache(KVCacheBase):
     Args:
         config: the cache configuration; ``block_size`` (tokens per block) and
             ``memory_budget`` decide the pool, which is allocated (zeroed) up front.
+            A mapping of its fields is accepted too.
         kernel: force an attention kernel by name (see :mod:`paged.attention`); default: the
             fastest one that runs here.
         chunk_tokens: keys per chunk of the blockwise kernel.
@@ -67,8 +69,10 @@ class PagedKVCache(KVCacheBase):
     mode = "paged"
 
     def __init__(
-        self, config: KVCacheConfig, *, kernel: str | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+        self, config: KVCacheConfig | Mapping[str, Any], *, kernel: str | None = None,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     ) -> None:
+        config = as_config(config)
         geometry = paged_geometry(config)
         check_budget_fits(config)
         if config.device.type == "cuda" and not torch.cuda.is_available():

@@ -288,3 +288,14 @@ def test_no_free_slot(make_cache):
 def test_errors_are_catchable_as_builtin_kinds():
     assert issubclass(UnknownSequence, LookupError) and issubclass(OutOfPages, MemoryError)
     assert issubclass(InvalidShape, ValueError) and str(UnknownSequence("x y")) == "x y"
+
+
+def test_a_mapping_of_the_config_fields_opens_a_cache_and_anything_else_is_refused(mode):
+    with vmkv.open_cache(dict(num_layers=2, num_kv_heads=2, head_dim=64, memory_budget="8MiB"), mode=mode) as cache:
+        assert cache.config == vmkv.KVCacheConfig(num_layers=2, num_kv_heads=2, head_dim=64, memory_budget="8MiB")
+    with pytest.raises(InvalidConfig, match="unknown field.*'heads'"):
+        vmkv.open_cache(dict(num_layers=2, heads=2, head_dim=64), mode=mode)
+    with pytest.raises(InvalidConfig, match="missing field.*num_kv_heads"):
+        vmkv.open_cache(dict(num_layers=2, head_dim=64), mode=mode)
+    with pytest.raises(InvalidConfig, match="KVCacheConfig or a mapping"):
+        vmkv.open_cache([2, 2, 64], mode=mode)

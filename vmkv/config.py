@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Literal
 
 import torch
 
@@ -156,6 +157,26 @@ class KVCacheConfig:
         values = {name: getattr(self, name) for name in self.__dataclass_fields__}
         values.update(changes)
         return KVCacheConfig(**values)
+
+
+def as_config(value: "KVCacheConfig | Mapping[str, Any]") -> KVCacheConfig:
+    """Return ``value`` as a :class:`KVCacheConfig`: a config as is, a mapping of its fields built into one.
+
+    Raises:
+        InvalidConfig: ``value`` is neither, or the mapping names a field the config does not have.
+    """
+    if isinstance(value, KVCacheConfig):
+        return value
+    if not isinstance(value, Mapping):
+        raise InvalidConfig(f"config must be a KVCacheConfig or a mapping of its fields, got {type(value).__name__}")
+    names = [field.name for field in fields(KVCacheConfig)]
+    unknown = [key for key in value if key not in names]
+    if unknown:
+        raise InvalidConfig(f"config: unknown field(s) {', '.join(map(repr, unknown))}; the fields are {', '.join(names)}")
+    missing = [name for name in ("num_layers", "num_kv_heads", "head_dim") if name not in value]
+    if missing:
+        raise InvalidConfig(f"config: missing field(s) {', '.join(missing)}")
+    return KVCacheConfig(**value)
 
 
 @dataclass(frozen=True)
