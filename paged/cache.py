@@ -28,11 +28,12 @@ import torch
 
 from vmkv.base import KVCacheBase, SeqId, _Sequence
 from vmkv.calls import exclusive
-from vmkv.config import KVCacheConfig, as_config, check_budget_fits, paged_geometry
+from vmkv.config import KVCacheConfig, as_config, check_budget_fits, check_page_size, paged_geometry
 from vmkv.errors import BackendUnavailable, InvalidConfig
 from vmkv.sizes import format_size
 from vmkv.step import StepPlan
 from vmkv.validate import as_layer, as_scale
+from vmkv.vm import granularity
 
 from .attention import DEFAULT_CHUNK_TOKENS, PagedKernel, make_paged_kernel
 
@@ -77,6 +78,7 @@ class PagedKVCache(KVCacheBase):
         check_budget_fits(config)
         if config.device.type == "cuda" and not torch.cuda.is_available():
             raise BackendUnavailable("CUDA driver not available: torch.cuda.is_available() is False")
+        check_page_size(config, granularity(config.device))  # unused here, but never accepted silently
         block, heads, dim = config.block_size, config.num_kv_heads, config.head_dim
         self._kernel: PagedKernel = make_paged_kernel(
             config.device, config.dtype, heads, dim, block, forced=kernel, chunk_tokens=chunk_tokens

@@ -33,6 +33,17 @@ def test_sizes_accept_ints_and_strings():
     for bad in ("two GiB", "1.5B", -1, True, 3.0):
         with pytest.raises(InvalidConfig):
             vmkv.parse_size(bad)
+    for negative in (-1, "-5MiB", "-1"):  # a negative size says so, whether an int or a string
+        with pytest.raises(InvalidConfig, match="must be >= 0"):
+            vmkv.parse_size(negative)
+
+
+def test_a_setting_one_mode_ignores_is_validated_in_both(mode):
+    """page_size (VMM) and block_size (paged): each mode refuses what the other would refuse."""
+    with pytest.raises(InvalidConfig, match="page_size 3072 must be a multiple.*try page_size=4096"):
+        vmkv.open_cache(small_config(page_size="3KiB"), mode=mode)
+    with pytest.raises(InvalidConfig, match="block_size must be a positive int"):
+        vmkv.open_cache(small_config(block_size=0), mode=mode)
 
 
 @pytest.mark.parametrize(

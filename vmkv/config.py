@@ -74,7 +74,8 @@ class KVCacheConfig:
             the backend granularity — 4 KiB on the host, usually 2 MiB on CUDA — and of the
             bytes one token takes in that tensor). ``None`` (default): chosen with the layout
             by :func:`default_vmm_pages` (at least 16 tokens a page, within the mapping limit;
-            host: per-layer when that fits, else all-layers; CUDA: all-layers).
+            host: per-layer when that fits, else all-layers; CUDA: all-layers). Paged mode
+            ignores it but refuses a value VMM mode would refuse.
         layout: VMM mode: ``"per_layer"`` (one range per layer and per K/V, token-major
             ``[B, S, H, D]``), ``"all_layers"`` (one range for K and one for V holding every
             layer, so a page covers fewer tokens), or ``"head_major"`` (per layer,
@@ -82,7 +83,8 @@ class KVCacheConfig:
             page then covers one head, so ``num_kv_heads`` times more mappings than
             ``per_layer``). ``None`` (default): chosen with the page size when ``page_size`` is
             ``None`` too (:func:`default_vmm_pages`), else ``"per_layer"``.
-        block_size: paged mode: tokens per block (vLLM's default is 16).
+        block_size: paged mode: tokens per block (vLLM's default is 16), a positive int in
+            either mode; VMM mode ignores it (its pages hold ``page_size`` bytes).
         prefix_caching: keep full pages indexed by a hash of their tokens for later prompts.
         deferred_reclaim: VMM mode: a freed slot keeps its private pages mapped for the next
             sequence (saves map/unmap calls); ``trim()`` or memory pressure takes them back.
@@ -297,16 +299,16 @@ def default_vmm_pages(config: KVCacheConfig, layout: str | None = None) -> tuple
     return layout, page
 
 
-def vmm_geometry(config: KVCacheConfig, granularity: int) -> PageGeometry:
-    """Page geometry of VMM mode: a page is ``page_size`` bytes in each virtual K/V piece
-    (head-major: each head of each range is a piece).
+def check_page_size(config: KVCacheConfig, granularity: int) -> None:
+    """Refuse a ``page_size`` that no VMM cache of ``config`` could map. Both modes call it: paged
+    mode ignores the page size but validates a given one all the same, so that a setting is never
+    accepted silently in one mode and refused in the other.
 
     Raises:
         InvalidConfig: the page size is not a multiple of the backend granularity or of the
-            bytes one token takes in one tensor, or the budget holds no page.
+            bytes one token takes in one tensor of ``config.layout``.
     """
-    num_tensors, token_bytes = vmm_pieces(config), config.tensor_token_bytes()
-    page = config.page_size
+    token_bytes, page = config.tensor_token_bytes(), config.page_size
     if page % granularity or page % token_bytes:
         step = math.lcm(granularity, token_bytes)
         suggestion = max(step, page // step * step)
@@ -315,6 +317,19 @@ def vmm_geometry(config: KVCacheConfig, granularity: int) -> PageGeometry:
             f"the bytes one token takes in one {config.layout} tensor ({token_bytes} B); "
             f"try page_size={suggestion}"
         )
+
+
+def vmm_geometry(config: KVCacheConfig, granularity: int) -> PageGeometry:
+    """Page geometry of VMM mode: a page is ``page_size`` bytes in each virtual K/V piece
+    (head-major: each head of each range is a piece).
+
+    Raises:
+        InvalidConfig: the page size is not a multiple of the backend granularity or of the
+            bytes one token takes in one tensor, or the budget holds no page.
+    """
+    check_page_size(config, granularity)
+    num_tensors, token_bytes = vmm_pieces(config), config.tensor_token_bytes()
+    page = config.page_size
     num_pages = config.memory_budget // (num_tensors * page)
     if num_pages == 0:
         raise InvalidConfig(
