@@ -528,3 +528,28 @@ def test_serve_refuses_a_bad_cache_option_before_it_loads_the_weights(monkeypatc
     monkeypatch.setattr(engine_module, "load_model", no_weights)
     assert serve_cli.main(["--kv-mode", mode, f"{option}={value}"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_an_idle_connection_outlives_the_client_pool_s_expiry(server):
+    """The server keeps an idle keep-alive connection open longer than the openai client's pool
+    (httpx) keeps it: a server that closed first would race the request of a client that just
+    took that connection from its pool ("Server disconnected without sending a response")."""
+    expiry = httpx.Limits().keepalive_expiry  # the openai client's pool: httpx's default, 5 s
+    host, port = server.url.removeprefix("http://").split(":")
+    request = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+
+    def answer(sock: socket.socket) -> bytes:
+        data = b""
+        while b'{"status":"ok"}' not in data:
+            chunk = sock.recv(4096)
+            if not chunk:
+                return data  # the server closed the connection
+            data += chunk
+        return data
+
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(request)
+        assert answer(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(expiry + 0.5)  # idle past the pool's expiry: the client would have dropped it by now
+        sock.sendall(request)
+        assert answer(sock).startswith(b"HTTP/1.1 200"), "the server closed an idle connection a pool may still use"

@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..engine import Engine, EngineConfig, EngineLoop
     from ..errors import VMKVError
-    from .app import create_app
+    from .app import KEEP_ALIVE_S, create_app
 
     if args.protect_metrics and not args.api_key:
         print("vmkv serve: --protect-metrics needs --api-key (or $VMKV_API_KEY)", file=sys.stderr)
@@ -114,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
     loop = EngineLoop(engine)
     try:
         server = uvicorn.Server(uvicorn.Config(create_app(loop, name, args.api_key, args.protect_metrics),
-                                               host=args.host, port=args.port, log_level=args.log_level))
+                                               host=args.host, port=args.port, log_level=args.log_level,
+                                               timeout_keep_alive=KEEP_ALIVE_S))
         sock = server.config.bind_socket()  # bound now, so the log names the port --port 0 got
         host, port = sock.getsockname()[:2]
         log.info("serving %s on http://%s:%d (kv mode %s, kernel %s, %d pages of %d tokens)",
