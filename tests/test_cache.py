@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import KVMirror, small_config
+from helpers import KVMirror, small_config
 
 import vmkv
 from vmkv.errors import (

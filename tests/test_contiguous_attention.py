@@ -9,9 +9,9 @@ import sys
 
 import pytest
 import torch
+from helpers import KVMirror, dense_attention, small_config
 
 import vmkv
-from tests.conftest import KVMirror, dense_attention, small_config
 from vmkv import attention
 from vmkv.attention import CONTIGUOUS_KERNELS, DEFAULT_BATCH_RULE, BatchRule, SdpaDecodeKernel, plan_decode_batch
 

@@ -21,7 +21,6 @@ import torch
 pytest.importorskip("transformers")
 
 import transformers  # noqa: E402
-from conftest import HAS_PAGED  # noqa: E402
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402  # noqa: E402
 
 import vmkv.hf as vhf  # noqa: E402
@@ -56,12 +55,11 @@ ARCHS = {
 MORE_ARCHS = ["GPTNeoX", "Gemma", "Qwen3", "Phi", "Olmo2", "Mixtral", "OPT"]
 # Sliding-window / soft-capped attention: the model's own attention over VMM views only.
 SLIDING = {"Mistral": dict(sliding_window=16), "Gemma2": dict(sliding_window=16, head_dim=16, query_pre_attn_scalar=16)}
-PAGED = pytest.mark.skipif(not HAS_PAGED, reason="paged mode not built yet")
 # (mode, attn_implementation)
 SETUPS = [
     pytest.param(("vmm", "sdpa"), id="vmm"),
     pytest.param(("vmm", "vmkv"), id="vmm+vmkv"),
-    pytest.param(("paged", "vmkv"), id="paged+vmkv", marks=PAGED),
+    pytest.param(("paged", "vmkv"), id="paged+vmkv"),
 ]
 PAGE = dict(page_size="4KiB", block_size=16)  # 32 tokens a VMM page of this geometry (128 B a token)
 
@@ -357,12 +355,11 @@ def test_layer_keys_and_values_are_views_or_refused(models):
     use_attention(model, "vmkv")(ids, attention_mask=mask, **{CACHE: padded_vmkv}, use_cache=True)
     with pytest.raises(vhf.Unsupported, match="padding"):
         padded_vmkv.layers[0].keys
-    if HAS_PAGED:
-        paged = vhf.VirtualCache("paged", **PAGE)
-        model(ids, **{CACHE: paged}, use_cache=True)
-        with pytest.raises(vhf.Unsupported, match="blocks"):
-            paged.layers[0].values
-        assert torch.equal(paged.core.kv(paged.rows[0], 0)[0], padded_vmkv.core.kv(padded_vmkv.rows[0], 0)[0])
+    paged = vhf.VirtualCache("paged", **PAGE)
+    model(ids, **{CACHE: paged}, use_cache=True)
+    with pytest.raises(vhf.Unsupported, match="blocks"):
+        paged.layers[0].values
+    assert torch.equal(paged.core.kv(paged.rows[0], 0)[0], padded_vmkv.core.kv(padded_vmkv.rows[0], 0)[0])
 
 
 # ---- VMM views, rows, crop ----------------------------------------------------------------------
@@ -385,7 +382,7 @@ def test_vmm_update_returns_zero_copy_views_of_exact_length(models):
     assert cache.stats()["gathered_views"] == 0
 
 
-@pytest.mark.parametrize("mode", ["vmm", pytest.param("paged", marks=PAGED)])
+@pytest.mark.parametrize("mode", ["vmm", "paged"])
 def test_cache_built_from_config_knows_its_attention(models, mode):
     model = use_attention(models["qwen2"], "vmkv")
     cache = vhf.VirtualCache(mode, config=model.config, **PAGE)

@@ -8,11 +8,11 @@ import sys
 
 import pytest
 import torch
+from helpers import KVMirror, dense_attention, small_config
 
 import vmkv
 from paged import PagedKVCache
 from paged.attention import BlockwiseOnlineSoftmax, ChunkedSDPA, GatherSDPA, choose_paged_kernel
-from tests.conftest import KVMirror, dense_attention, small_config
 
 CPU_KERNELS = ["gather_sdpa", "blockwise_online_softmax", "sdpa_chunked"]
 

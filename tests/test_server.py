@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import MODES
+from helpers import MODES
 
 from vmkv.engine import Engine, EngineConfig, EngineLoop
 from vmkv.models import ByteTokenizer, default_hf_model

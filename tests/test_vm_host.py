@@ -5,20 +5,12 @@ import time
 
 import pytest
 import torch
+from helpers import rss_bytes
 
 from vmkv.errors import BackendError, InvalidConfig
 from vmkv.vm.host import HostVirtualMemory
 
 MiB = 1 << 20
-
-
-def rss_bytes() -> int:
-    """Resident memory of this process (anonymous + file + shared), from /proc."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
 
 
 @pytest.fixture
