@@ -312,6 +312,20 @@ assert importlib.util.find_spec("vllm") is not None
 """
 
 
+def test_the_readme_quotes_the_saved_memory_run() -> None:
+    """The README's KV-utilization figures are those of the last saved ``vmkv bench memory`` run
+    (docs/img/memory.json, ShareGPT-like trace): one source (it once said 32-token default pages
+    where the run's VMM default had 16)."""
+    rows = {r["allocator"]: r for r in json.loads((ROOT / "docs" / "img" / "memory.json").read_text())["rows"]
+            if r["trace"] == "sharegpt"}
+    readme = (ROOT / "README.md").read_text()
+    default, static, paged = rows["vmm-default"], rows["static-max"], rows["paged-b16"]
+    pct = lambda row: f"{100 * row['steady_util']:.0f} %"  # noqa: E731
+    assert f"({pct(default)} with its default {default['tokens_per_page']}-token pages)" in readme
+    assert f"keeps {pct(static)} of its KV memory busy, vmkv {pct(default)}" in readme
+    assert f"paged mode is this design: {pct(paged)} KV utilization on a ShareGPT-like trace" in readme
+
+
 def write_page(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "page.md"
     path.write_text(textwrap.dedent(text))
