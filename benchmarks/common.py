@@ -510,20 +510,27 @@ def verdict_rows(verdicts: Iterable[dict[str, Any]]) -> list[dict[str, str]]:
     for v in verdicts:
         agrees = v.get("relation") or {True: "yes", False: "no", None: ""}[v.get("agrees")]
         winner = v["winner"] + (f" ({v['note']})" if v.get("note") else "")
-        rows.append({"question": v["question"], "result": _directed_result(v), "spread": v["spread"], "winner": winner,
+        rows.append({"question": v["question"], **_directed(v), "winner": winner,
                      "published": v.get("reference", ""), "agrees": agrees})
     return rows
 
 
-def _directed_result(v: dict[str, Any]) -> str:
-    """A ratio verdict's result with its direction, from the side it favours: ``"paged ahead by
-    1.25x"`` for a ratio of 0.80 VMM over paged (other verdicts: their result as is)."""
-    value = v.get("value")
-    if not (v.get("better") and v.get("worse")) or not value or not v.get("reliable", True):
-        return v["result"]
-    if value >= 1.0:
-        return f"{v['better']} ahead by {number_text(value)}"
-    return f"{v['worse']} ahead by {number_text(1.0 / value)}"
+def _directed(v: dict[str, Any]) -> dict[str, str]:
+    """A ratio verdict's ``result`` and ``spread`` cells as the side it favours reads them:
+    ``"paged ahead by 1.25x"``, ``"1.19-1.32x, 7 runs"`` for a ratio of 0.80 VMM over paged.
+    Other verdicts, and ratios that print as 1.00x, keep their cells as stored."""
+    value, low, high = v.get("value"), v.get("low"), v.get("high")
+    cells = {"result": v["result"], "spread": v["spread"]}
+    if not (v.get("better") and v.get("worse") and value and low and high and v.get("reliable", True)):
+        return cells
+    if number_text(value) == number_text(1.0):
+        return cells
+    if value > 1.0:
+        return {**cells, "result": f"{v['better']} ahead by {number_text(value)}"}
+    flipped = cells["spread"]
+    if "," in flipped and not v["spread"].startswith("exact"):
+        flipped = f"{number_text(1.0 / high, bare=True)}-{number_text(1.0 / low)}" + flipped[flipped.index(","):]
+    return {"result": f"{v['worse']} ahead by {number_text(1.0 / value)}", "spread": flipped}
 
 
 def write_json(result: dict[str, Any], out_dir: Path) -> Path:

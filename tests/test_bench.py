@@ -552,6 +552,7 @@ def test_sign_test_and_the_table_state_which_way_a_ratio_points():
     verdict = common.ratio_verdict("x.y", "q", common.Spread.of([0.8, 0.81, 0.79, 0.8, 0.82]), "VMM", "paged")
     row = common.verdict_rows([verdict.as_dict()])[0]
     assert row["result"] == "paged ahead by 1.25x" and verdict.result == "0.80x"  # the JSON keeps the ratio itself
+    assert row["spread"] == "1.23-1.25x, middle 3 of 5 runs"  # the kept range (0.80-0.81x) read the same way
     above = dataclasses.replace(verdict, agrees=False, relation="above")
     assert common.verdict_rows([above.as_dict()])[0]["agrees"] == "above"
 

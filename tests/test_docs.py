@@ -33,6 +33,7 @@ import contextlib
 import doctest
 import importlib.util
 import io
+import itertools
 import json
 import os
 import re
@@ -324,6 +325,18 @@ def test_the_readme_quotes_the_saved_memory_run() -> None:
     assert f"({pct(default)} with its default {default['tokens_per_page']}-token pages)" in readme
     assert f"keeps {pct(static)} of its KV memory busy, vmkv {pct(default)}" in readme
     assert f"paged mode is this design: {pct(paged)} KV utilization on a ShareGPT-like trace" in readme
+
+
+def test_docs_benchmarks_quotes_the_saved_verdict_table() -> None:
+    """docs/benchmarks.md's verdict table is the one docs/img/report.md (the saved run) holds."""
+
+    def verdict_table(text: str, after: str) -> list[str]:
+        lines = text[text.index(after):].split("\n")
+        start = next(i for i, line in enumerate(lines) if line.startswith("| question | result |"))
+        return [line for line in itertools.takewhile(lambda line: line.startswith("|"), lines[start:])]
+
+    saved = verdict_table((ROOT / "docs" / "img" / "report.md").read_text(), "## Verdict")
+    assert verdict_table((ROOT / "docs" / "benchmarks.md").read_text(), "The verdict of the quick suite") == saved
 
 
 def write_page(tmp_path: Path, text: str) -> Path:
