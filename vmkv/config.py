@@ -319,6 +319,30 @@ def check_page_size(config: KVCacheConfig, granularity: int) -> None:
         )
 
 
+def check_cache_options(config: KVCacheConfig, mode: str) -> PageGeometry:
+    """Refuse what opening a ``mode`` cache of ``config`` would refuse for its options, without
+    allocating anything: the page size (both modes), the geometry, the budget against the
+    device's memory. For callers with slow work between choosing and opening (``vmkv serve``
+    loads weights: a bad option must not wait for them).
+
+    Returns:
+        The page geometry the cache will have.
+
+    Raises:
+        InvalidConfig: an unknown mode, or an option the cache would refuse.
+        BackendUnavailable: the device's backend is not available.
+    """
+    from .vm import granularity  # the backends import this module
+
+    if mode not in ("vmm", "paged"):
+        raise InvalidConfig(f"mode must be 'vmm' or 'paged', got {mode!r}")
+    gran = granularity(config.device)
+    check_page_size(config, gran)
+    geometry = vmm_geometry(config, gran) if mode == "vmm" else paged_geometry(config)
+    check_budget_fits(config)
+    return geometry
+
+
 def vmm_geometry(config: KVCacheConfig, granularity: int) -> PageGeometry:
     """Page geometry of VMM mode: a page is ``page_size`` bytes in each virtual K/V piece
     (head-major: each head of each range is a piece).

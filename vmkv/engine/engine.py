@@ -35,6 +35,7 @@ import torch
 
 from .. import open_cache
 from ..base import KVCacheBase
+from ..config import check_cache_options
 from ..errors import DuplicateSequence, InvalidConfig, OutOfPages, SequenceTooLong
 from ..step import StepPlan
 from .request import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
@@ -147,8 +148,8 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":
-        """Open the cache in ``config.kv_mode`` (sized from the model's config.json, so that a bad
-        cache option fails before any weight is read), load the model and build the engine.
+        """Check the cache options against the model's config.json (a bad one fails before any
+        weight is read), load the model, open the cache in ``config.kv_mode``, build the engine.
 
         Raises:
             InvalidConfig: a bad option, an unsupported model, or a mode that cannot open.
@@ -160,9 +161,11 @@ class Engine:
             prefix_caching=config.prefix_caching,
         )
         scheduler = SchedulerConfig(config.max_num_batched_tokens, config.max_prefill_chunk)
-        cache = open_cache(cache_config, mode=config.kv_mode)  # before the weights: a bad cache option fails fast
+        check_cache_options(cache_config, config.kv_mode)  # before the weights, allocating nothing: fails fast
+        loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+        cache = open_cache(cache_config, mode=config.kv_mode)  # after the weights: a GPU store takes what they leave
         try:
-            return cls(load_model(config.model, dtype=config.dtype, device=config.device), cache, scheduler, config.seed)
+            return cls(loaded, cache, scheduler, config.seed)
         except Exception:
             cache.close()
             raise
