@@ -133,6 +133,7 @@ class Spread:
     runs: int
     deterministic: bool = False
     kept: int | None = None
+    samples: tuple[float, ...] = ()  # the repeats themselves (``of``), in the order measured: a sign test reads them
 
     @classmethod
     def of(cls, samples: Sequence[float]) -> "Spread":
@@ -145,7 +146,7 @@ class Spread:
             raise vmkv.InvalidInput("a spread needs at least one sample")
         ordered = sorted(samples)
         inner = ordered[1:-1] if len(ordered) >= TRIM_FROM else ordered
-        return cls(statistics.median(ordered), inner[0], inner[-1], len(ordered), kept=len(inner))
+        return cls(statistics.median(ordered), inner[0], inner[-1], len(ordered), kept=len(inner), samples=tuple(samples))
 
     @classmethod
     def exact(cls, value: float) -> "Spread":
@@ -159,7 +160,8 @@ class Spread:
 
     def scaled(self, factor: float) -> "Spread":
         """The same spread multiplied by ``factor`` (> 0)."""
-        return Spread(self.value * factor, self.low * factor, self.high * factor, self.runs, self.deterministic, self.kept)
+        return Spread(self.value * factor, self.low * factor, self.high * factor, self.runs, self.deterministic, self.kept,
+                      tuple(x * factor for x in self.samples))
 
     def as_dict(self) -> dict[str, float]:
         return {"value": self.value, "low": self.low, "high": self.high, "runs": self.runs, "kept": self.kept or self.runs}
@@ -368,6 +370,10 @@ class Verdict:
         value, low, high: the headline number and its range (JSON, run comparison).
         reliable: ``False`` when the measurement is known to be bad; ``note`` says why.
         note: one short remark (e.g. which kernel or configuration won).
+        better, worse: a ratio verdict's two sides (``value`` > 1: ``better`` ahead); the table
+            states the ratio's direction with them (``"paged ahead by 1.25x"``).
+        relation: how the measurement sits against ``reference`` when it does not agree
+            (``"above"``: beyond a published "up to"); the table shows it instead of "no".
     """
 
     key: str
@@ -383,6 +389,9 @@ class Verdict:
     high: float | None = None
     reliable: bool = True
     note: str = ""
+    better: str = ""
+    worse: str = ""
+    relation: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -409,33 +418,74 @@ def number_text(value: float, unit: str = "x", bare: bool = False) -> str:
     return text if bare else f"{text}x"
 
 
+SIGN_TEST_ALPHA = 0.05
+"""A side is named when the chance that fair coins put at least as many paired rounds on its side
+is below this (one-sided sign test: 5 of 5 rounds, 7 of 7, 8 of 9, 9 of 11)."""
+
+
+def sign_test(ratios: Sequence[float]) -> tuple[int, int, float]:
+    """The sign test of paired per-round ratios against "either side equally likely".
+
+    Returns:
+        ``(above, below, p)``: rounds with a ratio above and below 1.0 (rounds at exactly 1.0
+        count for neither), and the one-sided chance of at least ``max(above, below)`` of
+        ``above + below`` rounds falling on one side if each side were a coin toss.
+    """
+    above, below = sum(r > 1.0 for r in ratios), sum(r < 1.0 for r in ratios)
+    n, k = above + below, max(above, below)
+    p = sum(math.comb(n, i) for i in range(k, n + 1)) / 2**n if n else 1.0
+    return above, below, p
+
+
+def _ratio_side(ratio: Spread, better: str, worse: str, tie_margin: float) -> tuple[str, str]:
+    """``(winner text, side)`` of a timed ratio from its paired rounds (see :func:`ratio_verdict`)."""
+    band = (1.0 / (1.0 + tie_margin), 1.0 + tie_margin)
+    leader, margin = (better, ratio.value) if ratio.value >= 1.0 else (worse, 1.0 / ratio.value)
+    if ratio.samples:
+        above, below, p = sign_test(ratio.samples)
+        both_sides, ahead = bool(above and below), above if leader == better else below
+        rounds = f"{ahead} of {len(ratio.samples)} rounds"
+    else:  # a spread built without its rounds: its kept range stands for them
+        p, both_sides, rounds = 1.0, ratio.crosses_one, f"{ratio.kept or ratio.runs} kept rounds"
+    clear = ratio.low > band[1] or ratio.high < band[0]  # every kept round beyond the noise band
+    if band[0] < ratio.value < band[1] or not (p < SIGN_TEST_ALPHA or clear):
+        if both_sides:
+            return "tie (spread crosses 1.0)", "tie"
+        why = f"by under {100 * tie_margin:.0f} %" if band[0] <= ratio.value <= band[1] else "too few rounds for a sign test"
+        return f"tie ({leader} ahead in {rounds}, {why})", "tie"
+    return f"{leader}, {number_text(margin)} ({rounds})", leader
+
+
 def ratio_verdict(
     key: str, question: str, ratio: Spread, better: str, worse: str, *,
     reference: str = "", agrees: bool | None = None, note: str = "", tie_margin: float = TIE_MARGIN,
 ) -> Verdict:
     """A verdict on ``ratio`` = how many times ``better`` beats ``worse`` (> 1: ``better`` wins).
 
-    The winner is named only when the whole range of the repeats lies beyond the tie band
-    ``[1 / (1 + tie_margin), 1 + tie_margin]``: every kept repeat says it wins by more than the
-    noise. Otherwise it is a tie ("spread crosses 1.0" when the repeats disagree on the side), so
-    two runs on a noisy machine give the same answer. A single timed run is not judged.
+    Judged on the paired rounds (each round ran both sides): a side is named, with the median
+    margin and how many rounds it led, when the median lies beyond the tie band
+    ``[1 / (1 + tie_margin), 1 + tie_margin]`` and either a sign test over the rounds says so
+    (:data:`SIGN_TEST_ALPHA`: every one of 7 rounds on one side is evidence even if the slowest
+    of them reaches into the band) or every kept round lies beyond the band. A tie is a result
+    whose rounds fall on both sides ("spread crosses 1.0"), a margin inside the band, or too few
+    rounds to tell. A deterministic ratio is judged on its value against the band; a single
+    timed run is not judged.
     """
-    side = "tie"
     if ratio.runs < 2 and not ratio.deterministic:
         winner, side = "not judged (1 run)", ""
-    elif ratio.low > 1.0 + tie_margin:
-        winner, side = f"{better}, {number_text(ratio.value)}", better
-    elif ratio.high < 1.0 / (1.0 + tie_margin):
-        winner, side = f"{worse}, {number_text(1.0 / ratio.value)}", worse
     elif ratio.deterministic:
-        winner = f"tie (within {100 * tie_margin:.0f} %)"
-    elif ratio.crosses_one:
-        winner = "tie (spread crosses 1.0)"
+        if ratio.value > 1.0 + tie_margin:
+            winner, side = f"{better}, {number_text(ratio.value)}", better
+        elif ratio.value < 1.0 / (1.0 + tie_margin):
+            winner, side = f"{worse}, {number_text(1.0 / ratio.value)}", worse
+        else:
+            winner, side = f"tie (within {100 * tie_margin:.0f} %)", "tie"
     else:
-        winner = f"tie (spread reaches 1.0 +- {100 * tie_margin:.0f} %)"
+        winner, side = _ratio_side(ratio, better, worse, tie_margin)
     return Verdict(
         key=key, question=question, result=number_text(ratio.value), spread=spread_text(ratio), winner=winner, side=side,
         reference=reference, agrees=agrees, value=ratio.value, low=ratio.low, high=ratio.high, note=note,
+        better=better, worse=worse,
     )
 
 
@@ -458,11 +508,29 @@ def verdict_rows(verdicts: Iterable[dict[str, Any]]) -> list[dict[str, str]]:
     ``winner``."""
     rows = []
     for v in verdicts:
-        agrees = {True: "yes", False: "no", None: ""}[v.get("agrees")]
+        agrees = v.get("relation") or {True: "yes", False: "no", None: ""}[v.get("agrees")]
         winner = v["winner"] + (f" ({v['note']})" if v.get("note") else "")
-        rows.append({"question": v["question"], "result": v["result"], "spread": v["spread"], "winner": winner,
+        rows.append({"question": v["question"], **_directed(v), "winner": winner,
                      "published": v.get("reference", ""), "agrees": agrees})
     return rows
+
+
+def _directed(v: dict[str, Any]) -> dict[str, str]:
+    """A ratio verdict's ``result`` and ``spread`` cells as the side it favours reads them:
+    ``"paged ahead by 1.25x"``, ``"1.19-1.32x, 7 runs"`` for a ratio of 0.80 VMM over paged.
+    Other verdicts, and ratios that print as 1.00x, keep their cells as stored."""
+    value, low, high = v.get("value"), v.get("low"), v.get("high")
+    cells = {"result": v["result"], "spread": v["spread"]}
+    if not (v.get("better") and v.get("worse") and value and low and high and v.get("reliable", True)):
+        return cells
+    if number_text(value) == number_text(1.0):
+        return cells
+    if value > 1.0:
+        return {**cells, "result": f"{v['better']} ahead by {number_text(value)}"}
+    flipped = cells["spread"]
+    if "," in flipped and not v["spread"].startswith("exact"):
+        flipped = f"{number_text(1.0 / high, bare=True)}-{number_text(1.0 / low)}" + flipped[flipped.index(","):]
+    return {"result": f"{v['worse']} ahead by {number_text(1.0 / value)}", "spread": flipped}
 
 
 def write_json(result: dict[str, Any], out_dir: Path) -> Path:

@@ -426,7 +426,7 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
         margin = max(margin, *(abs(x - 1.0) for x in (control.low, control.value, control.high)))
         floor = f"; same kernel timed twice: {control.low:.2f}-{control.high:.2f}"
 
-    question = f"decode attention, {where}: VMM vs paged (time ratio)"
+    question = f"decode attention, {where}: VMM vs paged (speed: paged's time over VMM's)"
     if vmm_why or paged_why:
         out.append(common.unreliable("decode.vmm_vs_paged", question, "; ".join(w for w in (vmm_why, paged_why) if w)))
     elif vmm and paged:
@@ -500,13 +500,17 @@ def _cost_verdict(verdict: common.Verdict) -> common.Verdict:
     """VMM vs dense answers "does virtual memory cost the kernel anything?": dense faster beyond
     the noise means yes (side ``dense``); a tie, or VMM faster, means no (side ``no cost``: the
     same kernel reads the same bytes, so VMM "winning" is no separate answer)."""
+    margin, _, rounds = verdict.winner.partition(" (")  # "dense, 1.33x", "7 of 7 rounds)"
+    rounds = rounds.removesuffix(")")
     if verdict.side == "dense":
-        return dataclasses.replace(verdict, winner=f"VMM costs time: {verdict.winner.replace('dense, ', 'dense ')} faster")
+        return dataclasses.replace(verdict, winner=f"VMM costs time: dense {margin.removeprefix('dense, ')} faster"
+                                   + (f" ({rounds})" if rounds else ""))
     if not verdict.side:  # not judged (one run, or unreliable)
         return verdict
     if verdict.side == "VMM":
-        return dataclasses.replace(verdict, side="no cost", winner=f"no cost (VMM {verdict.winner.removeprefix('VMM, ')} faster)")
-    return dataclasses.replace(verdict, side="no cost", winner=f"no cost ({verdict.winner.split(' (')[0]})")
+        return dataclasses.replace(verdict, side="no cost", winner=f"no cost (VMM {margin.removeprefix('VMM, ')} faster"
+                                   + (f", {rounds})" if rounds else ")"))
+    return dataclasses.replace(verdict, side="no cost", winner=f"no cost ({margin})")
 
 
 def table(result: dict[str, Any]) -> list[dict[str, Any]]:

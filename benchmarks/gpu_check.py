@@ -62,6 +62,7 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(ROOT))
 
 import vmkv  # noqa: E402
+from benchmarks import common  # noqa: E402
 from vmkv.attention import (  # noqa: E402
     CONTIGUOUS_KERNELS,
     contiguous_kernel_unavailable,
@@ -113,35 +114,13 @@ TOLERANCE = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 4e-2}
 
 
 # ---- timing ----------------------------------------------------------------------------------
-def sample_ms(fn: Callable[[], Any], device: torch.device, iters: int) -> float:
-    """Mean milliseconds per call of ``fn`` over ``iters`` back-to-back calls (CUDA events on GPU)."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / iters
-    began = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - began) * 1e3 / iters
-
-
 def compare_ms(fns: dict[str, Callable[[], Any]], device: torch.device, shape: Shape) -> dict[str, float]:
-    """Median ms per call of each variant; samples of the variants are interleaved (A B A B ...)
-    so that clock and thermal drift hit every variant alike."""
-    for fn in fns.values():  # warm up: kernel selection, caches, lazy init
-        fn()
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(shape.repeats):
-        for name, fn in fns.items():
-            samples[name].append(sample_ms(fn, device, shape.iters))
-    return {name: statistics.median(values) for name, values in samples.items()}
+    """Median ms per call of each variant, timed by :func:`benchmarks.common.time_interleaved`
+    (rounds of every variant in a fresh order, so that clock and thermal drift hit all alike;
+    each sample is ``shape.iters`` back-to-back calls, the GPU synchronized before the clock is read)."""
+    batches = {name: (lambda fn=fn: [fn() for _ in range(shape.iters)]) for name, fn in fns.items()}
+    timings = common.time_interleaved(batches, device.type, repeat=shape.repeats, warmup=2)
+    return {name: timings.median(name) * 1e3 / shape.iters for name in fns}
 
 
 def percentiles_us(values_ns: list[int]) -> dict[str, float]:

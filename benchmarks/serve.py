@@ -28,6 +28,7 @@ capacity gap. The capacity budget must hold a page of each mode (on CUDA: 8 MiB 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import random
 import sys
@@ -328,11 +329,13 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
         if {"vmm", "paged"} <= set(data):
             ratio = common.Spread.of([v / p for v, p in zip(data["vmm"], data["paged"])])
             agrees = ratio.high >= 1.0 and ratio.low <= VATTENTION  # our range meets [1.0, 1.23]
-            out.append(common.ratio_verdict(
+            relation = "above" if ratio.low > VATTENTION else "below" if ratio.high < 1.0 else ""
+            verdict = common.ratio_verdict(
                 "serve.throughput", f"serving output tokens per CPU-second, {key.split('/')[1]} requests in flight: VMM vs paged",
                 ratio, "VMM", "paged", reference=f"vAttention: up to {VATTENTION}x over PagedAttention kernels", agrees=agrees,
                 note="embedded model, in-process engine",
-            ))
+            )
+            out.append(dataclasses.replace(verdict, relation=relation))
     cap = [r for r in result["rows"] if r["experiment"] == "capacity"]
     vmm = next((r for r in cap if r["mode"] == "vmm"), None)
     paged = next((r for r in cap if r["mode"] == "paged"), None)

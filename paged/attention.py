@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vmkv.attention import _flash_attn_with_kvcache, optional_import, torch_varlen_features
+from vmkv.attention import _flash_attn_with_kvcache, flash_attention_blockers, optional_import, torch_varlen_features
 from vmkv.errors import BackendUnavailable, InvalidConfig
 from vmkv.step import StepPlan, causal_mask
 
@@ -642,19 +642,13 @@ def usable_module(name: str) -> tuple[bool, str | None]:
 def flash_paged_blockers(
     device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int, capability: tuple[int, int] | None = None
 ) -> list[str]:
-    """Why FlashAttention's paged kernels (flash-attn, torch varlen) cannot read this pool; empty if they can.
+    """Why FlashAttention's paged kernels (flash-attn, torch varlen) cannot read this pool; empty if they can:
+    FlashAttention's own requirements (:func:`vmkv.attention.flash_attention_blockers`) and a
+    block size that is a multiple of 256.
 
     ``capability`` is the GPU's compute capability (``None``: not checked).
     """
-    why = []
-    if device.type != "cuda":
-        why.append("they need CUDA")
-    if capability is not None and capability < (8, 0):
-        why.append(f"they need compute capability 8.0 or newer, the GPU is {capability[0]}.{capability[1]}")
-    if dtype not in (torch.float16, torch.bfloat16):
-        why.append(f"they need fp16/bf16, the cache holds {dtype}")
-    if head_dim > 256 or head_dim % 8:
-        why.append(f"they need head_dim <= 256 and a multiple of 8, got {head_dim}")
+    why = [f"they need {need}" for need in flash_attention_blockers(device.type == "cuda", capability, dtype, head_dim)]
     if block_size % 256:
         why.append(f"they need block_size to be a multiple of 256, got {block_size}")
     return why

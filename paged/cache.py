@@ -21,17 +21,19 @@ and ``-1`` everywhere else.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from vmkv.base import KVCacheBase, SeqId, _Sequence
 from vmkv.calls import exclusive
-from vmkv.config import KVCacheConfig, check_budget_fits, paged_geometry
+from vmkv.config import KVCacheConfig, as_config, check_budget_fits, check_page_size, paged_geometry
 from vmkv.errors import BackendUnavailable, InvalidConfig
 from vmkv.sizes import format_size
 from vmkv.step import StepPlan
 from vmkv.validate import as_layer, as_scale
+from vmkv.vm import granularity
 
 from .attention import DEFAULT_CHUNK_TOKENS, PagedKernel, make_paged_kernel
 
@@ -44,6 +46,7 @@ class PagedKVCache(KVCacheBase):
     Args:
         config: the cache configuration; ``block_size`` (tokens per block) and
             ``memory_budget`` decide the pool, which is allocated (zeroed) up front.
+            A mapping of its fields is accepted too.
         kernel: force an attention kernel by name (see :mod:`paged.attention`); default: the
             fastest one that runs here.
         chunk_tokens: keys per chunk of the blockwise kernel.
@@ -67,8 +70,10 @@ class PagedKVCache(KVCacheBase):
     mode = "paged"
 
     def __init__(
-        self, config: KVCacheConfig, *, kernel: str | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+        self, config: KVCacheConfig | Mapping[str, Any], *, kernel: str | None = None,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     ) -> None:
+        config = as_config(config)
         geometry = paged_geometry(config)
         check_budget_fits(config)
         if config.shared_budget is not None:
@@ -76,6 +81,7 @@ class PagedKVCache(KVCacheBase):
                                 "front, which cannot give memory back to other members")
         if config.device.type == "cuda" and not torch.cuda.is_available():
             raise BackendUnavailable("CUDA driver not available: torch.cuda.is_available() is False")
+        check_page_size(config, granularity(config.device))  # unused here, but never accepted silently
         block, heads, dim = config.block_size, config.num_kv_heads, config.head_dim
         self._kernel: PagedKernel = make_paged_kernel(
             config.device, config.dtype, heads, dim, block, forced=kernel, chunk_tokens=chunk_tokens

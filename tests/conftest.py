@@ -1,35 +1,13 @@
-"""Shared fixtures: small caches of either mode and a dense reference for attention."""
+"""Shared fixtures: small caches of either mode, one torch thread. Shared helpers (the small
+geometry, the dense reference, the K/V mirror) live in helpers.py."""
 
 from __future__ import annotations
 
-import importlib.util
-import math
-
 import pytest
 import torch
+from helpers import MODES, small_config
 
 import vmkv
-
-HAS_PAGED = importlib.util.find_spec("paged") is not None and importlib.util.find_spec("paged.cache") is not None
-MODES = ["vmm", pytest.param("paged", marks=pytest.mark.skipif(not HAS_PAGED, reason="paged mode not built yet"))]
-
-# A small geometry: 2 layers, 2 KV heads of 16 floats = 128 B per token per tensor.
-# VMM with 4 KiB pages -> 32 tokens a page; paged with block_size 32 -> the same tokens a page.
-SMALL = dict(
-    num_layers=2,
-    num_kv_heads=2,
-    head_dim=16,
-    dtype="float32",
-    max_batch_size=6,
-    max_seq_len=512,
-    memory_budget=64 * 4096 * 4,  # 64 pool pages of 4 tensors x 4 KiB
-    page_size="4KiB",
-    block_size=32,
-)
-
-
-def small_config(**overrides) -> vmkv.KVCacheConfig:
-    return vmkv.KVCacheConfig(**{**SMALL, **overrides})
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -59,89 +37,3 @@ def make_cache(mode):
     yield make
     for cache in caches:
         cache.close()
-
-
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
-    """Reference attention in float64 with plain torch ops.
-
-    q: [n, Hq, D] queries at positions start..start+n-1; k, v: [start+n, Hkv, D]. Returns [n, Hq, D].
-    """
-    n, hq, d = q.shape
-    group = hq // k.shape[1]
-    q64, k64, v64 = (t.double() for t in (q, k, v))
-    k64 = k64.repeat_interleave(group, dim=1)  # [S, Hq, D]
-    v64 = v64.repeat_interleave(group, dim=1)
-    scores = torch.einsum("nhd,shd->hns", q64, k64) / math.sqrt(d)  # [Hq, n, S]
-    allowed = torch.arange(k.shape[0])[None, :] <= (start + torch.arange(n))[:, None]  # [n, S]
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("hns,shd->nhd", scores.softmax(-1), v64).to(q.dtype)
-
-
-class KVMirror:
-    """Drives a cache and keeps a dense copy of every sequence's K/V to compare against."""
-
-    def __init__(self, cache: vmkv.KVCacheBase, q_heads: int, seed: int = 0) -> None:
-        self.cache = cache
-        self.q_heads = q_heads
-        self.gen = torch.Generator().manual_seed(seed)
-        self.k: dict = {}  # seq_id -> list over layers of [len, H, D]
-        self.v: dict = {}
-
-    def randn(self, *shape: int, scale: float = 1.0) -> torch.Tensor:
-        """Random values on the CPU, in the cache's dtype."""
-        return (torch.randn(*shape, generator=self.gen) * scale).to(self.cache.config.dtype)
-
-    def record(self, seq_id, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
-        """Append ``seq_id``'s new K/V rows of ``layer`` to the dense copy; return how many
-        tokens it held before them (the step's start)."""
-        layers = self.cache.config.num_layers
-        ks = self.k.setdefault(seq_id, [k[:0]] * layers)
-        vs = self.v.setdefault(seq_id, [v[:0]] * layers)
-        start = ks[layer].shape[0]
-        ks[layer] = torch.cat([ks[layer], k])
-        vs[layer] = torch.cat([vs[layer], v])
-        return start
-
-    def step(self, batch: dict, check: bool = True) -> list[torch.Tensor]:
-        """One step: write random K/V for ``batch`` {seq_id: n}, attend, compare with the reference."""
-        cfg = self.cache.config
-        plan = self.cache.begin_step(batch)
-        total = sum(batch.values())
-        outs = []
-        for layer in range(cfg.num_layers):
-            k = self.randn(total, cfg.num_kv_heads, cfg.head_dim)
-            v = self.randn(total, cfg.num_kv_heads, cfg.head_dim)
-            q = self.randn(total, self.q_heads, cfg.head_dim)
-            self.cache.write(layer, k, v, plan)
-            out = self.cache.attention(layer, q, plan)
-            offset = 0
-            for seq_id, n in batch.items():
-                start = self.record(seq_id, layer, k[offset : offset + n], v[offset : offset + n])
-                if check:
-                    want = dense_attention(q[offset : offset + n], self.k[seq_id][layer], self.v[seq_id][layer], start)
-                    tol = 1e-5 if cfg.dtype == torch.float32 else 2e-2
-                    torch.testing.assert_close(out[offset : offset + n], want, atol=tol, rtol=tol)
-                offset += n
-            outs.append(out)
-        return outs
-
-    def fork(self, src, dst) -> None:
-        self.cache.fork(src, dst)
-        self.k[dst] = list(self.k.get(src, []))
-        self.v[dst] = list(self.v.get(src, []))
-
-    def free(self, seq_id) -> None:
-        self.cache.free(seq_id)
-        self.k.pop(seq_id, None)
-        self.v.pop(seq_id, None)
-
-    def assert_stored(self, seq_id) -> None:
-        """The cache reads back exactly the K/V written to ``seq_id``, in every layer."""
-        for layer in range(self.cache.config.num_layers):
-            k, v = self.cache.kv(seq_id, layer)
-            want_k = self.k.get(seq_id, [None] * (layer + 1))[layer]
-            if want_k is None:
-                assert k.shape[0] == 0
-                continue
-            assert torch.equal(k, want_k), f"{seq_id!r} layer {layer}: K differs"
-            assert torch.equal(v, self.v[seq_id][layer]), f"{seq_id!r} layer {layer}: V differs"

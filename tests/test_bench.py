@@ -5,6 +5,7 @@ info`` and ``vmkv bench`` work end to end and end with the verdict table."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import math
@@ -274,9 +275,9 @@ def test_generate_verdicts_name_a_cache_with_other_tokens():
 
 
 @pytest.mark.parametrize("samples, winner, side", [
-    ([0.7, 0.75, 0.8], "VMM costs time: dense 1.33x faster", "dense"),
+    ([0.7, 0.75, 0.8], "VMM costs time: dense 1.33x faster (3 of 3 rounds)", "dense"),
     ([0.98, 1.0, 1.03], "no cost (tie)", "no cost"),
-    ([1.2, 1.25, 1.3], "no cost (VMM 1.25x faster)", "no cost"),
+    ([1.2, 1.25, 1.3], "no cost (VMM 1.25x faster, 3 of 3 rounds)", "no cost"),
 ])
 def test_decode_vmm_vs_dense_answers_what_virtual_memory_costs(samples, winner, side):
     from benchmarks.decode import _cost_verdict
@@ -598,17 +599,34 @@ def test_serve_capacity_is_the_same_experiment_in_every_preset():
 
 # ---- verdicts and timing ---------------------------------------------------------------------
 @pytest.mark.parametrize("samples, winner", [
-    ([1.5, 1.6, 1.7], "VMM, 1.60x"),
-    ([0.5, 0.6, 0.7], "paged, 1.67x"),
-    ([0.9, 1.05, 1.2], "tie (spread crosses 1.0)"),
-    ([1.01, 1.02, 1.03], "tie (spread reaches 1.0 +- 5 %)"),
-    ([1.04, 1.08, 1.10], "tie (spread reaches 1.0 +- 5 %)"),  # the median clears the margin, the slowest repeat does not
+    ([1.5, 1.6, 1.7], "VMM, 1.60x (3 of 3 rounds)"),  # every kept round beyond the tie band
+    ([0.5, 0.6, 0.7], "paged, 1.67x (3 of 3 rounds)"),
+    ([0.9, 1.05, 1.2], "tie (spread crosses 1.0)"),  # rounds on both sides
+    ([1.01, 1.02, 1.03], "tie (VMM ahead in 3 of 3 rounds, by under 5 %)"),
+    # the median clears the band, the slowest round does not, and 3 rounds are too few for a sign test (p = 1/8)
+    ([1.04, 1.08, 1.10], "tie (VMM ahead in 3 of 3 rounds, too few rounds for a sign test)"),
+    # issue 17: every one of 7 paired rounds favours DynamicCache (p = 1/128), though one reaches 0.99
+    ([0.79, 0.80, 0.81, 0.81, 0.85, 0.99, 0.78], "paged, 1.23x (7 of 7 rounds)"),
+    ([1.16, 1.2, 1.25, 1.3, 1.54, 1.22, 1.04], "VMM, 1.22x (7 of 7 rounds)"),
+    ([1.3, 1.25, 0.9, 1.2, 0.95, 1.3, 1.25], "tie (spread crosses 1.0)"),  # 5 of 7 (p = 0.23)
     ([1.7], "not judged (1 run)"),
 ])
-def test_ratio_verdict_names_a_winner_only_when_the_spread_allows(samples, winner):
+def test_ratio_verdict_names_a_winner_only_when_the_rounds_allow(samples, winner):
     verdict = common.ratio_verdict("x.y", "q", common.Spread.of(samples), "VMM", "paged")
     assert verdict.winner == winner
-    assert verdict.low == min(samples) and verdict.high == max(samples)
+    kept = sorted(samples)[1:-1] if len(samples) >= common.TRIM_FROM else samples
+    assert verdict.low == min(kept) and verdict.high == max(kept)
+
+
+def test_sign_test_and_the_table_state_which_way_a_ratio_points():
+    assert common.sign_test([0.8] * 7) == (0, 7, 1 / 128)
+    assert common.sign_test([1.2, 0.9, 1.0, 1.1]) == (2, 1, 0.5)  # a round at exactly 1.0 counts for neither
+    verdict = common.ratio_verdict("x.y", "q", common.Spread.of([0.8, 0.81, 0.79, 0.8, 0.82]), "VMM", "paged")
+    row = common.verdict_rows([verdict.as_dict()])[0]
+    assert row["result"] == "paged ahead by 1.25x" and verdict.result == "0.80x"  # the JSON keeps the ratio itself
+    assert row["spread"] == "1.23-1.25x, middle 3 of 5 runs"  # the kept range (0.80-0.81x) read the same way
+    above = dataclasses.replace(verdict, agrees=False, relation="above")
+    assert common.verdict_rows([above.as_dict()])[0]["agrees"] == "above"
 
 
 def test_deterministic_ratios_are_judged_on_their_value():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import KVMirror, small_config
+from helpers import KVMirror, small_config
 
 import vmkv
 from vmkv.errors import (
@@ -33,6 +33,17 @@ def test_sizes_accept_ints_and_strings():
     for bad in ("two GiB", "1.5B", -1, True, 3.0):
         with pytest.raises(InvalidConfig):
             vmkv.parse_size(bad)
+    for negative in (-1, "-5MiB", "-1"):  # a negative size says so, whether an int or a string
+        with pytest.raises(InvalidConfig, match="must be >= 0"):
+            vmkv.parse_size(negative)
+
+
+def test_a_setting_one_mode_ignores_is_validated_in_both(mode):
+    """page_size (VMM) and block_size (paged): each mode refuses what the other would refuse."""
+    with pytest.raises(InvalidConfig, match="page_size 3072 must be a multiple.*try page_size=4096"):
+        vmkv.open_cache(small_config(page_size="3KiB"), mode=mode)
+    with pytest.raises(InvalidConfig, match="block_size must be a positive int"):
+        vmkv.open_cache(small_config(block_size=0), mode=mode)
 
 
 @pytest.mark.parametrize(
@@ -261,6 +272,19 @@ def test_every_invalid_call_raises_its_error_and_changes_nothing(make_cache):
     cache.check()
 
 
+def test_shape_errors_name_each_tensor_s_dimensions(make_cache):
+    cache = make_cache()
+    cfg = cache.config
+    cache.add("a")
+    plan = cache.begin_step({"a": 4})
+    kv = torch.zeros(3, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype)
+    with pytest.raises(InvalidShape, match=r"k must have shape \[4, 2, 16\] \(\[tokens, kv_heads, head_dim\]\)"):
+        cache.write(0, kv, kv, plan)
+    q = torch.zeros(7, 2 * cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype)  # 7 tokens where the plan has 4
+    with pytest.raises(InvalidShape, match=r"q must have shape \[4, 4, 16\] \(\[tokens, q_heads, head_dim\]\)"):
+        cache.attention(0, q, plan)
+
+
 def test_no_free_slot(make_cache):
     cache = make_cache(max_batch_size=2)
     cache.add(1), cache.add(2)
@@ -275,3 +299,14 @@ def test_no_free_slot(make_cache):
 def test_errors_are_catchable_as_builtin_kinds():
     assert issubclass(UnknownSequence, LookupError) and issubclass(OutOfPages, MemoryError)
     assert issubclass(InvalidShape, ValueError) and str(UnknownSequence("x y")) == "x y"
+
+
+def test_a_mapping_of_the_config_fields_opens_a_cache_and_anything_else_is_refused(mode):
+    with vmkv.open_cache(dict(num_layers=2, num_kv_heads=2, head_dim=64, memory_budget="8MiB"), mode=mode) as cache:
+        assert cache.config == vmkv.KVCacheConfig(num_layers=2, num_kv_heads=2, head_dim=64, memory_budget="8MiB")
+    with pytest.raises(InvalidConfig, match="unknown field.*'heads'"):
+        vmkv.open_cache(dict(num_layers=2, heads=2, head_dim=64), mode=mode)
+    with pytest.raises(InvalidConfig, match="missing field.*num_kv_heads"):
+        vmkv.open_cache(dict(num_layers=2, head_dim=64), mode=mode)
+    with pytest.raises(InvalidConfig, match="KVCacheConfig or a mapping"):
+        vmkv.open_cache([2, 2, 64], mode=mode)

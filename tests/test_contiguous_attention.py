@@ -9,9 +9,9 @@ import sys
 
 import pytest
 import torch
+from helpers import KVMirror, dense_attention, small_config
 
 import vmkv
-from tests.conftest import KVMirror, dense_attention, small_config
 from vmkv import attention
 from vmkv.attention import CONTIGUOUS_KERNELS, DEFAULT_BATCH_RULE, BatchRule, SdpaDecodeKernel, plan_decode_batch
 
@@ -254,3 +254,39 @@ def test_a_broken_flash_attn_is_reported_not_selected(broken_flash_attn, monkeyp
     assert warnings and "undefined symbol" in warnings[0].getMessage()
     with pytest.raises(vmkv.BackendUnavailable, match="undefined symbol"):
         attention._flash_attn_with_kvcache()
+
+
+def test_flash_attention_requirements_are_stated_once_for_both_modes():
+    """One rule (sm80+, fp16/bf16, head_dim % 8 and <= 256) behind the contiguous selector, the
+    paged pool's FlashAttention check and ``vmkv info``."""
+    from paged.attention import flash_paged_blockers
+
+    sm75 = attention.CudaKernelFacts((7, 5), None, True)
+    sm90 = attention.CudaKernelFacts((9, 0), None, True)
+    cuda = torch.device("cuda", 0)
+    for facts, dtype, head_dim, need in [(sm75, torch.float16, 128, "compute capability 8.0"),
+                                         (sm90, torch.float32, 128, "float16 or bfloat16"),
+                                         (sm90, torch.bfloat16, 260, "head_dim a multiple of 8")]:
+        contiguous = attention.contiguous_kernel_unavailable("flash_attn_with_kvcache", cuda, dtype, head_dim, facts)
+        paged = flash_paged_blockers(cuda, dtype, head_dim, 256, facts.capability)
+        assert need in contiguous and [need in why for why in paged] == [True]
+    assert attention.choose_contiguous_kernel(cuda, torch.float16, 128, sm90) == ("flash_attn_with_kvcache", [])
+    no_flash = attention.CudaKernelFacts((9, 0), "flash_attn is not installed", False)
+    name, skipped = attention.choose_contiguous_kernel(cuda, torch.float16, 128, no_flash)
+    assert name == "sdpa_per_sequence" and skipped[0] == "flash_attn is not installed" and "seqused_k" in skipped[1]
+
+
+def test_vmkv_info_reports_the_selector_s_choice(monkeypatch):
+    """``vmkv info``'s CUDA line is the selector's answer for this torch and flash-attn (it once
+    re-derived the choice from other tests: flash-attn installed rather than importable, torch's
+    varlen_attn signature rather than the op the kernel calls)."""
+    from vmkv import cli
+
+    for seqused, chosen in ((True, "varlen_attn_seqused"), (False, "sdpa_per_sequence")):
+        monkeypatch.setattr(attention, "flash_varlen_has_seqused_k", lambda seqused=seqused: seqused)
+        monkeypatch.setattr(attention, "optional_import", lambda module, name: (None, f"{module} is not installed"))
+        lines = cli._cuda_contiguous_lines()
+        if torch.cuda.is_available():
+            continue  # a real GPU answers for itself
+        assert lines[-1].endswith(f"head_dim 128: {chosen}")
+        assert ("varlen_attn_seqused: available" in lines[1]) == seqused

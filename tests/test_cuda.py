@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import KVMirror, dense_attention
 from fake_cuda import FakeRuntime
 from fake_cuda.fixtures import fake, fake_cuda_backends, fake_lib, runtime  # noqa: F401  (fixtures)
+from helpers import KVMirror, dense_attention
 
 import vmkv
 import vmkv.cache

@@ -22,7 +22,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import KVMirror, small_config
+from helpers import KVMirror, instrument, small_config
 
 import vmkv
 from vmkv.errors import (
@@ -167,45 +167,6 @@ def test_a_plan_from_another_cache_is_refused(mode):
 
 
 # ---- A4: fault injection ---------------------------------------------------------------------------
-class Faults:
-    """Counts calls of the wrapped functions; raises at the ``fail_at``-th (1-based) when armed."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self.fail_at: int | None = None
-        self.error: type[Exception] = BackendError
-        self.failed = ""  # the name of the call that failed
-
-    def wrap(self, owner: object, name: str) -> None:
-        real = getattr(owner, name)
-
-        def call(*args, **kwargs):
-            self.calls += 1
-            if self.calls == self.fail_at:
-                self.failed = name
-                raise self.error(f"injected failure of {name} (call {self.calls})")
-            return real(*args, **kwargs)
-
-        setattr(owner, name, call)
-
-    def arm(self, k: int) -> None:
-        self.fail_at = self.calls + k
-
-
-def instrument(cache: vmkv.KVCacheBase) -> Faults:
-    """Wrap every call that can fail half-way: the backend's (VMM) or the block copy (paged),
-    and the pool's allocation."""
-    faults = Faults()
-    if cache.mode == "vmm":
-        for name in ("map", "unmap", "release_page"):
-            faults.wrap(cache._vm, name)
-    else:
-        for name in ("_attach", "_detach"):
-            faults.wrap(cache, name)
-    faults.wrap(cache.pool, "allocate")
-    return faults
-
-
 def _tokens(n: int, seed: int) -> list[int]:
     return [(seed * 7 + i * 3) % 50 for i in range(n)]
 

@@ -21,7 +21,6 @@ import torch
 pytest.importorskip("transformers")
 
 import transformers  # noqa: E402
-from conftest import HAS_PAGED  # noqa: E402
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402  # noqa: E402
 
 import vmkv.hf as vhf  # noqa: E402
@@ -56,12 +55,11 @@ ARCHS = {
 MORE_ARCHS = ["GPTNeoX", "Gemma", "Qwen3", "Phi", "Olmo2", "Mixtral", "OPT"]
 # Sliding-window / soft-capped attention: the model's own attention over VMM views only.
 SLIDING = {"Mistral": dict(sliding_window=16), "Gemma2": dict(sliding_window=16, head_dim=16, query_pre_attn_scalar=16)}
-PAGED = pytest.mark.skipif(not HAS_PAGED, reason="paged mode not built yet")
 # (mode, attn_implementation)
 SETUPS = [
     pytest.param(("vmm", "sdpa"), id="vmm"),
     pytest.param(("vmm", "vmkv"), id="vmm+vmkv"),
-    pytest.param(("paged", "vmkv"), id="paged+vmkv", marks=PAGED),
+    pytest.param(("paged", "vmkv"), id="paged+vmkv"),
 ]
 # 32 tokens a VMM page of this geometry (128 B a token and layer); VirtualCache()'s own defaults
 # (head-major on the host) are tested in test_defaults_*
@@ -391,8 +389,8 @@ def test_layer_keys_and_values_are_views_where_the_layout_allows(models):
 
 # the three setups where no [B, H, columns, D] view exists: (mode, attention, workload)
 NO_VIEW = [
-    pytest.param(("paged", "vmkv", "greedy"), id="paged-greedy", marks=PAGED),
-    pytest.param(("paged", "vmkv", "beam"), id="paged-beam", marks=PAGED),
+    pytest.param(("paged", "vmkv", "greedy"), id="paged-greedy"),
+    pytest.param(("paged", "vmkv", "beam"), id="paged-beam"),
     pytest.param(("vmm", "vmkv", "greedy"), id="vmm+vmkv-padded-greedy"),
     pytest.param(("vmm", "vmkv", "beam"), id="vmm+vmkv-padded-beam"),
     pytest.param(("vmm", "sdpa", "beam"), id="vmm-beam-rows-out-of-slot-order"),
@@ -451,7 +449,7 @@ def test_vmm_update_returns_zero_copy_views_of_exact_length(models):
     assert cache.stats()["gathered_views"] == 0
 
 
-@pytest.mark.parametrize("mode", ["vmm", pytest.param("paged", marks=PAGED)])
+@pytest.mark.parametrize("mode", ["vmm", "paged"])
 def test_cache_built_from_config_knows_its_attention(models, mode):
     model = use_attention(models["qwen2"], "vmkv")
     cache = vhf.VirtualCache(mode, config=model.config, **PAGE)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import KVMirror, small_config
 
 import vmkv
-from tests.conftest import KVMirror, small_config
 from vmkv.config import DEFAULT_TOKENS_PER_PAGE, default_vmm_pages, vmm_pieces
 from vmkv.vm import mapping_room
 

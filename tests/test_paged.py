@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import KVMirror, small_config
 
 import vmkv
 from paged import PagedKVCache
-from tests.conftest import KVMirror, small_config
 
 BLOCK = 32  # small_config's block_size
 

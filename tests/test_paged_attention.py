@@ -8,11 +8,11 @@ import sys
 
 import pytest
 import torch
+from helpers import KVMirror, dense_attention, small_config
 
 import vmkv
 from paged import PagedKVCache
 from paged.attention import BlockwiseOnlineSoftmax, ChunkedSDPA, GatherSDPA, choose_paged_kernel
-from tests.conftest import KVMirror, dense_attention, small_config
 
 CPU_KERNELS = ["gather_sdpa", "blockwise_online_softmax", "sdpa_chunked"]
 
@@ -202,13 +202,13 @@ VARLEN = {"block_table", "seqused_k", "window_size", "enable_gqa"}
     "dtype, block, flash_attn, flashinfer, varlen, want, why",
     [
         (torch.float16, 16, False, False, VARLEN, "blockwise_online_softmax", "multiple of 256"),
-        (torch.float32, 256, True, False, VARLEN, "blockwise_online_softmax", "fp16/bf16"),
+        (torch.float32, 256, True, False, VARLEN, "blockwise_online_softmax", "float16 or bfloat16"),
         (torch.bfloat16, 256, False, False, VARLEN, "varlen_attn_block_table", "block_table"),
         (torch.bfloat16, 256, False, False, {"seqused_k"}, "blockwise_online_softmax", "neither"),
         (torch.bfloat16, 256, True, False, VARLEN, "flash_attn_with_kvcache", "flash-attn"),
         (torch.float16, 16, False, True, VARLEN, "flashinfer_decode+blockwise_online_softmax", "FlashInfer"),
         (torch.float16, 512, True, True, set(), "flashinfer_decode+flash_attn_with_kvcache", "FlashInfer"),
-        (torch.float32, 16, False, True, VARLEN, "blockwise_online_softmax", "fp16/bf16"),
+        (torch.float32, 16, False, True, VARLEN, "blockwise_online_softmax", "float16 or bfloat16"),
     ],
 )
 def test_cuda_kernel_selection_rule(dtype, block, flash_attn, flashinfer, varlen, want, why):

@@ -4,23 +4,26 @@ against servers on 127.0.0.1 with ephemeral ports (CPU, bounded traffic)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import torch
-from conftest import MODES
+from helpers import MODES
 
 from vmkv.engine import Engine, EngineConfig, EngineLoop
 from vmkv.models import ByteTokenizer, default_hf_model
 from vmkv.server import metrics
 from vmkv.server.app import BackgroundServer, create_app
 
+ROOT = Path(__file__).resolve().parents[1]
 MODEL = "vmkv-default"
 PAGE = 8 * 4096  # one pool page of the default model with 4 KiB pages: 8 tokens x 4 layers x K/V
 
@@ -487,3 +490,66 @@ def test_the_cache_is_never_used_by_two_threads_at_once(server, monkeypatch):
     server.wait_idle()
     assert guard.calls > 100
     assert [pair for pair in guard.overlaps if "stats" not in pair] == []  # stats() may overlap by contract
+
+
+def test_serve_on_port_0_logs_the_url_it_listens_on():
+    """``vmkv serve --port 0``: the OS picks the port, and the log line names that one, not :0."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "vmkv.server.cli", "--port", "0", "--memory-budget", "8MiB", "--max-num-seqs", "2"]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        url = None
+        for line in process.stderr:  # the log goes to stderr; wait for the serving line
+            found = re.search(r"serving \S+ on (http://127\.0\.0\.1:(\d+)) ", line)
+            if found:
+                url, port = found.group(1), int(found.group(2))
+                break
+        assert url is not None and port != 0
+        assert httpx.get(url + "/health", timeout=30).json() == {"status": "ok"}
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+@pytest.mark.parametrize("mode, option, value, message", [
+    ("paged", "--page-size", "3KiB", "page_size 3072 must be a multiple"),
+    ("vmm", "--memory-budget", "-5MiB", "memory_budget must be >= 0"),
+    ("vmm", "--page-size", "6KiB", "try page_size="),
+])
+def test_serve_refuses_a_bad_cache_option_before_it_loads_the_weights(monkeypatch, capsys, mode, option, value, message):
+    from vmkv.engine import engine as engine_module
+    from vmkv.server import cli as serve_cli
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the cache options were checked")
+
+    monkeypatch.setattr(engine_module, "load_model", no_weights)
+    assert serve_cli.main(["--kv-mode", mode, f"{option}={value}"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_an_idle_connection_outlives_the_client_pool_s_expiry(server):
+    """The server keeps an idle keep-alive connection open longer than the openai client's pool
+    (httpx) keeps it: a server that closed first would race the request of a client that just
+    took that connection from its pool ("Server disconnected without sending a response")."""
+    expiry = httpx.Limits().keepalive_expiry  # the openai client's pool: httpx's default, 5 s
+    host, port = server.url.removeprefix("http://").split(":")
+    request = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+
+    def answer(sock: socket.socket) -> bytes:
+        data = b""
+        while b'{"status":"ok"}' not in data:
+            chunk = sock.recv(4096)
+            if not chunk:
+                return data  # the server closed the connection
+            data += chunk
+        return data
+
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(request)
+        assert answer(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(expiry + 0.5)  # idle past the pool's expiry: the client would have dropped it by now
+        sock.sendall(request)
+        assert answer(sock).startswith(b"HTTP/1.1 200"), "the server closed an idle connection a pool may still use"

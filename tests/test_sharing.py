@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import KVMirror, dense_attention
+from helpers import KVMirror, dense_attention
 
 import vmkv
 from vmkv.errors import DuplicateSequence, OutOfPages, UnknownSequence

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import HAS_PAGED
+from helpers import instrument
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from test_hardening import instrument
 
 import vmkv
 from vmkv.errors import BackendError, NoFreeSlot, OutOfPages
@@ -205,7 +204,7 @@ class PagedMachine(CacheMachine):
 
 
 TestVmmStateMachine = SETTINGS(VmmMachine).TestCase
-TestPagedStateMachine = pytest.mark.skipif(not HAS_PAGED, reason="paged mode not built yet")(SETTINGS(PagedMachine).TestCase)
+TestPagedStateMachine = SETTINGS(PagedMachine).TestCase
 TestVmmStateMachineLong = pytest.mark.slow(type("VmmMachineLong", (CacheMachine,), {"mode": "vmm"}).TestCase)
 TestVmmStateMachineLong.settings = LONG
 TestPagedStateMachineLong = pytest.mark.slow(type("PagedMachineLong", (CacheMachine,), {"mode": "paged"}).TestCase)

@@ -1,24 +1,17 @@
-"""The Linux host backend: reservations cost no memory, mapped pages do, sharing, release."""
+"""The Linux host backend: reservations cost no memory, mapped pages do, release gives memory
+back (what every backend does, sharing and zeros among it: tests/test_vm_contract.py)."""
 
 import ctypes
 import time
 
 import pytest
 import torch
+from helpers import rss_bytes
 
 from vmkv.errors import BackendError, InvalidConfig
 from vmkv.vm.host import HostVirtualMemory
 
 MiB = 1 << 20
-
-
-def rss_bytes() -> int:
-    """Resident memory of this process (anonymous + file + shared), from /proc."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
 
 
 @pytest.fixture
@@ -57,20 +50,6 @@ def test_mapped_pages_raise_resident_memory_and_release_lowers_it(vm):
         vm.release_page(i)
     assert vm.resident_bytes() == 0
     vm.free_reservation(addr, 32 * MiB)
-
-
-def test_one_page_mapped_at_two_addresses_is_shared(vm):
-    addr = vm.reserve(8 * MiB)
-    vm.map(addr, 3)
-    vm.map(addr + 4 * MiB, 3)
-    a = vm.tensor(addr, (2 * MiB,), torch.uint8)
-    b = vm.tensor(addr + 4 * MiB, (2 * MiB,), torch.uint8)
-    a[123] = 42
-    assert b[123].item() == 42
-    assert vm.resident_bytes() == 4096  # one OS page of one physical page is backed
-    vm.unmap(addr + 4 * MiB)
-    assert a[123].item() == 42  # unmapping one address keeps the other
-    vm.free_reservation(addr, 8 * MiB)
 
 
 def test_released_page_reads_back_zero(vm):
@@ -124,10 +103,3 @@ def test_map_and_unmap_touch_only_this_backends_reservations(vm):
         with pytest.raises(BackendError, match="not a page of the store"):
             vm.release_page(page)
     del other
-
-
-def test_close_is_idempotent():
-    backend = HostVirtualMemory(4096, 2)
-    backend.reserve(4096)
-    backend.close()
-    backend.close()

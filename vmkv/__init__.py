@@ -6,6 +6,9 @@ on demand, read by stock attention kernels) and ``paged.PagedKVCache`` (block ta
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from . import errors
 from .base import KVCacheBase
 from .cache import VirtualKVCache
@@ -18,11 +21,19 @@ from .step import StepPlan
 __version__ = "0.1.0"  # the package version: pyproject.toml reads it from here
 
 
-def open_cache(config: KVCacheConfig, mode: str = "vmm") -> KVCacheBase:
+def open_cache(config: KVCacheConfig | Mapping[str, Any], mode: str = "vmm") -> KVCacheBase:
     """Open a KV cache in ``mode`` ``"vmm"`` (virtual memory) or ``"paged"`` (block tables).
 
+    Args:
+        config: a :class:`KVCacheConfig`, or a mapping of its fields (``dict(num_layers=2, ...)``).
+        mode: ``"vmm"`` or ``"paged"``.
+
+    Returns:
+        The open cache; ``close()`` it (or use it as a context manager).
+
     Raises:
-        InvalidConfig: unknown mode.
+        InvalidConfig: unknown mode, or a config that is neither a KVCacheConfig nor a mapping
+            of its fields, or whose values are invalid.
     """
     if mode == "vmm":
         return VirtualKVCache(config)

@@ -436,18 +436,74 @@ CONTIGUOUS_KERNELS: dict[str, Kernel] = {
 _READS_PAST_LENGTHS = ("sdpa_adaptive", "sdpa_batched")
 
 
+def flash_attention_blockers(
+    on_cuda: bool, capability: tuple[int, int] | None, dtype: torch.dtype | None, head_dim: int | None
+) -> list[str]:
+    """What FlashAttention (flash-attn's kernels and torch's) needs that is missing, each as the
+    object of "needs" (``"float16 or bfloat16 (the cache holds torch.float32)"``); empty if nothing.
+
+    The one statement of its requirements: a CUDA device of compute capability 8.0 or newer,
+    float16 or bfloat16, a head_dim that is a multiple of 8 and at most 256 (``mha_varlen_fwd`` /
+    ``mha_fwd_kvcache`` checks). Both modes' kernel choices call it.
+
+    Args:
+        on_cuda: whether the cache is on a usable CUDA device.
+        capability: the GPU's compute capability; ``dtype``, ``head_dim``: the cached K/V's.
+            ``None``: not checked.
+    """
+    why = []
+    if not on_cuda:
+        why.append("a CUDA device")
+    if capability is not None and capability < (8, 0):
+        why.append(f"compute capability 8.0 or newer (the GPU is {capability[0]}.{capability[1]})")
+    if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
+        why.append(f"float16 or bfloat16 (the cache holds {dtype})")
+    if head_dim is not None and (head_dim % 8 or head_dim > 256):
+        why.append(f"head_dim a multiple of 8 and <= 256 (got {head_dim})")
+    return why
+
+
+@dataclass(frozen=True)
+class CudaKernelFacts:
+    """What the CUDA contiguous kernels need of the machine beyond the cache's shape.
+
+    Args:
+        capability: the GPU's compute capability; ``None``: no usable CUDA device.
+        flash_attn_missing: why flash-attn's ``flash_attn_with_kvcache`` cannot be imported
+            (:func:`optional_import`); ``None``: it can.
+        varlen_seqused: whether torch's FlashAttention varlen op takes ``seqused_k``
+            (:func:`flash_varlen_has_seqused_k`).
+    """
+
+    capability: tuple[int, int] | None
+    flash_attn_missing: str | None
+    varlen_seqused: bool
+
+    @classmethod
+    def probe(cls, device: torch.device) -> "CudaKernelFacts":
+        """The facts of ``device`` on this machine."""
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return cls(None, "no CUDA device", False)
+        capability = tuple(torch.cuda.get_device_capability(device))
+        return cls(capability, optional_import("flash_attn", "flash_attn_with_kvcache")[1], flash_varlen_has_seqused_k())
+
+
 def contiguous_kernel_unavailable(
-    name: str, device: torch.device, dtype: torch.dtype | None = None, head_dim: int | None = None
+    name: str, device: torch.device, dtype: torch.dtype | None = None, head_dim: int | None = None,
+    facts: CudaKernelFacts | None = None,
 ) -> str | None:
     """Why kernel ``name`` cannot run on ``device`` for K/V of ``dtype`` and ``head_dim``, or
     ``None`` if it can. ``dtype``/``head_dim`` of ``None`` are not checked.
 
-    FlashAttention kernels (flash-attn and torch's) need CUDA, sm80 or newer, float16 or
-    bfloat16, a head_dim that is a multiple of 8 and at most 256 (``mha_varlen_fwd`` /
-    ``mha_fwd_kvcache`` checks), and flash-attn must import. The batched SDPA kernels read
-    every slot of a run up to the longest length, past shorter sequences' pages (zero pages on
-    both backends); their batching rule was measured on CPU and they have not been checked on a
+    FlashAttention kernels need what :func:`flash_attention_blockers` lists, and flash-attn must
+    import (or torch's varlen op take ``seqused_k``). The batched SDPA kernels read every slot
+    of a run up to the longest length, past shorter sequences' pages (zero pages on both
+    backends); their batching rule was measured on CPU and they have not been checked on a
     GPU, so they run on CPU only (CUDA has the FlashAttention kernels, which read exact lengths).
+
+    Args:
+        facts: the machine's CUDA facts (default: :meth:`CudaKernelFacts.probe` of ``device``);
+            given, the rule answers for that machine (``vmkv info`` describes a GPU it lacks).
     """
     if name not in CONTIGUOUS_KERNELS:
         return f"unknown kernel {name!r}; known: {', '.join(CONTIGUOUS_KERNELS)}"
@@ -457,20 +513,34 @@ def contiguous_kernel_unavailable(
         if device.type != "cpu":
             return f"{name} is a CPU kernel (its batching rule was measured on CPU), not for {device.type}"
         return None
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return f"{name} needs a CUDA device"
-    if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
-        return f"{name} needs float16 or bfloat16, the cache holds {dtype}"
-    if head_dim is not None and (head_dim % 8 or head_dim > 256):
-        return f"{name} needs head_dim a multiple of 8 and <= 256, got {head_dim}"
-    major, minor = torch.cuda.get_device_capability(device)
-    if major < 8:
-        return f"{name} needs compute capability 8.0 or newer, cuda:{device.index} is {major}.{minor}"
+    facts = facts or CudaKernelFacts.probe(device)
+    blockers = flash_attention_blockers(device.type == "cuda" and facts.capability is not None, facts.capability,
+                                        dtype, head_dim)
+    if blockers:
+        return f"{name} needs {blockers[0]}"
     if name == "flash_attn_with_kvcache":
-        return optional_import("flash_attn", "flash_attn_with_kvcache")[1]
-    if name == "varlen_attn_seqused" and not flash_varlen_has_seqused_k():
+        return facts.flash_attn_missing
+    if name == "varlen_attn_seqused" and not facts.varlen_seqused:
         return f"torch {torch.__version__} has no FlashAttention varlen op with seqused_k"
     return None
+
+
+def choose_contiguous_kernel(
+    device: torch.device, dtype: torch.dtype | None = None, head_dim: int | None = None,
+    facts: CudaKernelFacts | None = None,
+) -> tuple[str, list[str]]:
+    """The selection rule: the first of :data:`CONTIGUOUS_KERNELS` (fastest first) that can run,
+    and why each faster one cannot: ``(name, reasons)``. ``facts`` as for
+    :func:`contiguous_kernel_unavailable` (probed once here when ``None``)."""
+    if facts is None and device.type == "cuda":
+        facts = CudaKernelFacts.probe(device)
+    skipped = []
+    for name in CONTIGUOUS_KERNELS:
+        reason = contiguous_kernel_unavailable(name, device, dtype, head_dim, facts)
+        if reason is None:
+            return name, skipped
+        skipped.append(reason)
+    raise AssertionError("unreachable: sdpa_per_sequence runs everywhere")
 
 
 _LOGGED: set[str] = set()
@@ -486,12 +556,8 @@ def select_contiguous_kernel(
         device: where the cache lives.
         dtype, head_dim: of the cached K/V; ``None`` skips the checks that need them.
     """
-    skipped = []
-    for name, kernel in CONTIGUOUS_KERNELS.items():
-        reason = contiguous_kernel_unavailable(name, device, dtype, head_dim)
-        if reason is None:
-            break
-        skipped.append(reason)
+    name, skipped = choose_contiguous_kernel(device, dtype, head_dim)
+    kernel = CONTIGUOUS_KERNELS[name]
     key = f"{name} on {device.type}: {'; '.join(skipped)}"
     if key not in _LOGGED:
         _LOGGED.add(key)

@@ -611,11 +611,14 @@ class KVCacheBase(ABC):
             raise StalePlan("the cache changed since this plan was built; call begin_step again")
         return as_layer(layer, self.config.num_layers)
 
-    def _check_tensor(self, name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
+    def _check_tensor(
+        self, name: str, tensor: torch.Tensor, shape: tuple[int, ...], dims: str = "[tokens, kv_heads, head_dim]"
+    ) -> None:
+        """Refuse ``tensor`` unless it is a tensor of ``shape`` (named ``dims`` in the message), dtype and device."""
         if not isinstance(tensor, torch.Tensor):
             raise InvalidInput(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
         if tuple(tensor.shape) != shape:
-            raise InvalidShape(f"{name} must have shape {list(shape)} ([tokens, kv_heads, head_dim]), got {list(tensor.shape)}")
+            raise InvalidShape(f"{name} must have shape {list(shape)} ({dims}), got {list(tensor.shape)}")
         if tensor.dtype != self.config.dtype:
             raise InvalidDtype(f"{name} has dtype {tensor.dtype}; the cache holds {self.config.dtype}")
         if tensor.device != self.config.device:
@@ -628,7 +631,7 @@ class KVCacheBase(ABC):
                 f"q must have shape [{plan.num_tokens}, n * {self.config.num_kv_heads}, {self.config.head_dim}] "
                 f"([tokens, q_heads, head_dim]), got {list(getattr(q, 'shape', []))}"
             )
-        self._check_tensor("q", q, (plan.num_tokens, heads, self.config.head_dim))
+        self._check_tensor("q", q, (plan.num_tokens, heads, self.config.head_dim), "[tokens, q_heads, head_dim]")
 
     # ---- page ownership (inside atomic(): every change is journaled) -----------------------
     def _log(self, undo: Callable[[], None]) -> None:

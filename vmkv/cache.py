@@ -38,13 +38,15 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 from .attention import select_contiguous_kernel
 from .base import KVCacheBase, SeqId, _Sequence
 from .calls import exclusive
-from .config import KVCacheConfig, PageGeometry, check_budget_fits, vmm_geometry
+from .config import KVCacheConfig, PageGeometry, as_config, check_budget_fits, vmm_geometry
 from .errors import InvalidConfig, OutOfPages
 from .share import BudgetShare
 from .sizes import format_size
@@ -60,6 +62,7 @@ class VirtualKVCache(KVCacheBase):
 
     Args:
         config: the cache configuration; ``page_size`` and ``layout`` decide the pages.
+            A mapping of its fields is accepted too.
 
     Raises:
         InvalidConfig: bad geometry, a budget above the device's memory, or (host) more
@@ -80,7 +83,8 @@ class VirtualKVCache(KVCacheBase):
 
     mode = "vmm"
 
-    def __init__(self, config: KVCacheConfig) -> None:
+    def __init__(self, config: KVCacheConfig | Mapping[str, Any]) -> None:
+        config = as_config(config)
         geometry = vmm_geometry(config, granularity(config.device))
         check_budget_fits(config)
         self.kernel, self._kernel = select_contiguous_kernel(config.device, config.dtype, config.head_dim)

@@ -89,7 +89,7 @@ def info_lines() -> list[str]:
     import torch
 
     import vmkv
-    from vmkv.attention import has_flash_attn, select_contiguous_kernel, torch_varlen_features
+    from vmkv.attention import select_contiguous_kernel, torch_varlen_features
     from vmkv.vm import HostVirtualMemory
 
     lines = [f"vmkv {vmkv.__version__}  python {platform.python_version()}  torch {torch.__version__}  ({platform.platform()})", ""]
@@ -104,10 +104,7 @@ def info_lines() -> list[str]:
     features = torch_varlen_features()
     lines += ["", "Contiguous (VMM) mode kernels"]
     lines.append(f"  cpu   {select_contiguous_kernel(torch.device('cpu'))[0]} (torch SDPA: a step's decode rows in one batched call or one call per sequence, by a measured rule)")
-    lines.append(f"  cuda  flash_attn_with_kvcache: {'installed' if has_flash_attn() else 'flash-attn not installed (optional extra: pip install flash-attn)'}")
-    need = {"seqused_k", "window_size", "enable_gqa"}
-    lines.append(f"        varlen_attn_seqused: {'available' if need <= features else 'torch varlen_attn lacks ' + ', '.join(sorted(need - features) or ['varlen_attn'])}")
-    lines.append(f"        chosen on cuda: {_cuda_contiguous_choice(has_flash_attn(), need <= features)}")
+    lines += _cuda_contiguous_lines()
     lines += ["", "Paged mode kernels"]
     lines += _paged_kernel_lines(features)
     lines += ["", "Optional packages"]
@@ -133,12 +130,32 @@ def _cuda_granularity() -> int:
     return granularity(torch.device("cuda"))
 
 
-def _cuda_contiguous_choice(flash: bool, varlen: bool) -> str:
-    if flash:
-        return "flash_attn_with_kvcache"
-    if varlen:
-        return "varlen_attn_seqused (flash-attn not installed)"
-    return "sdpa_per_sequence (no flash-attn, no torch varlen_attn(seqused_k))"
+def _cuda_contiguous_lines() -> list[str]:
+    """The CUDA contiguous kernels as the selector judges them, for an sm80+ GPU (this machine's
+    own GPU when it has one) and a float16 cache of head_dim 128: this machine's flash-attn and torch."""
+    import torch
+
+    from vmkv.attention import (
+        CudaKernelFacts,
+        choose_contiguous_kernel,
+        contiguous_kernel_unavailable,
+        flash_varlen_has_seqused_k,
+        optional_import,
+    )
+
+    device = torch.device("cuda", 0)
+    facts = CudaKernelFacts.probe(device)
+    where = "this GPU"
+    if facts.capability is None:
+        facts = CudaKernelFacts((8, 0), optional_import("flash_attn", "flash_attn_with_kvcache")[1], flash_varlen_has_seqused_k())
+        where = "an sm80+ GPU"
+    lines = []
+    for name in ("flash_attn_with_kvcache", "varlen_attn_seqused"):
+        why = contiguous_kernel_unavailable(name, device, torch.float16, 128, facts)
+        lines.append(f"  {'cuda' if not lines else '    '}  {name}: {why or 'available'}")
+    name, _ = choose_contiguous_kernel(device, torch.float16, 128, facts)
+    lines.append(f"        chosen on {where}, float16, head_dim 128: {name}")
+    return lines
 
 
 def _paged_kernel_lines(features: set[str]) -> list[str]:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Literal
 
 import torch
 
@@ -74,7 +75,8 @@ class KVCacheConfig:
             the backend granularity — 4 KiB on the host, usually 2 MiB on CUDA — and of the
             bytes one token takes in that tensor). ``None`` (default): chosen with the layout
             by :func:`default_vmm_pages` (at least 16 tokens a page, within the mapping limit;
-            host: per-layer when that fits, else all-layers; CUDA: all-layers).
+            host: per-layer when that fits, else all-layers; CUDA: all-layers). Paged mode
+            ignores it but refuses a value VMM mode would refuse.
         layout: VMM mode: ``"per_layer"`` (one range per layer and per K/V, token-major
             ``[B, S, H, D]``), ``"all_layers"`` (one range for K and one for V holding every
             layer, so a page covers fewer tokens), or ``"head_major"`` (per layer,
@@ -82,7 +84,8 @@ class KVCacheConfig:
             page then covers one head, so ``num_kv_heads`` times more mappings than
             ``per_layer``). ``None`` (default): chosen with the page size when ``page_size`` is
             ``None`` too (:func:`default_vmm_pages`), else ``"per_layer"``.
-        block_size: paged mode: tokens per block (vLLM's default is 16).
+        block_size: paged mode: tokens per block (vLLM's default is 16), a positive int in
+            either mode; VMM mode ignores it (its pages hold ``page_size`` bytes).
         prefix_caching: keep full pages indexed by a hash of their tokens for later prompts.
         deferred_reclaim: VMM mode: a freed slot keeps its private pages mapped for the next
             sequence (saves map/unmap calls); ``trim()`` or memory pressure takes them back.
@@ -166,6 +169,26 @@ class KVCacheConfig:
         values = {name: getattr(self, name) for name in self.__dataclass_fields__}
         values.update(changes)
         return KVCacheConfig(**values)
+
+
+def as_config(value: "KVCacheConfig | Mapping[str, Any]") -> KVCacheConfig:
+    """Return ``value`` as a :class:`KVCacheConfig`: a config as is, a mapping of its fields built into one.
+
+    Raises:
+        InvalidConfig: ``value`` is neither, or the mapping names a field the config does not have.
+    """
+    if isinstance(value, KVCacheConfig):
+        return value
+    if not isinstance(value, Mapping):
+        raise InvalidConfig(f"config must be a KVCacheConfig or a mapping of its fields, got {type(value).__name__}")
+    names = [field.name for field in fields(KVCacheConfig)]
+    unknown = [key for key in value if key not in names]
+    if unknown:
+        raise InvalidConfig(f"config: unknown field(s) {', '.join(map(repr, unknown))}; the fields are {', '.join(names)}")
+    missing = [name for name in ("num_layers", "num_kv_heads", "head_dim") if name not in value]
+    if missing:
+        raise InvalidConfig(f"config: missing field(s) {', '.join(missing)}")
+    return KVCacheConfig(**value)
 
 
 @dataclass(frozen=True)
@@ -286,16 +309,16 @@ def default_vmm_pages(config: KVCacheConfig, layout: str | None = None) -> tuple
     return layout, page
 
 
-def vmm_geometry(config: KVCacheConfig, granularity: int) -> PageGeometry:
-    """Page geometry of VMM mode: a page is ``page_size`` bytes in each virtual K/V piece
-    (head-major: each head of each range is a piece).
+def check_page_size(config: KVCacheConfig, granularity: int) -> None:
+    """Refuse a ``page_size`` that no VMM cache of ``config`` could map. Both modes call it: paged
+    mode ignores the page size but validates a given one all the same, so that a setting is never
+    accepted silently in one mode and refused in the other.
 
     Raises:
         InvalidConfig: the page size is not a multiple of the backend granularity or of the
-            bytes one token takes in one tensor, or the budget holds no page.
+            bytes one token takes in one tensor of ``config.layout``.
     """
-    num_tensors, token_bytes = vmm_pieces(config), config.tensor_token_bytes()
-    page = config.page_size
+    token_bytes, page = config.tensor_token_bytes(), config.page_size
     if page % granularity or page % token_bytes:
         step = math.lcm(granularity, token_bytes)
         suggestion = max(step, page // step * step)
@@ -304,6 +327,43 @@ def vmm_geometry(config: KVCacheConfig, granularity: int) -> PageGeometry:
             f"the bytes one token takes in one {config.layout} tensor ({token_bytes} B); "
             f"try page_size={suggestion}"
         )
+
+
+def check_cache_options(config: KVCacheConfig, mode: str) -> PageGeometry:
+    """Refuse what opening a ``mode`` cache of ``config`` would refuse for its options, without
+    allocating anything: the page size (both modes), the geometry, the budget against the
+    device's memory. For callers with slow work between choosing and opening (``vmkv serve``
+    loads weights: a bad option must not wait for them).
+
+    Returns:
+        The page geometry the cache will have.
+
+    Raises:
+        InvalidConfig: an unknown mode, or an option the cache would refuse.
+        BackendUnavailable: the device's backend is not available.
+    """
+    from .vm import granularity  # the backends import this module
+
+    if mode not in ("vmm", "paged"):
+        raise InvalidConfig(f"mode must be 'vmm' or 'paged', got {mode!r}")
+    gran = granularity(config.device)
+    check_page_size(config, gran)
+    geometry = vmm_geometry(config, gran) if mode == "vmm" else paged_geometry(config)
+    check_budget_fits(config)
+    return geometry
+
+
+def vmm_geometry(config: KVCacheConfig, granularity: int) -> PageGeometry:
+    """Page geometry of VMM mode: a page is ``page_size`` bytes in each virtual K/V piece
+    (head-major: each head of each range is a piece).
+
+    Raises:
+        InvalidConfig: the page size is not a multiple of the backend granularity or of the
+            bytes one token takes in one tensor, or the budget holds no page.
+    """
+    check_page_size(config, granularity)
+    num_tensors, token_bytes = vmm_pieces(config), config.tensor_token_bytes()
+    page = config.page_size
     num_pages = config.memory_budget // (num_tensors * page)
     if num_pages == 0:
         raise InvalidConfig(

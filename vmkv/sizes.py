@@ -22,7 +22,7 @@ _UNITS = {
     "tb": 1000**4,
     "tib": 1024**4,
 }
-_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+_PATTERN = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_size(value: int | str, *, name: str = "size") -> int:
@@ -51,6 +51,8 @@ def parse_size(value: int | str, *, name: str = "size") -> int:
         if match is None or unit not in _UNITS:
             raise InvalidConfig(f"{name}: cannot read {value!r}; use an int or e.g. '64KiB', '2GiB'")
         nbytes = float(match.group(1)) * _UNITS[unit]
+        if nbytes < 0:
+            raise InvalidConfig(f"{name} must be >= 0, got {value!r}")
         if nbytes != int(nbytes):
             raise InvalidConfig(f"{name}: {value!r} is not a whole number of bytes")
         return int(nbytes)

@@ -35,10 +35,11 @@ import torch
 
 from .. import open_cache
 from ..base import KVCacheBase
+from ..config import check_cache_options
 from ..errors import DuplicateSequence, InvalidConfig, OutOfPages, SequenceTooLong
 from ..step import StepPlan
 from .request import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
-from .runner import LoadedModel, ModelRunner, cache_config_for, load_model
+from .runner import LoadedModel, ModelRunner, cache_config_for, load_model, read_model_spec
 from .sampling import InvalidParameter, SamplerState, SamplingParams, new_generator, next_token
 from .scheduler import Scheduler, SchedulerConfig
 
@@ -150,21 +151,22 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":
-        """Load the model, open the cache in ``config.kv_mode`` and build the engine.
+        """Check the cache options against the model's config.json (a bad one fails before any
+        weight is read), load the model, open the cache in ``config.kv_mode``, build the engine.
 
         Raises:
             InvalidConfig: a bad option, an unsupported model, or a mode that cannot open.
         """
-        loaded = load_model(config.model, dtype=config.dtype, device=config.device)
-        limit = min(loaded.max_position_embeddings, loaded.model.shape.sliding_window or loaded.max_position_embeddings)
-        max_seq_len = config.max_seq_len or min(limit, 4096)
-        cache_config = cache_config_for(
-            loaded.model, max_batch_size=config.max_num_seqs, max_seq_len=max_seq_len,
+        spec = read_model_spec(config.model, dtype=config.dtype, device=config.device)
+        cache_config = spec.cache_config(
+            max_batch_size=config.max_num_seqs, max_seq_len=config.max_seq_len or min(spec.max_seq_len(), 4096),
             memory_budget=config.memory_budget, page_size=config.page_size, block_size=config.block_size,
             prefix_caching=config.prefix_caching, shared_budget=config.shared_budget,
         )
         scheduler = SchedulerConfig(config.max_num_batched_tokens, config.max_prefill_chunk)
-        cache = open_cache(cache_config, mode=config.kv_mode)
+        check_cache_options(cache_config, config.kv_mode)  # before the weights, allocating nothing: fails fast
+        loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+        cache = open_cache(cache_config, mode=config.kv_mode)  # after the weights: a GPU store takes what they leave
         try:
             return cls(loaded, cache, scheduler, config.seed)
         except Exception:

@@ -21,7 +21,7 @@ from ..config import KVCacheConfig
 from ..errors import InvalidConfig
 from ..models import DEFAULT_MODEL, ByteTokenizer, default_hf_model
 from ..step import StepPlan
-from .llama import LlamaForCausalLM
+from .llama import LlamaForCausalLM, LlamaShape
 
 log = logging.getLogger("vmkv.engine")
 
@@ -108,6 +108,51 @@ def _dtype(name: str | torch.dtype, config_dtype: Any, device: torch.device) -> 
     return table[name]
 
 
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a model directory's ``config.json`` says, read before any weight: enough to size and
+    open a KV cache (:meth:`cache_config`) so that a bad cache option fails in milliseconds."""
+
+    hf_config: Any
+    shape: LlamaShape
+    dtype: torch.dtype
+    device: torch.device
+    max_position_embeddings: int
+
+    def max_seq_len(self) -> int:
+        """The longest sequence the runner handles: the model's positions, within its sliding window."""
+        return min(self.max_position_embeddings, self.shape.sliding_window or self.max_position_embeddings)
+
+    def cache_config(self, **options: Any) -> KVCacheConfig:
+        """A KV cache configuration shaped for this model; ``options`` are the other fields."""
+        return KVCacheConfig(
+            num_layers=self.shape.num_layers, num_kv_heads=self.shape.num_kv_heads, head_dim=self.shape.head_dim,
+            dtype=self.dtype, device=self.device, **options,
+        )
+
+
+def read_model_spec(path: str | Path | None = None, *, dtype: str | torch.dtype = "auto", device: str = "cpu") -> ModelSpec:
+    """Read the shape, dtype and positions of the embedded model (``None``) or a local checkpoint.
+
+    Raises:
+        InvalidConfig: no ``config.json``, an unsupported architecture or dtype.
+    """
+    target = torch.device(device)
+    if path is None:
+        from transformers import LlamaConfig
+
+        config = LlamaConfig(**DEFAULT_MODEL)
+    else:
+        from transformers import AutoConfig
+
+        root = Path(path)
+        if not (root / "config.json").is_file():
+            raise InvalidConfig(f"{root} has no config.json (a local Hugging Face model directory is expected)")
+        config = AutoConfig.from_pretrained(str(root), local_files_only=True)
+    return ModelSpec(config, LlamaShape.from_hf_config(config), _dtype(dtype, getattr(config, "dtype", None), target),
+                     target, config.max_position_embeddings)
+
+
 def load_model(path: str | Path | None = None, *, dtype: str | torch.dtype = "auto", device: str = "cpu") -> LoadedModel:
     """Load the embedded default model (``path=None``) or a local Hugging Face checkpoint.
 
@@ -119,33 +164,25 @@ def load_model(path: str | Path | None = None, *, dtype: str | torch.dtype = "au
     Raises:
         InvalidConfig: unsupported architecture, missing files, weights that do not fit.
     """
-    target = torch.device(device)
+    spec = read_model_spec(path, dtype=dtype, device=device)
+    config = spec.hf_config
+    model = LlamaForCausalLM.from_hf_config(config)
     if path is None:
-        from transformers import LlamaConfig
-
-        config = LlamaConfig(**DEFAULT_MODEL)
-        model = LlamaForCausalLM.from_hf_config(config)
         model.load_weights(default_hf_model().state_dict())
         tokenizer: ByteChatTokenizer | HFTokenizer = ByteChatTokenizer()
         name = DEFAULT_MODEL_NAME
     else:
-        from transformers import AutoConfig
-
         root = Path(path)
-        if not (root / "config.json").is_file():
-            raise InvalidConfig(f"{root} has no config.json (a local Hugging Face model directory is expected)")
-        config = AutoConfig.from_pretrained(str(root), local_files_only=True)
-        model = LlamaForCausalLM.from_hf_config(config)
         model.load_weights(_read_safetensors(root))
         eos = config.eos_token_id
         tokenizer = HFTokenizer(root, tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,)))
         name = root.name
-    model = model.to(device=target, dtype=_dtype(dtype, getattr(config, "dtype", None), target)).eval()
+    model = model.to(device=spec.device, dtype=spec.dtype).eval()
     model.inv_freq = model.inv_freq.float()  # RoPE frequencies stay float32, as in transformers
     model.pack()  # fused, pre-packed linears (oneDNN on CPU): the weights are final now
     log.info("vmkv engine: model %s (%s, %d layers) on %s in %s", name, model.shape.family,
-             model.shape.num_layers, target, model.lm_head.weight.dtype)
-    return LoadedModel(model, tokenizer, name, config.max_position_embeddings)
+             model.shape.num_layers, spec.device, model.lm_head.weight.dtype)
+    return LoadedModel(model, tokenizer, name, spec.max_position_embeddings)
 
 
 def _read_safetensors(root: Path) -> dict[str, torch.Tensor]:

@@ -40,6 +40,13 @@ from .protocol import ChatBody, CompletionBody
 
 log = logging.getLogger("vmkv.server")
 
+KEEP_ALIVE_S = 75.0
+"""Seconds an idle keep-alive connection stays open (uvicorn's default is 5 s). Longer than the
+idle expiry of clients' connection pools (httpx, under the ``openai`` client: 5 s; aiohttp 15 s):
+a server that closes first races a client that just picked the connection from its pool, and that
+request fails with "Server disconnected without sending a response" (the window between the
+pool's liveness check and the write widens on a busy machine)."""
+
 # pydantic names a union's member in an error's location ("temperature", "int"): not a field
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|[A-Z]\w*|[a-z-]+\[.*\])$")
 
@@ -440,7 +447,8 @@ class BackgroundServer:
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
         import uvicorn
 
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
+                                timeout_keep_alive=KEEP_ALIVE_S)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="vmkv-http", daemon=True)
         self._thread.start()

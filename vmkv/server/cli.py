@@ -52,9 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="virtually contiguous tensors or block tables (default: %(default)s)")
     cache.add_argument("--memory-budget", default="256MiB", help="bytes for KV pages, e.g. 2GiB (default: %(default)s)")
     cache.add_argument("--page-size", default=None, help="VMM page bytes per K/V tensor (default: the cache's "
-                       "per-device default, >= 16 tokens a page; see docs/how-it-works.md)")
-    cache.add_argument("--block-size", type=_positive, default=16, help="paged mode: tokens per block "
-                       "(default: %(default)s)")
+                       "per-device default, >= 16 tokens a page; see docs/how-it-works.md; paged mode ignores it but "
+                       "refuses a value VMM mode would refuse)")
+    cache.add_argument("--block-size", type=_positive, default=16, help="paged mode: tokens per block; "
+                       "VMM mode ignores it (default: %(default)s)")
     cache.add_argument("--max-num-seqs", type=_positive, default=32, help="sequences running at once (cache slots) "
                        "(default: %(default)s)")
     cache.add_argument("--max-seq-len", type=_positive, default=None, help="longest prompt + completion "
@@ -81,7 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load the model, open the cache, serve until interrupted.
+    """Open the cache (a bad cache option fails before the weights load), load the model, bind
+    the socket (its real port is logged: ``--port 0`` gets one from the OS), serve until interrupted.
 
     Returns:
         0 after a clean shutdown, 2 on a configuration error.
@@ -91,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..engine import Engine, EngineConfig, EngineLoop
     from ..errors import VMKVError
-    from .app import create_app
+    from .app import KEEP_ALIVE_S, create_app
 
     if args.protect_metrics and not args.api_key:
         print("vmkv serve: --protect-metrics needs --api-key (or $VMKV_API_KEY)", file=sys.stderr)
@@ -113,12 +115,17 @@ def run(args: argparse.Namespace) -> int:
         return 2
     name = args.served_model_name or engine.model_name
     stats = engine.stats()["cache"]
-    log.info("serving %s on http://%s:%d (kv mode %s, kernel %s, %d pages of %d tokens)", name, args.host, args.port,
-             stats["mode"], stats["kernel"], stats["pages_total"], stats["tokens_per_page"])
     loop = EngineLoop(engine)
     try:
-        uvicorn.run(create_app(loop, name, args.api_key, args.protect_metrics), host=args.host, port=args.port,
-                    log_level=args.log_level)
+        server = uvicorn.Server(uvicorn.Config(create_app(loop, name, args.api_key, args.protect_metrics),
+                                               host=args.host, port=args.port, log_level=args.log_level,
+                                               timeout_keep_alive=KEEP_ALIVE_S))
+        sock = server.config.bind_socket()  # bound now, so the log names the port --port 0 got
+        host, port = sock.getsockname()[:2]
+        log.info("serving %s on http://%s:%d (kv mode %s, kernel %s, %d pages of %d tokens)",
+                 name, f"[{host}]" if ":" in host else host, port,
+                 stats["mode"], stats["kernel"], stats["pages_total"], stats["tokens_per_page"])
+        server.run(sockets=[sock])
     finally:
         loop.close()
     return 0
