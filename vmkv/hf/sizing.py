@@ -119,7 +119,11 @@ def open_core(mode: str, options: CacheOptions, like: torch.Tensor, num_layers: 
         choice = choose_layout(first_batch, style, options)
         config = config.replace(layout=choice.layout, page_size=choice.page_size)
         tokens_per_page, page_bytes = config.page_size // config.tensor_token_bytes(), vmm_pieces(config) * config.page_size
-    else:
+    else:  # paged mode ignores the page size, but validates one all the same (config.check_page_size)
+        from ..vm import granularity
+
+        page = options.page_size or default_page_size(config.tensor_token_bytes(), granularity(config.device))
+        config = config.replace(page_size=page)
         choice = Choice("blocks", 0, f"paged mode: {config.block_size}-token blocks")
         tokens_per_page = config.block_size
         page_bytes = 2 * num_layers * config.block_size * config.layer_token_bytes
