@@ -646,7 +646,7 @@ class KVCacheBase(ABC):
     def _check_tensor(self, name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
         if not isinstance(tensor, torch.Tensor):
             raise InvalidInput(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-        if tuple(tensor.shape) != shape:
+        if tensor.shape != shape:
             raise InvalidShape(f"{name} must have shape {list(shape)} ([tokens, kv_heads, head_dim]), got {list(tensor.shape)}")
         if tensor.dtype != self.config.dtype:
             raise InvalidDtype(f"{name} has dtype {tensor.dtype}; the cache holds {self.config.dtype}")

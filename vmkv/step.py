@@ -68,7 +68,7 @@ class StepPlan:
     def batch_size(self) -> int:
         return len(self.seq_ids)
 
-    @property
+    @cached_property
     def num_tokens(self) -> int:
         """T, the packed length of the step's new tokens."""
         return sum(self.q_lens)
