@@ -618,12 +618,12 @@ class KVCacheBase(ABC):
         steps: list[tuple[_Sequence, int, list[int] | None]] = []
         for seq_id, new in batch.items():
             seq = self._get(seq_id)
-            if isinstance(new, torch.Tensor) and new.dim() == 0:
+            if type(new) is int and new >= 1:  # the common case (a count), checked cheaply
+                ids, count = None, new
+            elif isinstance(new, torch.Tensor) and new.dim() == 0:
                 raise InvalidInput(
                     f"sequence {seq_id!r}: a 0-d tensor is ambiguous; pass an int count or a list of token ids"
                 )
-            if type(new) is int and new >= 1:  # the common case (a count), checked cheaply
-                ids, count = None, new
             elif isinstance(new, (bool, float)) or (hasattr(new, "__index__") and not hasattr(new, "__len__")):
                 ids, count = None, as_int(new, f"new tokens of {seq_id!r}", minimum=1)  # a count (NumPy ints too)
             else:  # token ids: a list, tuple, range, 1-D tensor or array
@@ -901,15 +901,18 @@ class KVCacheBase(ABC):
         if not self._last_step:
             return
         complete = len(self._layers_written) == self.config.num_layers
-        for seq_id, start in self._last_step:
-            seq = self._seqs.get(seq_id)
+        if complete and not self.config.prefix_caching:  # nothing to index, nothing to forget
+            seqs = ()
+        else:
+            seqs = [(self._seqs.get(seq_id), start) for seq_id, start in self._last_step]
+        for seq, start in seqs:
             if seq is None:
                 continue
             if not complete:
                 forgotten = seq.tokens[start:]
                 del seq.tokens[start:]
                 self._log(lambda seq=seq, forgotten=forgotten: seq.tokens.extend(forgotten))
-            elif self.config.prefix_caching:
+            else:
                 self._register_full_pages(seq)
         last, self._last_step = self._last_step, []
         self._log(lambda: setattr(self, "_last_step", last))
