@@ -92,6 +92,17 @@ class CacheMachine(RuleBasedStateMachine):
             self._step(batch)
 
     @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), steps=st.integers(1, 6))
+    def decode(self, data, steps):
+        """A few one-token steps of the same sequences in a row: begin_step's decode fast path
+        (the last plan one token further) until a page boundary or copy-on-write needs the full one."""
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.tokens)), min_size=1, max_size=4, unique=True))
+        for _ in range(steps):
+            batch = {s: [data.draw(st.integers(0, 9))] for s in ids if len(self.tokens[s]) < CONFIG["max_seq_len"]}
+            if len(batch) < len(ids) or not self._step(batch):
+                return
+
+    @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def fork(self, data):
         src = data.draw(st.sampled_from(sorted(self.tokens)))

@@ -104,6 +104,7 @@ class KVCacheBase(ABC):
         # the last step, until the next call registers its full pages: (seq_id, start) and layers written
         self._last_step: list[tuple[SeqId, int]] = []
         self._layers_written: set[int] = set()
+        self._last_plan: StepPlan | None = None  # the last committed plan (the decode fast path extends it)
         # call discipline (vmkv.calls): one thread at a time, journaled changes, broken after a failed undo
         self._lock = threading.RLock()
         self._journal: list[Callable[[], None]] | None = None
@@ -368,12 +369,9 @@ class KVCacheBase(ABC):
         steps = self._check_batch(batch)
         with atomic(self):
             self._finish_last_step()
-            copies, grows = self._plan_pages(steps)
-            self._make_room(sum(len(c) for c in copies) + sum(grows))
-            for (seq, _, _), copy_at, grow in zip(steps, copies, grows):
-                self._copy_on_write(seq, copy_at)
-                self._grow(seq, grow)
-            plan = self._build_plan([s for s, _, _ in steps], [c for _, c, _ in steps])  # may fail: before the commit
+            plan, copies = self._next_decode_plan(steps), 0
+            if plan is None:
+                plan, copies = self._map_step(steps)
         for seq, count, ids in steps:
             self._unregister_written(seq, count)
             if ids is not None and len(seq.tokens) >= seq.length:
@@ -383,14 +381,46 @@ class KVCacheBase(ABC):
             self._last_step.append((seq.seq_id, seq.length))
             seq.length += count
             self._tokens += count
-        self.counters["cow_copies"] += sum(len(c) for c in copies)
+        self.counters["cow_copies"] += copies
         self._layers_written = set()
         self._version += 1
+        self._last_plan = plan
         if self._share is not None:  # after the commit: a step that fails changes nothing
             self._ledger_boundary()
         if self._ahead_worker is not None:
             self._start_map_ahead(plan)
         return plan
+
+    def _map_step(self, steps: list[tuple[_Sequence, int, Any]]) -> tuple[StepPlan, int]:
+        """Copy shared pages written into, map the pages the step needs, and build its plan
+        (journaled, inside the caller's ``atomic``; nothing is committed). Returns the plan and
+        the number of pages copied."""
+        copies, grows = self._plan_pages(steps)
+        self._make_room(sum(len(c) for c in copies) + sum(grows))
+        for (seq, _, _), copy_at, grow in zip(steps, copies, grows):
+            self._copy_on_write(seq, copy_at)
+            self._grow(seq, grow)
+        plan = self._build_plan([s for s, _, _ in steps], [c for _, c, _ in steps])  # may fail: before the commit
+        return plan, sum(len(c) for c in copies)
+
+    def _next_decode_plan(self, steps: list[tuple[_Sequence, int, Any]]) -> StepPlan | None:
+        """The decode fast path: the last plan one token further (:meth:`StepPlan.next_decode`),
+        or ``None`` where it does not apply and the step needs the full path (``_map_step``).
+
+        It applies when the last plan was a decode step of the same sequences in the same order,
+        nothing changed the cache since (same version: no free, fork, truncate, add, trim), and
+        each sequence's new token lands in the page holding its previous token (its length is no
+        multiple of ``tokens_per_page``), which only it owns (no copy-on-write): no page is
+        mapped, copied or allocated, and every row is the last one + 1.
+        """
+        last = self._last_plan
+        if last is None or last.version != self._version or len(steps) != len(last.seq_ids) or not last.is_decode:
+            return None
+        tpp, refcount = self.tokens_per_page, self.pool.refcount
+        for (seq, count, _), seq_id in zip(steps, last.seq_ids):
+            if count != 1 or seq.seq_id is not seq_id or not seq.length % tpp or refcount(seq.pages[seq.length // tpp]) != 1:
+                return None
+        return last.next_decode(self._version + 1)
 
     @exclusive
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> None:
@@ -588,11 +618,13 @@ class KVCacheBase(ABC):
         steps: list[tuple[_Sequence, int, list[int] | None]] = []
         for seq_id, new in batch.items():
             seq = self._get(seq_id)
-            if isinstance(new, torch.Tensor) and new.dim() == 0:
+            if type(new) is int and new >= 1:  # the common case (a count), checked cheaply
+                ids, count = None, new
+            elif isinstance(new, torch.Tensor) and new.dim() == 0:
                 raise InvalidInput(
                     f"sequence {seq_id!r}: a 0-d tensor is ambiguous; pass an int count or a list of token ids"
                 )
-            if isinstance(new, (bool, float)) or (hasattr(new, "__index__") and not hasattr(new, "__len__")):
+            elif isinstance(new, (bool, float)) or (hasattr(new, "__index__") and not hasattr(new, "__len__")):
                 ids, count = None, as_int(new, f"new tokens of {seq_id!r}", minimum=1)  # a count (NumPy ints too)
             else:  # token ids: a list, tuple, range, 1-D tensor or array
                 ids = as_token_ids(new, 1)
@@ -617,7 +649,7 @@ class KVCacheBase(ABC):
         """Refuse ``tensor`` unless it is a tensor of ``shape`` (named ``dims`` in the message), dtype and device."""
         if not isinstance(tensor, torch.Tensor):
             raise InvalidInput(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-        if tuple(tensor.shape) != shape:
+        if tensor.shape != shape:  # torch.Size is a tuple: no copy
             raise InvalidShape(f"{name} must have shape {list(shape)} ({dims}), got {list(tensor.shape)}")
         if tensor.dtype != self.config.dtype:
             raise InvalidDtype(f"{name} has dtype {tensor.dtype}; the cache holds {self.config.dtype}")
@@ -872,15 +904,18 @@ class KVCacheBase(ABC):
         if not self._last_step:
             return
         complete = len(self._layers_written) == self.config.num_layers
-        for seq_id, start in self._last_step:
-            seq = self._seqs.get(seq_id)
+        if complete and not self.config.prefix_caching:  # nothing to index, nothing to forget
+            seqs = ()
+        else:
+            seqs = [(self._seqs.get(seq_id), start) for seq_id, start in self._last_step]
+        for seq, start in seqs:
             if seq is None:
                 continue
             if not complete:
                 forgotten = seq.tokens[start:]
                 del seq.tokens[start:]
                 self._log(lambda seq=seq, forgotten=forgotten: seq.tokens.extend(forgotten))
-            elif self.config.prefix_caching:
+            else:
                 self._register_full_pages(seq)
         last, self._last_step = self._last_step, []
         self._log(lambda: setattr(self, "_last_step", last))
@@ -888,7 +923,7 @@ class KVCacheBase(ABC):
     def _unregister_written(self, seq: _Sequence, count: int) -> None:
         """Pages this step writes into change: drop their prefix hashes (they are private now)."""
         tpp = self.tokens_per_page
-        for index in range(seq.length // tpp, self.pages_for(seq.length + count)):
+        for index in range(seq.length // tpp, -(-(seq.length + count) // tpp)):
             self.pool.unregister(seq.pages[index])
         del seq.hashes[seq.length // tpp :]
 

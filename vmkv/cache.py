@@ -217,6 +217,10 @@ class VirtualKVCache(KVCacheBase):
         memo = self._hm_rows
         if memo is not None and memo[0] is plan:
             return memo[1]
+        if memo is not None and plan.starts is memo[0].kv_lens:
+            rows = memo[1] + 1  # plan = memo's plan.next_decode(): every position one further
+            self._hm_rows = (plan, rows)
+            return rows
         heads, capacity = self.config.num_kv_heads, self.seq_capacity
         slot, position = plan.write_rows // capacity, plan.write_rows % capacity  # [T]
         head = torch.arange(heads, device=plan.write_rows.device)

@@ -68,7 +68,7 @@ class StepPlan:
     def batch_size(self) -> int:
         return len(self.seq_ids)
 
-    @property
+    @cached_property
     def num_tokens(self) -> int:
         """T, the packed length of the step's new tokens."""
         return sum(self.q_lens)
@@ -85,6 +85,26 @@ class StepPlan:
     def is_decode(self) -> bool:
         """Every sequence adds exactly one token."""
         return all(n == 1 for n in self.q_lens)
+
+    def next_decode(self, version: int) -> "StepPlan":
+        """The plan of the decode step after this one (a decode step) for the same sequences, valid
+        only where each new token lands in the page that holds the token before it, whose mapping
+        has not changed: its storage row is then the previous row + 1 in every mode, and the
+        pages (block table) are the same. The caller (``begin_step``) checks that.
+
+        Args:
+            version: the cache version the new plan commits.
+
+        Returns:
+            A new plan sharing ``cu_q``, ``slots_t`` and ``block_table`` with this one (never
+            written in place), the rows and lengths one further.
+        """
+        return StepPlan(
+            seq_ids=self.seq_ids, slots=self.slots, starts=self.kv_lens, q_lens=self.q_lens,
+            kv_lens=tuple(n + 1 for n in self.kv_lens), cu_q=self.cu_q, write_rows=self.write_rows + 1,
+            slots_t=self.slots_t, kv_lens_t=self.kv_lens_t + 1, block_table=self.block_table,
+            causal_masks=self.causal_masks, version=version, owner=self.owner,
+        )
 
 
 def causal_mask(start: int, q_len: int) -> torch.Tensor | None:

@@ -564,6 +564,8 @@ class VirtualCache(RowPolicy, Cache):
     def _pack(states: torch.Tensor) -> torch.Tensor:
         """``[B, H, S, D]`` -> contiguous ``[B * S, H, D]`` (row after row: the plan's packing order)."""
         batch, heads, q_len, dim = states.shape
+        if q_len == 1:  # decode: no transpose needed (one reshape, a view of a contiguous tensor)
+            return states.reshape(batch, heads, dim).contiguous()
         return states.transpose(1, 2).reshape(batch * q_len, heads, dim).contiguous()
 
     @staticmethod
