@@ -133,10 +133,29 @@ def test_concurrent_clients_then_every_page_back(server):
     assert final["vmkv_kv_pages_free"] == final["vmkv_kv_pages_total"] and freed >= 0
 
 
+def hold_steps_until_queued(loop: EngineLoop, count: int, timeout: float = 20.0) -> None:
+    """Make ``loop``'s engine take its first step only once ``count`` requests wait, so that they
+    compete for pages together however the client's requests happen to be spread in time.
+    The wait is on the loop's own condition: it releases the loop's lock, so submissions go on."""
+    engine, deadline = loop.engine, time.monotonic() + timeout
+    step = engine.step
+
+    def first_step():
+        while len(engine.scheduler.waiting) < count and time.monotonic() < deadline:
+            loop._wake.wait(0.01)
+        engine.step = step
+        return step()
+
+    engine.step = first_step
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_preemption_under_pressure_keeps_every_text(mode, reference):
-    """A budget of 8 pages for 6 requests of 4 pages each: preemptions, identical texts."""
+    """A budget of 8 pages for 6 requests of 4 pages each: preemptions, identical texts. (All six
+    wait before the first step: on a quiet machine the first one could finish before the others
+    arrived, and nothing would be preempted.)"""
     tight = Running(mode, budget=8 * PAGE)
+    hold_steps_until_queued(tight.loop, 6)
     try:
         prompts = [f"pressure {i}: go on" for i in range(6)]
         with ThreadPoolExecutor(6) as pool:
