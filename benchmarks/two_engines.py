@@ -156,22 +156,25 @@ class _Engine:
             self.proc.wait(60)
 
 
-class _Sampler(threading.Thread):
-    """The peak of the engines' page stores' resident bytes together, every 2 ms."""
+class ResidentSampler(threading.Thread):
+    """The peak of several page stores' resident bytes together (``st_blocks`` of each memfd
+    path, e.g. ``/proc/PID/fd/N``), sampled every ``interval`` seconds; ``samples`` counts them."""
 
-    def __init__(self, paths: list[str]) -> None:
+    def __init__(self, paths: list[str], interval: float = 0.002) -> None:
         super().__init__(daemon=True)
-        self.paths, self.peak, self.done = paths, 0, threading.Event()
+        self.paths, self.interval, self.peak, self.samples = paths, interval, 0, 0
+        self.done = threading.Event()
 
     def run(self) -> None:
-        while not self.done.wait(0.002):
+        while not self.done.wait(self.interval):
             total = 0
             for path in self.paths:
                 try:
                     total += os.stat(path).st_blocks * 512
-                except OSError:
+                except OSError:  # the process exited
                     pass
             self.peak = max(self.peak, total)
+            self.samples += 1
 
     def stop(self) -> int:
         self.done.set()
@@ -187,7 +190,7 @@ def run_setup(engines: list[_Engine], setup: str, opts: dict[str, Any], trace: l
     shared = f"{ledger}:{total},wait=1" if setup == "shared" else None
     memfds = [e.ask(op="open", memory_budget=total if shared else total // 2, slots=opts["burst_requests"],
                     max_seq_len=max_seq_len, shared_budget=shared)["memfd"] for e in engines]
-    sampler = _Sampler([f"/proc/{e.proc.pid}/fd/{fd}" for e, fd in zip(engines, memfds)])
+    sampler = ResidentSampler([f"/proc/{e.proc.pid}/fd/{fd}" for e, fd in zip(engines, memfds)])
     sampler.start()
     start = time.monotonic() + 0.5
     try:

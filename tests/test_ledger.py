@@ -27,6 +27,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import vmkv
 import vmkv.share
+from benchmarks.two_engines import ResidentSampler
 from vmkv.errors import BackendError, InvalidConfig, LedgerCorrupt, LedgerMismatch, OutOfPages
 from vmkv.ledger import Ledger, SharedBudget, ledger_path
 
@@ -79,26 +80,6 @@ class Member:
             self.proc.wait(30)
 
 
-class ResidentSampler(threading.Thread):
-    """Sums the members' page-store resident bytes every millisecond; keeps the peak."""
-
-    def __init__(self, members: list[Member]) -> None:
-        super().__init__(daemon=True)
-        self.paths = [f"/proc/{m.proc.pid}/fd/{m.memfd}" for m in members]
-        self.peak = self.samples = 0
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        while not self.done.wait(0.001):
-            total = 0
-            for path in self.paths:
-                try:
-                    total += os.stat(path).st_blocks * 512
-                except OSError:  # the member exited
-                    pass
-            self.peak = max(self.peak, total)
-            self.samples += 1
-
     def stop(self) -> int:
         self.done.set()
         self.join()
@@ -115,7 +96,7 @@ def reference():
 
 def test_idle_members_pages_move_to_the_one_that_bursts(name, reference):
     a, b = Member(f"{name}:4MiB,member=a"), Member(f"{name}:4MiB,member=b")
-    sampler = ResidentSampler([a, b])
+    sampler = ResidentSampler([f"/proc/{m.proc.pid}/fd/{m.memfd}" for m in (a, b)], interval=0.001)
     sampler.start()
     try:
         first = a.send(op="burst", seed=1, **BURST)
