@@ -24,6 +24,7 @@ from types import SimpleNamespace
 import pytest
 import tomllib
 import torch
+from helpers import VLLM_RUN_TIMEOUT_S
 
 import vmkv
 from vmkv import vllm as plugin
@@ -474,7 +475,7 @@ def run_scenarios(tmp_path_factory, names: list[str]) -> dict:
     out = root / "results.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_scenarios.py"), str(out), str(model), *names],
-                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=1800)
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=VLLM_RUN_TIMEOUT_S)
     if proc.returncode != 0:
         pytest.fail(f"vllm_scenarios.py {' '.join(names)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return json.loads(out.read_text())
@@ -576,7 +577,7 @@ def test_benchmark_smoke_follows_the_contract_and_ends_with_a_verdict(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "-m", "vmkv.cli", "bench", "vllm", "--smoke", "--out", str(tmp_path),
                            "--model-dir", str(tmp_path / "model")],
-                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=1800)
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=VLLM_RUN_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     result = json.loads((tmp_path / "vllm.json").read_text())
     assert {r["engine"] for r in result["rows"]} == {"stock", "vmkv"}
