@@ -148,7 +148,7 @@ class _Engine:
     def ask(self, **command: Any) -> dict[str, Any]:
         self.proc.stdin.write(json.dumps(command) + "\n")
         self.proc.stdin.flush()
-        return _read(self)
+        return read_answer(self.proc)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -197,7 +197,7 @@ def run_setup(engines: list[_Engine], setup: str, opts: dict[str, Any], trace: l
         for engine, requests in zip(engines, trace):
             engine.proc.stdin.write(json.dumps({"op": "run", "requests": requests, "start": start}) + "\n")
             engine.proc.stdin.flush()
-        answers = [_read(engine) for engine in engines]
+        answers = [read_answer(engine.proc) for engine in engines]
     finally:
         peak = sampler.stop()
         for engine in engines:
@@ -208,12 +208,19 @@ def run_setup(engines: list[_Engine], setup: str, opts: dict[str, Any], trace: l
             "peak_resident_mib": peak / 2**20, "budget_mib": total / 2**20}
 
 
-def _read(engine: _Engine, timeout: float = 600) -> dict[str, Any]:
-    ready, _, _ = select.select([engine.proc.stdout], [], [], timeout)
-    line = engine.proc.stdout.readline() if ready else ""
+def read_answer(proc: subprocess.Popen, timeout: float = 600) -> dict[str, Any]:
+    """The next JSON line ``proc`` writes to its stdout, within ``timeout`` seconds.
+
+    Raises:
+        RuntimeError: no line came (the process is killed; the message ends with its stderr
+            where that is a pipe).
+    """
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    line = proc.stdout.readline() if ready else ""
     if not line:
-        engine.proc.kill()
-        raise RuntimeError(f"two_engines: an engine process gave no answer (exit {engine.proc.wait()})")
+        proc.kill()
+        err = proc.stderr.read()[-3000:] if proc.stderr is not None else ""
+        raise RuntimeError(f"two_engines: a child process gave no answer (exit {proc.wait()}) {err}".rstrip())
     return json.loads(line)
 
 

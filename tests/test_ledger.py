@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import struct
 import subprocess
@@ -27,7 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import vmkv
 import vmkv.share
-from benchmarks.two_engines import ResidentSampler
+from benchmarks.two_engines import ResidentSampler, read_answer
 from vmkv.errors import BackendError, InvalidConfig, LedgerCorrupt, LedgerMismatch, OutOfPages
 from vmkv.ledger import Ledger, SharedBudget, ledger_path
 
@@ -61,12 +60,7 @@ class Member:
         self.memfd = self.read(120)["memfd"]
 
     def read(self, timeout: float = 60) -> dict:
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        line = self.proc.stdout.readline() if ready else ""
-        if not line:
-            self.proc.kill()
-            raise AssertionError(f"member gave no answer: {self.proc.stderr.read()[-3000:]}")
-        return json.loads(line)
+        return read_answer(self.proc, timeout)
 
     def send(self, **command) -> dict:
         self.proc.stdin.write(json.dumps(command) + "\n")
