@@ -3,6 +3,8 @@
 * The plan, for any model shape, granularity and layout: pages are whole granules and whole
   tokens, the block size is the smallest valid one (or the one asked for), the waste bound and
   sharing granularity follow, and bad input raises a typed error naming a size that works.
+* Pipeline stages with different layer counts get one block size valid in each; a real
+  ``VllmConfig`` (tensor and pipeline parallel) gives each rank's geometry.
 * The documented numbers for known models (docs/vllm.md, "Contiguous mode: page size on CUDA").
 * The plan's slot geometry is :class:`vmkv.VirtualKVCache`'s (same pages, slots and offsets).
 * On the fake CUDA driver (tests/fake_cuda), through the real CUDA backend: the granularity is
@@ -12,6 +14,8 @@
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
@@ -23,7 +27,14 @@ import vmkv
 import vmkv.vm.cuda
 from vmkv.config import DEFAULT_TOKENS_PER_PAGE, LAYOUTS, KVShape
 from vmkv.errors import InvalidConfig, InvalidInput
-from vmkv.vllm.contiguous_pages import AUTO_LAYOUTS, min_block_size, plan_contiguous_pages, plan_for_device
+from vmkv.vllm.contiguous_pages import (
+    AUTO_LAYOUTS,
+    min_block_size,
+    plan_contiguous_pages,
+    plan_for_device,
+    plan_for_vllm,
+    vllm_stage_shapes,
+)
 from vmkv.vm.cuda import CudaVirtualMemory, cuda_granularity
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -119,6 +130,68 @@ def test_the_reason_names_the_choice_and_the_alternative():
     assert "all_layers: 32-token blocks (per_layer would need 1024)" in p.reason
     assert "block_size 32 tokens = one 2.0 MiB page" in p.describe()
     assert "as asked" in plan(LLAMA3_8B, GPU, layout="per_layer", block_size=2048).reason
+
+
+# ---- pipeline stages and vLLM's config ------------------------------------------------------
+def stage(shape: KVShape, layers: int) -> KVShape:
+    return KVShape(layers, shape.num_kv_heads, shape.head_dim, shape.element_size)
+
+
+def test_pipeline_stages_get_one_block_size_valid_in_every_stage():
+    """Llama-3-70B over 3 stages (vLLM splits 80 layers 27, 27, 26): alone, the 26-layer stage's
+    all-layers token (52 KiB = 13 x 4 KiB) makes 512-token blocks, the 27-layer ones (27 x 2 KiB)
+    1,024; vLLM has one block_size, so every stage plans 1,024 (and per_layer wins the tie)."""
+    stages = [stage(LLAMA3_70B, n) for n in (27, 27, 26)]
+    assert plan(stages[2], GPU, layout="all_layers").block_size == 512
+    plans = [plan(shape, GPU, stages=stages) for shape in stages]
+    assert {(p.block_size, p.layout) for p in plans} == {(1024, "per_layer")}
+    for p, shape in zip(plans, stages):
+        assert p.page_bytes % GPU == 0 and p.pieces == 2 * shape.num_layers
+    together = [plan(shape, GPU, stages=stages, layout="all_layers") for shape in stages]
+    assert [p.block_size for p in together] == [1024] * 3 and [p.page_bytes for p in together] == [54 * MiB] * 2 + [52 * MiB]
+    with pytest.raises(InvalidConfig, match="on this pipeline stage, and the block must suit the other stages too.*multiple of 1024"):
+        plan(stages[2], GPU, stages=stages, layout="all_layers", block_size=512)
+
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM 0.32 not installed")
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    from vmkv.vllm.tiny import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "model", num_layers=4)  # 4 KV heads of 32, 4 layers
+
+
+def engine_config(model_dir, **args):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=str(model_dir), max_model_len=300, max_num_seqs=5, **args).create_engine_config()
+
+
+@needs_vllm
+def test_a_vllm_config_gives_each_ranks_geometry_and_keeps_a_block_size_the_user_set(tiny_model_dir, monkeypatch):
+    """TP=2 halves the KV heads a rank holds; PP=3 splits 4 layers 1, 2, 1 (vLLM's own split), so
+    the stages differ; vLLM's CPU default block size (128, not set by the user) is replaced by the
+    plan's, one the user set is kept, and an fp8 KV cache is refused."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = engine_config(tiny_model_dir, tensor_parallel_size=2, dtype="float32")
+    assert vllm_stage_shapes(config) == [KVShape(4, 2, 32, 4)]
+    p = plan_for_vllm(config)
+    assert (p.layout, p.block_size, p.slot_tokens, p.max_num_seqs, p.granularity) == ("per_layer", 16, 304, 5, HOST)
+    assert p == plan_contiguous_pages(KVShape(4, 2, 32, 4), HOST, max_model_len=300, max_num_seqs=5)
+    assert plan_for_vllm(config, layout="all_layers").layout == "all_layers"
+
+    config = engine_config(tiny_model_dir, pipeline_parallel_size=3, block_size=64)
+    assert config.cache_config.user_specified_block_size and config.model_config.dtype == torch.bfloat16
+    shapes = vllm_stage_shapes(config)
+    assert shapes == [KVShape(1, 4, 32, 2), KVShape(2, 4, 32, 2), KVShape(1, 4, 32, 2)]
+    p = plan_for_vllm(config)
+    assert (p.block_size, p.pieces) == (64, 2) and p == plan(shapes[0], HOST, max_model_len=300, max_num_seqs=5,
+                                                               block_size=64, stages=shapes)
+    config = engine_config(tiny_model_dir, kv_cache_dtype="fp8")
+    with pytest.raises(InvalidConfig, match="cache_dtype='fp8'"):
+        vllm_stage_shapes(config)
 
 
 # ---- typed errors --------------------------------------------------------------------------

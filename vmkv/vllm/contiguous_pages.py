@@ -38,14 +38,21 @@ What follows from the rule, per request (fields and properties of :class:`Contig
   layout with fewer pieces maps in smaller bursts (``pieces`` at once, once every
   ``block_size`` tokens of a decoding request).
 
-This module is pure (no vLLM import, no device access) except :func:`plan_for_device`, which
-asks the backend for its granularity (:func:`vmkv.vm.granularity`).
+Tensor and pipeline parallelism: a rank's token holds its own KV heads and its stage's layers
+(Llama-3-70B at TP=8 keeps one KV head a rank: 512-token all-layers blocks), and vLLM has one
+``block_size`` for every stage, so it must make whole granules in each (``stages``).
+
+This module is pure (no device access, vLLM imported only by the two functions that read a
+``VllmConfig``) except :func:`plan_for_device`, which asks the backend for its granularity
+(:func:`vmkv.vm.granularity`); :func:`plan_for_vllm` is what contiguous mode calls at engine
+start.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch
 
@@ -206,17 +213,22 @@ def min_block_size(shape: KVShape, granularity: int, layout: Layout) -> int:
     return granularity // math.gcd(granularity, token_bytes)
 
 
-def _block_for(shape: KVShape, granularity: int, layout: Layout, requested: int | None) -> int:
-    """The block size of ``layout``: ``requested`` if its pages are whole granules, else raise."""
-    token_bytes = shape.token_bytes(layout)
-    if requested is None:
-        return smallest_page(token_bytes, granularity) // token_bytes
-    step = min_block_size(shape, granularity, layout)
+def _step(shapes: Sequence[KVShape], granularity: int, layout: Layout) -> int:
+    """The smallest block valid for every shape: the lcm of their :func:`min_block_size`."""
+    return math.lcm(*(min_block_size(shape, granularity, layout) for shape in shapes))
+
+
+def _block_for(shapes: Sequence[KVShape], granularity: int, layout: Layout, requested: int | None) -> int:
+    """The block size of ``layout`` for ``shapes`` (the first is this rank's): ``requested`` if its
+    pages are whole granules in every shape, else raise; ``None``: the smallest such holding 16 tokens."""
+    token_bytes, step = shapes[0].token_bytes(layout), _step(shapes, granularity, layout)
+    if requested is None:  # the smallest page that is whole steps and holds DEFAULT_TOKENS_PER_PAGE tokens
+        return smallest_page(token_bytes, step * token_bytes) // token_bytes
     if requested % step:
-        others = [f"{other}: a multiple of {min_block_size(shape, granularity, other)}"
-                  for other in AUTO_LAYOUTS if other != layout]
+        others = [f"{other}: a multiple of {_step(shapes, granularity, other)}" for other in AUTO_LAYOUTS if other != layout]
+        stages = " on this pipeline stage, and the block must suit the other stages too" if len(shapes) > 1 else ""
         raise InvalidConfig(
-            f"block_size {requested}: in the {layout} layout a token takes {token_bytes} B of a piece and pages are "
+            f"block_size {requested}: in the {layout} layout a token takes {token_bytes} B of a piece{stages} and pages are "
             f"whole {format_size(granularity)} granules, so one vLLM block (one page in every piece) must be a multiple "
             f"of {step} tokens (several blocks in one page are not supported: docs/vllm.md, \"Contiguous mode: page "
             f"size on CUDA\"); use block_size={-(-requested // step) * step}, leave it unset"
@@ -225,7 +237,8 @@ def _block_for(shape: KVShape, granularity: int, layout: Layout, requested: int 
 
 
 def plan_contiguous_pages(shape: KVShape, granularity: int, *, max_model_len: int, max_num_seqs: int,
-                          block_size: int | None = None, layout: Layout | None = None) -> ContiguousPagePlan:
+                          block_size: int | None = None, layout: Layout | None = None,
+                          stages: Sequence[KVShape] = ()) -> ContiguousPagePlan:
     """Plan the pages of contiguous mode: one vLLM block is one page in every piece.
 
     Args:
@@ -239,6 +252,9 @@ def plan_contiguous_pages(shape: KVShape, granularity: int, *, max_model_len: in
             holding at least 16 tokens.
         layout: the slots' VMM layout; ``None``: the one of ``per_layer`` and ``all_layers`` with
             the smaller block (``per_layer`` on a tie).
+        stages: every pipeline stage's shape (this rank's among them) where stages hold different
+            layer counts: vLLM has one ``block_size``, so it must make whole granules in each
+            (``all_layers`` tokens take bytes in proportion to the stage's layers).
 
     Returns:
         The plan (its numbers are documented on :class:`ContiguousPagePlan`).
@@ -252,38 +268,45 @@ def plan_contiguous_pages(shape: KVShape, granularity: int, *, max_model_len: in
     _positive_int("max_num_seqs", max_num_seqs)
     if block_size is not None:
         _positive_int("block_size", block_size)
+    shapes = list(dict.fromkeys([shape, *stages]))  # this rank's first; equal stages once
+    for other in shapes:
+        if not isinstance(other, KVShape):
+            raise InvalidConfig(f"shape and stages must be KVShape, got {type(other).__name__}")
     if layout is not None:
         check_layout(layout)
         chosen = layout
     else:
-        chosen = min(AUTO_LAYOUTS, key=lambda name: _block_for(shape, granularity, name, None))
-    block = _block_for(shape, granularity, chosen, block_size)
+        chosen = min(AUTO_LAYOUTS, key=lambda name: _block_for(shapes, granularity, name, None))
+    block = _block_for(shapes, granularity, chosen, block_size)
     token_bytes = shape.token_bytes(chosen)
     return ContiguousPagePlan(
         layout=chosen, granularity=granularity, token_bytes=token_bytes, pieces=shape.pieces(chosen),
         heads_per_range=shape.num_kv_heads if chosen == "head_major" else 1, block_size=block,
-        min_block_size=min_block_size(shape, granularity, chosen), page_bytes=block * token_bytes,
+        min_block_size=_step(shapes, granularity, chosen), page_bytes=block * token_bytes,
         max_model_len=max_model_len, slot_tokens=-(-max_model_len // block) * block, max_num_seqs=max_num_seqs,
-        reason=_reason(shape, granularity, chosen, block, block_size, layout))
+        reason=_reason(shapes, granularity, chosen, block, block_size, layout))
 
 
-def _reason(shape: KVShape, granularity: int, chosen: Layout, block: int, requested: int | None,
+def _reason(shapes: Sequence[KVShape], granularity: int, chosen: Layout, block: int, requested: int | None,
             layout: Layout | None) -> str:
     """Why the plan has this block size and layout, with the numbers."""
-    token_bytes = shape.token_bytes(chosen)
-    why_block = (f"block_size {requested} as asked (a multiple of {min_block_size(shape, granularity, chosen)})"
+    token_bytes = shapes[0].token_bytes(chosen)
+    why_block = (f"block_size {requested} as asked (a multiple of {_step(shapes, granularity, chosen)})"
                  if requested is not None else
                  f"the smallest page of whole {format_size(granularity)} granules holding >= "
                  f"{DEFAULT_TOKENS_PER_PAGE} tokens of {token_bytes} B")
+    if len(shapes) > 1:
+        why_block += ", valid in every pipeline stage"
     if layout is not None:
         return f"{chosen} as asked; {why_block}"
-    others = ", ".join(f"{other} would need {_block_for(shape, granularity, other, None)}"
+    others = ", ".join(f"{other} would need {_block_for(shapes, granularity, other, None)}"
                        for other in AUTO_LAYOUTS if other != chosen)
     return f"{chosen}: {block}-token blocks ({others}); {why_block}"
 
 
 def plan_for_device(device: torch.device | str, shape: KVShape, *, max_model_len: int, max_num_seqs: int,
-                    block_size: int | None = None, layout: Layout | None = None) -> ContiguousPagePlan:
+                    block_size: int | None = None, layout: Layout | None = None,
+                    stages: Sequence[KVShape] = ()) -> ContiguousPagePlan:
     """:func:`plan_contiguous_pages` with the granularity of ``device``'s backend.
 
     Raises:
@@ -295,7 +318,53 @@ def plan_for_device(device: torch.device | str, shape: KVShape, *, max_model_len
     except (RuntimeError, TypeError) as exc:
         raise InvalidConfig(f"device: {device!r} is not a torch device ({exc})") from None
     return plan_contiguous_pages(shape, backend_granularity(device), max_model_len=max_model_len,
-                                 max_num_seqs=max_num_seqs, block_size=block_size, layout=layout)
+                                 max_num_seqs=max_num_seqs, block_size=block_size, layout=layout, stages=stages)
 
 
-__all__ = ["AUTO_LAYOUTS", "ContiguousPagePlan", "min_block_size", "plan_contiguous_pages", "plan_for_device"]
+def vllm_stage_shapes(vllm_config: Any) -> list[KVShape]:
+    """The K/V geometry of every pipeline stage of a vLLM engine, on one tensor-parallel rank: KV
+    heads per rank (``ModelConfig.get_num_kv_heads``), each stage's layers (vLLM's own split,
+    ``get_pp_indices``), the KV cache dtype. For attention-only models (what contiguous mode runs).
+
+    Raises:
+        InvalidConfig: the KV cache dtype is not float16, bfloat16 or float32 (``cache_dtype``).
+    """
+    from vllm.distributed.utils import get_pp_indices
+    from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+
+    model, parallel, cache = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    dtype = kv_cache_dtype_str_to_dtype(cache.cache_dtype, model)
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise InvalidConfig(f"cache_dtype={cache.cache_dtype!r}: contiguous mode keeps K/V in float16, bfloat16 or float32")
+    heads, head_dim = model.get_num_kv_heads(parallel), model.get_head_size()
+    total, count = model.get_total_num_hidden_layers(), parallel.pipeline_parallel_size
+    spans = [get_pp_indices(total, stage, count) for stage in range(count)]
+    return [KVShape(end - start, heads, head_dim, dtype.itemsize) for start, end in spans]
+
+
+def plan_for_vllm(vllm_config: Any, *, layout: Layout | None = None, device: torch.device | str | None = None) -> ContiguousPagePlan:
+    """The plan of this rank's pipeline stage of a vLLM engine (a block size valid in every stage).
+
+    Args:
+        vllm_config: vLLM's ``VllmConfig``: ``max_model_len``, ``max_num_seqs``, the parallel
+            layout, and ``block_size`` if the user set it (``user_specified_block_size``; else
+            the plan chooses it and the caller sets ``cache_config.block_size`` to it).
+        layout: the slots' layout; ``None``: chosen (:func:`plan_contiguous_pages`).
+        device: whose granularity; default the engine's device (``device_config.device``).
+
+    Raises:
+        InvalidConfig: as :func:`plan_contiguous_pages` and :func:`vllm_stage_shapes`.
+        BackendUnavailable: as :func:`plan_for_device`.
+    """
+    shapes = vllm_stage_shapes(vllm_config)
+    parallel, cache = vllm_config.parallel_config, vllm_config.cache_config
+    stage = (parallel.rank // parallel.tensor_parallel_size) % parallel.pipeline_parallel_size  # vLLM's order: DP x PP x TP
+    return plan_for_device(device if device is not None else vllm_config.device_config.device, shapes[stage],
+                           max_model_len=vllm_config.model_config.max_model_len,
+                           max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
+                           block_size=cache.block_size if cache.user_specified_block_size else None,
+                           layout=layout, stages=shapes)
+
+
+__all__ = ["AUTO_LAYOUTS", "ContiguousPagePlan", "min_block_size", "plan_contiguous_pages", "plan_for_device",
+           "plan_for_vllm", "vllm_stage_shapes"]
