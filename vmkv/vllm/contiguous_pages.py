@@ -63,8 +63,9 @@ from ..vm import granularity as backend_granularity
 
 AUTO_LAYOUTS: tuple[Layout, ...] = ("per_layer", "all_layers")
 """The layouts :func:`plan_contiguous_pages` chooses from, in order of preference on a tie
-(``head_major`` pages hold ``kv_heads`` times more tokens than ``per_layer`` ones: it is planned
-only when asked for)."""
+(a ``head_major`` token takes ``kv_heads`` times fewer bytes of a piece than a ``per_layer`` one,
+so its blocks are never shorter and up to ``kv_heads`` times longer: it is planned only when
+asked for)."""
 
 
 @dataclass(frozen=True)
@@ -82,8 +83,8 @@ class ContiguousPagePlan:
         pieces: pieces one block takes (one page each): ranges, times heads head-major.
         heads_per_range: pieces per range (``kv_heads`` head-major, else 1).
         block_size: tokens of one vLLM block, which is one page in every piece.
-        min_block_size: the smallest block size whose page is whole granules; every valid block
-            size is a multiple of it.
+        min_block_size: the smallest block size whose page is whole granules (in every pipeline
+            stage planned together); every valid block size is a multiple of it.
         page_bytes: bytes of one page (one piece of one block): the backend's ``page_size``.
         max_model_len: the longest request, in tokens.
         slot_tokens: tokens one slot holds: ``max_model_len`` rounded up to whole blocks.
