@@ -219,6 +219,10 @@ def test_bad_shapes_devices_and_offsets_raise_typed_errors():
         KVShape(32, 0, 128, 2)
     with pytest.raises(InvalidConfig, match="element_size must be a positive int"):
         KVShape(32, 8, 128, True)
+    with pytest.raises(InvalidConfig, match="must be KVShape, got list"):
+        plan_contiguous_pages(LLAMA3_8B, GPU, max_model_len=64, max_num_seqs=1, stages=[[32, 8, 128, 2]])
+    with pytest.raises(InvalidConfig, match="must be KVShape, got dict"):
+        plan_contiguous_pages({"num_layers": 32}, GPU, max_model_len=64, max_num_seqs=1)
     with pytest.raises(InvalidConfig, match="not a torch device"):
         plan_for_device("gpu0", LLAMA3_8B, max_model_len=64, max_num_seqs=1)
     p = plan(LLAMA3_8B, GPU, max_num_seqs=4)

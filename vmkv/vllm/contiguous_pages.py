@@ -269,10 +269,10 @@ def plan_contiguous_pages(shape: KVShape, granularity: int, *, max_model_len: in
     _positive_int("max_num_seqs", max_num_seqs)
     if block_size is not None:
         _positive_int("block_size", block_size)
-    shapes = list(dict.fromkeys([shape, *stages]))  # this rank's first; equal stages once
-    for other in shapes:
+    for other in (shape, *stages):
         if not isinstance(other, KVShape):
             raise InvalidConfig(f"shape and stages must be KVShape, got {type(other).__name__}")
+    shapes = list(dict.fromkeys([shape, *stages]))  # this rank's first; equal stages once
     if layout is not None:
         check_layout(layout)
         chosen = layout
