@@ -129,6 +129,8 @@ def test_the_reason_names_the_choice_and_the_alternative():
     p = plan(LLAMA3_8B, GPU)
     per_layer = plan(LLAMA3_8B, GPU, layout="per_layer")
     assert 256 * p.maps_per_decode_token == 256 * per_layer.maps_per_decode_token == 16  # maps a step, 256 decoding
+    assert (p.block_bytes, per_layer.block_bytes) == (4 * MiB, 128 * MiB)  # the memory one block maps
+    assert (p.waste_bytes_per_piece, per_layer.waste_bytes_per_piece) == (31 * 64 * KiB, 1023 * 2 * KiB)
     assert "all_layers: 32-token blocks (per_layer would need 1024)" in p.reason
     assert "block_size 32 tokens = one 2.0 MiB page" in p.describe()
     assert "as asked" in plan(LLAMA3_8B, GPU, layout="per_layer", block_size=2048).reason
