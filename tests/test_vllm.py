@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -336,6 +337,133 @@ def test_trim_waits_for_the_step_scheduled_after_it(halves, monkeypatch):
     after = plugin.trim(BusyLLM(), timeout=5)[0]
     assert after["mapped_pages"] == buffer.mapped_pages == 2  # the trim's unmaps were applied
     assert after["trim_step"] == after["applied_step"] == 3  # step 2 was scheduled before the trim
+
+
+@pytest.fixture
+def ledger_name(request):
+    """A ledger name of this test alone; its file is gone afterwards."""
+    from vmkv.ledger import ledger_path
+
+    label = f"test-vllm-{os.getpid()}-{abs(hash(request.node.nodeid)) % 10**8}"
+    yield label
+    if os.path.exists(ledger_path(label)):
+        os.unlink(ledger_path(label))
+
+
+class SharedEngine:
+    """The scheduler and worker halves of one vLLM engine in a shared budget, stepped by hand
+    (``step``: boundary, build, the worker applies, finished), as vLLM's engine loop would."""
+
+    def __init__(self, monkeypatch, shared: str, wake=None) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        from vmkv.vllm.block_pool import PageAffineBlockPool
+        from vmkv.vllm.connector import VmkvConnector
+
+        config = vllm_config(max_cached="256KiB", shared_budget=shared)  # the prefix cache may keep everything
+        self.scheduler = VmkvConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
+        self.worker = VmkvConnector(config, KVConnectorRole.WORKER, kv_cache_config())
+        self.views = allocate_on(self.worker, monkeypatch)
+        layout, budget_pages, max_idle = self.scheduler.pool_settings(config)
+        self.pool = PageAffineBlockPool(NUM_BLOCKS, True, BLOCK, layout=layout, budget_pages=budget_pages,
+                                        max_idle_units=max_idle)
+        self.scheduler.bind_kv_cache_manager(SimpleNamespace(block_pool=self.pool))
+        self.share = self.scheduler.join_ledger(1, wake)
+        self.buffer = self.worker._buffer
+        self.markers: dict[int, float] = {}  # cached block -> the marker written into it
+        self.peak_held = 0
+
+    def step(self) -> None:
+        self.scheduler.step_boundary()
+        meta = self.scheduler.build_connector_meta(None)
+        self.check()  # the step is built: the workers still map the pages of the one before
+        self.worker.handle_preemptions(meta)
+        self.check()
+        self.scheduler.step_finished(meta)
+        self.check()
+
+    def check(self) -> None:
+        held = self.share.member.held
+        self.peak_held = max(self.peak_held, held)
+        assert held >= self.buffer.mapped_pages and held >= self.pool.free_block_queue.mapped_pages
+        self.pool.check()
+        for block_id, marker in self.markers.items():  # what the prefix cache can still hit is intact
+            if self.pool.blocks[block_id].block_hash is not None:
+                assert all(self.buffer.is_mapped(p) for p in self.pool.free_block_queue.layout.unit_pages(
+                    self.pool.free_block_queue.layout.unit_of(block_id)))
+                assert all(torch.all(view[block_id] == marker) for view in self.views.values())
+
+    def burst(self, blocks: int, seed: int) -> int:
+        """Take ``blocks`` blocks as vLLM would (make_room, count, allocate), write them, cache and
+        free them; return how many it got."""
+        queue = self.pool.free_block_queue
+        queue.make_room(blocks)
+        got = min(blocks, self.pool.get_num_free_blocks())
+        new = self.pool.get_new_blocks(got)
+        self.step()
+        for block in new:
+            self.markers[block.block_id] = marker = float(seed * 1000 + block.block_id)
+            for view in self.views.values():
+                view[block.block_id] = marker
+            self.pool._insert_block_hash(("h", seed, block.block_id), block, num_tokens=BLOCK)
+        self.pool.free_blocks(new)
+        self.step()
+        return got
+
+    def close(self) -> None:
+        self.scheduler.shutdown()
+        self.worker.shutdown()
+
+
+@needs_vllm
+def test_a_shared_budget_moves_idle_prefix_pages_only_at_a_step_boundary(monkeypatch, ledger_name):
+    """Two engines' halves in one ledger of 96 KiB (24 pages; each could map 64 alone): A takes
+    more than half, then B's need is met by A's idle prefix-cached pages, which A gives back at
+    its next step boundary (woken by its watcher) once the step carrying their unmaps finished."""
+    from vmkv.ledger import Ledger
+
+    woken = threading.Event()
+    a = SharedEngine(monkeypatch, f"{ledger_name}:96KiB,member=a,wait=10", wake=woken.set)
+    b = SharedEngine(monkeypatch, f"{ledger_name}:96KiB,member=b,wait=10")
+    try:
+        assert a.burst(12, seed=1) == 12  # 6 units of 2 pages: 12 pages, plus block 0's unit
+        assert a.share.member.held > 24 // 2  # A got more than half, all idle once freed
+        asked_before_boundary = []
+
+        def engine_loop() -> None:  # A's engine core: steps only when its watcher woke it
+            while woken.wait(10):
+                woken.clear()
+                asked_before_boundary.append(a.share.member.asked())
+                mapped = a.buffer.mapped_pages
+                a.scheduler.step_boundary()  # evicts idle units in the scheduler; their grants are owed
+                owed, held = a.share.owed, a.share.member.held
+                assert owed > 0 and held >= mapped
+                meta = a.scheduler.build_connector_meta(None)
+                a.check()
+                a.worker.handle_preemptions(meta)  # the workers unmap them
+                assert a.buffer.mapped_pages <= mapped - owed
+                a.check()
+                a.scheduler.step_finished(meta)  # only now do the grants go back
+                assert a.share.owed == 0 and a.share.member.held <= held - owed
+                a.check()
+                if not a.share.pending():
+                    return
+
+        loop = threading.Thread(target=engine_loop)
+        loop.start()
+        assert b.burst(12, seed=2) == 12  # the ledger alone had too little: A's idle pages moved
+        loop.join(30)
+        assert not loop.is_alive() and asked_before_boundary and asked_before_boundary[0] > 0
+        with Ledger(ledger_name, None) as ledger:
+            members = {m.name: m for m in ledger.members()}
+            assert sum(m.held for m in members.values()) <= ledger.budget
+        assert members["a"].reclaims > 0 and not members["a"].request
+        assert b.peak_held > 24 // 2
+        assert a.buffer.mapped_pages < a.peak_held  # A's worker unmapped what it gave
+        assert any(a.pool.blocks[block].block_hash is None for block in a.markers)  # evicted, not hit
+    finally:
+        a.close()
+        b.close()
 
 
 @needs_vllm

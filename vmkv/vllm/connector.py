@@ -21,6 +21,11 @@ after the step that last used it, and the worker synchronizes the device before 
 Steps are numbered; a worker refuses a gap or a layout fingerprint that differs from the
 scheduler's (e.g. pipeline stages with different layer counts) with a clear error.
 
+In a host-wide ledger (``shared_budget``) the scheduler half holds the engine's seat
+(:class:`~vmkv.vllm.share.EngineShare`): each built step is recorded, each finished step
+(``VmkvScheduler.update_from_output``) gives back the grants its unmaps freed, and requests from
+other members are served at the start of ``schedule()``.
+
 When pages change while no request runs (requests finished, or a trim), the connector reports
 ``has_pending_push_work`` so the engine runs one more (empty) step that carries the unmaps. The
 step that carries a trim is numbered in every later metadata (``trim_step``), so a caller waiting
@@ -49,10 +54,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.logger import init_logger
 
 from ..errors import BackendError, InvalidConfig
+from ..ledger import SharedBudget
 from . import settings as plugin
 from .block_pool import PageAffineBlockPool
 from .kvbuffer import KVBuffer, process_rss_bytes
 from .layout import KVLayout, check_supported, meta_layout
+from .share import EngineShare
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -85,8 +92,10 @@ class VmkvMetadata(KVConnectorMetadata):
 
 def budget_settings(config: plugin.PluginConfig, layout: KVLayout) -> tuple[int, int]:
     """``(budget_pages, max_idle_units)`` of ``config`` over ``layout``; the scheduler and every
-    worker compute them the same way."""
+    worker compute them the same way (in a shared budget no more pages than the ledger holds)."""
     pages = layout.num_pages if config.budget is None else min(config.budget // layout.page_size, layout.num_pages)
+    if config.shared_budget is not None:
+        pages = min(pages, SharedBudget.parse(config.shared_budget).budget // layout.page_size)
     cached = pages * layout.page_size // 8 if config.max_cached is None else config.max_cached
     unit_bytes = layout.max_pages_per_unit * layout.page_size
     return pages, cached // unit_bytes
@@ -151,6 +160,7 @@ class VmkvConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         self.config = plugin.PluginConfig.from_extra_config(dict(self._kv_transfer_config.kv_connector_extra_config))
         self._pool: Any = None  # scheduler: the PageAffineBlockPool
+        self.share: EngineShare | None = None  # scheduler, in a shared budget: the ledger seat
         self._step = 0
         self._flush = False
         self._trim_step = 0  # scheduler: the step carrying the latest trim; worker: that step, once applied
@@ -182,6 +192,39 @@ class VmkvConnector(KVConnectorBase_V1, SupportsHMA):
         pool = kv_cache_manager.block_pool
         self._pool = pool if isinstance(pool, PageAffineBlockPool) else None
 
+    def join_ledger(self, ranks: int, wake: Any) -> EngineShare | None:
+        """Join the ``shared_budget`` ledger, if the settings name one, for the bound pool.
+
+        Args:
+            ranks: workers that each map every page (tensor x pipeline parallel ranks).
+            wake: wakes the engine-core loop (:func:`vmkv.vllm.share.engine_wake`), or ``None``.
+
+        Raises:
+            OutOfPages: the ledger cannot grant what the pool maps from the start.
+        """
+        if self.config.shared_budget is None or self._pool is None:
+            return None
+        queue = self._pool.free_block_queue
+        self.share = EngineShare(SharedBudget.parse(self.config.shared_budget), queue.layout.page_size * ranks,
+                                 queue.budget_pages, wake)
+        try:
+            self.share.attach(queue)
+        except BaseException:
+            self.share.close()
+            self.share = None
+            raise
+        return self.share
+
+    def step_boundary(self) -> None:
+        """Start of ``schedule()``: serve other ledger members' requests (shared budget only)."""
+        if self.share is not None:
+            self.share.boundary(self._step + 1)
+
+    def step_finished(self, meta: Any) -> None:
+        """Every worker executed the step ``meta`` (its connector metadata) carried."""
+        if self.share is not None and isinstance(meta, VmkvMetadata):
+            self.share.finished(meta.step)
+
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         return 0, False
 
@@ -199,6 +242,8 @@ class VmkvConnector(KVConnectorBase_V1, SupportsHMA):
         to_map, to_unmap = self._pool.free_block_queue.take_delta()
         self._step += 1
         self._flush = False
+        if self.share is not None:
+            self.share.built(self._step)
         return VmkvMetadata(self._step, self._pool.free_block_queue.layout.fingerprint, to_map, to_unmap,
                             self._trim_step)
 
@@ -209,8 +254,10 @@ class VmkvConnector(KVConnectorBase_V1, SupportsHMA):
         return False, None
 
     def has_pending_push_work(self) -> bool:
-        """True while page changes wait for a step to carry them (the engine then steps)."""
-        return self._pool is not None and (self._flush or self._pool.free_block_queue.has_delta())
+        """True while page changes wait for a step to carry them, or a ledger request or give-back
+        waits for one (the engine then steps)."""
+        return self._pool is not None and (self._flush or self._pool.free_block_queue.has_delta()
+                                           or (self.share is not None and self.share.pending()))
 
     def reset_cache(self) -> bool:
         """vmkv's trim: evict the pages only prefix-cached blocks keep mapped; the next step
@@ -304,6 +351,9 @@ class VmkvConnector(KVConnectorBase_V1, SupportsHMA):
         return VmkvPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
+        if self.share is not None:
+            self.share.close()
+            self.share = None
         if self._buffer is not None:
             self._buffer.close()
             self._buffer = None
