@@ -52,6 +52,22 @@ def test_engine_args_and_serve_flags_name_the_three_pieces():
         plugin.engine_args(budget="lots")
 
 
+def test_the_shared_budget_setting_reaches_every_form_and_is_checked_where_it_is_given():
+    extra = plugin.engine_args(shared_budget="kv-host:1GiB,max=512MiB")["kv_transfer_config"]["kv_connector_extra_config"]
+    assert extra == {"page_size": 2 * 2**20, "shared_budget": "kv-host:1GiB,max=512MiB"}
+    assert plugin.PluginConfig.from_extra_config(extra).shared_budget == "kv-host:1GiB,max=512MiB"
+    assert json.loads(plugin.serve_flags(shared_budget="kv-host:1GiB")[5])["kv_connector_extra_config"]["shared_budget"] \
+        == "kv-host:1GiB"
+    assert plugin.describe(plugin.PluginConfig(shared_budget="kv-host:1GiB")).endswith(", shared budget kv-host:1GiB")
+    assert "shared budget" not in plugin.describe(plugin.PluginConfig())
+    for bad in ("kv-host", "kv-host:lots", "kv-host:1GiB,colour=red"):
+        with pytest.raises(vmkv.InvalidConfig, match="shared_budget|size|unknown|colour"):
+            plugin.engine_args(shared_budget=bad)
+    out = subprocess.run([sys.executable, "-m", "vmkv.vllm", "--shared-budget", "kv-host:1GiB", "m"], capture_output=True,
+                         text=True, cwd=ROOT, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert '"shared_budget":"kv-host:1GiB"' in out.stdout, out.stderr
+
+
 def test_pyproject_declares_the_entry_point_and_the_extras():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["entry-points"]["vllm.general_plugins"] == {"vmkv": "vmkv.vllm:register"}
@@ -671,6 +687,30 @@ def test_tensor_parallel_2_gives_the_same_tokens(runs, tmp_path_factory):
     for rid, tokens in runs["stock"]["tokens"].items():
         assert tp["tokens"][rid] == tokens, f"request {rid} differs under TP=2"
     assert len(tp["trimmed_stats"]) == 2 and all(s["mapped_pages"] == 2 for s in tp["trimmed_stats"])
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_two_engines_in_one_ledger_move_idle_pages_and_keep_their_tokens(tmp_path_factory):
+    """Two vLLM engines with the plugin in one 8 MiB ledger (each would take 6 MiB for its burst):
+    A bursts while B idles and gets more than half; B bursts and A's idle prefix-cached pages
+    move to B (A idles: its watcher wakes its engine loop); A bursts again and they move back.
+    Tokens equal A's runs with the ledger to itself; both page stores together never hold more
+    than the budget (the kernel's count, sampled every 2 ms)."""
+    run = run_scenarios(tmp_path_factory, ["ledger"])["ledger"]
+    budget, half = scenarios.LEDGER_BUDGET, scenarios.LEDGER_BUDGET // 2
+    a1, b, a2 = (run[phase]["members"] for phase in ("a1", "b", "a2"))
+    assert a1["a"]["held"] > half > a1["b"]["held"]  # A got more than half while B idled
+    assert b["b"]["held"] > half > b["a"]["held"] and b["a"]["reclaims"] > 0  # A gave its idle pages to B
+    assert a2["a"]["held"] > half and a2["b"]["reclaims"] > 0  # and B gave them back
+    assert not any(m["request"] for phase in (a1, b, a2) for m in phase.values())  # every request answered
+    assert run["stores"] == 2 and run["samples"] > 100
+    assert half < run["peak_resident_bytes"] <= budget
+    count, _, new_tokens = scenarios.LEDGER_BURST
+    for phase, alone in (("a1", "a"), ("b", "b"), ("a2", "a")):
+        tokens = run[phase]["tokens"]
+        assert len(tokens) == count and all(len(t) == new_tokens for t in tokens.values())
+        assert tokens == run["alone"][alone], f"{phase}: tokens differ from the run alone"
 
 
 @needs_vllm

@@ -14,6 +14,11 @@ Scenarios (each writes its part of OUT.json):
                two units for the prefix cache: tokens, preemptions, prefix hits of the second wave.
 * ``tp2``      vmkv with tensor parallelism 2 (CPU: ``VLLM_CPU_OMP_THREADS_BIND="0|1"``).
 * ``tp2stock`` stock vLLM with tensor parallelism 2.
+* ``ledger``   two vmkv engines in one host-wide ledger smaller than what both take alone
+               (:data:`LEDGER_BUDGET`): A bursts while B idles, then B, then A again; then B
+               leaves and A runs both bursts alone. Tokens, prefix hits and the ledger's members
+               after each phase, and the peak resident bytes of both page stores (sampled from
+               outside, the kernel's count).
 """
 
 from __future__ import annotations
@@ -29,6 +34,17 @@ PAGE = "512KiB"  # one page per layer holds 4 blocks: a unit is 4 blocks = 512 t
 PREEMPT_BUDGET = 2 * 2**20  # 2 units: 7 blocks besides block 0, for a first wave needing 11
 PREEMPT_CACHED = 2 * 2**20  # the prefix cache alone may keep 2 units mapped
 PREFIX = [(7 * i + 3) % 250 for i in range(300)]  # a 300-token prefix: two full blocks to share
+
+
+LEDGER_BUDGET = 8 * 2**20  # 64 pages of 128 KiB: 32 blocks of 128 tokens (both layers) for both engines
+LEDGER_PAGE = "128KiB"  # one block per page per layer: a unit is one block, 2 pages
+LEDGER_KV_BYTES = 16 * 2**20  # each engine's own buffer: 64 blocks, it could take 16 MiB alone
+LEDGER_BURST = (4, 600, 100)  # 4 requests of 600 prompt tokens, 100 new: 24 blocks, 6 MiB an engine
+
+
+def burst(seed: int) -> list[list[int]]:
+    count, length, _ = LEDGER_BURST
+    return [[(seed * 31 + 7 * i + 13 * r) % 250 for i in range(length)] for r in range(count)]
 
 
 def workload() -> tuple[list[list[int]], list[int]]:
@@ -98,10 +114,67 @@ def scenario(name: str, model: str) -> dict:
         time.sleep(0.5)
         result["finished_stats"] = plugin.stats(llm)
         result["trimmed_stats"] = plugin.trim(llm)
+    elif name == "ledger":
+        return ledger_scenario(model) | {"seconds": time.perf_counter() - start}
     else:
         raise SystemExit(f"unknown scenario {name}")
     result["seconds"] = time.perf_counter() - start
     llm.llm_engine.engine_core.shutdown()
+    return result
+
+
+def page_stores(llm) -> list[str]:
+    """``/proc/PID/fd/N`` of every vmkv page store (memfd ``vmkv-pages``) of ``llm``'s workers."""
+    from vmkv import vllm as plugin
+
+    paths = []
+    for pid in {s["pid"] for s in plugin.stats(llm)}:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:vmkv-pages"):
+                    paths.append(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                pass
+    return paths
+
+
+def ledger_scenario(model: str) -> dict:
+    from vllm import SamplingParams
+
+    from benchmarks.two_engines import ResidentSampler
+    from vmkv.ledger import Ledger
+    from vmkv.vllm import drive
+
+    name = f"vmkv-test-vllm-{os.getpid()}"
+    params = [SamplingParams(max_tokens=LEDGER_BURST[2], temperature=0.0, ignore_eos=True)] * LEDGER_BURST[0]
+
+    def start(label: str):
+        shared = f"{name}:{LEDGER_BUDGET},member={label},wait=20"
+        return drive.engine(model, vmkv=True, kv_cache_bytes=LEDGER_KV_BYTES,
+                            options={"page_size": LEDGER_PAGE, "max_cached": LEDGER_BUDGET, "shared_budget": shared})
+
+    def members() -> dict:
+        with Ledger(name, None) as ledger:
+            return {m.name: {"held": m.held, "reclaims": m.reclaims, "request": m.request} for m in ledger.members()}
+
+    def phase(llm, seed: int) -> dict:
+        run = drive.run(llm, burst(seed), params, vmkv=True)
+        time.sleep(0.5)  # the engine's last (empty) step gives back what finishing unmapped
+        return {"tokens": run.tokens, "cached": run.cached_tokens, "members": members()}
+
+    a, b = start("a"), start("b")
+    sampler = ResidentSampler(page_stores(a) + page_stores(b), interval=0.002)
+    sampler.start()
+    try:
+        result = {"a1": phase(a, 1), "b": phase(b, 2), "a2": phase(a, 1)}
+    finally:
+        result_peak = sampler.stop()
+    result["stores"], result["samples"] = len(sampler.paths), sampler.samples
+    b.llm_engine.engine_core.shutdown()  # B leaves: A runs both bursts with the ledger to itself
+    a.reset_prefix_cache()
+    result["alone"] = {"a": phase(a, 1)["tokens"], "b": phase(a, 2)["tokens"]}
+    a.llm_engine.engine_core.shutdown()
+    result["peak_resident_bytes"] = result_peak
     return result
 
 
