@@ -483,6 +483,26 @@ def test_a_shared_budget_moves_idle_prefix_pages_only_at_a_step_boundary(monkeyp
 
 
 @needs_vllm
+def test_the_watcher_wakes_the_engine_core_that_built_the_scheduler_with_vllms_own_message():
+    import queue
+
+    from vllm.v1.engine import EngineCoreRequestType
+    from vllm.v1.engine.core import EngineCore
+
+    from vmkv.vllm.share import engine_wake
+
+    class Core(EngineCore):
+        def __init__(self) -> None:  # as EngineCoreProc: the queue exists before the scheduler is built
+            self.input_queue = queue.Queue()
+            self.wake = engine_wake()
+
+    core = Core()
+    core.wake()
+    assert core.input_queue.get_nowait() == (EngineCoreRequestType.WAKEUP, None)
+    assert engine_wake() is None  # built outside an engine core (in-process engine, tests): nothing to wake
+
+
+@needs_vllm
 def test_the_scheduler_puts_the_new_pool_and_its_null_block_in_every_group_manager(halves):
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 

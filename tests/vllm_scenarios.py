@@ -138,49 +138,108 @@ def page_stores(llm) -> list[str]:
     return paths
 
 
-def ledger_scenario(model: str) -> dict:
+def ledger_member(model: str, shared_budget: str) -> None:
+    """One engine of the ``ledger`` scenario, in its own process (``ledger-member SHARED_BUDGET``):
+    answers JSON lines on its stdout (everything else that writes there goes to stderr):
+    ``{"stores"}`` once started, then per command ``{"op": "burst", "seed"}`` -> tokens and
+    cached tokens, ``{"op": "reset"}`` (empty the prefix cache), ``{"op": "quit"}``."""
     from vllm import SamplingParams
 
-    from benchmarks.two_engines import ResidentSampler
-    from vmkv.ledger import Ledger
     from vmkv.vllm import drive
 
-    name = f"vmkv-test-vllm-{os.getpid()}"
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # vLLM (and the processes it starts) log to stdout
+    llm = drive.engine(model, vmkv=True, kv_cache_bytes=LEDGER_KV_BYTES, distributed_executor_backend="uni",
+                       options={"page_size": LEDGER_PAGE, "max_cached": LEDGER_BUDGET, "shared_budget": shared_budget})
     params = [SamplingParams(max_tokens=LEDGER_BURST[2], temperature=0.0, ignore_eos=True)] * LEDGER_BURST[0]
 
-    def start(label: str):
-        shared = f"{name}:{LEDGER_BUDGET},member={label},wait=20"
-        return drive.engine(model, vmkv=True, kv_cache_bytes=LEDGER_KV_BYTES,
-                            options={"page_size": LEDGER_PAGE, "max_cached": LEDGER_BUDGET, "shared_budget": shared})
+    def answer(value: dict) -> None:
+        answers.write(json.dumps(value) + "\n")
+        answers.flush()
+
+    answer({"stores": page_stores(llm)})
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command["op"] == "burst":
+            run = drive.run(llm, burst(command["seed"]), params, vmkv=True)
+            time.sleep(0.3)  # the engine's last (empty) step gives back what finishing unmapped
+            answer({"tokens": run.tokens, "cached": run.cached_tokens})
+        elif command["op"] == "reset":
+            answer({"reset": llm.reset_prefix_cache()})
+        else:
+            break
+    llm.llm_engine.engine_core.shutdown()
+
+
+def ledger_scenario(model: str) -> dict:
+    """Two :func:`ledger_member` processes, started together, in one ledger (module docstring)."""
+    import subprocess
+    import tempfile
+
+    from benchmarks.two_engines import ResidentSampler, read_answer
+    from vmkv.ledger import Ledger
+
+    name = f"vmkv-test-vllm-{os.getpid()}"
+    logs = {label: tempfile.NamedTemporaryFile("w+", prefix=f"vmkv-ledger-{label}-", suffix=".log") for label in "ab"}
+    procs = {label: subprocess.Popen([sys.executable, __file__, "-", model, "ledger-member",
+                                      f"{name}:{LEDGER_BUDGET},member={label},wait=20"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logs[label], text=True)
+             for label in "ab"}
+
+    def ask(label: str, timeout: float = 300, **command) -> dict:
+        proc = procs[label]
+        if command:
+            proc.stdin.write(json.dumps(command) + "\n")
+            proc.stdin.flush()
+        try:
+            return read_answer(proc, timeout)
+        except RuntimeError as error:
+            logs[label].seek(0)
+            raise RuntimeError(f"{error}\n--- member {label} ---\n{logs[label].read()[-6000:]}") from None
 
     def members() -> dict:
         with Ledger(name, None) as ledger:
             return {m.name: {"held": m.held, "reclaims": m.reclaims, "request": m.request} for m in ledger.members()}
 
-    def phase(llm, seed: int) -> dict:
-        run = drive.run(llm, burst(seed), params, vmkv=True)
-        time.sleep(0.5)  # the engine's last (empty) step gives back what finishing unmapped
-        return {"tokens": run.tokens, "cached": run.cached_tokens, "members": members()}
+    def phase(label: str, seed: int) -> dict:
+        return {**ask(label, op="burst", seed=seed), "members": members()}
 
-    a, b = start("a"), start("b")
-    sampler = ResidentSampler(page_stores(a) + page_stores(b), interval=0.002)
-    sampler.start()
     try:
-        result = {"a1": phase(a, 1), "b": phase(b, 2), "a2": phase(a, 1)}
+        started = time.perf_counter()
+        stores = [path for label in "ab" for path in ask(label, timeout=900)["stores"]]
+        started = time.perf_counter() - started
+        sampler = ResidentSampler(stores, interval=0.002)
+        sampler.start()
+        try:
+            result = {"a1": phase("a", 1), "b": phase("b", 2), "a2": phase("a", 1)}
+        finally:
+            result["peak_resident_bytes"] = sampler.stop()
+        result["stores"], result["samples"] = len(stores), sampler.samples
+        procs["b"].stdin.write('{"op": "quit"}\n')  # B leaves: A runs both bursts with the ledger to itself
+        procs["b"].stdin.close()
+        procs["b"].wait(120)
+        ask("a", op="reset")
+        result["alone"] = {"a": ask("a", op="burst", seed=1)["tokens"], "b": ask("a", op="burst", seed=2)["tokens"]}
+        result["start_s"] = started
     finally:
-        result_peak = sampler.stop()
-    result["stores"], result["samples"] = len(sampler.paths), sampler.samples
-    b.llm_engine.engine_core.shutdown()  # B leaves: A runs both bursts with the ledger to itself
-    a.reset_prefix_cache()
-    result["alone"] = {"a": phase(a, 1)["tokens"], "b": phase(a, 2)["tokens"]}
-    a.llm_engine.engine_core.shutdown()
-    result["peak_resident_bytes"] = result_peak
+        for proc in procs.values():
+            if proc.poll() is None:
+                if not proc.stdin.closed:
+                    proc.stdin.close()  # end of commands: the member shuts its engine down
+                try:
+                    proc.wait(120)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        for log in logs.values():
+            log.close()
     return result
 
 
 def main() -> None:
     out, model, names = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if names[0] == "ledger-member":
+        return ledger_member(model, names[1])
     results = json.loads(out.read_text()) if out.exists() else {}
     for name in names:
         if name.startswith("tp2"):

@@ -142,6 +142,8 @@ class PageAwareFreeBlocks:
         self._unbounded = False
         self._new_count: int | None = None  # blocks step 3 can deliver; None: to recount
         self.grants: Any = None  # in a shared budget: the ledger seat (vmkv.vllm.share.EngineShare)
+        self._changes = 0  # units changed so far (_change)
+        self._idle_pages = (-1, 0)  # (_changes when counted, idle_pages())
 
     # ---- the FreeKVCacheBlockQueue interface ----------------------------------------------------
     @property
@@ -299,12 +301,14 @@ class PageAwareFreeBlocks:
 
     def idle_pages(self) -> int:
         """Pages that evicting every idle unit would unmap (a page shared with a unit that stays
-        live is not counted)."""
-        refs: dict[int, int] = {}
-        for unit in self._idle:
-            for page in self.layout.unit_pages(unit):
-                refs[page] = refs.get(page, 0) + 1
-        return sum(1 for page, n in refs.items() if n == self._page_refs[page])
+        live is not counted); counted again only after a unit changed (not on most decode steps)."""
+        if self._idle_pages[0] != self._changes:
+            refs: dict[int, int] = {}
+            for unit in self._idle:
+                for page in self.layout.unit_pages(unit):
+                    refs[page] = refs.get(page, 0) + 1
+            self._idle_pages = (self._changes, sum(1 for page, n in refs.items() if n == self._page_refs[page]))
+        return self._idle_pages[1]
 
     @property
     def held_blocks(self) -> int:
@@ -475,6 +479,7 @@ class PageAwareFreeBlocks:
 
     def _change(self, unit: int, update: Callable[[], None]) -> None:
         """Apply ``update`` to ``unit`` and bring every derived structure up to date."""
+        self._changes += 1
         live_before, empty_before = self._live(unit), len(self._empty[unit])
         update()
         live, empty = self._live(unit), len(self._empty[unit])

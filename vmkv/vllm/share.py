@@ -143,8 +143,8 @@ class EngineShare:
             freed = self._pages.evict_idle(asked - spare) if asked > spare else 0
             if freed:
                 self.owed, self.reclaim_step = freed, step
-                self._pages.limit_changed()
             self.member.give(min(spare, asked), reclaim=not freed)  # with nothing pending: answered
+            self._pages.limit_changed()
         self._offer()
 
     def built(self, step: int) -> None:
