@@ -358,15 +358,33 @@ def test_trim_unmaps_every_idle_unit_and_reset_forgets_hashes():
     free.check()
 
 
+class Grants:
+    """A ledger seat as the free set sees it (:class:`vmkv.vllm.share.EngineShare`'s contract):
+    ``cover`` grants some of what is asked, at random; the limit never drops below what is mapped."""
+
+    def __init__(self, rng: random.Random, free: PageAwareFreeBlocks) -> None:
+        self.rng, self.limit, self.covered = rng, free.mapped_pages, 0
+
+    def cover(self, pages: int, *, wait: bool) -> None:
+        self.limit = max(self.limit, min(pages, self.rng.randint(self.limit, 10)))
+        self.covered += 1
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own budget", "shared budget"])
 @pytest.mark.parametrize("layout", [two_layer_layout(), layer_runs(33, 3)], ids=["aligned", "unaligned"])
-def test_random_operations_keep_every_invariant_and_deltas_replay_the_mapping(layout):
+def test_random_operations_keep_every_invariant_and_deltas_replay_the_mapping(layout, shared):
+    """With ``shared``, the grants also bound the mapped pages (and so the free count), rise on
+    ``make_room`` and fall to what is mapped after idle units are evicted on request."""
     rng = random.Random(0)
-    free, blocks, _ = free_set(budget_pages=10, max_idle_units=2, layout=layout)
+    free, blocks, _ = free_set(budget_pages=10, max_idle_units=8 if shared else 2, layout=layout)
+    grants = free.grants = Grants(rng, free) if shared else None
     held = {0}
     retained: set[int] = set()
     worker: set[int] = set()
     for _ in range(600):
         op = rng.random()
+        if shared and op < 0.4:
+            free.make_room(rng.randint(1, 6))  # vLLM counts a request's need, then the free blocks
         if op < 0.4 and free.num_free_blocks:
             hint = rng.choice(sorted(held)) if rng.random() < 0.5 else None  # a request's last block
             with free.affinity(hint):
@@ -391,15 +409,22 @@ def test_random_operations_keep_every_invariant_and_deltas_replay_the_mapping(la
                 free.remove(block)
                 held.add(block.block_id)
                 retained.discard(block.block_id)
+        elif op < 0.9 and shared:  # another member asks: evict idle units, give back down to what is mapped
+            idle = free.idle_pages()
+            before = free.mapped_pages
+            assert free.evict_idle(rng.randint(1, 4)) == before - free.mapped_pages <= idle
+            grants.limit = rng.randint(free.mapped_pages, grants.limit)
+            free.limit_changed()
         elif op < 0.9:
             free.trim()
         to_map, to_unmap = free.take_delta()
         assert not set(to_map) & worker and set(to_unmap) <= worker
         worker = (worker - set(to_unmap)) | set(to_map)
-        assert len(worker) == free.mapped_pages <= 10
+        assert len(worker) == free.mapped_pages <= (grants.limit if shared else 10)
         for block_id in held | retained:  # every held or retained block's pages are mapped on the worker
             assert set(free.layout.unit_pages(free.layout.unit_of(block_id))) <= worker
         free.check()
+    assert not shared or grants.covered > 10
 
 
 # ---- the worker's buffer ----------------------------------------------------------------------------

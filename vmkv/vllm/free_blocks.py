@@ -275,8 +275,10 @@ class PageAwareFreeBlocks:
             return
         want = min(self.budget_pages, self.mapped_pages + self._pages_for(blocks - self._empty_in_live))
         self.grants.cover(want, wait=False)
+        self.limit_changed()
         if blocks > self.num_free_blocks:  # even this engine's own idle pages are too few
             self.grants.cover(want, wait=True)
+            self.limit_changed()
 
     def _pages_for(self, blocks: int) -> int:
         """New pages step 3 maps to deliver ``blocks`` blocks of unmapped units, lowest first."""

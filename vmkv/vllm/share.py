@@ -127,7 +127,6 @@ class EngineShare:
         except OutOfPages as exc:
             self._waited = True
             log.debug("vmkv: %s", exc)
-        self._pages.limit_changed()
 
     # ---- the step cycle --------------------------------------------------------------------------
     def need(self) -> int:
