@@ -158,7 +158,7 @@ class EngineShare:
         need = self.need()
         if self.reclaim_step and step >= self.reclaim_step:
             self.owed = self.reclaim_step = 0
-            self.member.give(self.member.held - max(need, self.member.min_pages), reclaim=True)
+            self.member.give(max(0, self.member.held - max(need, self.member.min_pages)), reclaim=True)
         elif self.member.held - self.owed > need + self.batch:
             self.member.give(self.member.held - self.owed - need - self.batch)
         self._pages.limit_changed()
