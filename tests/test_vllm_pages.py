@@ -13,6 +13,8 @@ import textwrap
 
 import pytest
 import torch
+from fake_cuda import FakeRuntime
+from fake_cuda.fixtures import fake, fake_lib  # noqa: F401  (fixtures)
 
 import vmkv
 from vmkv.vllm.free_blocks import PageAwareFreeBlocks
@@ -464,6 +466,29 @@ def test_buffer_refuses_bad_lists_before_changing_anything(unmap, map_, error, m
         with pytest.raises(error, match=match):
             buffer.apply(unmap, map_)
         assert buffer.mapped_pages == 1 and int(buffer.tensor()[2 * PAGE]) == 9 and buffer.maps == 1
+        buffer.close()
+
+
+def test_an_on_demand_cuda_buffer_creates_a_steps_pages_in_one_batch_and_gives_unmapped_ones_back(fake):  # noqa: F811
+    """In a shared budget the worker's CUDA store holds device memory only for mapped pages: a
+    step's new pages are created together (one memset), an unmapped page is released at once."""
+    from vmkv.vm.cuda import CudaVirtualMemory
+
+    fake.reset(granularity=4096)
+    buffer = KVBuffer(CudaVirtualMemory(4096, 8, device="cuda:0", runtime=FakeRuntime(), on_demand=True), 8 * 4096)
+    try:
+        zero = fake.state()["memory_used"]  # the zero page only: nothing created up front
+        assert zero == 4096
+        fake.calls(clear=True)
+        buffer.apply([], [0, 1, 2])
+        calls = [call.name for call in fake.calls(clear=True)]
+        assert (calls.count("cuMemCreate"), calls.count("cuMemsetD8")) == (3, 1)
+        assert fake.state()["memory_used"] == zero + 3 * 4096
+        buffer.apply([1, 2], [5])  # two unmapped and released, one created for the new page
+        calls = [call.name for call in fake.calls()]
+        assert (calls.count("cuMemRelease"), calls.count("cuMemCreate")) == (2, 1)
+        assert fake.state()["memory_used"] == zero + 2 * 4096 and buffer.mapped_pages == 2
+    finally:
         buffer.close()
 
 
