@@ -453,11 +453,12 @@ def test_a_shared_budget_moves_idle_prefix_pages_only_at_a_step_boundary(monkeyp
                 mapped = a.buffer.mapped_pages
                 a.scheduler.step_boundary()  # evicts idle units in the scheduler; their grants are owed
                 owed, held = a.share.owed, a.share.member.held
-                assert owed > 0 and held >= mapped
+                evicted = mapped - a.pool.free_block_queue.mapped_pages
+                assert owed >= evicted > 0 and held >= mapped
                 meta = a.scheduler.build_connector_meta(None)
                 a.check()
                 a.worker.handle_preemptions(meta)  # the workers unmap them
-                assert a.buffer.mapped_pages <= mapped - owed
+                assert a.buffer.mapped_pages == mapped - evicted
                 a.check()
                 a.scheduler.step_finished(meta)  # only now do the grants go back
                 assert a.share.owed == 0 and a.share.member.held <= held - owed
@@ -465,15 +466,28 @@ def test_a_shared_budget_moves_idle_prefix_pages_only_at_a_step_boundary(monkeyp
                 if not a.share.pending():
                     return
 
-        loop = threading.Thread(target=engine_loop)
+        failures = []
+
+        def engine_loop_checked() -> None:
+            try:
+                engine_loop()
+            except BaseException as exc:  # reported below: a failed check must fail the test
+                failures.append(exc)
+
+        loop = threading.Thread(target=engine_loop_checked)
         loop.start()
-        assert b.burst(12, seed=2) == 12  # the ledger alone had too little: A's idle pages moved
+        got = b.burst(12, seed=2)
         loop.join(30)
+        assert not failures, failures
+        assert got == 12  # the ledger alone had too little: A's idle pages moved
         assert not loop.is_alive() and asked_before_boundary and asked_before_boundary[0] > 0
         with Ledger(ledger_name, None) as ledger:
             members = {m.name: m for m in ledger.members()}
             assert sum(m.held for m in members.values()) <= ledger.budget
         assert members["a"].reclaims > 0 and not members["a"].request
+        seat = a.scheduler.get_kv_connector_stats().data["ledger"]  # what vLLM logs and exports
+        assert seat == {"held_bytes": members["a"].held, "idle_bytes": members["a"].reclaimable,
+                        "reclaims": members["a"].reclaims}
         assert b.peak_held > 24 // 2
         assert a.buffer.mapped_pages < a.peak_held  # A's worker unmapped what it gave
         assert any(a.pool.blocks[block].block_hash is None for block in a.markers)  # evicted, not hit
@@ -619,6 +633,10 @@ def test_stats_aggregate_per_rank_and_reach_prometheus():
     stats = VmkvConnectorStats(data={"ranks": {0: one}}).aggregate(VmkvConnectorStats(data={"ranks": {1: two}}))
     stats = stats.aggregate(VmkvConnectorStats(data={"ranks": {0: {**one, "resident_bytes": 20}}}))  # newer rank 0
     assert stats.reduce() == {"ranks": 2, "resident_bytes": 50, "mapped_pages": 3, "maps": 7, "unmaps": 4}
+    seat = VmkvConnectorStats(data={"ledger": {"held_bytes": 8, "idle_bytes": 2, "reclaims": 5}})  # the scheduler's
+    with_seat = stats.aggregate(seat)
+    assert with_seat.reduce() == {**stats.reduce(), "ledger_held_bytes": 8, "ledger_idle_bytes": 2, "ledger_reclaims": 5}
+    assert not seat.is_empty() and seat.aggregate(stats).data == with_seat.data
     unregister_vllm_metrics()
     try:
         prom = VmkvPromMetrics(SimpleNamespace(kv_transfer_config=None), {Gauge: Gauge, Counter: Counter, Histogram: Histogram},
@@ -626,6 +644,10 @@ def test_stats_aggregate_per_rank_and_reach_prometheus():
         prom.observe(stats.data)
         prom.observe(stats.data)  # the same totals again: counters must not grow
         assert prom._maps[0]._value.get() == 7 and prom._resident[0]._value.get() == 50
+        prom.observe(seat.data)  # a step whose stats hold the ledger seat only: the rank gauges stay
+        prom.observe(with_seat.data)
+        assert prom._resident[0]._value.get() == 50 and prom._maps[0]._value.get() == 7
+        assert (prom._held[0]._value.get(), prom._idle[0]._value.get(), prom._reclaims[0]._value.get()) == (8, 2, 5)
     finally:
         unregister_vllm_metrics()
 

@@ -33,7 +33,9 @@ for its trim (:func:`vmkv.vllm.trim`) waits for that step, not for any step.
 
 Also here: the worker's counters as ``KVConnectorStats`` (logged by vLLM and exported as
 Prometheus metrics ``vllm:vmkv_kv_resident_bytes``, ``vllm:vmkv_kv_mapped_pages``,
-``vllm:vmkv_kv_page_maps_total``, ``vllm:vmkv_kv_page_unmaps_total``; vLLM only collects and
+``vllm:vmkv_kv_page_maps_total``, ``vllm:vmkv_kv_page_unmaps_total``, and in a shared budget the
+scheduler's seat as ``vllm:vmkv_ledger_held_bytes``, ``vllm:vmkv_ledger_idle_bytes``,
+``vllm:vmkv_ledger_reclaims_total``; vLLM only collects and
 unregisters names under ``vllm:``), and ``SupportsHMA`` (without it
 vLLM turns the hybrid KV cache manager off).
 """
@@ -102,23 +104,27 @@ def budget_settings(config: plugin.PluginConfig, layout: KVLayout) -> tuple[int,
 
 
 class VmkvConnectorStats(KVConnectorStats):
-    """Per-rank memory counters: ``data = {"ranks": {rank: {...}}}``; a newer snapshot of a rank
-    replaces the older one, so aggregating over workers and over time are the same operation."""
+    """Per-rank memory counters: ``data = {"ranks": {rank: {...}}}``, and in a shared budget the
+    scheduler's ``"ledger": {"held_bytes", "idle_bytes", "reclaims"}``; a newer snapshot of a rank
+    (or of the ledger seat) replaces the older one, so aggregating over workers and over time are
+    the same operation."""
 
     def reset(self) -> None:
         self.data = {}
 
     def aggregate(self, other: KVConnectorStats) -> "VmkvConnectorStats":
         ranks = {**self.data.get("ranks", {}), **other.data.get("ranks", {})}
-        return VmkvConnectorStats(data={"ranks": ranks})
+        ledger = other.data.get("ledger") or self.data.get("ledger")
+        return VmkvConnectorStats(data={"ranks": ranks, **({"ledger": ledger} if ledger else {})})
 
     def reduce(self) -> dict[str, int | float]:
         ranks = self.data.get("ranks", {}).values()
         keys = ("resident_bytes", "mapped_pages", "maps", "unmaps")
-        return {"ranks": len(ranks), **{key: sum(r[key] for r in ranks) for key in keys}}
+        ledger = {f"ledger_{key}": value for key, value in self.data.get("ledger", {}).items()}
+        return {"ranks": len(ranks), **{key: sum(r[key] for r in ranks) for key in keys}, **ledger}
 
     def is_empty(self) -> bool:
-        return not self.data.get("ranks")
+        return not self.data.get("ranks") and not self.data.get("ledger")
 
 
 class VmkvPromMetrics(KVConnectorPromMetrics):
@@ -136,13 +142,26 @@ class VmkvPromMetrics(KVConnectorPromMetrics):
         self._mapped = per_engine(self._gauge_cls, "vllm:vmkv_kv_mapped_pages", "KV buffer pages mapped by vmkv")
         self._maps = per_engine(self._counter_cls, "vllm:vmkv_kv_page_maps", "KV buffer pages mapped, cumulative")
         self._unmaps = per_engine(self._counter_cls, "vllm:vmkv_kv_page_unmaps", "KV buffer pages unmapped, cumulative")
+        self._held = per_engine(self._gauge_cls, "vllm:vmkv_ledger_held_bytes",
+                                "Bytes of the host-wide KV budget this engine holds")
+        self._idle = per_engine(self._gauge_cls, "vllm:vmkv_ledger_idle_bytes",
+                                "Bytes this engine could give back to the host-wide KV budget when asked")
+        self._reclaims = per_engine(self._counter_cls, "vllm:vmkv_ledger_reclaims",
+                                    "Pages this engine gave back to the host-wide KV budget on request")
         self._seen: dict[tuple[int, str], int] = {}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         totals = VmkvConnectorStats(data=transfer_stats_data).reduce()
-        self._resident[engine_idx].set(totals["resident_bytes"])
-        self._mapped[engine_idx].set(totals["mapped_pages"])
-        for key, counter in (("maps", self._maps), ("unmaps", self._unmaps)):
+        counters = []
+        if totals["ranks"]:  # a step's stats may carry the scheduler's ledger seat only
+            self._resident[engine_idx].set(totals["resident_bytes"])
+            self._mapped[engine_idx].set(totals["mapped_pages"])
+            counters += [("maps", self._maps), ("unmaps", self._unmaps)]
+        if "ledger_held_bytes" in totals:
+            self._held[engine_idx].set(totals["ledger_held_bytes"])
+            self._idle[engine_idx].set(totals["ledger_idle_bytes"])
+            counters.append(("ledger_reclaims", self._reclaims))
+        for key, counter in counters:
             grown = totals[key] - self._seen.get((engine_idx, key), 0)
             if grown > 0:
                 counter[engine_idx].inc(grown)
@@ -337,6 +356,8 @@ class VmkvConnector(KVConnectorBase_V1, SupportsHMA):
                 "pid": os.getpid(), "rank": self._rank}
 
     def get_kv_connector_stats(self) -> VmkvConnectorStats | None:
+        if self.share is not None:  # the scheduler half in a shared budget: its ledger seat
+            return VmkvConnectorStats(data={"ledger": self.share.gauges()})
         if self._buffer is None:
             return None
         return VmkvConnectorStats(data={"ranks": {self._rank: self._buffer.stats()}})

@@ -17,12 +17,12 @@ unmaps *finished*: the resident KV memory of all members together stays within t
 
 Pressure, the step-boundary rule: another member short of budget posts a request on this
 member (:meth:`vmkv.ledger.Member.take`). It is served only at the start of a
-``schedule()`` (:meth:`EngineShare.boundary`), by the scheduler's own thread: spare grants go
-back at once; then whole idle units (pages that only prefix-cached blocks keep mapped, never a
+``schedule()`` (:meth:`EngineShare.boundary`), by the scheduler's own thread: spare grants
+(held beyond ``need``) first, at once if they suffice; else whole idle units (pages that only prefix-cached blocks keep mapped, never a
 running request's or a retained block's) are evicted, least recently idle first: their
 prefix-cache entries are removed *before* their unmaps are sent, so no later prefix hit can
-read a page that was unmapped. Their grants go back when the step carrying those unmaps finished
-(:meth:`EngineShare.finished`); until then they are ``owed`` (not counted in ``limit``, so this
+read a page that was unmapped. Their grants (with the spare ones) go back when the step
+carrying those unmaps finished (:meth:`EngineShare.finished`); until then they are ``owed`` (not counted in ``limit``, so this
 engine does not map them again meanwhile).
 
 An idle vLLM engine takes no steps, so the watcher thread here only *wakes* the engine-core
@@ -88,6 +88,8 @@ class EngineShare:
         self._built: deque[tuple[int, int]] = deque()  # (step, pages mapped after it), not finished
         self._finished_pages = 0  # pages the workers map after the last finished step
         self._waited = False  # a wait for others timed out since the last boundary: do not block again
+        self.offered = 0  # pages last offered to others (idle: given back when asked)
+        self.reclaimed = 0  # pages given back on request, in all
         self._pages: Any = None  # the PageAwareFreeBlocks whose pages these grants cover
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=_watch, args=(self.member, wake, self._stop),
@@ -138,11 +140,12 @@ class EngineShare:
         self._waited = False
         asked = self.member.asked()
         if asked and not self.reclaim_step:
-            spare = max(0, self.member.held - self.owed - self.need())
+            spare = min(asked, max(0, self.member.held - self.need()))
             freed = self._pages.evict_idle(asked - spare) if asked > spare else 0
-            if freed:
-                self.owed, self.reclaim_step = freed, step
-            self.member.give(min(spare, asked), reclaim=not freed)  # with nothing pending: answered
+            if freed:  # given back, spare grants too, once the step carrying the unmaps finished
+                self.owed, self.reclaim_step = freed + spare, step
+            else:  # answered at once (with what is spare, maybe nothing)
+                self._give_back(spare)
             self._pages.limit_changed()
         self._offer()
 
@@ -158,11 +161,16 @@ class EngineShare:
         need = self.need()
         if self.reclaim_step and step >= self.reclaim_step:
             self.owed = self.reclaim_step = 0
-            self.member.give(max(0, self.member.held - max(need, self.member.min_pages)), reclaim=True)
+            self._give_back(max(0, self.member.held - max(need, self.member.min_pages)))
         elif self.member.held - self.owed > need + self.batch:
             self.member.give(self.member.held - self.owed - need - self.batch)
         self._pages.limit_changed()
         self._offer()
+
+    def _give_back(self, pages: int) -> None:
+        """Answer the request: give ``pages`` back (and clear it, even with none)."""
+        self.member.give(pages, reclaim=True)
+        self.reclaimed += pages
 
     def pending(self) -> bool:
         """Whether the engine must step although no request runs: a request to serve, or grants
@@ -171,7 +179,13 @@ class EngineShare:
 
     def _offer(self) -> None:
         keep = max(self.need() - self._pages.idle_pages(), self.member.min_pages)
-        self.member.offer(self.member.held - self.owed - keep)
+        self.offered = max(0, self.member.held - self.owed - keep)
+        self.member.offer(self.offered)
+
+    def gauges(self) -> dict[str, int]:
+        """``{"held_bytes", "idle_bytes", "reclaims"}`` of this seat (Prometheus, vLLM's stats log)."""
+        page = self.member.page_bytes
+        return {"held_bytes": self.member.held * page, "idle_bytes": self.offered * page, "reclaims": self.reclaimed}
 
     def close(self) -> None:
         """Stop the watcher and leave the ledger (its file goes with its last member). Idempotent."""
