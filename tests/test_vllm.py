@@ -5,8 +5,9 @@ and worker halves of the connector keep every held block mapped step after step,
 what to fix, and the plugin covers every name vLLM imported its allocator under.
 
 End to end (``@pytest.mark.slow``, vLLM processes on the tiny model, tests/vllm_scenarios.py):
-greedy tokens identical with and without vmkv (prefix-cache hits, forced preemption, TP=2), and
-the worker's KV memory follows the live tokens.
+greedy tokens identical with and without vmkv (prefix-cache hits, forced preemption, TP=2), the
+worker's KV memory follows the live tokens, and two engines in one host-wide ledger pass idle
+pages to each other within its budget.
 Without vLLM installed, everything here is skipped with the reason.
 """
 
