@@ -737,15 +737,16 @@ def test_tensor_parallel_2_gives_the_same_tokens(runs, tmp_path_factory):
 def test_two_engines_in_one_ledger_move_idle_pages_and_keep_their_tokens(tmp_path_factory):
     """Two vLLM engines with the plugin in one 8 MiB ledger (each would take 6 MiB for its burst):
     A bursts while B idles and gets more than half; B bursts and A's idle prefix-cached pages
-    move to B (A idles: its watcher wakes its engine loop); A bursts again and they move back.
-    Tokens equal A's runs with the ledger to itself; both page stores together never hold more
+    move to B (A idles: its watcher wakes its engine loop); B's engine is killed (SIGKILL) holding
+    them, and A's next burst takes them back. Tokens equal A's runs with the ledger to itself; both page stores together never hold more
     than the budget (the kernel's count, sampled every 2 ms)."""
     run = run_scenarios(tmp_path_factory, ["ledger"])["ledger"]
     budget, half = scenarios.LEDGER_BUDGET, scenarios.LEDGER_BUDGET // 2
     a1, b, a2 = (run[phase]["members"] for phase in ("a1", "b", "a2"))
     assert a1["a"]["held"] > half > a1["b"]["held"]  # A got more than half while B idled
     assert b["b"]["held"] > half > b["a"]["held"] and b["a"]["reclaims"] > 0  # A gave its idle pages to B
-    assert a2["a"]["held"] > half and a2["b"]["reclaims"] > 0  # and B gave them back
+    assert run["killed"]["b"]["held"] > half and not run["killed"]["b"]["alive"]  # B died holding them ...
+    assert "b" not in a2 and a2["a"]["held"] > half  # ... and A, short of pages, took them back
     assert not any(m["request"] for phase in (a1, b, a2) for m in phase.values())  # every request answered
     assert run["stores"] == 2 and run["samples"] > 100
     assert half < run["peak_resident_bytes"] <= budget
