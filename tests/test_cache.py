@@ -272,6 +272,32 @@ def test_every_invalid_call_raises_its_error_and_changes_nothing(make_cache):
     cache.check()
 
 
+def test_the_decode_fast_path_refuses_what_the_full_path_refuses_and_maps_at_page_boundaries(make_cache):
+    """begin_step's decode fast path (a repeat of the last decode step's sequences, one token
+    each) checks its batch with a few C-level calls: a bool, a float, another order or another
+    set of sequences falls to the full path, which raises or plans as before; each token lands
+    where the full path would put it, and the page after a boundary is mapped then."""
+    cache = make_cache(max_batch_size=3)
+    cache.add("a"), cache.add("b")
+    cache.begin_step({"a": TPP - 3, "b": TPP - 2})
+    plan = cache.begin_step({"a": 1, "b": 1})  # full path (the last step was no decode), room 1
+    for bad in ({"a": True, "b": 1}, {"a": 1.0, "b": 1}, {"a": 1, "b": 0}):
+        before = cache.stats(), cache.seq_len("a"), cache.seq_len("b")
+        with pytest.raises(InvalidInput):
+            cache.begin_step(bad)
+        assert (cache.stats(), cache.seq_len("a"), cache.seq_len("b")) == before
+    fast = cache.begin_step({"a": 1, "b": 1})  # "b" fills its first page
+    assert fast.starts == plan.kv_lens and torch.equal(fast.write_rows, plan.write_rows + 1)
+    assert (cache.pages("a"), cache.pages("b")) == ([0], [1])
+    crossing = cache.begin_step({"a": 1, "b": 1})  # "b" needs its second page: the full path maps it
+    assert len(cache.pages("b")) == 2 and crossing.kv_lens == (TPP, TPP + 1)
+    swapped = cache.begin_step({"b": 1, "a": 1})  # another order: planned afresh, rows follow it
+    assert swapped.seq_ids == ("b", "a") and swapped.starts == (TPP + 1, TPP)
+    ids = cache.begin_step({"b": [7], "a": [8]})  # token ids, same order: the fast path takes them too
+    assert ids.starts == swapped.kv_lens and torch.equal(ids.write_rows, swapped.write_rows + 1)
+    cache.check()
+
+
 def test_shape_errors_name_each_tensor_s_dimensions(make_cache):
     cache = make_cache()
     cfg = cache.config

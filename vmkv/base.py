@@ -105,6 +105,8 @@ class KVCacheBase(ABC):
         self._last_step: list[tuple[SeqId, int]] = []
         self._layers_written: set[int] = set()
         self._last_plan: StepPlan | None = None  # the last committed plan (the decode fast path extends it)
+        self._last_seqs: list[_Sequence] = []  # its sequences, in its order
+        self._decode_room = 0  # decode steps the fast path may still take (see _next_decode_plan)
         # call discipline (vmkv.calls): one thread at a time, journaled changes, broken after a failed undo
         self._lock = threading.RLock()
         self._journal: list[Callable[[], None]] | None = None
@@ -366,25 +368,39 @@ class KVCacheBase(ABC):
             OutOfMappings) if the OS refused a mapping: the call was rolled back.
         """
         self._join_ahead()
-        steps = self._check_batch(batch)
-        with atomic(self):
-            self._finish_last_step()
-            plan, copies = self._next_decode_plan(steps), 0
-            if plan is None:
+        plan, steps = self._next_decode_plan(batch)
+        copies = 0
+        if plan is not None:  # the decode fast path: nothing to map, copy or unregister
+            self._finish_last_step()  # outside ``atomic``: nothing after it can fail
+            seqs = self._last_seqs
+            for seq, _, ids in steps or ():  # token ids given: record them where the ids so far are known
+                if ids is not None and len(seq.tokens) >= seq.length:  # (else, as for a count, nothing to do)
+                    seq.tokens[seq.length : seq.length + 1] = ids
+            self._last_step = [(seq.seq_id, seq.length) for seq in seqs]
+            for seq in seqs:
+                seq.length += 1
+            self._tokens += len(seqs)
+            self._decode_room -= 1
+        else:
+            steps = steps or self._check_batch(batch)
+            with atomic(self):
+                self._finish_last_step()
                 plan, copies = self._map_step(steps)
-        for seq, count, ids in steps:
-            self._unregister_written(seq, count)
-            if ids is not None and len(seq.tokens) >= seq.length:
-                seq.tokens[seq.length : seq.length + count] = ids
-            elif len(seq.tokens) < seq.length + count:
-                del seq.tokens[seq.length :]  # ids unknown from here on: stop hashing
-            self._last_step.append((seq.seq_id, seq.length))
-            seq.length += count
-            self._tokens += count
+            for seq, count, ids in steps:
+                self._unregister_written(seq, count)
+                if ids is not None and len(seq.tokens) >= seq.length:
+                    seq.tokens[seq.length : seq.length + count] = ids
+                elif len(seq.tokens) < seq.length + count:
+                    del seq.tokens[seq.length :]  # ids unknown from here on: stop hashing
+                self._last_step.append((seq.seq_id, seq.length))
+                seq.length += count
+                self._tokens += count
+            seqs = [seq for seq, _, _ in steps]
+            self._decode_room = self._room_in_pages(seqs) if plan.is_decode else 0
         self.counters["cow_copies"] += copies
         self._layers_written = set()
         self._version += 1
-        self._last_plan = plan
+        self._last_plan, self._last_seqs = plan, seqs
         if self._share is not None:  # after the commit: a step that fails changes nothing
             self._ledger_boundary()
         if self._ahead_worker is not None:
@@ -403,24 +419,39 @@ class KVCacheBase(ABC):
         plan = self._build_plan([s for s, _, _ in steps], [c for _, c, _ in steps])  # may fail: before the commit
         return plan, sum(len(c) for c in copies)
 
-    def _next_decode_plan(self, steps: list[tuple[_Sequence, int, Any]]) -> StepPlan | None:
-        """The decode fast path: the last plan one token further (:meth:`StepPlan.next_decode`),
-        or ``None`` where it does not apply and the step needs the full path (``_map_step``).
+    def _next_decode_plan(self, batch: Any) -> tuple[StepPlan | None, list[tuple[_Sequence, int, Any]] | None]:
+        """The decode fast path: ``(plan, steps)`` with the last plan one token further
+        (:meth:`StepPlan.next_decode`), or ``(None, steps)`` where it does not apply and the step
+        takes the full path (``_map_step``). ``steps`` is ``_check_batch(batch)`` where this had to
+        validate the batch (token ids were given), else ``None`` (the full path validates it, and
+        raises whatever error it deserves).
 
-        It applies when the last plan was a decode step of the same sequences in the same order,
-        nothing changed the cache since (same version: no free, fork, truncate, add, trim), and
-        each sequence's new token lands in the page holding its previous token (its length is no
-        multiple of ``tokens_per_page``), which only it owns (no copy-on-write): no page is
-        mapped, copied or allocated, and every row is the last one + 1.
+        It applies when ``batch`` names the last plan's sequences in the same order, one token
+        each (the int ``1``, or one token id), the last plan was a decode step, nothing changed
+        the cache since (same version: no free, fork, truncate, add, trim) and ``_decode_room``
+        says each sequence's new token lands within ``max_seq_len`` in the page holding its
+        previous token. That page was written by the last step, so it is private (the full path
+        copied it if it was shared, and only a version change can share it again) and not full,
+        so it has no prefix hash to drop (only full pages are registered). So no page is mapped,
+        copied, allocated or unregistered, and every row is the last one + 1. With counts the
+        checks are a few C-level calls over the batch (``tuple``, ``map``), no Python loop.
         """
         last = self._last_plan
-        if last is None or last.version != self._version or len(steps) != len(last.seq_ids) or not last.is_decode:
-            return None
-        tpp, refcount = self.tokens_per_page, self.pool.refcount
-        for (seq, count, _), seq_id in zip(steps, last.seq_ids):
-            if count != 1 or seq.seq_id is not seq_id or not seq.length % tpp or refcount(seq.pages[seq.length // tpp]) != 1:
-                return None
-        return last.next_decode(self._version + 1)
+        if (last is None or last.version != self._version or self._decode_room <= 0 or not isinstance(batch, dict)
+                or len(batch) != len(last.seq_ids)):
+            return None, None
+        counts = tuple(batch.values())
+        if counts == last.q_lens and set(map(type, counts)) == {int}:  # (a decode plan's q_lens are all 1)
+            return (last.next_decode(self._version + 1) if tuple(batch) == last.seq_ids else None), None
+        steps = self._check_batch(batch)  # token ids (or counts of other types): validate them first
+        same = all(seq is old and count == 1 for (seq, count, _), old in zip(steps, self._last_seqs))
+        return (last.next_decode(self._version + 1) if same else None), steps
+
+    def _room_in_pages(self, seqs: list[_Sequence]) -> int:
+        """Decode steps (one token per sequence) that still fit, for every one of ``seqs``, in the
+        page holding its last token and within ``max_seq_len`` (0 when one is at a page boundary)."""
+        tpp, limit = self.tokens_per_page, self.config.max_seq_len
+        return min(min((tpp - seq.length % tpp) % tpp, limit - seq.length) for seq in seqs)
 
     @exclusive
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> None:

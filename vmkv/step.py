@@ -43,6 +43,8 @@ class StepPlan:
             (no prefix) or no mask (one token) is right.
         version: the cache version this plan belongs to (a stale plan is refused).
         owner: identifies the cache that built the plan (a plan of another cache is refused).
+
+    Invariant: every cached property depends on ``q_lens`` alone (``next_decode`` hands them on).
     """
 
     seq_ids: tuple[Hashable, ...]
@@ -81,7 +83,7 @@ class StepPlan:
     def max_kv(self) -> int:
         return max(self.kv_lens)
 
-    @property
+    @cached_property
     def is_decode(self) -> bool:
         """Every sequence adds exactly one token."""
         return all(n == 1 for n in self.q_lens)
@@ -99,12 +101,13 @@ class StepPlan:
             A new plan sharing ``cu_q``, ``slots_t`` and ``block_table`` with this one (never
             written in place), the rows and lengths one further.
         """
-        return StepPlan(
-            seq_ids=self.seq_ids, slots=self.slots, starts=self.kv_lens, q_lens=self.q_lens,
-            kv_lens=tuple(n + 1 for n in self.kv_lens), cu_q=self.cu_q, write_rows=self.write_rows + 1,
-            slots_t=self.slots_t, kv_lens_t=self.kv_lens_t + 1, block_table=self.block_table,
-            causal_masks=self.causal_masks, version=version, owner=self.owner,
+        plan = object.__new__(StepPlan)  # a copy without __init__: frozen fields live in __dict__
+        plan.__dict__.update(self.__dict__)  # with the cached properties, which depend on q_lens only
+        plan.__dict__.update(
+            starts=self.kv_lens, kv_lens=tuple(n + 1 for n in self.kv_lens), write_rows=self.write_rows + 1,
+            kv_lens_t=self.kv_lens_t + 1, version=version,
         )
+        return plan
 
 
 def causal_mask(start: int, q_len: int) -> torch.Tensor | None:

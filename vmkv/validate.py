@@ -57,6 +57,8 @@ def as_token_ids(value: Any, minimum: int = 0) -> list[int]:
 
 def as_layer(value: Any, num_layers: int) -> int:
     """A layer index in ``0 .. num_layers - 1`` (negative indexes are refused, not wrapped)."""
+    if type(value) is int and 0 <= value < num_layers:  # the common case, checked cheaply
+        return value
     layer = as_int(value, "layer")
     if layer >= num_layers:
         raise InvalidInput(f"layer {layer} out of range 0..{num_layers - 1}")

@@ -40,6 +40,7 @@ class _Step:
     plan: StepPlan
     keep: torch.Tensor | None  # int64 [T]: rows of the flattened [B * S] new tokens that are stored
     rows: slice | None = None  # "model" style: the slots of the batch rows as a slice (None: not one)
+    views: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # with rows: SharedCore.row_views(rows)
 
 
 
@@ -211,6 +212,7 @@ class VirtualCache(RowPolicy, Cache):
         self._columns = 0  # tokens per row as transformers counts them (padding included)
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # first forward, style unknown
         self._step: _Step | None = None
+        self._last_rows: tuple[tuple[int, ...], slice | None] | None = None  # (slots, _slot_slice(slots)) of the last step
         self._last_layer = -1
         self.peak_bytes = 0
         self.counters: Counter[str] = Counter()
@@ -270,6 +272,12 @@ class VirtualCache(RowPolicy, Cache):
             CacheClosed: the cache was closed.
             SequenceTooLong, OutOfPages, NoFreeSlot: from the core cache.
         """
+        step = self._step
+        if step is not None and step.views is not None and self._last_layer < layer_idx < len(self.layers):
+            # "model" style, a later layer of this forward: the step's plan and rows are known (the
+            # lean path of a decode step; core.write still checks the tensors, plan and layer)
+            self._last_layer = layer_idx
+            return self._write_and_view(layer_idx, key_states, value_states)
         if self._closed:
             raise CacheClosed("this VirtualCache was closed; make a new one")
         attn_kwargs = attention_kwargs(kwargs)
@@ -530,10 +538,14 @@ class VirtualCache(RowPolicy, Cache):
 
     def _begin_dense_step(self, q_len: int) -> _Step:
         """"model" style: every row stores all ``q_len`` new columns."""
-        plan = self.core.begin_step({seq_id: q_len for seq_id in self._rows})
+        plan = self.core.begin_step(dict.fromkeys(self._rows, q_len))
         self._columns += q_len
         self._note_peak()
-        return _Step(plan, None, self._slot_slice(plan.slots))
+        last = self._last_rows
+        if last is None or last[0] is not plan.slots:  # a decode fast-path plan shares its slots tuple
+            self._last_rows = last = (plan.slots, self._slot_slice(plan.slots))
+        rows = last[1]
+        return _Step(plan, None, rows, None if rows is None else self._shared.row_views(rows))
 
     def _begin_ragged_step(self, mask: torch.Tensor | None, batch: int, q_len: int) -> _Step:
         """"vmkv" style: each row stores only its real (unpadded) new columns."""
@@ -580,10 +592,11 @@ class VirtualCache(RowPolicy, Cache):
         """"model" style: write, then return ``[B, H, columns, D]`` views of the virtual tensors."""
         step = self._step
         self.core.write(layer, self._pack(k), self._pack(v), step.plan)
-        k_all, v_all = self._shared.dense_views(layer)  # [max_batch, H, max_seq, D], mapped up to each length
         length = self._columns
-        if step.rows is not None:
-            return k_all[step.rows, :, :length], v_all[step.rows, :, :length]
+        if step.views is not None:  # [B, H, max_seq, D] views, mapped up to each length
+            k_rows, v_rows = step.views[layer]
+            return k_rows.narrow(2, 0, length), v_rows.narrow(2, 0, length)
+        k_all, v_all = self._shared.dense_views(layer)  # [max_batch, H, max_seq, D]
         self.counters["gathered_views"] += 1  # rows not in arithmetic slot order: one copy
         if self.counters["gathered_views"] == 1:
             log.info("vmkv.hf: rows are not in consecutive slots (beam reorder); views are gathered (a copy). "
