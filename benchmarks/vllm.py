@@ -177,7 +177,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "costs" in parts:
         settings = _client_settings(args)
         costs = vllm_costs.measure(model, kv_bytes, {"page_size": args.client_page_size}, requests=settings["prompts"],
-                                   input_len=settings["input_len"], output_len=settings["output_len"], seed=args.seed)
+                                   input_len=settings["input_len"], output_len=settings["output_len"], seed=args.seed,
+                                   rounds=1 if args.smoke else vllm_costs.ROUNDS)
         extra["costs"] = costs
         summary["costs"] = costs["summary"]["verdict"]
     return common.make_result(NAME, SCHEMA, rows, summary, **extra)

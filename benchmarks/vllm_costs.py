@@ -72,8 +72,9 @@ def paired_us(first: Callable[[], Any], second: Callable[[], Any], number: int =
 
 
 def measure(model: Path, kv_bytes: int, options: dict[str, Any], *, requests: int, input_len: int,
-            output_len: int, seed: int) -> dict[str, Any]:
-    """Both engines' costs (each from its own child process) and the summary with the verdict line.
+            output_len: int, seed: int, rounds: int = ROUNDS) -> dict[str, Any]:
+    """Both engines' costs (each from ``rounds`` child processes, alternating) and the summary with
+    the verdict line.
 
     Returns:
         ``{"stock": {...}, "vmkv": {...}, "summary": {...}, "config": {...}}``.
@@ -82,9 +83,9 @@ def measure(model: Path, kv_bytes: int, options: dict[str, Any], *, requests: in
         RuntimeError: a child process failed (its stderr's end is in the message).
     """
     config = {"model": str(model), "kv_bytes": kv_bytes, "options": options, "requests": requests,
-              "input_len": input_len, "output_len": output_len, "seed": seed}
+              "input_len": input_len, "output_len": output_len, "seed": seed, "rounds": rounds}
     runs: dict[str, list[dict[str, Any]]] = {"stock": [], "vmkv": []}
-    for _ in range(ROUNDS):  # stock, vmkv, stock, vmkv: a load spike on the machine hits one child, not one engine
+    for _ in range(rounds):  # stock, vmkv, stock, vmkv: a load spike on the machine hits one child, not one engine
         for name in runs:
             runs[name].append(_child({**config, "vmkv": name == "vmkv"}))
     out: dict[str, Any] = {name: best(mine) for name, mine in runs.items()}
@@ -138,7 +139,7 @@ def verdicts(costs: dict[str, Any]) -> list[common.Verdict]:
     within = share <= SHARE_TARGET
     return [common.Verdict(
         key="vllm.costs.share", question="vLLM plugin: its hooks' time per step, share of stock's step",
-        result=f"{100 * share:.1f} %", spread=f"least over {ROUNDS} children of 5 timeit loops each", side="vmkv" if within else "stock",
+        result=f"{100 * share:.1f} %", spread=f"least over {costs.get('config', {}).get('rounds', ROUNDS)} children of 5 timeit loops each", side="vmkv" if within else "stock",
         winner=f"{'within' if within else 'above'} {100 * SHARE_TARGET:.0f} %", reference=f"<= {100 * SHARE_TARGET:.0f} %",
         agrees=within, value=share, low=share, high=share, note=f"{s['total_us_per_step']:.0f} us a step")]
 
@@ -192,7 +193,7 @@ def _faults() -> int:
 
 
 def _hook_costs(llm: Any, prompts: list[list[int]], params: Any) -> dict[str, Any]:
-    """Time the hooks with every request running, 8 steps into decoding. The engine is not usable
+    """Time the hooks with every request running, 8 steps into decoding (fewer for short outputs). The engine is not usable
     afterwards (a step was scheduled and never run; the connector numbered thousands of steps)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
@@ -200,7 +201,7 @@ def _hook_costs(llm: Any, prompts: list[list[int]], params: Any) -> dict[str, An
     scheduler = engine.engine_core.engine_core.scheduler
     for i, prompt in enumerate(prompts):
         engine.add_request(f"costs-{i}", {"prompt_token_ids": prompt}, params)
-    for _ in range(8):
+    for _ in range(min(8, params.max_tokens // 2)):  # decoding, none finished
         engine.step()
     manager = scheduler.kv_cache_manager
     request = next(iter(scheduler.running))
