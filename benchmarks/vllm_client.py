@@ -15,7 +15,10 @@ median time to first token, mean time per output token, and whether both engines
 same text for every prompt. Verdicts per rate: vmkv / stock output tokens/s and stock / vmkv mean
 TTFT (above 1: vmkv better), each the median of the per-round ratios with their range, judged by
 :func:`benchmarks.common.ratio_verdict` (a winner only when every kept round agrees beyond the
-tie band), against the targets ``>= 0.97`` and ``TTFT within 10 %``.
+tie band), against the targets ``>= 0.97`` and ``TTFT within 10 %``. The summary line per rate
+also gives the pooled ratios (all rounds' tokens over all their seconds; mean TTFTs averaged) and
+says of each target whether it is met, missed, or not resolved by the rounds' spread
+(:func:`target_status`).
 """
 
 from __future__ import annotations
@@ -150,8 +153,9 @@ def _row(rate: str, round_: int, engine: str, prompts: int, out: dict[str, Any])
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per rate (key: the rows' ``rate``): the per-round ratios vmkv / stock of output tokens/s and
-    stock / vmkv of mean TTFT, whether every request was served with the same token count and
-    text, and a verdict line."""
+    stock / vmkv of mean TTFT, the pooled ratios (:func:`pooled`), whether every request was served
+    with the same token count and text, whether each target is met (:func:`target_status`), and a
+    verdict line saying all of it."""
     out: dict[str, Any] = {}
     for rate in dict.fromkeys(r["rate"] for r in rows):
         by = {(r["round"], r["engine"]): r for r in rows if r["rate"] == rate}
@@ -162,16 +166,53 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         same_tokens = all(r["completed"] == r["requests"] and r["output_tokens"] == mine[0]["output_tokens"] for r in mine)
         identical = all(r["texts_identical"] for r in mine)
         t, f = common.Spread.of(throughput), common.Spread.of(ttft)
+        pooled_throughput, pooled_ttft = pooled([r for r in rows if r["rate"] == rate])
+        throughput_target = target_status(t, THROUGHPUT_TARGET)
+        ttft_target = target_status(f, 1 / TTFT_TARGET)
         out[rate] = {
             "throughput_ratios_vmkv_over_stock": throughput, "ttft_ratios_stock_over_vmkv": ttft,
+            "pooled_throughput_vmkv_over_stock": pooled_throughput, "pooled_ttft_vmkv_over_stock": pooled_ttft,
+            "throughput_target": throughput_target, "ttft_target": ttft_target,
             "same_tokens": same_tokens, "texts_identical": identical,
             "verdict": (f"at rate {rate}: vmkv {t.value:.2f}x stock output tokens/s (median of {t.runs} "
-                        f"interleaved rounds, range {t.low:.2f}-{t.high:.2f}; target >= {THROUGHPUT_TARGET}), mean TTFT "
-                        f"{1 / f.value:.2f}x stock's (range {1 / f.high:.2f}-{1 / f.low:.2f}; target <= {TTFT_TARGET}); "
-                        f"{'same tokens' if same_tokens else 'TOKEN COUNTS DIFFER'}, "
+                        f"interleaved rounds, {_range_words(t)} {t.low:.2f}-{t.high:.2f}, vmkv faster in "
+                        f"{sum(x > 1 for x in throughput)} of {t.runs}; pooled {pooled_throughput:.2f}x): target >= "
+                        f"{THROUGHPUT_TARGET} {throughput_target}; mean TTFT {1 / f.value:.2f}x stock's ({_range_words(f)} "
+                        f"{1 / f.high:.2f}-{1 / f.low:.2f}; pooled {pooled_ttft:.2f}x): target <= {TTFT_TARGET} "
+                        f"{ttft_target}; {'same tokens' if same_tokens else 'TOKEN COUNTS DIFFER'}, "
                         f"texts {'identical' if identical else 'DIFFER'}"),
         }
     return out
+
+
+def pooled(rows: list[dict[str, Any]]) -> tuple[float, float]:
+    """Over every round of ``rows`` (one rate): ``(vmkv / stock output tokens per second of all
+    rounds together -- all tokens over all durations --, vmkv / stock mean TTFT averaged over the
+    rounds)``. Pooling weighs every round by its length, so one stalled round moves it less than
+    it moves a per-round ratio."""
+    def engine(name: str) -> tuple[float, float]:
+        mine = [r for r in rows if r["engine"] == name]
+        return (sum(r["output_tokens"] for r in mine) / sum(r["duration_s"] for r in mine),
+                statistics.fmean(r["mean_ttft_ms"] for r in mine))
+
+    (stock_tok_s, stock_ttft), (vmkv_tok_s, vmkv_ttft) = engine("stock"), engine("vmkv")
+    return vmkv_tok_s / stock_tok_s, vmkv_ttft / stock_ttft
+
+
+def target_status(ratio: common.Spread, target: float) -> str:
+    """Whether ``ratio`` (> 1: vmkv better) meets ``target``: "met" when the whole kept range is at
+    or above it, "missed" when the whole range is below it, otherwise "not resolved" with the side
+    of the median (the rounds' spread is wider than the distance to the target)."""
+    if ratio.low >= target:
+        return "met"
+    if ratio.high < target:
+        return "missed"
+    side = "meets" if ratio.value >= target else "misses"
+    return f"not resolved (the median {side} it, the rounds' spread crosses it)"
+
+
+def _range_words(spread: common.Spread) -> str:
+    return "range" if spread.kept == spread.runs else f"range of the middle {spread.kept}"
 
 
 def rate_key(rate: float) -> str:

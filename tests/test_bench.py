@@ -432,13 +432,16 @@ def _vllm_result(**kv_mib: tuple[float, float]) -> dict:
 
 
 def test_vllm_result_follows_the_contract(tmp_path):
-    from benchmarks import vllm, vllm_client
+    from benchmarks import vllm, vllm_client, vllm_costs
 
     result = _vllm_result()
     _check_contract(result, "vllm")
     verdicts = vllm.verdicts(result)
     assert [v.key for v in verdicts] == ["vllm.throughput", "vllm.kv_memory", "vllm.client_inf.throughput",
-                                         "vllm.client_inf.ttft", "vllm.client_16.throughput", "vllm.client_16.ttft"]
+                                         "vllm.client_inf.ttft", "vllm.client_16.throughput", "vllm.client_16.ttft",
+                                         "vllm.costs.share"]
+    costs = result["costs"]  # the costs part: the summary made again from both children's numbers
+    assert vllm_costs.summary(costs["stock"], costs["vmkv"], costs["config"]["requests"]) == costs["summary"]
     client = result["client"]  # the client part: its own rows, summary made again by this code
     assert client["rows"] and all(set(row) == set(client["schema"]) for row in client["rows"])
     assert vllm_client.summary(client["rows"]) == client["summary"]
@@ -527,6 +530,63 @@ def test_vllm_client_bad_rates_are_refused(text):
 
     with pytest.raises(vmkv.InvalidInput, match="positive number or 'inf'"):
         vllm_client.parse_rates(text)
+
+
+def _costs_child(**values: float) -> dict:
+    """One engine's costs as a ``benchmarks.vllm_costs`` child reports them (stock's by default)."""
+    child = {"step_ms": 10.0, "attention_faults_per_run": 0, "scheduler_output_bytes": 2000, "connector_metadata_bytes": 0,
+             "worker_stats_bytes": 0, "get_num_free_blocks_us": 0.03, "allocate_slots_decode_us": 4.0,
+             "get_num_free_blocks_stock_us": 0.03, "allocate_slots_decode_stock_us": 4.0,
+             "build_connector_meta_us": 0.0, "has_pending_push_work_us": 0.0, "worker_apply_empty_us": 0.0,
+             "worker_stats_us": 0.0}
+    return {**child, **values}
+
+
+@pytest.mark.parametrize("slots_us, within", [(4.5, True), (9.0, False)])
+def test_vllm_costs_add_what_the_plugin_puts_on_a_step(slots_us, within):
+    from benchmarks import vllm_costs
+
+    stock = _costs_child()
+    vmkv = _costs_child(get_num_free_blocks_us=0.13, allocate_slots_decode_us=slots_us, build_connector_meta_us=0.5,
+                        has_pending_push_work_us=0.2, worker_apply_empty_us=1.5, worker_stats_us=1.8,
+                        attention_faults_per_run=4096, scheduler_output_bytes=2133)
+    summary = vllm_costs.summary(stock, vmkv, requests=64)
+    # per request (against the stock twin timed in the vmkv child) x 64, per step once
+    added = 64 * (0.13 - 0.03) + 64 * (slots_us - 4.0) + 0.5 + 0.2 + 1.5 + 1.8
+    assert summary["total_us_per_step"] == pytest.approx(added)
+    assert summary["share_of_stock_step"] == pytest.approx(added / 10_000)
+    assert summary["extra_attention_faults_per_run"] == 4096
+    assert "133 more bytes" in summary["verdict"] and ("within 3 %" in summary["verdict"]) == within
+    (verdict,) = vllm_costs.verdicts({"summary": summary})
+    assert verdict.key == "vllm.costs.share" and verdict.agrees is within and verdict.side == ("vmkv" if within else "stock")
+
+
+def test_vllm_costs_keep_the_least_time_of_the_children():
+    from benchmarks import vllm_costs
+
+    merged = vllm_costs.best([_costs_child(allocate_slots_decode_us=22.0, step_ms=12.0),
+                              _costs_child(allocate_slots_decode_us=4.0, step_ms=8.0)])
+    assert merged["allocate_slots_decode_us"] == 4.0 and merged["step_ms"] == 8.0  # the least times
+    assert merged["scheduler_output_bytes"] == 2000
+
+@pytest.mark.parametrize("vmkv_tok_s, status", [
+    ([2000, 2010, 1990, 2020, 2040], "met"),  # every kept round at or above 0.97x
+    ([1800, 1850, 1700, 1820, 1810], "missed"),  # every kept round below
+    ([1700, 2300, 1900, 2100, 1950], "not resolved (the median meets it, the rounds' spread crosses it)"),
+    ([1700, 2300, 1800, 2100, 1900], "not resolved (the median misses it, the rounds' spread crosses it)"),
+])
+def test_vllm_client_summary_says_whether_the_target_is_met(vmkv_tok_s, status):
+    from benchmarks import vllm_client
+
+    rows = _client_rows({"stock": [2000] * 5, "vmkv": vmkv_tok_s}, {"stock": [400] * 5, "vmkv": [400] * 5})
+    summary = vllm_client.summary(rows)["inf"]
+    assert summary["throughput_target"] == status and summary["ttft_target"] == "met"
+    # pooled: all tokens over all seconds, vmkv over stock
+    assert summary["pooled_throughput_vmkv_over_stock"] == pytest.approx(
+        (5 * 4096 / sum(4096 / v for v in vmkv_tok_s)) / 2000)
+    assert summary["pooled_ttft_vmkv_over_stock"] == pytest.approx(1.0)
+    assert f"target >= {vllm_client.THROUGHPUT_TARGET} {status};" in summary["verdict"]
+    assert f"vmkv faster in {sum(v > 2000 for v in vmkv_tok_s)} of 5" in summary["verdict"]
 
 
 # ---- engine_vs_vllm (a run loads a 12-layer model and vLLM: the budget sizing is checked) ----
