@@ -97,7 +97,7 @@ def allocate_kv_cache(kv_cache_config: Any, device: torch.device, layout: Any,
         if id(view) not in rebuilt:
             rebuilt[id(view)] = torch.as_strided(raw.view(view.dtype), view.shape, view.stride(), view.storage_offset())
         out[name] = rebuilt[id(view)]
-    connector.attach(buffer, kv_layout)
+    connector.attach(buffer, kv_layout, out, kv_cache_config)
     logger.info("vmkv: KV buffer of %d B reserved on %s, %d physical pages of %d B (%s)", nbytes, device,
                 budget_pages, connector.config.page_size, kv_layout)
     return out
