@@ -26,6 +26,7 @@ decision of contiguous mode on CUDA (2 MiB VMM pages) and are refused until then
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -248,7 +249,8 @@ class VmkvContiguousImpl(AttentionImpl):
         plan = attn_metadata.plan
         count = attn_metadata.num_actual_tokens
         k, v = space.k[self._layer], space.v[self._layer]
+        start = time.perf_counter()
         out = self._kernel(query[:count], k, v, plan, self.scale)  # plan.block_table is None: slots only
-        space.record_call(self.kernel_name, k, plan)
+        space.record_call(self.kernel_name, k, plan, time.perf_counter() - start)
         output[:count].view(count, self.num_heads, self.head_size).copy_(out)
         return output

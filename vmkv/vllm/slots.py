@@ -219,13 +219,15 @@ class SlotSpace:
         self._tables = np.full((max_slots, max_blocks), -1, dtype=np.int64)
         self._lengths = [0] * max_slots
         self._holders: dict[tuple[int, int], set[int]] = {}  # (j, block) -> slots mapping it there
-        self.maps = self.unmaps = 0
+        self.maps = self.unmaps = self.frees = 0
         self.kernel_calls: dict[str, int] = {}
+        self.kernel_seconds = 0.0
         self.foreign_calls = 0  # kernel calls given K/V outside the slots or a block table: must stay 0
 
-    def record_call(self, kernel: str, k: torch.Tensor, plan: Any) -> None:
-        """Count one kernel call, and whether it read anything but slots (it must not)."""
+    def record_call(self, kernel: str, k: torch.Tensor, plan: Any, seconds: float) -> None:
+        """Count one kernel call and its time, and whether it read anything but slots (it must not)."""
         self.kernel_calls[kernel] = self.kernel_calls.get(kernel, 0) + 1
+        self.kernel_seconds += seconds
         if plan.block_table is not None or not self.owns(k):
             self.foreign_calls += 1
 
@@ -256,6 +258,7 @@ class SlotSpace:
     def free(self, slots: Iterable[int]) -> None:
         """Unmap everything ``slots`` map (they read zeros again)."""
         for slot in slots:
+            self.frees += 1
             count = self._lengths[slot]
             if count:
                 for base in self._bases:
@@ -353,16 +356,17 @@ class SlotSpace:
         return slots
 
     def stats(self) -> dict[str, Any]:
-        """Slot counters: slots in use, blocks mapped into slots (all layers count once),
-        distinct blocks among them, blocks mapped/unmapped (per layer), the kernels called (name ->
+        """Slot counters (``kernel_seconds``: time in the attention kernel): slots in use, blocks mapped into slots (all layers count once),
+        distinct blocks among them, blocks mapped/unmapped (per layer), slots freed, the kernels called (name ->
         calls) and calls that read anything but slots (``foreign_calls``, always 0)."""
         mapped = int((self._tables >= 0).sum())
         distinct = len(np.unique(self._tables[self._tables >= 0]))
         return {"slots_in_use": sum(1 for n in self._lengths if n), "slot_blocks_mapped": mapped,
                 "slot_blocks_distinct": distinct, "slot_block_bytes": self.block_bytes,
-                "slot_maps": self.maps, "slot_unmaps": self.unmaps,
+                "slot_maps": self.maps, "slot_unmaps": self.unmaps, "slot_frees": self.frees,
                 "slot_reserved_bytes": len(self._bases) * self._range_bytes,
-                "kernel_calls": dict(self.kernel_calls), "foreign_calls": self.foreign_calls}
+                "kernel_calls": dict(self.kernel_calls), "kernel_seconds": self.kernel_seconds,
+                "foreign_calls": self.foreign_calls}
 
     def close(self) -> None:
         """Give the slot ranges back (their views then read zeros)."""

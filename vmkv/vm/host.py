@@ -249,15 +249,16 @@ class HostVirtualMemory(VirtualMemory):
             BackendError: the range is not inside a reservation, or the OS refused.
         """
         self._open()
-        self._check_part(addr, 0, nbytes)
+        self._check_part(addr, 0, nbytes, within_page=False)
         self._reservation_of(addr, nbytes, "unmap_range")
         self._mmap(addr, nbytes, _PROT_READ, _ZERO_FLAGS | _MAP_FIXED, -1, 0, f"unmapping {nbytes} B at {addr:#x}")
 
-    def _check_part(self, addr: int, offset: int, nbytes: int) -> None:
+    def _check_part(self, addr: int, offset: int, nbytes: int, within_page: bool = True) -> None:
         grain = self.granularity
-        if nbytes <= 0 or addr % grain or offset % grain or nbytes % grain or offset + nbytes > self.page_size:
-            raise InvalidConfig(f"a part of a page is mapped in multiples of {grain} B within one {self.page_size} B "
-                                f"page: got {nbytes} B at offset {offset} to {addr:#x}")
+        if (nbytes <= 0 or addr % grain or offset % grain or nbytes % grain
+                or (within_page and offset + nbytes > self.page_size)):
+            raise InvalidConfig(f"parts of pages are mapped and unmapped in multiples of {grain} B (a mapped part within "
+                                f"one {self.page_size} B page): got {nbytes} B at offset {offset} to {addr:#x}")
 
     def release_page(self, page: int) -> None:
         """Give the memory behind store page ``page`` back to the OS (its contents become zeros).
