@@ -1,7 +1,9 @@
 """Stock vLLM vs vLLM + vmkv: on the same bursty ShareGPT-like trace (issue 9), and under vLLM's
 own benchmark client against its OpenAI server (issue 19, :mod:`benchmarks.vllm_client`).
 
-``--parts`` picks them (default both). The trace part:
+``--parts`` picks them (default both); ``--parts addressing`` (opt-in: three engines on a wider
+model, minutes) compares block tables with virtual memory inside one vLLM: stock, vmkv's paged
+backing and vmkv's contiguous mode (:mod:`benchmarks.vllm_addressing`, issue 20). The trace part:
 
 Both engines run the tiny Llama (:mod:`vmkv.vllm.tiny`, greedy, fp32, eager) with the same KV
 buffer (``kv_cache_memory_bytes``); the vmkv engine maps its pages on demand
@@ -33,14 +35,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import common, vllm_client
+from . import common, vllm_addressing, vllm_client
 
 SETTLE_S = 1.5  # vLLM's workers busy-poll their queue for 1 s after a step: let the idle engine go quiet
 
 NAME = "vllm"
 DESCRIPTION = ("vLLM with and without vmkv: one bursty ShareGPT-like trace (tokens/s ratio, KV memory over time) "
                "and vLLM's own benchmark client at rate inf and a finite rate (tokens/s and TTFT ratios)")
-PARTS = ("trace", "client")
+PARTS = ("trace", "client", "addressing")
 
 SCHEMA = {
     "round": "interleaving round (engines take turns within a round)",
@@ -69,8 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-cached", default="0", help="KV the prefix cache alone may keep mapped (default 0)")
     parser.add_argument("--sample-every", type=int, default=4, help="engine steps between memory samples (default 4)")
     parser.add_argument("--model-dir", type=Path, default=None, help="where to write the tiny model (default: a temp dir)")
+    vllm_addressing.add_arguments(parser)
     parser.add_argument("--parts", default="trace,client", help="what to run, comma-separated: trace (in-process "
-                        "engines, bursty trace), client (vLLM's OpenAI servers and benchmark client); default both")
+                        "engines, bursty trace), client (vLLM's OpenAI servers and benchmark client), addressing (stock, paged and "
+                        "contiguous vmkv on a wider model); default trace,client")
     parser.add_argument("--client-prompts", type=int, default=None, help="requests per client run (default 64; smoke 4)")
     parser.add_argument("--client-rates", default=None, help="request rates per second, comma-separated, inf = all at "
                         "once (default inf,16; smoke inf)")
@@ -170,6 +174,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         client = vllm_client.measure(_client_settings(args), model, kv_bytes, options, args.seed, args.log_dir)
         extra["client"] = client
         summary["client"] = {rate: s["verdict"] for rate, s in client["summary"].items()}
+    if "addressing" in parts:
+        extra["addressing"] = vllm_addressing.measure(args, args.model_dir or Path(tempfile.gettempdir()))
+        summary["addressing"] = extra["addressing"]["summary"]["verdict"]
     return common.make_result(NAME, SCHEMA, rows, summary, **extra)
 
 
@@ -275,6 +282,11 @@ def table(result: dict[str, Any]) -> list[dict[str, Any]]:
                     "same text": all(r["tokens_identical"] for r in mine)})
     if "client" in result:
         out += vllm_client.table(result["client"])
+    for engine in vllm_addressing.ENGINES if "addressing" in result else ():
+        mine = [r for r in result["addressing"]["rows"] if r["engine"] == engine]
+        out.append({"workload": f"addressing, {result['addressing']['config']['layers']} layers", "engine": engine,
+                    "rounds": len(mine), "output tok/s": statistics.median(r["output_tok_per_s"] for r in mine),
+                    "mean TTFT ms": "", "same text": all(r["tokens_identical"] for r in mine)})
     return out
 
 
@@ -282,6 +294,7 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
     """What the plugin costs in output tokens/s and how much KV memory it holds (the trace), and
     what it costs in output tokens/s and time to first token under vLLM's client, per rate."""
     client = vllm_client.verdicts(result["client"]) if "client" in result else []
+    client += vllm_addressing.verdicts(result["addressing"]) if "addressing" in result else []
     summary = result["summary"]
     if "throughput_ratios_per_round" not in summary:  # the trace part did not run
         return client
