@@ -7,7 +7,8 @@ contiguous mode (every request's K/V one virtually contiguous slot per layer, vm
 kernel, no block table). The model is the tiny Llama with more layers and wider heads
 (``--addr-layers``, default 4; ``--addr-head-dim``, default 64; 8 query / 4 KV heads, fp32) so
 attention is a visible part of a step; the requests have long prompts (``--addr-prompt``, default
-1,024 to 1,536 tokens) and decode ``--addr-output`` tokens each, arriving at once.
+1,024 to 1,536 tokens) and decode ``--addr-output`` tokens each, arriving at once; every run
+starts with an empty prefix cache (the rounds repeat the same prompts).
 
 Measured per round and engine: output tokens/s, KV memory held (stock: its buffer; vmkv: the
 kernel's count of memory behind the page store, sampled every few steps), tokens against stock's;
@@ -84,6 +85,7 @@ def measure(args: argparse.Namespace, model_root: Path) -> dict[str, Any]:
         order = ENGINES[round_ % 3:] + ENGINES[: round_ % 3]
         for name in order:
             llm, vmkv = engines[name], name != "stock"
+            llm.reset_prefix_cache()  # every run prefills in full: no engine reuses an earlier round's prompts
             time.sleep(1.5)  # vLLM's workers busy-poll for 1 s after a step: let the idle engines go quiet
             before = stats(llm)[0].get("kernel_seconds", 0.0) if name == "contiguous" else 0.0
             result = drive.run(llm, prompts, params, vmkv=vmkv, sample_every=4)

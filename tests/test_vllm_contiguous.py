@@ -219,16 +219,34 @@ def _requests(run: dict) -> dict:
     return {f"{wave}{rid}": req for wave in "abc" for rid, req in run[wave]["requests"].items()}
 
 
-@pytest.mark.slow
-def test_greedy_tokens_match_stock_or_sit_on_a_logit_near_tie(runs):
-    stock, ours = _requests(runs["stock"]), _requests(runs["contig"])
-    assert stock.keys() == ours.keys() and len(stock) == 6
+def _check_tokens(stock: dict, ours: dict) -> None:
     for name, reference in stock.items():
         for tokens, mine, gaps in zip(reference["tokens"], ours[name]["tokens"], reference["gaps"]):
             assert len(mine) == len(tokens), name  # no request lost or cut short
             differ = [i for i, (a, b) in enumerate(zip(tokens, mine)) if a != b]
             if differ:  # summation order only: stock itself must be undecided there
                 assert gaps[differ[0]] < 1e-4, f"request {name}: token {differ[0]} differs, stock's top-2 gap {gaps[differ[0]]}"
+
+
+@pytest.mark.slow
+def test_greedy_tokens_match_stock_or_sit_on_a_logit_near_tie(runs):
+    stock, ours = _requests(runs["stock"]), _requests(runs["contig"])
+    assert stock.keys() == ours.keys() and len(stock) == 6
+    _check_tokens(stock, ours)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_gives_stocks_tokens_and_every_rank_reads_slots(runs):
+    tp = runs["tp2"]
+    stock = {f"a{rid}": req for rid, req in runs["stock"]["a"]["requests"].items()}
+    ours = {f"a{rid}": req for rid, req in tp["a"]["requests"].items()}
+    assert stock.keys() == ours.keys() and len(ours) == 4
+    _check_tokens(stock, ours)
+    ranks = tp["final"]
+    assert sorted(r["rank"] for r in ranks) == [0, 1]
+    for rank in ranks:  # every rank mapped the same slots and read only them
+        assert rank["kernel_calls"]["sdpa_adaptive"] > 0 and rank["foreign_calls"] == 0
+    assert ranks[0]["slot_maps"] == ranks[1]["slot_maps"] > 0
 
 
 @pytest.mark.slow

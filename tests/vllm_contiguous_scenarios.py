@@ -2,7 +2,7 @@
 
 Run as a script (vLLM spawns processes, so pytest does not import it)::
 
-    python tests/vllm_contiguous_scenarios.py OUT.json MODEL_DIR [stock] [contig]
+    python tests/vllm_contiguous_scenarios.py OUT.json MODEL_DIR [stock] [contig] [tp2]
 
 Both engines get the same settings, small enough that one engine exercises every case:
 a KV cache of 36 blocks (vLLM must preempt in wave A), a token budget of 128 per step (the
@@ -13,13 +13,15 @@ a KV cache of 36 blocks (vLLM must preempt in wave A), a token budget of 128 per
 * wave B: the prefix again, after wave A finished: hits the prefix cache.
 * wave C: ``n=3`` seeded sampling of one prompt; the slots are sampled after its prefill.
 
-Writes per engine: tokens, stock's top-2 logprob gap per position, cached prompt tokens,
+``tp2`` runs wave A in contiguous mode with tensor parallelism 2 (CPU:
+``VLLM_CPU_OMP_THREADS_BIND="0|1"``). Writes per engine: tokens, stock's top-2 logprob gap per position, cached prompt tokens,
 preemptions, and (contiguous) the worker's stats per step and at the end.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -59,7 +61,7 @@ def _gap(logprobs: dict) -> float:
     return top[0] - top[1] if len(top) > 1 else float("inf")
 
 
-def engine_run(model: str, contiguous: bool) -> dict:
+def engine_run(model: str, contiguous: bool, tp: int = 1) -> dict:
     from vllm import SamplingParams
 
     from vmkv import vllm as plugin
@@ -67,12 +69,16 @@ def engine_run(model: str, contiguous: bool) -> dict:
 
     start = time.perf_counter()
     llm = drive.engine(model, vmkv=contiguous, kv_cache_bytes=KV_BYTES, max_model_len=1024,
-                       options=OPTIONS if contiguous else None, **ENGINE)
+                       options=OPTIONS if contiguous else None, tensor_parallel_size=tp, **ENGINE)
     started = time.perf_counter() - start
     sample = (lambda: plugin.stats(llm)[0]) if contiguous else None
     greedy = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2) for _, n in WAVE_A + WAVE_B]
     result = {"start_s": started}
     result["a"] = serve(llm, [p for p, _ in WAVE_A], greedy[:4], sample)
+    if tp > 1:
+        result["final"] = plugin.stats(llm)
+        llm.llm_engine.engine_core.shutdown()
+        return result
     result["b"] = serve(llm, [p for p, _ in WAVE_B], greedy[4:], sample)
     n3 = SamplingParams(n=3, max_tokens=24, temperature=0.8, seed=7, ignore_eos=True)
     result["c"] = serve(llm, [N3_PROMPT], [n3], sample)
@@ -86,8 +92,12 @@ def engine_run(model: str, contiguous: bool) -> dict:
 
 
 def main() -> None:
-    out, model, names = Path(sys.argv[1]), sys.argv[2], sys.argv[3:] or ["stock", "contig"]
-    results = {name: engine_run(model, name == "contig") for name in names}
+    out, model, names = Path(sys.argv[1]), sys.argv[2], sys.argv[3:] or ["stock", "contig", "tp2"]
+    results = {}
+    for name in names:
+        if name == "tp2":
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+        results[name] = engine_run(model, name != "stock", 2 if name == "tp2" else 1)
     out.write_text(json.dumps(results))
 
 

@@ -194,6 +194,14 @@ class VmkvConnector(KVConnectorBase_V1, SupportsHMA):
         logger.info("vmkv: %s; %s", plugin.describe(self.config), kv_layout)
         return kv_layout, budget_pages, max_idle_units
 
+    def slot_mapping_bound(self, kv_cache_config: Any, num_views: int) -> int:
+        """Host mappings contiguous mode may need at most: every block of every full slot mapped on
+        its own in each of ``num_views`` layer ranges, splitting them (0 in paged mode)."""
+        if self.config.kv_mode != "contiguous":
+            return 0
+        max_slots, max_blocks = slot_geometry(self._vllm_config, kv_cache_config)
+        return 2 * max_slots * max_blocks * num_views + num_views
+
     def _start_slots(self, vllm_config: "VllmConfig") -> None:
         from .contiguous import check_model
 

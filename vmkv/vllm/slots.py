@@ -189,12 +189,16 @@ class SlotSpace:
         max_slots, max_blocks: as :class:`SlotAssigner`.
 
     Raises:
-        InvalidConfig: a block is not a whole number of OS pages (the mapping granule), or a view
-            is not token-major.
+        InvalidConfig: not the host backend, a block is not a whole number of OS pages (the
+            mapping granule), or a view is not token-major.
     """
 
     def __init__(self, buffer: KVBuffer, views: Mapping[str, torch.Tensor], num_blocks: int, block_size: int,
                  max_slots: int, max_blocks: int) -> None:
+        if buffer.backend.name != "host":
+            raise InvalidConfig(f"vmkv kv_mode='contiguous' runs on the host backend (CPU) only for now, not on "
+                                f"{buffer.backend.name}: CUDA maps 2 MiB pages, whose size decision (issue 20, part 3) "
+                                "is not made yet; use kv_mode='paged'")
         self.buffer = buffer
         self.backend = buffer.backend
         self.block_size = block_size
