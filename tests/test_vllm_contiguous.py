@@ -135,6 +135,23 @@ def test_a_block_that_is_not_whole_os_pages_is_refused_naming_the_block_size():
     buffer.close()
 
 
+# ---- the addressing benchmark's verdicts ------------------------------------------------------
+def test_the_addressing_benchmark_judges_contiguous_against_stock_and_paged():
+    from benchmarks import vllm_addressing as bench
+
+    speeds = {"stock": [100, 110, 90], "paged": [95, 100, 90], "contiguous": [120, 130, 110]}
+    rows = [{"round": i, "engine": e, "output_tok_per_s": speeds[e][i], "kv_mean_mib": 1.0 if e == "stock" else 0.5,
+             "attention_share": 0.4 if e == "contiguous" else -1.0, "tokens_identical": True}
+            for i in range(3) for e in bench.ENGINES]
+    summary = bench.summary(rows, 2**20)
+    assert summary["contiguous_over_stock"] == [1.2, 130 / 110, 110 / 90]
+    assert summary["kv_mean_share"] == {"stock": 1.0, "paged": 0.5, "contiguous": 0.5}
+    assert summary["verdict"].startswith("contiguous runs vLLM at 1.20x stock output tokens/s")
+    over_stock, over_paged = bench.verdicts({"summary": summary})
+    assert (over_stock.key, over_stock.agrees, over_stock.side) == ("vllm.addressing.stock", True, "contiguous")
+    assert over_paged.key == "vllm.addressing.paged" and over_paged.note == ""
+
+
 # ---- engine start -----------------------------------------------------------------------------
 @needs_vllm
 def test_unsupported_models_are_refused_naming_the_setting():
