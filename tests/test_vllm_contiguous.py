@@ -128,6 +128,25 @@ def test_blocks_mapped_into_slots_read_the_blocks_and_shared_ones_are_one_page()
     buffer.close()
 
 
+def test_the_host_backend_maps_parts_of_a_page_in_os_pages_and_refuses_others():
+    from vmkv.vm import HostVirtualMemory
+
+    vm = HostVirtualMemory(16384, 2)
+    store = vm.reserve(2 * 16384)
+    vm.map(store, 1)
+    vm.tensor(store, (16384,), torch.uint8)[4096:8192] = 7
+    window = vm.reserve(16384)
+    vm.map_range(window + 8192, 1, 4096, 8192)  # page 1's bytes [4096, 12288) at the window's [8192, 16384)
+    view = vm.tensor(window, (16384,), torch.uint8)
+    assert view[:8192].sum() == 0 and bool((view[8192:12288] == 7).all()) and view[12288:].sum() == 0
+    for bad in ((window + 100, 1, 0, 4096), (window, 1, 100, 4096), (window, 1, 12288, 8192)):
+        with pytest.raises(vmkv.InvalidConfig, match="multiples of 4096 B"):
+            vm.map_range(*bad)
+    vm.unmap_range(window, 16384)
+    assert view.sum() == 0 and vm.tensor(store, (16384,), torch.uint8)[4096] == 7  # the page itself stays
+    vm.close()
+
+
 def test_a_block_that_is_not_whole_os_pages_is_refused_naming_the_block_size():
     buffer, views = _buffer_and_views(block=4)  # 4 tokens x 2 x 64 x 4 B = 2 KiB
     with pytest.raises(vmkv.InvalidConfig, match="is 2048 B .*choose a block size"):
