@@ -5,8 +5,9 @@ and worker halves of the connector keep every held block mapped step after step,
 what to fix, and the plugin covers every name vLLM imported its allocator under.
 
 End to end (``@pytest.mark.slow``, vLLM processes on the tiny model, tests/vllm_scenarios.py):
-greedy tokens identical with and without vmkv (prefix-cache hits, forced preemption, TP=2), and
-the worker's KV memory follows the live tokens.
+greedy tokens identical with and without vmkv (prefix-cache hits, forced preemption, TP=2), the
+worker's KV memory follows the live tokens, and two engines in one host-wide ledger pass idle
+pages to each other within its budget.
 Without vLLM installed, everything here is skipped with the reason.
 """
 
@@ -18,6 +19,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -49,6 +51,22 @@ def test_engine_args_and_serve_flags_name_the_three_pieces():
         plugin.PluginConfig.from_extra_config({"pagesize": 1})
     with pytest.raises(vmkv.InvalidConfig):
         plugin.engine_args(budget="lots")
+
+
+def test_the_shared_budget_setting_reaches_every_form_and_is_checked_where_it_is_given():
+    extra = plugin.engine_args(shared_budget="kv-host:1GiB,max=512MiB")["kv_transfer_config"]["kv_connector_extra_config"]
+    assert extra == {"page_size": 2 * 2**20, "shared_budget": "kv-host:1GiB,max=512MiB"}
+    assert plugin.PluginConfig.from_extra_config(extra).shared_budget == "kv-host:1GiB,max=512MiB"
+    assert json.loads(plugin.serve_flags(shared_budget="kv-host:1GiB")[5])["kv_connector_extra_config"]["shared_budget"] \
+        == "kv-host:1GiB"
+    assert plugin.describe(plugin.PluginConfig(shared_budget="kv-host:1GiB")).endswith(", shared budget kv-host:1GiB")
+    assert "shared budget" not in plugin.describe(plugin.PluginConfig())
+    for bad in ("kv-host", "kv-host:lots", "kv-host:1GiB,colour=red"):
+        with pytest.raises(vmkv.InvalidConfig, match="shared_budget|size|unknown|colour"):
+            plugin.engine_args(shared_budget=bad)
+    out = subprocess.run([sys.executable, "-m", "vmkv.vllm", "--shared-budget", "kv-host:1GiB", "m"], capture_output=True,
+                         text=True, cwd=ROOT, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert '"shared_budget":"kv-host:1GiB"' in out.stdout, out.stderr
 
 
 def test_pyproject_declares_the_entry_point_and_the_extras():
@@ -338,6 +356,167 @@ def test_trim_waits_for_the_step_scheduled_after_it(halves, monkeypatch):
     assert after["trim_step"] == after["applied_step"] == 3  # step 2 was scheduled before the trim
 
 
+@pytest.fixture
+def ledger_name(request):
+    """A ledger name of this test alone; its file is gone afterwards."""
+    from vmkv.ledger import ledger_path
+
+    label = f"test-vllm-{os.getpid()}-{abs(hash(request.node.nodeid)) % 10**8}"
+    yield label
+    if os.path.exists(ledger_path(label)):
+        os.unlink(ledger_path(label))
+
+
+class SharedEngine:
+    """The scheduler and worker halves of one vLLM engine in a shared budget, stepped by hand
+    (``step``: boundary, build, the worker applies, finished), as vLLM's engine loop would."""
+
+    def __init__(self, monkeypatch, shared: str, wake=None) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        from vmkv.vllm.block_pool import PageAffineBlockPool
+        from vmkv.vllm.connector import VmkvConnector
+
+        config = vllm_config(max_cached="256KiB", shared_budget=shared)  # the prefix cache may keep everything
+        self.scheduler = VmkvConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
+        self.worker = VmkvConnector(config, KVConnectorRole.WORKER, kv_cache_config())
+        self.views = allocate_on(self.worker, monkeypatch)
+        layout, budget_pages, max_idle = self.scheduler.pool_settings(config)
+        self.pool = PageAffineBlockPool(NUM_BLOCKS, True, BLOCK, layout=layout, budget_pages=budget_pages,
+                                        max_idle_units=max_idle)
+        self.scheduler.bind_kv_cache_manager(SimpleNamespace(block_pool=self.pool))
+        self.share = self.scheduler.join_ledger(1, wake)
+        self.buffer = self.worker._buffer
+        self.markers: dict[int, float] = {}  # cached block -> the marker written into it
+        self.peak_held = 0
+
+    def step(self) -> None:
+        self.scheduler.step_boundary()
+        meta = self.scheduler.build_connector_meta(None)
+        self.check()  # the step is built: the workers still map the pages of the one before
+        self.worker.handle_preemptions(meta)
+        self.check()
+        self.scheduler.step_finished(meta)
+        self.check()
+
+    def check(self) -> None:
+        held = self.share.member.held
+        self.peak_held = max(self.peak_held, held)
+        assert held >= self.buffer.mapped_pages and held >= self.pool.free_block_queue.mapped_pages
+        self.pool.check()
+        for block_id, marker in self.markers.items():  # what the prefix cache can still hit is intact
+            if self.pool.blocks[block_id].block_hash is not None:
+                assert all(self.buffer.is_mapped(p) for p in self.pool.free_block_queue.layout.unit_pages(
+                    self.pool.free_block_queue.layout.unit_of(block_id)))
+                assert all(torch.all(view[block_id] == marker) for view in self.views.values())
+
+    def burst(self, blocks: int, seed: int) -> int:
+        """Take ``blocks`` blocks as vLLM would (make_room, count, allocate), write them, cache and
+        free them; return how many it got."""
+        queue = self.pool.free_block_queue
+        queue.make_room(blocks)
+        got = min(blocks, self.pool.get_num_free_blocks())
+        new = self.pool.get_new_blocks(got)
+        self.step()
+        for block in new:
+            self.markers[block.block_id] = marker = float(seed * 1000 + block.block_id)
+            for view in self.views.values():
+                view[block.block_id] = marker
+            self.pool._insert_block_hash(("h", seed, block.block_id), block, num_tokens=BLOCK)
+        self.pool.free_blocks(new)
+        self.step()
+        return got
+
+    def close(self) -> None:
+        self.scheduler.shutdown()
+        self.worker.shutdown()
+
+
+@needs_vllm
+def test_a_shared_budget_moves_idle_prefix_pages_only_at_a_step_boundary(monkeypatch, ledger_name):
+    """Two engines' halves in one ledger of 96 KiB (24 pages; each could map 64 alone): A takes
+    more than half, then B's need is met by A's idle prefix-cached pages, which A gives back at
+    its next step boundary (woken by its watcher) once the step carrying their unmaps finished."""
+    from vmkv.ledger import Ledger
+
+    woken = threading.Event()
+    a = SharedEngine(monkeypatch, f"{ledger_name}:96KiB,member=a,wait=10", wake=woken.set)
+    b = SharedEngine(monkeypatch, f"{ledger_name}:96KiB,member=b,wait=10")
+    try:
+        assert a.burst(12, seed=1) == 12  # 6 units of 2 pages: 12 pages, plus block 0's unit
+        assert a.share.member.held > 24 // 2  # A got more than half, all idle once freed
+        asked_before_boundary = []
+
+        def engine_loop() -> None:  # A's engine core: steps only when its watcher woke it
+            while woken.wait(10):
+                woken.clear()
+                asked_before_boundary.append(a.share.member.asked())
+                mapped = a.buffer.mapped_pages
+                a.scheduler.step_boundary()  # evicts idle units in the scheduler; their grants are owed
+                owed, held = a.share.owed, a.share.member.held
+                evicted = mapped - a.pool.free_block_queue.mapped_pages
+                assert owed >= evicted > 0 and held >= mapped
+                meta = a.scheduler.build_connector_meta(None)
+                a.check()
+                a.worker.handle_preemptions(meta)  # the workers unmap them
+                assert a.buffer.mapped_pages == mapped - evicted
+                a.check()
+                a.scheduler.step_finished(meta)  # only now do the grants go back
+                assert a.share.owed == 0 and a.share.member.held <= held - owed
+                a.check()
+                if not a.share.pending():
+                    return
+
+        failures = []
+
+        def engine_loop_checked() -> None:
+            try:
+                engine_loop()
+            except BaseException as exc:  # reported below: a failed check must fail the test
+                failures.append(exc)
+
+        loop = threading.Thread(target=engine_loop_checked)
+        loop.start()
+        got = b.burst(12, seed=2)
+        loop.join(30)
+        assert not failures, failures
+        assert got == 12  # the ledger alone had too little: A's idle pages moved
+        assert not loop.is_alive() and asked_before_boundary and asked_before_boundary[0] > 0
+        with Ledger(ledger_name, None) as ledger:
+            members = {m.name: m for m in ledger.members()}
+            assert sum(m.held for m in members.values()) <= ledger.budget
+        assert members["a"].reclaims > 0 and not members["a"].request
+        seat = a.scheduler.get_kv_connector_stats().data["ledger"]  # what vLLM logs and exports
+        assert seat == {"held_bytes": members["a"].held, "idle_bytes": members["a"].reclaimable,
+                        "reclaims": members["a"].reclaims}
+        assert b.peak_held > 24 // 2
+        assert a.buffer.mapped_pages < a.peak_held  # A's worker unmapped what it gave
+        assert any(a.pool.blocks[block].block_hash is None for block in a.markers)  # evicted, not hit
+    finally:
+        a.close()
+        b.close()
+
+
+@needs_vllm
+def test_the_watcher_wakes_the_engine_core_that_built_the_scheduler_with_vllms_own_message():
+    import queue
+
+    from vllm.v1.engine import EngineCoreRequestType
+    from vllm.v1.engine.core import EngineCore
+
+    from vmkv.vllm.share import engine_wake
+
+    class Core(EngineCore):
+        def __init__(self) -> None:  # as EngineCoreProc: the queue exists before the scheduler is built
+            self.input_queue = queue.Queue()
+            self.wake = engine_wake()
+
+    core = Core()
+    core.wake()
+    assert core.input_queue.get_nowait() == (EngineCoreRequestType.WAKEUP, None)
+    assert engine_wake() is None  # built outside an engine core (in-process engine, tests): nothing to wake
+
+
 @needs_vllm
 def test_the_scheduler_puts_the_new_pool_and_its_null_block_in_every_group_manager(halves):
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -455,6 +634,10 @@ def test_stats_aggregate_per_rank_and_reach_prometheus():
     stats = VmkvConnectorStats(data={"ranks": {0: one}}).aggregate(VmkvConnectorStats(data={"ranks": {1: two}}))
     stats = stats.aggregate(VmkvConnectorStats(data={"ranks": {0: {**one, "resident_bytes": 20}}}))  # newer rank 0
     assert stats.reduce() == {"ranks": 2, "resident_bytes": 50, "mapped_pages": 3, "maps": 7, "unmaps": 4}
+    seat = VmkvConnectorStats(data={"ledger": {"held_bytes": 8, "idle_bytes": 2, "reclaims": 5}})  # the scheduler's
+    with_seat = stats.aggregate(seat)
+    assert with_seat.reduce() == {**stats.reduce(), "ledger_held_bytes": 8, "ledger_idle_bytes": 2, "ledger_reclaims": 5}
+    assert not seat.is_empty() and seat.aggregate(stats).data == with_seat.data
     unregister_vllm_metrics()
     try:
         prom = VmkvPromMetrics(SimpleNamespace(kv_transfer_config=None), {Gauge: Gauge, Counter: Counter, Histogram: Histogram},
@@ -462,6 +645,10 @@ def test_stats_aggregate_per_rank_and_reach_prometheus():
         prom.observe(stats.data)
         prom.observe(stats.data)  # the same totals again: counters must not grow
         assert prom._maps[0]._value.get() == 7 and prom._resident[0]._value.get() == 50
+        prom.observe(seat.data)  # a step whose stats hold the ledger seat only: the rank gauges stay
+        prom.observe(with_seat.data)
+        assert prom._resident[0]._value.get() == 50 and prom._maps[0]._value.get() == 7
+        assert (prom._held[0]._value.get(), prom._idle[0]._value.get(), prom._reclaims[0]._value.get()) == (8, 2, 5)
     finally:
         unregister_vllm_metrics()
 
@@ -543,6 +730,31 @@ def test_tensor_parallel_2_gives_the_same_tokens(runs, tmp_path_factory):
     for rid, tokens in runs["stock"]["tokens"].items():
         assert tp["tokens"][rid] == tokens, f"request {rid} differs under TP=2"
     assert len(tp["trimmed_stats"]) == 2 and all(s["mapped_pages"] == 2 for s in tp["trimmed_stats"])
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_two_engines_in_one_ledger_move_idle_pages_and_keep_their_tokens(tmp_path_factory):
+    """Two vLLM engines with the plugin in one 8 MiB ledger (each would take 6 MiB for its burst):
+    A bursts while B idles and gets more than half; B bursts and A's idle prefix-cached pages
+    move to B (A idles: its watcher wakes its engine loop); B's engine is killed (SIGKILL) holding
+    them, and A's next burst takes them back. Tokens equal A's runs with the ledger to itself; both page stores together never hold more
+    than the budget (the kernel's count, sampled every 2 ms)."""
+    run = run_scenarios(tmp_path_factory, ["ledger"])["ledger"]
+    budget, half = scenarios.LEDGER_BUDGET, scenarios.LEDGER_BUDGET // 2
+    a1, b, a2 = (run[phase]["members"] for phase in ("a1", "b", "a2"))
+    assert a1["a"]["held"] > half > a1["b"]["held"]  # A got more than half while B idled
+    assert b["b"]["held"] > half > b["a"]["held"] and b["a"]["reclaims"] > 0  # A gave its idle pages to B
+    assert run["killed"]["b"]["held"] > half and not run["killed"]["b"]["alive"]  # B died holding them ...
+    assert "b" not in a2 and a2["a"]["held"] > half  # ... and A, short of pages, took them back
+    assert not any(m["request"] for phase in (a1, b, a2) for m in phase.values())  # every request answered
+    assert run["stores"] == 2 and run["samples"] > 100
+    assert half < run["peak_resident_bytes"] <= budget
+    count, _, new_tokens = scenarios.LEDGER_BURST
+    for phase, alone in (("a1", "a"), ("b", "b"), ("a2", "a")):
+        tokens = run[phase]["tokens"]
+        assert len(tokens) == count and all(len(t) == new_tokens for t in tokens.values())
+        assert tokens == run["alone"][alone], f"{phase}: tokens differ from the run alone"
 
 
 @needs_vllm

@@ -13,6 +13,8 @@ import textwrap
 
 import pytest
 import torch
+from fake_cuda import FakeRuntime
+from fake_cuda.fixtures import fake, fake_lib  # noqa: F401  (fixtures)
 
 import vmkv
 from vmkv.vllm.free_blocks import PageAwareFreeBlocks
@@ -358,15 +360,33 @@ def test_trim_unmaps_every_idle_unit_and_reset_forgets_hashes():
     free.check()
 
 
+class Grants:
+    """A ledger seat as the free set sees it (:class:`vmkv.vllm.share.EngineShare`'s contract):
+    ``cover`` grants some of what is asked, at random; the limit never drops below what is mapped."""
+
+    def __init__(self, rng: random.Random, free: PageAwareFreeBlocks) -> None:
+        self.rng, self.limit, self.covered = rng, free.mapped_pages, 0
+
+    def cover(self, pages: int, *, wait: bool) -> None:
+        self.limit = max(self.limit, min(pages, self.rng.randint(self.limit, 10)))
+        self.covered += 1
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own budget", "shared budget"])
 @pytest.mark.parametrize("layout", [two_layer_layout(), layer_runs(33, 3)], ids=["aligned", "unaligned"])
-def test_random_operations_keep_every_invariant_and_deltas_replay_the_mapping(layout):
+def test_random_operations_keep_every_invariant_and_deltas_replay_the_mapping(layout, shared):
+    """With ``shared``, the grants also bound the mapped pages (and so the free count), rise on
+    ``make_room`` and fall to what is mapped after idle units are evicted on request."""
     rng = random.Random(0)
-    free, blocks, _ = free_set(budget_pages=10, max_idle_units=2, layout=layout)
+    free, blocks, _ = free_set(budget_pages=10, max_idle_units=8 if shared else 2, layout=layout)
+    grants = free.grants = Grants(rng, free) if shared else None
     held = {0}
     retained: set[int] = set()
     worker: set[int] = set()
     for _ in range(600):
         op = rng.random()
+        if shared and op < 0.4:
+            free.make_room(rng.randint(1, 6))  # vLLM counts a request's need, then the free blocks
         if op < 0.4 and free.num_free_blocks:
             hint = rng.choice(sorted(held)) if rng.random() < 0.5 else None  # a request's last block
             with free.affinity(hint):
@@ -391,15 +411,22 @@ def test_random_operations_keep_every_invariant_and_deltas_replay_the_mapping(la
                 free.remove(block)
                 held.add(block.block_id)
                 retained.discard(block.block_id)
+        elif op < 0.9 and shared:  # another member asks: evict idle units, give back down to what is mapped
+            idle = free.idle_pages()
+            before = free.mapped_pages
+            assert free.evict_idle(rng.randint(1, 4)) == before - free.mapped_pages <= idle
+            grants.limit = rng.randint(free.mapped_pages, grants.limit)
+            free.limit_changed()
         elif op < 0.9:
             free.trim()
         to_map, to_unmap = free.take_delta()
         assert not set(to_map) & worker and set(to_unmap) <= worker
         worker = (worker - set(to_unmap)) | set(to_map)
-        assert len(worker) == free.mapped_pages <= 10
+        assert len(worker) == free.mapped_pages <= (grants.limit if shared else 10)
         for block_id in held | retained:  # every held or retained block's pages are mapped on the worker
             assert set(free.layout.unit_pages(free.layout.unit_of(block_id))) <= worker
         free.check()
+    assert not shared or grants.covered > 10
 
 
 # ---- the worker's buffer ----------------------------------------------------------------------------
@@ -439,6 +466,29 @@ def test_buffer_refuses_bad_lists_before_changing_anything(unmap, map_, error, m
         with pytest.raises(error, match=match):
             buffer.apply(unmap, map_)
         assert buffer.mapped_pages == 1 and int(buffer.tensor()[2 * PAGE]) == 9 and buffer.maps == 1
+        buffer.close()
+
+
+def test_an_on_demand_cuda_buffer_creates_a_steps_pages_in_one_batch_and_gives_unmapped_ones_back(fake):  # noqa: F811
+    """In a shared budget the worker's CUDA store holds device memory only for mapped pages: a
+    step's new pages are created together (one memset), an unmapped page is released at once."""
+    from vmkv.vm.cuda import CudaVirtualMemory
+
+    fake.reset(granularity=4096)
+    buffer = KVBuffer(CudaVirtualMemory(4096, 8, device="cuda:0", runtime=FakeRuntime(), on_demand=True), 8 * 4096)
+    try:
+        zero = fake.state()["memory_used"]  # the zero page only: nothing created up front
+        assert zero == 4096
+        fake.calls(clear=True)
+        buffer.apply([], [0, 1, 2])
+        calls = [call.name for call in fake.calls(clear=True)]
+        assert (calls.count("cuMemCreate"), calls.count("cuMemsetD8")) == (3, 1)
+        assert fake.state()["memory_used"] == zero + 3 * 4096
+        buffer.apply([1, 2], [5])  # two unmapped and released, one created for the new page
+        calls = [call.name for call in fake.calls()]
+        assert (calls.count("cuMemRelease"), calls.count("cuMemCreate")) == (2, 1)
+        assert fake.state()["memory_used"] == zero + 2 * 4096 and buffer.mapped_pages == 2
+    finally:
         buffer.close()
 
 

@@ -14,12 +14,18 @@ Scenarios (each writes its part of OUT.json):
                two units for the prefix cache: tokens, preemptions, prefix hits of the second wave.
 * ``tp2``      vmkv with tensor parallelism 2 (CPU: ``VLLM_CPU_OMP_THREADS_BIND="0|1"``).
 * ``tp2stock`` stock vLLM with tensor parallelism 2.
+* ``ledger``   two vmkv engines in one host-wide ledger smaller than what both take alone
+               (:data:`LEDGER_BUDGET`): A bursts while B idles, then B; B's engine is killed
+               (SIGKILL) holding pages and A bursts again; then A runs both bursts alone. Tokens, prefix hits and the ledger's members
+               after each phase, and the peak resident bytes of both page stores (sampled from
+               outside, the kernel's count).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -29,6 +35,17 @@ PAGE = "512KiB"  # one page per layer holds 4 blocks: a unit is 4 blocks = 512 t
 PREEMPT_BUDGET = 2 * 2**20  # 2 units: 7 blocks besides block 0, for a first wave needing 11
 PREEMPT_CACHED = 2 * 2**20  # the prefix cache alone may keep 2 units mapped
 PREFIX = [(7 * i + 3) % 250 for i in range(300)]  # a 300-token prefix: two full blocks to share
+
+
+LEDGER_BUDGET = 8 * 2**20  # 64 pages of 128 KiB: 32 blocks of 128 tokens (both layers) for both engines
+LEDGER_PAGE = "128KiB"  # one block per page per layer: a unit is one block, 2 pages
+LEDGER_KV_BYTES = 16 * 2**20  # each engine's own buffer: 64 blocks, it could take 16 MiB alone
+LEDGER_BURST = (4, 600, 100)  # 4 requests of 600 prompt tokens, 100 new: 24 blocks, 6 MiB an engine
+
+
+def burst(seed: int) -> list[list[int]]:
+    count, length, _ = LEDGER_BURST
+    return [[(seed * 31 + 7 * i + 13 * r) % 250 for i in range(length)] for r in range(count)]
 
 
 def workload() -> tuple[list[list[int]], list[int]]:
@@ -98,6 +115,8 @@ def scenario(name: str, model: str) -> dict:
         time.sleep(0.5)
         result["finished_stats"] = plugin.stats(llm)
         result["trimmed_stats"] = plugin.trim(llm)
+    elif name == "ledger":
+        return ledger_scenario(model) | {"seconds": time.perf_counter() - start}
     else:
         raise SystemExit(f"unknown scenario {name}")
     result["seconds"] = time.perf_counter() - start
@@ -105,9 +124,130 @@ def scenario(name: str, model: str) -> dict:
     return result
 
 
+def page_stores(llm) -> list[str]:
+    """``/proc/PID/fd/N`` of every vmkv page store (memfd ``vmkv-pages``) of ``llm``'s workers."""
+    from vmkv import vllm as plugin
+
+    paths = []
+    for pid in {s["pid"] for s in plugin.stats(llm)}:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:vmkv-pages"):
+                    paths.append(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                pass
+    return paths
+
+
+def ledger_member(model: str, shared_budget: str) -> None:
+    """One engine of the ``ledger`` scenario, in its own process (``ledger-member SHARED_BUDGET``):
+    answers JSON lines on its stdout (everything else that writes there goes to stderr):
+    ``{"stores"}`` once started, then per command ``{"op": "burst", "seed"}`` -> tokens and
+    cached tokens, ``{"op": "reset"}`` (empty the prefix cache), ``{"op": "quit"}``."""
+    from vllm import SamplingParams
+
+    from vmkv.vllm import drive
+
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # vLLM (and the processes it starts) log to stdout
+    llm = drive.engine(model, vmkv=True, kv_cache_bytes=LEDGER_KV_BYTES, distributed_executor_backend="uni",
+                       options={"page_size": LEDGER_PAGE, "max_cached": LEDGER_BUDGET, "shared_budget": shared_budget})
+    params = [SamplingParams(max_tokens=LEDGER_BURST[2], temperature=0.0, ignore_eos=True)] * LEDGER_BURST[0]
+
+    def answer(value: dict) -> None:
+        answers.write(json.dumps(value) + "\n")
+        answers.flush()
+
+    answer({"stores": page_stores(llm)})
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command["op"] == "burst":
+            run = drive.run(llm, burst(command["seed"]), params, vmkv=True)
+            time.sleep(0.3)  # the engine's last (empty) step gives back what finishing unmapped
+            answer({"tokens": run.tokens, "cached": run.cached_tokens})
+        elif command["op"] == "reset":
+            answer({"reset": llm.reset_prefix_cache()})
+        else:
+            break
+    llm.llm_engine.engine_core.shutdown()
+
+
+def ledger_scenario(model: str) -> dict:
+    """Two :func:`ledger_member` processes, started together, in one ledger (module docstring)."""
+    import subprocess
+    import tempfile
+
+    from benchmarks.two_engines import ResidentSampler, read_answer
+    from vmkv.ledger import Ledger
+
+    name = f"vmkv-test-vllm-{os.getpid()}"
+    logs = {label: tempfile.NamedTemporaryFile("w+", prefix=f"vmkv-ledger-{label}-", suffix=".log") for label in "ab"}
+    procs = {label: subprocess.Popen([sys.executable, __file__, "-", model, "ledger-member",
+                                      f"{name}:{LEDGER_BUDGET},member={label},wait=20"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logs[label], text=True)
+             for label in "ab"}
+
+    def ask(label: str, timeout: float = 300, **command) -> dict:
+        proc = procs[label]
+        if command:
+            proc.stdin.write(json.dumps(command) + "\n")
+            proc.stdin.flush()
+        try:
+            return read_answer(proc, timeout)
+        except RuntimeError as error:
+            logs[label].seek(0)
+            raise RuntimeError(f"{error}\n--- member {label} ---\n{logs[label].read()[-6000:]}") from None
+
+    def members() -> dict:
+        with Ledger(name, None) as ledger:
+            return {m.name: {"held": m.held, "reclaims": m.reclaims, "request": m.request, "pid": m.pid, "alive": m.alive}
+                    for m in ledger.members()}
+
+    def phase(label: str, seed: int) -> dict:
+        return {**ask(label, op="burst", seed=seed), "members": members()}
+
+    try:
+        started = time.perf_counter()
+        paths = {label: ask(label, timeout=900)["stores"] for label in "ab"}
+        stores = paths["a"] + paths["b"]
+        started = time.perf_counter() - started
+        sampler = ResidentSampler(stores, interval=0.002)
+        sampler.start()
+        try:
+            result = {"a1": phase("a", 1), "b": phase("b", 2)}
+            # B's engine core (the member) and its worker are killed holding pages: A, short of budget
+            # for its next burst, finds B dead and takes its pages back
+            for pid in {members()["b"]["pid"], *(int(path.split("/")[2]) for path in paths["b"])}:
+                os.kill(pid, signal.SIGKILL)
+            procs["b"].kill()
+            procs["b"].wait(120)
+            result["killed"] = members()
+            result["a2"] = phase("a", 1)
+        finally:
+            result["peak_resident_bytes"] = sampler.stop()
+        result["stores"], result["samples"] = len(stores), sampler.samples
+        ask("a", op="reset")  # A runs both bursts with the ledger to itself: the reference
+        result["alone"] = {"a": ask("a", op="burst", seed=1)["tokens"], "b": ask("a", op="burst", seed=2)["tokens"]}
+        result["start_s"] = started
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                if not proc.stdin.closed:
+                    proc.stdin.close()  # end of commands: the member shuts its engine down
+                try:
+                    proc.wait(120)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        for log in logs.values():
+            log.close()
+    return result
+
+
 def main() -> None:
     out, model, names = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if names[0] == "ledger-member":
+        return ledger_member(model, names[1])
     results = json.loads(out.read_text()) if out.exists() else {}
     for name in names:
         if name.startswith("tp2"):

@@ -59,6 +59,79 @@ def _as_device(value: torch.device | str) -> torch.device:
 
 
 @dataclass(frozen=True)
+class KVShape:
+    """The K/V geometry of a model (on one rank: its KV heads and layers), which is all the bytes
+    of one token depend on.
+
+    A VMM *piece* is one reserved range (or, head-major, one head of one): per token it holds
+    :meth:`token_bytes` bytes, and one pool page of the cache takes :meth:`pieces` of them.
+
+    Args:
+        num_layers: attention layers.
+        num_kv_heads: key/value heads per layer.
+        head_dim: size of one head.
+        element_size: bytes of one K/V element (2 for float16/bfloat16, 4 for float32).
+
+    Raises:
+        InvalidConfig: a field is not a positive int.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    element_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "element_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InvalidConfig(f"{name} must be a positive int, got {value!r}")
+
+    @property
+    def layer_token_bytes(self) -> int:
+        """Bytes one token takes in one layer's K (or V) tensor."""
+        return self.num_kv_heads * self.head_dim * self.element_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token takes in every layer, K and V."""
+        return 2 * self.num_layers * self.layer_token_bytes
+
+    def token_bytes(self, layout: str) -> int:
+        """Bytes one token takes in one piece of ``layout``.
+
+        Raises:
+            InvalidConfig: ``layout`` is not one of :data:`LAYOUTS`.
+        """
+        check_layout(layout)
+        if layout == "all_layers":
+            return self.num_layers * self.layer_token_bytes
+        if layout == "head_major":
+            return self.head_dim * self.element_size
+        return self.layer_token_bytes
+
+    def pieces(self, layout: str) -> int:
+        """Pieces one page of every layer's K and V takes in ``layout``: one per range (per
+        layer and K/V, or K and V for all layers), and per head, head-major.
+
+        Raises:
+            InvalidConfig: ``layout`` is not one of :data:`LAYOUTS`.
+        """
+        check_layout(layout)
+        if layout == "all_layers":
+            return 2
+        if layout == "head_major":
+            return 2 * self.num_layers * self.num_kv_heads
+        return 2 * self.num_layers
+
+
+def check_layout(layout: object) -> None:
+    """Raise :class:`InvalidConfig` unless ``layout`` is one of :data:`LAYOUTS`."""
+    if layout not in LAYOUTS:
+        raise InvalidConfig(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
+
+
+@dataclass(frozen=True)
 class KVCacheConfig:
     """What a KV cache holds and how much memory it may use. Shared by both modes.
 
@@ -146,23 +219,23 @@ class KVCacheConfig:
         return torch.tensor([], dtype=self.dtype).element_size()
 
     @property
+    def kv_shape(self) -> "KVShape":
+        """The model's K/V geometry (what the bytes of a token depend on)."""
+        return KVShape(self.num_layers, self.num_kv_heads, self.head_dim, self.element_size)
+
+    @property
     def layer_token_bytes(self) -> int:
         """Bytes one token takes in one layer's K (or V) tensor."""
-        return self.num_kv_heads * self.head_dim * self.element_size
+        return self.kv_shape.layer_token_bytes
 
     def tensor_token_bytes(self, layout: str | None = None) -> int:
         """Bytes one token takes in one VMM range piece of ``layout`` (default: this config's)."""
-        layout = layout or self.layout
-        if layout == "all_layers":
-            return self.num_layers * self.layer_token_bytes
-        if layout == "head_major":
-            return self.head_dim * self.element_size
-        return self.layer_token_bytes
+        return self.kv_shape.token_bytes(layout or self.layout)
 
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token takes in the whole cache: every layer, K and V."""
-        return 2 * self.num_layers * self.layer_token_bytes
+        return self.kv_shape.bytes_per_token
 
     def replace(self, **changes) -> "KVCacheConfig":
         """Return a copy with some fields changed (validated again)."""
@@ -241,12 +314,23 @@ def check_budget_fits(config: KVCacheConfig) -> None:
 
 def vmm_pieces(config: KVCacheConfig, layout: str | None = None) -> int:
     """Physical pieces one pool page takes in VMM mode: one per range (and per head, head-major)."""
-    layout = layout or config.layout
-    if layout == "all_layers":
-        return 2
-    if layout == "head_major":
-        return 2 * config.num_layers * config.num_kv_heads
-    return 2 * config.num_layers
+    return config.kv_shape.pieces(layout or config.layout)
+
+
+def smallest_page(token_bytes: int, granularity: int, min_tokens: int = DEFAULT_TOKENS_PER_PAGE) -> int:
+    """The smallest page that is a multiple of ``granularity`` and of ``token_bytes`` and holds at
+    least ``min_tokens`` tokens.
+
+    Args:
+        token_bytes: bytes one token takes in one piece (:meth:`KVShape.token_bytes`).
+        granularity: the backend's smallest mappable page (:func:`vmkv.vm.granularity`).
+        min_tokens: the fewest tokens the page must hold.
+
+    Returns:
+        The page size in bytes.
+    """
+    step = math.lcm(granularity, token_bytes)
+    return step * max(1, -(-min_tokens * token_bytes // step))
 
 
 def default_vmm_pages(config: KVCacheConfig, layout: str | None = None) -> tuple[str, int]:
@@ -285,8 +369,7 @@ def default_vmm_pages(config: KVCacheConfig, layout: str | None = None) -> tuple
 
     def smallest(candidate: str) -> tuple[int, int]:  # (page, step) holding DEFAULT_TOKENS_PER_PAGE tokens
         token_bytes = config.tensor_token_bytes(candidate)
-        step = math.lcm(gran, token_bytes)
-        return -(-DEFAULT_TOKENS_PER_PAGE * token_bytes // step) * step, step
+        return smallest_page(token_bytes, gran), math.lcm(gran, token_bytes)
 
     def fits(candidate: str, page: int) -> bool:
         pieces = vmm_pieces(config, candidate)

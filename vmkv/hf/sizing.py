@@ -4,13 +4,12 @@ size, layout and memory budget (the defaults are documented in docs/hf.md, "Sizi
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 
 import torch
 
 from ..base import KVCacheBase
-from ..config import KVCacheConfig, vmm_pieces
+from ..config import KVCacheConfig, smallest_page, vmm_pieces
 
 log = logging.getLogger("vmkv")
 
@@ -20,9 +19,9 @@ MAX_HEAD_MAJOR_TOKENS = 1024  # the largest head-major page the default grows to
 
 
 def default_page_size(token_bytes: int, granularity: int, min_tokens: int = MIN_TOKENS_PER_PAGE) -> int:
-    """Smallest page that is a multiple of ``granularity`` and ``token_bytes`` and holds ``min_tokens``."""
-    step = math.lcm(granularity, token_bytes)
-    return step * max(1, -(-min_tokens * token_bytes // step))
+    """Smallest page that is a multiple of ``granularity`` and ``token_bytes`` and holds ``min_tokens``
+    (:func:`vmkv.config.smallest_page` with this module's default of tokens)."""
+    return smallest_page(token_bytes, granularity, min_tokens)
 
 
 @dataclass(frozen=True)

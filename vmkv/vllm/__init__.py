@@ -12,6 +12,8 @@ mapped only while vLLM blocks that live in them hold data. Four pieces, one focu
 * :mod:`vmkv.vllm.connector` -- the map/unmap lists travel with every step to every rank as KV
   connector metadata (vLLM's own scheduler->worker path), plus stats and Prometheus metrics.
 * :mod:`vmkv.vllm.layout` -- which buffer pages each block occupies (both sides agree on it).
+* :mod:`vmkv.vllm.share` -- the engine's seat in a host-wide ledger (``shared_budget``): grants
+  held by the scheduler, idle pages given back at a step boundary.
 * :mod:`vmkv.vllm.settings` -- the settings (:class:`PluginConfig`) and names every module shares;
   :mod:`vmkv.vllm.control` -- stats and trim of a running engine.
 

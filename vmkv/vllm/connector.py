@@ -21,6 +21,11 @@ after the step that last used it, and the worker synchronizes the device before 
 Steps are numbered; a worker refuses a gap or a layout fingerprint that differs from the
 scheduler's (e.g. pipeline stages with different layer counts) with a clear error.
 
+In a host-wide ledger (``shared_budget``) the scheduler half holds the engine's seat
+(:class:`~vmkv.vllm.share.EngineShare`): each built step is recorded, each finished step
+(``VmkvScheduler.update_from_output``) gives back the grants its unmaps freed, and requests from
+other members are served at the start of ``schedule()``.
+
 When pages change while no request runs (requests finished, or a trim), the connector reports
 ``has_pending_push_work`` so the engine runs one more (empty) step that carries the unmaps. The
 step that carries a trim is numbered in every later metadata (``trim_step``), so a caller waiting
@@ -28,7 +33,9 @@ for its trim (:func:`vmkv.vllm.trim`) waits for that step, not for any step.
 
 Also here: the worker's counters as ``KVConnectorStats`` (logged by vLLM and exported as
 Prometheus metrics ``vllm:vmkv_kv_resident_bytes``, ``vllm:vmkv_kv_mapped_pages``,
-``vllm:vmkv_kv_page_maps_total``, ``vllm:vmkv_kv_page_unmaps_total``; vLLM only collects and
+``vllm:vmkv_kv_page_maps_total``, ``vllm:vmkv_kv_page_unmaps_total``, and in a shared budget the
+scheduler's seat as ``vllm:vmkv_ledger_held_bytes``, ``vllm:vmkv_ledger_idle_bytes``,
+``vllm:vmkv_ledger_reclaims_total``; vLLM only collects and
 unregisters names under ``vllm:``), and ``SupportsHMA`` (without it
 vLLM turns the hybrid KV cache manager off).
 """
@@ -49,10 +56,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.logger import init_logger
 
 from ..errors import BackendError, InvalidConfig
+from ..ledger import SharedBudget
 from . import settings as plugin
 from .block_pool import PageAffineBlockPool
 from .kvbuffer import KVBuffer, process_rss_bytes
 from .layout import KVLayout, check_supported, meta_layout
+from .share import EngineShare
 from .slots import SlotAssigner, SlotDelta, SlotSpace, WriteGuard
 
 if TYPE_CHECKING:
@@ -89,8 +98,10 @@ class VmkvMetadata(KVConnectorMetadata):
 
 def budget_settings(config: plugin.PluginConfig, layout: KVLayout) -> tuple[int, int]:
     """``(budget_pages, max_idle_units)`` of ``config`` over ``layout``; the scheduler and every
-    worker compute them the same way."""
+    worker compute them the same way (in a shared budget no more pages than the ledger holds)."""
     pages = layout.num_pages if config.budget is None else min(config.budget // layout.page_size, layout.num_pages)
+    if config.shared_budget is not None:
+        pages = min(pages, SharedBudget.parse(config.shared_budget).budget // layout.page_size)
     cached = pages * layout.page_size // 8 if config.max_cached is None else config.max_cached
     unit_bytes = layout.max_pages_per_unit * layout.page_size
     return pages, cached // unit_bytes
@@ -104,23 +115,27 @@ def slot_geometry(vllm_config: Any, kv_cache_config: Any) -> tuple[int, int]:
 
 
 class VmkvConnectorStats(KVConnectorStats):
-    """Per-rank memory counters: ``data = {"ranks": {rank: {...}}}``; a newer snapshot of a rank
-    replaces the older one, so aggregating over workers and over time are the same operation."""
+    """Per-rank memory counters: ``data = {"ranks": {rank: {...}}}``, and in a shared budget the
+    scheduler's ``"ledger": {"held_bytes", "idle_bytes", "reclaims"}``; a newer snapshot of a rank
+    (or of the ledger seat) replaces the older one, so aggregating over workers and over time are
+    the same operation."""
 
     def reset(self) -> None:
         self.data = {}
 
     def aggregate(self, other: KVConnectorStats) -> "VmkvConnectorStats":
         ranks = {**self.data.get("ranks", {}), **other.data.get("ranks", {})}
-        return VmkvConnectorStats(data={"ranks": ranks})
+        ledger = other.data.get("ledger") or self.data.get("ledger")
+        return VmkvConnectorStats(data={"ranks": ranks, **({"ledger": ledger} if ledger else {})})
 
     def reduce(self) -> dict[str, int | float]:
         ranks = self.data.get("ranks", {}).values()
         keys = ("resident_bytes", "mapped_pages", "maps", "unmaps")
-        return {"ranks": len(ranks), **{key: sum(r[key] for r in ranks) for key in keys}}
+        ledger = {f"ledger_{key}": value for key, value in self.data.get("ledger", {}).items()}
+        return {"ranks": len(ranks), **{key: sum(r[key] for r in ranks) for key in keys}, **ledger}
 
     def is_empty(self) -> bool:
-        return not self.data.get("ranks")
+        return not self.data.get("ranks") and not self.data.get("ledger")
 
 
 class VmkvPromMetrics(KVConnectorPromMetrics):
@@ -138,13 +153,26 @@ class VmkvPromMetrics(KVConnectorPromMetrics):
         self._mapped = per_engine(self._gauge_cls, "vllm:vmkv_kv_mapped_pages", "KV buffer pages mapped by vmkv")
         self._maps = per_engine(self._counter_cls, "vllm:vmkv_kv_page_maps", "KV buffer pages mapped, cumulative")
         self._unmaps = per_engine(self._counter_cls, "vllm:vmkv_kv_page_unmaps", "KV buffer pages unmapped, cumulative")
+        self._held = per_engine(self._gauge_cls, "vllm:vmkv_ledger_held_bytes",
+                                "Bytes of the host-wide KV budget this engine holds")
+        self._idle = per_engine(self._gauge_cls, "vllm:vmkv_ledger_idle_bytes",
+                                "Bytes this engine could give back to the host-wide KV budget when asked")
+        self._reclaims = per_engine(self._counter_cls, "vllm:vmkv_ledger_reclaims",
+                                    "Pages this engine gave back to the host-wide KV budget on request")
         self._seen: dict[tuple[int, str], int] = {}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         totals = VmkvConnectorStats(data=transfer_stats_data).reduce()
-        self._resident[engine_idx].set(totals["resident_bytes"])
-        self._mapped[engine_idx].set(totals["mapped_pages"])
-        for key, counter in (("maps", self._maps), ("unmaps", self._unmaps)):
+        counters = []
+        if totals["ranks"]:  # a step's stats may carry the scheduler's ledger seat only
+            self._resident[engine_idx].set(totals["resident_bytes"])
+            self._mapped[engine_idx].set(totals["mapped_pages"])
+            counters += [("maps", self._maps), ("unmaps", self._unmaps)]
+        if "ledger_held_bytes" in totals:
+            self._held[engine_idx].set(totals["ledger_held_bytes"])
+            self._idle[engine_idx].set(totals["ledger_idle_bytes"])
+            counters.append(("ledger_reclaims", self._reclaims))
+        for key, counter in counters:
             grown = totals[key] - self._seen.get((engine_idx, key), 0)
             if grown > 0:
                 counter[engine_idx].inc(grown)
@@ -162,6 +190,7 @@ class VmkvConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         self.config = plugin.PluginConfig.from_extra_config(dict(self._kv_transfer_config.kv_connector_extra_config))
         self._pool: Any = None  # scheduler: the PageAffineBlockPool
+        self.share: EngineShare | None = None  # scheduler, in a shared budget: the ledger seat
         self._step = 0
         self._flush = False
         self._trim_step = 0  # scheduler: the step carrying the latest trim; worker: that step, once applied
@@ -234,6 +263,39 @@ class VmkvConnector(KVConnectorBase_V1, SupportsHMA):
         if self._pool is not None and self._slots is not None:
             self._pool.track_handed_out = True
 
+    def join_ledger(self, ranks: int, wake: Any) -> EngineShare | None:
+        """Join the ``shared_budget`` ledger, if the settings name one, for the bound pool.
+
+        Args:
+            ranks: workers that each map every page (tensor x pipeline parallel ranks).
+            wake: wakes the engine-core loop (:func:`vmkv.vllm.share.engine_wake`), or ``None``.
+
+        Raises:
+            OutOfPages: the ledger cannot grant what the pool maps from the start.
+        """
+        if self.config.shared_budget is None or self._pool is None:
+            return None
+        queue = self._pool.free_block_queue
+        self.share = EngineShare(SharedBudget.parse(self.config.shared_budget), queue.layout.page_size * ranks,
+                                 queue.budget_pages, wake)
+        try:
+            self.share.attach(queue)
+        except BaseException:
+            self.share.close()
+            self.share = None
+            raise
+        return self.share
+
+    def step_boundary(self) -> None:
+        """Start of ``schedule()``: serve other ledger members' requests (shared budget only)."""
+        if self.share is not None:
+            self.share.boundary(self._step + 1)
+
+    def step_finished(self, meta: Any) -> None:
+        """Every worker executed the step ``meta`` (its connector metadata) carried."""
+        if self.share is not None and isinstance(meta, VmkvMetadata):
+            self.share.finished(meta.step)
+
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         return 0, False
 
@@ -252,6 +314,8 @@ class VmkvConnector(KVConnectorBase_V1, SupportsHMA):
         self._step += 1
         self._flush = False
         slots = self._slot_delta(scheduler_output) if self._slots is not None else SlotDelta()
+        if self.share is not None:
+            self.share.built(self._step)
         return VmkvMetadata(self._step, self._pool.free_block_queue.layout.fingerprint, to_map, to_unmap,
                             self._trim_step, slots)
 
@@ -262,11 +326,13 @@ class VmkvConnector(KVConnectorBase_V1, SupportsHMA):
         return False, None
 
     def has_pending_push_work(self) -> bool:
-        """True while page changes wait for a step to carry them (the engine then steps)."""
+        """True while page changes or slot frees wait for a step to carry them, or a ledger request
+        or give-back waits for one (the engine then steps)."""
         if self._pool is None:
             return False
         stale = self._slots is not None and self._slots.has_stale(self._pool_manager().req_to_blocks)
-        return self._flush or stale or self._pool.free_block_queue.has_delta()
+        return (self._flush or stale or self._pool.free_block_queue.has_delta()
+                or (self.share is not None and self.share.pending()))
 
     def reset_cache(self) -> bool:
         """vmkv's trim: evict the pages only prefix-cached blocks keep mapped; the next step
@@ -364,6 +430,8 @@ class VmkvConnector(KVConnectorBase_V1, SupportsHMA):
                 "pid": os.getpid(), "rank": self._rank}
 
     def get_kv_connector_stats(self) -> VmkvConnectorStats | None:
+        if self.share is not None:  # the scheduler half in a shared budget: its ledger seat
+            return VmkvConnectorStats(data={"ledger": self.share.gauges()})
         if self._buffer is None:
             return None
         return VmkvConnectorStats(data={"ranks": {self._rank: self._buffer.stats()}})
@@ -381,6 +449,9 @@ class VmkvConnector(KVConnectorBase_V1, SupportsHMA):
         if self.slot_space is not None:
             self.slot_space.close()
             self.slot_space = None
+        if self.share is not None:
+            self.share.close()
+            self.share = None
         if self._buffer is not None:
             self._buffer.close()
             self._buffer = None

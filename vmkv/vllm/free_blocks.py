@@ -58,6 +58,16 @@ Pages whose mapped state changed are collected; :meth:`PageAwareFreeBlocks.take_
 what to map and unmap since the last call (a page unmapped and mapped again in between is left
 alone), which the connector sends to the workers with the step.
 
+In a host-wide ledger (``shared_budget``, :mod:`vmkv.vllm.share`) the physical budget is also
+bounded by the pages the ledger granted (``grants.limit``): step 3 maps new units only within
+it, so the free count is what the grants allow. Before vLLM compares a request's need with the
+free count, :meth:`PageAwareFreeBlocks.make_room` asks for the grants the need takes: from the
+ledger's free budget first, then (when that is short) by reusing this engine's own idle pages
+(the free count includes them), and only then by asking the other members and waiting.
+:meth:`PageAwareFreeBlocks.evict_idle` gives idle pages back on request: it evicts whole idle
+units, least recently idle first, exactly as the idle cap does (their prefix-cache entries go
+first, so no later hit can read a page that was unmapped).
+
 This module imports no vLLM code: blocks only need ``block_id`` and ``block_hash``.
 """
 
@@ -67,6 +77,7 @@ import copy
 import heapq
 from collections import OrderedDict
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any, Callable, Iterable, Iterator
 
 from ..errors import InvalidConfig
@@ -130,6 +141,9 @@ class PageAwareFreeBlocks:
         self.unmaps = 0
         self._unbounded = False
         self._new_count: int | None = None  # blocks step 3 can deliver; None: to recount
+        self.grants: Any = None  # in a shared budget: the ledger seat (vmkv.vllm.share.EngineShare)
+        self._changes = 0  # units changed so far (_change)
+        self._idle_pages = (-1, 0)  # (_changes when counted, idle_pages())
 
     # ---- the FreeKVCacheBlockQueue interface ----------------------------------------------------
     @property
@@ -239,6 +253,65 @@ class PageAwareFreeBlocks:
         finally:
             self._unbounded = False
 
+    # ---- shared budget ----------------------------------------------------------------------------
+    @property
+    def limit(self) -> int:
+        """Pages that may be mapped now: the budget, and in a shared budget the pages granted."""
+        return self.budget_pages if self.grants is None else min(self.budget_pages, self.grants.limit)
+
+    def limit_changed(self) -> None:
+        """The grants changed: recount what step 3 can deliver."""
+        self._new_count = None
+
+    @property
+    def sent_pages(self) -> int:
+        """Pages the workers have mapped once they applied every list :meth:`take_delta` returned."""
+        return len(self._sent)
+
+    def make_room(self, blocks: int) -> None:
+        """vLLM is about to ask for ``blocks`` blocks: in a shared budget, take the grants their
+        new pages need (module docstring); a no-op otherwise or when mapped pages have them."""
+        if self.grants is None or blocks <= self._empty_in_live + self._new_blocks():
+            return
+        want = min(self.budget_pages, self.mapped_pages + self._pages_for(blocks - self._empty_in_live))
+        self.grants.cover(want, wait=False)
+        self.limit_changed()
+        if blocks > self.num_free_blocks:  # even this engine's own idle pages are too few
+            self.grants.cover(want, wait=True)
+            self.limit_changed()
+
+    def _pages_for(self, blocks: int) -> int:
+        """New pages step 3 maps to deliver ``blocks`` blocks of unmapped units, lowest first."""
+        first = self._lowest_unmapped()
+        pages: set[int] = set()
+        got = 0
+        for unit in range(self.layout.num_units if first is None else first, self.layout.num_units):
+            if got >= blocks:
+                break
+            if not self._live(unit):
+                pages.update(p for p in self.layout.unit_pages(unit) if self._page_refs[p] == 0)
+                got += len(self._empty[unit])
+        return len(pages)
+
+    def evict_idle(self, pages: int) -> int:
+        """Evict whole idle units, least recently idle first, until ``pages`` pages are unmapped
+        (or none is left); return the pages unmapped (sent with the next :meth:`take_delta`)."""
+        before = self.mapped_pages
+        while self._idle and before - self.mapped_pages < pages:
+            self._evict_unit(next(iter(self._idle)))
+        return before - self.mapped_pages
+
+    def idle_pages(self) -> int:
+        """Pages that evicting every idle unit would unmap (a page shared with a unit that stays
+        live is not counted); counted again only after a unit changed (not on most decode steps)."""
+        if self._idle_pages[0] != self._changes:
+            refs: dict[int, int] = {}
+            for unit in self._idle:
+                for page in self.layout.unit_pages(unit):
+                    refs[page] = refs.get(page, 0) + 1
+            self._idle_pages = (self._changes, sum(1 for page, n in refs.items() if n == self._page_refs[page]))
+        return self._idle_pages[1]
+
     @property
     def held_blocks(self) -> int:
         return sum(self._held)
@@ -288,7 +361,7 @@ class PageAwareFreeBlocks:
         if self._unclaimed:  # 2: a mapped page no request holds
             return self._take_any(next(iter(self._unclaimed)))
         new = self._lowest_unmapped()  # 3: a new unit within the budget
-        if new is not None and self._new_pages(new) <= self.budget_pages - self.mapped_pages:
+        if new is not None and self._new_pages(new) <= self.limit - self.mapped_pages:
             return self._take_any(new)
         for live in range(self.k - 1, 0, -1):  # 4: the fullest live unit with an empty block
             if self._buckets[live]:
@@ -316,7 +389,7 @@ class PageAwareFreeBlocks:
 
     def _new_blocks(self) -> int:
         """Empty blocks of unmapped units that step 3 can map, one unit after the other."""
-        if self._unbounded or self.budget_pages >= self.layout.num_pages:
+        if self._unbounded or (self.grants is None and self.budget_pages >= self.layout.num_pages):
             return self._empty_in_unmapped
         if self._new_count is None:
             self._new_count = self._count_new_blocks()
@@ -328,7 +401,7 @@ class PageAwareFreeBlocks:
         first = self._lowest_unmapped()
         if first is None:
             return 0
-        room, counted, blocks = self.budget_pages - self.mapped_pages, set(), 0
+        room, counted, blocks = self.limit - self.mapped_pages, set(), 0
         for unit in range(first, self.layout.num_units):
             if self._live(unit):
                 continue
@@ -408,6 +481,7 @@ class PageAwareFreeBlocks:
 
     def _change(self, unit: int, update: Callable[[], None]) -> None:
         """Apply ``update`` to ``unit`` and bring every derived structure up to date."""
+        self._changes += 1
         live_before, empty_before = self._live(unit), len(self._empty[unit])
         update()
         live, empty = self._live(unit), len(self._empty[unit])
@@ -484,8 +558,8 @@ class PageAwareFreeBlocks:
             raise AssertionError(f"free blocks {hashed} carry a prefix-cache hash but would be handed out as empty")
         if refs != self._page_refs:
             raise AssertionError("page reference counts disagree")
-        if self.mapped_pages != sum(1 for r in refs if r) or self.mapped_pages > self.budget_pages:
-            raise AssertionError(f"mapped pages {self.mapped_pages} wrong or over the budget {self.budget_pages}")
+        if self.mapped_pages != sum(1 for r in refs if r) or self.mapped_pages > self.limit:
+            raise AssertionError(f"mapped pages {self.mapped_pages} wrong or over the budget {self.limit}")
         empty_live = sum(len(e) for u, e in enumerate(self._empty) if self._live(u))
         empty_unmapped = sum(len(e) for u, e in enumerate(self._empty) if not self._live(u))
         if (empty_live, empty_unmapped) != (self._empty_in_live, self._empty_in_unmapped):
@@ -503,6 +577,8 @@ class PageAwareFreeBlocks:
         memo: dict[int, Any] = {id(b): b for b in self._blocks}  # blocks are read, never written
         memo[id(self.layout)] = self.layout
         memo[id(self._evict)] = lambda block: None
+        if self.grants is not None:  # the copy sees the grants as they are and takes none
+            memo[id(self.grants)] = SimpleNamespace(limit=self.grants.limit)
         clone = copy.deepcopy(self, memo)
         count = clone.num_free_blocks
         try:
@@ -513,7 +589,7 @@ class PageAwareFreeBlocks:
             raise AssertionError(f"after taking {count} blocks, {clone.num_free_blocks} more are counted free")
         clone.check(drain=False)
         unit = clone._lowest_unmapped()
-        if unit is not None and clone._new_pages(unit) <= clone.budget_pages - clone.mapped_pages:
+        if unit is not None and clone._new_pages(unit) <= clone.limit - clone.mapped_pages:
             raise AssertionError(f"the free count {count} misses unit {unit}, which fits the budget")
         if any(clone._live(clone.layout.unit_of(b.block_id)) for b in clone.get_all_free_blocks()):
             raise AssertionError(f"the free count {count} misses free blocks of mapped units")

@@ -95,7 +95,9 @@ class KVBuffer:
         Unmapping first lets the maps reuse the freed physical pages. The caller guarantees no
         kernel still uses an unmapped page; this waits for the device first anyway
         (``backend.synchronize()``), then returns each page's memory to the OS where the backend
-        can. Validates everything before changing anything.
+        can (the host always; CUDA when the store creates pages on demand, which then creates
+        the step's new pages in one batch before mapping them). Validates everything before
+        changing anything.
 
         Raises:
             InvalidInput: a page is out of range, unmapped twice, mapped twice, or listed twice.
@@ -113,6 +115,8 @@ class KVBuffer:
                 self._free.append(physical)
                 self.unmaps += 1
                 self.backend.release_page(physical)
+        if to_map and self.backend.on_demand:  # CUDA in a shared budget: create the step's pages in one batch
+            self.backend.provision(self._free[len(self._free) - len(to_map):])
         done: list[int] = []
         try:
             for page in to_map:

@@ -36,6 +36,7 @@ from ..errors import InvalidConfig
 from . import settings as plugin
 from .block_pool import PageAffineBlockPool
 from .connector import VmkvConnector
+from .share import engine_wake
 
 logger = init_logger(__name__)
 
@@ -67,6 +68,22 @@ class VmkvScheduler(Scheduler):
         install_pool(manager, pool)
         self.connector.bind_kv_cache_manager(manager)
         logger.info("vmkv: page-affine block pool installed (%s)", pool.free_block_queue.layout)
+        share = self.connector.join_ledger(vllm_config.parallel_config.world_size, engine_wake())
+        if share is not None:
+            manager.coordinator.get_num_blocks_to_allocate = _with_room(manager.coordinator, pool)
+            logger.info("vmkv: joined ledger %r (%d B): pages are mapped as it grants them", share.ledger.name,
+                        share.ledger.budget)
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's ``schedule``, after serving other ledger members' requests (a step boundary)."""
+        self.connector.step_boundary()
+        return super().schedule(*args, **kwargs)
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        """vLLM's ``update_from_output``; then the step is done on every worker (its unmaps too)."""
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        self.connector.step_finished(scheduler_output.kv_connector_metadata)
+        return outputs
 
 
 def install_pool(manager: Any, pool: PageAffineBlockPool) -> None:
@@ -120,6 +137,20 @@ def _with_affinity(manager: Any, pool: PageAffineBlockPool) -> Any:
             return allocate(request_id, num_tokens, num_tokens_main_model)
 
     return allocate_new_blocks
+
+
+def _with_room(coordinator: Any, pool: PageAffineBlockPool) -> Any:
+    """``coordinator.get_num_blocks_to_allocate`` that, in a shared budget, takes the grants the
+    blocks it counts need before vLLM compares them with the free count
+    (:meth:`~vmkv.vllm.free_blocks.PageAwareFreeBlocks.make_room`)."""
+    count = coordinator.get_num_blocks_to_allocate
+
+    def get_num_blocks_to_allocate(*args: Any, **kwargs: Any) -> int:
+        blocks = count(*args, **kwargs)
+        pool.free_block_queue.make_room(blocks)
+        return blocks
+
+    return get_num_blocks_to_allocate
 
 
 def _allocates(manager: Any, request_id: str, num_tokens: int, num_blocks: int) -> bool:

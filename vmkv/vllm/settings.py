@@ -17,6 +17,7 @@ from typing import Any
 
 from ..errors import BackendUnavailable, InvalidConfig, UnsupportedVllm
 from ..extras import install_hint
+from ..ledger import SharedBudget
 from ..sizes import format_size, parse_size
 
 SUPPORTED_VLLM = "0.32"
@@ -90,26 +91,31 @@ class PluginConfig:
         max_cached: bytes of pages that only prefix-cached blocks keep mapped (no running
             request uses them); beyond it whole cached pages are evicted, least recently freed
             first, and their memory goes back to the OS. ``None``: an eighth of the budget.
+        shared_budget: ``"NAME:SIZE[,min=..][,max=..][,member=..][,wait=..]"`` (see
+            :class:`vmkv.ledger.SharedBudget`): the engine joins that host-wide ledger and maps
+            pages only as it grants them (``docs/shared-budget.md``); ``None``: no ledger.
         kv_mode: ``"paged"`` or ``"contiguous"`` (:data:`KV_MODES`).
     """
 
     page_size: int = 2 * 2**20
     budget: int | None = None
     max_cached: int | None = None
+    shared_budget: str | None = None
     kv_mode: str = "paged"
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> "PluginConfig":
-        """Read ``{"page_size", "budget", "max_cached", "kv_mode"}`` (sizes: ints or strings like
-        ``"64MiB"``).
+        """Read ``{"page_size", "budget", "max_cached", "shared_budget", "kv_mode"}`` (sizes: ints or
+        strings like ``"64MiB"``).
 
         Raises:
-            InvalidConfig: an unknown key, a value that is not a size, or an unknown ``kv_mode``.
+            InvalidConfig: an unknown key, a value that is not a size, a bad ``shared_budget`` or an
+                unknown ``kv_mode``.
         """
-        unknown = set(extra) - {"page_size", "budget", "max_cached", "kv_mode"}
+        unknown = set(extra) - {"page_size", "budget", "max_cached", "shared_budget", "kv_mode"}
         if unknown:
             raise InvalidConfig(f"vmkv connector: unknown kv_connector_extra_config keys {sorted(unknown)}; "
-                                "known: page_size, budget, max_cached, kv_mode")
+                                "known: page_size, budget, max_cached, shared_budget, kv_mode")
         kv_mode = extra.get("kv_mode", cls.kv_mode)
         if kv_mode not in KV_MODES:
             raise InvalidConfig(f"vmkv: kv_mode must be one of {', '.join(map(repr, KV_MODES))}, got {kv_mode!r}")
@@ -118,10 +124,14 @@ class PluginConfig:
             raise InvalidConfig("vmkv connector: page_size must be positive")
         budget = extra.get("budget")
         max_cached = extra.get("max_cached")
+        shared = extra.get("shared_budget")
+        if shared is not None:
+            SharedBudget.parse(shared)  # refused here, in the caller's process, not in vLLM's
         return cls(
             page_size=page_size,
             budget=None if budget is None else parse_size(budget, name="budget"),
             max_cached=None if max_cached is None else parse_size(max_cached, name="max_cached"),
+            shared_budget=shared,
             kv_mode=kv_mode,
         )
 
@@ -133,17 +143,21 @@ class PluginConfig:
             out["budget"] = self.budget
         if self.max_cached is not None:
             out["max_cached"] = self.max_cached
+        if self.shared_budget is not None:
+            out["shared_budget"] = self.shared_budget
         return out
 
 
 def engine_args(page_size: int | str = "2MiB", budget: int | str | None = None,
-                max_cached: int | str | None = None, kv_mode: str = "paged") -> dict[str, Any]:
+                max_cached: int | str | None = None, shared_budget: str | None = None,
+                kv_mode: str = "paged") -> dict[str, Any]:
     """Keyword arguments that put vmkv under a ``vllm.LLM`` / ``EngineArgs`` (with ``VMKV_VLLM=1``).
 
     Args:
         page_size: backend page size (see :class:`PluginConfig`).
         budget: physical KV bytes per worker; ``None``: vLLM's whole KV buffer.
         max_cached: bytes of pages the prefix cache alone may keep; ``None``: budget / 8.
+        shared_budget: a host-wide ledger to join (see :class:`PluginConfig`); ``None``: none.
         kv_mode: ``"paged"`` (default) or ``"contiguous"`` (:data:`KV_MODES`).
 
     Returns:
@@ -152,7 +166,8 @@ def engine_args(page_size: int | str = "2MiB", budget: int | str | None = None,
     Raises:
         InvalidConfig: a size is not understood, or ``kv_mode`` is unknown.
     """
-    given = {"page_size": page_size, "budget": budget, "max_cached": max_cached, "kv_mode": kv_mode}
+    given = {"page_size": page_size, "budget": budget, "max_cached": max_cached, "shared_budget": shared_budget,
+             "kv_mode": kv_mode}
     config = PluginConfig.from_extra_config({k: v for k, v in given.items() if v is not None})
     return {
         "scheduler_cls": SCHEDULER_CLS,
@@ -177,5 +192,6 @@ def describe(config: PluginConfig) -> str:
     """One line naming the settings, for logs."""
     budget = "vLLM's KV buffer" if config.budget is None else format_size(config.budget)
     cached = "budget / 8" if config.max_cached is None else format_size(config.max_cached)
+    shared = "" if config.shared_budget is None else f", shared budget {config.shared_budget}"
     return (f"kv_mode {config.kv_mode}, page {format_size(config.page_size)}, budget {budget}, "
-            f"prefix cache alone at most {cached}")
+            f"prefix cache alone at most {cached}{shared}")

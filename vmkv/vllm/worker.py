@@ -88,9 +88,12 @@ def allocate_kv_cache(kv_cache_config: Any, device: torch.device, layout: Any,
     kv_layout = layout_from_views(views, kv_cache_config.num_blocks, nbytes, connector.config.page_size)
     budget_pages, _ = budget_settings(connector.config, kv_layout)
     # host: every mapped page may split the reservation's zero mapping in two (Linux vm.max_map_count),
-    # and so may every block contiguous mode maps into a slot
-    mappings = 2 * budget_pages + 1 + connector.slot_mapping_bound(kv_cache_config, len({v.storage_offset() for v in views.values()}))
-    backend = open_backend(device, connector.config.page_size, budget_pages, max_mappings=mappings)
+    # and so may every block contiguous mode maps into a slot;
+    # in a shared budget, CUDA pages exist only while mapped (the ledger counts what is mapped)
+    views_count = len({v.storage_offset() for v in views.values()})
+    mappings = 2 * budget_pages + 1 + connector.slot_mapping_bound(kv_cache_config, views_count)
+    backend = open_backend(device, connector.config.page_size, budget_pages, max_mappings=mappings,
+                           on_demand=connector.config.shared_budget is not None)
     buffer = KVBuffer(backend, nbytes)
     raw = buffer.tensor()  # raw: [nbytes] int8 over the reservation
     rebuilt: dict[int, torch.Tensor] = {}  # layers sharing one view keep sharing it
