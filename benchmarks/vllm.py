@@ -2,7 +2,9 @@
 own benchmark client against its OpenAI server (issue 19, :mod:`benchmarks.vllm_client`), and
 what the plugin's hooks add to one engine step, timed in isolation (:mod:`benchmarks.vllm_costs`).
 
-``--parts`` picks them (default all three). The trace part:
+``--parts`` picks them (default all three); ``--parts addressing`` (opt-in: three engines on a wider
+model, minutes) compares block tables with virtual memory inside one vLLM: stock, vmkv's paged
+backing and vmkv's contiguous mode (:mod:`benchmarks.vllm_addressing`, issue 20). The trace part:
 
 Both engines run the tiny Llama (:mod:`vmkv.vllm.tiny`, greedy, fp32, eager) with the same KV
 buffer (``kv_cache_memory_bytes``); the vmkv engine maps its pages on demand
@@ -36,14 +38,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import common, vllm_client, vllm_costs
+from . import common, vllm_addressing, vllm_client, vllm_costs
 
 SETTLE_S = 1.5  # vLLM's workers busy-poll their queue for 1 s after a step: let the idle engine go quiet
 
 NAME = "vllm"
 DESCRIPTION = ("vLLM with and without vmkv: one bursty ShareGPT-like trace (tokens/s ratio, KV memory over time) "
                "and vLLM's own benchmark client at rate inf and a finite rate (tokens/s and TTFT ratios)")
-PARTS = ("trace", "client", "costs")
+PARTS = ("trace", "client", "costs", "addressing")
 
 SCHEMA = {
     "round": "interleaving round (engines take turns within a round)",
@@ -72,9 +74,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-cached", default="0", help="KV the prefix cache alone may keep mapped (default 0)")
     parser.add_argument("--sample-every", type=int, default=4, help="engine steps between memory samples (default 4)")
     parser.add_argument("--model-dir", type=Path, default=None, help="where to write the tiny model (default: a temp dir)")
+    vllm_addressing.add_arguments(parser)
     parser.add_argument("--parts", default="trace,client,costs", help="what to run, comma-separated: trace "
                         "(in-process engines, bursty trace), client (vLLM's OpenAI servers and benchmark client), costs "
-                        "(the plugin's per-step hooks timed in isolation, same workload as the client); default all")
+                        "(the plugin's per-step hooks timed in isolation, same workload as the client); default trace,client,costs; "
+                        "addressing (stock, paged and contiguous vmkv on a wider model) is opt-in")
     parser.add_argument("--client-prompts", type=int, default=None, help="requests per client run (default 64; smoke 4)")
     parser.add_argument("--client-rates", default=None, help="request rates per second, comma-separated, inf = all at "
                         "once (default inf,16; smoke inf)")
@@ -181,6 +185,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                    rounds=1 if args.smoke else vllm_costs.ROUNDS)
         extra["costs"] = costs
         summary["costs"] = costs["summary"]["verdict"]
+    if "addressing" in parts:
+        extra["addressing"] = vllm_addressing.measure(args, args.model_dir or Path(tempfile.gettempdir()))
+        summary["addressing"] = extra["addressing"]["summary"]["verdict"]
     return common.make_result(NAME, SCHEMA, rows, summary, **extra)
 
 
@@ -286,6 +293,11 @@ def table(result: dict[str, Any]) -> list[dict[str, Any]]:
                     "same text": all(r["tokens_identical"] for r in mine)})
     if "client" in result:
         out += vllm_client.table(result["client"])
+    for engine in vllm_addressing.ENGINES if "addressing" in result else ():
+        mine = [r for r in result["addressing"]["rows"] if r["engine"] == engine]
+        out.append({"workload": f"addressing, {result['addressing']['config']['layers']} layers", "engine": engine,
+                    "rounds": len(mine), "output tok/s": statistics.median(r["output_tok_per_s"] for r in mine),
+                    "mean TTFT ms": "", "same text": all(r["tokens_identical"] for r in mine)})
     return out
 
 
@@ -294,6 +306,7 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
     what it costs in output tokens/s and time to first token under vLLM's client, per rate."""
     client = vllm_client.verdicts(result["client"]) if "client" in result else []
     client += vllm_costs.verdicts(result["costs"]) if "costs" in result else []
+    client += vllm_addressing.verdicts(result["addressing"]) if "addressing" in result else []
     summary = result["summary"]
     if "throughput_ratios_per_round" not in summary:  # the trace part did not run
         return client

@@ -58,7 +58,7 @@ from .errors import (
 )
 from .pages import PagePool
 from .share import BudgetShare
-from .step import StepPlan, causal_mask
+from .step import StepPlan, make_plan
 from .validate import as_int, as_layer, as_token_ids, check_seq_id
 
 SeqId = Hashable
@@ -996,26 +996,12 @@ class KVCacheBase(ABC):
     def _build_plan(self, seqs: list[_Sequence], counts: list[int]) -> StepPlan:
         """The plan of a step adding ``counts[i]`` tokens to ``seqs[i]``, built before the step is
         committed (lengths are still the old ones; the plan carries the version it commits)."""
-        device = self.config.device
         starts = [seq.length for seq in seqs]
-        kv_lens = [s + n for s, n in zip(starts, counts)]
         rows = [self._token_rows(seq.slot, seq.pages, s, n) for seq, s, n in zip(seqs, starts, counts)]
-        cu_q = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        return StepPlan(
-            seq_ids=tuple(seq.seq_id for seq in seqs),
-            slots=tuple(seq.slot for seq in seqs),
-            starts=tuple(starts),
-            q_lens=tuple(counts),
-            kv_lens=tuple(kv_lens),
-            cu_q=cu_q.to(device),
-            write_rows=torch.cat(rows).to(device),
-            slots_t=torch.tensor([seq.slot for seq in seqs], dtype=torch.int32, device=device),
-            kv_lens_t=torch.tensor(kv_lens, dtype=torch.int32, device=device),
-            block_table=self._block_table(seqs, kv_lens),
-            causal_masks=tuple(causal_mask(s, n) for s, n in zip(starts, counts)) if device.type == "cpu" else (),
-            version=self._version + 1,
-            owner=self._owner,
-        )
+        kv_lens = [s + n for s, n in zip(starts, counts)]
+        return make_plan(tuple(seq.seq_id for seq in seqs), [seq.slot for seq in seqs], starts, counts,
+                         device=self.config.device, write_rows=torch.cat(rows).to(self.config.device),
+                         block_table=self._block_table(seqs, kv_lens), version=self._version + 1, owner=self._owner)
 
     # ---- map ahead -------------------------------------------------------------------------
     def _start_map_ahead(self, plan: StepPlan) -> None:

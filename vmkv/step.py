@@ -110,6 +110,38 @@ class StepPlan:
         return plan
 
 
+def make_plan(seq_ids: tuple[Hashable, ...], slots: list[int], starts: list[int], counts: list[int], *,
+              device: torch.device, write_rows: torch.Tensor, block_table: torch.Tensor | None = None,
+              version: int = 0, owner: object = None) -> StepPlan:
+    """The :class:`StepPlan` of sequences ``seq_ids`` in ``slots`` holding ``starts`` tokens and
+    adding ``counts`` (the one way plans are built: the caches' ``begin_step`` and vLLM's
+    contiguous backend, :mod:`vmkv.vllm.contiguous`).
+
+    Args:
+        seq_ids, slots, starts, counts: per sequence, in packing order.
+        device: where the plan's tensors live (CPU plans carry the prefill masks).
+        write_rows: int64 ``[T]`` storage row of each new token (what the cache's ``write`` uses).
+        block_table, version, owner: as :class:`StepPlan`.
+    """
+    kv_lens = [s + n for s, n in zip(starts, counts)]
+    cu_q = torch.tensor([0, *counts], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return StepPlan(
+        seq_ids=tuple(seq_ids),
+        slots=tuple(slots),
+        starts=tuple(starts),
+        q_lens=tuple(counts),
+        kv_lens=tuple(kv_lens),
+        cu_q=cu_q.to(device),
+        write_rows=write_rows,
+        slots_t=torch.tensor(slots, dtype=torch.int32, device=device),
+        kv_lens_t=torch.tensor(kv_lens, dtype=torch.int32, device=device),
+        block_table=block_table,
+        causal_masks=tuple(causal_mask(s, n) for s, n in zip(starts, counts)) if device.type == "cpu" else (),
+        version=version,
+        owner=owner,
+    )
+
+
 def causal_mask(start: int, q_len: int) -> torch.Tensor | None:
     """Bool mask ``[q_len, start + q_len]`` letting query ``j`` see keys ``0 .. start + j``.
 

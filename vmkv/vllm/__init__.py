@@ -39,6 +39,7 @@ from .settings import (
     CONNECTOR_NAME,
     ENV_FLAG,
     INSTALL_HINT,
+    KV_MODES,
     SCHEDULER_CLS,
     SUPPORTED_VLLM,
     WORKER_EXTENSION_CLS,
@@ -66,8 +67,11 @@ def register() -> None:
     if not enabled():
         return
     version = check_vllm()
+    from .contiguous import install_platform_hook, register_custom_backend
     from .worker import install
 
+    install_platform_hook()  # answers vmkv's backend only for engines with kv_mode="contiguous"
+    register_custom_backend()
     if install():
         logger.info("vmkv: vLLM %s KV cache backed by vmkv virtual memory (%s=1)", version, ENV_FLAG)
 
@@ -84,6 +88,6 @@ def gpu_smoke(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
 
 __all__ = [
     "SUPPORTED_VLLM", "ENV_FLAG", "CONNECTOR_NAME", "CONNECTOR_MODULE", "SCHEDULER_CLS", "WORKER_EXTENSION_CLS",
-    "INSTALL_HINT", "UnsupportedVllm", "PluginConfig", "check_vllm", "vllm_version", "enabled", "register",
+    "INSTALL_HINT", "KV_MODES", "UnsupportedVllm", "PluginConfig", "check_vllm", "vllm_version", "enabled", "register",
     "engine_args", "serve_flags", "stats", "trim", "gpu_smoke", "describe",
 ]

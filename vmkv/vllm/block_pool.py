@@ -59,6 +59,8 @@ class PageAffineBlockPool(BlockPool):
         self.free_block_queue: PageAwareFreeBlocks = PageAwareFreeBlocks(
             self.blocks, layout, budget_pages, max_idle_units, enable_caching, self._maybe_evict_cached_block)
         self.free_block_queue.pin(self.null_block)  # block 0: its unit stays mapped for good
+        self.track_handed_out = False  # contiguous mode: remember the blocks handed out (take_handed_out)
+        self._handed_out: list[int] = []
 
     @classmethod
     def replacing(cls, pool: BlockPool, layout: KVLayout, budget_pages: int, max_idle_units: int) -> "PageAffineBlockPool":
@@ -73,6 +75,18 @@ class PageAffineBlockPool(BlockPool):
                    budget_pages=budget_pages, max_idle_units=max_idle_units,
                    enable_kv_cache_events=pool.enable_kv_cache_events, metrics_collector=pool.metrics_collector,
                    medium=pool.medium)
+
+    def get_new_blocks(self, num_blocks: int) -> list[Any]:
+        """vLLM's ``get_new_blocks``; with ``track_handed_out`` the blocks are remembered."""
+        blocks = super().get_new_blocks(num_blocks)
+        if self.track_handed_out:
+            self._handed_out.extend(block.block_id for block in blocks)
+        return blocks
+
+    def take_handed_out(self) -> list[int]:
+        """Blocks handed out empty since the last call (contiguous mode's write guard)."""
+        out, self._handed_out = self._handed_out, []
+        return out
 
     def reset_prefix_cache(self) -> bool:
         """vLLM's reset (only when no block is in use), then unmap the pages it emptied."""

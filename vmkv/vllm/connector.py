@@ -62,6 +62,7 @@ from .block_pool import PageAffineBlockPool
 from .kvbuffer import KVBuffer, process_rss_bytes
 from .layout import KVLayout, check_supported, meta_layout
 from .share import EngineShare
+from .slots import SlotAssigner, SlotDelta, SlotSpace, WriteGuard
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -83,6 +84,8 @@ class VmkvMetadata(KVConnectorMetadata):
         map_pages / unmap_pages: virtual pages of the KV buffer to map / unmap.
         trim_step: the step that carries the latest trim (the first step built after the trim
             was asked for: this one or an earlier one); 0 before any trim.
+        slots: contiguous mode: the step's slot changes (freed before the page unmaps, mapped
+            after the page maps); empty in paged mode.
     """
 
     step: int
@@ -90,6 +93,7 @@ class VmkvMetadata(KVConnectorMetadata):
     map_pages: list[int] = field(default_factory=list)
     unmap_pages: list[int] = field(default_factory=list)
     trim_step: int = 0
+    slots: SlotDelta = field(default_factory=SlotDelta)
 
 
 def budget_settings(config: plugin.PluginConfig, layout: KVLayout) -> tuple[int, int]:
@@ -101,6 +105,13 @@ def budget_settings(config: plugin.PluginConfig, layout: KVLayout) -> tuple[int,
     cached = pages * layout.page_size // 8 if config.max_cached is None else config.max_cached
     unit_bytes = layout.max_pages_per_unit * layout.page_size
     return pages, cached // unit_bytes
+
+
+def slot_geometry(vllm_config: Any, kv_cache_config: Any) -> tuple[int, int]:
+    """``(slots, blocks per slot)`` of contiguous mode: ``max_num_seqs`` slots of ``max_model_len``
+    tokens in whole blocks (the scheduler and every worker compute them the same way)."""
+    block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+    return vllm_config.scheduler_config.max_num_seqs, -(-vllm_config.model_config.max_model_len // block_size)
 
 
 class VmkvConnectorStats(KVConnectorStats):
@@ -187,6 +198,10 @@ class VmkvConnector(KVConnectorBase_V1, SupportsHMA):
         self._layout: KVLayout | None = None
         self._applied = 0
         self._rank = getattr(vllm_config.parallel_config, "rank", 0)
+        self._vllm_config = vllm_config
+        self._slots: SlotAssigner | None = None  # scheduler, contiguous mode
+        self._guard: WriteGuard | None = None
+        self.slot_space: SlotSpace | None = None  # worker, contiguous mode
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -200,16 +215,53 @@ class VmkvConnector(KVConnectorBase_V1, SupportsHMA):
             InvalidConfig: the model's KV cache is not supported, or the budget is too small.
         """
         check_supported(self._kv_cache_config)
+        if self.config.kv_mode == "contiguous":
+            self._start_slots(vllm_config)
         kv_layout = meta_layout(self._kv_cache_config, vllm_config.cache_config.get_resolved_kv_cache_layout(),
                                 self.config.page_size)
         budget_pages, max_idle_units = budget_settings(self.config, kv_layout)
         logger.info("vmkv: %s; %s", plugin.describe(self.config), kv_layout)
         return kv_layout, budget_pages, max_idle_units
 
+    def slot_mapping_bound(self, kv_cache_config: Any, num_views: int) -> int:
+        """Host mappings contiguous mode may need at most: every block of every full slot mapped on
+        its own in each of ``num_views`` layer ranges, splitting them (0 in paged mode)."""
+        if self.config.kv_mode != "contiguous":
+            return 0
+        max_slots, max_blocks = slot_geometry(self._vllm_config, kv_cache_config)
+        return 2 * max_slots * max_blocks * num_views + num_views
+
+    def _start_slots(self, vllm_config: "VllmConfig") -> None:
+        from .contiguous import check_model
+
+        check_model(vllm_config, self._kv_cache_config)
+        max_slots, max_blocks = slot_geometry(vllm_config, self._kv_cache_config)
+        self._slots = SlotAssigner(max_slots, max_blocks)
+        self._guard = WriteGuard(self._kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
+
+    def _slot_delta(self, scheduler_output: "SchedulerOutput") -> SlotDelta:
+        """Contiguous mode: the step's slot changes, after checking its writes (:class:`WriteGuard`)."""
+        manager = self._pool_manager()
+        holding = {request: [block.block_id for block in blocks] for request, blocks in manager.req_to_blocks.items()}
+        self._guard.fresh(self._pool.take_handed_out())
+        new = scheduler_output.scheduled_new_reqs
+        cached = scheduler_output.scheduled_cached_reqs
+        computed = {r.req_id: r.num_computed_tokens for r in new}
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        writes = [(holding[r], computed[r], n) for r, n in scheduler_output.num_scheduled_tokens.items() if r in holding]
+        self._guard.step(self._step, writes)
+        return self._slots.update(holding)
+
+    def _pool_manager(self) -> Any:
+        return self._kv_cache_manager.coordinator.single_type_managers[0]
+
     def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
+        self._kv_cache_manager = kv_cache_manager
         pool = kv_cache_manager.block_pool
         self._pool = pool if isinstance(pool, PageAffineBlockPool) else None
+        if self._pool is not None and self._slots is not None:
+            self._pool.track_handed_out = True
 
     def join_ledger(self, ranks: int, wake: Any) -> EngineShare | None:
         """Join the ``shared_budget`` ledger, if the settings name one, for the bound pool.
@@ -261,10 +313,11 @@ class VmkvConnector(KVConnectorBase_V1, SupportsHMA):
         to_map, to_unmap = self._pool.free_block_queue.take_delta()
         self._step += 1
         self._flush = False
+        slots = self._slot_delta(scheduler_output) if self._slots is not None else SlotDelta()
         if self.share is not None:
             self.share.built(self._step)
         return VmkvMetadata(self._step, self._pool.free_block_queue.layout.fingerprint, to_map, to_unmap,
-                            self._trim_step)
+                            self._trim_step, slots)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return False, None
@@ -273,10 +326,13 @@ class VmkvConnector(KVConnectorBase_V1, SupportsHMA):
         return False, None
 
     def has_pending_push_work(self) -> bool:
-        """True while page changes wait for a step to carry them, or a ledger request or give-back
-        waits for one (the engine then steps)."""
-        return self._pool is not None and (self._flush or self._pool.free_block_queue.has_delta()
-                                           or (self.share is not None and self.share.pending()))
+        """True while page changes or slot frees wait for a step to carry them, or a ledger request
+        or give-back waits for one (the engine then steps)."""
+        if self._pool is None:
+            return False
+        stale = self._slots is not None and self._slots.has_stale(self._pool_manager().req_to_blocks)
+        return (self._flush or stale or self._pool.free_block_queue.has_delta()
+                or (self.share is not None and self.share.pending()))
 
     def reset_cache(self) -> bool:
         """vmkv's trim: evict the pages only prefix-cached blocks keep mapped; the next step
@@ -289,12 +345,23 @@ class VmkvConnector(KVConnectorBase_V1, SupportsHMA):
         return True
 
     # ---- worker side ----------------------------------------------------------------------------
-    def attach(self, buffer: KVBuffer, layout: KVLayout) -> None:
+    def attach(self, buffer: KVBuffer, layout: KVLayout, views: dict[str, Any], kv_cache_config: Any) -> None:
         """Take the KV buffer :func:`vmkv.vllm.worker.allocate_kv_cache` built (a new one replaces
-        the old: vLLM re-allocates after profiling)."""
+        the old: vLLM re-allocates after profiling); in contiguous mode reserve the slots over it.
+
+        Raises:
+            InvalidConfig: contiguous mode cannot map this buffer's blocks into slots.
+        """
+        if self.slot_space is not None:
+            self.slot_space.close()
+            self.slot_space = None
         if self._buffer is not None and self._buffer is not buffer:
             self._buffer.close()
         self._buffer, self._layout, self._applied, self._trim_step = buffer, layout, 0, 0
+        if self.config.kv_mode == "contiguous":
+            max_slots, max_blocks = slot_geometry(self._vllm_config, kv_cache_config)
+            block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+            self.slot_space = SlotSpace(buffer, views, kv_cache_config.num_blocks, block_size, max_slots, max_blocks)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """vLLM hands over the KV tensors; they must be views of vmkv's buffer.
@@ -340,7 +407,12 @@ class VmkvConnector(KVConnectorBase_V1, SupportsHMA):
         if meta.fingerprint != self._layout.fingerprint:
             raise BackendError(f"vmkv: this worker's KV layout ({self._layout}) differs from the scheduler's "
                                "(e.g. pipeline stages with different layer counts): unsupported")
+        space = self.slot_space
+        if space is not None:
+            space.free(meta.slots.frees)  # before the pages behind them go
         self._buffer.apply(meta.unmap_pages, meta.map_pages)
+        if space is not None:
+            space.map(meta.slots.maps)  # after the pages behind them came
         self._applied, self._trim_step = meta.step, meta.trim_step
 
     def worker_stats(self) -> dict[str, Any]:
@@ -351,7 +423,9 @@ class VmkvConnector(KVConnectorBase_V1, SupportsHMA):
         """
         if self._buffer is None:
             raise InvalidConfig(f"vmkv: no KV buffer on this worker; set {plugin.ENV_FLAG}=1 for every vLLM process")
-        return {**self._buffer.stats(), "applied_step": self._applied, "trim_step": self._trim_step,
+        slots = self.slot_space.stats() if self.slot_space is not None else {}
+        return {**self._buffer.stats(), **slots, "kv_mode": self.config.kv_mode,
+                "applied_step": self._applied, "trim_step": self._trim_step,
                 "rss_bytes": process_rss_bytes(),
                 "pid": os.getpid(), "rank": self._rank}
 
@@ -372,6 +446,9 @@ class VmkvConnector(KVConnectorBase_V1, SupportsHMA):
         return VmkvPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
+        if self.slot_space is not None:
+            self.slot_space.close()
+            self.slot_space = None
         if self.share is not None:
             self.share.close()
             self.share = None

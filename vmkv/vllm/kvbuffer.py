@@ -74,6 +74,17 @@ class KVBuffer:
     def is_mapped(self, page: int) -> bool:
         return page in self._physical
 
+    def physical_page(self, page: int) -> int:
+        """The store page behind mapped virtual page ``page`` (private to this rank).
+
+        Raises:
+            InvalidInput: ``page`` is not mapped.
+        """
+        physical = self._physical.get(page)
+        if physical is None:
+            raise InvalidInput(f"KV buffer: page {page} is not mapped")
+        return physical
+
     def tensor(self) -> torch.Tensor:
         """The buffer as a flat ``int8`` tensor of ``nbytes`` (what ``torch.zeros`` gave vLLM)."""
         return self.backend.tensor(self.addr, (self.nbytes,), torch.int8)

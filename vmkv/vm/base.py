@@ -25,6 +25,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from ..errors import InvalidConfig
+
 
 class VirtualMemory(ABC):
     """A source of reserved virtual ranges backed on demand by physical pages.
@@ -62,6 +64,31 @@ class VirtualMemory(ABC):
     @abstractmethod
     def unmap(self, addr: int) -> None:
         """Unmap the page at ``addr``: it reads as zeros again; the address stays reserved."""
+
+    def map_range(self, addr: int, page: int, offset: int, nbytes: int) -> None:
+        """Map bytes ``[offset, offset + nbytes)`` of physical page ``page`` at ``addr`` (a second
+        view of part of a page that is mapped elsewhere too: vLLM's contiguous mode maps one KV
+        block of a page into a request's slot). This default maps whole pages only.
+
+        Raises:
+            InvalidConfig: the range is not a whole page (the backend cannot map parts of one).
+        """
+        if offset != 0 or nbytes != self.page_size:
+            raise InvalidConfig(f"the {self.name} backend maps whole pages of {self.page_size} B only, "
+                                f"not {nbytes} B at offset {offset}")
+        self.map(addr, page)
+
+    def unmap_range(self, addr: int, nbytes: int) -> None:
+        """Put the zero page back over ``[addr, addr + nbytes)`` (what :meth:`map_range` mapped).
+        This default unmaps whole pages only.
+
+        Raises:
+            InvalidConfig: ``nbytes`` is not a whole number of pages.
+        """
+        if nbytes <= 0 or nbytes % self.page_size:
+            raise InvalidConfig(f"the {self.name} backend unmaps whole pages of {self.page_size} B only, not {nbytes} B")
+        for at in range(addr, addr + nbytes, self.page_size):
+            self.unmap(at)
 
     @abstractmethod
     def release_page(self, page: int) -> None:

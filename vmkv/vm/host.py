@@ -225,6 +225,41 @@ class HostVirtualMemory(VirtualMemory):
         self._reservation_of(addr, self.page_size, "unmap")
         self._mmap(addr, self.page_size, _PROT_READ, _ZERO_FLAGS | _MAP_FIXED, -1, 0, f"unmapping {addr:#x}")
 
+    def map_range(self, addr: int, page: int, offset: int, nbytes: int) -> None:
+        """Map bytes ``[offset, offset + nbytes)`` of store page ``page`` read-write at ``addr``
+        (inside a reservation); offset, length and address are multiples of the OS page (4 KiB).
+
+        Raises:
+            InvalidConfig: a value is not a multiple of the OS page, or the range leaves the page.
+            BackendError: ``addr`` is not inside a reservation, ``page`` not in the store, or the OS
+                refused (``OutOfMappings`` when out of mappings or memory).
+        """
+        self._open()
+        self._check_page(page)
+        self._check_part(addr, offset, nbytes)
+        self._reservation_of(addr, nbytes, "map_range")
+        self._mmap(addr, nbytes, _PROT_RW, self._map_flags, self._fd, page * self.page_size + offset,
+                   f"mapping {nbytes} B of page {page} at {addr:#x}")
+
+    def unmap_range(self, addr: int, nbytes: int) -> None:
+        """Put the zero page back over ``[addr, addr + nbytes)`` (multiples of the OS page).
+
+        Raises:
+            InvalidConfig: not multiples of the OS page.
+            BackendError: the range is not inside a reservation, or the OS refused.
+        """
+        self._open()
+        self._check_part(addr, 0, nbytes, within_page=False)
+        self._reservation_of(addr, nbytes, "unmap_range")
+        self._mmap(addr, nbytes, _PROT_READ, _ZERO_FLAGS | _MAP_FIXED, -1, 0, f"unmapping {nbytes} B at {addr:#x}")
+
+    def _check_part(self, addr: int, offset: int, nbytes: int, within_page: bool = True) -> None:
+        grain = self.granularity
+        if (nbytes <= 0 or addr % grain or offset % grain or nbytes % grain
+                or (within_page and offset + nbytes > self.page_size)):
+            raise InvalidConfig(f"parts of pages are mapped and unmapped in multiples of {grain} B (a mapped part within "
+                                f"one {self.page_size} B page): got {nbytes} B at offset {offset} to {addr:#x}")
+
     def release_page(self, page: int) -> None:
         """Give the memory behind store page ``page`` back to the OS (its contents become zeros).
 
@@ -243,11 +278,12 @@ class HostVirtualMemory(VirtualMemory):
 
     def _reservation_of(self, addr: int, nbytes: int, what: str) -> _Reservation:
         """The reservation holding ``[addr, addr + nbytes)``, page-aligned; else ``BackendError``
-        (nothing outside this backend's reservations is ever mapped over or unmapped)."""
+        (nothing outside this backend's reservations is ever mapped over or unmapped); ``map`` and
+        ``unmap`` work on whole pages of the reservation, the others on any OS pages of it."""
         index = bisect.bisect_right(self._starts, addr) - 1 if isinstance(addr, int) else -1
         reservation = self._reservations[self._starts[index]] if index >= 0 else None
         if (reservation is None or addr + nbytes > reservation.addr + reservation.nbytes
-                or (what != "tensor" and (addr - reservation.addr) % self.page_size)):
+                or (what in ("map", "unmap") and (addr - reservation.addr) % self.page_size)):
             raise BackendError(f"{what}: [{addr!r}, +{nbytes}) is not inside a reservation of this backend")
         return reservation
 

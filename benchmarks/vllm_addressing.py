@@ -1,0 +1,142 @@
+"""Block tables vs virtual memory inside one vLLM (issue 20): ``vmkv bench vllm --parts addressing``.
+
+Three engines on identical work, all up for the whole run and taking turns round after round
+(the order rotates): stock vLLM (its paged buffer, ``CPU_ATTN`` over block tables), vLLM + vmkv's
+paged backing (the same kernel over a buffer whose pages vmkv maps on demand), and vLLM + vmkv in
+contiguous mode (every request's K/V one virtually contiguous slot per layer, vmkv's stock SDPA
+kernel, no block table). The model is the tiny Llama with more layers and wider heads
+(``--addr-layers``, default 4; ``--addr-head-dim``, default 64; 8 query / 4 KV heads, fp32) so
+attention is a visible part of a step; the requests have long prompts (``--addr-prompt``, default
+1,024 to 1,536 tokens) and decode ``--addr-output`` tokens each, arriving at once; every run
+starts with an empty prefix cache (the rounds repeat the same prompts).
+
+Measured per round and engine: output tokens/s, KV memory held (stock: its buffer; vmkv: the
+kernel's count of memory behind the page store, sampled every few steps), tokens against stock's;
+for the contiguous engine also the attention kernel's share of the run (time inside the kernel,
+measured around each call in the worker, over the wall time). Verdicts: contiguous over stock and
+contiguous over paged output tokens/s (median of the rounds with their spread), against the
+target contiguous >= 1.0x stock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from . import common
+
+ENGINES = ("stock", "paged", "contiguous")
+SCHEMA = {
+    "round": "interleaving round (engines take turns within a round)",
+    "engine": "stock (CPU_ATTN over block tables), paged (vmkv backs the paged buffer) or contiguous (slots, SDPA)",
+    "output_tokens": "tokens generated",
+    "wall_s": "seconds from the first request to the last token",
+    "output_tok_per_s": "output tokens per second",
+    "kv_mean_mib": "KV memory held, mean over the samples (MiB; stock: its whole buffer)",
+    "kv_peak_mib": "KV memory held, peak (MiB)",
+    "attention_share": "contiguous: time in the attention kernel / wall time (others: not measured, -1)",
+    "tokens_identical": "greedy tokens equal to stock's of the same round, every request",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The addressing part's options (prefixed --addr-)."""
+    parser.add_argument("--addr-layers", type=int, default=4, help="decoder layers of the model (default 4)")
+    parser.add_argument("--addr-head-dim", type=int, default=64, help="head width (default 64; 8 query, 4 KV heads)")
+    parser.add_argument("--addr-requests", type=int, default=None, help="requests per round (default 8; smoke 2)")
+    parser.add_argument("--addr-prompt", default=None, help="prompt tokens, MIN-MAX (default 1024-1536; smoke 256-384)")
+    parser.add_argument("--addr-output", type=int, default=None, help="output tokens per request (default 64; smoke 8)")
+    parser.add_argument("--addr-rounds", type=int, default=None, help="interleaved rounds (default 3; smoke 1)")
+    parser.add_argument("--addr-page-size", default="512KiB", help="vmkv page size of both vmkv engines (default 512KiB)")
+
+
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    smoke = args.smoke
+    low, high = (int(x) for x in (args.addr_prompt or ("256-384" if smoke else "1024-1536")).split("-"))
+    return {"layers": args.addr_layers, "head_dim": args.addr_head_dim, "requests": args.addr_requests or (2 if smoke else 8),
+            "prompt": (low, high), "output": args.addr_output or (8 if smoke else 64),
+            "rounds": args.addr_rounds or (1 if smoke else 3), "page_size": args.addr_page_size, "block_size": 128}
+
+
+def measure(args: argparse.Namespace, model_root: Path) -> dict[str, Any]:
+    """Run the three engines; returns ``{"rows", "summary", "config", "schema"}``."""
+    from vllm import SamplingParams
+
+    from vmkv.vllm import drive, stats, tiny
+
+    s = settings(args)
+    model = tiny.save_tiny_model(model_root / f"vmkv-vllm-tiny-{s['layers']}x{s['head_dim']}", s["layers"], s["head_dim"])
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(*s["prompt"]))] for _ in range(s["requests"])]
+    params = [SamplingParams(max_tokens=s["output"], temperature=0.0, ignore_eos=True) for _ in prompts]
+    max_len = -(-(s["prompt"][1] + s["output"]) // s["block_size"]) * s["block_size"]
+    kv_bytes = tiny.token_bytes(s["layers"], s["head_dim"]) * max_len * (s["requests"] + 1)
+    common_kwargs = {"kv_cache_bytes": kv_bytes, "max_model_len": max_len, "block_size": s["block_size"],
+                     "max_num_seqs": s["requests"]}
+    options = {"paged": {"page_size": s["page_size"], "max_cached": 0},
+               "contiguous": {"page_size": s["page_size"], "max_cached": 0, "kv_mode": "contiguous"}}
+    engines = {name: drive.engine(model, vmkv=name != "stock", options=options.get(name), **common_kwargs) for name in ENGINES}
+    rows, tokens = [], {}
+    for round_ in range(s["rounds"]):
+        order = ENGINES[round_ % 3:] + ENGINES[: round_ % 3]
+        for name in order:
+            llm, vmkv = engines[name], name != "stock"
+            llm.reset_prefix_cache()  # every run prefills in full: no engine reuses an earlier round's prompts
+            time.sleep(1.5)  # vLLM's workers busy-poll for 1 s after a step: let the idle engines go quiet
+            before = stats(llm)[0].get("kernel_seconds", 0.0) if name == "contiguous" else 0.0
+            result = drive.run(llm, prompts, params, vmkv=vmkv, sample_every=4)
+            kernel = stats(llm)[0].get("kernel_seconds", 0.0) - before if name == "contiguous" else -1.0
+            kv = [x.resident_bytes if vmkv else kv_bytes for x in result.samples] or [kv_bytes]
+            tokens[(round_, name)] = result.tokens
+            rows.append({"round": round_, "engine": name, "output_tokens": result.output_tokens, "wall_s": result.wall_s,
+                         "output_tok_per_s": result.output_tokens / result.wall_s,
+                         "kv_mean_mib": statistics.fmean(kv) / 2**20, "kv_peak_mib": max(kv) / 2**20,
+                         "attention_share": kernel / result.wall_s if kernel >= 0 else -1.0, "tokens_identical": False})
+    for row in rows:
+        row["tokens_identical"] = tokens[(row["round"], row["engine"])] == tokens[(row["round"], "stock")]
+    for llm in engines.values():
+        llm.llm_engine.engine_core.shutdown()
+    return {"rows": rows, "summary": summary(rows, kv_bytes), "schema": SCHEMA,
+            "config": {**s, "kv_bytes": kv_bytes, "max_model_len": max_len}}
+
+
+def _ratios(rows: list[dict[str, Any]], top: str, bottom: str) -> list[float]:
+    by = {(r["round"], r["engine"]): r["output_tok_per_s"] for r in rows}
+    return [by[(i, top)] / by[(i, bottom)] for i in sorted({r["round"] for r in rows})]
+
+
+def summary(rows: list[dict[str, Any]], kv_bytes: int) -> dict[str, Any]:
+    """Ratios per round, memory shares, identity and the verdict line."""
+    over_stock, over_paged = _ratios(rows, "contiguous", "stock"), _ratios(rows, "contiguous", "paged")
+    paged_over_stock = _ratios(rows, "paged", "stock")
+    mean = {e: statistics.fmean(r["kv_mean_mib"] for r in rows if r["engine"] == e) * 2**20 / kv_bytes for e in ENGINES}
+    share = [r["attention_share"] for r in rows if r["engine"] == "contiguous"]
+    identical = {e: all(r["tokens_identical"] for r in rows if r["engine"] == e) for e in ENGINES}
+    ratio = statistics.median(over_stock)
+    verdict = (f"contiguous runs vLLM at {ratio:.2f}x stock output tokens/s (median of {len(over_stock)} interleaved rounds, "
+               f"range {min(over_stock):.2f}-{max(over_stock):.2f}; target >= 1.0) and {statistics.median(over_paged):.2f}x "
+               f"the paged backing; attention kernel {statistics.median(share):.0%} of the run; KV memory held "
+               f"{mean['contiguous']:.1%} (contiguous) / {mean['paged']:.1%} (paged) of stock's buffer; tokens "
+               f"{'identical' if identical['contiguous'] else 'DIFFER'} (contiguous), "
+               f"{'identical' if identical['paged'] else 'DIFFER'} (paged)")
+    return {"contiguous_over_stock": over_stock, "contiguous_over_paged": over_paged, "paged_over_stock": paged_over_stock,
+            "kv_mean_share": mean, "attention_share": share, "tokens_identical": identical, "verdict": verdict}
+
+
+def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
+    """Which addressing wins inside vLLM: contiguous over stock (target >= 1.0) and over paged."""
+    s = result["summary"]
+    identical = s["tokens_identical"]["contiguous"]
+    over_stock = common.Spread.of(s["contiguous_over_stock"])
+    over_paged = common.Spread.of(s["contiguous_over_paged"])
+    return [
+        common.ratio_verdict("vllm.addressing.stock", "vLLM output tokens/s, contiguous (slots, SDPA) over stock (block "
+                             "tables, CPU_ATTN)", over_stock, "contiguous", "stock", reference="target >= 1.0",
+                             agrees=over_stock.value >= 1.0, note="tokens identical" if identical else "TOKENS DIFFER"),
+        common.ratio_verdict("vllm.addressing.paged", "vLLM output tokens/s, contiguous over vmkv's paged backing",
+                             over_paged, "contiguous", "paged"),
+    ]

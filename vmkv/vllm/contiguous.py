@@ -1,0 +1,256 @@
+"""vLLM's attention backend in contiguous mode (``kv_mode="contiguous"``): the stock kernel on slots.
+
+vLLM keeps scheduling, prefix caching, preemption and parallelism; its KV buffer stays the paged
+buffer vmkv backs (:mod:`vmkv.vllm.worker`), and new K/V are written there through vLLM's own
+slot mapping (:meth:`VmkvContiguousImpl.do_kv_cache_update`). Attention never reads it through a
+block table: every request's K/V is one virtually contiguous slot per layer
+(:mod:`vmkv.vllm.slots`) and the kernel is the one :mod:`vmkv.attention` chooses for the VMM
+cache (:func:`vmkv.attention.select_contiguous_kernel`: on CPU torch SDPA, one batched call for
+the decode rows or one call per sequence, as its rule decides), on the same
+:class:`~vmkv.step.StepPlan` the VMM cache gives it.
+
+Per step, once for all layers (:class:`VmkvContiguousBuilder`): the rows' slots come from the
+worker's :class:`~vmkv.vllm.slots.SlotSpace` (checked against vLLM's block table), and the plan
+holds each row's cached length (``seq_len - query_len``, so prefix hits and chunked prefill
+attend to the cached part), its new tokens and its slot.
+
+How vLLM picks it: the CPU platform always answers ``CPU_ATTN`` for non-MLA models
+(``CpuPlatform.get_attn_backend_cls``), so :func:`install_platform_hook` wraps that method to
+answer this backend exactly when the engine's KV connector is vmkv's with
+``kv_mode="contiguous"`` (:func:`contiguous_requested`). On GPU the backend is registered as
+vLLM's ``CUSTOM`` backend (``--attention-backend CUSTOM``); its CUDA kernels need the page-size
+decision of contiguous mode on CUDA (2 MiB VMM pages) and are refused until then.
+
+:func:`check_model` refuses at engine start what the mode does not support, naming the setting.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from vllm.config import get_current_vllm_config_or_none
+from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from ..attention import select_contiguous_kernel
+from ..errors import InvalidConfig
+from ..step import StepPlan, make_plan
+from . import settings as plugin
+
+BACKEND_PATH = "vmkv.vllm.contiguous.VmkvContiguousBackend"
+
+
+def contiguous_requested(vllm_config: Any) -> bool:
+    """Whether ``vllm_config`` runs vmkv's KV connector with ``kv_mode="contiguous"``."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    if transfer is None or transfer.kv_connector != plugin.CONNECTOR_NAME:
+        return False
+    return (transfer.kv_connector_extra_config or {}).get("kv_mode") == "contiguous"
+
+
+def check_model(vllm_config: Any, kv_cache_config: Any) -> None:
+    """Refuse, at engine start, models contiguous mode does not support, naming the setting.
+
+    Raises:
+        InvalidConfig: sliding-window attention, MLA, hybrid (Mamba/linear attention or several
+            KV cache groups), encoder-decoder, or a quantized (fp8) KV cache.
+    """
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    why = []
+    if model.get_sliding_window() is not None:
+        why.append(f"sliding-window attention (the model's sliding_window={model.get_sliding_window()})")
+    if model.use_mla:
+        why.append("MLA (multi-head latent attention)")
+    if model.is_encoder_decoder:
+        why.append("encoder-decoder models")
+    if str(cache.cache_dtype) != "auto":
+        why.append(f"a quantized KV cache (kv_cache_dtype={cache.cache_dtype!r}; use 'auto')")
+    groups = kv_cache_config.kv_cache_groups
+    specs = [type(group.kv_cache_spec).__name__ for group in groups]
+    if len(groups) != 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec:
+        why.append(f"hybrid models or other KV than full attention (KV cache groups: {specs})")
+    if why:
+        raise InvalidConfig(f"vmkv kv_mode='contiguous' does not support {'; '.join(why)}: use kv_mode='paged'")
+
+
+def install_platform_hook() -> bool:
+    """Make the CPU platform answer this backend in contiguous mode (and only then).
+
+    Returns:
+        True if the hook was installed now (False: it was already).
+    """
+    from vllm.platforms.cpu import CpuPlatform
+
+    stock = CpuPlatform.get_attn_backend_cls
+    if getattr(stock, "vmkv_stock", None) is not None:
+        return False
+    stock_function = stock.__func__
+
+    def get_attn_backend_cls(cls: Any, selected_backend: Any, attn_selector_config: Any, *args: Any, **kwargs: Any) -> str:
+        if contiguous_requested(get_current_vllm_config_or_none()):
+            if attn_selector_config.use_mla or attn_selector_config.use_sparse:
+                raise InvalidConfig("vmkv kv_mode='contiguous' does not support MLA or sparse attention: use kv_mode='paged'")
+            return BACKEND_PATH
+        return stock_function(cls, selected_backend, attn_selector_config, *args, **kwargs)
+
+    get_attn_backend_cls.vmkv_stock = stock  # type: ignore[attr-defined]
+    CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+    return True
+
+
+def register_custom_backend() -> None:
+    """Register the backend as vLLM's ``CUSTOM`` attention backend (``--attention-backend CUSTOM``)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
+
+
+def _slot_space() -> Any:
+    """The worker's :class:`~vmkv.vllm.slots.SlotSpace` (through its KV connector).
+
+    Raises:
+        InvalidConfig: the engine runs without vmkv's connector in contiguous mode.
+    """
+    from .connector import VmkvConnector
+
+    connector = get_kv_transfer_group() if has_kv_transfer_group() else None
+    space = connector.slot_space if isinstance(connector, VmkvConnector) else None
+    if space is None:
+        raise InvalidConfig("vmkv's contiguous attention backend runs only with vmkv's KV connector in "
+                            "kv_mode='contiguous' (vmkv.vllm.engine_args(kv_mode='contiguous'))")
+    return space
+
+
+class VmkvContiguousBackend(AttentionBackend):
+    """vLLM attention backend over request slots (see the module docstring)."""
+
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[Any]] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls() -> type["VmkvContiguousImpl"]:
+        return VmkvContiguousImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["VmkvContiguousBuilder"]:
+        return VmkvContiguousBuilder
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LBNHC,)  # token-major blocks: a block is one run [tokens, heads, K|V]
+
+
+@dataclass
+class ContiguousMetadata:
+    """One step's attention metadata, shared by every layer.
+
+    Attributes:
+        plan: rows' slots, cached lengths and new tokens (``None``: a dummy batch, nothing runs).
+        num_actual_tokens: packed query tokens of real rows.
+    """
+
+    plan: StepPlan | None
+    num_actual_tokens: int
+
+
+class VmkvContiguousBuilder(AttentionMetadataBuilder[ContiguousMetadata]):
+    """Builds :class:`ContiguousMetadata` once per step from vLLM's common metadata."""
+
+    reorder_batch_threshold: ClassVar[int | None] = None
+
+    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.device = device
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> ContiguousMetadata:
+        meta = common_attn_metadata
+        num_reqs = meta.num_reqs
+        starts_q = meta.query_start_loc_cpu[: num_reqs + 1].tolist()
+        q_lens = [b - a for a, b in zip(starts_q, starts_q[1:])]
+        seq_lens = meta.seq_lens[:num_reqs].cpu().tolist()
+        if num_reqs == 0 or min(seq_lens) <= 0:
+            return ContiguousMetadata(None, meta.num_actual_tokens)
+        slots = _slot_space().rows_to_slots(meta.block_table_tensor[:num_reqs], seq_lens)
+        if slots is None:
+            return ContiguousMetadata(None, meta.num_actual_tokens)
+        starts = [length - n for length, n in zip(seq_lens, q_lens)]
+        plan = make_plan(tuple(range(num_reqs)), slots, starts, q_lens, device=self.device,
+                         write_rows=torch.empty(0, dtype=torch.long))
+        return ContiguousMetadata(plan, starts_q[-1])
+
+
+class VmkvContiguousImpl(AttentionImpl):
+    """Writes new K/V into vLLM's buffer and attends over the slots with vmkv's kernel.
+
+    Raises:
+        InvalidConfig: an attention feature the mode does not support (alibi, sliding window,
+            logits soft-cap, sinks, KV sharing between layers, non-decoder attention).
+    """
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 alibi_slopes: list[float] | None, sliding_window: int | None, kv_cache_dtype: str,
+                 logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: str | None = None, sinks: torch.Tensor | None = None) -> None:
+        unsupported = {"alibi_slopes": alibi_slopes is not None, "sliding_window": sliding_window is not None,
+                       "logits_soft_cap": bool(logits_soft_cap), "sinks": sinks is not None,
+                       "kv_sharing_target_layer_name": kv_sharing_target_layer_name is not None,
+                       f"attn_type={attn_type}": attn_type != AttentionType.DECODER,
+                       f"kv_cache_dtype={kv_cache_dtype}": kv_cache_dtype != "auto"}
+        refused = [name for name, bad in unsupported.items() if bad]
+        if refused:
+            raise InvalidConfig(f"vmkv kv_mode='contiguous' does not support {', '.join(refused)}: use kv_mode='paged'")
+        self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
+        self.scale = float(scale)
+        self.kernel_name: str | None = None
+        self._kernel: Any = None
+        self._layer: int | None = None
+
+    def do_kv_cache_update(self, layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> None:
+        """Write the step's new K/V where vLLM's slot mapping says (token ``s`` of the step goes
+        to block ``s // block_size``, row ``s % block_size``); the slots see it through the shared
+        pages."""
+        count = slot_mapping.shape[0]
+        blocks, heads, tokens, width = kv_cache.shape
+        rows = kv_cache.permute(0, 2, 1, 3).reshape(blocks * tokens, heads, width)  # a view (token-major)
+        if rows.data_ptr() != kv_cache.data_ptr():
+            raise InvalidConfig("contiguous mode: the KV view is not token-major")
+        rows.index_copy_(0, slot_mapping.long(), torch.cat([key[:count], value[:count]], dim=-1))
+
+    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: ContiguousMetadata | None, output: torch.Tensor,
+                output_scale: torch.Tensor | None = None, output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise InvalidConfig("vmkv kv_mode='contiguous' does not support fused output quantization")
+        if attn_metadata is None or attn_metadata.plan is None:
+            return output  # vLLM's warm-up / profiling runs
+        space = _slot_space()
+        if self._kernel is None:
+            self.kernel_name, self._kernel = select_contiguous_kernel(query.device, space.dtype, self.head_size)
+            self._layer = space.layer_index[layer.layer_name]
+        plan = attn_metadata.plan
+        count = attn_metadata.num_actual_tokens
+        k, v = space.k[self._layer], space.v[self._layer]
+        start = time.perf_counter()
+        out = self._kernel(query[:count], k, v, plan, self.scale)  # plan.block_table is None: slots only
+        space.record_call(self.kernel_name, k, plan, time.perf_counter() - start)
+        output[:count].view(count, self.num_heads, self.head_size).copy_(out)
+        return output
