@@ -108,7 +108,8 @@ def test_blocks_mapped_into_slots_read_the_blocks_and_shared_ones_are_one_page()
     space = SlotSpace(buffer, views, BLOCKS, BLOCK, max_slots=3, max_blocks=4)
     space.map([(0, 0, 3), (0, 1, 4), (2, 0, 3), (2, 1, 6)])  # slots 0 and 2 share block 3
     k, v = space.k[1], space.v[1]
-    assert k.shape == (3, 4 * BLOCK, HEADS, DIM) and space.owns(k)
+    assert k.shape == (3, 4 * BLOCK, HEADS, DIM) and space.owns(k) and space.owns(v)
+    assert k[2, :, 1].is_contiguous() and space.plan.layout == "head_major"  # a head's tokens: one run per slot
     assert torch.equal(k[0, :2 * BLOCK, 0, 0], torch.tensor([103.0] * BLOCK + [104.0] * BLOCK))
     assert torch.equal(v[2, BLOCK:2 * BLOCK], torch.full((BLOCK, HEADS, DIM), 106.0))
     assert k[0, 2 * BLOCK:].abs().sum() == 0 and k[1].abs().sum() == 0  # empty: the zero page
@@ -169,6 +170,18 @@ def test_the_addressing_benchmark_judges_contiguous_against_stock_and_paged():
     over_stock, over_paged = bench.verdicts({"summary": summary})
     assert (over_stock.key, over_stock.agrees, over_stock.side) == ("vllm.addressing.stock", True, "contiguous")
     assert over_paged.key == "vllm.addressing.paged" and over_paged.note == ""
+
+
+@needs_vllm
+def test_the_slot_layout_benchmark_times_the_same_attention_in_every_layout_and_in_cpu_attn():
+    from benchmarks import vllm_slot_layouts as bench
+
+    rows, verdicts = bench.measure(repeat=2, seed=0)
+    assert {r["candidate"] for r in rows} == {*bench.LAYOUTS, "vllm_cpu_attn"} and len(rows) == 8
+    assert all(r["max_abs_diff"] < 1e-5 for r in rows)  # vLLM's kernel on its blocks computes what vmkv's does
+    head_major_k, _ = bench.slot_views("head_major", torch.zeros(2, 64, 4, 8), torch.zeros(2, 64, 4, 8))
+    assert head_major_k[1, :, 3].is_contiguous() and not head_major_k[1, :, :2].is_contiguous()
+    assert {v.key.split(".")[1] for v in verdicts} == {"separate", "head_major", "cpu_attn"}
 
 
 # ---- engine start -----------------------------------------------------------------------------
