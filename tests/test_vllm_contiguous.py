@@ -81,7 +81,7 @@ def test_the_write_guard_allows_same_step_sharing_and_refuses_writes_into_full_b
 
 
 # ---- worker half ------------------------------------------------------------------------------
-BLOCK, HEADS, DIM, BLOCKS = 16, 2, 32, 8  # a block: 16 tokens x 2 heads x (K|V) 64 floats = 8 KiB
+BLOCK, HEADS, DIM, BLOCKS = 32, 2, 32, 8  # a block: 2 heads x (K|V) x 32 tokens x 32 floats = 16 KiB, 4 KiB a piece
 
 
 def _buffer_and_views(page_size: int = 16384, block: int = BLOCK):
@@ -89,13 +89,13 @@ def _buffer_and_views(page_size: int = 16384, block: int = BLOCK):
     from vmkv.vm import HostVirtualMemory
 
     per_block = block * HEADS * 2 * DIM * 4
-    nbytes = 2 * BLOCKS * per_block  # two layers, layer-outermost, token-major blocks (LBNHC)
+    nbytes = 2 * BLOCKS * per_block  # two layers, layer-outermost, head-major blocks (LBHNC)
     buffer = KVBuffer(HostVirtualMemory(page_size, -(-nbytes // page_size)), nbytes)
     raw = buffer.tensor().view(torch.float32)
     views = {}
     for layer in range(2):
         physical = raw[layer * BLOCKS * per_block // 4:(layer + 1) * BLOCKS * per_block // 4]
-        views[f"l{layer}"] = physical.view(BLOCKS, block, HEADS, 2 * DIM).permute(0, 2, 1, 3)  # [B, H, N, C]
+        views[f"l{layer}"] = physical.view(BLOCKS, HEADS, block, 2 * DIM)  # [B, H, N, C]
     return buffer, views
 
 
@@ -108,11 +108,12 @@ def test_blocks_mapped_into_slots_read_the_blocks_and_shared_ones_are_one_page()
     space = SlotSpace(buffer, views, BLOCKS, BLOCK, max_slots=3, max_blocks=4)
     space.map([(0, 0, 3), (0, 1, 4), (2, 0, 3), (2, 1, 6)])  # slots 0 and 2 share block 3
     k, v = space.k[1], space.v[1]
-    assert k.shape == (3, 4 * BLOCK, HEADS, DIM) and space.owns(k)
+    assert k.shape == (3, 4 * BLOCK, HEADS, DIM) and space.owns(k) and space.owns(v)
+    assert k[2, :, 1].is_contiguous() and space.plan.layout == "head_major"  # a head's tokens: one run per slot
     assert torch.equal(k[0, :2 * BLOCK, 0, 0], torch.tensor([103.0] * BLOCK + [104.0] * BLOCK))
     assert torch.equal(v[2, BLOCK:2 * BLOCK], torch.full((BLOCK, HEADS, DIM), 106.0))
     assert k[0, 2 * BLOCK:].abs().sum() == 0 and k[1].abs().sum() == 0  # empty: the zero page
-    views["l0"][3, 1, 5, 0] = -1.0  # block 3, head 1, token 5, K[0]: one page, seen by both slots
+    views["l0"][3, 1].view(2, BLOCK, DIM)[0, 5, 0] = -1.0  # block 3, head 1, token 5, K[0]: one page, seen by both slots
     assert space.k[0][0, 5, 1, 0] == -1.0 and space.k[0][2, 5, 1, 0] == -1.0
     table = torch.tensor([[3, 6, 0, 0], [3, 4, 0, 0]])
     assert space.rows_to_slots(table, [BLOCK + 2, BLOCK + 1]) == [2, 0]
@@ -148,8 +149,8 @@ def test_the_host_backend_maps_parts_of_a_page_in_os_pages_and_refuses_others():
 
 
 def test_a_block_that_is_not_whole_os_pages_is_refused_naming_the_block_size():
-    buffer, views = _buffer_and_views(block=4)  # 4 tokens x 2 x 64 x 4 B = 2 KiB
-    with pytest.raises(vmkv.InvalidConfig, match="is 2048 B .*choose a block size"):
+    buffer, views = _buffer_and_views(block=4)  # one head's K of a block: 4 tokens x 32 x 4 B = 512 B
+    with pytest.raises(vmkv.InvalidConfig, match="block_size 4: in the head_major layout .* multiple of 32 tokens"):
         SlotSpace(buffer, views, BLOCKS, 4, max_slots=2, max_blocks=4)
     buffer.close()
 
@@ -169,6 +170,18 @@ def test_the_addressing_benchmark_judges_contiguous_against_stock_and_paged():
     over_stock, over_paged = bench.verdicts({"summary": summary})
     assert (over_stock.key, over_stock.agrees, over_stock.side) == ("vllm.addressing.stock", True, "contiguous")
     assert over_paged.key == "vllm.addressing.paged" and over_paged.note == ""
+
+
+@needs_vllm
+def test_the_slot_layout_benchmark_times_the_same_attention_in_every_layout_and_in_cpu_attn():
+    from benchmarks import vllm_slot_layouts as bench
+
+    rows, verdicts = bench.measure(repeat=2, seed=0)
+    assert {r["candidate"] for r in rows} == {*bench.LAYOUTS, "vllm_cpu_attn"} and len(rows) == 8
+    assert all(r["max_abs_diff"] < 1e-5 for r in rows)  # vLLM's kernel on its blocks computes what vmkv's does
+    head_major_k, _ = bench.slot_views("head_major", torch.zeros(2, 64, 4, 8), torch.zeros(2, 64, 4, 8))
+    assert head_major_k[1, :, 3].is_contiguous() and not head_major_k[1, :, :2].is_contiguous()
+    assert {v.key.split(".")[1] for v in verdicts} == {"separate", "head_major", "cpu_attn"}
 
 
 # ---- engine start -----------------------------------------------------------------------------

@@ -225,11 +225,12 @@ class VmkvConnector(KVConnectorBase_V1, SupportsHMA):
 
     def slot_mapping_bound(self, kv_cache_config: Any, num_views: int) -> int:
         """Host mappings contiguous mode may need at most: every block of every full slot mapped on
-        its own in each of ``num_views`` layer ranges, splitting them (0 in paged mode)."""
+        its own in each head's K and V of ``num_views`` layers, splitting their ranges (0 in paged mode)."""
         if self.config.kv_mode != "contiguous":
             return 0
         max_slots, max_blocks = slot_geometry(self._vllm_config, kv_cache_config)
-        return 2 * max_slots * max_blocks * num_views + num_views
+        pieces = 2 * kv_cache_config.kv_cache_groups[0].kv_cache_spec.num_kv_heads * num_views
+        return 2 * max_slots * max_blocks * pieces + pieces
 
     def _start_slots(self, vllm_config: "VllmConfig") -> None:
         from .contiguous import check_model

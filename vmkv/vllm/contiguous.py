@@ -154,7 +154,7 @@ class VmkvContiguousBackend(AttentionBackend):
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        return (KVCacheLayout.LBNHC,)  # token-major blocks: a block is one run [tokens, heads, K|V]
+        return (KVCacheLayout.LBHNC,)  # head-major blocks: a head's K and V of a block are pages of its slots
 
 
 @dataclass
@@ -226,14 +226,16 @@ class VmkvContiguousImpl(AttentionImpl):
     def do_kv_cache_update(self, layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
         """Write the step's new K/V where vLLM's slot mapping says (token ``s`` of the step goes
-        to block ``s // block_size``, row ``s % block_size``); the slots see it through the shared
-        pages."""
+        to block ``s // block_size``, row ``s % block_size``), a block read as ``[kv_heads, K|V,
+        block_size, head_dim]`` (:class:`~vmkv.vllm.slots.SlotSpace`); the slots see it through
+        the shared pages."""
         count = slot_mapping.shape[0]
         blocks, heads, tokens, width = kv_cache.shape
-        rows = kv_cache.permute(0, 2, 1, 3).reshape(blocks * tokens, heads, width)  # a view (token-major)
-        if rows.data_ptr() != kv_cache.data_ptr():
-            raise InvalidConfig("contiguous mode: the KV view is not token-major")
-        rows.index_copy_(0, slot_mapping.long(), torch.cat([key[:count], value[:count]], dim=-1))
+        if not kv_cache.is_contiguous():
+            raise InvalidConfig("contiguous mode: the KV view is not head-major (layout LBHNC)")
+        rows = kv_cache.view(blocks, heads, 2, tokens, width // 2).permute(0, 3, 2, 1, 4)  # [B, N, K|V, H, D], a view
+        where = slot_mapping.long()
+        rows[where // tokens, where % tokens] = torch.stack([key[:count], value[:count]], dim=1)
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: ContiguousMetadata | None, output: torch.Tensor,

@@ -1,10 +1,12 @@
 """Request slots of vLLM's contiguous mode (``kv_mode="contiguous"``): vLLM's block table is the page table.
 
-Every layer's KV gets one reserved virtual range of ``max_num_seqs`` *slots*, each
-``max_model_len`` tokens long (rounded up to whole blocks). Logical block ``j`` of the request in
-slot ``s`` is mapped at ``s * slot_bytes + j * block_bytes`` from the physical memory of vLLM's
-block ``block_table[j]`` (the memory the paged backing, :mod:`vmkv.vllm.kvbuffer`, already maps
-for that block), so the stock kernel reads one contiguous K/V per request::
+Every layer's K and V get one reserved virtual range each, of ``max_num_seqs`` head-major
+*slots* ``[kv_heads, max_model_len, head_dim]`` (rounded up to whole blocks; the pages of
+:func:`~vmkv.vllm.contiguous_pages.plan_contiguous_pages` in its ``head_major`` layout). Logical
+block ``j`` of the request in slot ``s`` is, for every head ``h``, one page at
+``page_offset(s, j, h)`` mapped from the physical memory of head ``h``'s K (or V) in vLLM's block
+``block_table[j]`` (the memory the paged backing, :mod:`vmkv.vllm.kvbuffer`, already maps for
+that block), so the stock kernel reads one contiguous K/V per request and head::
 
     vLLM's KV buffer   | blk 0 | blk 1 | blk 2 | blk 3 | blk 4 | ...      (paged, what vLLM writes)
                            .------------'       |
@@ -35,7 +37,9 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
+from ..config import KVShape
 from ..errors import BackendError, InvalidConfig
+from .contiguous_pages import plan_contiguous_pages
 from .kvbuffer import KVBuffer
 
 
@@ -180,17 +184,26 @@ class _ViewGeometry:
 class SlotSpace:
     """Worker side: the slot ranges of every layer and the blocks mapped into them.
 
+    Each layer has a K and a V range of ``max_slots`` head-major slots, ``[slots, kv_heads,
+    tokens, head_dim]`` (the ``head_major`` layout of :class:`~vmkv.cache.VirtualKVCache`; its
+    pages are placed by :meth:`~vmkv.vllm.contiguous_pages.ContiguousPagePlan.page_offset`):
+    every head's tokens are contiguous, which CPU SDPA reads fastest (``python -m
+    benchmarks.vllm_slot_layouts``: 1.6x over token-major slots in decode). The K (V) of one head
+    of vLLM's block ``b`` is one page of that piece: block memory is read as ``[kv_heads, K|V,
+    block_size, head_dim]``, the interior vLLM's own CPU kernel uses.
+
     Args:
         buffer: the worker's KV buffer (its backend reserves the slot ranges and maps the pages).
         views: vLLM's per-layer KV tensors over ``buffer``, logical ``[num_blocks, kv_heads,
-            block_size, 2 * head_dim]`` in token-major memory order (``LBNHC``: a block is
-            ``[block_size, kv_heads, 2 * head_dim]`` contiguous, K then V of each head).
+            block_size, 2 * head_dim]`` in head-major memory order (``LBHNC``: a block is
+            ``[kv_heads, block_size, 2 * head_dim]`` contiguous, each head's run read as its
+            ``block_size`` K rows then its ``block_size`` V rows).
         num_blocks, block_size: vLLM's.
         max_slots, max_blocks: as :class:`SlotAssigner`.
 
     Raises:
-        InvalidConfig: not the host backend, a block is not a whole number of OS pages (the
-            mapping granule), or a view is not token-major.
+        InvalidConfig: not the host backend, one head's K of a block is not a whole number of
+            OS pages (the mapping granule), or a view is not head-major.
     """
 
     def __init__(self, buffer: KVBuffer, views: Mapping[str, torch.Tensor], num_blocks: int, block_size: int,
@@ -209,17 +222,20 @@ class SlotSpace:
         first = next(iter(unique.values()))
         self.num_heads, self.head_dim = first.shape[1], first.shape[3] // 2
         self.dtype = first.dtype
-        self.block_bytes = block_size * self.num_heads * 2 * self.head_dim * first.element_size()
+        self.plan = plan_contiguous_pages(
+            KVShape(1, self.num_heads, self.head_dim, first.element_size()), self.backend.granularity,
+            max_model_len=max_blocks * block_size, max_num_seqs=max_slots, block_size=block_size, layout="head_major")
+        self.block_bytes = self.plan.block_bytes  # one layer's block: every head's K and V
         self._geometry = [self._geometry_of(view, num_blocks) for view in unique.values()]
         self.layer_index = {name: list(unique).index(view.data_ptr()) for name, view in views.items()}
-        self.slot_bytes = max_blocks * self.block_bytes
         page = self.backend.page_size
-        self._range_bytes = -(-max_slots * self.slot_bytes // page) * page
-        self._bases = [self.backend.reserve(self._range_bytes) for _ in self._geometry]
-        shape = (max_slots, max_blocks * block_size, self.num_heads, 2 * self.head_dim)
-        kv = [self.backend.tensor(base, shape, self.dtype) for base in self._bases]  # zero page where unmapped
-        self.k = [t[..., : self.head_dim] for t in kv]  # [slots, capacity, Hkv, D] strided views
-        self.v = [t[..., self.head_dim:] for t in kv]
+        self._range_bytes = -(-self.plan.reservation_bytes // page) * page
+        self._bases = [(self.backend.reserve(self._range_bytes), self.backend.reserve(self._range_bytes))
+                       for _ in self._geometry]  # (K, V) per layer
+        shape = (max_slots, self.num_heads, self.plan.slot_tokens, self.head_dim)
+        tensors = [[self.backend.tensor(base, shape, self.dtype).transpose(1, 2) for base in pair] for pair in self._bases]
+        self.k = [pair[0] for pair in tensors]  # [slots, capacity, Hkv, D] views of head-major slots; zero page where unmapped
+        self.v = [pair[1] for pair in tensors]
         self._tables = np.full((max_slots, max_blocks), -1, dtype=np.int64)
         self._lengths = [0] * max_slots
         self._holders: dict[tuple[int, int], set[int]] = {}  # (j, block) -> slots mapping it there
@@ -237,26 +253,23 @@ class SlotSpace:
 
     def _geometry_of(self, view: torch.Tensor, num_blocks: int) -> _ViewGeometry:
         element = view.element_size()
-        heads, tokens, width = view.shape[1], view.shape[2], view.shape[3]
-        token_major = (view.stride(3), view.stride(1), view.stride(2)) == (1, width, heads * width)
-        grain = self.backend.granularity
-        if view.shape[0] != num_blocks or tokens != self.block_size or not token_major:
-            raise InvalidConfig(f"contiguous mode needs token-major KV blocks (layout LBNHC), got a view of shape "
+        tokens, width = view.shape[2], view.shape[3]
+        head_major = view.stride()[1:] == (tokens * width, width, 1)
+        if view.shape[0] != num_blocks or tokens != self.block_size or not head_major:
+            raise InvalidConfig(f"contiguous mode needs head-major KV blocks (layout LBHNC), got a view of shape "
                                 f"{tuple(view.shape)} and strides {view.stride()}")
         base = view.data_ptr() - self.buffer.addr
         stride = view.stride(0) * element
-        if self.block_bytes % grain or base % grain or stride % grain:
-            raise InvalidConfig(
-                f"contiguous mode maps whole KV blocks into request slots in OS pages of {grain} B, but a block of "
-                f"{self.block_size} tokens x {heads} KV heads x 2 x {self.head_dim} x {element} B is {self.block_bytes} B "
-                f"(layer offset {base}, stride {stride}): choose a block size (--block-size) that makes it a multiple "
-                f"of {grain} B")
+        grain = self.backend.granularity
+        if base % grain or stride % grain:
+            raise InvalidConfig(f"contiguous mode maps KV blocks in OS pages of {grain} B, but a layer's blocks start "
+                                f"at offset {base} with stride {stride}")
         return _ViewGeometry(base, stride)
 
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` lies in a slot range (what the tests check the kernel was given)."""
         address = tensor.data_ptr()
-        return any(base <= address < base + self._range_bytes for base in self._bases)
+        return any(base <= address < base + self._range_bytes for pair in self._bases for base in pair)
 
     # ---- changes --------------------------------------------------------------------------------
     def free(self, slots: Iterable[int]) -> None:
@@ -265,8 +278,9 @@ class SlotSpace:
             self.frees += 1
             count = self._lengths[slot]
             if count:
-                for base in self._bases:
-                    self.backend.unmap_range(base + slot * self.slot_bytes, count * self.block_bytes)
+                for base in (base for pair in self._bases for base in pair):
+                    for head in range(self.num_heads):  # a head's pages are consecutive in its slot
+                        self.backend.unmap_range(base + self.plan.page_offset(slot, 0, head), count * self.plan.page_bytes)
                 self.unmaps += count * len(self._bases)
             for j in range(count):
                 key = (j, int(self._tables[slot, j]))
@@ -278,28 +292,32 @@ class SlotSpace:
 
     def map(self, maps: Sequence[tuple[int, int, int]]) -> None:
         """Map ``(slot, j, block)``: block ``block``'s memory at logical block ``j`` of ``slot``, in
-        every layer (consecutive blocks that are neighbours in one physical page in one call).
+        every layer, head and K/V piece (pieces that continue the previous one, in the slot and in
+        one physical page, in one call).
 
         Raises:
             BackendError: an entry is out of order (not the slot's next block), or its block's
                 page is not mapped in the KV buffer (the scheduler's lists disagree).
         """
-        for layer, (base, geometry) in enumerate(zip(self._bases, self._geometry)):
-            run: list[int] | None = None  # [addr, physical, offset, nbytes]
-            for slot, j, block in maps:
-                if layer == 0:
-                    self._record(slot, j, block)
-                for piece in self._pieces(geometry, block):
-                    addr = base + slot * self.slot_bytes + j * self.block_bytes + piece[2]
-                    physical, offset, nbytes = piece[0], piece[1], piece[3]
-                    if run and run[0] + run[3] == addr and run[1] == physical and run[2] + run[3] == offset:
-                        run[3] += nbytes
-                        continue
+        for slot, j, block in maps:
+            self._record(slot, j, block)
+        page_bytes = self.plan.page_bytes
+        for pair, geometry in zip(self._bases, self._geometry):
+            for half, base in enumerate(pair):
+                for head in range(self.num_heads):
+                    run: list[int] | None = None  # [addr, physical, offset, nbytes]
+                    for slot, j, block in maps:
+                        source = geometry.base + block * geometry.stride + (2 * head + half) * page_bytes
+                        for physical, offset, done, nbytes in self._pieces(source, page_bytes):
+                            addr = base + self.plan.page_offset(slot, j, head) + done
+                            if run and run[0] + run[3] == addr and run[1] == physical and run[2] + run[3] == offset:
+                                run[3] += nbytes
+                                continue
+                            if run:
+                                self.backend.map_range(*run)
+                            run = [addr, physical, offset, nbytes]
                     if run:
-                        self.backend.map_range(run[0], run[1], run[2], run[3])
-                    run = [addr, physical, offset, nbytes]
-            if run:
-                self.backend.map_range(run[0], run[1], run[2], run[3])
+                        self.backend.map_range(*run)
         self.maps += len(maps) * len(self._bases)
 
     def _record(self, slot: int, j: int, block: int) -> None:
@@ -309,15 +327,14 @@ class SlotSpace:
         self._lengths[slot] = j + 1
         self._holders.setdefault((j, block), set()).add(slot)
 
-    def _pieces(self, geometry: _ViewGeometry, block: int) -> list[tuple[int, int, int, int]]:
-        """``(physical page, offset in it, offset in the block, bytes)`` of ``block``'s memory,
-        split where it crosses a buffer page."""
+    def _pieces(self, start: int, length: int) -> list[tuple[int, int, int, int]]:
+        """``(physical page, offset in it, offset from start, bytes)`` of the buffer's bytes
+        ``[start, start + length)``, split where they cross a buffer page."""
         page_size = self.buffer.page_size
-        start = geometry.base + block * geometry.stride
         pieces, done = [], 0
-        while done < self.block_bytes:
+        while done < length:
             page, offset = divmod(start + done, page_size)
-            nbytes = min(self.block_bytes - done, page_size - offset)
+            nbytes = min(length - done, page_size - offset)
             pieces.append((self.buffer.physical_page(page), offset, done, nbytes))
             done += nbytes
         return pieces
@@ -368,13 +385,13 @@ class SlotSpace:
         return {"slots_in_use": sum(1 for n in self._lengths if n), "slot_blocks_mapped": mapped,
                 "slot_blocks_distinct": distinct, "slot_block_bytes": self.block_bytes,
                 "slot_maps": self.maps, "slot_unmaps": self.unmaps, "slot_frees": self.frees,
-                "slot_reserved_bytes": len(self._bases) * self._range_bytes,
+                "slot_reserved_bytes": 2 * len(self._bases) * self._range_bytes,
                 "kernel_calls": dict(self.kernel_calls), "kernel_seconds": self.kernel_seconds,
                 "foreign_calls": self.foreign_calls}
 
     def close(self) -> None:
         """Give the slot ranges back (their views then read zeros)."""
-        for base in self._bases:
+        for base in (base for pair in self._bases for base in pair):
             try:
                 self.backend.free_reservation(base, self._range_bytes)
             except BackendError:
