@@ -38,6 +38,36 @@ BATCH_DIVISOR = 64
 the ledger's lock is taken about once a batch, not once a page."""
 
 
+def join(spec: SharedBudget, label: str, page_bytes: int, ceiling: int) -> tuple[Ledger, Member]:
+    """Open ``spec``'s ledger and join it as ``label``, closing the ledger again if the join fails.
+
+    Args:
+        spec: the parsed ``shared_budget`` setting.
+        label: the member's name in the ledger.
+        page_bytes: bytes of one of the member's pages.
+        ceiling: bytes the member can map at most on its own; its ``max`` is capped there.
+
+    Returns:
+        The open ledger and the member's seat in it.
+
+    Raises:
+        InvalidConfig, LedgerMismatch, LedgerCorrupt: as :class:`vmkv.ledger.Ledger` and its ``join``.
+    """
+    ledger = Ledger(spec.name, spec.budget)
+    try:
+        member = ledger.join(label, page_bytes, min_bytes=spec.min_bytes,
+                             max_bytes=min(spec.max_bytes or ceiling, ceiling))
+    except BaseException:
+        ledger.close()
+        raise
+    return ledger, member
+
+
+def grant_batch(spec: SharedBudget, page_bytes: int) -> int:
+    """Pages a member takes per grant: ``1/BATCH_DIVISOR`` of the budget, 1 to 64 pages."""
+    return max(1, min(64, spec.budget // page_bytes // BATCH_DIVISOR))
+
+
 class BudgetShare:
     """One cache's seat in a ledger: its member handle, batch size and watcher thread.
 
@@ -56,15 +86,9 @@ class BudgetShare:
     def __init__(self, cache: "KVCacheBase", spec: SharedBudget) -> None:
         page_bytes = cache.geometry.page_bytes
         ceiling = cache.geometry.num_pages * page_bytes
-        self.ledger = Ledger(spec.name, spec.budget)
         label = spec.member or f"{os.path.basename(sys.argv[0]) or 'python'}:{os.getpid()}"
-        try:
-            self.member: Member = self.ledger.join(label, page_bytes, min_bytes=spec.min_bytes,
-                                                   max_bytes=min(spec.max_bytes or ceiling, ceiling))
-        except BaseException:
-            self.ledger.close()
-            raise
-        self.batch = max(1, min(64, spec.budget // page_bytes // BATCH_DIVISOR))
+        self.ledger, self.member = join(spec, label, page_bytes, ceiling)
+        self.batch = grant_batch(spec, page_bytes)
         self.wait_s = spec.wait_s
         self.serving = False
         self._stop = threading.Event()

@@ -45,8 +45,8 @@ from collections import deque
 from typing import Any, Callable
 
 from ..errors import OutOfPages
-from ..ledger import Ledger, Member, SharedBudget
-from ..share import BATCH_DIVISOR, POLL_S
+from ..ledger import Member, SharedBudget
+from ..share import POLL_S, grant_batch, join
 
 log = logging.getLogger("vmkv")
 
@@ -71,17 +71,10 @@ class EngineShare:
 
     def __init__(self, spec: SharedBudget, page_bytes: int, cap_pages: int,
                  wake: Callable[[], None] | None) -> None:
-        self.ledger = Ledger(spec.name, spec.budget)
-        label = spec.member or f"vllm:{os.getpid()}"
         ceiling = cap_pages * page_bytes
-        try:
-            self.member: Member = self.ledger.join(label, page_bytes, min_bytes=spec.min_bytes,
-                                                   max_bytes=min(spec.max_bytes or ceiling, ceiling))
-        except BaseException:
-            self.ledger.close()
-            raise
+        self.ledger, self.member = join(spec, spec.member or f"vllm:{os.getpid()}", page_bytes, ceiling)
         self.max_pages = min(spec.max_bytes or ceiling, ceiling, spec.budget) // page_bytes
-        self.batch = max(1, min(64, spec.budget // page_bytes // BATCH_DIVISOR))
+        self.batch = grant_batch(spec, page_bytes)
         self.wait_s = spec.wait_s
         self.owed = 0  # pages evicted for a request, given back when reclaim_step finished
         self.reclaim_step = 0  # the step carrying those unmaps (0: none pending)
