@@ -155,6 +155,25 @@ def test_a_block_that_is_not_whole_os_pages_is_refused_naming_the_block_size():
     buffer.close()
 
 
+@needs_vllm
+def test_new_kv_lands_in_each_heads_k_and_v_rows_of_its_block():
+    from vmkv.vllm.contiguous import VmkvContiguousImpl
+
+    impl = VmkvContiguousImpl(4, DIM, DIM ** -0.5, HEADS, None, None, "auto")
+    cache = torch.zeros(BLOCKS, HEADS, BLOCK, 2 * DIM)  # LBHNC: a head's run is its K rows, then its V rows
+    gen = torch.Generator().manual_seed(0)
+    key, value = torch.randn(40, HEADS, DIM, generator=gen), torch.randn(40, HEADS, DIM, generator=gen)
+    where = torch.randperm(BLOCKS * BLOCK, generator=gen)[:37]  # 37 of 40: rows past the mapping are padding
+    impl.do_kv_cache_update(None, key, value, cache, where)
+    want = torch.zeros(BLOCKS, HEADS, 2, BLOCK, DIM)
+    for t, s in enumerate(where.tolist()):
+        want[s // BLOCK, :, 0, s % BLOCK] = key[t]
+        want[s // BLOCK, :, 1, s % BLOCK] = value[t]
+    assert torch.equal(cache.view(BLOCKS, HEADS, 2, BLOCK, DIM), want)
+    with pytest.raises(vmkv.InvalidConfig, match="not head-major"):
+        impl.do_kv_cache_update(None, key, value, cache.transpose(1, 2), where)
+
+
 # ---- the addressing benchmark's verdicts ------------------------------------------------------
 def test_the_addressing_benchmark_judges_contiguous_against_stock_and_paged():
     from benchmarks import vllm_addressing as bench
@@ -177,11 +196,11 @@ def test_the_slot_layout_benchmark_times_the_same_attention_in_every_layout_and_
     from benchmarks import vllm_slot_layouts as bench
 
     rows, verdicts = bench.measure(repeat=2, seed=0)
-    assert {r["candidate"] for r in rows} == {*bench.LAYOUTS, "vllm_cpu_attn"} and len(rows) == 8
+    assert {r["candidate"] for r in rows} == {*bench.LAYOUTS, bench.GEMM_CANDIDATE, "vllm_cpu_attn"} and len(rows) == 10
     assert all(r["max_abs_diff"] < 1e-5 for r in rows)  # vLLM's kernel on its blocks computes what vmkv's does
     head_major_k, _ = bench.slot_views("head_major", torch.zeros(2, 64, 4, 8), torch.zeros(2, 64, 4, 8))
     assert head_major_k[1, :, 3].is_contiguous() and not head_major_k[1, :, :2].is_contiguous()
-    assert {v.key.split(".")[1] for v in verdicts} == {"separate", "head_major", "cpu_attn"}
+    assert {v.key.split(".")[1] for v in verdicts} == {"separate", "head_major", "gemm", "cpu_attn"}
 
 
 # ---- engine start -----------------------------------------------------------------------------

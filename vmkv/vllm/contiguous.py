@@ -222,20 +222,32 @@ class VmkvContiguousImpl(AttentionImpl):
         self.kernel_name: str | None = None
         self._kernel: Any = None
         self._layer: int | None = None
+        self._offsets: torch.Tensor | None = None  # row offsets of the heads' K/V in a block (do_kv_cache_update)
 
     def do_kv_cache_update(self, layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
         """Write the step's new K/V where vLLM's slot mapping says (token ``s`` of the step goes
         to block ``s // block_size``, row ``s % block_size``), a block read as ``[kv_heads, K|V,
         block_size, head_dim]`` (:class:`~vmkv.vllm.slots.SlotSpace`); the slots see it through
-        the shared pages."""
+        the shared pages. One ``index_copy_`` of head_dim-wide rows into the block rows (an
+        advanced-index write into a permuted ``[B, N, K|V, H, D]`` view was several times slower)."""
         count = slot_mapping.shape[0]
         blocks, heads, tokens, width = kv_cache.shape
         if not kv_cache.is_contiguous():
             raise InvalidConfig("contiguous mode: the KV view is not head-major (layout LBHNC)")
-        rows = kv_cache.view(blocks, heads, 2, tokens, width // 2).permute(0, 3, 2, 1, 4)  # [B, N, K|V, H, D], a view
         where = slot_mapping.long()
-        rows[where // tokens, where % tokens] = torch.stack([key[:count], value[:count]], dim=1)
+        block, row = where // tokens, where % tokens
+        first = (block * (heads * 2 * tokens) + row)[:, None, None]  # K row of head 0, [T, 1, 1]
+        rows = first + self._row_offsets(heads, tokens, where.device)  # [T, K|V, H]: row of each head_dim vector
+        source = torch.stack([key[:count], value[:count]], dim=1)  # [T, K|V, H, D]
+        kv_cache.view(-1, width // 2).index_copy_(0, rows.flatten(), source.reshape(-1, width // 2))
+
+    def _row_offsets(self, heads: int, tokens: int, device: torch.device) -> torch.Tensor:
+        """``[1, 2, heads]``: head ``h``'s K (V) row of a token, counted from head 0's K row."""
+        if self._offsets is None or self._offsets.device != device:
+            half = torch.arange(2, device=device)[:, None] * tokens  # V rows follow a head's K rows
+            self._offsets = (half + torch.arange(heads, device=device)[None, :] * (2 * tokens))[None]
+        return self._offsets
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: ContiguousMetadata | None, output: torch.Tensor,
