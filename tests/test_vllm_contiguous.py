@@ -180,12 +180,14 @@ def test_the_addressing_benchmark_judges_contiguous_against_stock_and_paged():
 
     speeds = {"stock": [100, 110, 90], "paged": [95, 100, 90], "contiguous": [120, 130, 110]}
     rows = [{"round": i, "engine": e, "output_tok_per_s": speeds[e][i], "kv_mean_mib": 1.0 if e == "stock" else 0.5,
-             "attention_share": 0.4 if e == "contiguous" else -1.0, "tokens_identical": True}
+             "attention_share": 0.4 if e == "contiguous" else -1.0, "mode_share": 0.05 if e == "contiguous" else -1.0,
+             "tokens_identical": True}
             for i in range(3) for e in bench.ENGINES]
     summary = bench.summary(rows, 2**20)
     assert summary["contiguous_over_stock"] == [1.2, 130 / 110, 110 / 90]
     assert summary["kv_mean_share"] == {"stock": 1.0, "paged": 0.5, "contiguous": 0.5}
     assert summary["verdict"].startswith("contiguous runs vLLM at 1.20x stock output tokens/s")
+    assert "attention kernel 40% of the run, the mode's step metadata and K/V writes 5%" in summary["verdict"]
     over_stock, over_paged = bench.verdicts({"summary": summary})
     assert (over_stock.key, over_stock.agrees, over_stock.side) == ("vllm.addressing.stock", True, "contiguous")
     assert over_paged.key == "vllm.addressing.paged" and over_paged.note == ""
@@ -274,17 +276,19 @@ def runs(tmp_path_factory) -> dict:
 
     root = tmp_path_factory.mktemp("vllm_contiguous")
     model = save_tiny_model(root / "model")
+    model4 = save_tiny_model(root / "model4", **scenarios.MODEL4)
     out = root / "results.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_contiguous_scenarios.py"), str(out), str(model)],
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_contiguous_scenarios.py"), str(out), str(model),
+                           str(model4)],
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=VLLM_RUN_TIMEOUT_S)
     if proc.returncode != 0:
         pytest.fail(f"vllm_contiguous_scenarios.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return json.loads(out.read_text())
+    return {**json.loads(out.read_text()), "model4_config": str(model4 / "config.json")}
 
 
 def _requests(run: dict) -> dict:
-    return {f"{wave}{rid}": req for wave in "abc" for rid, req in run[wave]["requests"].items()}
+    return {f"{wave}{rid}": req for wave in "abc" if wave in run for rid, req in run[wave]["requests"].items()}
 
 
 def _check_tokens(stock: dict, ours: dict) -> None:
@@ -304,13 +308,21 @@ def test_greedy_tokens_match_stock_or_sit_on_a_logit_near_tie(runs):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_2_gives_stocks_tokens_and_every_rank_reads_slots(runs):
-    tp = runs["tp2"]
-    stock = {f"a{rid}": req for rid, req in runs["stock"]["a"]["requests"].items()}
-    ours = {f"a{rid}": req for rid, req in tp["a"]["requests"].items()}
-    assert stock.keys() == ours.keys() and len(ours) == 4
+def test_a_4_layer_gqa_model_at_tensor_parallel_2_gives_stocks_tokens_and_every_rank_reads_slots(runs):
+    """The second model (4 layers, 8 query / 4 KV heads of 64, float32) in contiguous mode at
+    TP=2 against stock vLLM at TP=1: five prompts, prefix hits inside wave A and across waves,
+    preemption and chunked prefill."""
+    with open(runs["model4_config"]) as f:
+        config = json.load(f)
+    assert (config["num_hidden_layers"], config["head_dim"]) == (4, 64)
+    assert config["num_attention_heads"] == 2 * config["num_key_value_heads"]  # grouped-query attention
+    stock, ours = _requests(runs["stock4"]), _requests(runs["tp2"])
+    assert stock.keys() == ours.keys() and len(ours) == 5
     _check_tokens(stock, ours)
-    ranks = tp["final"]
+    assert {n: r["cached"] for n, r in ours.items()} == {n: r["cached"] for n, r in stock.items()}
+    assert ours["b0"]["cached"] >= 9 * scenarios.BLOCK  # wave B finds the 300-token prefix
+    assert runs["tp2"]["preemptions"] > 0 and runs["stock4"]["preemptions"] > 0
+    ranks = runs["tp2"]["final"]
     assert sorted(r["rank"] for r in ranks) == [0, 1]
     for rank in ranks:  # every rank mapped the same slots and read only them
         assert rank["kernel_calls"]["sdpa_adaptive"] > 0 and rank["foreign_calls"] == 0

@@ -181,7 +181,13 @@ class VmkvContiguousBuilder(AttentionMetadataBuilder[ContiguousMetadata]):
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> ContiguousMetadata:
-        meta = common_attn_metadata
+        start = time.perf_counter()
+        metadata = self._build(common_attn_metadata)
+        if metadata.plan is not None:  # a real step (the slot space exists)
+            _slot_space().record_mode_work(time.perf_counter() - start)
+        return metadata
+
+    def _build(self, meta: CommonAttentionMetadata) -> ContiguousMetadata:
         num_reqs = meta.num_reqs
         starts_q = meta.query_start_loc_cpu[: num_reqs + 1].tolist()
         q_lens = [b - a for a, b in zip(starts_q, starts_q[1:])]
@@ -222,6 +228,7 @@ class VmkvContiguousImpl(AttentionImpl):
         self.kernel_name: str | None = None
         self._kernel: Any = None
         self._layer: int | None = None
+        self._space: Any = None  # the worker's SlotSpace, from the first forward on
         self._offsets: torch.Tensor | None = None  # row offsets of the heads' K/V in a block (do_kv_cache_update)
 
     def do_kv_cache_update(self, layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -231,6 +238,7 @@ class VmkvContiguousImpl(AttentionImpl):
         block_size, head_dim]`` (:class:`~vmkv.vllm.slots.SlotSpace`); the slots see it through
         the shared pages. One ``index_copy_`` of head_dim-wide rows into the block rows (an
         advanced-index write into a permuted ``[B, N, K|V, H, D]`` view was several times slower)."""
+        start = time.perf_counter()
         count = slot_mapping.shape[0]
         blocks, heads, tokens, width = kv_cache.shape
         if not kv_cache.is_contiguous():
@@ -241,6 +249,8 @@ class VmkvContiguousImpl(AttentionImpl):
         rows = first + self._row_offsets(heads, tokens, where.device)  # [T, K|V, H]: row of each head_dim vector
         source = torch.stack([key[:count], value[:count]], dim=1)  # [T, K|V, H, D]
         kv_cache.view(-1, width // 2).index_copy_(0, rows.flatten(), source.reshape(-1, width // 2))
+        if self._space is not None:  # set by the first forward (vLLM's profiling writes come before it)
+            self._space.record_mode_work(time.perf_counter() - start)
 
     def _row_offsets(self, heads: int, tokens: int, device: torch.device) -> torch.Tensor:
         """``[1, 2, heads]``: head ``h``'s K (V) row of a token, counted from head 0's K row."""
@@ -257,9 +267,10 @@ class VmkvContiguousImpl(AttentionImpl):
         if attn_metadata is None or attn_metadata.plan is None:
             return output  # vLLM's warm-up / profiling runs
         space = _slot_space()
-        if self._kernel is None:
+        if self._kernel is None or self._space is not space:
             self.kernel_name, self._kernel = select_contiguous_kernel(query.device, space.dtype, self.head_size)
             self._layer = space.layer_index[layer.layer_name]
+            self._space = space
         plan = attn_metadata.plan
         count = attn_metadata.num_actual_tokens
         k, v = space.k[self._layer], space.v[self._layer]
