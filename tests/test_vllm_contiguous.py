@@ -5,11 +5,12 @@ copy-on-write is needed, the worker's slot ranges over a real host KV buffer (bl
 slots read the block's bytes, shared blocks are one physical page, a slot whose map disagrees
 with the block table is refused), and the refusals at engine start.
 
-End to end (``@pytest.mark.slow``, one stock and one contiguous engine on the same work,
-tests/vllm_contiguous_scenarios.py): greedy tokens identical to stock vLLM in float32 (or a
-logit near-tie in stock's own logprobs), through preemption, chunked prefill, prefix hits and
-``n=3``; shared prefix blocks mapped into several slots and counted once; the kernel is vmkv's
-stock one on slot views.
+End to end (``@pytest.mark.slow``, tests/vllm_contiguous_scenarios.py: a stock and a contiguous
+engine on the 2-layer tiny model, and a stock and a TP=2 contiguous engine on a 4-layer GQA model
+with head_dim 64, each pair on the same work): greedy tokens identical to stock vLLM in float32
+(or a logit near-tie in stock's own logprobs), through preemption, chunked prefill, prefix hits
+and ``n=3``; shared prefix blocks mapped into several slots and counted once; the kernel is
+vmkv's stock one on slot views.
 """
 
 from __future__ import annotations
@@ -362,6 +363,7 @@ def test_the_kernel_is_vmkvs_stock_one_on_slots_and_slots_are_freed_and_reused(r
     final = runs["contig"]["final"][0]
     assert final["kv_mode"] == "contiguous" and set(final["kernel_calls"]) == {"sdpa_adaptive"}
     assert final["foreign_calls"] == 0  # no call got a block table or K/V outside the slots
+    assert 0 < final["mode_seconds"] < runs["contig"]["seconds"]  # the mode's own step work is timed
     assert final["slots_in_use"] == 0 and final["slot_blocks_mapped"] == 0 and final["slot_unmaps"] == final["slot_maps"]
     requests = sum(len(r["tokens"]) for r in _requests(runs["contig"]).values())  # 8, over 4 slots
     assert final["slot_frees"] >= requests + runs["contig"]["preemptions"] > scenarios.ENGINE["max_num_seqs"]

@@ -82,7 +82,7 @@ def engine_run(model: str, contiguous: bool, tp: int = 1, n3: bool = True) -> di
     from vmkv.vllm import drive
 
     start = time.perf_counter()
-    kv = kv_bytes(model)
+    kv = kv_bytes(model) // tp  # per rank: each holds 1/tp of the KV heads, so every engine gets 36 blocks
     options = {**OPTIONS, "max_cached": kv}  # the prefix cache keeps what stock keeps
     llm = drive.engine(model, vmkv=contiguous, kv_cache_bytes=kv, max_model_len=1024,
                        options=options if contiguous else None, tensor_parallel_size=tp, **ENGINE)
