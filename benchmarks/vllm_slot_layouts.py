@@ -1,6 +1,6 @@
 """Which slot layout contiguous mode should give vmkv's CPU kernel (issue 20): a kernel microbenchmark.
 
-Run: ``python -m benchmarks.vllm_slot_layouts [--repeat 9] [--threads 1]``
+Run: ``python -m benchmarks.vllm_slot_layouts [--repeat 9] [--threads 1] [--clock auto]``
 
 One layer of the addressing benchmark's model (8 query / 4 KV heads, head_dim 64, fp32, vLLM
 blocks of 128 tokens), 8 requests of 1,024-1,536 tokens. The same K/V, timed interleaved with
@@ -14,18 +14,22 @@ the kernel :func:`vmkv.attention.select_contiguous_kernel` picks, over three slo
 * ``head_major``: K and V ``[slots, heads, tokens, D]`` (each head's tokens contiguous; a piece of
   a block is ``block_size * D * 4`` = 32 KiB, whole OS pages);
 
-and vLLM's own ``CPU_ATTN`` kernel (``cpu_attention_with_kv_cache``) over a block table on
-vLLM's head-major blocks, the kernel stock vLLM runs. Two steps: a decode step (one new token
-per request) and a prefill chunk (256 new tokens of one request after 1,024 cached). Ratios are
-per round (interleaved, random order each round), median with spread; the verdict says which
-layout the kernel reads fastest and how it stands against ``CPU_ATTN``.
+the selected kernel's GEMM variant ``gemm_adaptive`` (decode rows as two GEMMs, grouped query
+heads, no repeat of K/V) on head-major slots; and vLLM's own ``CPU_ATTN`` kernel
+(``cpu_attention_with_kv_cache``) over a block table on vLLM's head-major blocks, the kernel
+stock vLLM runs. Two steps: a decode step (one new token per request) and a prefill chunk (256
+new tokens of one request after 1,024 cached). Ratios are per round (interleaved, random order
+each round), median with spread; ``--clock auto`` times the thread's CPU time with one thread.
+The verdicts say which layout the kernel reads fastest, whether GEMMs beat SDPA, and how it
+stands against ``CPU_ATTN``.
 
-Measured (2-core shared machine, 1 thread, 9 rounds; docs/vllm.md has the table): in decode
-head-major slots beat token-major ones by 1.58x (1.42-1.70x, 9 of 9 rounds), separate token-major
-K and V tie with the interleaved ones (1.05x, spread crossing 1.0); in the prefill chunk all three
-tie (within 6 %). vLLM's ``CPU_ATTN`` is 2.15x (decode) and 2.39x (prefill chunk) faster than
-SDPA on head-major slots: contiguous mode's slots are head-major (:class:`vmkv.vllm.slots.SlotSpace`),
-and what is left of the gap to stock vLLM is the kernel, not the addressing.
+Measured (docs/vllm.md has the table; 2-core shared machine, 1 thread, 9 rounds): head-major
+slots beat token-major ones by 1.6x in decode, the layouts tie in the prefill chunk;
+``gemm_adaptive`` ties with ``sdpa_adaptive`` (decode reads each KV head once in both); vLLM's
+``CPU_ATTN`` is 1.2-1.5x faster in decode and 1.6-1.7x in the prefill chunk (2.2x / 2.4x in an
+earlier run at lower load). Contiguous mode's slots are head-major
+(:class:`vmkv.vllm.slots.SlotSpace`); what is left of the gap to stock vLLM is the kernel, not
+the addressing.
 """
 
 from __future__ import annotations
