@@ -193,7 +193,9 @@ def test_unsupported_models_are_refused_naming_the_setting():
 
     def config(**model):
         fields = {"get_sliding_window": lambda: None, "use_mla": False, "is_encoder_decoder": False, **model}
-        return SimpleNamespace(model_config=SimpleNamespace(**fields), cache_config=SimpleNamespace(cache_dtype="auto"))
+        return SimpleNamespace(model_config=SimpleNamespace(**fields), cache_config=SimpleNamespace(cache_dtype="auto"),
+                               device_config=SimpleNamespace(device=torch.device("cpu")),
+                               attention_config=SimpleNamespace(backend=None))
 
     full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)
     groups = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=full)])
