@@ -215,6 +215,10 @@ def test_the_addressing_benchmark_judges_contiguous_against_stock_and_paged():
     over_stock, over_paged = bench.verdicts({"summary": summary})
     assert (over_stock.key, over_stock.agrees, over_stock.side) == ("vllm.addressing.stock", True, "contiguous")
     assert over_paged.key == "vllm.addressing.paged" and over_paged.note == ""
+    stock = {"a": [1, 2, 3], "b": [5, 6]}
+    assert bench.first_divergence(stock, stock) == -1
+    assert bench.first_divergence({"a": [1, 2, 4], "b": [5, 7]}, stock) == 1  # the earliest over the requests
+    assert bench.first_divergence({"a": [1, 2, 3], "b": [5]}, stock) == 1  # a request that stopped early
 
 
 @needs_vllm
