@@ -262,6 +262,30 @@ def test_the_plan_is_the_slot_geometry_of_a_virtual_kv_cache(layout):
         cache.close()
 
 
+@needs_vllm
+def test_on_cuda_vllm_takes_the_contiguous_plans_block_size_when_none_is_set(tiny_model_dir, monkeypatch):
+    """vLLM asks the selected backend for its preferred block size (with its config current):
+    in contiguous mode on CUDA it is the all-layers plan's at 2 MiB granules (here 4 layers x 4
+    KV heads x 32 in bf16: 1 KiB a token, 2,048-token blocks); on CPU vLLM's own."""
+    from vllm.config import KVTransferConfig, set_current_vllm_config
+
+    from vmkv import vllm as plugin
+    from vmkv.vllm.contiguous import VmkvContiguousBackend
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    transfer = KVTransferConfig(**plugin.engine_args(kv_mode="contiguous")["kv_transfer_config"])
+    config = engine_config(tiny_model_dir, kv_transfer_config=transfer)
+    with set_current_vllm_config(config):
+        assert VmkvContiguousBackend.get_preferred_block_size(16) == 16
+    config.device_config.device = torch.device("cuda")
+    expected = plan_contiguous_pages(KVShape(4, 4, 32, 2), GPU, max_model_len=300, max_num_seqs=5, layout="all_layers")
+    with set_current_vllm_config(config):
+        assert VmkvContiguousBackend.get_preferred_block_size(16) == expected.block_size == 2048
+    config.kv_transfer_config = None  # paged mode or no vmkv: vLLM's own
+    with set_current_vllm_config(config):
+        assert VmkvContiguousBackend.get_preferred_block_size(16) == 16
+
+
 # ---- on the fake CUDA driver ---------------------------------------------------------------
 @pytest.fixture
 def torch_runtime_is_fake(runtime, monkeypatch):  # noqa: F811
