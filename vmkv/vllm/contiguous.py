@@ -18,8 +18,12 @@ How vLLM picks it: the CPU platform always answers ``CPU_ATTN`` for non-MLA mode
 (``CpuPlatform.get_attn_backend_cls``), so :func:`install_platform_hook` wraps that method to
 answer this backend exactly when the engine's KV connector is vmkv's with
 ``kv_mode="contiguous"`` (:func:`contiguous_requested`). On GPU the backend is registered as
-vLLM's ``CUSTOM`` backend (``--attention-backend CUSTOM``); its CUDA kernels need the page-size
-decision of contiguous mode on CUDA (2 MiB VMM pages) and are refused until then.
+vLLM's ``CUSTOM`` backend and selected by ``--attention-backend CUSTOM`` (which
+:func:`vmkv.vllm.engine_args` adds; :func:`check_attention_backend` refuses a GPU engine without
+it); it asks vLLM for block-outermost blocks (``BLHNC``) and, when no block size is set, for the
+all-layers plan's (:meth:`VmkvContiguousBackend.get_preferred_block_size`), and its kernel is
+FlashAttention's ``flash_attn_with_kvcache`` with ``cache_batch_idx`` where flash-attn imports
+(the same rule names what runs otherwise). It declares no CUDA graph support.
 
 :func:`check_model` refuses at engine start what the mode does not support, naming the setting.
 """

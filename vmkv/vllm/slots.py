@@ -1,12 +1,14 @@
 """Request slots of vLLM's contiguous mode (``kv_mode="contiguous"``): vLLM's block table is the page table.
 
-Every layer's K and V get one reserved virtual range each, of ``max_num_seqs`` head-major
-*slots* ``[kv_heads, max_model_len, head_dim]`` (rounded up to whole blocks; the pages of
-:func:`~vmkv.vllm.contiguous_pages.plan_contiguous_pages` in its ``head_major`` layout). Logical
-block ``j`` of the request in slot ``s`` is, for every head ``h``, one page at
-``page_offset(s, j, h)`` mapped from the physical memory of head ``h``'s K (or V) in vLLM's block
-``block_table[j]`` (the memory the paged backing, :mod:`vmkv.vllm.kvbuffer`, already maps for
-that block), so the stock kernel reads one contiguous K/V per request and head::
+On the host every layer's K and V get one reserved virtual range each, of ``max_num_seqs``
+head-major *slots* ``[kv_heads, max_model_len, head_dim]`` (rounded up to whole blocks; the pages
+of :func:`~vmkv.vllm.contiguous_pages.plan_contiguous_pages` in its ``head_major`` layout); on
+CUDA, whose pages are 2 MiB, one K and one V range hold every layer (``all_layers``, see
+:data:`SLOT_LAYOUTS`). Logical block ``j`` of the request in slot ``s`` is, for every piece (a
+head's K or V on the host, all layers' K or V on CUDA), one page at ``page_offset(s, j, h)``
+mapped from the physical memory of that piece of vLLM's block ``block_table[j]`` (the memory the
+paged backing, :mod:`vmkv.vllm.kvbuffer`, already maps for that block), so the stock kernel reads
+one contiguous K/V per request (and head)::
 
     vLLM's KV buffer   | blk 0 | blk 1 | blk 2 | blk 3 | blk 4 | ...      (paged, what vLLM writes)
                            .------------'       |
@@ -21,7 +23,7 @@ Two halves, like the map/unmap lists of the paged backing:
   step that no block is written after it was full, so sharing a page between slots never needs a
   copy (vLLM shares only full blocks and never writes them).
 * :class:`SlotSpace` (worker side) reserves the slot ranges, maps and unmaps block memory into
-  them, and finds the slot of every batch row of a step from the row's block table (the block
+  them (undoing everything when the OS or driver refuses a call), and finds the slot of every batch row of a step from the row's block table (the block
   holding a row's newest token is written by this step, hence held by that request alone),
   checking that the slot maps exactly the row's blocks.
 
