@@ -23,7 +23,8 @@ Two halves, like the map/unmap lists of the paged backing:
   step that no block is written after it was full, so sharing a page between slots never needs a
   copy (vLLM shares only full blocks and never writes them).
 * :class:`SlotSpace` (worker side) reserves the slot ranges, maps and unmaps block memory into
-  them (undoing everything when the OS or driver refuses a call), and finds the slot of every batch row of a step from the row's block table (the block
+  them (undoing everything when the OS or driver refuses a call), and finds the slot of every
+  batch row of a step from the row's block table (the block
   holding a row's newest token is written by this step, hence held by that request alone),
   checking that the slot maps exactly the row's blocks.
 
@@ -334,7 +335,8 @@ class SlotSpace:
         block_contiguous = view.stride()[1:] == (tokens * width, width, 1)
         if view.shape[0] != num_blocks or tokens != self.block_size or not block_contiguous:
             raise InvalidConfig(f"contiguous mode on {self.backend.device.type} needs KV blocks in layout "
-                                f"{self.layout.vllm_layout}, got a view of shape {tuple(view.shape)} and strides {view.stride()}")
+                                f"{self.layout.vllm_layout} ({self.layout.why}), got a view of shape {tuple(view.shape)} "
+                                f"and strides {view.stride()}")
 
     def _place(self, ordered: Sequence[torch.Tensor]) -> tuple[list[_Group], dict[int, int]]:
         """The groups of slot ranges and each view's layer (its index in ``ordered``).
