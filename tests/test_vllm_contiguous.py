@@ -48,7 +48,52 @@ def test_kv_mode_is_a_setting_printed_everywhere_and_checked():
         plugin.engine_args(kv_mode="vmm")
     out = subprocess.run([sys.executable, "-m", "vmkv.vllm", "--kv-mode", "contiguous", "M"], capture_output=True,
                          text=True, cwd=ROOT, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert '"kv_mode":"contiguous"' in out.stdout, out.stderr
+    assert '"kv_mode":"contiguous"' in out.stdout and out.stdout.rstrip().endswith("--attention-backend CUSTOM"), out.stderr
+
+
+def test_contiguous_mode_asks_vllm_for_vmkvs_backend_and_a_gpu_refuses_any_other():
+    """engine_args/serve flags select vLLM's CUSTOM backend in contiguous mode only; on a GPU an
+    engine whose backend is not CUSTOM is refused at start naming the flag (the CPU platform's
+    choice is the plugin's hook)."""
+    assert plugin.engine_args(kv_mode="contiguous")["attention_backend"] == "CUSTOM"
+    assert "attention_backend" not in plugin.engine_args()
+    assert plugin.serve_flags(kv_mode="contiguous")[-2:] == ["--attention-backend", "CUSTOM"]
+    assert "--attention-backend" not in plugin.serve_flags()
+    if not HAS_VLLM:
+        pytest.skip("vLLM 0.32 not installed: the engine-start check needs its AttentionBackendEnum")
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from vmkv.vllm.contiguous import check_attention_backend
+
+    def config(device, backend):
+        return SimpleNamespace(device_config=SimpleNamespace(device=torch.device(device)),
+                               attention_config=SimpleNamespace(backend=backend))
+
+    check_attention_backend(config("cpu", None))  # the CPU platform ignores the selection: the hook answers
+    check_attention_backend(config("cuda", AttentionBackendEnum.CUSTOM))
+    for backend, named in ((None, "chosen automatically"), (AttentionBackendEnum.FLASH_ATTN, "FLASH_ATTN")):
+        with pytest.raises(vmkv.InvalidConfig, match=f"on cuda needs vmkv's attention backend, but vLLM's is {named}: "
+                                                     "start vLLM with --attention-backend CUSTOM"):
+            check_attention_backend(config("cuda", backend))
+
+
+@needs_vllm
+def test_the_backend_asks_each_device_for_the_layout_its_slots_map_and_declares_no_cuda_graphs(monkeypatch):
+    import vllm.platforms
+    from vllm.v1.attention.backend import AttentionCGSupport
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    from vmkv.vllm.contiguous import VmkvContiguousBackend, VmkvContiguousBuilder
+
+    expected = {"cpu": KVCacheLayout.LBHNC, "cuda": KVCacheLayout.BLHNC}
+    for device, layout in expected.items():
+        monkeypatch.setattr(vllm.platforms, "current_platform", SimpleNamespace(device_type=device), raising=False)
+        assert VmkvContiguousBackend.supported_kv_cache_layouts() == (layout,)
+    monkeypatch.setattr(vllm.platforms, "current_platform", SimpleNamespace(device_type="xpu"), raising=False)
+    with pytest.raises(vmkv.InvalidConfig, match="runs on cpu and cuda, not xpu"):
+        VmkvContiguousBackend.supported_kv_cache_layouts()
+    assert VmkvContiguousBuilder._cudagraph_support is AttentionCGSupport.NEVER
+    assert not VmkvContiguousBackend.forward_includes_kv_cache_update  # vLLM calls do_kv_cache_update first
 
 
 # ---- scheduler half ---------------------------------------------------------------------------
@@ -170,6 +215,10 @@ def test_the_addressing_benchmark_judges_contiguous_against_stock_and_paged():
     over_stock, over_paged = bench.verdicts({"summary": summary})
     assert (over_stock.key, over_stock.agrees, over_stock.side) == ("vllm.addressing.stock", True, "contiguous")
     assert over_paged.key == "vllm.addressing.paged" and over_paged.note == ""
+    stock = {"a": [1, 2, 3], "b": [5, 6]}
+    assert bench.first_divergence(stock, stock) == -1
+    assert bench.first_divergence({"a": [1, 2, 4], "b": [5, 7]}, stock) == 1  # the earliest over the requests
+    assert bench.first_divergence({"a": [1, 2, 3], "b": [5]}, stock) == 1  # a request that stopped early
 
 
 @needs_vllm
@@ -193,7 +242,9 @@ def test_unsupported_models_are_refused_naming_the_setting():
 
     def config(**model):
         fields = {"get_sliding_window": lambda: None, "use_mla": False, "is_encoder_decoder": False, **model}
-        return SimpleNamespace(model_config=SimpleNamespace(**fields), cache_config=SimpleNamespace(cache_dtype="auto"))
+        return SimpleNamespace(model_config=SimpleNamespace(**fields), cache_config=SimpleNamespace(cache_dtype="auto"),
+                               device_config=SimpleNamespace(device=torch.device("cpu")),
+                               attention_config=SimpleNamespace(backend=None))
 
     full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)
     groups = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=full)])
