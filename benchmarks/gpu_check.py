@@ -29,6 +29,14 @@ every section, so an interrupted run keeps what finished.
                   pages really go back; the time to create a page in a grant's batch
     vllm          ``vmkv.vllm.gpu_smoke(DIR/vllm)`` if vmkv.vllm and vLLM are installed; fails
                   unless it reports ``"passed": True``
+    vllm_addressing  block tables vs virtual memory inside one vLLM on the GPU (issue 20; the CUDA
+                  run of ``vmkv bench vllm --parts addressing``): stock vLLM, vmkv's paged backing
+                  and vmkv's contiguous mode (``--attention-backend CUSTOM``, all-layers slots of
+                  2 MiB pages, FlashAttention with cache_batch_idx where flash-attn imports) on
+                  identical work, interleaved rounds; output tokens/s ratios, KV memory, tokens
+                  against stock's; fails when the paged backing's tokens differ from stock's or
+                  a contiguous request's first token does (a wrong cache; later bf16 near-ties
+                  are reported, not failed)
 
 Exit status: 0 every section passed (or was skipped, with the reason); 1 a section failed;
 2 bad arguments; 3 no CUDA GPU here (one line says why; nothing ran). Nothing is installed or
@@ -75,7 +83,9 @@ from vmkv.step import StepPlan  # noqa: E402
 from vmkv.vm.cuda import TorchCudaRuntime  # noqa: E402
 
 MiB = 1 << 20
-SECTIONS = ["environment", "tests", "zero_page", "decode", "map_unmap", "paged_vs_vmm", "shared_budget", "vllm"]
+SECTIONS = ["environment", "tests", "zero_page", "decode", "map_unmap", "paged_vs_vmm", "shared_budget", "vllm",
+            "vllm_addressing"]
+TIMEOUT_FACTOR = {"vllm_addressing": 3}  # three vLLM engines start (and capture CUDA graphs) in that one process
 EXIT_FAILED, EXIT_USAGE, EXIT_NO_GPU = 1, 2, 3
 
 
@@ -555,6 +565,44 @@ def vllm_failures(result: dict[str, Any]) -> list[str]:
     return why or ["gpu_smoke reported passed=False"]
 
 
+def vllm_addressing_section(device: torch.device, out_dir: Path, smoke: bool) -> dict[str, Any]:
+    """The addressing comparison of ``vmkv bench vllm --parts addressing`` on the GPU
+    (:func:`benchmarks.vllm_addressing.run` with :data:`~benchmarks.vllm_addressing.GPU_SETTINGS`)."""
+    if device.type != "cuda":
+        raise SectionSkipped("the addressing comparison inside vLLM on CUDA needs a CUDA device "
+                             "(the CPU run: vmkv bench vllm --parts addressing)")
+    if importlib.util.find_spec("vllm") is None:
+        raise SectionSkipped("vLLM is not installed")
+    from vmkv.vllm import check_vllm
+
+    try:
+        check_vllm()
+    except vmkv.BackendUnavailable as exc:  # missing, or another release than the plugin's (UnsupportedVllm)
+        raise SectionSkipped(str(exc)) from None
+    from benchmarks import vllm_addressing
+
+    settings = dict(vllm_addressing.GPU_SETTINGS)
+    if smoke:
+        settings.update(requests=2, prompt=(256, 384), output=8, rounds=1)
+    (out_dir / "vllm_addressing").mkdir(parents=True, exist_ok=True)
+    result = vllm_addressing.run(settings, out_dir / "vllm_addressing", 0, vllm_addressing.GPU_ENGINE)
+    result["failures"] = addressing_failures(result["rows"])
+    return result
+
+
+def addressing_failures(rows: list[dict[str, Any]]) -> list[str]:
+    """Why the addressing run fails: the paged backing (vLLM's own kernel) must give stock's
+    tokens exactly; contiguous mode must give every request's first token (a wrong cache changes
+    it at once), later differences in bfloat16 are kernel summation order and are reported."""
+    why = []
+    for row in rows:
+        if row["engine"] == "paged" and not row["tokens_identical"]:
+            why.append(f"round {row['round']}: the paged backing's tokens differ from stock's at position {row['first_divergence']}")
+        if row["engine"] == "contiguous" and row["first_divergence"] == 0:
+            why.append(f"round {row['round']}: contiguous mode's first token differs from stock's")
+    return why
+
+
 # ---- running sections, each in its own process -----------------------------------------------
 def section_call(name: str, args: argparse.Namespace, device: torch.device) -> Callable[[], dict[str, Any]]:
     """The work of section ``name`` (run inside the worker process)."""
@@ -568,6 +616,7 @@ def section_call(name: str, args: argparse.Namespace, device: torch.device) -> C
         "paged_vs_vmm": lambda: paged_section(device, shape),
         "shared_budget": lambda: shared_budget_section(device, shape),
         "vllm": lambda: vllm_section(device, args.out),
+        "vllm_addressing": lambda: vllm_addressing_section(device, args.out, args.smoke),
     }
     return calls[name]
 
@@ -681,6 +730,12 @@ def print_report(report: dict[str, Any]) -> None:
             {"op": op, "page_bytes": mapping["page_bytes"], **mapping[f"{op}_us"]} for op in ("map", "unmap")
         ])
         print(f"  store creation {mapping['create_store_us_per_page']:.1f} us/page; reserve 64 GiB {mapping['reserve_64GiB_us']:.0f} us")
+    addressing = sections.get("vllm_addressing", {}).get("result")
+    if addressing:
+        print_table("vllm_addressing (output tokens/s per engine and round)", [
+            {k: row[k] for k in ("round", "engine", "output_tok_per_s", "kv_mean_mib", "tokens_identical", "first_divergence")}
+            for row in addressing["rows"]])
+        print(f"  {addressing['summary']['verdict']}; contiguous kernel {addressing['summary']['contiguous_kernels']}")
     tests = sections.get("tests", {}).get("result")
     if tests:
         print(f"\ntests: {tests['counts']} (returncode {tests['returncode']}): {tests['command']}")
@@ -704,6 +759,11 @@ def verdict(report: dict[str, Any]) -> str:
             line += f"; decode over VMM pages costs {row['vmm_over_dense']:.2f}x dense with {kernel}, the cache's kernel (1.00 = free)"
         else:
             line += f"; the cache's kernel {kernel} was not timed ({row.get('skipped', 'not in --kernels')})"
+    addressing = report["sections"].get("vllm_addressing", {}).get("result")
+    if addressing:
+        over = addressing["summary"]["contiguous_over_stock"]
+        line += (f"; inside vLLM contiguous mode ({', '.join(addressing['summary']['contiguous_kernels'])}) runs at "
+                 f"{statistics.median(over):.2f}x stock output tokens/s (rounds {min(over):.2f}-{max(over):.2f})")
     return line + "."
 
 
@@ -744,7 +804,8 @@ def main(argv: list[str] | None = None) -> int:
             entry = {"status": "skipped", "reason": "--smoke: the dry run is itself one of the tests"}
         else:
             print(f"[gpu_check] {name} ...", flush=True)
-            entry = collect(worker_command(name, args), section_file(args.out, name), args.section_timeout)
+            timeout = args.section_timeout * TIMEOUT_FACTOR.get(name, 1)
+            entry = collect(worker_command(name, args), section_file(args.out, name), timeout)
         report["sections"][name] = entry
         path.write_text(json.dumps(report, indent=2, default=str))  # after every section
         print(f"[gpu_check] {name}: {entry['status']}", (entry.get("error") or entry.get("reason") or "")[:160], flush=True)

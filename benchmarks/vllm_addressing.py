@@ -41,6 +41,7 @@ SCHEMA = {
     "attention_share": "contiguous: time in the attention kernel / wall time (others: not measured, -1)",
     "mode_share": "contiguous: time in the mode's step metadata (slot lookup, plan) and K/V writes / wall time (others: -1)",
     "tokens_identical": "greedy tokens equal to stock's of the same round, every request",
+    "first_divergence": "earliest output position where a request's tokens differ from stock's (-1: none)",
 }
 
 
@@ -63,21 +64,36 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
             "rounds": args.addr_rounds or (1 if smoke else 3), "page_size": args.addr_page_size, "block_size": 128}
 
 
+GPU_SETTINGS = {"layers": 16, "head_dim": 128, "requests": 16, "prompt": (1024, 1536), "output": 64, "rounds": 3,
+                "page_size": "2MiB", "block_size": 128}
+"""The CUDA run (``benchmarks/gpu_check.py``, section ``vllm_addressing``): 16 layers x 4 KV heads x
+128 in bfloat16 make an all-layers K of 16 KiB a token, so a 128-token block is one 2 MiB page (the
+contiguous plan's block, the same as the CPU run's); vLLM's GPU defaults otherwise (CUDA graphs on:
+stock and paged capture attention, contiguous declares none and runs it between piecewise graphs)."""
+GPU_ENGINE = {"dtype": "bfloat16", "enforce_eager": False}
+
+
 def measure(args: argparse.Namespace, model_root: Path) -> dict[str, Any]:
-    """Run the three engines; returns ``{"rows", "summary", "config", "schema"}``."""
+    """Run the three engines on CPU settings; returns ``{"rows", "summary", "config", "schema"}``."""
+    return run(settings(args), model_root, args.seed)
+
+
+def run(s: dict[str, Any], model_root: Path, seed: int, engine_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run the three engines on the work of settings ``s`` (:func:`settings`, :data:`GPU_SETTINGS`),
+    interleaved; ``engine_kwargs``: more ``vllm.LLM`` arguments for all three (default: the
+    CPU run's, float32 and eager). Returns ``{"rows", "summary", "config", "schema"}``."""
     from vllm import SamplingParams
 
     from vmkv.vllm import drive, stats, tiny
 
-    s = settings(args)
     model = tiny.save_tiny_model(model_root / f"vmkv-vllm-tiny-{s['layers']}x{s['head_dim']}", s["layers"], s["head_dim"])
-    rng = random.Random(args.seed)
+    rng = random.Random(seed)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(*s["prompt"]))] for _ in range(s["requests"])]
     params = [SamplingParams(max_tokens=s["output"], temperature=0.0, ignore_eos=True) for _ in prompts]
     max_len = -(-(s["prompt"][1] + s["output"]) // s["block_size"]) * s["block_size"]
     kv_bytes = tiny.token_bytes(s["layers"], s["head_dim"]) * max_len * (s["requests"] + 1)
     common_kwargs = {"kv_cache_bytes": kv_bytes, "max_model_len": max_len, "block_size": s["block_size"],
-                     "max_num_seqs": s["requests"]}
+                     "max_num_seqs": s["requests"], **(engine_kwargs or {})}
     options = {"paged": {"page_size": s["page_size"], "max_cached": 0},
                "contiguous": {"page_size": s["page_size"], "max_cached": 0, "kv_mode": "contiguous"}}
     engines = {name: drive.engine(model, vmkv=name != "stock", options=options.get(name), **common_kwargs) for name in ENGINES}
@@ -101,10 +117,20 @@ def measure(args: argparse.Namespace, model_root: Path) -> dict[str, Any]:
                          "mode_share": mode / result.wall_s if mode >= 0 else -1.0, "tokens_identical": False})
     for row in rows:
         row["tokens_identical"] = tokens[(row["round"], row["engine"])] == tokens[(row["round"], "stock")]
+        row["first_divergence"] = first_divergence(tokens[(row["round"], row["engine"])], tokens[(row["round"], "stock")])
+    kernels = sorted(stats(engines["contiguous"])[0].get("kernel_calls", {}))
     for llm in engines.values():
         llm.llm_engine.engine_core.shutdown()
-    return {"rows": rows, "summary": summary(rows, kv_bytes), "schema": SCHEMA,
-            "config": {**s, "kv_bytes": kv_bytes, "max_model_len": max_len}}
+    return {"rows": rows, "summary": {**summary(rows, kv_bytes), "contiguous_kernels": kernels}, "schema": SCHEMA,
+            "config": {**s, "kv_bytes": kv_bytes, "max_model_len": max_len, **(engine_kwargs or {})}}
+
+
+def first_divergence(ours: dict[str, list[int]], stock: dict[str, list[int]]) -> int:
+    """The earliest output position where any request's tokens differ from stock's (-1: none)."""
+    positions = [next((i for i, (a, b) in enumerate(zip(ours[r], stock[r])) if a != b),
+                      -1 if len(ours[r]) == len(stock[r]) else min(len(ours[r]), len(stock[r]))) for r in stock]
+    differing = [p for p in positions if p >= 0]
+    return min(differing) if differing else -1
 
 
 def _ratios(rows: list[dict[str, Any]], top: str, bottom: str) -> list[float]:

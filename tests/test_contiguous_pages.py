@@ -19,6 +19,7 @@ import importlib.util
 
 import pytest
 import torch
+from fake_cuda import FakeRuntime
 from fake_cuda.fixtures import fake, fake_lib, runtime  # noqa: F401  (fixtures)
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,7 +27,7 @@ from hypothesis import strategies as st
 import vmkv
 import vmkv.vm.cuda
 from vmkv.config import DEFAULT_TOKENS_PER_PAGE, LAYOUTS, KVShape
-from vmkv.errors import InvalidConfig, InvalidInput
+from vmkv.errors import BackendError, InvalidConfig, InvalidInput
 from vmkv.vllm.contiguous_pages import (
     AUTO_LAYOUTS,
     min_block_size,
@@ -261,6 +262,30 @@ def test_the_plan_is_the_slot_geometry_of_a_virtual_kv_cache(layout):
         cache.close()
 
 
+@needs_vllm
+def test_on_cuda_vllm_takes_the_contiguous_plans_block_size_when_none_is_set(tiny_model_dir, monkeypatch):
+    """vLLM asks the selected backend for its preferred block size (with its config current):
+    in contiguous mode on CUDA it is the all-layers plan's at 2 MiB granules (here 4 layers x 4
+    KV heads x 32 in bf16: 1 KiB a token, 2,048-token blocks); on CPU vLLM's own."""
+    from vllm.config import KVTransferConfig, set_current_vllm_config
+
+    from vmkv import vllm as plugin
+    from vmkv.vllm.contiguous import VmkvContiguousBackend
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    transfer = KVTransferConfig(**plugin.engine_args(kv_mode="contiguous")["kv_transfer_config"])
+    config = engine_config(tiny_model_dir, kv_transfer_config=transfer)
+    with set_current_vllm_config(config):
+        assert VmkvContiguousBackend.get_preferred_block_size(16) == 16
+    config.device_config.device = torch.device("cuda")
+    expected = plan_contiguous_pages(KVShape(4, 4, 32, 2), GPU, max_model_len=300, max_num_seqs=5, layout="all_layers")
+    with set_current_vllm_config(config):
+        assert VmkvContiguousBackend.get_preferred_block_size(16) == expected.block_size == 2048
+    config.kv_transfer_config = None  # paged mode or no vmkv: vLLM's own
+    with set_current_vllm_config(config):
+        assert VmkvContiguousBackend.get_preferred_block_size(16) == 16
+
+
 # ---- on the fake CUDA driver ---------------------------------------------------------------
 @pytest.fixture
 def torch_runtime_is_fake(runtime, monkeypatch):  # noqa: F811
@@ -354,3 +379,170 @@ def test_one_physical_page_is_mapped_into_two_slots_through_the_cuda_backend(fak
         del views
     finally:
         vm.close()
+
+
+# ---- vLLM's slot space on the fake CUDA driver -----------------------------------------------
+# Two layers of 2 KV heads x 32 floats: an all-layers token takes 512 B of a piece, so 64 KiB
+# granules make 128-token blocks, one 64 KiB page per K (V) piece; a block is 128 KiB, every
+# layer's K then V (vLLM's block-outermost BLHNC, read as [K|V, tokens, layers, heads, D]).
+SLOT_LAYERS, SLOT_HEADS, SLOT_DIM, SLOT_BLOCKS = 2, 2, 32, 6
+
+
+def cuda_slot_space(runtime, block: int = 128, page_size: int = 64 * KiB, views_layout: str = "BLHNC"):  # noqa: F811
+    """A KV buffer of ``SLOT_BLOCKS`` blocks on the fake CUDA backend, vLLM's per-layer views of it
+    in ``views_layout`` (every page mapped, block b's bytes filled by layer, K|V and head) and a
+    :class:`~vmkv.vllm.slots.SlotSpace` of 3 slots x 3 blocks over it."""
+    from vmkv.vllm.kvbuffer import KVBuffer
+    from vmkv.vllm.slots import SlotSpace
+
+    layer_block = SLOT_HEADS * block * 2 * SLOT_DIM  # floats of one layer's block [H, N, 2D]
+    nbytes = SLOT_BLOCKS * SLOT_LAYERS * layer_block * 4
+    buffer = KVBuffer(CudaVirtualMemory(page_size, nbytes // page_size, device="cuda:0", runtime=runtime), nbytes)
+    buffer.apply([], list(range(buffer.num_pages)))
+    raw = buffer.tensor().view(torch.float32)
+    shape = (SLOT_BLOCKS, SLOT_HEADS, block, 2 * SLOT_DIM)
+    inner = (block * 2 * SLOT_DIM, 2 * SLOT_DIM, 1)
+    if views_layout == "BLHNC":
+        views = {f"l{layer}": raw.as_strided(shape, (SLOT_LAYERS * layer_block, *inner), layer * layer_block)
+                 for layer in range(SLOT_LAYERS)}
+    else:  # LBHNC: every layer's blocks in its own region
+        views = {f"l{layer}": raw.as_strided(shape, (layer_block, *inner), layer * SLOT_BLOCKS * layer_block)
+                 for layer in range(SLOT_LAYERS)}
+    try:
+        space = SlotSpace(buffer, views, SLOT_BLOCKS, block, max_slots=3, max_blocks=3)
+    except BaseException:
+        buffer.close()
+        raise
+    space.views = views  # kept for tests that build a second space over the same buffer
+    for layer, rows in enumerate(space.write_views):  # [blocks, tokens, K|V, heads, D]
+        for half in range(2):
+            for head in range(SLOT_HEADS):
+                rows[:, :, half, head] = (torch.arange(SLOT_BLOCKS, dtype=torch.float32)[:, None, None] * 1000
+                                          + 100 * layer + 10 * half + head)
+    return buffer, space
+
+
+MAPS = [(0, 0, 1), (0, 1, 2), (2, 0, 1), (2, 1, 3)]  # slots 0 and 2 share their first block, 1
+
+
+def mapped_at(fake) -> dict[int, int]:  # noqa: F811
+    return {m["addr"]: m["handle"] for m in fake.state()["mappings"]}
+
+
+@pytest.mark.parametrize("block", [128, 256], ids=["one-page-pieces", "two-page-pieces"])
+def test_the_slot_space_maps_each_blocks_pages_at_the_plans_offsets_on_the_cuda_driver(fake, runtime, block):  # noqa: F811
+    """Reserve: one K and one V range of the plan's size. Map: for every (slot, j, block) and
+    K|V, the buffer's handles behind that piece, at ``base + page_offset(slot, j)`` (one
+    ``cuMemMap`` per page, nothing allocated); both slots read the shared block from the same
+    handle, every layer's slice reads its own K/V, empty pages read zeros. Free: synchronize,
+    then the slot's pages go back to the zero page; the other slot keeps the shared block."""
+    fake.calls(clear=True)
+    buffer, space = cuda_slot_space(runtime, block)
+    calls = fake.calls(clear=True)
+    p = space.plan
+    assert (p.layout, p.block_size, p.pieces, p.page_bytes) == ("all_layers", block, 2, block * 512)
+    reserves = [c for c in calls if c.name == "cuMemAddressReserve" and c.args.startswith(f"size={p.reservation_bytes},")]
+    assert len(reserves) == 2 and p.reservation_bytes == 3 * 3 * block * 512  # K and V: 3 slots of 3 blocks
+    k_base, v_base = space._bases[0]
+    resident = buffer.backend.resident_bytes()
+
+    space.map(MAPS)
+    calls = fake.calls(clear=True)
+    assert "cuMemCreate" not in [c.name for c in calls] and buffer.backend.resident_bytes() == resident
+    pages = p.page_bytes // buffer.page_size
+    maps = [c for c in calls if c.name == "cuMemMap"]
+    assert len(maps) == len(MAPS) * 2 * pages and all(c.ok for c in maps)
+    live = mapped_at(fake)
+    handles = buffer.backend._handles
+    for slot, j, blk in MAPS:
+        for half, base in enumerate((k_base, v_base)):
+            for i in range(pages):  # the piece's buffer pages, in order
+                source = (blk * 2 * p.page_bytes + half * p.page_bytes) // buffer.page_size + i
+                addr = base + p.page_offset(slot, j) + i * buffer.page_size
+                assert live[addr] == handles[buffer.physical_page(source)], (slot, j, half, i)
+    for layer in range(SLOT_LAYERS):
+        k, v = space.k[layer], space.v[layer]
+        assert k.shape == (3, 3 * block, SLOT_HEADS, SLOT_DIM) and space.owns(k) and space.owns(v)
+        for slot, blocks in ((0, (1, 2)), (2, (1, 3))):
+            for j, blk in enumerate(blocks):
+                for head in range(SLOT_HEADS):
+                    rows = slice(j * block, (j + 1) * block)
+                    assert bool((k[slot, rows, head] == blk * 1000 + 100 * layer + head).all())
+                    assert bool((v[slot, rows, head] == blk * 1000 + 100 * layer + 10 + head).all())
+        assert k[:, 2 * block:].abs().sum() == 0 and k[1].abs().sum() == 0  # empty pages: the zero page
+    space.write_views[1][1, 5, 0, 1, 3] = -1.0  # block 1 (shared), token 5, K, head 1: seen through both slots
+    assert space.k[1][0, 5, 1, 3] == -1.0 and space.k[1][2, 5, 1, 3] == -1.0
+    assert space.rows_to_slots(torch.tensor([[1, 3, 0]]), [block + 1]) == [2]
+
+    space.free([0])
+    calls = fake.calls(clear=True)
+    names = [c.name for c in calls]
+    assert names.index("cuCtxSynchronize") < names.index("cuMemUnmap") and not fake.hazards()
+    assert space.k[0][0].abs().sum() == 0 and space.k[0][2, :block, 0, 0].eq(1000).all()
+    live = mapped_at(fake)
+    assert all(live[k_base + p.page_offset(0, j) + i * buffer.page_size] == buffer.backend._zero
+               for j in range(2) for i in range(pages))
+    assert space.stats()["slots_in_use"] == 1
+    space.close()
+    buffer.close()
+
+
+@pytest.mark.parametrize("op", ["map", "free", "reserve"])
+def test_every_failing_driver_call_of_the_slot_space_is_undone(fake, runtime, op):  # noqa: F811
+    """Fail the k-th driver call of ``space.map`` / ``space.free`` / the slot reservation, for
+    every k: ``BackendError``, the driver's mappings and the slot tables are as before (nothing
+    half-mapped), and the same call works once the driver does."""
+    from vmkv.vllm.slots import SlotSpace
+
+    def prepared():  # a fresh torch runtime after every reset of the driver, as the backend tests do
+        buffer, space = cuda_slot_space(FakeRuntime())
+        if op == "free":
+            space.map(MAPS)
+        return buffer, space
+
+    def action(buffer, space):
+        if op == "map":
+            return space.map(MAPS)
+        if op == "free":
+            return space.free([0, 2])
+        return SlotSpace(buffer, space.views, SLOT_BLOCKS, 128, max_slots=3, max_blocks=3)
+
+    def close(buffer, space, made=None):
+        for each in (made, space, buffer):
+            if each is not None:
+                each.close()
+
+    fake.reset()
+    buffer, space = prepared()
+    fake.calls(clear=True)
+    made = action(buffer, space)
+    total = len(fake.calls())
+    assert total >= 8
+    close(buffer, space, made)
+    del buffer, space, made  # before the next reset: their reservations go back to this driver state
+    for k in range(1, total + 1):
+        fake.reset()
+        buffer, space = prepared()
+        before = (mapped_at(fake), space._tables.copy(), list(space._lengths))
+        fake.fail("", nth=k)
+        with pytest.raises(BackendError):
+            action(buffer, space)
+        fake.clear_failures()
+        assert mapped_at(fake) == before[0], f"call {k} of {total} of {op} changed the driver's mappings"
+        assert (space._tables == before[1]).all() and space._lengths == before[2]
+        made = action(buffer, space)  # the same call works once the driver does
+        close(buffer, space, made)
+        del buffer, space, made
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"block": 64}, r"vLLM's block_size 64 does not make whole pages; start vLLM with block_size=128 \(--block-size 128\)"),
+    ({"page_size": 128 * KiB}, r"pieces of 65536 B from the KV buffer in whole pages \(page_size\) of 131072 B.*set page_size"),
+    ({"views_layout": "LBHNC"}, r"every layer of a block in one run \(layout BLHNC\)"),
+], ids=["block-size", "page-size", "vllm-layout"])
+def test_the_slot_space_on_cuda_refuses_what_cannot_map_naming_what_works(fake, runtime, kw, match):  # noqa: F811
+    """On CUDA a piece (all layers' K of a block) must be whole 64 KiB granules (so vLLM's block
+    a multiple of 128 tokens here), whole pages of the buffer (cuMemMap maps handles whole), and
+    vLLM's blocks block-outermost; each is refused at start, nothing left reserved."""
+    with pytest.raises(InvalidConfig, match=match):
+        cuda_slot_space(runtime, **kw)

@@ -513,6 +513,25 @@ def test_gpu_check_sections_that_need_no_process_of_their_own(gpu_check, tmp_pat
     assert paged["kernels"]["gather_sdpa"]["max_abs_diff_vs_vmm"] < 1e-5
     with pytest.raises(gpu_check.SectionSkipped, match="needs a CUDA device"):
         gpu_check.vllm_section(cpu, tmp_path)
+    with pytest.raises(gpu_check.SectionSkipped, match="addressing comparison inside vLLM on CUDA needs a CUDA device"):
+        gpu_check.vllm_addressing_section(cpu, tmp_path, smoke=True)
+
+
+def test_gpu_check_addressing_fails_on_a_wrong_cache_and_headlines_the_ratio(gpu_check):
+    """The CUDA addressing run (section vllm_addressing) fails when the paged backing's tokens
+    differ at all or contiguous mode's first token does; later contiguous differences (bf16
+    near-ties) pass; the verdict line carries contiguous over stock with its rounds."""
+    def row(engine, identical, first, round_=0):
+        return {"round": round_, "engine": engine, "tokens_identical": identical, "first_divergence": first}
+
+    assert gpu_check.addressing_failures([row("stock", True, -1), row("paged", True, -1), row("contiguous", False, 17)]) == []
+    failures = gpu_check.addressing_failures([row("paged", False, 3), row("contiguous", False, 0, 1)])
+    assert failures == ["round 0: the paged backing's tokens differ from stock's at position 3",
+                        "round 1: contiguous mode's first token differs from stock's"]
+    summary = {"contiguous_over_stock": [0.9, 1.1, 1.2], "contiguous_kernels": ["flash_attn_with_kvcache"]}
+    report = {"device": "cuda:0", "sections": {"vllm_addressing": {"status": "passed", "result": {"summary": summary}}}}
+    assert gpu_check.verdict(report).endswith("inside vLLM contiguous mode (flash_attn_with_kvcache) runs at 1.10x stock "
+                                              "output tokens/s (rounds 0.90-1.20).")
 
 
 def test_gpu_check_isolates_a_crashing_section_and_fails_the_run(gpu_check, tmp_path, monkeypatch, capsys):

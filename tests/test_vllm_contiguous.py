@@ -49,7 +49,52 @@ def test_kv_mode_is_a_setting_printed_everywhere_and_checked():
         plugin.engine_args(kv_mode="vmm")
     out = subprocess.run([sys.executable, "-m", "vmkv.vllm", "--kv-mode", "contiguous", "M"], capture_output=True,
                          text=True, cwd=ROOT, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert '"kv_mode":"contiguous"' in out.stdout, out.stderr
+    assert '"kv_mode":"contiguous"' in out.stdout and out.stdout.rstrip().endswith("--attention-backend CUSTOM"), out.stderr
+
+
+def test_contiguous_mode_asks_vllm_for_vmkvs_backend_and_a_gpu_refuses_any_other():
+    """engine_args/serve flags select vLLM's CUSTOM backend in contiguous mode only; on a GPU an
+    engine whose backend is not CUSTOM is refused at start naming the flag (the CPU platform's
+    choice is the plugin's hook)."""
+    assert plugin.engine_args(kv_mode="contiguous")["attention_backend"] == "CUSTOM"
+    assert "attention_backend" not in plugin.engine_args()
+    assert plugin.serve_flags(kv_mode="contiguous")[-2:] == ["--attention-backend", "CUSTOM"]
+    assert "--attention-backend" not in plugin.serve_flags()
+    if not HAS_VLLM:
+        pytest.skip("vLLM 0.32 not installed: the engine-start check needs its AttentionBackendEnum")
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from vmkv.vllm.contiguous import check_attention_backend
+
+    def config(device, backend):
+        return SimpleNamespace(device_config=SimpleNamespace(device=torch.device(device)),
+                               attention_config=SimpleNamespace(backend=backend))
+
+    check_attention_backend(config("cpu", None))  # the CPU platform ignores the selection: the hook answers
+    check_attention_backend(config("cuda", AttentionBackendEnum.CUSTOM))
+    for backend, named in ((None, "chosen automatically"), (AttentionBackendEnum.FLASH_ATTN, "FLASH_ATTN")):
+        with pytest.raises(vmkv.InvalidConfig, match=f"on cuda needs vmkv's attention backend, but vLLM's is {named}: "
+                                                     "start vLLM with --attention-backend CUSTOM"):
+            check_attention_backend(config("cuda", backend))
+
+
+@needs_vllm
+def test_the_backend_asks_each_device_for_the_layout_its_slots_map_and_declares_no_cuda_graphs(monkeypatch):
+    import vllm.platforms
+    from vllm.v1.attention.backend import AttentionCGSupport
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    from vmkv.vllm.contiguous import VmkvContiguousBackend, VmkvContiguousBuilder
+
+    expected = {"cpu": KVCacheLayout.LBHNC, "cuda": KVCacheLayout.BLHNC}
+    for device, layout in expected.items():
+        monkeypatch.setattr(vllm.platforms, "current_platform", SimpleNamespace(device_type=device), raising=False)
+        assert VmkvContiguousBackend.supported_kv_cache_layouts() == (layout,)
+    monkeypatch.setattr(vllm.platforms, "current_platform", SimpleNamespace(device_type="xpu"), raising=False)
+    with pytest.raises(vmkv.InvalidConfig, match="runs on cpu and cuda, not xpu"):
+        VmkvContiguousBackend.supported_kv_cache_layouts()
+    assert VmkvContiguousBuilder._cudagraph_support is AttentionCGSupport.NEVER
+    assert not VmkvContiguousBackend.forward_includes_kv_cache_update  # vLLM calls do_kv_cache_update first
 
 
 # ---- scheduler half ---------------------------------------------------------------------------
@@ -157,22 +202,35 @@ def test_a_block_that_is_not_whole_os_pages_is_refused_naming_the_block_size():
 
 
 @needs_vllm
-def test_new_kv_lands_in_each_heads_k_and_v_rows_of_its_block():
-    from vmkv.vllm.contiguous import VmkvContiguousImpl
+@pytest.mark.parametrize("layout", ["LBHNC", "BLHNC"])  # the host's head-major blocks, CUDA's all-layers ones
+def test_new_kv_lands_where_the_slots_read_it(monkeypatch, layout):
+    """``do_kv_cache_update`` writes each token's K and V of every head into the write view's row
+    (what an advanced-index write into the 5-D view does), padding (-1) into the null block."""
+    from vmkv.vllm import contiguous
 
-    impl = VmkvContiguousImpl(4, DIM, DIM ** -0.5, HEADS, None, None, "auto")
-    cache = torch.zeros(BLOCKS, HEADS, BLOCK, 2 * DIM)  # LBHNC: a head's run is its K rows, then its V rows
+    layers, tokens, heads, dim, blocks = 3, 16, 2, 8, 6
+    if layout == "LBHNC":  # layer-outermost; a block [heads, K|V, tokens, D]
+        raw = torch.zeros(layers, blocks, heads, 2, tokens, dim)
+        views = [raw[layer].permute(0, 3, 2, 1, 4) for layer in range(layers)]  # [blocks, tokens, K|V, heads, D]
+    else:  # block-outermost; a block [K|V, tokens, layers, heads, D]
+        raw = torch.zeros(blocks, 2, tokens, layers, heads, dim)
+        views = [raw[:, :, :, layer].transpose(1, 2) for layer in range(layers)]
+    space = SimpleNamespace(write_views=views, layer_index={"l0": 0, "l1": 1, "l2": 2}, seconds=0.0)
+    space.record_mode_work = lambda seconds: setattr(space, "seconds", space.seconds + seconds)
+    monkeypatch.setattr(contiguous, "_slot_space", lambda: space)
+    impl = contiguous.VmkvContiguousImpl(4, dim, dim ** -0.5, heads, None, None, "auto")
     gen = torch.Generator().manual_seed(0)
-    key, value = torch.randn(40, HEADS, DIM, generator=gen), torch.randn(40, HEADS, DIM, generator=gen)
-    where = torch.randperm(BLOCKS * BLOCK, generator=gen)[:37]  # 37 of 40: rows past the mapping are padding
-    impl.do_kv_cache_update(None, key, value, cache, where)
-    want = torch.zeros(BLOCKS, HEADS, 2, BLOCK, DIM)
-    for t, s in enumerate(where.tolist()):
-        want[s // BLOCK, :, 0, s % BLOCK] = key[t]
-        want[s // BLOCK, :, 1, s % BLOCK] = value[t]
-    assert torch.equal(cache.view(BLOCKS, HEADS, 2, BLOCK, DIM), want)
-    with pytest.raises(vmkv.InvalidConfig, match="not head-major"):
-        impl.do_kv_cache_update(None, key, value, cache.transpose(1, 2), where)
+    key, value = torch.randn(12, heads, dim, generator=gen), torch.randn(12, heads, dim, generator=gen)
+    where = torch.cat([tokens + torch.randperm((blocks - 1) * tokens, generator=gen)[:10], torch.tensor([-1, -1])])
+    for _ in range(2):  # the second call reuses the cached rows
+        impl.do_kv_cache_update(SimpleNamespace(layer_name="l1"), key, value, None, where)
+    want = torch.zeros_like(raw)
+    reference = want[:, :, :, 1] if layout == "BLHNC" else want[1]
+    rows = reference.transpose(1, 2) if layout == "BLHNC" else reference.permute(0, 3, 2, 1, 4)
+    rows[where.clamp_min(0) // tokens, where.clamp_min(0) % tokens] = torch.stack([key, value], dim=1)
+    assert torch.equal(raw, want) and space.seconds > 0  # other layers untouched, time counted
+    real = views[1][where[:10] // tokens, where[:10] % tokens]  # [10, K|V, heads, D]
+    assert torch.equal(real[:, 0], key[:10]) and torch.equal(real[:, 1], value[:10])
 
 
 # ---- the addressing benchmark's verdicts ------------------------------------------------------
@@ -192,6 +250,10 @@ def test_the_addressing_benchmark_judges_contiguous_against_stock_and_paged():
     over_stock, over_paged = bench.verdicts({"summary": summary})
     assert (over_stock.key, over_stock.agrees, over_stock.side) == ("vllm.addressing.stock", True, "contiguous")
     assert over_paged.key == "vllm.addressing.paged" and over_paged.note == ""
+    stock = {"a": [1, 2, 3], "b": [5, 6]}
+    assert bench.first_divergence(stock, stock) == -1
+    assert bench.first_divergence({"a": [1, 2, 4], "b": [5, 7]}, stock) == 1  # the earliest over the requests
+    assert bench.first_divergence({"a": [1, 2, 3], "b": [5]}, stock) == 1  # a request that stopped early
 
 
 @needs_vllm
@@ -215,7 +277,9 @@ def test_unsupported_models_are_refused_naming_the_setting():
 
     def config(**model):
         fields = {"get_sliding_window": lambda: None, "use_mla": False, "is_encoder_decoder": False, **model}
-        return SimpleNamespace(model_config=SimpleNamespace(**fields), cache_config=SimpleNamespace(cache_dtype="auto"))
+        return SimpleNamespace(model_config=SimpleNamespace(**fields), cache_config=SimpleNamespace(cache_dtype="auto"),
+                               device_config=SimpleNamespace(device=torch.device("cpu")),
+                               attention_config=SimpleNamespace(backend=None))
 
     full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)
     groups = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=full)])

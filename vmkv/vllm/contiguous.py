@@ -18,8 +18,12 @@ How vLLM picks it: the CPU platform always answers ``CPU_ATTN`` for non-MLA mode
 (``CpuPlatform.get_attn_backend_cls``), so :func:`install_platform_hook` wraps that method to
 answer this backend exactly when the engine's KV connector is vmkv's with
 ``kv_mode="contiguous"`` (:func:`contiguous_requested`). On GPU the backend is registered as
-vLLM's ``CUSTOM`` backend (``--attention-backend CUSTOM``); its CUDA kernels need the page-size
-decision of contiguous mode on CUDA (2 MiB VMM pages) and are refused until then.
+vLLM's ``CUSTOM`` backend and selected by ``--attention-backend CUSTOM`` (which
+:func:`vmkv.vllm.engine_args` adds; :func:`check_attention_backend` refuses a GPU engine without
+it); it asks vLLM for block-outermost blocks (``BLHNC``) and, when no block size is set, for the
+all-layers plan's (:meth:`VmkvContiguousBackend.get_preferred_block_size`), and its kernel is
+FlashAttention's ``flash_attn_with_kvcache`` with ``cache_batch_idx`` where flash-attn imports
+(the same rule names what runs otherwise). It declares no CUDA graph support.
 
 :func:`check_model` refuses at engine start what the mode does not support, naming the setting.
 """
@@ -35,6 +39,7 @@ from vllm.config import get_current_vllm_config_or_none
 from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 from vllm.v1.attention.backend import (
     AttentionBackend,
+    AttentionCGSupport,
     AttentionImpl,
     AttentionMetadataBuilder,
     AttentionType,
@@ -46,8 +51,12 @@ from ..attention import select_contiguous_kernel
 from ..errors import InvalidConfig
 from ..step import StepPlan, make_plan
 from . import settings as plugin
+from .contiguous_pages import plan_for_vllm
+from .slots import slot_layout
 
 BACKEND_PATH = "vmkv.vllm.contiguous.VmkvContiguousBackend"
+CUDA_GRANULARITY = 2 << 20
+"""``cuMemGetAllocationGranularity`` (minimum) of NVIDIA GPUs: what the front end plans with."""
 
 
 def contiguous_requested(vllm_config: Any) -> bool:
@@ -68,6 +77,7 @@ def check_model(vllm_config: Any, kv_cache_config: Any) -> None:
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     model, cache = vllm_config.model_config, vllm_config.cache_config
+    check_attention_backend(vllm_config)
     why = []
     if model.get_sliding_window() is not None:
         why.append(f"sliding-window attention (the model's sliding_window={model.get_sliding_window()})")
@@ -83,6 +93,22 @@ def check_model(vllm_config: Any, kv_cache_config: Any) -> None:
         why.append(f"hybrid models or other KV than full attention (KV cache groups: {specs})")
     if why:
         raise InvalidConfig(f"vmkv kv_mode='contiguous' does not support {'; '.join(why)}: use kv_mode='paged'")
+
+
+def check_attention_backend(vllm_config: Any) -> None:
+    """On a GPU, contiguous mode needs vLLM to run vmkv's attention backend (the CPU platform's
+    choice is made by :func:`install_platform_hook`).
+
+    Raises:
+        InvalidConfig: the engine is not on CPU and its attention backend is not ``CUSTOM``.
+    """
+    device = vllm_config.device_config.device
+    backend = vllm_config.attention_config.backend
+    name = None if backend is None else backend.name
+    if torch.device(device).type != "cpu" and name != plugin.ATTENTION_BACKEND:
+        raise InvalidConfig(f"vmkv kv_mode='contiguous' on {device} needs vmkv's attention backend, but vLLM's is "
+                            f"{name or 'chosen automatically'}: start vLLM with --attention-backend {plugin.ATTENTION_BACKEND} "
+                            "(vmkv.vllm.engine_args(kv_mode='contiguous') and python -m vmkv.vllm --kv-mode contiguous add it)")
 
 
 def install_platform_hook() -> bool:
@@ -144,6 +170,19 @@ class VmkvContiguousBackend(AttentionBackend):
     def get_name() -> str:
         return "CUSTOM"
 
+    @classmethod
+    def get_preferred_block_size(cls, default_block_size: int) -> int:
+        """The block size vLLM takes when the user set none (vLLM asks with its config current):
+        on CUDA the contiguous plan's (``all_layers``, one block one page of whole
+        :data:`CUDA_GRANULARITY` granules in every piece, valid in every pipeline stage: 32 tokens
+        for Llama-3-8B in fp16); elsewhere ``default_block_size``. The front end must not touch
+        the GPU, so the granularity is the one NVIDIA GPUs report; each worker's slot space
+        checks its driver's and refuses, naming the size that works, if it differs."""
+        config = get_current_vllm_config_or_none()
+        if config is None or not contiguous_requested(config) or torch.device(config.device_config.device).type != "cuda":
+            return default_block_size
+        return plan_for_vllm(config, layout=slot_layout("cuda").slots, granularity=CUDA_GRANULARITY).block_size  # type: ignore[arg-type]
+
     @staticmethod
     def get_impl_cls() -> type["VmkvContiguousImpl"]:
         return VmkvContiguousImpl
@@ -154,7 +193,11 @@ class VmkvContiguousBackend(AttentionBackend):
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        return (KVCacheLayout.LBHNC,)  # head-major blocks: a head's K and V of a block are pages of its slots
+        """The one layout whose blocks map into this device's slots (:data:`~vmkv.vllm.slots.SLOT_LAYOUTS`:
+        head-major ``LBHNC`` on CPU, block-outermost ``BLHNC`` on CUDA)."""
+        from vllm.platforms import current_platform
+
+        return (KVCacheLayout[slot_layout(current_platform.device_type).vllm_layout],)
 
 
 @dataclass
@@ -174,6 +217,10 @@ class VmkvContiguousBuilder(AttentionMetadataBuilder[ContiguousMetadata]):
     """Builds :class:`ContiguousMetadata` once per step from vLLM's common metadata."""
 
     reorder_batch_threshold: ClassVar[int | None] = None
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    """No CUDA graphs: a step's slots, lengths and kernel choice are read on the host (``build``,
+    ``rows_to_slots``) and per-sequence prefill calls vary in number; vLLM runs attention eagerly
+    between its piecewise graphs."""
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -228,36 +275,57 @@ class VmkvContiguousImpl(AttentionImpl):
         self.kernel_name: str | None = None
         self._kernel: Any = None
         self._layer: int | None = None
-        self._space: Any = None  # the worker's SlotSpace, from the first forward on
-        self._offsets: torch.Tensor | None = None  # row offsets of the heads' K/V in a block (do_kv_cache_update)
+        self._rows: tuple[Any, tuple[torch.Tensor, tuple[int, int], torch.Tensor, int]] | None = None  # _write_rows
 
     def do_kv_cache_update(self, layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
         """Write the step's new K/V where vLLM's slot mapping says (token ``s`` of the step goes
-        to block ``s // block_size``, row ``s % block_size``), a block read as ``[kv_heads, K|V,
-        block_size, head_dim]`` (:class:`~vmkv.vllm.slots.SlotSpace`); the slots see it through
-        the shared pages. One ``index_copy_`` of head_dim-wide rows into the block rows (an
-        advanced-index write into a permuted ``[B, N, K|V, H, D]`` view was several times slower)."""
+        to block ``s // block_size``, row ``s % block_size``), into the block interior the slots
+        read (:attr:`~vmkv.vllm.slots.SlotSpace.write_views`); the slots see it through the shared
+        pages. Padding entries (vLLM's ``-1``) write into its null block 0, which no slot maps.
+        One ``index_copy_`` of head_dim-wide rows (:meth:`_write_rows`): an advanced-index write
+        into the 5-D strided view was several times slower."""
         start = time.perf_counter()
         count = slot_mapping.shape[0]
-        blocks, heads, tokens, width = kv_cache.shape
-        if not kv_cache.is_contiguous():
-            raise InvalidConfig("contiguous mode: the KV view is not head-major (layout LBHNC)")
-        where = slot_mapping.long()
+        if count == 0:
+            return
+        space = _slot_space()
+        flat, first, offsets, tokens = self._write_rows(layer, space)
+        where = slot_mapping.long().clamp_min(0)
         block, row = where // tokens, where % tokens
-        first = (block * (heads * 2 * tokens) + row)[:, None, None]  # K row of head 0, [T, 1, 1]
-        rows = first + self._row_offsets(heads, tokens, where.device)  # [T, K|V, H]: row of each head_dim vector
-        source = torch.stack([key[:count], value[:count]], dim=1)  # [T, K|V, H, D]
-        kv_cache.view(-1, width // 2).index_copy_(0, rows.flatten(), source.reshape(-1, width // 2))
-        if self._space is not None:  # set by the first forward (vLLM's profiling writes come before it)
-            self._space.record_mode_work(time.perf_counter() - start)
+        rows = (block * first[0] + row * first[1])[:, None, None] + offsets  # [T, K|V, Hkv]: row in flat
+        source = torch.stack([key[:count], value[:count]], dim=1)  # [T, K|V, Hkv, D]
+        flat.index_copy_(0, rows.flatten(), source.reshape(-1, flat.shape[1]))
+        space.record_mode_work(time.perf_counter() - start)
 
-    def _row_offsets(self, heads: int, tokens: int, device: torch.device) -> torch.Tensor:
-        """``[1, 2, heads]``: head ``h``'s K (V) row of a token, counted from head 0's K row."""
-        if self._offsets is None or self._offsets.device != device:
-            half = torch.arange(2, device=device)[:, None] * tokens  # V rows follow a head's K rows
-            self._offsets = (half + torch.arange(heads, device=device)[None, :] * (2 * tokens))[None]
-        return self._offsets
+    def _write_rows(self, layer: Any, space: Any) -> tuple[torch.Tensor, tuple[int, int], torch.Tensor, int]:
+        """This layer's write view (``[blocks, tokens, K|V, Hkv, D]``) as rows of head_dim:
+        ``(flat [rows, D], (rows per block, rows per token), [1, K|V, Hkv] row offsets, tokens per
+        block)``, computed once per slot space.
+
+        Raises:
+            InvalidConfig: a stride of the write view is not a whole number of head_dim rows.
+        """
+        if self._rows is not None and self._rows[0] is space:
+            return self._rows[1]
+        view = space.write_views[self._bind(layer, space)]
+        dim = view.shape[-1]
+        strides = view.stride()[:4]
+        if view.stride(4) != 1 or any(stride % dim for stride in strides):
+            raise InvalidConfig(f"contiguous mode: KV block strides {view.stride()} are not whole rows of head_dim {dim}")
+        rows_of = [stride // dim for stride in strides]
+        extent = 1 + sum((size - 1) * step for size, step in zip(view.shape[:4], rows_of))
+        flat = view.as_strided((extent, dim), (dim, 1), view.storage_offset())
+        half = torch.arange(2, device=view.device)[:, None] * rows_of[2]
+        offsets = (half + torch.arange(view.shape[3], device=view.device)[None, :] * rows_of[3])[None]
+        self._rows = (space, (flat, (rows_of[0], rows_of[1]), offsets, view.shape[1]))
+        return self._rows[1]
+
+    def _bind(self, layer: Any, space: Any) -> int:
+        """This layer's index in the slot space (looked up once)."""
+        if self._layer is None:
+            self._layer = space.layer_index[layer.layer_name]
+        return self._layer
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: ContiguousMetadata | None, output: torch.Tensor,
@@ -267,13 +335,12 @@ class VmkvContiguousImpl(AttentionImpl):
         if attn_metadata is None or attn_metadata.plan is None:
             return output  # vLLM's warm-up / profiling runs
         space = _slot_space()
-        if self._kernel is None or self._space is not space:
+        if self._kernel is None:
             self.kernel_name, self._kernel = select_contiguous_kernel(query.device, space.dtype, self.head_size)
-            self._layer = space.layer_index[layer.layer_name]
-            self._space = space
+        index = self._bind(layer, space)
         plan = attn_metadata.plan
         count = attn_metadata.num_actual_tokens
-        k, v = space.k[self._layer], space.v[self._layer]
+        k, v = space.k[index], space.v[index]
         start = time.perf_counter()
         out = self._kernel(query[:count], k, v, plan, self.scale)  # plan.block_table is None: slots only
         space.record_call(self.kernel_name, k, plan, time.perf_counter() - start)

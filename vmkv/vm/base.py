@@ -65,6 +65,12 @@ class VirtualMemory(ABC):
     def unmap(self, addr: int) -> None:
         """Unmap the page at ``addr``: it reads as zeros again; the address stays reserved."""
 
+    @property
+    def map_granule(self) -> int:
+        """The smallest run :meth:`map_range` can map: a whole page here (CUDA's ``cuMemMap``
+        maps a handle from offset 0 only); the host maps any OS pages of a page."""
+        return self.page_size
+
     def map_range(self, addr: int, page: int, offset: int, nbytes: int) -> None:
         """Map bytes ``[offset, offset + nbytes)`` of physical page ``page`` at ``addr`` (a second
         view of part of a page that is mapped elsewhere too: vLLM's contiguous mode maps one KV

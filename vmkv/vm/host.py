@@ -225,6 +225,11 @@ class HostVirtualMemory(VirtualMemory):
         self._reservation_of(addr, self.page_size, "unmap")
         self._mmap(addr, self.page_size, _PROT_READ, _ZERO_FLAGS | _MAP_FIXED, -1, 0, f"unmapping {addr:#x}")
 
+    @property
+    def map_granule(self) -> int:
+        """Parts of pages map in OS pages (``mmap`` of any file range)."""
+        return self.granularity
+
     def map_range(self, addr: int, page: int, offset: int, nbytes: int) -> None:
         """Map bytes ``[offset, offset + nbytes)`` of store page ``page`` read-write at ``addr``
         (inside a reservation); offset, length and address are multiples of the OS page (4 KiB).
