@@ -13,7 +13,8 @@ starts with an empty prefix cache (the rounds repeat the same prompts).
 Measured per round and engine: output tokens/s, KV memory held (stock: its buffer; vmkv: the
 kernel's count of memory behind the page store, sampled every few steps), tokens against stock's;
 for the contiguous engine also the attention kernel's share of the run (time inside the kernel,
-measured around each call in the worker, over the wall time). Verdicts: contiguous over stock and
+measured around each call in the worker, over the wall time) and the mode's own share (its step
+metadata and K/V writes, ``mode_seconds`` of the slot stats). Verdicts: contiguous over stock and
 contiguous over paged output tokens/s (median of the rounds with their spread), against the
 target contiguous >= 1.0x stock.
 """
