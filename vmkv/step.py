@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import accumulate
-from typing import Hashable
+from typing import Hashable, Sequence
 
 import torch
 
@@ -108,6 +108,15 @@ class StepPlan:
             kv_lens_t=self.kv_lens_t + 1, version=version,
         )
         return plan
+
+
+def slot_slice(slots: Sequence[int]) -> slice | None:
+    """A slice selecting ``slots`` in order where they are evenly spaced (an arithmetic
+    progression, rising), else ``None``: the rows a zero-copy view of a batch can take."""
+    stride = slots[1] - slots[0] if len(slots) > 1 else 1
+    if stride > 0 and all(b - a == stride for a, b in zip(slots, slots[1:])):
+        return slice(slots[0], slots[-1] + 1, stride)
+    return None
 
 
 def make_plan(seq_ids: tuple[Hashable, ...], slots: list[int], starts: list[int], counts: list[int], *,
