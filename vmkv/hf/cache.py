@@ -33,7 +33,7 @@ MODES = ("vmm", "paged")
 _NO_LINEAR_ATTENTION = "a VirtualCache holds attention K/V only; linear-attention (Mamba-style) states are not supported"
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _Step:
     """One forward's metadata: the core plan and, when padding is dropped, the kept token indexes."""
 
