@@ -277,6 +277,8 @@ class VirtualCache(RowPolicy, Cache):
             # "model" style, a later layer of this forward: the step's plan is known (the lean path
             # of a decode step; core.write_batch still checks the tensors, plan and layer)
             self._last_layer = layer_idx
+            if not step.gathered:
+                return self._shared.core.write_batch(layer_idx, key_states, value_states, step.plan)
             return self._write_and_view(layer_idx, key_states, value_states)
         if self._closed:
             raise CacheClosed("this VirtualCache was closed; make a new one")
