@@ -314,7 +314,7 @@ class VirtualKVCache(KVCacheBase):
 
     def _attach(self, slot: int, index: int, page: int, old: int | None, keep: int) -> None:
         """Map ``page`` in every range at ``slot``/``index`` (replacing ``old``); each backend call
-        that succeeds journals its inverse, so a failure half-way is rolled back by the caller's
+        that succeeds (``map_pages`` of a new page's pieces, all or none) journals its inverse, so a failure half-way is rolled back by the caller's
         ``atomic`` block (and a failing rollback marks the cache broken)."""
         nbytes = keep * self.geometry.piece_bytes // self.tokens_per_page  # the stored tokens only
         addrs = [self._addr(t, slot, index) for t in range(self.geometry.num_tensors)]
@@ -324,15 +324,23 @@ class VirtualKVCache(KVCacheBase):
         if page not in self._dirty:
             self._check_granted()
         self._vm.synchronize()
-        for t, addr in enumerate(addrs):
-            if old is not None:
+        if old is None:  # a new page (the common case): one backend call maps every piece
+            self._vm.map_pages([(addr, self._piece(page, t)) for t, addr in enumerate(addrs)])
+            self._log(functools.partial(self._unmap_all, addrs))
+        else:
+            for t, addr in enumerate(addrs):
                 self._vm.unmap(addr)
                 self._log(functools.partial(self._vm.map, addr, self._piece(old, t)))
-            self._vm.map(addr, self._piece(page, t))
-            self._log(functools.partial(self._vm.unmap, addr))
+                self._vm.map(addr, self._piece(page, t))
+                self._log(functools.partial(self._vm.unmap, addr))
         for addr, data in zip(addrs, saved):
             self._vm.tensor(addr, (nbytes,), torch.uint8).copy_(data)
         self._dirty.add(page)
+
+    def _unmap_all(self, addrs: list[int]) -> None:
+        """Unmap every address of ``addrs``, last first (the undo of ``map_pages``)."""
+        for addr in reversed(addrs):
+            self._vm.unmap(addr)
 
     def _check_granted(self) -> None:
         """Refuse to back one more page with memory unless the shared budget granted it (the one
