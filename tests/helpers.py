@@ -156,7 +156,7 @@ def instrument(cache: vmkv.KVCacheBase) -> Faults:
     and the pool's allocation."""
     faults = Faults()
     if cache.mode == "vmm":
-        for name in ("map", "unmap", "release_page"):
+        for name in ("map", "map_pages", "unmap", "release_page"):
             faults.wrap(cache._vm, name)
     else:
         for name in ("_attach", "_detach"):

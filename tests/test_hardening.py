@@ -409,14 +409,14 @@ def test_neighbouring_pages_merge_into_one_mapping():
 # ---- A6: map-ahead failures --------------------------------------------------------------------------
 def test_a_map_ahead_failure_is_reported_once_and_the_cache_keeps_working():
     cache = vmkv.VirtualKVCache(small_config(map_ahead=True))
-    real_map = cache._vm.map
+    real_map_pages = cache._vm.map_pages
 
-    def map_fails_on_the_worker(addr, page):
+    def map_fails_on_the_worker(pairs):
         if threading.current_thread().name.startswith("vmkv-map-ahead"):
             raise BackendError("injected map-ahead failure")
-        real_map(addr, page)
+        real_map_pages(pairs)
 
-    cache._vm.map = map_fails_on_the_worker
+    cache._vm.map_pages = map_fails_on_the_worker  # how a new page is mapped
     cache.add("a")
     fill(cache, {"a": TPP - 1})  # the worker tries to map the next page ... and fails
     assert cache.pages("a") == [0]  # joined: the failed page is rolled back, nothing leaked

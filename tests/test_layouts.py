@@ -53,6 +53,58 @@ def test_lifecycle_in_every_layout(layout, dtype):
         cache.close()
 
 
+@pytest.mark.parametrize("layout", list(PAGES))
+def test_write_batch_stores_what_write_stores_and_returns_the_batch(layout):
+    """write_batch (a dense step given as [B, kv_heads, S, head_dim]) stores exactly what write
+    stores, across a page boundary and after a fork (copy-on-write), returns every token of the
+    batch (zero-copy views for evenly spaced slots, a gathered copy otherwise) and refuses a
+    ragged step, a stale plan and a misshapen tensor without storing anything."""
+    cache = vmkv.VirtualKVCache(small_config(layout=layout, page_size=PAGES[layout], max_batch_size=4))
+    try:
+        tpp = cache.tokens_per_page
+        gen = torch.Generator().manual_seed(3)
+        stored: dict[str, list[list[torch.Tensor]]] = {}  # seq -> layer -> [K, V] chunks [S, H, D]
+
+        def step(seq_ids: list[str], count: int) -> tuple[torch.Tensor, ...]:
+            plan = cache.begin_step(dict.fromkeys(seq_ids, count))
+            for layer in range(2):
+                k, v = (torch.randn(len(seq_ids), 2, count, 16, generator=gen) for _ in range(2))
+                keys, values = cache.write_batch(layer, k, v, plan)
+                for row, seq_id in enumerate(seq_ids):
+                    chunks = stored.setdefault(seq_id, [[[], []], [[], []]])[layer]
+                    chunks[0].append(k[row].transpose(0, 1)), chunks[1].append(v[row].transpose(0, 1))
+                    want_k, want_v = (torch.cat(c) for c in chunks)
+                    assert torch.equal(keys[row].transpose(0, 1), want_k) and torch.equal(values[row].transpose(0, 1), want_v)
+                    got_k, got_v = cache.kv(seq_id, layer)
+                    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+            return keys, plan
+
+        cache.add("a"), cache.add("b")
+        keys, _ = step(["a", "b"], tpp - 1)
+        assert keys.shape == (2, 2, tpp - 1, 16) and not keys.is_contiguous()  # a view of the slots
+        for _ in range(3):  # decode across the page boundary: the fast path, then the full path
+            step(["a", "b"], 1)
+        cache.fork("a", "c")  # shares a's pages; the next write copies the partly filled one
+        stored["c"] = [[list(part) for part in layer] for layer in stored["a"]]
+        keys, plan = step(["c", "a"], 1)  # slots 2, 0: not evenly spaced, so gathered
+        assert keys.is_contiguous() and cache.stats()["cow_copies"] >= 1
+        before = [cache.kv(seq_id, 0)[0].clone() for seq_id in "ac"]
+        bad = torch.zeros(2, 2, 1, 16)
+        with pytest.raises(vmkv.errors.InvalidShape):
+            cache.write_batch(0, bad[:1], bad[:1], plan)
+        with pytest.raises(vmkv.errors.InvalidShape):
+            cache.write_batch(0, bad, bad[..., :8], plan)
+        ragged = cache.begin_step({"a": 1, "b": 2})
+        with pytest.raises(vmkv.errors.InvalidInput, match="same number"):
+            cache.write_batch(0, bad, bad, ragged)
+        with pytest.raises(vmkv.errors.StalePlan):
+            cache.write_batch(0, bad, bad, plan)
+        assert all(torch.equal(cache.kv(s, 0)[0][: len(b)], b) for s, b in zip("ac", before))
+        cache.check()
+    finally:
+        cache.close()
+
+
 def test_head_major_pages_cover_one_head_and_map_only_what_is_stored():
     cache = vmkv.VirtualKVCache(small_config(layout="head_major", page_size="4KiB"))
     try:

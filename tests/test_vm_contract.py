@@ -83,6 +83,26 @@ def test_bad_calls_are_refused_and_change_nothing(vm):
     vm.free_reservation(addr, 2 * vm.page_size)
 
 
+def test_map_pages_maps_every_pair_or_none(vm):
+    """map_pages maps a list of (addr, page) like map, all or none: a bad pair anywhere leaves
+    none of the others mapped (page 0, mapped elsewhere and written, would show if it were)."""
+    addr, other = vm.reserve(3 * vm.page_size), vm.reserve(vm.page_size)
+    vm.map(other, 0)
+    page_view(vm, other).fill_(7)
+    whole = vm.tensor(addr, (3, vm.page_size), torch.uint8)
+    for bad in ((addr + 3 * vm.page_size, 1), (addr + vm.page_size, NUM_PAGES)):
+        with pytest.raises(BackendError):
+            vm.map_pages([(addr, 0), (addr + 2 * vm.page_size, 1), bad])
+        assert int(torch.count_nonzero(whole)) == 0
+    vm.map_pages([(addr, 0), (addr + 2 * vm.page_size, 1)])
+    page_view(vm, addr + 2 * vm.page_size).fill_(3)
+    assert set(whole[0].tolist()) == {7} and set(whole[2].tolist()) == {3} and int(torch.count_nonzero(whole[1])) == 0
+    vm.synchronize()
+    for at in (addr, addr + 2 * vm.page_size, other):
+        vm.unmap(at)
+    vm.free_reservation(addr, 3 * vm.page_size), vm.free_reservation(other, vm.page_size)
+
+
 def test_close_is_idempotent_and_leaves_live_tensors_reading_zero(vm):
     addr = vm.reserve(vm.page_size)
     vm.map(addr, 3)

@@ -47,10 +47,10 @@ from .attention import select_contiguous_kernel
 from .base import KVCacheBase, SeqId, _Sequence
 from .calls import exclusive
 from .config import KVCacheConfig, PageGeometry, as_config, check_budget_fits, vmm_geometry
-from .errors import InvalidConfig, OutOfPages
+from .errors import InvalidConfig, InvalidInput, OutOfPages
 from .share import BudgetShare
 from .sizes import format_size
-from .step import StepPlan
+from .step import StepPlan, slot_slice
 from .validate import as_layer, as_scale
 from .vm import granularity, mapping_room, open_backend
 
@@ -95,6 +95,8 @@ class VirtualKVCache(KVCacheBase):
         self._run_bytes = self.seq_capacity * geometry.piece_bytes // tpp  # one slot (one head's run, head-major)
         self.slot_bytes = self._heads_per_range * self._run_bytes
         self._hm_rows: tuple[StepPlan, torch.Tensor] | None = None  # head-major write rows of the last plan
+        self._batch: tuple[StepPlan, tuple[int, ...], list | None, int] | None = None  # write_batch's last plan (_batch_memo)
+        self._slot_views: tuple[tuple[int, ...], list | None] | None = None  # (slots, per-layer [B, H, capacity, D] views)
         self._dirty: set[int] = set()  # pool pages mapped since their memory was last released
         self._vm = None
         self._bases: list[int] = []
@@ -211,6 +213,71 @@ class VirtualKVCache(KVCacheBase):
         k_rows.index_copy_(0, rows, k.reshape(-1, self.config.head_dim))
         v_rows.index_copy_(0, rows, v.reshape(-1, self.config.head_dim))
 
+    @exclusive
+    def write_batch(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store a dense step's new K/V given per sequence, and return what a stock kernel reads.
+
+        A dense step: every sequence of ``plan`` held the same number of tokens and adds the same
+        number ``S`` (a transformers batch). Where the plan's slots are evenly spaced (a batch
+        keeps its slots) each tensor is written with one copy into the slots' views and the
+        result is a zero-copy view; elsewhere the new tokens go through :meth:`write`'s rows and
+        the result is gathered (a copy).
+
+        Args:
+            layer: layer index.
+            k, v: ``[B, kv_heads, S, head_dim]`` (transformers' layout, any strides), one batch row
+                per plan sequence in the plan's order, cache dtype and device.
+            plan: this step's plan from ``begin_step``.
+
+        Returns:
+            ``(keys, values)``, each ``[B, kv_heads, start + S, head_dim]``: every token of the
+            plan's sequences, this step's included.
+
+        Raises:
+            StalePlan, InvalidShape, InvalidDtype, InvalidDevice, InvalidInput (also: a plan whose
+            sequences differ in length).
+        """
+        memo = self._batch
+        if memo is None or memo[0] is not plan:
+            memo = self._batch = self._batch_memo(plan)
+        _, shape, views, length = memo
+        if plan.version != self._version or layer.__class__ is not int or not 0 <= layer < len(self._k):
+            layer = self._check_plan(plan, layer)
+        if k.shape != shape or v.shape != shape or k.dtype != self.config.dtype or v.dtype != k.dtype \
+                or k.device != self.config.device or v.device != k.device:
+            for name, tensor in (("k", k), ("v", v)):
+                self._check_tensor(name, tensor, shape, "[batch, kv_heads, new tokens, head_dim]")
+        self._layers_written.add(layer)
+        start = length - shape[2]
+        if views is not None:
+            k_rows, v_rows = views[layer]
+            k_rows.narrow(2, start, shape[2]).copy_(k)
+            v_rows.narrow(2, start, shape[2]).copy_(v)
+            return k_rows.narrow(2, 0, length), v_rows.narrow(2, 0, length)
+        packed = [t.transpose(1, 2).reshape(plan.num_tokens, shape[1], shape[3]) for t in (k, v)]
+        self._store(layer, *packed, plan)
+        index = plan.slots_t.to(torch.long)
+        return tuple(t[layer].transpose(1, 2)[:, :, :length].index_select(0, index) for t in (self._k, self._v))
+
+    def _batch_memo(self, plan: StepPlan) -> tuple[StepPlan, tuple[int, ...], list | None, int]:
+        """``write_batch``'s per-plan facts, ``(plan, k/v shape, per-layer slot views or None,
+        length after the step)``; the views are kept while the plan's slots stay the same.
+
+        Raises:
+            StalePlan, InvalidInput: not a plan of this cache, or not a dense step.
+        """
+        self._check_plan(plan, 0)
+        if len(set(plan.starts)) != 1 or len(set(plan.q_lens)) != 1:
+            raise InvalidInput("write_batch takes a step whose sequences all hold the same number of tokens "
+                               "and add the same number; use write for ragged steps")
+        views = self._slot_views
+        if views is None or views[0] != plan.slots:
+            rows = slot_slice(plan.slots)
+            layers = None if rows is None else [(k.transpose(1, 2)[rows], v.transpose(1, 2)[rows]) for k, v in zip(self._k, self._v)]
+            views = self._slot_views = (plan.slots, layers)
+        shape = (plan.batch_size, self.config.num_kv_heads, plan.q_lens[0], self.config.head_dim)
+        return plan, shape, views[1], plan.kv_lens[0]
+
     def _head_major_rows(self, plan: StepPlan) -> torch.Tensor:
         """Head-major storage rows of the plan's new tokens, ``[T * kv_heads]`` in ``k.reshape(-1, D)``
         order, computed once per plan (the first layer's write) and reused by the others."""
@@ -247,7 +314,7 @@ class VirtualKVCache(KVCacheBase):
 
     def _attach(self, slot: int, index: int, page: int, old: int | None, keep: int) -> None:
         """Map ``page`` in every range at ``slot``/``index`` (replacing ``old``); each backend call
-        that succeeds journals its inverse, so a failure half-way is rolled back by the caller's
+        that succeeds (``map_pages`` of a new page's pieces, all or none) journals its inverse, so a failure half-way is rolled back by the caller's
         ``atomic`` block (and a failing rollback marks the cache broken)."""
         nbytes = keep * self.geometry.piece_bytes // self.tokens_per_page  # the stored tokens only
         addrs = [self._addr(t, slot, index) for t in range(self.geometry.num_tensors)]
@@ -257,15 +324,23 @@ class VirtualKVCache(KVCacheBase):
         if page not in self._dirty:
             self._check_granted()
         self._vm.synchronize()
-        for t, addr in enumerate(addrs):
-            if old is not None:
+        if old is None:  # a new page (the common case): one backend call maps every piece
+            self._vm.map_pages([(addr, self._piece(page, t)) for t, addr in enumerate(addrs)])
+            self._log(functools.partial(self._unmap_all, addrs))
+        else:
+            for t, addr in enumerate(addrs):
                 self._vm.unmap(addr)
                 self._log(functools.partial(self._vm.map, addr, self._piece(old, t)))
-            self._vm.map(addr, self._piece(page, t))
-            self._log(functools.partial(self._vm.unmap, addr))
+                self._vm.map(addr, self._piece(page, t))
+                self._log(functools.partial(self._vm.unmap, addr))
         for addr, data in zip(addrs, saved):
             self._vm.tensor(addr, (nbytes,), torch.uint8).copy_(data)
         self._dirty.add(page)
+
+    def _unmap_all(self, addrs: list[int]) -> None:
+        """Unmap every address of ``addrs``, last first (the undo of ``map_pages``)."""
+        for addr in reversed(addrs):
+            self._vm.unmap(addr)
 
     def _check_granted(self) -> None:
         """Refuse to back one more page with memory unless the shared budget granted it (the one

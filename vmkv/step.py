@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import accumulate
-from typing import Hashable
+from typing import Hashable, Sequence
 
 import torch
 
@@ -99,15 +99,42 @@ class StepPlan:
 
         Returns:
             A new plan sharing ``cu_q``, ``slots_t`` and ``block_table`` with this one (never
-            written in place), the rows and lengths one further.
+            written in place), the rows and lengths one further; its ``write_rows`` and
+            ``kv_lens_t`` are made from the last built plan's when first read (a step whose
+            layers read neither, a transformers batch's, runs no tensor op to plan).
         """
-        plan = object.__new__(StepPlan)  # a copy without __init__: frozen fields live in __dict__
+        plan = object.__new__(_NextDecode)  # a copy without __init__: frozen fields live in __dict__
         plan.__dict__.update(self.__dict__)  # with the cached properties, which depend on q_lens only
-        plan.__dict__.update(
-            starts=self.kv_lens, kv_lens=tuple(n + 1 for n in self.kv_lens), write_rows=self.write_rows + 1,
-            kv_lens_t=self.kv_lens_t + 1, version=version,
-        )
+        for name in _NextDecode.LAZY:
+            plan.__dict__.pop(name, None)
+        base = self.__dict__.get("_base", self)
+        plan.__dict__.update(starts=self.kv_lens, kv_lens=tuple(n + 1 for n in self.kv_lens), version=version,
+                             _base=base, _ahead=self.__dict__.get("_ahead", 0) + 1)
         return plan
+
+
+class _NextDecode(StepPlan):
+    """A plan made by :meth:`StepPlan.next_decode`, ``_ahead`` decode steps past ``_base`` (a plan
+    that was built): every row and length is ``_ahead`` further than there."""
+
+    LAZY = ("write_rows", "kv_lens_t")
+
+    @cached_property
+    def write_rows(self) -> torch.Tensor:  # type: ignore[override]
+        return self._base.write_rows + self._ahead
+
+    @cached_property
+    def kv_lens_t(self) -> torch.Tensor:  # type: ignore[override]
+        return self._base.kv_lens_t + self._ahead
+
+
+def slot_slice(slots: Sequence[int]) -> slice | None:
+    """A slice selecting ``slots`` in order where they are evenly spaced (an arithmetic
+    progression, rising), else ``None``: the rows a zero-copy view of a batch can take."""
+    stride = slots[1] - slots[0] if len(slots) > 1 else 1
+    if stride > 0 and all(b - a == stride for a, b in zip(slots, slots[1:])):
+        return slice(slots[0], slots[-1] + 1, stride)
+    return None
 
 
 def make_plan(seq_ids: tuple[Hashable, ...], slots: list[int], starts: list[int], counts: list[int], *,

@@ -20,7 +20,7 @@ from ..base import KVCacheBase
 from ..config import LAYOUTS
 from ..errors import CacheClosed, InvalidConfig, InvalidInput, InvalidShape, NoFreeSlot, Unsupported
 from ..sizes import parse_size
-from ..step import StepPlan
+from ..step import StepPlan, slot_slice
 from ..validate import as_layer
 from .attention import ATTN_IMPLEMENTATION, HANDOFF
 from .compat import Cache, CacheLayerMixin, attention_kwargs
@@ -33,14 +33,14 @@ MODES = ("vmm", "paged")
 _NO_LINEAR_ATTENTION = "a VirtualCache holds attention K/V only; linear-attention (Mamba-style) states are not supported"
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _Step:
     """One forward's metadata: the core plan and, when padding is dropped, the kept token indexes."""
 
     plan: StepPlan
     keep: torch.Tensor | None  # int64 [T]: rows of the flattened [B * S] new tokens that are stored
-    rows: slice | None = None  # "model" style: the slots of the batch rows as a slice (None: not one)
-    views: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # with rows: SharedCore.row_views(rows)
+    dense: bool = False  # "model" style: every row stores every column (core.write_batch)
+    gathered: bool = False  # dense, rows not in evenly spaced slots: write_batch returns copies
 
 
 
@@ -212,7 +212,7 @@ class VirtualCache(RowPolicy, Cache):
         self._columns = 0  # tokens per row as transformers counts them (padding included)
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # first forward, style unknown
         self._step: _Step | None = None
-        self._last_rows: tuple[tuple[int, ...], slice | None] | None = None  # (slots, _slot_slice(slots)) of the last step
+        self._last_slots: tuple[tuple[int, ...], bool] | None = None  # (slots, gathered) of the last dense step
         self._last_layer = -1
         self.peak_bytes = 0
         self.counters: Counter[str] = Counter()
@@ -273,10 +273,12 @@ class VirtualCache(RowPolicy, Cache):
             SequenceTooLong, OutOfPages, NoFreeSlot: from the core cache.
         """
         step = self._step
-        if step is not None and step.views is not None and self._last_layer < layer_idx < len(self.layers):
-            # "model" style, a later layer of this forward: the step's plan and rows are known (the
-            # lean path of a decode step; core.write still checks the tensors, plan and layer)
+        if step is not None and step.dense and self._last_layer < layer_idx < len(self.layers):
+            # "model" style, a later layer of this forward: the step's plan is known (the lean path
+            # of a decode step; core.write_batch still checks the tensors, plan and layer)
             self._last_layer = layer_idx
+            if not step.gathered:
+                return self._shared.core.write_batch(layer_idx, key_states, value_states, step.plan)
             return self._write_and_view(layer_idx, key_states, value_states)
         if self._closed:
             raise CacheClosed("this VirtualCache was closed; make a new one")
@@ -330,7 +332,7 @@ class VirtualCache(RowPolicy, Cache):
         if not self._rows:
             return None
         if self.mode == "vmm" and not any(self._dropped):
-            rows = self._slot_slice([self.core.slot(seq_id) for seq_id in self._rows])
+            rows = slot_slice([self.core.slot(seq_id) for seq_id in self._rows])
             if rows is not None:
                 return self._shared.dense_views(as_layer(layer, self.core.config.num_layers))[part][rows, :, : self._columns]
         return self._materialise(layer, part)
@@ -541,11 +543,10 @@ class VirtualCache(RowPolicy, Cache):
         plan = self.core.begin_step(dict.fromkeys(self._rows, q_len))
         self._columns += q_len
         self._note_peak()
-        last = self._last_rows
+        last = self._last_slots
         if last is None or last[0] is not plan.slots:  # a decode fast-path plan shares its slots tuple
-            self._last_rows = last = (plan.slots, self._slot_slice(plan.slots))
-        rows = last[1]
-        return _Step(plan, None, rows, None if rows is None else self._shared.row_views(rows))
+            self._last_slots = last = (plan.slots, slot_slice(plan.slots) is None)
+        return _Step(plan, None, dense=True, gathered=last[1])
 
     def _begin_ragged_step(self, mask: torch.Tensor | None, batch: int, q_len: int) -> _Step:
         """"vmkv" style: each row stores only its real (unpadded) new columns."""
@@ -580,29 +581,17 @@ class VirtualCache(RowPolicy, Cache):
             return states.reshape(batch, heads, dim).contiguous()
         return states.transpose(1, 2).reshape(batch * q_len, heads, dim).contiguous()
 
-    @staticmethod
-    def _slot_slice(slots: list[int]) -> slice | None:
-        """A slice selecting ``slots`` in order (an arithmetic progression), else ``None``."""
-        stride = slots[1] - slots[0] if len(slots) > 1 else 1
-        if stride > 0 and all(b - a == stride for a, b in zip(slots, slots[1:])):
-            return slice(slots[0], slots[-1] + 1, stride)
-        return None
-
     def _write_and_view(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """"model" style: write, then return ``[B, H, columns, D]`` views of the virtual tensors."""
         step = self._step
-        self.core.write(layer, self._pack(k), self._pack(v), step.plan)
-        length = self._columns
-        if step.views is not None:  # [B, H, max_seq, D] views, mapped up to each length
-            k_rows, v_rows = step.views[layer]
-            return k_rows.narrow(2, 0, length), v_rows.narrow(2, 0, length)
-        k_all, v_all = self._shared.dense_views(layer)  # [max_batch, H, max_seq, D]
+        keys, values = self.core.write_batch(layer, k, v, step.plan)
+        if not step.gathered:
+            return keys, values  # views of the virtual tensors
         self.counters["gathered_views"] += 1  # rows not in arithmetic slot order: one copy
         if self.counters["gathered_views"] == 1:
             log.info("vmkv.hf: rows are not in consecutive slots (beam reorder); views are gathered (a copy). "
                      "attn_implementation='vmkv' avoids this")
-        index = step.plan.slots_t.to(torch.long)
-        return k_all[:, :, :length].index_select(0, index), v_all[:, :, :length].index_select(0, index)
+        return keys, values
 
     def _attend(
         self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -38,7 +38,6 @@ class SharedCore:
         self.core = core
         self.choice = choice  # the layout it opened with, and why
         self._views: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # see dense_views
-        self._row_views: tuple[tuple[int, int, int], list[tuple[torch.Tensor, torch.Tensor]]] | None = None  # see row_views
         self.users = 1
         self._ids = itertools.count()
         self._orphans: deque[int] = deque()
@@ -49,16 +48,6 @@ class SharedCore:
         if self._views is None:
             self._views = [tuple(t.transpose(1, 2) for t in self.core.kv_cache(i)) for i in range(self.core.config.num_layers)]
         return self._views[layer]
-
-    def row_views(self, rows: slice) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every layer's K and V at the slots ``rows`` as ``[rows, kv_heads, max_seq_len, head_dim]``
-        views (VMM mode), so that a step needs one ``narrow`` per tensor; kept for the last ``rows``
-        asked (a batch keeps its slots from step to step)."""
-        key = (rows.start, rows.stop, rows.step)
-        if self._row_views is None or self._row_views[0] != key:
-            views = [self.dense_views(layer) for layer in range(self.core.config.num_layers)]
-            self._row_views = key, [(k[rows], v[rows]) for k, v in views]
-        return self._row_views[1]
 
     def new_id(self) -> int:
         return next(self._ids)

@@ -61,6 +61,23 @@ class VirtualMemory(ABC):
         Call :meth:`synchronize` first if a kernel may still read ``addr``: a backend may take the
         zero page away before the data page is in place (CUDA does)."""
 
+    def map_pages(self, pairs: list[tuple[int, int]]) -> None:
+        """Map each ``(addr, page)`` of ``pairs`` as :meth:`map` does, all or none: if one fails,
+        those mapped before it are unmapped again and the error is raised.
+
+        Raises:
+            BackendError: as :meth:`map`.
+        """
+        done: list[int] = []
+        try:
+            for addr, page in pairs:
+                self.map(addr, page)
+                done.append(addr)
+        except BaseException:
+            for addr in reversed(done):
+                self.unmap(addr)
+            raise
+
     @abstractmethod
     def unmap(self, addr: int) -> None:
         """Unmap the page at ``addr``: it reads as zeros again; the address stays reserved."""

@@ -215,6 +215,28 @@ class HostVirtualMemory(VirtualMemory):
         self._mmap(addr, self.page_size, _PROT_RW, self._map_flags, self._fd, page * self.page_size,
                    f"mapping page {page} at {addr:#x}")
 
+    def map_pages(self, pairs: list[tuple[int, int]]) -> None:
+        """Map each ``(addr, page)`` read-write, all or none (see :meth:`VirtualMemory.map_pages`):
+        every pair is checked first, then one ``mmap`` each with no Python in between (a page
+        boundary of a head-major cache maps one piece per layer, K/V and head).
+
+        Raises:
+            BackendError: a pair is not a page of a reservation and a page of the store, or the OS
+                refused (``OutOfMappings`` when out of mappings or memory); nothing stays mapped.
+        """
+        self._open()
+        for addr, page in pairs:
+            self._check_page(page)
+            self._reservation_of(addr, self.page_size, "map")
+        call, size, flags, fd = self._libc.mmap, self.page_size, self._map_flags, self._fd
+        for done, (addr, page) in enumerate(pairs):
+            got = call(addr, size, _PROT_RW, flags, fd, page * size)
+            if got is None or got == _MAP_FAILED:
+                error = self._fail(f"mapping page {page} at {addr:#x}")  # errno first, before unmapping
+                for back, _ in pairs[:done]:
+                    self.unmap(back)
+                raise error
+
     def unmap(self, addr: int) -> None:
         """Put the zero page back at ``addr`` (a page of a reservation).
 
