@@ -13,7 +13,8 @@ starts with an empty prefix cache (the rounds repeat the same prompts).
 Measured per round and engine: output tokens/s, KV memory held (stock: its buffer; vmkv: the
 kernel's count of memory behind the page store, sampled every few steps), tokens against stock's;
 for the contiguous engine also the attention kernel's share of the run (time inside the kernel,
-measured around each call in the worker, over the wall time). Verdicts: contiguous over stock and
+measured around each call in the worker, over the wall time) and the mode's own share (its step
+metadata and K/V writes, ``mode_seconds`` of the slot stats). Verdicts: contiguous over stock and
 contiguous over paged output tokens/s (median of the rounds with their spread), against the
 target contiguous >= 1.0x stock.
 """
@@ -39,6 +40,7 @@ SCHEMA = {
     "kv_mean_mib": "KV memory held, mean over the samples (MiB; stock: its whole buffer)",
     "kv_peak_mib": "KV memory held, peak (MiB)",
     "attention_share": "contiguous: time in the attention kernel / wall time (others: not measured, -1)",
+    "mode_share": "contiguous: time in the mode's step metadata (slot lookup, plan) and K/V writes / wall time (others: -1)",
     "tokens_identical": "greedy tokens equal to stock's of the same round, every request",
     "first_divergence": "earliest output position where a request's tokens differ from stock's (-1: none)",
 }
@@ -103,15 +105,17 @@ def run(s: dict[str, Any], model_root: Path, seed: int, engine_kwargs: dict[str,
             llm, vmkv = engines[name], name != "stock"
             llm.reset_prefix_cache()  # every run prefills in full: no engine reuses an earlier round's prompts
             time.sleep(1.5)  # vLLM's workers busy-poll for 1 s after a step: let the idle engines go quiet
-            before = stats(llm)[0].get("kernel_seconds", 0.0) if name == "contiguous" else 0.0
+            before = stats(llm)[0] if name == "contiguous" else {}
             result = drive.run(llm, prompts, params, vmkv=vmkv, sample_every=4)
-            kernel = stats(llm)[0].get("kernel_seconds", 0.0) - before if name == "contiguous" else -1.0
+            after = stats(llm)[0] if name == "contiguous" else {}
+            kernel, mode = ((after[key] - before[key] if after else -1.0) for key in ("kernel_seconds", "mode_seconds"))
             kv = [x.resident_bytes if vmkv else kv_bytes for x in result.samples] or [kv_bytes]
             tokens[(round_, name)] = result.tokens
             rows.append({"round": round_, "engine": name, "output_tokens": result.output_tokens, "wall_s": result.wall_s,
                          "output_tok_per_s": result.output_tokens / result.wall_s,
                          "kv_mean_mib": statistics.fmean(kv) / 2**20, "kv_peak_mib": max(kv) / 2**20,
-                         "attention_share": kernel / result.wall_s if kernel >= 0 else -1.0, "tokens_identical": False})
+                         "attention_share": kernel / result.wall_s if kernel >= 0 else -1.0,
+                         "mode_share": mode / result.wall_s if mode >= 0 else -1.0, "tokens_identical": False})
     for row in rows:
         row["tokens_identical"] = tokens[(row["round"], row["engine"])] == tokens[(row["round"], "stock")]
         row["first_divergence"] = first_divergence(tokens[(row["round"], row["engine"])], tokens[(row["round"], "stock")])
@@ -141,16 +145,19 @@ def summary(rows: list[dict[str, Any]], kv_bytes: int) -> dict[str, Any]:
     paged_over_stock = _ratios(rows, "paged", "stock")
     mean = {e: statistics.fmean(r["kv_mean_mib"] for r in rows if r["engine"] == e) * 2**20 / kv_bytes for e in ENGINES}
     share = [r["attention_share"] for r in rows if r["engine"] == "contiguous"]
+    mode_share = [r["mode_share"] for r in rows if r["engine"] == "contiguous"]
     identical = {e: all(r["tokens_identical"] for r in rows if r["engine"] == e) for e in ENGINES}
     ratio = statistics.median(over_stock)
     verdict = (f"contiguous runs vLLM at {ratio:.2f}x stock output tokens/s (median of {len(over_stock)} interleaved rounds, "
                f"range {min(over_stock):.2f}-{max(over_stock):.2f}; target >= 1.0) and {statistics.median(over_paged):.2f}x "
-               f"the paged backing; attention kernel {statistics.median(share):.0%} of the run; KV memory held "
+               f"the paged backing; attention kernel {statistics.median(share):.0%} of the run, the mode's step metadata "
+               f"and K/V writes {statistics.median(mode_share):.0%}; KV memory held "
                f"{mean['contiguous']:.1%} (contiguous) / {mean['paged']:.1%} (paged) of stock's buffer; tokens "
                f"{'identical' if identical['contiguous'] else 'DIFFER'} (contiguous), "
                f"{'identical' if identical['paged'] else 'DIFFER'} (paged)")
     return {"contiguous_over_stock": over_stock, "contiguous_over_paged": over_paged, "paged_over_stock": paged_over_stock,
-            "kv_mean_share": mean, "attention_share": share, "tokens_identical": identical, "verdict": verdict}
+            "kv_mean_share": mean, "attention_share": share, "mode_share": mode_share, "tokens_identical": identical,
+            "verdict": verdict}
 
 
 def verdicts(result: dict[str, Any]) -> list[common.Verdict]:

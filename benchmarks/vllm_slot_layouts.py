@@ -1,6 +1,6 @@
 """Which slot layout contiguous mode should give vmkv's CPU kernel (issue 20): a kernel microbenchmark.
 
-Run: ``python -m benchmarks.vllm_slot_layouts [--repeat 9] [--threads 1]``
+Run: ``python -m benchmarks.vllm_slot_layouts [--repeat 9] [--threads 1] [--clock auto]``
 
 One layer of the addressing benchmark's model (8 query / 4 KV heads, head_dim 64, fp32, vLLM
 blocks of 128 tokens), 8 requests of 1,024-1,536 tokens. The same K/V, timed interleaved with
@@ -14,18 +14,22 @@ the kernel :func:`vmkv.attention.select_contiguous_kernel` picks, over three slo
 * ``head_major``: K and V ``[slots, heads, tokens, D]`` (each head's tokens contiguous; a piece of
   a block is ``block_size * D * 4`` = 32 KiB, whole OS pages);
 
-and vLLM's own ``CPU_ATTN`` kernel (``cpu_attention_with_kv_cache``) over a block table on
-vLLM's head-major blocks, the kernel stock vLLM runs. Two steps: a decode step (one new token
-per request) and a prefill chunk (256 new tokens of one request after 1,024 cached). Ratios are
-per round (interleaved, random order each round), median with spread; the verdict says which
-layout the kernel reads fastest and how it stands against ``CPU_ATTN``.
+the selected kernel's GEMM variant ``gemm_adaptive`` (decode rows as two GEMMs, grouped query
+heads, no repeat of K/V) on head-major slots; and vLLM's own ``CPU_ATTN`` kernel
+(``cpu_attention_with_kv_cache``) over a block table on vLLM's head-major blocks, the kernel
+stock vLLM runs. Two steps: a decode step (one new token per request) and a prefill chunk (256
+new tokens of one request after 1,024 cached). Ratios are per round (interleaved, random order
+each round), median with spread; ``--clock auto`` times the thread's CPU time with one thread.
+The verdicts say which layout the kernel reads fastest, whether GEMMs beat SDPA, and how it
+stands against ``CPU_ATTN``.
 
-Measured (2-core shared machine, 1 thread, 9 rounds; docs/vllm.md has the table): in decode
-head-major slots beat token-major ones by 1.58x (1.42-1.70x, 9 of 9 rounds), separate token-major
-K and V tie with the interleaved ones (1.05x, spread crossing 1.0); in the prefill chunk all three
-tie (within 6 %). vLLM's ``CPU_ATTN`` is 2.15x (decode) and 2.39x (prefill chunk) faster than
-SDPA on head-major slots: contiguous mode's slots are head-major (:class:`vmkv.vllm.slots.SlotSpace`),
-and what is left of the gap to stock vLLM is the kernel, not the addressing.
+Measured (docs/vllm.md has the table; 2-core shared machine, 1 thread, 9 rounds): head-major
+slots beat token-major ones by 1.6x in decode, the layouts tie in the prefill chunk;
+``gemm_adaptive`` ties with ``sdpa_adaptive`` (decode reads each KV head once in both); vLLM's
+``CPU_ATTN`` is 1.2-1.5x faster in decode and 1.6-1.7x in the prefill chunk (2.2x / 2.4x in an
+earlier run at lower load). Contiguous mode's slots are head-major
+(:class:`vmkv.vllm.slots.SlotSpace`); what is left of the gap to stock vLLM is the kernel, not
+the addressing.
 """
 
 from __future__ import annotations
@@ -36,13 +40,14 @@ from typing import Any, Callable
 
 import torch
 
-from vmkv.attention import select_contiguous_kernel
+from vmkv.attention import CONTIGUOUS_KERNELS, select_contiguous_kernel
 from vmkv.step import make_plan
 
 from . import common
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 4, 64, 128
 LAYOUTS = ("kv_interleaved", "separate", "head_major")
+GEMM_CANDIDATE = "head_major_gemm"  # gemm_adaptive (decode rows as GEMMs) on head-major slots
 
 
 def slot_views(layout: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +98,7 @@ def workloads(rng: random.Random) -> dict[str, tuple[list[int], list[int]]]:
     return {"decode 8 x 1024-1536": (decode, [1] * 8), "prefill 256 after 1024": ([1280], [256])}
 
 
-def measure(repeat: int, seed: int) -> tuple[list[dict[str, Any]], list[Any]]:
+def measure(repeat: int, seed: int, clock: str = "wall") -> tuple[list[dict[str, Any]], list[Any]]:
     """Rows (per workload and candidate: median ms, ratio over ``kv_interleaved``) and verdicts."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -112,12 +117,16 @@ def measure(repeat: int, seed: int) -> tuple[list[dict[str, Any]], list[Any]]:
             kl, vl = slot_views(layout, k, v)
             fns[layout] = (lambda kl=kl, vl=vl: kernel(q, kl, vl, plan, HEAD_DIM ** -0.5))
             outs[layout] = fns[layout]()
+        hk, hv = slot_views("head_major", k, v)
+        fns[GEMM_CANDIDATE] = (lambda: CONTIGUOUS_KERNELS["gemm_adaptive"](q, hk, hv, plan, HEAD_DIM ** -0.5))
+        outs[GEMM_CANDIDATE] = fns[GEMM_CANDIDATE]()
         fns["vllm_cpu_attn"] = (lambda run=vllm_cpu_attn(k, v, lens, q_lens): run(q))
         outs["vllm_cpu_attn"] = fns["vllm_cpu_attn"]()
-        timings = common.time_interleaved(fns, "cpu", repeat=repeat, warmup=2, min_sample_s=0.02)
+        timings = common.time_interleaved(fns, "cpu", repeat=repeat, warmup=2, min_sample_s=0.02, clock=clock)
         for cand in fns:
             error = float((outs[cand] - outs["kv_interleaved"]).abs().max())
-            rows.append({"workload": name, "candidate": cand, "kernel": "CPU_ATTN" if cand == "vllm_cpu_attn" else kernel_name,
+            kernel_of = {"vllm_cpu_attn": "CPU_ATTN", GEMM_CANDIDATE: "gemm_adaptive"}.get(cand, kernel_name)
+            rows.append({"workload": name, "candidate": cand, "kernel": kernel_of,
                          "ms": 1e3 * timings.median(cand), "vs_interleaved": timings.ratio("kv_interleaved", cand).value,
                          "max_abs_diff": error})
         verdicts.append(common.ratio_verdict(f"slot_layouts.separate.{name}", f"{name}: {kernel_name}, separate K and V "
@@ -126,6 +135,9 @@ def measure(repeat: int, seed: int) -> tuple[list[dict[str, Any]], list[Any]]:
         verdicts.append(common.ratio_verdict(f"slot_layouts.head_major.{name}", f"{name}: {kernel_name}, head-major over "
                                              "separate token-major", timings.ratio("separate", "head_major"),
                                              "head_major", "separate"))
+        verdicts.append(common.ratio_verdict(f"slot_layouts.gemm.{name}", f"{name}: gemm_adaptive (GEMMs) over "
+                                             f"{kernel_name} on head-major slots", timings.ratio("head_major", GEMM_CANDIDATE),
+                                             "gemm_adaptive", kernel_name))
         best = min(LAYOUTS, key=timings.median)
         verdicts.append(common.ratio_verdict(f"slot_layouts.cpu_attn.{name}", f"{name}: {kernel_name} on {best} slots over "
                                              "vLLM's CPU_ATTN on blocks", timings.ratio("vllm_cpu_attn", best),
@@ -138,9 +150,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--clock", default="auto", help="wall, cpu or auto (cpu time with one thread: what other "
+                        "processes of a shared machine cannot inflate)")
     args = parser.parse_args()
     with common.torch_threads(args.threads):
-        rows, verdicts = measure(args.repeat, args.seed)
+        rows, verdicts = measure(args.repeat, args.seed, common.pick_clock(args.clock, "cpu", args.threads))
     print(common.format_table(rows, list(rows[0])))
     print(common.format_verdicts([v.as_dict() for v in verdicts]))
 

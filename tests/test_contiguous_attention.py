@@ -15,7 +15,8 @@ import vmkv
 from vmkv import attention
 from vmkv.attention import CONTIGUOUS_KERNELS, DEFAULT_BATCH_RULE, BatchRule, SdpaDecodeKernel, plan_decode_batch
 
-CPU_KERNELS = ["sdpa_adaptive", "sdpa_batched", "sdpa_per_sequence"]
+CPU_KERNELS = ["gemm_adaptive", "gemm_batched", "sdpa_adaptive", "sdpa_batched", "sdpa_per_sequence"]
+FLOAT32_ONLY = {"gemm_adaptive", "gemm_batched"}  # selection never gives them other dtypes
 
 
 class Driver(KVMirror):
@@ -31,7 +32,8 @@ class Driver(KVMirror):
             q = self.randn(total, self.q_heads, cfg.head_dim)
             self.cache.write(layer, k, v, plan)
             k_view, v_view = self.cache.kv_cache(layer)
-            outs = {name: CONTIGUOUS_KERNELS[name](q, k_view, v_view, plan, None) for name in kernels}
+            outs = {name: CONTIGUOUS_KERNELS[name](q, k_view, v_view, plan, None) for name in kernels
+                    if cfg.dtype == torch.float32 or name not in FLOAT32_ONLY}
             outs["cache.attention"] = self.cache.attention(layer, q, plan)
             offset = 0
             for seq_id, n in batch.items():
@@ -69,10 +71,11 @@ def test_every_cpu_kernel_matches_dense_reference(dtype, q_heads, layout):
         cache.close()
 
 
-def test_stale_data_past_a_length_contributes_nothing():
+@pytest.mark.parametrize("layout", ["per_layer", "head_major"])  # head-major: gemm_batched's batched GEMMs
+def test_stale_data_past_a_length_contributes_nothing(layout):
     """A freed sequence leaves its K/V in pages its slot keeps (deferred reclaim); a shorter new
     sequence in that slot is read by the batched call up to the step's longest length."""
-    cache = vmkv.VirtualKVCache(small_config(deferred_reclaim=True))
+    cache = vmkv.VirtualKVCache(small_config(deferred_reclaim=True, layout=layout))
     try:
         driver = Driver(cache, q_heads=4)
         cache.add("old")
@@ -96,12 +99,13 @@ def test_stale_data_past_a_length_contributes_nothing():
         cache.close()
 
 
+@pytest.mark.parametrize("layout", ["per_layer", "head_major"])
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")])
-def test_non_finite_stale_data_is_never_read_into_an_answer(poison):
+def test_non_finite_stale_data_is_never_read_into_an_answer(poison, layout):
     """An earlier sequence wrote inf/NaN K/V into a page a new, shorter sequence now owns: the
     batched call's mask cannot cancel those (``-inf + inf``, ``0 * inf``), so the row is redone
     on its exact slice."""
-    cache = vmkv.VirtualKVCache(small_config(deferred_reclaim=True))
+    cache = vmkv.VirtualKVCache(small_config(deferred_reclaim=True, layout=layout))
     try:
         driver = Driver(cache, q_heads=4)
         cache.add("old")
@@ -120,14 +124,17 @@ def test_non_finite_stale_data_is_never_read_into_an_answer(poison):
         cache.close()
 
 
-def test_rows_past_every_mapped_page_read_zeros_and_are_masked():
-    cache = vmkv.VirtualKVCache(small_config())
+@pytest.mark.parametrize("layout", ["per_layer", "head_major"])
+def test_rows_past_every_mapped_page_read_zeros_and_are_masked(layout):
+    cache = vmkv.VirtualKVCache(small_config(layout=layout))
     try:
         driver = Driver(cache, q_heads=4)
         for seq_id in range(4):
             cache.add(seq_id)
         driver.step({0: 200, 1: 1, 2: 33, 3: 2})  # slot 1 maps one page; the batched call reads 201 keys of it
-        driver.step({0: 1, 1: 1, 2: 1, 3: 1}, kernels=["sdpa_batched"])
+        k_view, _ = cache.kv_cache(0)
+        assert attention.heads_merge(k_view) == (layout == "head_major")  # gemm_batched: one batched GEMM
+        driver.step({0: 1, 1: 1, 2: 1, 3: 1}, kernels=["sdpa_batched", "gemm_batched"])
     finally:
         cache.close()
 
@@ -221,6 +228,9 @@ def test_cpu_selects_the_adaptive_kernel():
         assert cache.kernel == "sdpa_adaptive" and cache.stats()["kernel"] == "sdpa_adaptive"
     finally:
         cache.close()
+    assert attention.contiguous_kernel_unavailable("gemm_adaptive", torch.device("cpu"), torch.float32) is None
+    reason = attention.contiguous_kernel_unavailable("gemm_adaptive", torch.device("cpu"), torch.bfloat16)
+    assert "needs float32" in reason
     reason = attention.contiguous_kernel_unavailable("sdpa_batched", torch.device("cuda", 0))
     assert "CPU kernel" in reason
 

@@ -5,11 +5,12 @@ copy-on-write is needed, the worker's slot ranges over a real host KV buffer (bl
 slots read the block's bytes, shared blocks are one physical page, a slot whose map disagrees
 with the block table is refused), and the refusals at engine start.
 
-End to end (``@pytest.mark.slow``, one stock and one contiguous engine on the same work,
-tests/vllm_contiguous_scenarios.py): greedy tokens identical to stock vLLM in float32 (or a
-logit near-tie in stock's own logprobs), through preemption, chunked prefill, prefix hits and
-``n=3``; shared prefix blocks mapped into several slots and counted once; the kernel is vmkv's
-stock one on slot views.
+End to end (``@pytest.mark.slow``, tests/vllm_contiguous_scenarios.py: a stock and a contiguous
+engine on the 2-layer tiny model, and a stock and a TP=2 contiguous engine on a 4-layer GQA model
+with head_dim 64, each pair on the same work): greedy tokens identical to stock vLLM in float32
+(or a logit near-tie in stock's own logprobs), through preemption, chunked prefill, prefix hits
+and ``n=3``; shared prefix blocks mapped into several slots and counted once; the kernel is
+vmkv's stock one on slot views.
 """
 
 from __future__ import annotations
@@ -200,18 +201,52 @@ def test_a_block_that_is_not_whole_os_pages_is_refused_naming_the_block_size():
     buffer.close()
 
 
+@needs_vllm
+@pytest.mark.parametrize("layout", ["LBHNC", "BLHNC"])  # the host's head-major blocks, CUDA's all-layers ones
+def test_new_kv_lands_where_the_slots_read_it(monkeypatch, layout):
+    """``do_kv_cache_update`` writes each token's K and V of every head into the write view's row
+    (what an advanced-index write into the 5-D view does), padding (-1) into the null block."""
+    from vmkv.vllm import contiguous
+
+    layers, tokens, heads, dim, blocks = 3, 16, 2, 8, 6
+    if layout == "LBHNC":  # layer-outermost; a block [heads, K|V, tokens, D]
+        raw = torch.zeros(layers, blocks, heads, 2, tokens, dim)
+        views = [raw[layer].permute(0, 3, 2, 1, 4) for layer in range(layers)]  # [blocks, tokens, K|V, heads, D]
+    else:  # block-outermost; a block [K|V, tokens, layers, heads, D]
+        raw = torch.zeros(blocks, 2, tokens, layers, heads, dim)
+        views = [raw[:, :, :, layer].transpose(1, 2) for layer in range(layers)]
+    space = SimpleNamespace(write_views=views, layer_index={"l0": 0, "l1": 1, "l2": 2}, seconds=0.0)
+    space.record_mode_work = lambda seconds: setattr(space, "seconds", space.seconds + seconds)
+    monkeypatch.setattr(contiguous, "_slot_space", lambda: space)
+    impl = contiguous.VmkvContiguousImpl(4, dim, dim ** -0.5, heads, None, None, "auto")
+    gen = torch.Generator().manual_seed(0)
+    key, value = torch.randn(12, heads, dim, generator=gen), torch.randn(12, heads, dim, generator=gen)
+    where = torch.cat([tokens + torch.randperm((blocks - 1) * tokens, generator=gen)[:10], torch.tensor([-1, -1])])
+    for _ in range(2):  # the second call reuses the cached rows
+        impl.do_kv_cache_update(SimpleNamespace(layer_name="l1"), key, value, None, where)
+    want = torch.zeros_like(raw)
+    reference = want[:, :, :, 1] if layout == "BLHNC" else want[1]
+    rows = reference.transpose(1, 2) if layout == "BLHNC" else reference.permute(0, 3, 2, 1, 4)
+    rows[where.clamp_min(0) // tokens, where.clamp_min(0) % tokens] = torch.stack([key, value], dim=1)
+    assert torch.equal(raw, want) and space.seconds > 0  # other layers untouched, time counted
+    real = views[1][where[:10] // tokens, where[:10] % tokens]  # [10, K|V, heads, D]
+    assert torch.equal(real[:, 0], key[:10]) and torch.equal(real[:, 1], value[:10])
+
+
 # ---- the addressing benchmark's verdicts ------------------------------------------------------
 def test_the_addressing_benchmark_judges_contiguous_against_stock_and_paged():
     from benchmarks import vllm_addressing as bench
 
     speeds = {"stock": [100, 110, 90], "paged": [95, 100, 90], "contiguous": [120, 130, 110]}
     rows = [{"round": i, "engine": e, "output_tok_per_s": speeds[e][i], "kv_mean_mib": 1.0 if e == "stock" else 0.5,
-             "attention_share": 0.4 if e == "contiguous" else -1.0, "tokens_identical": True}
+             "attention_share": 0.4 if e == "contiguous" else -1.0, "mode_share": 0.05 if e == "contiguous" else -1.0,
+             "tokens_identical": True}
             for i in range(3) for e in bench.ENGINES]
     summary = bench.summary(rows, 2**20)
     assert summary["contiguous_over_stock"] == [1.2, 130 / 110, 110 / 90]
     assert summary["kv_mean_share"] == {"stock": 1.0, "paged": 0.5, "contiguous": 0.5}
     assert summary["verdict"].startswith("contiguous runs vLLM at 1.20x stock output tokens/s")
+    assert "attention kernel 40% of the run, the mode's step metadata and K/V writes 5%" in summary["verdict"]
     over_stock, over_paged = bench.verdicts({"summary": summary})
     assert (over_stock.key, over_stock.agrees, over_stock.side) == ("vllm.addressing.stock", True, "contiguous")
     assert over_paged.key == "vllm.addressing.paged" and over_paged.note == ""
@@ -226,11 +261,11 @@ def test_the_slot_layout_benchmark_times_the_same_attention_in_every_layout_and_
     from benchmarks import vllm_slot_layouts as bench
 
     rows, verdicts = bench.measure(repeat=2, seed=0)
-    assert {r["candidate"] for r in rows} == {*bench.LAYOUTS, "vllm_cpu_attn"} and len(rows) == 8
+    assert {r["candidate"] for r in rows} == {*bench.LAYOUTS, bench.GEMM_CANDIDATE, "vllm_cpu_attn"} and len(rows) == 10
     assert all(r["max_abs_diff"] < 1e-5 for r in rows)  # vLLM's kernel on its blocks computes what vmkv's does
     head_major_k, _ = bench.slot_views("head_major", torch.zeros(2, 64, 4, 8), torch.zeros(2, 64, 4, 8))
     assert head_major_k[1, :, 3].is_contiguous() and not head_major_k[1, :, :2].is_contiguous()
-    assert {v.key.split(".")[1] for v in verdicts} == {"separate", "head_major", "cpu_attn"}
+    assert {v.key.split(".")[1] for v in verdicts} == {"separate", "head_major", "gemm", "cpu_attn"}
 
 
 # ---- engine start -----------------------------------------------------------------------------
@@ -306,17 +341,19 @@ def runs(tmp_path_factory) -> dict:
 
     root = tmp_path_factory.mktemp("vllm_contiguous")
     model = save_tiny_model(root / "model")
+    model4 = save_tiny_model(root / "model4", **scenarios.MODEL4)
     out = root / "results.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_contiguous_scenarios.py"), str(out), str(model)],
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_contiguous_scenarios.py"), str(out), str(model),
+                           str(model4)],
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=VLLM_RUN_TIMEOUT_S)
     if proc.returncode != 0:
         pytest.fail(f"vllm_contiguous_scenarios.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return json.loads(out.read_text())
+    return {**json.loads(out.read_text()), "model4_config": str(model4 / "config.json")}
 
 
 def _requests(run: dict) -> dict:
-    return {f"{wave}{rid}": req for wave in "abc" for rid, req in run[wave]["requests"].items()}
+    return {f"{wave}{rid}": req for wave in "abc" if wave in run for rid, req in run[wave]["requests"].items()}
 
 
 def _check_tokens(stock: dict, ours: dict) -> None:
@@ -336,13 +373,21 @@ def test_greedy_tokens_match_stock_or_sit_on_a_logit_near_tie(runs):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_2_gives_stocks_tokens_and_every_rank_reads_slots(runs):
-    tp = runs["tp2"]
-    stock = {f"a{rid}": req for rid, req in runs["stock"]["a"]["requests"].items()}
-    ours = {f"a{rid}": req for rid, req in tp["a"]["requests"].items()}
-    assert stock.keys() == ours.keys() and len(ours) == 4
+def test_a_4_layer_gqa_model_at_tensor_parallel_2_gives_stocks_tokens_and_every_rank_reads_slots(runs):
+    """The second model (4 layers, 8 query / 4 KV heads of 64, float32) in contiguous mode at
+    TP=2 against stock vLLM at TP=1: five prompts, prefix hits inside wave A and across waves,
+    preemption and chunked prefill."""
+    with open(runs["model4_config"]) as f:
+        config = json.load(f)
+    assert (config["num_hidden_layers"], config["head_dim"]) == (4, 64)
+    assert config["num_attention_heads"] == 2 * config["num_key_value_heads"]  # grouped-query attention
+    stock, ours = _requests(runs["stock4"]), _requests(runs["tp2"])
+    assert stock.keys() == ours.keys() and len(ours) == 5
     _check_tokens(stock, ours)
-    ranks = tp["final"]
+    assert {n: r["cached"] for n, r in ours.items()} == {n: r["cached"] for n, r in stock.items()}
+    assert ours["b0"]["cached"] >= 9 * scenarios.BLOCK  # wave B finds the 300-token prefix
+    assert runs["tp2"]["preemptions"] > 0 and runs["stock4"]["preemptions"] > 0
+    ranks = runs["tp2"]["final"]
     assert sorted(r["rank"] for r in ranks) == [0, 1]
     for rank in ranks:  # every rank mapped the same slots and read only them
         assert rank["kernel_calls"]["sdpa_adaptive"] > 0 and rank["foreign_calls"] == 0
@@ -382,6 +427,7 @@ def test_the_kernel_is_vmkvs_stock_one_on_slots_and_slots_are_freed_and_reused(r
     final = runs["contig"]["final"][0]
     assert final["kv_mode"] == "contiguous" and set(final["kernel_calls"]) == {"sdpa_adaptive"}
     assert final["foreign_calls"] == 0  # no call got a block table or K/V outside the slots
+    assert 0 < final["mode_seconds"] < runs["contig"]["seconds"]  # the mode's own step work is timed
     assert final["slots_in_use"] == 0 and final["slot_blocks_mapped"] == 0 and final["slot_unmaps"] == final["slot_maps"]
     requests = sum(len(r["tokens"]) for r in _requests(runs["contig"]).values())  # 8, over 4 slots
     assert final["slot_frees"] >= requests + runs["contig"]["preemptions"] > scenarios.ENGINE["max_num_seqs"]

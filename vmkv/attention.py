@@ -15,7 +15,14 @@ see :func:`select_contiguous_kernel`):
           sdpa_per_sequence        otherwise, e.g. float32 or a pre-Ampere GPU
     cpu   sdpa_adaptive            per step: decode rows in one batched SDPA call, or one call
                                    per sequence, whichever BatchRule predicts faster
+          gemm_adaptive            (by name; float32) decode rows as GEMMs (torch.matmul, MKL) over
+                                   the run of slots or per sequence, as BatchRule predicts faster;
+                                   prefill chunks as sdpa_adaptive. Measured a tie with
+                                   sdpa_adaptive (python -m benchmarks.vllm_slot_layouts), so
+                                   not selected
           sdpa_batched             (by name) decode rows always batched
+          gemm_batched             (by name) decode rows always as GEMMs over the run (head-major
+                                   slots; per sequence where slot and head axes do not fold)
           sdpa_per_sequence        (by name) torch SDPA on each sequence's exact-length slice
 
 The two FlashAttention kernels need sm80+, float16/bfloat16 and head_dim % 8 == 0, <= 256.
@@ -85,6 +92,44 @@ def sdpa_per_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     out = torch.empty_like(q)
     _sdpa_rows(q, k_cache, v_cache, plan, scale, range(plan.batch_size), out)
     return out
+
+
+def _gqa_gemm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias: torch.Tensor | None) -> torch.Tensor:
+    """``softmax(q @ k^T * scale + bias) @ v`` as two GEMMs over the leading (batch) dims.
+
+    Shapes: ``q: [..., G, D]`` (the ``G`` query heads of one KV head as its queries), ``k, v:
+    [..., L, D]`` (any strides with a unit last one; each KV head is read once, never repeated),
+    ``bias``: additive, broadcastable to ``[..., G, L]`` (``-inf``: key masked), or ``None``.
+    Returns ``[..., G, D]``.
+    """
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    if bias is not None:
+        scores.add_(bias)
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+def _gemm_decode_rows(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan, scale: float | None,
+    indexes: Iterable[int], out: torch.Tensor,
+) -> None:
+    """Decode rows (one new token each) of sequences ``indexes``, two GEMMs each on the sequence's
+    exact-length K/V slice (nothing past its length is read); writes their rows of ``out``."""
+    q_heads, dim = q.shape[1], q.shape[2]
+    kv_heads = k_cache.shape[2]
+    scale = dim ** -0.5 if scale is None else scale
+    offsets = plan.offsets
+    for i in indexes:
+        slot, kv_len, row = plan.slots[i], plan.kv_lens[i], offsets[i]
+        k_i = k_cache[slot, :kv_len].transpose(0, 1)  # [Hkv, kv_len, D], a strided view
+        v_i = v_cache[slot, :kv_len].transpose(0, 1)
+        q_i = q[row].reshape(kv_heads, q_heads // kv_heads, dim)
+        out[row] = _gqa_gemm(q_i, k_i, v_i, scale, None).reshape(q_heads, dim)
+
+
+def heads_merge(cache: torch.Tensor) -> bool:
+    """Whether the slot and head axes of ``cache`` (``[B, S, Hkv, D]``) fold into one batch axis
+    without a copy (head-major slots: slot stride = heads x head stride)."""
+    return cache.stride(0) == cache.shape[2] * cache.stride(2)
 
 
 @dataclass(frozen=True)
@@ -219,14 +264,48 @@ def sdpa_decode_batched(
     return out if batch.at is None else out[batch.at]
 
 
+def gemm_decode_batched(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch, scale: float | None
+) -> torch.Tensor:
+    """The decode rows of a step as two batched GEMMs over their run of slots (see
+    :class:`DecodeBatch`): scores ``[span, Hkv, G, max_kv]`` = the ``G`` query heads of each KV
+    head against its keys (no repeat of K/V), the length mask added as ``-inf``, softmax, times
+    V. K/V are strided views of the slots; with head-major slots (:func:`heads_merge`) the GEMMs
+    run on them without a copy.
+
+    Shapes: ``q: [Bd, Hq, D]`` the decode rows (packed order); returns ``[Bd, Hq, D]``.
+    """
+    q_heads, dim = q.shape[1], q.shape[2]
+    kv_heads = k_cache.shape[2]
+    group = q_heads // kv_heads
+    run = slice(batch.first_slot, batch.first_slot + batch.span)
+    k = k_cache[run, : batch.max_kv].transpose(1, 2)  # [span, Hkv, max_kv, D], a view
+    v = v_cache[run, : batch.max_kv].transpose(1, 2)
+    if batch.at is None:
+        q_run = q.reshape(batch.span, kv_heads, group, dim)
+    else:
+        q_run = q.new_zeros(batch.span, kv_heads, group, dim)  # dummy rows: zero queries
+        q_run[batch.at] = q.reshape(-1, kv_heads, group, dim)
+    bias = None
+    if batch.mask is not None:  # [span, 1, 1, max_kv], True = attend
+        bias = torch.zeros(batch.mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~batch.mask, float("-inf"))
+    out = _gqa_gemm(q_run, k, v, dim ** -0.5 if scale is None else scale, bias).reshape(batch.span, q_heads, dim)
+    return out if batch.at is None else out[batch.at]
+
+
 class SdpaDecodeKernel:
     """Torch SDPA with the decode rows of a step in one batched call (prefill rows: one call
-    per sequence, as :func:`sdpa_per_sequence`).
+    per sequence, as :func:`sdpa_per_sequence`), or, with ``gemm``, the decode rows as GEMMs.
 
     Args:
         name: the name it is registered under.
         rule: decides per step between the batched call and one call per sequence
             (:class:`BatchRule`); ``None``: always batched.
+        gemm: decode rows run as two GEMMs and a softmax (:func:`gemm_decode_batched` over the
+            run of slots, or :func:`_gemm_decode_rows` per sequence), not SDPA: torch's CPU
+            flash kernel is slow for one query token under grouped-query attention (``python -m
+            benchmarks.vllm_slot_layouts``). The batched GEMM is taken only where the slot and
+            head axes fold without a copy (:func:`heads_merge`); prefill rows stay SDPA.
 
     The step's :class:`DecodeBatch` is computed by the first layer and reused by the others
     (the last plan seen is remembered; a plan is immutable, so this is safe across caches and
@@ -236,9 +315,10 @@ class SdpaDecodeKernel:
     last one); returns ``[T, Hq, D]``.
     """
 
-    def __init__(self, name: str, rule: BatchRule | None) -> None:
+    def __init__(self, name: str, rule: BatchRule | None, gemm: bool = False) -> None:
         self.name = name
         self.rule = rule
+        self.gemm = gemm
         self._memo: tuple[StepPlan, DecodeBatch | None] | None = None
 
     def decode_batch(self, plan: StepPlan) -> DecodeBatch | None:
@@ -253,16 +333,22 @@ class SdpaDecodeKernel:
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan, scale: float | None) -> torch.Tensor:
         batch = self.decode_batch(plan)
-        if batch is None or not batch.batched:
+        batched = batch is not None and batch.batched and (not self.gemm or heads_merge(k_cache) and heads_merge(v_cache))
+        if not batched and not self.gemm:
             return sdpa_per_sequence(q, k_cache, v_cache, plan, scale)
-        if batch.rows is None:  # a pure decode step over a run of slots, in slot order
-            out = sdpa_decode_batched(q, k_cache, v_cache, batch, scale)
+        decode_batched = gemm_decode_batched if self.gemm else sdpa_decode_batched
+        if batched and batch.rows is None:  # a pure decode step over a run of slots, in slot order
+            out = decode_batched(q, k_cache, v_cache, batch, scale)
         else:
             out = torch.empty_like(q)
-            out[batch.rows] = sdpa_decode_batched(q[batch.rows], k_cache, v_cache, batch, scale)
+            if batched:
+                out[batch.rows] = decode_batched(q[batch.rows], k_cache, v_cache, batch, scale)
+            elif batch is not None:  # gemm, one sequence at a time
+                _gemm_decode_rows(q, k_cache, v_cache, plan, scale, batch.seqs, out)
             prefill = [i for i, n in enumerate(plan.q_lens) if n > 1]
             _sdpa_rows(q, k_cache, v_cache, plan, scale, prefill, out)
-        self._redo_non_finite(q, k_cache, v_cache, plan, scale, batch, out)
+        if batched:
+            self._redo_non_finite(q, k_cache, v_cache, plan, scale, batch, out)
         return out
 
     @staticmethod
@@ -425,15 +511,20 @@ CONTIGUOUS_KERNELS: dict[str, Kernel] = {
     "flash_attn_with_kvcache": flash_kvcache,
     "varlen_attn_seqused": varlen_seqused,
     "sdpa_adaptive": SdpaDecodeKernel("sdpa_adaptive", DEFAULT_BATCH_RULE),
+    "gemm_adaptive": SdpaDecodeKernel("gemm_adaptive", DEFAULT_BATCH_RULE, gemm=True),
     "sdpa_batched": SdpaDecodeKernel("sdpa_batched", None),
+    "gemm_batched": SdpaDecodeKernel("gemm_batched", None, gemm=True),
     "sdpa_per_sequence": sdpa_per_sequence,
 }
 """Every contiguous-mode kernel by name, fastest first (benchmarks pick one explicitly).
 
 ``sdpa_adaptive`` runs each decode step as ``sdpa_batched`` or ``sdpa_per_sequence``, whichever
-:data:`DEFAULT_BATCH_RULE` predicts faster for that step's lengths and slots."""
+:data:`DEFAULT_BATCH_RULE` predicts faster for that step's lengths and slots; ``gemm_adaptive``
+makes the same choice with GEMMs for the decode rows (float32 only: the scores of a
+half-precision GEMM would be rounded to its precision before the softmax, which SDPA avoids)."""
 
-_READS_PAST_LENGTHS = ("sdpa_adaptive", "sdpa_batched")
+_READS_PAST_LENGTHS = ("gemm_adaptive", "sdpa_adaptive", "sdpa_batched", "gemm_batched")
+_FLOAT32_ONLY = ("gemm_adaptive", "gemm_batched")
 
 
 def flash_attention_blockers(
@@ -512,6 +603,8 @@ def contiguous_kernel_unavailable(
     if name in _READS_PAST_LENGTHS:
         if device.type != "cpu":
             return f"{name} is a CPU kernel (its batching rule was measured on CPU), not for {device.type}"
+        if name in _FLOAT32_ONLY and dtype is not None and dtype != torch.float32:
+            return f"{name} needs float32 (the cache holds {dtype}: half-precision scores would be rounded)"
         return None
     facts = facts or CudaKernelFacts.probe(device)
     blockers = flash_attention_blockers(device.type == "cuda" and facts.capability is not None, facts.capability,

@@ -303,6 +303,7 @@ class SlotSpace:
         self.maps = self.unmaps = self.frees = 0
         self.kernel_calls: dict[str, int] = {}
         self.kernel_seconds = 0.0
+        self.mode_seconds = 0.0  # the mode's own per-step work on the worker: step metadata and K/V writes
         self.foreign_calls = 0  # kernel calls given K/V outside the slots or a block table: must stay 0
 
     def _plan(self, shape: KVShape) -> ContiguousPagePlan:
@@ -328,6 +329,11 @@ class SlotSpace:
         self.kernel_seconds += seconds
         if plan.block_table is not None or not self.owns(k):
             self.foreign_calls += 1
+
+    def record_mode_work(self, seconds: float) -> None:
+        """Count time the mode spends per step beside the kernel (the attention builder's slot
+        lookup and plan, the K/V writes): what contiguous mode adds to a vLLM step."""
+        self.mode_seconds += seconds
 
     # ---- geometry -------------------------------------------------------------------------------
     def _check_view(self, view: torch.Tensor, num_blocks: int) -> None:
@@ -562,7 +568,8 @@ class SlotSpace:
         return slots
 
     def stats(self) -> dict[str, Any]:
-        """Slot counters (``kernel_seconds``: time in the attention kernel): slots in use, blocks mapped into slots (all layers count once),
+        """Slot counters (``kernel_seconds``: time in the attention kernel; ``mode_seconds``: in the
+        mode's step metadata and K/V writes, :meth:`record_mode_work`): slots in use, blocks mapped into slots (all layers count once),
         distinct blocks among them, blocks mapped/unmapped (per layer), slots freed, the kernels called (name ->
         calls) and calls that read anything but slots (``foreign_calls``, always 0)."""
         mapped = int((self._tables >= 0).sum())
@@ -572,6 +579,7 @@ class SlotSpace:
                 "slot_maps": self.maps, "slot_unmaps": self.unmaps, "slot_frees": self.frees,
                 "slot_reserved_bytes": 2 * len(self._bases) * self._range_bytes,
                 "kernel_calls": dict(self.kernel_calls), "kernel_seconds": self.kernel_seconds,
+                "mode_seconds": self.mode_seconds,
                 "foreign_calls": self.foreign_calls}
 
     def _free_ranges(self, bases: Iterable[int]) -> None:
