@@ -437,6 +437,40 @@ def sign_test(ratios: Sequence[float]) -> tuple[int, int, float]:
     return above, below, p
 
 
+def ratio_of_medians(numerator: Sequence[float], denominator: Sequence[float], *, confidence: float = 0.9,
+                     draws: int = 2000, seed: int = 0) -> Spread:
+    """``median(numerator) / median(denominator)`` with a bootstrap confidence interval.
+
+    For two engines measured over rounds whose single values are bimodal (a run that stalls
+    takes 3-10x longer, in either engine, independently of the other), per-round ratios spread
+    by the stalls, not by the engines; comparing the two distributions' medians is robust to them.
+    The interval resamples each side's rounds with replacement (seeded: the same samples give the
+    same interval).
+
+    Args:
+        numerator, denominator: one value per round of each side.
+        confidence: the interval's coverage, e.g. 0.9 for the 5th-95th percentiles.
+        draws: bootstrap resamples.
+        seed: the resampling's seed.
+
+    Returns:
+        A :class:`Spread` whose ``value`` is the ratio of the medians and ``low``-``high`` the interval.
+
+    Raises:
+        vmkv.InvalidInput: a side has no values, or ``confidence`` is not in (0, 1).
+    """
+    if not numerator or not denominator:
+        raise vmkv.InvalidInput("a ratio of medians needs values on both sides")
+    if not 0 < confidence < 1:
+        raise vmkv.InvalidInput(f"confidence must be in (0, 1), got {confidence}")
+    rng = random.Random(seed)
+    ratios = sorted(statistics.median(rng.choices(numerator, k=len(numerator)))
+                    / statistics.median(rng.choices(denominator, k=len(denominator))) for _ in range(draws))
+    tail = int(draws * (1 - confidence) / 2)
+    value = statistics.median(numerator) / statistics.median(denominator)
+    return Spread(value, ratios[tail], ratios[draws - 1 - tail], min(len(numerator), len(denominator)))
+
+
 def _ratio_side(ratio: Spread, better: str, worse: str, tie_margin: float) -> tuple[str, str]:
     """``(winner text, side)`` of a timed ratio from its paired rounds (see :func:`ratio_verdict`)."""
     band = (1.0 / (1.0 + tie_margin), 1.0 + tie_margin)

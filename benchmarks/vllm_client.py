@@ -16,8 +16,10 @@ same text for every prompt. Verdicts per rate: vmkv / stock output tokens/s and 
 TTFT (above 1: vmkv better), each the median of the per-round ratios with their range, judged by
 :func:`benchmarks.common.ratio_verdict` (a winner only when every kept round agrees beyond the
 tie band), against the targets ``>= 0.97`` and ``TTFT within 10 %``. The summary line per rate
-also gives the pooled ratios (all rounds' tokens over all their seconds; mean TTFTs averaged) and
-says of each target whether it is met, missed, or not resolved by the rounds' spread
+also gives the pooled ratios (all rounds' tokens over all their seconds; mean TTFTs averaged),
+the ratio of the two engines' medians over the rounds with its 90 % bootstrap interval
+(:func:`medians`: robust to the rounds that stall, in either engine), and says of each target
+whether it is met, missed, or not resolved by the rounds' spread and by that interval
 (:func:`target_status`).
 """
 
@@ -37,6 +39,7 @@ SETTLE_S = 1.5  # vLLM's workers busy-poll their queue for 1 s after a step: let
 WARMUP_PROMPTS = 8  # a first short run per engine, not measured (lazy initialisation in both)
 THROUGHPUT_TARGET = 0.97
 TTFT_TARGET = 1.10  # vmkv's mean TTFT at most 10 % above stock's
+CONFIDENCE = 0.9  # of the bootstrap interval of the engines' medians
 
 SCHEMA = {
     "rate": "request rate of the open-loop client (requests/s, as text; inf: all at once)",
@@ -169,17 +172,25 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         pooled_throughput, pooled_ttft = pooled([r for r in rows if r["rate"] == rate])
         throughput_target = target_status(t, THROUGHPUT_TARGET)
         ttft_target = target_status(f, 1 / TTFT_TARGET)
+        mt, mf = medians(by, rounds)
+        medians_throughput_target = target_status(mt, THROUGHPUT_TARGET, "interval")
+        medians_ttft_target = target_status(mf, 1 / TTFT_TARGET, "interval")
         out[rate] = {
             "throughput_ratios_vmkv_over_stock": throughput, "ttft_ratios_stock_over_vmkv": ttft,
             "pooled_throughput_vmkv_over_stock": pooled_throughput, "pooled_ttft_vmkv_over_stock": pooled_ttft,
             "throughput_target": throughput_target, "ttft_target": ttft_target,
+            "medians_throughput_vmkv_over_stock": mt.as_dict(), "medians_ttft_stock_over_vmkv": mf.as_dict(),
+            "medians_throughput_target": medians_throughput_target, "medians_ttft_target": medians_ttft_target,
             "same_tokens": same_tokens, "texts_identical": identical,
             "verdict": (f"at rate {rate}: vmkv {t.value:.2f}x stock output tokens/s (median of {t.runs} "
                         f"interleaved rounds, {_range_words(t)} {t.low:.2f}-{t.high:.2f}, vmkv faster in "
                         f"{sum(x > 1 for x in throughput)} of {t.runs}; pooled {pooled_throughput:.2f}x): target >= "
                         f"{THROUGHPUT_TARGET} {throughput_target}; mean TTFT {1 / f.value:.2f}x stock's ({_range_words(f)} "
                         f"{1 / f.high:.2f}-{1 / f.low:.2f}; pooled {pooled_ttft:.2f}x): target <= {TTFT_TARGET} "
-                        f"{ttft_target}; {'same tokens' if same_tokens else 'TOKEN COUNTS DIFFER'}, "
+                        f"{ttft_target}; the engines' medians over the rounds: vmkv {mt.value:.2f}x stock's output "
+                        f"tokens/s ({CONFIDENCE:.0%} interval {mt.low:.2f}-{mt.high:.2f}): target {medians_throughput_target}, "
+                        f"mean TTFT {1 / mf.value:.2f}x stock's ({1 / mf.high:.2f}-{1 / mf.low:.2f}): target "
+                        f"{medians_ttft_target}; {'same tokens' if same_tokens else 'TOKEN COUNTS DIFFER'}, "
                         f"texts {'identical' if identical else 'DIFFER'}"),
         }
     return out
@@ -199,16 +210,30 @@ def pooled(rows: list[dict[str, Any]]) -> tuple[float, float]:
     return vmkv_tok_s / stock_tok_s, vmkv_ttft / stock_ttft
 
 
-def target_status(ratio: common.Spread, target: float) -> str:
-    """Whether ``ratio`` (> 1: vmkv better) meets ``target``: "met" when the whole kept range is at
-    or above it, "missed" when the whole range is below it, otherwise "not resolved" with the side
-    of the median (the rounds' spread is wider than the distance to the target)."""
+def medians(by: dict[tuple[int, str], dict[str, Any]], rounds: list[int]) -> tuple[common.Spread, common.Spread]:
+    """The engines' medians over the rounds, compared: ``(vmkv / stock output tokens/s, stock / vmkv
+    mean TTFT)`` (> 1: vmkv better), each with its bootstrap interval
+    (:func:`benchmarks.common.ratio_of_medians`, :data:`CONFIDENCE`). A round's mean TTFT is bimodal
+    under full concurrency (the requests reach the engine core in one batch or in several, in
+    either engine), so per-round ratios spread by those stalls; the medians do not."""
+    def values(engine: str, key: str) -> list[float]:
+        return [by[(i, engine)][key] for i in rounds]
+
+    return (common.ratio_of_medians(values("vmkv", "output_tok_per_s"), values("stock", "output_tok_per_s"),
+                                    confidence=CONFIDENCE),
+            common.ratio_of_medians(values("stock", "mean_ttft_ms"), values("vmkv", "mean_ttft_ms"), confidence=CONFIDENCE))
+
+
+def target_status(ratio: common.Spread, target: float, spread: str = "rounds' spread") -> str:
+    """Whether ``ratio`` (> 1: vmkv better) meets ``target``: "met" when the whole kept range (or
+    interval) is at or above it, "missed" when it is all below, otherwise "not resolved" with the
+    side of the median (the ``spread`` is wider than the distance to the target)."""
     if ratio.low >= target:
         return "met"
     if ratio.high < target:
         return "missed"
     side = "meets" if ratio.value >= target else "misses"
-    return f"not resolved (the median {side} it, the rounds' spread crosses it)"
+    return f"not resolved (the median {side} it, the {spread} crosses it)"
 
 
 def _range_words(spread: common.Spread) -> str:

@@ -504,6 +504,49 @@ def test_vllm_client_verdicts_name_a_winner_only_when_every_round_agrees(vmkv_to
     assert line.startswith("at rate inf: vmkv ") and line.endswith("same tokens, texts identical")
 
 
+def test_vllm_client_medians_see_through_stalled_rounds():
+    """Rounds that stall (3-10x the usual TTFT, in either engine) make every per-round ratio's range
+    cross the targets; the engines' medians with their bootstrap interval still tell parity from a
+    real 20 % loss."""
+    from benchmarks import vllm_client
+
+    usual = [300 + 5 * (i % 7) for i in range(40)]
+    stock_ttft = [t * (8 if i % 9 == 0 else 1) for i, t in enumerate(usual)]
+    vmkv_ttft = [t * (8 if i % 11 == 3 else 1) for i, t in enumerate(usual[::-1])]
+    speeds = {"stock": [2000.0] * 40, "vmkv": [2000.0] * 40}
+    parity = vllm_client.summary(_client_rows(speeds, {"stock": stock_ttft, "vmkv": vmkv_ttft}))["inf"]
+    assert parity["ttft_target"].startswith("not resolved")  # the per-round ratios: 1/8 .. 8
+    assert parity["medians_ttft_target"] == "met" and parity["medians_throughput_target"] == "met"
+    assert parity["medians_ttft_stock_over_vmkv"]["value"] == pytest.approx(1.0)
+    slower = vllm_client.summary(_client_rows(speeds, {"stock": stock_ttft, "vmkv": [t * 1.2 for t in vmkv_ttft]}))["inf"]
+    assert slower["medians_ttft_target"] == "missed"
+    assert slower["medians_ttft_stock_over_vmkv"]["high"] < 1 / vllm_client.TTFT_TARGET
+    assert "the engines' medians over the rounds" in slower["verdict"]
+
+
+def test_ratio_of_medians_interval_holds_the_ratio_and_is_seeded():
+    from benchmarks import common
+
+    a, b = [10.0, 11.0, 12.0, 13.0, 50.0], [5.0, 5.5, 6.0, 6.5, 7.0]
+    r = common.ratio_of_medians(a, b)
+    assert r.value == pytest.approx(2.0) and r.low <= r.value <= r.high
+    assert common.ratio_of_medians(a, b) == r  # the same samples, the same interval
+    assert common.ratio_of_medians([3.0] * 4, [1.5] * 4).as_dict() == {"value": 2.0, "low": 2.0, "high": 2.0, "runs": 4,
+                                                                      "kept": 4}
+    for bad in (dict(numerator=[], denominator=[1.0]), dict(numerator=[1.0], denominator=[1.0], confidence=1.0)):
+        with pytest.raises(vmkv.InvalidInput):
+            common.ratio_of_medians(**bad)
+
+
+def test_vllm_client_quiet_run_is_reproduced_by_this_code():
+    """docs/img/vllm_client_quiet.json, the 48-round run docs/vllm.md quotes: its summary is what this
+    code makes of its rows."""
+    from benchmarks import vllm_client
+
+    saved = json.loads((Path(__file__).resolve().parents[1] / "docs" / "img" / "vllm_client_quiet.json").read_text())
+    assert vllm_client.summary(saved["client"]["rows"]) == saved["client"]["summary"]
+
+
 def test_vllm_client_summary_flags_lost_tokens_and_other_texts():
     from benchmarks import vllm_client
 
