@@ -202,7 +202,7 @@ class CacheMachine(RuleBasedStateMachine):
 
 SETTINGS = settings(max_examples=20, stateful_step_count=25, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
-LONG = settings(max_examples=2000, stateful_step_count=12, deadline=None,
+LONG = settings(max_examples=1200, stateful_step_count=12, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow])
 
 
