@@ -237,6 +237,34 @@ def plan_decode_batch(plan: StepPlan, decode: list[int], rule: "BatchRule | None
     return DecodeBatch(tuple(decode), rows, at, first, span, max_kv, mask, batched)
 
 
+def _decode_run(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The operands of a batched decode call over the batch's run of slots: ``(q_run, k, v)``.
+
+    Shapes: ``q: [Bd, Hq, D]`` the decode rows (packed order); ``q_run: [span, Hkv, G, D]`` (the
+    ``G`` query heads of a KV head as its queries; dummy rows zero), ``k, v: [span, Hkv, max_kv, D]``
+    strided views of the slots, never copied.
+    """
+    q_heads, dim = q.shape[1], q.shape[2]
+    kv_heads = k_cache.shape[2]
+    group = q_heads // kv_heads
+    run = slice(batch.first_slot, batch.first_slot + batch.span)
+    k = k_cache[run, : batch.max_kv].transpose(1, 2)  # [span, Hkv, max_kv, D], a view
+    v = v_cache[run, : batch.max_kv].transpose(1, 2)
+    if batch.at is None:
+        return q.reshape(batch.span, kv_heads, group, dim), k, v
+    q_run = q.new_zeros(batch.span, kv_heads, group, dim)  # dummy rows: zero queries
+    q_run[batch.at] = q.reshape(-1, kv_heads, group, dim)
+    return q_run, k, v
+
+
+def _decode_rows(out: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+    """``[span, Hkv, G, D]`` results back to the decode rows, ``[Bd, Hq, D]`` (packed order)."""
+    out = out.reshape(batch.span, -1, out.shape[-1])
+    return out if batch.at is None else out[batch.at]
+
+
 def sdpa_decode_batched(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch, scale: float | None
 ) -> torch.Tensor:
@@ -248,20 +276,9 @@ def sdpa_decode_batched(
 
     Shapes: ``q: [Bd, Hq, D]`` the decode rows (packed order); returns ``[Bd, Hq, D]``.
     """
-    q_heads, dim = q.shape[1], q.shape[2]
-    kv_heads = k_cache.shape[2]
-    group = q_heads // kv_heads
-    run = slice(batch.first_slot, batch.first_slot + batch.span)
-    k = k_cache[run, : batch.max_kv].transpose(1, 2)  # [span, Hkv, max_kv, D], a view
-    v = v_cache[run, : batch.max_kv].transpose(1, 2)
-    if batch.at is None:
-        q_run = q.reshape(batch.span, kv_heads, group, dim)
-    else:
-        q_run = q.new_zeros(batch.span, kv_heads, group, dim)  # dummy rows: zero queries
-        q_run[batch.at] = q.reshape(-1, kv_heads, group, dim)
+    q_run, k, v = _decode_run(q, k_cache, v_cache, batch)
     out = F.scaled_dot_product_attention(q_run, k, v, attn_mask=batch.mask, scale=scale)  # [span, Hkv, G, D]
-    out = out.reshape(batch.span, q_heads, dim)
-    return out if batch.at is None else out[batch.at]
+    return _decode_rows(out, batch)
 
 
 def gemm_decode_batched(
@@ -275,22 +292,11 @@ def gemm_decode_batched(
 
     Shapes: ``q: [Bd, Hq, D]`` the decode rows (packed order); returns ``[Bd, Hq, D]``.
     """
-    q_heads, dim = q.shape[1], q.shape[2]
-    kv_heads = k_cache.shape[2]
-    group = q_heads // kv_heads
-    run = slice(batch.first_slot, batch.first_slot + batch.span)
-    k = k_cache[run, : batch.max_kv].transpose(1, 2)  # [span, Hkv, max_kv, D], a view
-    v = v_cache[run, : batch.max_kv].transpose(1, 2)
-    if batch.at is None:
-        q_run = q.reshape(batch.span, kv_heads, group, dim)
-    else:
-        q_run = q.new_zeros(batch.span, kv_heads, group, dim)  # dummy rows: zero queries
-        q_run[batch.at] = q.reshape(-1, kv_heads, group, dim)
+    q_run, k, v = _decode_run(q, k_cache, v_cache, batch)
     bias = None
     if batch.mask is not None:  # [span, 1, 1, max_kv], True = attend
         bias = torch.zeros(batch.mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~batch.mask, float("-inf"))
-    out = _gqa_gemm(q_run, k, v, dim ** -0.5 if scale is None else scale, bias).reshape(batch.span, q_heads, dim)
-    return out if batch.at is None else out[batch.at]
+    return _decode_rows(_gqa_gemm(q_run, k, v, q.shape[2] ** -0.5 if scale is None else scale, bias), batch)
 
 
 class SdpaDecodeKernel:
