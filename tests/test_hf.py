@@ -191,6 +191,26 @@ def test_forward_logits_match_dynamic_cache(models, arch, setup):
 
 
 # ---- VirtualCache() with no arguments (issue 16: defaults that win) -----------------------------
+def assert_same_greedy_tokens_up_to_a_tie(model, ids, mask, out, expected) -> None:
+    """bfloat16 with the cache's own kernel: it sums in another order than SDPA, so greedy tokens
+    may part at a near-tie (transformers' own eager and SDPA attentions part on AVX2 CPUs too).
+    Each row equals DynamicCache's tokens up to its first difference, and there DynamicCache's
+    logits of the two tokens are within 2 bfloat16 steps of each other (a tie in bfloat16)."""
+    prompt = ids.shape[1]
+    for row in range(out.shape[0]):
+        differ = (out[row] != expected[row]).nonzero()
+        if len(differ) == 0:
+            continue
+        at = int(differ[0])
+        assert at >= prompt
+        ours, theirs = int(out[row, at]), int(expected[row, at])
+        with torch.no_grad():
+            seen = torch.cat([mask[row], mask.new_ones(at - prompt)])[None]
+            logits = use_attention(model, "sdpa")(expected[row : row + 1, :at], attention_mask=seen).logits[0, -1]
+        step = 2.0 ** (torch.frexp(logits[theirs].float()).exponent.item() - 8)  # one bf16 step there
+        assert float(logits[theirs] - logits[ours]) <= 2 * step, (row, at, ours, theirs)
+
+
 @functools.cache
 def model_in(dtype: torch.dtype) -> torch.nn.Module:
     torch.manual_seed(1)
@@ -213,7 +233,11 @@ def test_defaults_generate_dynamic_cache_tokens(dtype, setup, workload):
     expected = reference(model, ids, mask, **kwargs)
     cache = vhf.VirtualCache(mode)
     torch.manual_seed(5)
-    assert torch.equal(generate(use_attention(model, attn), cache, ids, mask, **kwargs), expected)
+    out = generate(use_attention(model, attn), cache, ids, mask, **kwargs)
+    if dtype == torch.bfloat16 and attn == "vmkv" and workload == "greedy":
+        assert_same_greedy_tokens_up_to_a_tie(model, ids, mask, out, expected)
+    else:
+        assert torch.equal(out, expected)
     stats = cache.stats()
     assert stats["layout"] == ("head_major" if mode == "vmm" else "blocks") and stats["layout_reason"]
     assert_all_pages_return(cache)

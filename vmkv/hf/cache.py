@@ -400,14 +400,16 @@ class VirtualCache(RowPolicy, Cache):
         self._rows, self._dropped, self._pending, self._step = [], [], [], None
         if shared is None:
             return
+        if shared.users == 1:  # the last user: closing the core drops every row at once
+            shared.users = 0
+            shared.core.close()
+            return
         try:
             shared.reap()
             for seq_id in rows:
                 shared.core.free(seq_id)
         finally:
             shared.users -= 1
-            if shared.users == 0:
-                shared.core.close()
 
     def __del__(self) -> None:
         shared = getattr(self, "_shared", None)

@@ -47,10 +47,11 @@ class Choice:
     reason: str
 
 
-def choose_layout(config: KVCacheConfig, style: str, options: CacheOptions) -> Choice:
+def choose_layout(config: KVCacheConfig, style: str, options: CacheOptions, room: int | None) -> Choice:
     """The VMM layout and page size for ``config`` (its ``layout`` and ``page_size`` are ignored)
     when the attention reading the K/V is ``style`` (``"model"``: the model's SDPA/eager over
-    ``[B, kv_heads, len, head_dim]`` views; ``"vmkv"``: the cache's own kernel).
+    ``[B, kv_heads, len, head_dim]`` views; ``"vmkv"``: the cache's own kernel); ``room`` is
+    ``vmkv.vm.mapping_room()`` (host; ``None``: unknown or not the host).
 
     The rule (measurements in docs/hf.md, "Defaults"; ``python -m benchmarks.hf_layouts``):
 
@@ -81,7 +82,7 @@ def choose_layout(config: KVCacheConfig, style: str, options: CacheOptions) -> C
     page = options.page_size or default_page_size(token_bytes, gran)
     need_tokens = config.max_batch_size * config.max_seq_len  # (rows * length) the pool should hold
     while True:
-        pages = mappable_pages(config.replace(layout="head_major"))
+        pages = mappable_pages(config.replace(layout="head_major"), room)
         if pages * (page // token_bytes) >= need_tokens + config.max_batch_size * (page // token_bytes):
             return Choice("head_major", page, f"{style} attention on the host: head-major views are what CPU "
                           f"SDPA reads fastest ({page // token_bytes} tokens a page fit the mappings)")
@@ -113,9 +114,14 @@ def open_core(mode: str, options: CacheOptions, like: torch.Tensor, num_layers: 
         block_size=options.block_size, prefix_caching=False,
         deferred_reclaim=options.deferred_reclaim, map_ahead=options.map_ahead,
     )
+    room = None
+    if mode == "vmm" and config.device.type == "cpu":
+        from ..vm import mapping_room
+
+        room = mapping_room()  # read once: each read lists /proc/self/maps (milliseconds)
     if mode == "vmm":
         first_batch = config.replace(max_batch_size=batch, max_seq_len=max_seq)
-        choice = choose_layout(first_batch, style, options)
+        choice = choose_layout(first_batch, style, options, room)
         config = config.replace(layout=choice.layout, page_size=choice.page_size)
         tokens_per_page, page_bytes = config.page_size // config.tensor_token_bytes(), vmm_pieces(config) * config.page_size
     else:  # paged mode ignores the page size, but validates one all the same (config.check_page_size)
@@ -132,19 +138,17 @@ def open_core(mode: str, options: CacheOptions, like: torch.Tensor, num_layers: 
         if config.device.type == "cuda":  # CUDA pages are allocated up front: at most half the free memory
             budget = min(budget, torch.cuda.mem_get_info(config.device)[0] // 2)
         elif mode == "vmm":  # each mapped page costs host mappings: stay within half of those left
-            budget = min(budget, mappable_pages(config) * page_bytes)
+            budget = min(budget, mappable_pages(config, room) * page_bytes)
     core = open_cache(config.replace(memory_budget=budget), mode=mode)
     log.info("vmkv.hf: %s cache, %d layers, %d B budget, layout %s (%s), kernel %s",
              mode, num_layers, budget, choice.layout, choice.reason, core.kernel)
     return core, choice
 
 
-def mappable_pages(config: KVCacheConfig) -> int:
-    """Pool pages whose mappings (two per page and range when fragmented) fit in half of what
-    Linux's ``vm.max_map_count`` still allows this process (unbounded when unknown)."""
-    from ..vm import mapping_room
-
-    room = mapping_room()
+def mappable_pages(config: KVCacheConfig, room: int | None) -> int:
+    """Pool pages whose mappings (two per page and range when fragmented) fit in half of
+    ``room``, the mappings Linux's ``vm.max_map_count`` still allows this process
+    (``vmkv.vm.mapping_room()``; unbounded when ``None``, unknown)."""
     if room is None:
         return 1 << 62
     pieces = vmm_pieces(config)

@@ -56,7 +56,10 @@ _PROMISES: "weakref.WeakKeyDictionary[HostVirtualMemory, int]" = weakref.WeakKey
 def _load_libc() -> ctypes.CDLL:
     if not sys.platform.startswith("linux"):
         raise BackendUnavailable("the host backend needs Linux (mmap + memfd_create)")
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    try:  # glibc's soname first: find_library runs ldconfig in a subprocess (milliseconds a cache)
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:  # another C library (musl)
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
     libc.munmap.restype = ctypes.c_int
