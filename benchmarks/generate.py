@@ -14,11 +14,18 @@ Caches::
     vmm          VirtualCache("vmm"), the model's SDPA over zero-copy views of the valid length
     vmm+vmkv     VirtualCache("vmm"), attn_implementation="vmkv": the cache's contiguous kernel
     paged+vmkv   VirtualCache("paged"), attn_implementation="vmkv": the paged kernel
+    bound        the least work a cache can do (greedy points only): K/V preallocated contiguous
+                 [B, H, prompt + new tokens, D] per layer, one copy per tensor a step, views of
+                 the stored length returned, no pages and no checks; not a cache to use, the
+                 measure of what any contiguous cache can gain over DynamicCache here
 
 Every cache runs the same work; the caches take turns for ``--repeats`` rounds and the median is
 kept, with the min-max over rounds; ratios are taken round by round. On CPU with one torch thread
 the clock is the thread's CPU time (other processes of a shared machine cannot inflate it).
 ``min_new_tokens = max_new_tokens`` keeps every run to the same length (no early EOS).
+
+The verdicts put VirtualCache against ``bound`` (what vmkv's pages, plans and checks cost) and
+``bound`` against DynamicCache (the most a cache that never copies K/V gains at that point).
 
 Targets (issue 16): VirtualCache >= 1.0x DynamicCache at every greedy point, >= 1.2x at the long
 point (``--long-point``: 512-token prompts + 2,048 new tokens, B=8, where DynamicCache's
@@ -50,7 +57,7 @@ from . import common
 NAME = "generate"
 DESCRIPTION = "transformers generate(): VirtualCache (vmm, paged) vs DynamicCache/StaticCache tokens/s and KV bytes"
 
-CACHES = ("dynamic", "static", "vmm", "vmm+vmkv", "paged+vmkv")
+CACHES = ("dynamic", "static", "vmm", "vmm+vmkv", "paged+vmkv", "bound")
 LONG_POINT = (512, 2048, 8)  # prompt tokens, new tokens, batch: issue 16's long point
 TARGETS = {"main": 1.0, "long": 1.2, "static": 1.0}  # VirtualCache speed / the other cache's
 UPDATE_SHARE_TARGET = 0.05  # most of a decode step update() may take
@@ -108,6 +115,44 @@ def _smoke(args: argparse.Namespace) -> argparse.Namespace:
     })
 
 
+def _bound_cache(num_layers: int, capacity: int) -> Any:
+    """The ``bound`` reference (see the module docstring): a transformers ``Cache`` whose layers
+    preallocate ``capacity`` positions and return views of the stored length."""
+    from transformers import Cache
+    from transformers.cache_utils import DynamicLayer
+
+    class BoundLayer(DynamicLayer):
+        """DynamicLayer's contract (``keys``/``values`` hold every stored token) over preallocated
+        storage: ``update`` copies the new states in place instead of concatenating."""
+
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+            batch, heads, _, dim = key_states.shape  # key_states: [B, H, S, D]
+            self.dtype, self.device = key_states.dtype, key_states.device
+            self._k = key_states.new_zeros(batch, heads, capacity, dim)
+            self._v = value_states.new_zeros(batch, heads, capacity, value_states.shape[-1])
+            self.keys, self.values = self._k.narrow(2, 0, 0), self._v.narrow(2, 0, 0)
+            self.is_initialized = True
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            start, new = self.keys.shape[2], key_states.shape[2]
+            self._k.narrow(2, start, new).copy_(key_states)
+            self._v.narrow(2, start, new).copy_(value_states)
+            self.keys, self.values = self._k.narrow(2, 0, start + new), self._v.narrow(2, 0, start + new)
+            return self.keys, self.values
+
+        def get_seq_length(self) -> int:
+            return self.keys.shape[2] if self.is_initialized else 0
+
+        def _refuse(self, *args: Any, **kwargs: Any) -> None:
+            raise NotImplementedError("the bound reference runs greedy points only (its rows never move)")
+
+        reorder_cache = batch_repeat_interleave = batch_select_indices = crop = _refuse
+
+    return Cache(layers=[BoundLayer() for _ in range(num_layers)])
+
+
 def _make_cache(name: str, model: torch.nn.Module, args: argparse.Namespace, max_batch: int, total: int) -> Any:
     from transformers import DynamicCache, StaticCache
 
@@ -115,6 +160,8 @@ def _make_cache(name: str, model: torch.nn.Module, args: argparse.Namespace, max
 
     if name == "dynamic":
         return DynamicCache()
+    if name == "bound":
+        return _bound_cache(model.config.num_hidden_layers, total)
     if name == "static":
         return StaticCache(config=model.config, max_cache_len=args.static_len or total)
     return vmkv.hf.VirtualCache(name.split("+")[0], max_batch_size=max_batch, max_seq_len=total + 1)
@@ -127,7 +174,8 @@ def _kv_bytes(cache: Any) -> tuple[int, int, int]:
     if isinstance(cache, VirtualCache):
         stats = cache.stats()
         return cache.peak_bytes, stats["token_bytes"], stats["page_bytes"]
-    held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    held = sum(getattr(layer, "_k", layer.keys).nbytes + getattr(layer, "_v", layer.values).nbytes
+               for layer in cache.layers)  # the bound reference holds its preallocated storage
     first = cache.layers[0].keys  # [B, H, S, D]
     need = first.shape[0] * int(cache.get_seq_length()) * first[0, :, 0].nbytes * 2 * len(cache.layers)
     return held, need, 0
@@ -173,6 +221,8 @@ def _workload(
     caches = list(args.caches)
     times: dict[str, list[float]] = {name: [] for name in caches}
     last: dict[str, tuple[Any, torch.Tensor]] = {}
+    if point.beams > 1 and "bound" in caches:  # its rows never move: greedy points only
+        caches.remove("bound")
     for round_ in range(args.repeats):
         for name in caches[round_ % len(caches):] + caches[: round_ % len(caches)]:
             if name in args.failed:
@@ -408,12 +458,17 @@ def _wrong(case: list[dict[str, Any]], names: list[str], failed: dict[str, str])
     return "; ".join(why)
 
 
-def _target_note(ratio: common.Spread, target: float, profile: dict[str, dict[str, float]] | None) -> str:
+def _target_note(
+    ratio: common.Spread, target: float, profile: dict[str, dict[str, float]] | None, bound: common.Spread | None,
+) -> str:
     """Whether ``ratio`` (VirtualCache speed / the other cache's) meets ``target``, by how much
-    it misses, and (with a profile of the point) where the time went."""
+    it misses, how far the ``bound`` reference got against the same cache, and (with a profile
+    of the point) where the time went."""
     if ratio.value >= target:
         return f"target >= {target}x met"
     note = f"target >= {target}x missed by {target - ratio.value:.2f}x (needs {100 * (target / ratio.value - 1):.0f} % more speed)"
+    if bound is not None:
+        note += f"; the bound: {common.number_text(bound.value)}"
     if profile:
         parts = [f"{name} " + ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in found.items() if v >= 0.005)
                  for name, found in profile.items()]
@@ -445,8 +500,39 @@ def _speed_verdicts(result: dict[str, Any], model: str, case: list[dict[str, Any
             out.append(common.ratio_verdict(
                 key, question, ratio, "VirtualCache", name, reference=f"target >= {target}x", agrees=ratio.value >= target,
                 note=f"fastest VirtualCache: {vmm}; "
-                + _target_note(ratio, target, {n: profiled[n] for n in (vmm, base) if n in profiled}),
+                + _target_note(ratio, target, {n: profiled[n] for n in (vmm, base) if n in profiled},
+                               timings.ratio(base, "bound") if "bound" in timings.samples else None),
             ))
+    return out + _bound_verdicts(timings, case, failed, key_case.split("/")[0], label, where, ours)
+
+
+def _bound_verdicts(
+    timings: common.Timings, case: list[dict[str, Any]], failed: dict[str, str], model: str, label: str, where: str,
+    ours: list[str],
+) -> list[common.Verdict]:
+    """With the ``bound`` reference on ``case``: VirtualCache (the faster setup) vs the bound, what
+    vmkv's bookkeeping costs; and the bound vs DynamicCache, the most any cache that never copies
+    K/V gains over DynamicCache at this point (no target: they say what the targets can ask)."""
+    if "bound" not in timings.samples:
+        return []
+    out = []
+    vmm = _best_vmm(timings, "bound")
+    key, question = f"generate.{model}.{label}vs_bound", f"generate() tokens/s, {where}: VirtualCache vs the bound"
+    why = _wrong(case, [*ours, "bound"], failed)
+    if why:
+        out.append(common.unreliable(key, question, why))
+    elif vmm:
+        out.append(common.ratio_verdict(
+            key, question, timings.ratio("bound", vmm), "VirtualCache", "bound",
+            note=f"{vmm}: what vmkv's pages, plans and checks cost",
+        ))
+    if "dynamic" in timings.samples:
+        key, question = f"generate.{model}.{label}bound_vs_dynamic", f"generate() tokens/s, {where}: the bound vs DynamicCache"
+        why = _wrong(case, ["bound"], failed)
+        out.append(common.unreliable(key, question, why) if why else common.ratio_verdict(
+            key, question, timings.ratio("dynamic", "bound"), "bound", "DynamicCache",
+            note="the most a cache that never copies K/V gains here",
+        ))
     return out
 
 

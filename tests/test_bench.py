@@ -274,6 +274,43 @@ def test_generate_verdicts_name_a_cache_with_other_tokens():
     assert {v.note for v in generate.verdicts(failed)} == {"vmm+vmkv failed: RuntimeError: boom"}
 
 
+def test_generate_bound_verdicts_say_what_bookkeeping_costs_and_what_the_target_can_ask():
+    from benchmarks import generate
+
+    result = _generate_result({"dynamic": True, "vmm": True, "bound": True})
+    result["samples"]["small/greedy/b2/4"]["bound"] = [0.9, 1.0, 1.05]  # vmm: 1.0, 1.1, 1.2; dynamic: 2.0-2.2
+    verdicts = {v.key: v for v in generate.verdicts(result)}
+    assert verdicts["generate.small.vs_bound"].side == "bound" and verdicts["generate.small.vs_bound"].value == pytest.approx(0.9)  # median of 0.9, 0.91, 0.875
+    assert verdicts["generate.small.bound_vs_dynamic"].side == "bound"
+    assert verdicts["generate.small.vs_dynamic"].agrees  # target met: the bound is not quoted
+    result["samples"]["small/greedy/b2/4"]["dynamic"] = [0.95, 1.0, 1.1]  # now DynamicCache is ahead of vmm
+    missed = {v.key: v for v in generate.verdicts(result)}["generate.small.vs_dynamic"]
+    assert not missed.agrees and "the bound: 1.05x" in missed.note  # median of 1.06, 1.0, 1.05
+    result["rows"] = [{**r, "same_tokens_as_dynamic": r["cache"] != "bound"} for r in result["rows"]]
+    verdicts = {v.key: v for v in generate.verdicts(result)}
+    for key in ("generate.small.vs_bound", "generate.small.bound_vs_dynamic"):
+        assert not verdicts[key].reliable and verdicts[key].note == "bound generated other tokens than DynamicCache"
+
+
+def test_generate_bound_cache_gives_dynamic_cache_tokens_and_refuses_moving_rows():
+    pytest.importorskip("transformers")
+    from transformers import DynamicCache
+
+    from benchmarks import generate
+    from vmkv.models import default_hf_model
+
+    model = default_hf_model(num_hidden_layers=2)
+    ids = torch.randint(0, 256, (3, 9), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=258)
+    cache = generate._bound_cache(2, 9 + 6)
+    out = model.generate(ids, past_key_values=cache, **kwargs)
+    assert torch.equal(out, model.generate(ids, past_key_values=DynamicCache(), **kwargs))
+    assert cache.get_seq_length() == 9 + 5 and cache.layers[0].keys.shape == (3, 4, 14, 32)
+    assert cache.layers[0].keys.data_ptr() == cache.layers[0]._k.data_ptr()  # a view of the storage, no copy
+    with pytest.raises(NotImplementedError, match="greedy points only"):
+        cache.reorder_cache(torch.tensor([0, 0, 1]))
+
+
 @pytest.mark.parametrize("samples, winner, side", [
     ([0.7, 0.75, 0.8], "VMM costs time: dense 1.33x faster (3 of 3 rounds)", "dense"),
     ([0.98, 1.0, 1.03], "no cost (tie)", "no cost"),

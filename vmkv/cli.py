@@ -61,7 +61,7 @@ REGISTRY: dict[str, Entry] = {
         Entry("sharing", "benchmarks.sharing", ["--traces", "alpaca", "--requests", "3", "--widths", "2", "6"]),
         Entry("generate", "benchmarks.generate",
               ["--models", "small", "--prompt-len", "64", "--new-tokens", "256", "--batch-sizes", "8",
-               "--beam-new-tokens", "32", "--caches", "dynamic", "static", "vmm", "vmm+vmkv", "--repeats", "7"]),
+               "--beam-new-tokens", "32", "--caches", "dynamic", "static", "vmm", "vmm+vmkv", "bound", "--repeats", "7"]),
         Entry("serve", "benchmarks.serve",
               ["--concurrency", "1", "8", "--rates", "16", "inf", "--requests", "16", "--output-len", "16", "--repeats", "7",
                "--rate-repeats", "1"]),
