@@ -114,12 +114,12 @@ def open_core(mode: str, options: CacheOptions, like: torch.Tensor, num_layers: 
         block_size=options.block_size, prefix_caching=False,
         deferred_reclaim=options.deferred_reclaim, map_ahead=options.map_ahead,
     )
-    room = None
-    if mode == "vmm" and config.device.type == "cpu":
-        from ..vm import mapping_room
-
-        room = mapping_room()  # read once: each read lists /proc/self/maps (milliseconds)
+    room = None  # the host's mapping room, read once where a default needs it (each read lists /proc/self/maps)
     if mode == "vmm":
+        if config.device.type == "cpu" and (options.layout is None or options.memory_budget is None):
+            from ..vm import mapping_room
+
+            room = mapping_room()
         first_batch = config.replace(max_batch_size=batch, max_seq_len=max_seq)
         choice = choose_layout(first_batch, style, options, room)
         config = config.replace(layout=choice.layout, page_size=choice.page_size)
