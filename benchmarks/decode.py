@@ -5,7 +5,7 @@ are written into one VMM cache per layout that ``vmkv.KVCacheConfig`` accepts an
 cache, with identical K/V; then one decode step (one new token per sequence, attention of
 layer 0 only) is timed, every candidate taking its turn in every round::
 
-    vmm:<layout>:<kernel>   each kernel of ``vmkv.attention.CONTIGUOUS_KERNELS`` that can run
+    vmm:<layout>:<kernel>   each kernel of ``vmkv.kernels.contiguous.CONTIGUOUS_KERNELS`` that can run
                             here (e.g. sdpa_per_sequence, one SDPA call per sequence; a batched
                             kernel, one call for all rows), on that layout's virtual tensors
     dense:<kernel>          the same kernel on ordinary torch tensors of the same shape (what
@@ -16,7 +16,7 @@ layer 0 only) is timed, every candidate taking its turn in every round::
 
 The VMM caches hold two layers (layer 0 is timed), so a layout that interleaves layers shows
 its real strides. Kernels and layouts are found by name at run time: one added to
-``vmkv.attention`` or ``vmkv.config`` is measured without touching this file; one that cannot
+``vmkv.kernels.contiguous`` or ``vmkv.config`` is measured without touching this file; one that cannot
 run here is reported with the reason, one that raises or gives a wrong answer is reported and
 left out of the verdict.
 
@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 
 import vmkv
-import vmkv.attention as vattn
 import vmkv.config
+import vmkv.kernels.contiguous as vattn
 
 from . import common
 
@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, help="default float32 on CPU, float16 on CUDA")
     parser.add_argument("--page-size", default="2MiB", help="VMM page size")
     parser.add_argument("--layouts", nargs="+", default=None, help="VMM layouts (default: every layout vmkv.KVCacheConfig accepts)")
-    parser.add_argument("--kernels", nargs="+", default=None, help="contiguous kernels (default: every one in vmkv.attention.CONTIGUOUS_KERNELS that can run here)")
+    parser.add_argument("--kernels", nargs="+", default=None, help="contiguous kernels (default: every one in vmkv.kernels.contiguous.CONTIGUOUS_KERNELS that can run here)")
     parser.add_argument("--block-size", type=int, default=None, help="paged block size (default 16 on CPU, 256 on CUDA: FlashAttention's paged kernels need multiples of 256)")
     parser.add_argument("--paged-kernels", nargs="+", default=None, help="paged kernels to time; 'selected' is the one paged mode picks here (default: selected gather_sdpa)")
     parser.add_argument("--repeat", type=int, default=None, help="rounds, every candidate once per round (default 7; smoke 2)")
@@ -98,7 +98,7 @@ def _runnable_kernels(args: argparse.Namespace) -> tuple[list[str], dict[str, st
     """Contiguous kernels that can run here, and why the others cannot.
 
     Raises:
-        vmkv.InvalidConfig: a kernel name that ``vmkv.attention`` does not know.
+        vmkv.InvalidConfig: a kernel name that ``vmkv.kernels.contiguous`` does not know.
     """
     unknown = sorted(set(args.kernels) - set(vattn.CONTIGUOUS_KERNELS))
     if unknown:
@@ -212,7 +212,7 @@ class _Case:
         return lambda: kernel(q, k, v, plan, scale)
 
     def _paged(self, names: list[str]) -> list[_Candidate]:
-        from paged.attention import make_paged_kernel
+        from vmkv.kernels.paged import make_paged_kernel
 
         cache, plan = self.caches["paged"], self.plans["paged"]
         cfg = cache.config

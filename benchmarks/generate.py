@@ -287,7 +287,7 @@ def _update_share_once(model: torch.nn.Module, args: argparse.Namespace, point: 
     on the host: the cache runs no other thread unless ``map_ahead`` is on, which the
     benchmark's caches leave off, so nothing the cache does is left out of it.
     """
-    from vmkv.base import KVCacheBase
+    from vmkv.core.base import KVCacheBase
     from vmkv.hf import VirtualCache
 
     now = common.CLOCKS["cpu"] if args.device == "cpu" else common.CLOCKS["wall"]

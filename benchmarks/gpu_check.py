@@ -71,7 +71,8 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout
 
 import vmkv  # noqa: E402
 from benchmarks import common  # noqa: E402
-from vmkv.attention import (  # noqa: E402
+from vmkv.core.step import StepPlan  # noqa: E402
+from vmkv.kernels.contiguous import (  # noqa: E402
     CONTIGUOUS_KERNELS,
     contiguous_kernel_unavailable,
     flash_varlen_has_seqused_k,
@@ -79,7 +80,6 @@ from vmkv.attention import (  # noqa: E402
     select_contiguous_kernel,
     torch_varlen_features,
 )
-from vmkv.step import StepPlan  # noqa: E402
 from vmkv.vm.cuda import TorchCudaRuntime  # noqa: E402
 
 MiB = 1 << 20
@@ -364,8 +364,8 @@ def map_unmap_section(device: torch.device, shape: Shape) -> dict[str, Any]:
 
 def paged_section(device: torch.device, shape: Shape) -> dict[str, Any]:
     """Every paged kernel vs the VMM cache's own kernel, through ``cache.attention``, same K/V."""
-    from paged import KERNELS as PAGED_KERNELS
-    from paged import PagedKVCache
+    from vmkv.paged import KERNELS as PAGED_KERNELS
+    from vmkv.paged import PagedKVCache
 
     data = make_data(device, shape)
     quick = replace(shape, iters=max(1, shape.iters // 5), repeats=max(1, shape.repeats - 2))  # some kernels are slow

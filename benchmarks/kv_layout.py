@@ -28,8 +28,8 @@ from typing import Callable
 import torch
 
 import vmkv
-from vmkv.attention import CONTIGUOUS_KERNELS
-from vmkv.step import StepPlan
+from vmkv.core.step import StepPlan
+from vmkv.kernels.contiguous import CONTIGUOUS_KERNELS
 
 from . import common
 

@@ -23,8 +23,8 @@ import time
 import torch
 
 import vmkv
-from paged.attention import DEFAULT_MIN_RUN_TOKENS, DEFAULT_SDPA_CHUNK_TOKENS, ChunkedSDPA
-from paged.cache import PagedKVCache
+from vmkv.kernels.paged import DEFAULT_MIN_RUN_TOKENS, DEFAULT_SDPA_CHUNK_TOKENS, ChunkedSDPA
+from vmkv.paged.cache import PagedKVCache
 
 KV_HEADS, Q_HEADS, HEAD_DIM, BLOCK = 8, 32, 128, 16
 

@@ -4,12 +4,12 @@ Run: ``python -m benchmarks.vllm_slot_layouts [--repeat 9] [--threads 1] [--cloc
 
 One layer of the addressing benchmark's model (8 query / 4 KV heads, head_dim 64, fp32, vLLM
 blocks of 128 tokens), 8 requests of 1,024-1,536 tokens. The same K/V, timed interleaved with
-the kernel :func:`vmkv.attention.select_contiguous_kernel` picks, over three slot layouts:
+the kernel :func:`vmkv.kernels.contiguous.select_contiguous_kernel` picks, over three slot layouts:
 
 * ``kv_interleaved``: ``[slots, tokens, heads, K|V]`` (one range; each token's K and V side by
   side, what vLLM's token-major block holds): K and V are strided views of it;
 * ``separate``: one K and one V range ``[slots, tokens, heads, D]`` (token-major, the
-  ``per_layer`` layout of :class:`~vmkv.cache.VirtualKVCache` and of
+  ``per_layer`` layout of :class:`~vmkv.vmm.cache.VirtualKVCache` and of
   :func:`vmkv.vllm.contiguous_pages.plan_contiguous_pages`);
 * ``head_major``: K and V ``[slots, heads, tokens, D]`` (each head's tokens contiguous; a piece of
   a block is ``block_size * D * 4`` = 32 KiB, whole OS pages);
@@ -40,8 +40,8 @@ from typing import Any, Callable
 
 import torch
 
-from vmkv.attention import CONTIGUOUS_KERNELS, select_contiguous_kernel
-from vmkv.step import make_plan
+from vmkv.core.step import make_plan
+from vmkv.kernels.contiguous import CONTIGUOUS_KERNELS, select_contiguous_kernel
 
 from . import common
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import vmkv
-import vmkv.attention
 import vmkv.config
+import vmkv.kernels.contiguous
 from benchmarks import common, compare
 from vmkv import cli
 
@@ -155,7 +155,7 @@ def test_decode_outputs_agree_and_times_are_positive(smoke_results):
     assert {"vmm:per_layer:sdpa_per_sequence", "vmm:all_layers:sdpa_per_sequence"} <= names
     assert {"dense:sdpa_per_sequence", "paged:gather_sdpa", f"paged:{result['summary']['kernels']['paged_selected']}"} <= names
     # a kernel that cannot run here is named with its reason, not silently dropped
-    for name in set(vmkv.attention.CONTIGUOUS_KERNELS) - set(result["summary"]["kernels"]["contiguous"]):
+    for name in set(vmkv.kernels.contiguous.CONTIGUOUS_KERNELS) - set(result["summary"]["kernels"]["contiguous"]):
         assert result["summary"]["skipped"][name]
 
 
@@ -163,15 +163,15 @@ def test_decode_picks_up_a_newly_registered_kernel_and_rejects_a_wrong_one(monke
     from benchmarks import decode
 
     def shifted(q, k_cache, v_cache, plan, scale):  # a batched-looking kernel that is right
-        return vmkv.attention.sdpa_per_sequence(q, k_cache, v_cache, plan, scale)
+        return vmkv.kernels.contiguous.sdpa_per_sequence(q, k_cache, v_cache, plan, scale)
 
     def wrong(q, k_cache, v_cache, plan, scale):
         return torch.zeros_like(q)
 
-    kernels = {**vmkv.attention.CONTIGUOUS_KERNELS, "test_batched": shifted, "test_wrong": wrong}
-    monkeypatch.setattr(vmkv.attention, "CONTIGUOUS_KERNELS", kernels)
-    real = vmkv.attention.contiguous_kernel_unavailable
-    monkeypatch.setattr(vmkv.attention, "contiguous_kernel_unavailable",
+    kernels = {**vmkv.kernels.contiguous.CONTIGUOUS_KERNELS, "test_batched": shifted, "test_wrong": wrong}
+    monkeypatch.setattr(vmkv.kernels.contiguous, "CONTIGUOUS_KERNELS", kernels)
+    real = vmkv.kernels.contiguous.contiguous_kernel_unavailable
+    monkeypatch.setattr(vmkv.kernels.contiguous, "contiguous_kernel_unavailable",
                         lambda name, *a, **k: None if name.startswith("test_") else real(name, *a, **k))
     result = decode.run(_args(decode, tmp_path, ["--batches", "2", "--contexts", "64"]))
     names = {r["candidate"] for r in result["rows"]}
@@ -232,7 +232,7 @@ def test_decode_run_with_a_wrong_selected_kernel_gives_no_verdict_on_it(monkeypa
     def wrong(q, k_cache, v_cache, plan, scale):
         return torch.zeros_like(q)
 
-    monkeypatch.setitem(vmkv.attention.CONTIGUOUS_KERNELS, selected, wrong)
+    monkeypatch.setitem(vmkv.kernels.contiguous.CONTIGUOUS_KERNELS, selected, wrong)
     result = decode.run(_args(decode, tmp_path, ["--batches", "1", "--contexts", "64"]))
     layout = result["config"]["default_layout"]
     name = f"vmm:{layout}:{selected}"

@@ -12,8 +12,8 @@ import torch
 from helpers import KVMirror, dense_attention, small_config
 
 import vmkv
-from vmkv import attention
-from vmkv.attention import CONTIGUOUS_KERNELS, DEFAULT_BATCH_RULE, BatchRule, SdpaDecodeKernel, plan_decode_batch
+from vmkv.kernels import contiguous as attention
+from vmkv.kernels.contiguous import CONTIGUOUS_KERNELS, DEFAULT_BATCH_RULE, BatchRule, SdpaDecodeKernel, plan_decode_batch
 
 CPU_KERNELS = ["gemm_adaptive", "gemm_batched", "sdpa_adaptive", "sdpa_batched", "sdpa_per_sequence"]
 FLOAT32_ONLY = {"gemm_adaptive", "gemm_batched"}  # selection never gives them other dtypes
@@ -269,7 +269,7 @@ def test_a_broken_flash_attn_is_reported_not_selected(broken_flash_attn, monkeyp
 def test_flash_attention_requirements_are_stated_once_for_both_modes():
     """One rule (sm80+, fp16/bf16, head_dim % 8 and <= 256) behind the contiguous selector, the
     paged pool's FlashAttention check and ``vmkv info``."""
-    from paged.attention import flash_paged_blockers
+    from vmkv.kernels.paged import flash_paged_blockers
 
     sm75 = attention.CudaKernelFacts((7, 5), None, True)
     sm90 = attention.CudaKernelFacts((9, 0), None, True)

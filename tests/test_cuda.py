@@ -29,9 +29,9 @@ from fake_cuda.fixtures import fake, fake_cuda_backends, fake_lib, runtime  # no
 from helpers import KVMirror, dense_attention
 
 import vmkv
-import vmkv.cache
-from vmkv.attention import CONTIGUOUS_KERNELS, _slot_rows, contiguous_kernel_unavailable, select_contiguous_kernel
+import vmkv.vmm.cache
 from vmkv.errors import BackendError, BackendUnavailable, InvalidConfig
+from vmkv.kernels.contiguous import CONTIGUOUS_KERNELS, _slot_rows, contiguous_kernel_unavailable, select_contiguous_kernel
 from vmkv.vm.cuda import CudaVirtualMemory, TorchCudaRuntime, cuda_granularity
 from vmkv.vm.host import HostVirtualMemory
 
@@ -579,9 +579,9 @@ def test_gpu_check_decode_fails_a_kernel_off_the_reference(gpu_check, monkeypatc
 
 
 def test_gpu_check_paged_vs_vmm_fails_a_kernel_that_disagrees(gpu_check, monkeypatch):
-    import paged.cache
+    import vmkv.paged.cache
 
-    real = paged.cache.make_paged_kernel
+    real = vmkv.paged.cache.make_paged_kernel
 
     def skewed(*args, **kwargs):  # gather_sdpa, 0.01 off
         kernel = real(*args, **kwargs)
@@ -599,7 +599,7 @@ def test_gpu_check_paged_vs_vmm_fails_a_kernel_that_disagrees(gpu_check, monkeyp
 
         return Off()
 
-    monkeypatch.setattr(paged.cache, "make_paged_kernel", skewed)
+    monkeypatch.setattr(vmkv.paged.cache, "make_paged_kernel", skewed)
     result = gpu_check.paged_section(torch.device("cpu"), gpu_check.SMOKE)
     assert result["kernels"]["gather_sdpa"]["max_abs_diff_vs_vmm"] == pytest.approx(0.01, rel=1e-3)
     assert [f.split(":")[0] for f in result["failures"]] == ["gather_sdpa"]

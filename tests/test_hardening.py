@@ -25,6 +25,7 @@ import torch
 from helpers import KVMirror, instrument, small_config
 
 import vmkv
+from vmkv.core.pages import PagePool
 from vmkv.errors import (
     BackendError,
     CacheClosed,
@@ -35,7 +36,6 @@ from vmkv.errors import (
     StalePlan,
     UnknownSequence,
 )
-from vmkv.pages import PagePool
 from vmkv.vm import free_map_count
 
 TPP = 32  # tokens a page in the small config (4 KiB pages / blocks of 32, 128 B a token)

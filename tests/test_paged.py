@@ -8,7 +8,7 @@ import torch
 from helpers import KVMirror, small_config
 
 import vmkv
-from paged import PagedKVCache
+from vmkv.paged import PagedKVCache
 
 BLOCK = 32  # small_config's block_size
 

@@ -11,8 +11,8 @@ import torch
 from helpers import KVMirror, dense_attention, small_config
 
 import vmkv
-from paged import PagedKVCache
-from paged.attention import BlockwiseOnlineSoftmax, ChunkedSDPA, GatherSDPA, choose_paged_kernel
+from vmkv.paged import PagedKVCache
+from vmkv.kernels.paged import BlockwiseOnlineSoftmax, ChunkedSDPA, GatherSDPA, choose_paged_kernel
 
 CPU_KERNELS = ["gather_sdpa", "blockwise_online_softmax", "sdpa_chunked"]
 
@@ -285,7 +285,7 @@ def test_blockwise_runs_while_autograd_records():
 @pytest.fixture
 def broken_optional_kernels(tmp_path, monkeypatch):
     """flash-attn and flashinfer installed, but their imports fail the way an ABI mismatch does."""
-    from vmkv import attention
+    from vmkv.kernels import contiguous as attention
 
     for name in ("flash_attn", "flashinfer"):
         (tmp_path / name).mkdir()
@@ -298,7 +298,7 @@ def broken_optional_kernels(tmp_path, monkeypatch):
 
 
 def test_broken_optional_kernels_fall_back_with_the_reason_logged(broken_optional_kernels, monkeypatch, caplog):
-    import paged.attention as pa
+    import vmkv.kernels.paged as pa
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # pretend: an sm90 GPU
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))

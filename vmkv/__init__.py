@@ -1,7 +1,7 @@
 """vmkv: a KV-cache memory manager for LLM inference, managed like an operating system's memory.
 
 Two modes behind one API: ``VirtualKVCache`` (VMM: virtually contiguous tensors backed by pages
-on demand, read by stock attention kernels) and ``paged.PagedKVCache`` (block tables).
+on demand, read by stock attention kernels) and ``PagedKVCache`` (block tables).
 """
 
 from __future__ import annotations
@@ -10,13 +10,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import errors
-from .base import KVCacheBase
-from .cache import VirtualKVCache
 from .config import KVCacheConfig
+from .core.base import KVCacheBase
+from .core.step import StepPlan
 from .errors import *  # noqa: F403 - every typed error, as listed in errors.__all__
 from .errors import InvalidConfig
+from .paged import PagedKVCache
 from .sizes import parse_size
-from .step import StepPlan
+from .vmm.cache import VirtualKVCache
 
 __version__ = "0.1.0"  # the package version: pyproject.toml reads it from here
 
@@ -38,8 +39,6 @@ def open_cache(config: KVCacheConfig | Mapping[str, Any], mode: str = "vmm") -> 
     if mode == "vmm":
         return VirtualKVCache(config)
     if mode == "paged":
-        from paged import PagedKVCache
-
         return PagedKVCache(config)
     raise InvalidConfig(f"mode must be 'vmm' or 'paged', got {mode!r}")
 
@@ -48,6 +47,7 @@ __all__ = [
     "KVCacheBase",
     "KVCacheConfig",
     "VirtualKVCache",
+    "PagedKVCache",
     "StepPlan",
     "open_cache",
     "parse_size",

@@ -89,8 +89,9 @@ def info_lines() -> list[str]:
     import torch
 
     import vmkv
-    from vmkv.attention import select_contiguous_kernel, torch_varlen_features
-    from vmkv.vm import HostVirtualMemory
+
+    from .kernels.contiguous import select_contiguous_kernel, torch_varlen_features
+    from .vm import HostVirtualMemory
 
     lines = [f"vmkv {vmkv.__version__}  python {platform.python_version()}  torch {torch.__version__}  ({platform.platform()})", ""]
     lines.append("Virtual-memory backends")
@@ -125,7 +126,7 @@ def _installed_safe(name: str) -> bool:
 def _cuda_granularity() -> int:
     import torch
 
-    from vmkv.vm import granularity
+    from .vm import granularity
 
     return granularity(torch.device("cuda"))
 
@@ -135,7 +136,7 @@ def _cuda_contiguous_lines() -> list[str]:
     own GPU when it has one) and a float16 cache of head_dim 128: this machine's flash-attn and torch."""
     import torch
 
-    from vmkv.attention import (
+    from .kernels.contiguous import (
         CudaKernelFacts,
         choose_contiguous_kernel,
         contiguous_kernel_unavailable,
@@ -162,7 +163,7 @@ def _paged_kernel_lines(features: set[str]) -> list[str]:
     import torch
 
     try:
-        from paged.attention import KERNELS, choose_paged_kernel
+        from .kernels.paged import KERNELS, choose_paged_kernel
     except ImportError as exc:
         return [f"  paged mode unavailable: {exc}"]
     lines = [f"  kernels: {', '.join(KERNELS)}"]

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from .ledger import Ledger, Member, SharedBudget
 
 if TYPE_CHECKING:
-    from .base import KVCacheBase
+    from .core.base import KVCacheBase
 
 log = logging.getLogger("vmkv")
 
@@ -79,7 +79,7 @@ class BudgetShare:
         member: the ledger handle (``member.held``: pages granted).
         batch: pages taken beyond need per grant, when the budget has them.
         wait_s: how long a member short of budget waits for others.
-        serving: the watcher is inside the cache (``vmkv.calls`` waits for it instead of
+        serving: the watcher is inside the cache (``vmkv.core.calls`` waits for it instead of
             raising ``ConcurrentUse``).
     """
 

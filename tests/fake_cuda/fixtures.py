@@ -51,7 +51,7 @@ def fake_cuda_backends(fake: FakeDriver, monkeypatch) -> list:
     """Make ``vmkv.open_cache`` on a CPU config build its VMM ranges with the CUDA backend on
     the fake driver (4 KiB granularity): the cache's tensors are CPU tensors over the fake's
     host-backed device memory, so the CPU kernels run on them. Yields the backends opened."""
-    import vmkv.cache
+    import vmkv.vmm.cache
     from vmkv.vm.cuda import CudaVirtualMemory, cuda_granularity
 
     fake.reset(granularity=4096)
@@ -64,6 +64,6 @@ def fake_cuda_backends(fake: FakeDriver, monkeypatch) -> list:
         backends.append(backend)
         return backend
 
-    monkeypatch.setattr(vmkv.cache, "open_backend", open_backend)
-    monkeypatch.setattr(vmkv.cache, "granularity", lambda device: cuda_granularity("cuda:0", runtime=runtime))
+    monkeypatch.setattr(vmkv.vmm.cache, "open_backend", open_backend)
+    monkeypatch.setattr(vmkv.vmm.cache, "granularity", lambda device: cuda_granularity("cuda:0", runtime=runtime))
     return backends

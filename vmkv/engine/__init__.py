@@ -3,7 +3,7 @@ by ``cache.fork``, prefix caching; a Llama-family runner over the cache's attent
 
 Public API::
 
-    from vmkv.engine import Engine, EngineConfig, SamplingParams
+    from . import Engine, EngineConfig, SamplingParams
     engine = Engine.from_config(EngineConfig(kv_mode="vmm"))
     rid = engine.add_request("prompt", SamplingParams(max_tokens=16))
     outputs = engine.step()          # RequestOutput per request that progressed

@@ -34,10 +34,10 @@ from typing import Any, Iterable
 import torch
 
 from .. import open_cache
-from ..base import KVCacheBase
 from ..config import check_cache_options
+from ..core.base import KVCacheBase
+from ..core.step import StepPlan
 from ..errors import DuplicateSequence, InvalidConfig, OutOfPages, SequenceTooLong
-from ..step import StepPlan
 from .request import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
 from .runner import LoadedModel, ModelRunner, cache_config_for, load_model, read_model_spec
 from .sampling import InvalidParameter, SamplerState, SamplingParams, new_generator, next_token

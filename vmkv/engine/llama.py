@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..base import KVCacheBase
+from ..core.base import KVCacheBase
+from ..core.step import StepPlan
 from ..errors import InvalidConfig
-from ..step import StepPlan
 
 FAMILIES = ("llama", "mistral", "qwen2")
 

@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from ..base import KVCacheBase
 from ..config import KVCacheConfig
+from ..core.base import KVCacheBase
+from ..core.step import StepPlan
 from ..errors import InvalidConfig
 from ..models import DEFAULT_MODEL, ByteTokenizer, default_hf_model
-from ..step import StepPlan
 from .llama import LlamaForCausalLM, LlamaShape
 
 log = logging.getLogger("vmkv.engine")

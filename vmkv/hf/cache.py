@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from ..base import KVCacheBase
 from ..config import LAYOUTS
+from ..core.base import KVCacheBase
+from ..core.step import StepPlan, slot_slice
 from ..errors import CacheClosed, InvalidConfig, InvalidInput, InvalidShape, NoFreeSlot, Unsupported
 from ..sizes import parse_size
-from ..step import StepPlan, slot_slice
 from ..validate import as_layer
 from .attention import ATTN_IMPLEMENTATION, HANDOFF
 from .compat import Cache, CacheLayerMixin, attention_kwargs

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..base import KVCacheBase
+from ..core.base import KVCacheBase
 from ..errors import InvalidInput, NoFreeSlot
 from .sizing import Choice
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base import KVCacheBase
 from ..config import KVCacheConfig, smallest_page, vmm_pieces
+from ..core.base import KVCacheBase
 
 log = logging.getLogger("vmkv")
 

@@ -4,10 +4,10 @@ vLLM keeps scheduling, prefix caching, preemption and parallelism; its KV buffer
 buffer vmkv backs (:mod:`vmkv.vllm.worker`), and new K/V are written there through vLLM's own
 slot mapping (:meth:`VmkvContiguousImpl.do_kv_cache_update`). Attention never reads it through a
 block table: every request's K/V is one virtually contiguous slot per layer
-(:mod:`vmkv.vllm.slots`) and the kernel is the one :mod:`vmkv.attention` chooses for the VMM
-cache (:func:`vmkv.attention.select_contiguous_kernel`: on CPU torch SDPA, one batched call for
+(:mod:`vmkv.vllm.slots`) and the kernel is the one :mod:`vmkv.kernels.contiguous` chooses for the VMM
+cache (:func:`vmkv.kernels.contiguous.select_contiguous_kernel`: on CPU torch SDPA, one batched call for
 the decode rows or one call per sequence, as its rule decides), on the same
-:class:`~vmkv.step.StepPlan` the VMM cache gives it.
+:class:`~vmkv.core.step.StepPlan` the VMM cache gives it.
 
 Per step, once for all layers (:class:`VmkvContiguousBuilder`): the rows' slots come from the
 worker's :class:`~vmkv.vllm.slots.SlotSpace` (checked against vLLM's block table), and the plan
@@ -47,9 +47,9 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from ..attention import select_contiguous_kernel
+from ..core.step import StepPlan, make_plan
 from ..errors import InvalidConfig
-from ..step import StepPlan, make_plan
+from ..kernels.contiguous import select_contiguous_kernel
 from . import settings as plugin
 from .contiguous_pages import plan_for_vllm
 from .slots import slot_layout

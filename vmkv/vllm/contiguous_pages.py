@@ -1,7 +1,7 @@
 """Page size of the contiguous mode: how vLLM's blocks become VMM pages of per-request slots.
 
 In contiguous mode every request owns a *slot*: a token-contiguous virtual range in each K/V
-piece of the VMM layout (the layouts of :class:`~vmkv.cache.VirtualKVCache`: ``per_layer``
+piece of the VMM layout (the layouts of :class:`~vmkv.vmm.cache.VirtualKVCache`: ``per_layer``
 ``[slots, tokens, kv_heads, head_dim]`` per layer and K/V, ``all_layers`` one K and one V range
 ``[slots, tokens, layers, kv_heads, head_dim]``, ``head_major`` per layer and head). Logical page
 ``j`` of a slot maps the physical page of vLLM block ``block_table[j]``, so vLLM's block table
@@ -173,7 +173,7 @@ class ContiguousPagePlan:
 
     def page_offset(self, slot: int, logical_page: int, head: int = 0) -> int:
         """Where logical page ``logical_page`` of ``slot`` starts, in bytes from its range's start
-        (the layout of :class:`~vmkv.cache.VirtualKVCache`: slot-major, head-major within a slot).
+        (the layout of :class:`~vmkv.vmm.cache.VirtualKVCache`: slot-major, head-major within a slot).
 
         Args:
             slot: the request's slot, ``0 <= slot < max_num_seqs``.

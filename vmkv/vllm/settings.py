@@ -36,7 +36,7 @@ ignores the selection, so the plugin's platform hook answers it there)."""
 KV_MODES = ("paged", "contiguous")
 """``kv_mode`` values: ``"paged"`` (vmkv backs vLLM's paged buffer, vLLM's kernels read it through
 block tables) or ``"contiguous"`` (every request's K/V is one virtually contiguous slot per layer,
-read by the stock contiguous kernel of :mod:`vmkv.attention`; see :mod:`vmkv.vllm.contiguous`)."""
+read by the stock contiguous kernel of :mod:`vmkv.kernels.contiguous`; see :mod:`vmkv.vllm.contiguous`)."""
 
 
 def vllm_version() -> str:

@@ -232,7 +232,7 @@ class SlotSpace:
 
     * host (``head_major``): each layer has a K and a V range of ``max_slots`` head-major slots,
       ``[slots, kv_heads, tokens, head_dim]`` (the ``head_major`` layout of
-      :class:`~vmkv.cache.VirtualKVCache`), which CPU SDPA reads fastest. vLLM's blocks are
+      :class:`~vmkv.vmm.cache.VirtualKVCache`), which CPU SDPA reads fastest. vLLM's blocks are
       layer-outermost (``LBHNC``); one layer's block is read as ``[kv_heads, K|V, block_size,
       head_dim]``, so the K (V) of one head of a block is one page of that head's slot.
     * CUDA (``all_layers``): one K and one V range of ``[slots, tokens, layers, kv_heads,

@@ -43,16 +43,16 @@ from typing import Any
 
 import torch
 
-from .attention import select_contiguous_kernel
-from .base import KVCacheBase, SeqId, _Sequence
-from .calls import exclusive
-from .config import KVCacheConfig, PageGeometry, as_config, check_budget_fits, vmm_geometry
-from .errors import InvalidConfig, InvalidInput, OutOfPages
-from .share import BudgetShare
-from .sizes import format_size
-from .step import StepPlan, slot_slice
-from .validate import as_layer, as_scale
-from .vm import granularity, mapping_room, open_backend
+from ..config import KVCacheConfig, PageGeometry, as_config, check_budget_fits, vmm_geometry
+from ..core.base import KVCacheBase, SeqId, _Sequence
+from ..core.calls import exclusive
+from ..core.step import StepPlan, slot_slice
+from ..errors import InvalidConfig, InvalidInput, OutOfPages
+from ..kernels.contiguous import select_contiguous_kernel
+from ..share import BudgetShare
+from ..sizes import format_size
+from ..validate import as_layer, as_scale
+from ..vm import granularity, mapping_room, open_backend
 
 log = logging.getLogger("vmkv")
 

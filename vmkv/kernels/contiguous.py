@@ -41,8 +41,8 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn.functional as F
 
-from .errors import BackendUnavailable, InvalidShape
-from .step import StepPlan, causal_mask
+from ..core.step import StepPlan, causal_mask
+from ..errors import BackendUnavailable, InvalidShape
 
 log = logging.getLogger("vmkv")
 

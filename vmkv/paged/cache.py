@@ -12,7 +12,7 @@ Storage, allocated once from the memory budget (a pool page = one block in every
 
 Token ``t`` of a sequence lives in row ``table[slot, t // B] * B + t % B`` of a layer's pool
 flattened to ``[num_blocks * B, kv_heads, head_dim]`` (``B`` = block_size). The lifecycle
-(ownership, copy-on-write, prefix cache) is :class:`vmkv.base.KVCacheBase`; this module only
+(ownership, copy-on-write, prefix cache) is :class:`vmkv.core.base.KVCacheBase`; this module only
 addresses blocks.
 
 Invariant: ``table[slot, i] == seq.pages[i]`` for every live sequence and ``i < len(seq.pages)``,
@@ -26,16 +26,15 @@ from typing import Any
 
 import torch
 
-from vmkv.base import KVCacheBase, SeqId, _Sequence
-from vmkv.calls import exclusive
-from vmkv.config import KVCacheConfig, as_config, check_budget_fits, check_page_size, paged_geometry
-from vmkv.errors import BackendUnavailable, InvalidConfig
-from vmkv.sizes import format_size
-from vmkv.step import StepPlan
-from vmkv.validate import as_layer, as_scale
-from vmkv.vm import granularity
-
-from .attention import DEFAULT_CHUNK_TOKENS, PagedKernel, make_paged_kernel
+from ..config import KVCacheConfig, as_config, check_budget_fits, check_page_size, paged_geometry
+from ..core.base import KVCacheBase, SeqId, _Sequence
+from ..core.calls import exclusive
+from ..core.step import StepPlan
+from ..errors import BackendUnavailable, InvalidConfig
+from ..kernels.paged import DEFAULT_CHUNK_TOKENS, PagedKernel, make_paged_kernel
+from ..sizes import format_size
+from ..validate import as_layer, as_scale
+from ..vm import granularity
 
 NO_BLOCK = -1
 
@@ -47,7 +46,7 @@ class PagedKVCache(KVCacheBase):
         config: the cache configuration; ``block_size`` (tokens per block) and
             ``memory_budget`` decide the pool, which is allocated (zeroed) up front.
             A mapping of its fields is accepted too.
-        kernel: force an attention kernel by name (see :mod:`paged.attention`); default: the
+        kernel: force an attention kernel by name (see :mod:`vmkv.kernels.paged`); default: the
             fastest one that runs here.
         chunk_tokens: keys per chunk of the blockwise kernel.
 
@@ -137,7 +136,7 @@ class PagedKVCache(KVCacheBase):
 
     @exclusive
     def attention(self, layer: int, q: torch.Tensor, plan: StepPlan, *, scale: float | None = None) -> torch.Tensor:
-        """See :meth:`vmkv.base.KVCacheBase.attention`; runs ``stats()["kernel"]``.
+        """See :meth:`vmkv.core.base.KVCacheBase.attention`; runs ``stats()["kernel"]``.
 
         Raises:
             StalePlan, InvalidShape, InvalidDtype, InvalidDevice, InvalidInput.

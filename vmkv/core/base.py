@@ -23,8 +23,8 @@ prefix index at the next call into the cache, and only if that step wrote every 
 whose K/V were never written are never served to another prompt).
 
 Every public method validates everything first and raises before changing anything; what can
-fail half-way (the OS or driver refusing a mapping) runs inside :func:`vmkv.calls.atomic` and
-is rolled back. Calls must not overlap in time (:func:`vmkv.calls.exclusive`).
+fail half-way (the OS or driver refusing a mapping) runs inside :func:`vmkv.core.calls.atomic` and
+is rolled back. Calls must not overlap in time (:func:`vmkv.core.calls.exclusive`).
 """
 
 from __future__ import annotations
@@ -41,9 +41,8 @@ from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
-from .calls import atomic, enter, exclusive
-from .config import KVCacheConfig, PageGeometry
-from .errors import (
+from ..config import KVCacheConfig, PageGeometry
+from ..errors import (
     ConcurrentUse,
     DuplicateSequence,
     InvalidDevice,
@@ -56,10 +55,11 @@ from .errors import (
     StalePlan,
     UnknownSequence,
 )
+from ..share import BudgetShare
+from ..validate import as_int, as_layer, as_token_ids, check_seq_id
+from .calls import atomic, enter, exclusive
 from .pages import PagePool
-from .share import BudgetShare
 from .step import StepPlan, make_plan
-from .validate import as_int, as_layer, as_token_ids, check_seq_id
 
 SeqId = Hashable
 log = logging.getLogger("vmkv")
@@ -79,7 +79,7 @@ class _Sequence:
 
 
 class KVCacheBase(ABC):
-    """Lifecycle API shared by :class:`vmkv.VirtualKVCache` and :class:`paged.PagedKVCache`.
+    """Lifecycle API shared by :class:`vmkv.VirtualKVCache` and :class:`vmkv.PagedKVCache`.
 
     Subclasses set ``mode`` and ``kernel``, call ``super().__init__`` before anything that can
     fail (so ``close()`` always finds the attributes it needs), then allocate their storage.
@@ -107,7 +107,7 @@ class KVCacheBase(ABC):
         self._last_plan: StepPlan | None = None  # the last committed plan (the decode fast path extends it)
         self._last_seqs: list[_Sequence] = []  # its sequences, in its order
         self._decode_room = 0  # decode steps the fast path may still take (see _next_decode_plan)
-        # call discipline (vmkv.calls): one thread at a time, journaled changes, broken after a failed undo
+        # call discipline (vmkv.core.calls): one thread at a time, journaled changes, broken after a failed undo
         self._lock = threading.RLock()
         self._journal: list[Callable[[], None]] | None = None
         self._closed = False

@@ -27,7 +27,7 @@ from collections import OrderedDict
 from itertools import count
 from typing import Callable
 
-from .errors import OutOfPages
+from ..errors import OutOfPages
 
 Undo = Callable[[], None]
 

@@ -34,7 +34,7 @@ import threading
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 
-from .errors import BackendError, CacheClosed, ConcurrentUse
+from ..errors import BackendError, CacheClosed, ConcurrentUse
 
 if TYPE_CHECKING:
     from .base import KVCacheBase

@@ -47,9 +47,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vmkv.attention import _flash_attn_with_kvcache, flash_attention_blockers, optional_import, torch_varlen_features
-from vmkv.errors import BackendUnavailable, InvalidConfig
-from vmkv.step import StepPlan, causal_mask
+from ..core.step import StepPlan, causal_mask
+from ..errors import BackendUnavailable, InvalidConfig
+from .contiguous import _flash_attn_with_kvcache, flash_attention_blockers, optional_import, torch_varlen_features
 
 log = logging.getLogger("vmkv")
 
@@ -634,7 +634,7 @@ OPTIONAL_KERNELS = {"flash_attn": "flash_attn_with_kvcache", "flashinfer": "Batc
 def usable_module(name: str) -> tuple[bool, str | None]:
     """Whether optional package ``name`` (a key of :data:`OPTIONAL_KERNELS`) imports: ``(True,
     None)``, or ``(False, why)`` when it is missing or installed but broken. Imported once per
-    process (:func:`vmkv.attention.optional_import`)."""
+    process (:func:`vmkv.kernels.contiguous.optional_import`)."""
     function, why = optional_import(name, OPTIONAL_KERNELS[name])
     return function is not None, why
 
@@ -643,7 +643,7 @@ def flash_paged_blockers(
     device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int, capability: tuple[int, int] | None = None
 ) -> list[str]:
     """Why FlashAttention's paged kernels (flash-attn, torch varlen) cannot read this pool; empty if they can:
-    FlashAttention's own requirements (:func:`vmkv.attention.flash_attention_blockers`) and a
+    FlashAttention's own requirements (:func:`vmkv.kernels.contiguous.flash_attention_blockers`) and a
     block size that is a multiple of 256.
 
     ``capability`` is the GPU's compute capability (``None``: not checked).
