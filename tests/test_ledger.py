@@ -162,7 +162,7 @@ def test_map_ahead_stays_within_grants(name):
     with vmkv.VirtualKVCache(config) as cache:
         ledger_member.run_burst(cache, 6, 256, seed=4, keep=True)
         cache.check()
-        assert cache._backed() <= cache.stats()["ledger_pages_held"]
+        assert cache.budget.memory.backed() <= cache.stats()["ledger_pages_held"]
         assert cache.stats()["map_ahead_errors"] == 0
 
 
@@ -380,7 +380,7 @@ def test_engines_share_a_budget_with_unchanged_outputs_and_export_gauges(name):
 
 def test_grants_come_in_batches_not_a_lock_per_page(name):
     with small(name) as cache:
-        ledger, calls = cache._share.ledger, []
+        ledger, calls = cache.budget.share.ledger, []
         locked = ledger.locked
         ledger.locked = lambda: calls.append(1) or locked()
         ledger_member.run_burst(cache, 6, 256, seed=6, keep=True)
@@ -459,14 +459,14 @@ def test_a_call_waits_for_the_watcher_instead_of_raising(name):
     from vmkv.errors import ConcurrentUse
 
     with small(name) as cache:
-        share, inside = cache._share, threading.Event()
+        guard, inside = cache.guard, threading.Event()
 
         def hold(seconds: float, serving: bool) -> None:
-            share.serving = serving
-            with cache._lock:
+            guard.serving = serving
+            with guard.lock:
                 inside.set()
                 time.sleep(seconds)
-            share.serving = False
+            guard.serving = False
 
         watcher = threading.Thread(target=hold, args=(0.2, True))
         watcher.start()
@@ -566,16 +566,16 @@ class SharedCachesMachine(RuleBasedStateMachine):
 
     @rule(which=st.integers(0, 1))
     def serve(self, which):
-        held = self.caches[which]._share.member.held
-        self.caches[which]._serve_ledger()
-        event("gave back" if self.caches[which]._share.member.held < held else "nothing to give")
+        held = self.caches[which].budget.member.held
+        self.caches[which].budget.serve()
+        event("gave back" if self.caches[which].budget.member.held < held else "nothing to give")
 
     @invariant()
     def within_grants_and_intact(self):
         held = 0
         for cache, tokens in zip(self.caches, self.tokens):
-            member = cache._share.member
-            assert cache._backed() <= member.held
+            member = cache.budget.member
+            assert cache.budget.memory.backed() <= member.held
             assert cache.stats()["resident_bytes"] <= member.held * cache.geometry.page_bytes
             held += member.held * cache.geometry.page_bytes
             for seq, values in tokens.items():

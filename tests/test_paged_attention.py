@@ -11,8 +11,8 @@ import torch
 from helpers import KVMirror, dense_attention, small_config
 
 import vmkv
-from vmkv.paged import PagedKVCache
 from vmkv.kernels.paged import BlockwiseOnlineSoftmax, ChunkedSDPA, GatherSDPA, choose_paged_kernel
+from vmkv.paged import PagedKVCache
 
 CPU_KERNELS = ["gather_sdpa", "blockwise_online_softmax", "sdpa_chunked"]
 

@@ -1,16 +1,9 @@
-"""A cache's membership in a host-wide ledger (the ``shared_budget`` setting).
+"""A cache's seat in a host-wide ledger (the ``shared_budget`` setting): joining it, and the
+watcher thread that serves other members' requests while the cache sits idle.
 
-The cache keeps one invariant with it: ``member.held >= cache._backed()``, the pages whose
-memory the cache may hold (VMM mode: every page mapped since its memory was last given back to
-the OS). The cache takes grants before it backs pages (``KVCacheBase._cover``), and gives them
-back only once that memory went back to the OS (``trim``, or a reclaim on request): so the
-resident KV memory of all members together never exceeds the ledger's budget.
-
-Requests from other members are served at the cache's next step boundary (the end of a
-``begin_step`` that succeeded, ``free``, ``trim``) or, while the cache is idle, by the watcher
-thread here, which polls the member's ``request`` field (a lock-free read) and reclaims when no
-step is in flight. Giving back touches only pages no live sequence holds (spare pages of freed
-slots, then the oldest cached pages, and free pages), so it never invalidates a plan.
+What the cache does with its grants is :mod:`vmkv.core.budget`; the watcher polls the member's
+``request`` field (a lock-free read) and, when asked, calls the budget's ``serve()``, which gives
+pages back only if no call and no step is in flight.
 """
 
 from __future__ import annotations
@@ -20,12 +13,9 @@ import os
 import sys
 import threading
 import weakref
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .ledger import Ledger, Member, SharedBudget
-
-if TYPE_CHECKING:
-    from .core.base import KVCacheBase
 
 log = logging.getLogger("vmkv")
 
@@ -68,31 +58,35 @@ def grant_batch(spec: SharedBudget, page_bytes: int) -> int:
     return max(1, min(64, spec.budget // page_bytes // BATCH_DIVISOR))
 
 
+class Server(Protocol):
+    """What the watcher serves requests through (:class:`vmkv.core.budget.CacheBudget`)."""
+
+    def serve(self) -> None:
+        """Give pages back if the cache is idle."""
+
+
 class BudgetShare:
     """One cache's seat in a ledger: its member handle, batch size and watcher thread.
 
     Args:
-        cache: the cache (held weakly by the watcher, so a dropped cache still closes).
+        owner: serves requests (held weakly by the watcher, so a dropped cache still closes).
         spec: the parsed setting.
+        page_bytes: bytes of one of the cache's pages.
+        ceiling: bytes the cache can map at most on its own.
 
     Attributes:
         member: the ledger handle (``member.held``: pages granted).
         batch: pages taken beyond need per grant, when the budget has them.
         wait_s: how long a member short of budget waits for others.
-        serving: the watcher is inside the cache (``vmkv.core.calls`` waits for it instead of
-            raising ``ConcurrentUse``).
     """
 
-    def __init__(self, cache: "KVCacheBase", spec: SharedBudget) -> None:
-        page_bytes = cache.geometry.page_bytes
-        ceiling = cache.geometry.num_pages * page_bytes
+    def __init__(self, owner: Server, spec: SharedBudget, page_bytes: int, ceiling: int) -> None:
         label = spec.member or f"{os.path.basename(sys.argv[0]) or 'python'}:{os.getpid()}"
         self.ledger, self.member = join(spec, label, page_bytes, ceiling)
         self.batch = grant_batch(spec, page_bytes)
         self.wait_s = spec.wait_s
-        self.serving = False
         self._stop = threading.Event()
-        self._watcher = threading.Thread(target=_watch, args=(weakref.ref(cache), self.member, self._stop),
+        self._watcher = threading.Thread(target=_watch, args=(weakref.ref(owner), self.member, self._stop),
                                          name="vmkv-ledger", daemon=True)
         self._watcher.start()
 
@@ -106,17 +100,17 @@ class BudgetShare:
         self.ledger.close(unlink_if_empty=True)
 
 
-def _watch(ref: "weakref.ref[KVCacheBase]", member: Member, stop: threading.Event) -> None:
+def _watch(ref: "weakref.ref[Server]", member: Member, stop: threading.Event) -> None:
     """The watcher: serve requests while the cache sits idle; stop with the cache."""
     while not stop.wait(POLL_S):
         if not member.asked():
             continue
-        cache = ref()
-        if cache is None:
+        owner = ref()
+        if owner is None:
             return
         try:
-            cache._serve_ledger()
+            owner.serve()
         except Exception as exc:  # noqa: BLE001 -- the next begin_step serves the request itself
             log.warning("vmkv: giving pages back to ledger %r failed (%s: %s)", member.ledger.name,
                         type(exc).__name__, exc)
-        del cache
+        del owner

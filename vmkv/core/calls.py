@@ -9,12 +9,12 @@ lock, or keep a cache on one thread. Not wrapped: ``stats()`` (it only reads cou
 called from any thread), the one-field lookups ``seq_len``, ``slot``, ``seq_ids``, ``in`` and
 ``len`` and the arithmetic ``pages_for`` (each a single dictionary read), and ``close()``
 (it takes the lock itself and raises ``ConcurrentUse`` if it cannot). The one other thread a
-cache may run is a shared budget's watcher (:mod:`vmkv.share`): a call that finds it inside
-waits for it (a moment) instead of raising.
+cache may run is a shared budget's watcher (:mod:`vmkv.core.budget`): a call that finds it
+inside waits for it (a moment) instead of raising.
 
 **All or nothing.** A call that changes memory (mapping, unmapping, copying pages) runs inside
-:func:`atomic`: every change appends a function that reverts it to the cache's journal (the page
-pool journals its own changes); if anything raises, the journal runs backwards and the cache is
+:meth:`CallGuard.atomic`: every change appends a function that reverts it to the journal (the
+page pool journals its own changes); if anything raises, the journal runs backwards and the cache is
 exactly as before the call. Should a revert itself fail (the OS refusing to map a page back), the
 cache is marked broken: every later call raises :class:`~vmkv.errors.BackendError` and only
 ``close()`` and ``stats()`` work.
@@ -31,76 +31,132 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, Protocol, TypeVar
 
 from ..errors import BackendError, CacheClosed, ConcurrentUse
-
-if TYPE_CHECKING:
-    from .base import KVCacheBase
+from .pages import PagePool
 
 Method = TypeVar("Method", bound=Callable)
+Undo = Callable[[], None]
+
+LEDGER_WAIT_S = 10.0
+"""How long a call waits for a shared-budget watcher that is giving pages back (:mod:`vmkv.core.budget`)."""
+
+
+class CallGuard:
+    """One cache's call discipline: its lock, the journal of the call in progress, and whether
+    it is closed or broken.
+
+    Args:
+        pool: the page pool, whose journal follows this one inside :meth:`atomic`.
+
+    Attributes:
+        lock: held by the call running inside the cache.
+        journal: the undo functions of the running :meth:`atomic` block, else ``None``.
+        closed: ``close()`` ran; every guarded call raises ``CacheClosed``.
+        broken: why a rollback failed (every guarded call raises ``BackendError``), else ``None``.
+        serving: a shared budget's watcher holds the lock for a moment; a caller that finds it
+            there waits (:data:`LEDGER_WAIT_S`) instead of raising ``ConcurrentUse``.
+    """
+
+    def __init__(self, pool: PagePool) -> None:
+        self.lock = threading.RLock()
+        self.journal: list[Undo] | None = None
+        self.closed = False
+        self.broken: str | None = None
+        self.serving = False
+        self._pool = pool
+
+    def log(self, undo: Undo) -> None:
+        """Record how to revert a change just made (inside :meth:`atomic`; a no-op outside)."""
+        if self.journal is not None:
+            self.journal.append(undo)
+
+    def enter(self) -> bool:
+        """Take the lock without waiting for another caller; only a shared budget's watcher,
+        which holds it briefly while giving idle pages back, is waited for."""
+        if self.lock.acquire(blocking=False):
+            return True
+        return self.serving and self.lock.acquire(timeout=LEDGER_WAIT_S)
+
+    def check_usable(self, what: str) -> None:
+        """Raise ``CacheClosed`` after ``close()``, ``BackendError`` once a rollback failed."""
+        if self.closed:
+            raise CacheClosed(f"{what}: the cache is closed")
+        if self.broken is not None:
+            raise BackendError(f"{what}: {self.broken}")
+
+    @contextmanager
+    def atomic(self) -> Iterator[None]:
+        """Journal every change made inside the block; on an exception revert them all, newest first.
+
+        Raises:
+            BackendError: reverting failed too (the cache is then marked broken).
+        """
+        journal: list[Undo] = []
+        self.journal = self._pool.journal = journal
+        try:
+            yield
+        except BaseException as exc:
+            self.journal = self._pool.journal = None
+            try:
+                while journal:
+                    journal.pop()()
+            except Exception as undo_exc:
+                self.broken = (
+                    f"the cache could not undo a failed call ({exc}) because reverting failed too ({undo_exc}); "
+                    "its state is unknown: close() it and open a new one"
+                )
+                raise BackendError(self.broken) from undo_exc
+            raise
+        finally:
+            self.journal = self._pool.journal = None
+
+
+class Guarded(Protocol):
+    """What :func:`exclusive` needs of an object: its :class:`CallGuard`."""
+
+    guard: CallGuard
 
 
 def exclusive(method: Method) -> Method:
-    """Run ``method`` holding the cache's lock; raise ``ConcurrentUse`` if another thread holds it,
-    ``CacheClosed`` after ``close()``, ``BackendError`` once a rollback failed."""
+    """Run ``method`` holding the object's guard lock; raise ``ConcurrentUse`` if another thread
+    holds it, ``CacheClosed`` after ``close()``, ``BackendError`` once a rollback failed."""
 
     @functools.wraps(method)
-    def call(cache: "KVCacheBase", *args, **kwargs):
-        if not enter(cache):
+    def call(self: Guarded, *args: Any, **kwargs: Any) -> Any:
+        guard = self.guard
+        if not guard.enter():
             raise ConcurrentUse(
                 f"{method.__name__}() from thread {threading.current_thread().name!r} while another thread is "
                 "inside this cache; a cache serves one thread at a time (stats() excepted): serialise calls "
                 "with a lock of your own"
             )
         try:
-            if cache._closed:
-                raise CacheClosed(f"{method.__name__}(): the cache is closed")
-            if cache._broken is not None:
-                raise BackendError(f"{method.__name__}(): {cache._broken}")
-            return method(cache, *args, **kwargs)
+            guard.check_usable(f"{method.__name__}()")
+            return method(self, *args, **kwargs)
         finally:
-            cache._lock.release()
+            guard.lock.release()
 
     return call  # type: ignore[return-value]
 
 
-LEDGER_WAIT_S = 10.0
-"""How long a call waits for a shared-budget watcher that is giving pages back (``vmkv.share``)."""
+def weak_method(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` (bound to a cache) for a collaborator the cache owns, held weakly: a strong one
+    would make a reference cycle, and a dropped cache would close only when the garbage collector
+    runs rather than at once.
 
-
-def enter(cache: "KVCacheBase") -> bool:
-    """Take the cache's lock without waiting for another caller; only a shared budget's watcher
-    thread, which holds it briefly while giving idle pages back, is waited for."""
-    if cache._lock.acquire(blocking=False):
-        return True
-    share = getattr(cache, "_share", None)
-    return share is not None and share.serving and cache._lock.acquire(timeout=LEDGER_WAIT_S)
-
-
-@contextmanager
-def atomic(cache: "KVCacheBase") -> Iterator[None]:
-    """Journal every change made inside the block; on an exception revert them all, newest first.
-
-    Raises:
-        BackendError: reverting failed too (the cache is then marked broken).
+    Raises (when called):
+        CacheClosed: the cache is gone.
     """
-    journal: list[Callable[[], None]] = []
-    cache._journal = cache.pool.journal = journal
-    try:
-        yield
-    except BaseException as exc:
-        cache._journal = cache.pool.journal = None
-        try:
-            while journal:
-                journal.pop()()
-        except Exception as undo_exc:
-            cache._broken = (
-                f"the cache could not undo a failed call ({exc}) because reverting failed too ({undo_exc}); "
-                "its state is unknown: close() it and open a new one"
-            )
-            raise BackendError(cache._broken) from undo_exc
-        raise
-    finally:
-        cache._journal = cache.pool.journal = None
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        target = ref()
+        if target is None:
+            raise CacheClosed("the cache this belonged to is gone")
+        return target(*args)
+
+    return call

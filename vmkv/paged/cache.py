@@ -27,8 +27,9 @@ from typing import Any
 import torch
 
 from ..config import KVCacheConfig, as_config, check_budget_fits, check_page_size, paged_geometry
-from ..core.base import KVCacheBase, SeqId, _Sequence
+from ..core.base import KVCacheBase
 from ..core.calls import exclusive
+from ..core.sequence import LiveSequence, SeqId
 from ..core.step import StepPlan
 from ..errors import BackendUnavailable, InvalidConfig
 from ..kernels.paged import DEFAULT_CHUNK_TOKENS, PagedKernel, make_paged_kernel
@@ -170,7 +171,7 @@ class PagedKVCache(KVCacheBase):
     def _set_entry(self, slot: int, index: int, block: int) -> None:
         before = int(self.block_table[slot, index])
         self.block_table[slot, index] = block
-        self._log(lambda: self.block_table.__setitem__((slot, index), before))
+        self.guard.log(lambda: self.block_table.__setitem__((slot, index), before))
 
     def _release(self, pages: list[int]) -> None:
         """Nothing to give back: the pools are single tensors allocated up front, so a free block
@@ -184,7 +185,7 @@ class PagedKVCache(KVCacheBase):
         blocks = torch.tensor(pages[first : (start + count - 1) // block + 1], dtype=torch.long)
         return blocks[positions // block - first] * block + positions % block  # the slot mapping
 
-    def _block_table(self, seqs: list[_Sequence], kv_lens: list[int]) -> torch.Tensor:
+    def _block_table(self, seqs: list[LiveSequence], kv_lens: list[int]) -> torch.Tensor:
         """int32 ``[B, max_blocks]`` rows of the step's sequences, on the cache's device;
         ``max_blocks`` covers the longest sequence. Entries past the blocks a sequence's length
         needs are whatever its row holds there (-1, or blocks ``reserve`` mapped ahead): kernels

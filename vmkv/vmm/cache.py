@@ -22,10 +22,9 @@ tokens, so a pool page takes ``kv_heads`` pieces in each range::
 
     view: the same [max_batch, max_seq_len, kv_heads, head_dim] indexing (a transposed view)
 
-A pool page ``p`` is backed by ``num_tensors`` physical pages of the backend, one per piece
-(range, and head in the head-major layout): physical page ``t * num_pages + p`` is what piece
-``t`` maps for it, so pool pages ``p`` and ``p + 1`` are neighbours in the page store and,
-mapped side by side, merge into one mapping.
+A pool page is backed by ``num_tensors`` physical pages of the backend, one per piece (range,
+and head in the head-major layout): :mod:`vmkv.vmm.memory` numbers them and tracks which hold
+memory.
 
 Every page of a range that holds no data reads as zeros (the backend's shared zero page): a
 read past a sequence's length never faults, and views stay readable after ``free``, ``trim``
@@ -44,15 +43,18 @@ from typing import Any
 import torch
 
 from ..config import KVCacheConfig, PageGeometry, as_config, check_budget_fits, vmm_geometry
-from ..core.base import KVCacheBase, SeqId, _Sequence
+from ..core.base import KVCacheBase
+from ..core.budget import CacheBudget
 from ..core.calls import exclusive
+from ..core.checks import check_tensor
+from ..core.sequence import LiveSequence, SeqId
 from ..core.step import StepPlan, slot_slice
-from ..errors import InvalidConfig, InvalidInput, OutOfPages
+from ..errors import InvalidConfig, InvalidInput
 from ..kernels.contiguous import select_contiguous_kernel
-from ..share import BudgetShare
 from ..sizes import format_size
 from ..validate import as_layer, as_scale
 from ..vm import granularity, mapping_room, open_backend
+from .memory import MappedPages
 
 log = logging.getLogger("vmkv")
 
@@ -97,7 +99,7 @@ class VirtualKVCache(KVCacheBase):
         self._hm_rows: tuple[StepPlan, torch.Tensor] | None = None  # head-major write rows of the last plan
         self._batch: tuple[StepPlan, tuple[int, ...], list | None, int] | None = None  # write_batch's last plan (_batch_memo)
         self._slot_views: tuple[tuple[int, ...], list | None] | None = None  # (slots, per-layer [B, H, capacity, D] views)
-        self._dirty: set[int] = set()  # pool pages mapped since their memory was last released
+        self._memory: MappedPages | None = None
         self._vm = None
         self._bases: list[int] = []
         try:
@@ -108,8 +110,12 @@ class VirtualKVCache(KVCacheBase):
             for _ in range(geometry.num_tensors // self._heads_per_range):
                 self._bases.append(self._vm.reserve(range_bytes))
             self._k, self._v = self._make_views(config)
+            self._memory = MappedPages(self._vm, geometry)
             if config.shared_budget is not None:
-                self._share = BudgetShare(self, config.shared_budget)
+                self.budget = CacheBudget(config.shared_budget, geometry.page_bytes, geometry.num_pages, pool=self.pool,
+                                          slots=self.slots, memory=self._memory, guard=self.guard, drop=self._drop,
+                                          busy=self._step_in_flight, before_serving=self._join_ahead,
+                                          counters=self.counters)
             # each layer's K/V flattened to rows once: ``view`` (never a silent copy); token rows
             # [B * S, heads, dim], or head-major (slot, head, position) rows [B * H * S, dim]
             if config.layout == "head_major":
@@ -246,7 +252,7 @@ class VirtualKVCache(KVCacheBase):
         if k.shape != shape or v.shape != shape or k.dtype != self.config.dtype or v.dtype != k.dtype \
                 or k.device != self.config.device or v.device != k.device:
             for name, tensor in (("k", k), ("v", v)):
-                self._check_tensor(name, tensor, shape, "[batch, kv_heads, new tokens, head_dim]")
+                check_tensor(name, tensor, shape, self.config, "[batch, kv_heads, new tokens, head_dim]")
         self._layers_written.add(layer)
         start = length - shape[2]
         if views is not None:
@@ -310,7 +316,7 @@ class VirtualKVCache(KVCacheBase):
 
     def _piece(self, page: int, tensor: int) -> int:
         """The backend page that range ``tensor`` maps for pool page ``page``."""
-        return tensor * self.geometry.num_pages + page
+        return self._memory.piece(page, tensor)
 
     def _attach(self, slot: int, index: int, page: int, old: int | None, keep: int) -> None:
         """Map ``page`` in every range at ``slot``/``index`` (replacing ``old``); each backend call
@@ -321,50 +327,26 @@ class VirtualKVCache(KVCacheBase):
         saved = [self._vm.tensor(a, (nbytes,), torch.uint8).clone() for a in addrs] if keep else []
         # No kernel may still read these addresses: ``old`` goes away, and on CUDA even the zero
         # page is unmapped for a moment (padded kernels read past a sequence's length).
-        if page not in self._dirty:
-            self._check_granted()
+        if self.budget is not None and self._memory.fresh([page]):
+            self.budget.check_granted()
         self._vm.synchronize()
         if old is None:  # a new page (the common case): one backend call maps every piece
             self._vm.map_pages([(addr, self._piece(page, t)) for t, addr in enumerate(addrs)])
-            self._log(functools.partial(self._unmap_all, addrs))
+            self.guard.log(functools.partial(self._unmap_all, addrs))
         else:
             for t, addr in enumerate(addrs):
                 self._vm.unmap(addr)
-                self._log(functools.partial(self._vm.map, addr, self._piece(old, t)))
+                self.guard.log(functools.partial(self._vm.map, addr, self._piece(old, t)))
                 self._vm.map(addr, self._piece(page, t))
-                self._log(functools.partial(self._vm.unmap, addr))
+                self.guard.log(functools.partial(self._vm.unmap, addr))
         for addr, data in zip(addrs, saved):
             self._vm.tensor(addr, (nbytes,), torch.uint8).copy_(data)
-        self._dirty.add(page)
+        self._memory.mapped(page)
 
     def _unmap_all(self, addrs: list[int]) -> None:
         """Unmap every address of ``addrs``, last first (the undo of ``map_pages``)."""
         for addr in reversed(addrs):
             self._vm.unmap(addr)
-
-    def _check_granted(self) -> None:
-        """Refuse to back one more page with memory unless the shared budget granted it (the one
-        place a page gets memory, so no member ever maps past the ledger's budget)."""
-        if self._share is not None and len(self._dirty) >= self._share.member.held:
-            raise OutOfPages(f"ledger {self._share.ledger.name!r} granted {self._share.member.held} pages, "
-                             "all backed; the page was not mapped")
-
-    def _backed(self) -> int:
-        return len(self._dirty)
-
-    def _provision(self, count: int) -> None:
-        """A backend that creates pages on demand (CUDA) gets, in one batch, every free page the
-        grants held cover from the next ``count`` on: those the next allocations take, so a
-        grant's batch is created at once, not one page per step. They count as backed now."""
-        if not self._vm.on_demand:
-            return
-        room = self._share.member.held - self._backed()
-        pages = [page for page in self.pool.peek_free(count + room) if page not in self._dirty][:room]
-        self._vm.provision([self._piece(page, t) for page in pages for t in range(self.geometry.num_tensors)])
-        self._dirty.update(pages)
-
-    def _fresh(self, pages: list[int]) -> int:
-        return sum(page not in self._dirty for page in pages)
 
     def _detach(self, slot: int, index: int, page: int) -> None:
         """Unmap ``page`` at ``slot``/``index`` in every range (it reads as zeros again); each
@@ -373,19 +355,16 @@ class VirtualKVCache(KVCacheBase):
         for t in range(self.geometry.num_tensors):
             addr = self._addr(t, slot, index)
             self._vm.unmap(addr)
-            self._log(functools.partial(self._vm.map, addr, self._piece(page, t)))
+            self.guard.log(functools.partial(self._vm.map, addr, self._piece(page, t)))
 
     def _release(self, pages: list[int]) -> None:
         """Give the memory of free pages back to the OS (only pages mapped since their last release)."""
-        for page in sorted(self._dirty.intersection(pages)):
-            for t in range(self.geometry.num_tensors):
-                self._vm.release_page(self._piece(page, t))
-            self._dirty.discard(page)
+        self._memory.release(pages)
 
     def _token_rows(self, slot: int, pages: list[int], start: int, count: int) -> torch.Tensor:
         return torch.arange(start, start + count) + slot * self.seq_capacity
 
-    def _block_table(self, seqs: list[_Sequence], kv_lens: list[int]) -> None:
+    def _block_table(self, seqs: list[LiveSequence], kv_lens: list[int]) -> None:
         return None
 
     # ---- memory ----------------------------------------------------------------------------
@@ -400,10 +379,9 @@ class VirtualKVCache(KVCacheBase):
             reserved_bytes=len(self._bases) * self.config.max_batch_size * self.slot_bytes,
             pages_mapped_ahead=self.counters["pages_mapped_ahead"],
         )
-        share = self._share
-        if share is not None:
-            stats.update(ledger=share.ledger.name, ledger_pages_held=share.member.held,
-                         ledger_reclaims=self.counters["ledger_reclaims"])
+        budget = self.budget
+        if budget is not None:
+            stats.update(budget.stats())
         return stats
 
     def _close_storage(self) -> None:
