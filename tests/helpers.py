@@ -157,10 +157,10 @@ def instrument(cache: vmkv.KVCacheBase) -> Faults:
     faults = Faults()
     if cache.mode == "vmm":
         for name in ("map", "map_pages", "unmap", "release_page"):
-            faults.wrap(cache._vm, name)
+            faults.wrap(cache.ranges.vm, name)
     else:
-        for name in ("_attach", "_detach"):
-            faults.wrap(cache, name)
+        for name in ("attach", "detach"):
+            faults.wrap(cache.blocks, name)
     faults.wrap(cache.pool, "allocate")
     return faults
 

@@ -72,7 +72,7 @@ def spin(cache: vmkv.KVCacheBase) -> None:
 def main() -> None:
     torch.set_num_threads(1)
     cache = open_member(sys.argv[1] if len(sys.argv) > 1 else None)
-    print(json.dumps({"ready": True, "memfd": cache._vm._fd}), flush=True)
+    print(json.dumps({"ready": True, "memfd": cache.ranges.vm._fd}), flush=True)
     for line in sys.stdin:
         command = json.loads(line)
         op = command["op"]

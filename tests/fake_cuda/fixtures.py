@@ -52,6 +52,7 @@ def fake_cuda_backends(fake: FakeDriver, monkeypatch) -> list:
     the fake driver (4 KiB granularity): the cache's tensors are CPU tensors over the fake's
     host-backed device memory, so the CPU kernels run on them. Yields the backends opened."""
     import vmkv.vmm.cache
+    import vmkv.vmm.ranges
     from vmkv.vm.cuda import CudaVirtualMemory, cuda_granularity
 
     fake.reset(granularity=4096)
@@ -64,6 +65,7 @@ def fake_cuda_backends(fake: FakeDriver, monkeypatch) -> list:
         backends.append(backend)
         return backend
 
-    monkeypatch.setattr(vmkv.vmm.cache, "open_backend", open_backend)
-    monkeypatch.setattr(vmkv.vmm.cache, "granularity", lambda device: cuda_granularity("cuda:0", runtime=runtime))
+    monkeypatch.setattr(vmkv.vmm.ranges, "open_backend", open_backend)
+    for module in (vmkv.vmm.cache, vmkv.vmm.ranges):
+        monkeypatch.setattr(module, "granularity", lambda device: cuda_granularity("cuda:0", runtime=runtime))
     return backends

@@ -1,15 +1,10 @@
 """The lifecycle both modes share: sequences and the pages that hold them.
 
 ``KVCacheBase`` owns every decision about *which* pool page holds *which* tokens of *which*
-sequence. A mode only says how a page is addressed (VMM: mapped into a slot's virtual range;
-paged: written into a block-table row) through these hooks; each journals the inverse of every
-change it makes (``self.guard.log``), so a failure half-way is rolled back:
-
-    _attach(slot, index, page, old, keep)   logical page ``index`` of ``slot`` now addresses ``page``
-    _detach(slot, index, page)              ... addresses nothing (reads as zeros in VMM mode)
-    _release(pages)                         give free pages' memory back to the OS (if possible)
-    _token_rows(slot, pages, start, n)      storage rows of tokens ``start .. start+n-1``
-    _block_table(seqs, kv_lens)             the block table a kernel reads (paged mode)
+sequence. A mode says how a page is addressed (VMM: mapped into a slot's virtual ranges, paged:
+written into a block-table row) through its :class:`~vmkv.core.ownership.Addressing` (VMM:
+:class:`~vmkv.vmm.ranges.SlotRanges`, paged: :class:`~vmkv.paged.blocks.BlockTable`), and how
+its storage is read (``layer_storage``, ``kv``, ``attention``: the abstract methods below).
 
 Ownership, per slot::
 
@@ -27,9 +22,10 @@ The verbs come in pairs: ``add``/``fork`` and ``free`` start and end a sequence,
 step. Each validates everything first and raises before changing anything; what can fail
 half-way (the OS or driver refusing a mapping) runs inside ``self.guard.atomic()`` and is rolled
 back (:mod:`vmkv.core.calls`). The collaborators, each in its own module: the page pool
-(:mod:`.pages`), the slot table (:mod:`.slots`), the prefix index (:mod:`.prefix`), page
-planning and the decode fast path (:mod:`.planning`), mapping ahead (:mod:`.mapping`), a shared
-budget (:mod:`.budget`) and the argument checks (:mod:`.checks`).
+(:mod:`.pages`), the slot table (:mod:`.slots`), page ownership (:mod:`.ownership`: grow,
+copy-on-write, drop), the prefix index (:mod:`.prefix`), page planning and the decode fast
+path (:mod:`.planning`), mapping ahead (:mod:`.mapping`), a shared budget (:mod:`.budget`) and
+the argument checks (:mod:`.checks`).
 """
 
 from __future__ import annotations
@@ -42,12 +38,14 @@ from typing import Any, Sequence
 import torch
 
 from ..config import KVCacheConfig, PageGeometry
-from ..errors import ConcurrentUse, DuplicateSequence, InvalidInput, OutOfPages, SequenceTooLong
+from ..errors import ConcurrentUse, DuplicateSequence, InvalidInput, SequenceTooLong
+from ..ledger import SharedBudget
 from ..validate import as_int, as_token_ids, check_seq_id
-from .budget import CacheBudget
-from .calls import CallGuard, exclusive
+from .budget import CacheBudget, PageMemory
+from .calls import CallGuard, exclusive, weak_method
 from .checks import Step, check_length, check_plan, check_query, check_tensor, get_sequence, parse_batch
 from .mapping import MapAhead
+from .ownership import Addressing, PageOwnership
 from .pages import PagePool
 from .planning import DecodeFastPath, plan_pages
 from .prefix import PrefixIndex
@@ -60,12 +58,15 @@ class KVCacheBase(ABC):
     """Lifecycle API shared by :class:`vmkv.VirtualKVCache` and :class:`vmkv.PagedKVCache`.
 
     Subclasses set ``mode`` and ``kernel``, call ``super().__init__`` before anything that can
-    fail (so ``close()`` always finds the attributes it needs), then allocate their storage.
+    fail (so ``close()`` always finds the attributes it needs), then allocate their storage and
+    hand its addressing to :meth:`_open`.
 
     Attributes:
         config, geometry: what the cache holds and how its pages map onto tokens and bytes.
         pool: the page pool (reference counts, free list, prefix index).
         guard: the call discipline (lock, undo journal, closed/broken).
+        slots: free slots and spare pages.
+        budget: the shared budget this cache joined (``shared_budget``), else ``None``.
         counters: event counts reported by ``stats()``.
     """
 
@@ -91,37 +92,28 @@ class KVCacheBase(ABC):
         self._last_step: list[tuple[SeqId, int]] = []
         self._layers_written: set[int] = set()
         self.counters: Counter[str] = Counter()
-        self.budget: CacheBudget | None = None  # the host ledger this cache joined (shared_budget), if any
-        self._ahead = (MapAhead(self._grow_one, self._covered, self.counters)
-                       if config.map_ahead and self.mode == "vmm" else None)
+        self.budget: CacheBudget | None = None
+        self.addressing: Addressing | None = None  # set by _open, once the mode's storage exists
+        self._own: PageOwnership | None = None
+        self._ahead: MapAhead | None = None
+
+    def _open(self, addressing: Addressing) -> None:
+        """The mode's storage exists: pages can now be owned (the last step of a mode's ``__init__``
+        that needs them)."""
+        self.addressing = addressing
+        self._own = PageOwnership(self.pool, self.slots, self.guard, addressing, self.tokens_per_page)
+        if self.config.map_ahead and self.mode == "vmm":
+            self._ahead = MapAhead(self._own.grow_one, self._own.covered, self.counters)
+
+    def _join_budget(self, spec: SharedBudget, memory: PageMemory) -> CacheBudget:
+        """Take a seat in the host-wide ledger ``spec`` names, counting ``memory``'s pages."""
+        self.budget = self._own.budget = CacheBudget(
+            spec, self.geometry.page_bytes, self.geometry.num_pages, pool=self.pool, slots=self.slots, memory=memory,
+            guard=self.guard, drop=self._own.drop, busy=weak_method(self._step_in_flight),
+            before_serving=weak_method(self._join_ahead), counters=self.counters)
+        return self.budget
 
     # ---- hooks a mode implements ---------------------------------------------------------
-    @abstractmethod
-    def _attach(self, slot: int, index: int, page: int, old: int | None, keep: int) -> None:
-        """Make logical page ``index`` of ``slot`` address ``page``, journaling each change.
-
-        ``old`` is the page addressed there before (``None`` if none). Copy-on-write: the first
-        ``keep`` tokens of ``old`` (every layer, K and V) are copied into ``page`` first.
-        """
-
-    @abstractmethod
-    def _detach(self, slot: int, index: int, page: int) -> None:
-        """Make logical page ``index`` of ``slot`` (which addresses ``page``) address nothing,
-        journaling each change."""
-
-    @abstractmethod
-    def _release(self, pages: list[int]) -> None:
-        """Return the memory behind free pool pages to the OS, where the mode can."""
-
-    @abstractmethod
-    def _token_rows(self, slot: int, pages: list[int], start: int, count: int) -> torch.Tensor:
-        """int64 rows, in a layer's flattened ``[rows, heads, dim]`` storage, of ``count`` tokens."""
-
-    @abstractmethod
-    def _block_table(self, seqs: list[LiveSequence], kv_lens: list[int]) -> torch.Tensor | None:
-        """The block table a kernel needs for ``seqs`` holding ``kv_lens`` tokens (paged mode),
-        or ``None``."""
-
     @abstractmethod
     def layer_storage(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A layer's K and V storage flattened to rows (zero-copy): ``[rows, kv_heads, head_dim]``,
@@ -176,7 +168,7 @@ class KVCacheBase(ABC):
             slot = self.slots.pick(self.pages_for(len(tokens)) if tokens else None)
             for page, _ in hits:
                 self.pool.incref(page)
-            pages = self._adopt_slot(slot, [page for page, _ in hits])
+            pages = self._own.adopt_slot(slot, [page for page, _ in hits])
         seq = self._start_sequence(seq_id, slot, pages, len(hits) * self.tokens_per_page, tokens)
         seq.hashes = [page_hash for _, page_hash in hits]
         if tokens and self.config.prefix_caching:
@@ -210,7 +202,7 @@ class KVCacheBase(ABC):
             self._finish_last_step()
             for page in src.pages:
                 self.pool.incref(page)
-            pages = self._adopt_slot(slot, list(src.pages))
+            pages = self._own.adopt_slot(slot, list(src.pages))
         seq = self._start_sequence(dst_id, slot, pages, src.length, list(src.tokens))
         seq.reserved, seq.hashes = src.reserved, list(src.hashes)
         self.counters["forks"] += 1
@@ -231,10 +223,9 @@ class KVCacheBase(ABC):
             self._finish_last_step()  # first: its full pages stay in the prefix cache
             keep = 0
             if self._keep_spare:
-                while keep < len(seq.pages) and self._is_private(seq.pages[keep]):
+                while keep < len(seq.pages) and self._own.is_private(seq.pages[keep]):
                     keep += 1
-            for index in range(len(seq.pages) - 1, keep - 1, -1):
-                self._drop(seq.slot, index, seq.pages[index])
+            self._own.drop_from(seq, keep)
         self.slots.vacate(seq.slot, seq.pages[:keep])
         del self._seqs[seq_id]
         self._tokens -= seq.length
@@ -258,8 +249,8 @@ class KVCacheBase(ABC):
         check_length(seq, num_tokens, self.config.max_seq_len)
         grow = max(0, self.pages_for(num_tokens) - len(seq.pages))
         with self.guard.atomic():
-            self._make_room(grow)
-            self._grow(seq, grow)
+            self._own.make_room(grow)
+            self._own.grow(seq, grow)
         seq.reserved = max(seq.reserved, num_tokens)
 
     @exclusive
@@ -302,16 +293,15 @@ class KVCacheBase(ABC):
         needs = {seq.seq_id: self.pages_for(max(seq.length, seq.reserved)) for seq in self._seqs.values()}
         with self.guard.atomic():
             self._finish_last_step()
-            self.slots.drain(self.pool.num_pages, self._drop)
+            self.slots.drain(self.pool.num_pages, self._own.drop)
             for seq in self._seqs.values():
-                for index in range(len(seq.pages) - 1, needs[seq.seq_id] - 1, -1):
-                    self._drop(seq.slot, index, seq.pages[index])
+                self._own.drop_from(seq, needs[seq.seq_id])
             if not keep_cached:
                 self.pool.evict_all()
         for seq in self._seqs.values():
             del seq.pages[needs[seq.seq_id] :]
         self._version += 1
-        self._release(self.pool.free_pages())
+        self.addressing.release(self.pool.free_pages())
         if self.budget is not None:
             self.budget.after_trim()
         return self.pool.num_free - before
@@ -481,10 +471,7 @@ class KVCacheBase(ABC):
         for page in range(self.pool.num_pages):
             assert self.pool.refcount(page) == owners[page], f"page {page}: ref != owners"
         assert self._tokens == sum(seq.length for seq in self._seqs.values()), "token counter is off"
-        self._check_storage()
-
-    def _check_storage(self) -> None:
-        """The mode's own consistency checks (called by :meth:`check`, holding the lock)."""
+        self.addressing.check(list(self._seqs.values()))
 
     def state(self) -> tuple:
         """Everything that defines the cache's bookkeeping, as comparable values: a failed call
@@ -548,29 +535,8 @@ class KVCacheBase(ABC):
     def _check_query(self, q: torch.Tensor, plan: StepPlan) -> None:
         check_query(q, plan, self.config)
 
-    # ---- page ownership (inside guard.atomic(): every change is journaled) -----------------
-    def _drop(self, slot: int, index: int, page: int) -> None:
-        """Stop addressing ``page`` from ``slot``/``index`` and release that reference."""
-        self._detach(slot, index, page)
-        self.pool.decref(page)
-
-    def _is_private(self, page: int) -> bool:
-        return self.pool.refcount(page) == 1 and self.pool.page_hash(page) is None
-
-    def _adopt_slot(self, slot: int, head: list[int]) -> list[int]:
-        """Map ``head`` (already referenced) as the first pages of ``slot``; return the pages of
-        the new sequence: ``head`` then the slot's spare pages past it. Spare pages under ``head``
-        are released. The caller commits (``_start_sequence``)."""
-        spare = self.slots.spare[slot]
-        for index, page in enumerate(head):
-            old = spare[index] if index < len(spare) else None
-            self._attach(slot, index, page, old, 0)
-            if old is not None:
-                self.pool.decref(old)
-        return head + spare[len(head) :]
-
     def _start_sequence(self, seq_id: SeqId, slot: int, pages: list[int], length: int, tokens: list[int]) -> LiveSequence:
-        """Commit a new sequence in ``slot`` (after ``_adopt_slot`` succeeded)."""
+        """Commit a new sequence in ``slot`` (after ``adopt_slot`` succeeded)."""
         self.slots.occupy(slot)
         seq = LiveSequence(seq_id, slot, pages, length, tokens=tokens)
         self._seqs[seq_id] = seq
@@ -578,53 +544,16 @@ class KVCacheBase(ABC):
         self._version += 1
         return seq
 
-    def _make_room(self, count: int) -> None:
-        """Ensure ``pool.allocate(count)`` will succeed, taking spare pages back from freed slots,
-        and, in a shared budget, that the ledger granted the memory it will back.
-
-        Raises:
-            OutOfPages: even with every spare page and cached page there is not enough, or the
-                shared budget did not free up in time.
-        """
-        short = count - self.pool.num_free
-        if short > 0:
-            spare = self.slots.idle_spare()
-            if count > self.pool.num_free + self.pool.num_cached + spare:
-                raise OutOfPages(
-                    f"need {count} pages; {self.pool.num_free} free, {self.pool.num_cached} cached, {spare} "
-                    f"spare ({self.pool.num_pages} in all); free sequences or raise memory_budget"
-                )
-            self.slots.drain(short, self._drop)
-        if self.budget is not None:
-            self.budget.cover(count)
-
-    def _grow(self, seq: LiveSequence, count: int) -> None:
-        for page in self.pool.allocate(count):
-            self._attach(seq.slot, len(seq.pages), page, None, 0)
-            seq.pages.append(page)
-            self.guard.log(seq.pages.pop)
-
-    def _copy_on_write(self, seq: LiveSequence, indexes: list[int]) -> None:
-        """Give ``seq`` private copies of the shared pages at ``indexes`` (only stored tokens are copied)."""
-        for index in indexes:
-            old = seq.pages[index]
-            (page,) = self.pool.allocate(1)
-            keep = min(self.tokens_per_page, max(0, seq.length - index * self.tokens_per_page))
-            self._attach(seq.slot, index, page, old, keep)
-            self.pool.decref(old)
-            seq.pages[index] = page
-            self.guard.log(lambda index=index, old=old: seq.pages.__setitem__(index, old))
-
     # ---- steps -----------------------------------------------------------------------------
     def _map_step(self, steps: list[Step]) -> tuple[StepPlan, int]:
         """Copy shared pages written into, map the pages the step needs, and build its plan
         (journaled, inside the caller's ``atomic``; nothing is committed). Returns the plan and
         the number of pages copied."""
         copies, grows = plan_pages(steps, self.pool, self.tokens_per_page)
-        self._make_room(sum(len(c) for c in copies) + sum(grows))
+        self._own.make_room(sum(len(c) for c in copies) + sum(grows))
         for (seq, _, _), copy_at, grow in zip(steps, copies, grows):
-            self._copy_on_write(seq, copy_at)
-            self._grow(seq, grow)
+            self._own.copy_on_write(seq, copy_at)
+            self._own.grow(seq, grow)
         plan = self._build_plan([s for s, _, _ in steps], [c for _, c, _ in steps])  # may fail: before the commit
         return plan, sum(len(c) for c in copies)
 
@@ -645,11 +574,11 @@ class KVCacheBase(ABC):
         """The plan of a step adding ``counts[i]`` tokens to ``seqs[i]``, built before the step is
         committed (lengths are still the old ones; the plan carries the version it commits)."""
         starts = [seq.length for seq in seqs]
-        rows = [self._token_rows(seq.slot, seq.pages, s, n) for seq, s, n in zip(seqs, starts, counts)]
+        rows = [self.addressing.token_rows(seq.slot, seq.pages, s, n) for seq, s, n in zip(seqs, starts, counts)]
         kv_lens = [s + n for s, n in zip(starts, counts)]
         return make_plan(tuple(seq.seq_id for seq in seqs), [seq.slot for seq in seqs], starts, counts,
                          device=self.config.device, write_rows=torch.cat(rows).to(self.config.device),
-                         block_table=self._block_table(seqs, kv_lens), version=self._version + 1, owner=self._owner)
+                         block_table=self.addressing.block_table(seqs, kv_lens), version=self._version + 1, owner=self._owner)
 
     def _finish_last_step(self) -> None:
         """Let the prefix index take the full pages the last step filled, if it wrote every layer
@@ -668,15 +597,6 @@ class KVCacheBase(ABC):
     def _join_ahead(self) -> None:
         if self._ahead is not None:
             self._ahead.join()
-
-    def _grow_one(self, seq: LiveSequence) -> None:
-        """Map one more page for ``seq``, all or nothing (the map-ahead worker's step)."""
-        with self.guard.atomic():
-            self._grow(seq, 1)
-
-    def _covered(self, count: int) -> int:
-        """How many of the next ``count`` free pages may be mapped ahead now."""
-        return min(count, self.pool.num_free) if self.budget is None else self.budget.covered(count)
 
     def _step_in_flight(self) -> bool:
         """A step began and no later call finished it (a shared budget's watcher waits)."""

@@ -21,7 +21,7 @@ from typing import Callable, Protocol
 from ..errors import OutOfPages
 from ..ledger import SharedBudget
 from ..share import BudgetShare
-from .calls import CallGuard, weak_method
+from .calls import CallGuard
 from .pages import PagePool
 from .slots import Drop, SlotTable
 
@@ -60,8 +60,9 @@ class CacheBudget:
         before_serving: called by the watcher before it gives pages back (joins map-ahead).
         counters: the cache's counters (``ledger_reclaims``).
 
-    ``drop``, ``busy`` and ``before_serving`` are methods of the cache, held weakly
-    (:func:`~vmkv.core.calls.weak_method`): the cache owns this object.
+    None of them may hold the cache strongly (the cache owns this object: a cycle would keep a
+    dropped cache open until the garbage collector runs): pass its methods through
+    :func:`~vmkv.core.calls.weak_method`.
 
     Raises:
         InvalidConfig, LedgerMismatch, LedgerCorrupt: joining the ledger failed.
@@ -71,8 +72,7 @@ class CacheBudget:
                  memory: PageMemory, guard: CallGuard, drop: Drop, busy: Callable[[], bool],
                  before_serving: Callable[[], None], counters: Counter[str]) -> None:
         self.pool, self.slots, self.memory, self.guard = pool, slots, memory, guard
-        self._drop, self._busy, self._before_serving = weak_method(drop), weak_method(busy), weak_method(before_serving)
-        self._counters = counters
+        self._drop, self._busy, self._before_serving, self._counters = drop, busy, before_serving, counters
         self.share = BudgetShare(self, spec, page_bytes, num_pages * page_bytes)
         self.member = self.share.member
 

@@ -17,7 +17,6 @@ from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable
 
-from .calls import weak_method
 from .sequence import LiveSequence
 
 log = logging.getLogger("vmkv")
@@ -27,18 +26,15 @@ class MapAhead:
     """The map-ahead worker of one cache.
 
     Args:
-        grow: maps one more page for a sequence, all or nothing (journaled and rolled back by the
-            cache on failure).
+        grow: maps one more page for a sequence, all or nothing (rolled back on failure).
         covered: how many of the next ``n`` free pages may be mapped now (a shared budget's grants
             may cover fewer; spare and cached pages are left to the next ``begin_step``).
         counters: the cache's counters (``pages_mapped_ahead``, ``map_ahead_errors``).
-
-    ``grow`` is a method of the cache, held weakly (:func:`~vmkv.core.calls.weak_method`).
     """
 
     def __init__(self, grow: Callable[[LiveSequence], None], covered: Callable[[int], int],
                  counters: Counter[str]) -> None:
-        self._grow = weak_method(grow)
+        self._grow = grow
         self._covered = covered
         self._counters = counters
         self._pending: Future | None = None

@@ -8,7 +8,7 @@ writes a block-table entry); this module decides which page, with what reference
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -55,14 +55,16 @@ class PageOwnership:
         pool, slots, guard: the cache's page pool, slot table and call guard.
         addressing: the mode's storage.
         tokens_per_page: tokens of one page.
-        budget: returns the cache's shared budget, if it joined one (read at each call).
+
+    Attributes:
+        budget: the cache's shared budget, if it joined one: new pages need its grants.
     """
 
     def __init__(self, pool: PagePool, slots: SlotTable, guard: CallGuard, addressing: Addressing,
-                 tokens_per_page: int, budget: Callable[[], "CacheBudget | None"]) -> None:
+                 tokens_per_page: int) -> None:
         self.pool, self.slots, self.guard, self.addressing = pool, slots, guard, addressing
         self.tokens_per_page = tokens_per_page
-        self._budget = budget
+        self.budget: CacheBudget | None = None
 
     def drop(self, slot: int, index: int, page: int) -> None:
         """Stop addressing ``page`` from ``slot``/``index`` and release that reference."""
@@ -102,9 +104,8 @@ class PageOwnership:
                     f"spare ({self.pool.num_pages} in all); free sequences or raise memory_budget"
                 )
             self.slots.drain(short, self.drop)
-        budget = self._budget()
-        if budget is not None:
-            budget.cover(count)
+        if self.budget is not None:
+            self.budget.cover(count)
 
     def grow(self, seq: LiveSequence, count: int) -> None:
         """Append ``count`` new pages to ``seq`` (room made first: :meth:`make_room`)."""
@@ -124,7 +125,18 @@ class PageOwnership:
             seq.pages[index] = page
             self.guard.log(lambda index=index, old=old: seq.pages.__setitem__(index, old))
 
-    def truncate_pages(self, seq: LiveSequence, keep: int) -> None:
-        """Drop the pages of ``seq`` past its first ``keep`` (last first); the caller commits the list."""
+    def covered(self, count: int) -> int:
+        """How many of the next ``count`` free pages may be mapped now, without taking spare or
+        cached pages back and within a shared budget's grants (what mapping ahead takes)."""
+        return min(count, self.pool.num_free) if self.budget is None else self.budget.covered(count)
+
+    def grow_one(self, seq: LiveSequence) -> None:
+        """One more page for ``seq``, all or nothing (the map-ahead worker's step: free pages only)."""
+        with self.guard.atomic():
+            self.grow(seq, 1)
+
+    def drop_from(self, seq: LiveSequence, keep: int) -> None:
+        """Drop the pages of ``seq`` past its first ``keep``, last first (the caller then shortens
+        ``seq.pages``: the list itself is not journaled)."""
         for index in range(len(seq.pages) - 1, keep - 1, -1):
             self.drop(seq.slot, index, seq.pages[index])

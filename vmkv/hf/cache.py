@@ -595,7 +595,7 @@ class VirtualCache(RowPolicy, Cache):
                      "attn_implementation='vmkv' avoids this")
         return keys, values
 
-    def _attend(
+    def attend(
         self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         mask: torch.Tensor | None, scaling: float | None,
     ) -> torch.Tensor:

@@ -34,27 +34,23 @@ view into an empty page faults (SIGSEGV on the host), so views are for reading.
 
 from __future__ import annotations
 
-import functools
 import logging
-import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from ..config import KVCacheConfig, PageGeometry, as_config, check_budget_fits, vmm_geometry
+from ..config import KVCacheConfig, as_config, check_budget_fits, vmm_geometry
 from ..core.base import KVCacheBase
-from ..core.budget import CacheBudget
 from ..core.calls import exclusive
 from ..core.checks import check_tensor
-from ..core.sequence import LiveSequence, SeqId
+from ..core.sequence import SeqId
 from ..core.step import StepPlan, slot_slice
-from ..errors import InvalidConfig, InvalidInput
+from ..errors import InvalidInput
 from ..kernels.contiguous import select_contiguous_kernel
-from ..sizes import format_size
 from ..validate import as_layer, as_scale
-from ..vm import granularity, mapping_room, open_backend
-from .memory import MappedPages
+from ..vm import granularity
+from .ranges import SlotRanges
 
 log = logging.getLogger("vmkv")
 
@@ -91,31 +87,17 @@ class VirtualKVCache(KVCacheBase):
         check_budget_fits(config)
         self.kernel, self._kernel = select_contiguous_kernel(config.device, config.dtype, config.head_dim)
         super().__init__(config, geometry)
-        tpp = geometry.tokens_per_page
-        self.seq_capacity = -(-config.max_seq_len // tpp) * tpp
-        self._heads_per_range = config.num_kv_heads if config.layout == "head_major" else 1
-        self._run_bytes = self.seq_capacity * geometry.piece_bytes // tpp  # one slot (one head's run, head-major)
-        self.slot_bytes = self._heads_per_range * self._run_bytes
         self._hm_rows: tuple[StepPlan, torch.Tensor] | None = None  # head-major write rows of the last plan
         self._batch: tuple[StepPlan, tuple[int, ...], list | None, int] | None = None  # write_batch's last plan (_batch_memo)
         self._slot_views: tuple[tuple[int, ...], list | None] | None = None  # (slots, per-layer [B, H, capacity, D] views)
-        self._memory: MappedPages | None = None
-        self._vm = None
-        self._bases: list[int] = []
+        self.ranges: SlotRanges | None = None
         try:
-            self._vm = open_backend(config.device, geometry.piece_bytes, geometry.num_pages * geometry.num_tensors,
-                                    max_mappings=self._check_mappings(config, geometry),
-                                    on_demand=config.shared_budget is not None)
-            range_bytes = config.max_batch_size * self.slot_bytes
-            for _ in range(geometry.num_tensors // self._heads_per_range):
-                self._bases.append(self._vm.reserve(range_bytes))
-            self._k, self._v = self._make_views(config)
-            self._memory = MappedPages(self._vm, geometry)
+            self.ranges = ranges = SlotRanges(config, geometry, self.guard.log)
+            self._open(ranges)
+            self.seq_capacity, self.slot_bytes = ranges.seq_capacity, ranges.slot_bytes
+            self._k, self._v = ranges.k, ranges.v
             if config.shared_budget is not None:
-                self.budget = CacheBudget(config.shared_budget, geometry.page_bytes, geometry.num_pages, pool=self.pool,
-                                          slots=self.slots, memory=self._memory, guard=self.guard, drop=self._drop,
-                                          busy=self._step_in_flight, before_serving=self._join_ahead,
-                                          counters=self.counters)
+                ranges.budget = self._join_budget(config.shared_budget, ranges.memory)
             # each layer's K/V flattened to rows once: ``view`` (never a silent copy); token rows
             # [B * S, heads, dim], or head-major (slot, head, position) rows [B * H * S, dim]
             if config.layout == "head_major":
@@ -127,56 +109,6 @@ class VirtualKVCache(KVCacheBase):
         except BaseException:
             self.close()
             raise
-
-    @staticmethod
-    def _check_mappings(config: KVCacheConfig, geometry: PageGeometry) -> int:
-        """How many host mappings this cache needs, checked against Linux's ``vm.max_map_count``.
-
-        Each range is one mapping; a run of mapped pages that are neighbours in the page store
-        merges into one more, and splits the range once more. Pages mapped one by one (a
-        fragmented pool) cost up to two each: if that worst case does not fit, a warning is
-        logged and a map that hits the limit raises ``OutOfMappings`` (an ``OutOfPages``), rolled
-        back. Returns the mappings promised (0 on CUDA: no such limit).
-
-        Raises:
-            InvalidConfig: not even one mapping per page fits; names a page size that does.
-        """
-        if config.device.type != "cpu":
-            return 0
-        tensors = geometry.num_tensors
-        typical, worst = tensors * (geometry.num_pages + 1), tensors * (2 * geometry.num_pages + 1)
-        room = mapping_room()
-        if room is None or worst <= room:
-            return typical
-        step = math.lcm(granularity(config.device), geometry.piece_bytes // geometry.tokens_per_page)
-        most_pages = max(1, (room // tensors - 1) // 2)
-        fits = -(-config.memory_budget // (tensors * most_pages * step)) * step
-        advice = (f"page_size={format_size(fits)} or larger fits even a fragmented pool (or use the all_layers "
-                  "layout, a smaller memory_budget, or raise the limit: sysctl -w vm.max_map_count=N)")
-        if typical > room:
-            raise InvalidConfig(
-                f"page_size {format_size(config.page_size)} makes {geometry.num_pages} pages in each of {tensors} "
-                f"ranges: {typical} mappings or more, but this process may create only {room} more "
-                f"(Linux vm.max_map_count); {advice}"
-            )
-        log.warning("vmkv: %d pages in %d ranges may need up to %d mappings when fragmented, %d are left "
-                    "(Linux vm.max_map_count): a step may then raise OutOfMappings; %s",
-                    geometry.num_pages, tensors, worst, room, advice)
-        return typical
-
-    def _make_views(self, config: KVCacheConfig) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Zero-copy tensors over the reserved ranges: ``[max_batch, seq_capacity, heads, dim]`` per layer."""
-        heads, dim, layers = config.num_kv_heads, config.head_dim, config.num_layers
-        shape = (config.max_batch_size, self.seq_capacity)
-        if config.layout == "per_layer":
-            views = [self._vm.tensor(base, (*shape, heads, dim), config.dtype) for base in self._bases]
-            return views[0::2], views[1::2]
-        if config.layout == "head_major":  # [B, H, S, D] ranges, seen as [B, S, H, D] like the others
-            batch, capacity = shape
-            views = [self._vm.tensor(base, (batch, heads, capacity, dim), config.dtype).transpose(1, 2) for base in self._bases]
-            return views[0::2], views[1::2]
-        k_all, v_all = (self._vm.tensor(base, (*shape, layers, heads, dim), config.dtype) for base in self._bases)
-        return [k_all[:, :, layer] for layer in range(layers)], [v_all[:, :, layer] for layer in range(layers)]
 
     # ---- what the model and kernels read ---------------------------------------------------
     @exclusive
@@ -307,76 +239,21 @@ class VirtualKVCache(KVCacheBase):
         self._check_query(q, plan)
         return self._kernel(q, self._k[layer], self._v[layer], plan, as_scale(scale, self.config.head_dim))
 
-    # ---- the mode's hooks ------------------------------------------------------------------
-    def _addr(self, tensor: int, slot: int, index: int) -> int:
-        """Address of piece ``tensor``'s logical page ``index`` of ``slot`` (head-major: piece
-        ``t`` is head ``t % kv_heads`` of range ``t // kv_heads``)."""
-        base, head = divmod(tensor, self._heads_per_range)
-        return self._bases[base] + slot * self.slot_bytes + head * self._run_bytes + index * self.geometry.piece_bytes
-
     def _piece(self, page: int, tensor: int) -> int:
         """The backend page that range ``tensor`` maps for pool page ``page``."""
-        return self._memory.piece(page, tensor)
-
-    def _attach(self, slot: int, index: int, page: int, old: int | None, keep: int) -> None:
-        """Map ``page`` in every range at ``slot``/``index`` (replacing ``old``); each backend call
-        that succeeds (``map_pages`` of a new page's pieces, all or none) journals its inverse, so a failure half-way is rolled back by the caller's
-        ``atomic`` block (and a failing rollback marks the cache broken)."""
-        nbytes = keep * self.geometry.piece_bytes // self.tokens_per_page  # the stored tokens only
-        addrs = [self._addr(t, slot, index) for t in range(self.geometry.num_tensors)]
-        saved = [self._vm.tensor(a, (nbytes,), torch.uint8).clone() for a in addrs] if keep else []
-        # No kernel may still read these addresses: ``old`` goes away, and on CUDA even the zero
-        # page is unmapped for a moment (padded kernels read past a sequence's length).
-        if self.budget is not None and self._memory.fresh([page]):
-            self.budget.check_granted()
-        self._vm.synchronize()
-        if old is None:  # a new page (the common case): one backend call maps every piece
-            self._vm.map_pages([(addr, self._piece(page, t)) for t, addr in enumerate(addrs)])
-            self.guard.log(functools.partial(self._unmap_all, addrs))
-        else:
-            for t, addr in enumerate(addrs):
-                self._vm.unmap(addr)
-                self.guard.log(functools.partial(self._vm.map, addr, self._piece(old, t)))
-                self._vm.map(addr, self._piece(page, t))
-                self.guard.log(functools.partial(self._vm.unmap, addr))
-        for addr, data in zip(addrs, saved):
-            self._vm.tensor(addr, (nbytes,), torch.uint8).copy_(data)
-        self._memory.mapped(page)
-
-    def _unmap_all(self, addrs: list[int]) -> None:
-        """Unmap every address of ``addrs``, last first (the undo of ``map_pages``)."""
-        for addr in reversed(addrs):
-            self._vm.unmap(addr)
-
-    def _detach(self, slot: int, index: int, page: int) -> None:
-        """Unmap ``page`` at ``slot``/``index`` in every range (it reads as zeros again); each
-        unmap journals its inverse (see :meth:`_attach`)."""
-        self._vm.synchronize()  # no kernel may still read the page we take away
-        for t in range(self.geometry.num_tensors):
-            addr = self._addr(t, slot, index)
-            self._vm.unmap(addr)
-            self.guard.log(functools.partial(self._vm.map, addr, self._piece(page, t)))
-
-    def _release(self, pages: list[int]) -> None:
-        """Give the memory of free pages back to the OS (only pages mapped since their last release)."""
-        self._memory.release(pages)
-
-    def _token_rows(self, slot: int, pages: list[int], start: int, count: int) -> torch.Tensor:
-        return torch.arange(start, start + count) + slot * self.seq_capacity
-
-    def _block_table(self, seqs: list[LiveSequence], kv_lens: list[int]) -> None:
-        return None
+        return self.ranges.memory.piece(page, tensor)
 
     # ---- memory ----------------------------------------------------------------------------
     def stats(self) -> dict:
         stats = super().stats()
-        vm = self._vm
+        ranges = self.ranges
+        vm = ranges.vm if ranges is not None else None
         stats.update(
             backend=vm.name if vm is not None else "closed",
             layout=self.config.layout,
             page_size=self.geometry.piece_bytes,
             resident_bytes=vm.resident_bytes() if vm is not None else 0,
-            reserved_bytes=len(self._bases) * self.config.max_batch_size * self.slot_bytes,
+            reserved_bytes=ranges.reserved_bytes if ranges is not None else 0,
             pages_mapped_ahead=self.counters["pages_mapped_ahead"],
         )
         budget = self.budget
@@ -385,10 +262,9 @@ class VirtualKVCache(KVCacheBase):
         return stats
 
     def _close_storage(self) -> None:
-        vm = getattr(self, "_vm", None)
-        if vm is None:
+        ranges = getattr(self, "ranges", None)
+        if ranges is None:
             return
         self._k = self._v = self._rows = []
-        self._vm = None
-        vm.synchronize()
-        vm.close()
+        self._slot_views = self._batch = None  # (both hold views)
+        ranges.close()
