@@ -567,6 +567,6 @@ def plot(result: dict[str, Any], out_dir) -> list[str]:
 
 
 if __name__ == "__main__":  # python -m benchmarks.decode [options] runs `vmkv bench decode [options]`
-    from vmkv.cli import main
+    from benchmarks.suite import main
 
-    sys.exit(main(["bench", NAME, *sys.argv[1:]]))
+    sys.exit(main([NAME, *sys.argv[1:]]))

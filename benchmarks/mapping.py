@@ -331,6 +331,6 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
 
 
 if __name__ == "__main__":  # python -m benchmarks.mapping [options] runs `vmkv bench mapping [options]`
-    from vmkv.cli import main
+    from benchmarks.suite import main
 
-    sys.exit(main(["bench", NAME, *sys.argv[1:]]))
+    sys.exit(main([NAME, *sys.argv[1:]]))

@@ -410,6 +410,6 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[str]:
 
 
 if __name__ == "__main__":  # python -m benchmarks.serve [options] runs `vmkv bench serve [options]`
-    from vmkv.cli import main
+    from benchmarks.suite import main
 
-    sys.exit(main(["bench", NAME, *sys.argv[1:]]))
+    sys.exit(main([NAME, *sys.argv[1:]]))

@@ -7,8 +7,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import importlib.metadata
 import json
 import math
+import os
 import subprocess
 import sys
 import typing
@@ -20,7 +22,7 @@ import torch
 import vmkv
 import vmkv.attention
 import vmkv.config
-from benchmarks import common, compare
+from benchmarks import common, compare, suite
 from vmkv import cli
 
 FAST = ["memory", "decode", "mapping", "sharing"]  # smoke runs of seconds
@@ -900,14 +902,14 @@ def test_cli_bench_ends_with_the_verdict_and_writes_json_report_and_plot(tmp_pat
 def test_report_keeps_earlier_records_and_names_missing_files(tmp_path):
     verdict = common.ratio_verdict("x.speed", "x question", common.Spread.of([1.4, 1.5, 1.6]), "A", "B").as_dict()
     records = [{"name": "x", "status": "ok", "seconds": 1.0, "json": "x.json", "plots": [], "verdicts": [verdict]}]
-    report = cli.write_report(tmp_path, records).read_text()
+    report = suite.write_report(tmp_path, records).read_text()
     assert "x question" in report and "its result file x.json is no longer in" in report
 
 
 def test_cli_registry_lists_colleagues_and_reports_a_missing_module(tmp_path, monkeypatch, capsys):
-    assert set(ALL) <= set(cli.REGISTRY)
-    broken = cli.Entry("broken", "benchmarks.does_not_exist")
-    monkeypatch.setattr(cli, "REGISTRY", {"broken": broken, "mapping": cli.REGISTRY["mapping"]})
+    assert set(ALL) <= set(suite.REGISTRY)
+    broken = suite.Entry("broken", "benchmarks.does_not_exist")
+    monkeypatch.setattr(suite, "REGISTRY", {"broken": broken, "mapping": suite.REGISTRY["mapping"]})
     status = cli.main(["bench", "--smoke", "--no-plots", "--no-progress", "--out", str(tmp_path)])
     assert status == 1  # one benchmark did not run ...
     records = json.loads((tmp_path / "suite.json").read_text())["records"]
@@ -924,7 +926,7 @@ def test_cli_module_verdicts_come_through_the_contract(tmp_path, monkeypatch, ca
     module.verdicts = lambda result: [common.ratio_verdict(
         "fake.speed", "fake stock vs plugin", common.Spread.of([1.3, 1.4, 1.5]), "plugin", "stock")]
     monkeypatch.setitem(sys.modules, "benchmarks.fake_verdict", module)
-    monkeypatch.setattr(cli, "REGISTRY", {"fake": cli.Entry("fake", "benchmarks.fake_verdict")})
+    monkeypatch.setattr(suite, "REGISTRY", {"fake": suite.Entry("fake", "benchmarks.fake_verdict")})
     assert cli.main(["bench", "--no-progress", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     tail = out[out.rindex("== verdict =="):].splitlines()
@@ -953,6 +955,98 @@ def test_cli_list_names_every_benchmark(capsys):
     assert cli.main(["bench", "--list"]) == 0
     out = capsys.readouterr().out
     assert all(name in out for name in ALL)
+
+
+# ---- vmkv bench through the vmkv.commands entry point ------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _no_installed_commands(monkeypatch, *entry_points: importlib.metadata.EntryPoint) -> None:
+    """Make ``entry_points`` (and nothing else, not this checkout's pyproject.toml) the
+    ``vmkv.commands`` the CLI finds."""
+    monkeypatch.setattr(cli.importlib.metadata, "entry_points",
+                        lambda group: [ep for ep in entry_points if ep.group == group])
+    monkeypatch.setattr(cli, "checkout_commands", lambda pyproject: {})
+
+
+def test_the_library_does_not_import_the_benchmarks():
+    """No module of vmkv imports the benchmarks package: `vmkv bench` reaches it through the
+    entry point pyproject.toml declares."""
+    import ast
+
+    for path in sorted((ROOT / "vmkv").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(name == "benchmarks" or name.startswith("benchmarks.") for name in names), f"{path} imports {names}"
+    declared = cli.checkout_commands(ROOT / "pyproject.toml")
+    assert declared["bench"].value == "benchmarks.suite" and declared["bench"].load() is suite
+
+
+def test_a_contributed_command_gets_the_words_after_its_name(monkeypatch, capsys):
+    command = type(sys)("fake_vmkv_command")
+    command.HELP = "say hello"
+    command.main = lambda argv: seen.append(argv) or 7
+    seen: list[list[str]] = []
+    monkeypatch.setitem(sys.modules, "fake_vmkv_command", command)
+    _no_installed_commands(monkeypatch, importlib.metadata.EntryPoint("hello", "fake_vmkv_command", cli.COMMANDS_GROUP),
+                           importlib.metadata.EntryPoint("other", "fake_vmkv_command", "another.group"))
+    assert cli.main(["hello", "--device", "cuda", "x"]) == 7 and seen == [["--device", "cuda", "x"]]
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert "say hello (vmkv hello --help)" in out and "other" not in out
+    assert "bench" in out and "unavailable: vmkv bench needs the benchmark suite" in " ".join(out.split())
+
+
+def test_vmkv_bench_without_its_entry_point_says_what_to_install(monkeypatch, capsys):
+    _no_installed_commands(monkeypatch)
+    for argv in (["bench"], ["bench", "--list"], ["bench", "--device", "cuda", "mapping"]):
+        assert cli.main(argv) == 2
+        assert capsys.readouterr().err.strip() == ("vmkv bench needs the benchmark suite, which ships with a clone of vmkv: "
+                                                   "pip install -e '.[bench]' (in a vmkv clone)")
+    broken = type(sys)("broken_vmkv_command")  # loads, but is no command
+    monkeypatch.setitem(sys.modules, "broken_vmkv_command", broken)
+    _no_installed_commands(monkeypatch, importlib.metadata.EntryPoint("bench", "broken_vmkv_command", cli.COMMANDS_GROUP),
+                           importlib.metadata.EntryPoint("gone", "no_such_module_here", cli.COMMANDS_GROUP))
+    assert cli.main(["bench"]) == 2 and "is not a vmkv command (it has no HELP or main)" in capsys.readouterr().err
+    assert cli.main(["gone"]) == 2 and "no_such_module_here could not be loaded (ModuleNotFoundError" in capsys.readouterr().err
+
+
+def test_checkout_commands_come_from_vmkv_s_own_pyproject_only(tmp_path):
+    declared = tmp_path / "pyproject.toml"
+    declared.write_text('[project]\nname = "vmkv"\n[project.entry-points."vmkv.commands"]\nbench = "somewhere.else:cmd"\n')
+    (found,) = cli.checkout_commands(declared).values()
+    assert (found.name, found.value, found.group) == ("bench", "somewhere.else:cmd", cli.COMMANDS_GROUP)
+    declared.write_text('[project]\nname = "other"\n[project.entry-points."vmkv.commands"]\nbench = "x"\n')
+    assert cli.checkout_commands(declared) == {}
+    declared.write_text("not toml [")
+    assert cli.checkout_commands(declared) == {} and cli.checkout_commands(tmp_path / "missing.toml") == {}
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file", "a filesystem that refuses", "a full disk"])
+def test_an_output_directory_that_cannot_be_written_stops_the_run_first(where, tmp_path, monkeypatch, capsys):
+    """Issue 30 item 14: one line, exit status 2, no traceback, nothing run; a directory the
+    check created is gone again."""
+    import errno
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    out = {"a file": blocker, "under a file": blocker / "out", "a filesystem that refuses": Path("/sys/vmkv-bench-out"),
+           "a full disk": tmp_path / "new" / "out"}[where]
+    if where == "a full disk":
+        def full(fd: int) -> None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(suite.os, "fsync", full)
+    elif where == "a filesystem that refuses" and os.access("/sys", os.W_OK) and not Path("/sys").is_dir():
+        pytest.skip("no /sys here")
+    assert cli.main(["bench", "--smoke", "--no-progress", "sharing", "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"vmkv bench: cannot write results to --out {out}: ") and len(captured.err.splitlines()) == 1
+    assert "Traceback" not in captured.err and "== sharing" not in captured.out
+    assert blocker.read_text() == "x"
+    if where == "a full disk":
+        assert captured.err.strip().endswith("No space left on device") and not (tmp_path / "new").exists()
 
 
 def test_cli_serve_delegates_to_the_server_cli(capsys):
