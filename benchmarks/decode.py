@@ -143,28 +143,19 @@ class _Case:
         self.caches: dict[str, vmkv.KVCacheBase] = {}
         self.plans: dict[str, Any] = {}
         self.skipped: dict[str, str] = {}
-        for layout in args.layouts:
+        for label, mode, fields in _caches(args):
             try:
-                self._fill(f"vmm:{layout}", "vmm", {"layout": layout, "page_size": args.page_size, "num_layers": 2})
+                self._fill(label, mode, fields)
             except vmkv.VMKVError as exc:  # e.g. a page size this layout cannot use
-                self.skipped[f"vmm:{layout}"] = f"{type(exc).__name__}: {exc}"
-        self._fill("paged", "paged", {"block_size": args.block_size})
+                if mode == "paged":
+                    raise
+                self.skipped[label] = f"{type(exc).__name__}: {exc}"
         self.expected = self._reference()  # then the source K/V can go: memory is tight at 32 x 8K
         del self.k_src, self.v_src
 
     def _fill(self, label: str, mode: str, fields: dict[str, Any]) -> None:
         """Open a cache, write every sequence's context, then the decode step's token (layer 0)."""
-        shape = {**self.shape, "num_layers": fields.pop("num_layers", 1)}
-        probe = common.cache_config(shape, self.args.device, **fields)
-        tokens_per_page = (  # a pool page is tokens_per_page tokens of every piece, whatever the layout
-            fields["block_size"] if mode == "paged"
-            else vmkv.parse_size(fields["page_size"]) // probe.tensor_token_bytes(fields["layout"])
-        )
-        pages = self.batch * (-(-(self.context + 1) // max(1, tokens_per_page)) + 1)
-        budget = pages * max(1, tokens_per_page) * probe.bytes_per_token
-        config = common.cache_config(shape, self.args.device, max_batch_size=self.batch, max_seq_len=self.context + 1,
-                                     memory_budget=budget, prefix_caching=False, **fields)
-        cache = vmkv.open_cache(config, mode)
+        cache = vmkv.open_cache(_config(self.args, self.batch, self.context, mode, fields), mode)
         try:
             for seq in range(self.batch):
                 cache.add(seq)
@@ -232,6 +223,39 @@ class _Case:
     def close(self) -> None:
         for cache in self.caches.values():
             cache.close()
+
+
+def _caches(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]:
+    """``(label, mode, config fields)`` of every cache a grid point opens: one VMM cache of two
+    layers per layout (layer 0 is timed), then the paged cache."""
+    vmm = [(f"vmm:{layout}", "vmm", {"layout": layout, "page_size": args.page_size, "num_layers": 2}) for layout in args.layouts]
+    return [*vmm, ("paged", "paged", {"block_size": args.block_size})]
+
+
+def _config(args: argparse.Namespace, batch: int, context: int, mode: str, fields: dict[str, Any]) -> vmkv.KVCacheConfig:
+    """The configuration of a ``mode`` cache with ``fields`` that holds ``batch`` sequences of
+    ``context`` tokens plus the decode step's (a budget of their pages, one spare each)."""
+    fields = dict(fields)
+    shape = {"num_layers": fields.pop("num_layers", 1), "num_kv_heads": args.kv_heads, "head_dim": args.head_dim,
+             "dtype": args.dtype}
+    probe = common.cache_config(shape, args.device, **fields)
+    tokens_per_page = (  # a pool page is tokens_per_page tokens of every piece, whatever the layout
+        fields["block_size"] if mode == "paged"
+        else vmkv.parse_size(fields["page_size"]) // probe.tensor_token_bytes(fields["layout"])
+    )
+    pages = batch * (-(-(context + 1) // max(1, tokens_per_page)) + 1)
+    budget = pages * max(1, tokens_per_page) * probe.bytes_per_token
+    return common.cache_config(shape, args.device, max_batch_size=batch, max_seq_len=context + 1,
+                               memory_budget=budget, prefix_caching=False, **fields)
+
+
+def refusals(args: argparse.Namespace, granularity: int) -> dict[str, str]:
+    """What the grid's caches need that a backend of ``granularity`` refuses (see
+    :func:`benchmarks.common.cache_refusals`): every layout's and the paged cache, at every point."""
+    args = _defaults(args)
+    planned = [(f"{label} at B={batch} C={context}", mode, _config(args, batch, context, mode, fields))
+               for batch in args.batches for context in args.contexts for label, mode, fields in _caches(args)]
+    return common.cache_refusals(planned, granularity)
 
 
 def _dense_copy(view: torch.Tensor) -> torch.Tensor:

@@ -14,9 +14,11 @@ The ``vmkv`` command finds this module through the ``vmkv.commands`` entry point
 declares (``bench = "benchmarks.suite"``): the library never imports the benchmarks.
 ``python -m benchmarks.suite [options]`` is ``vmkv bench [options]``.
 
-Before any benchmark runs: its options are parsed, the device is checked, and every output
-directory is created and a probe file written and removed there: either failing is one line on
-stderr and exit status 2, with nothing run. Benchmark modules are
+Before any benchmark runs: its options are parsed, the device is checked, each benchmark's
+``refusals`` (if it has one) says what its options would ask of the device's backend that the
+backend refuses (a page size that is not a multiple of the granularity, say), and every output
+directory is created and a probe file written and removed there: any of these failing is one
+line on stderr and exit status 2, with nothing run. Benchmark modules are
 imported only when needed; one that is missing or fails to import is reported plainly and the
 others still run. Every module follows the contract described in :mod:`benchmarks.common`.
 """
@@ -61,6 +63,9 @@ def _same_on(devices: tuple[str, ...], options: list[str]) -> dict[str, list[str
     return {device: list(options) for device in devices}
 
 
+# The GPU presets (`vmkv bench --device cuda`) keep the whole suite within about 3 minutes on an
+# H200 (docs/benchmarks.md says how that was estimated) and measure a model large enough for the
+# GPU's work to show where a model runs: generate's 1b model (Llama-3.2-1B's shape, random weights).
 REGISTRY: dict[str, Entry] = {
     entry.name: entry
     for entry in (
@@ -68,18 +73,27 @@ REGISTRY: dict[str, Entry] = {
             "--requests", "sharegpt=120", "alpaca=300", "--budget", "sharegpt=1GiB", "alpaca=256MiB", "--page-sizes", "2MiB"])),
         Entry("decode", "benchmarks.decode", {
             "cpu": ["--batches", "1", "8", "32", "--contexts", "512", "2048", "--repeat", "7", "--paged-kernels", "selected"],
+            "cuda": ["--batches", "8", "32", "--contexts", "2048", "8192", "--repeat", "7", "--paged-kernels", "selected",
+                     "--threads", "0"],
         }),
         Entry("mapping", "benchmarks.mapping", {
             "cpu": ["--steps", "128", "--rounds", "11", "--pages", "128", "--decode-page-sizes", "4KiB"],
+            "cuda": ["--steps", "128", "--rounds", "7", "--pages", "128", "--page-sizes", "2MiB", "--decode-page-sizes", "2MiB",
+                     "--shape", "llama3-8b", "--layout", "all_layers"],
         }),
         Entry("sharing", "benchmarks.sharing", _same_on(DEVICES, ["--traces", "alpaca", "--requests", "3", "--widths", "2", "6"])),
         Entry("generate", "benchmarks.generate", {
             "cpu": ["--models", "small", "--prompt-len", "64", "--new-tokens", "256", "--batch-sizes", "8",
                     "--beam-new-tokens", "32", "--caches", "dynamic", "static", "vmm", "vmm+vmkv", "bound", "--repeats", "7"],
+            # StaticCache is left out on CUDA: generate() compiles the model for it there (tens of seconds a shape)
+            "cuda": ["--models", "1b", "--prompt-len", "64", "--new-tokens", "128", "--batch-sizes", "8",
+                     "--beam-new-tokens", "16", "--caches", "dynamic", "vmm", "vmm+vmkv", "bound", "--repeats", "5"],
         }),
         Entry("serve", "benchmarks.serve", {
             "cpu": ["--concurrency", "1", "8", "--rates", "16", "inf", "--requests", "16", "--output-len", "16", "--repeats", "7",
                     "--rate-repeats", "1"],
+            "cuda": ["--concurrency", "1", "8", "--rates", "16", "inf", "--requests", "16", "--output-len", "16", "--repeats", "5",
+                     "--rate-repeats", "1"],
         }),
         Entry("vllm", "benchmarks.vllm", in_suite=False),  # vLLM stock vs the vmkv plugin: needs vLLM, minutes
         Entry("two_engines", "benchmarks.two_engines", in_suite=False),  # two engine processes, alternating bursts
@@ -189,6 +203,15 @@ def device_unavailable(device: str) -> str:
     return why.split(": ", 1)[-1]
 
 
+def granularity(device: str) -> int:
+    """The smallest page the backend of ``device`` maps (4 KiB on the host, 2 MiB on CUDA)."""
+    import torch
+
+    from vmkv.vm import granularity as backend_granularity
+
+    return backend_granularity(torch.device(device))
+
+
 PROBE_BYTES = 4096
 
 
@@ -229,13 +252,34 @@ class Job:
     options: list[str]
 
 
-def preflight(jobs: list[Job]) -> str:
-    """Every check made before a benchmark runs: the devices, then the output directories. The
-    first failure as one line; '' if none."""
+def _refused(job: Job, pages: Callable[[str], int]) -> str:
+    """What ``job``'s options ask of its device's backend that the backend refuses ('' if
+    nothing): the module's ``refusals``, pure, with the device's granularity."""
+    if not hasattr(job.module, "refusals"):
+        return ""
+    gran = pages(job.args.device)
+    refused, why = _try(lambda: job.module.refusals(job.args, gran))
+    if why:  # an option the module itself refuses (an unknown allocator, say)
+        return why
+    if not refused:
+        return ""
+    what = "; ".join(f"{label}: {why}" for label, why in refused.items())
+    return f"on {job.args.device} (pages are multiples of {gran} B) the backend refuses {what}"
+
+
+def preflight(jobs: list[Job], pages: Callable[[str], int] | None = None) -> str:
+    """Every check made before a benchmark runs: the devices, what each benchmark's options ask
+    of its device's backend (``pages``: device -> granularity, default :func:`granularity`),
+    then the output directories (the one check that writes, so last). The first failure as one
+    line; '' if none."""
     for device in dict.fromkeys(job.args.device for job in jobs):
         why = device_unavailable(device)
         if why:
             return why
+    for job in jobs:
+        why = _refused(job, pages or granularity)
+        if why:
+            return f"{job.entry.name} cannot run with its options: {why}"
     for out in dict.fromkeys(job.args.out for job in jobs):
         why = unwritable(out)
         if why:

@@ -455,6 +455,18 @@ def test_sharing_saves_memory_only_with_small_pages(smoke_results):
     assert rows[("beam", "paged-b16")]["cow_copies"] > 0
 
 
+def test_sharing_verdict_compares_the_default_pages_with_paged_and_shows_the_rest(smoke_results):
+    from benchmarks import sharing
+
+    rows = smoke_results["sharing"]["rows"]
+    default = next(r for r in rows if r["allocator"] == sharing.DEFAULT_VMM)
+    for verdict in sharing.verdicts(smoke_results["sharing"]):
+        assert verdict.result.startswith(f"VMM default ({default['tokens_per_page']}-tok pages, {default['geometry'].split(',')[0]})")
+        assert ", paged " in verdict.result and "1024-tok" not in verdict.result  # the alternatives go to the note
+        assert verdict.note.startswith("alternatives: ") and "VMM 1024-tok pages" in verdict.note
+        assert verdict.side in (sharing.DEFAULT_VMM, "paged-b16", "tie")
+
+
 # ---- vllm (a run starts two vLLM engines: minutes, so its saved result is checked) -----------
 def _vllm_result(**kv_mib: tuple[float, float]) -> dict:
     """The saved run of docs/img/vllm.json with its summary made again by this code; ``kv_mib``:
@@ -1021,6 +1033,85 @@ def test_checkout_commands_come_from_vmkv_s_own_pyproject_only(tmp_path):
     assert cli.checkout_commands(declared) == {}
     declared.write_text("not toml [")
     assert cli.checkout_commands(declared) == {} and cli.checkout_commands(tmp_path / "missing.toml") == {}
+
+
+# ---- presets per device and the checks before anything runs -------------------------------------
+CUDA_GRANULARITY = 2 << 20
+
+
+def _resolved(name: str, device: str, smoke: bool = False, options: list[str] | None = None) -> tuple[object, argparse.Namespace]:
+    """The module of benchmark ``name`` and its options as the suite resolves them on ``device``."""
+    entry = suite.REGISTRY[name]
+    module, why = suite.load_module(entry)
+    assert module is not None, why
+    common_ns = argparse.Namespace(device=device, smoke=smoke, seed=0, out=Path("unused"), no_plots=True, progress=False)
+    argv = suite.preset(entry, device, smoke=smoke) if options is None else options
+    return module, suite.module_args(module, entry, argv, common_ns)
+
+
+@pytest.mark.parametrize("device, granularity", [("cpu", 4096), ("cuda", CUDA_GRANULARITY)])
+@pytest.mark.parametrize("smoke", [False, True], ids=["quick", "smoke"])
+@pytest.mark.parametrize("name", ALL)
+def test_every_preset_opens_on_its_device_without_one(name, device, granularity, smoke):
+    """Issue 26: the quick preset (and --smoke) of every benchmark of the suite asks nothing of
+    the device's backend that the backend refuses (CUDA: 2 MiB granularity), found without a
+    GPU: every cache configuration it implies is built and checked."""
+    assert set(suite.REGISTRY[name].presets) == set(suite.DEVICES)
+    module, args = _resolved(name, device, smoke)
+    if name == "generate":  # VirtualCache sizes its own pages: no configuration here to check
+        assert not hasattr(module, "refusals")
+        return
+    assert module.refusals(args, granularity) == {}
+
+
+def test_refusals_name_what_the_device_refuses():
+    """What the old quick preset asked of CUDA (4 KiB pages for mapping), and page sizes below
+    2 MiB elsewhere, are named with the backend's reason; a CPU run of the same is fine."""
+    from benchmarks import mapping
+
+    _, args = _resolved("mapping", "cuda", options=["--decode-page-sizes", "4KiB", "--page-sizes", "64KiB", "2MiB"])
+    refused = mapping.refusals(args, CUDA_GRANULARITY)
+    assert set(refused) == {"map/unmap 64KiB pages", "decode-share 4KiB pages (all_layers, llama3-8b)"}
+    assert "must be a multiple of the backend granularity (2097152 B)" in refused["decode-share 4KiB pages (all_layers, llama3-8b)"]
+    _, args = _resolved("mapping", "cpu", options=["--decode-page-sizes", "4KiB", "--page-sizes", "64KiB", "2MiB"])
+    assert mapping.refusals(args, 4096) == {}
+    for name, options in (("decode", ["--page-size", "64KiB"]), ("sharing", ["--allocators", "vmm-per_layer-64KiB"]),
+                          ("serve", ["--vmm-page-size", "64KiB"]), ("memory", ["--page-sizes", "64KiB", "--allocators", "vmm-default"])):
+        module, args = _resolved(name, "cuda", options=options)
+        refused = module.refusals(args, CUDA_GRANULARITY)
+        if name == "memory":  # the layout x page size sweep is reported as skipped, not needed
+            assert refused == {}
+        else:
+            assert refused and all("2097152" in why for why in refused.values()), (name, refused)
+
+
+def test_cuda_presets_measure_what_a_cuda_user_gets():
+    """mapping maps 32-token pages of Llama-3-8B in the all-layers layout (2 MiB pages of the small
+    model would hold 1,024 tokens or more), sharing's headline VMM allocator is the library's
+    CUDA default (all layers, 32 tokens a page), generate runs the 1b model."""
+    from benchmarks import mapping, sharing
+
+    _, args = _resolved("mapping", "cuda")
+    config = mapping._decode_config(mapping._settings(args), "2MiB")
+    assert (config.layout, config.page_size // config.tensor_token_bytes()) == ("all_layers", 32)
+    _, args = _resolved("sharing", "cuda")
+    settings, widths = sharing._settings(args)
+    default = next(a for a in sharing.ALLOCATORS if a.label == sharing.DEFAULT_VMM)
+    assert sharing.DEFAULT_VMM in settings.allocators and "vmm-per_layer-64KiB" not in settings.allocators
+    config = sharing._config(default, settings, widths[-1])
+    assert (config.layout, config.page_size, config.page_size // config.tensor_token_bytes()) == ("all_layers", 2 << 20, 32)
+    _, args = _resolved("generate", "cuda")
+    assert args.models == ["1b"] and "static" not in args.caches
+
+
+def test_a_refused_option_stops_the_run_before_anything_runs_or_is_written(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(suite, "granularity", lambda device: CUDA_GRANULARITY)  # this host as if it mapped 2 MiB pages
+    out = tmp_path / "out"
+    assert cli.main(["bench", "mapping", "--page-sizes", "2MiB", "--out", str(out)]) == 2  # its 4 KiB decode pages on CPU
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("vmkv bench: mapping cannot run with its options: on cpu (pages are multiples of 2097152 B) "
+                          "the backend refuses decode-share 4KiB pages (per_layer, small): page_size 4096 must be")
+    assert len(err.splitlines()) == 1 and not out.exists()
 
 
 @pytest.mark.parametrize("where", ["a file", "under a file", "a filesystem that refuses", "a full disk"])
