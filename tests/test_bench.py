@@ -325,6 +325,30 @@ def test_decode_vmm_vs_dense_answers_what_virtual_memory_costs(samples, winner, 
     assert (_cost_verdict(verdict).winner, _cost_verdict(verdict).side) == (winner, side)
 
 
+@pytest.mark.parametrize("shares, winner, side", [
+    ([0.52, 0.53, 0.54], "not bandwidth-bound (below 80 % of the read bandwidth)", "not bandwidth-bound"),  # issue 26's GPU run
+    ([0.85, 0.86, 0.9], "bandwidth-bound (>= 80 % of the read bandwidth)", "bandwidth-bound"),
+    ([0.75, 0.82, 0.85], "near the 80 % line (rounds on both sides)", "tie"),
+])
+def test_decode_bandwidth_verdict_names_its_bound_and_the_80_percent_line(shares, winner, side):
+    """Half the bandwidth is not "bandwidth-bound": the line is 80 % of the read bandwidth measured
+    in the same rounds, and the verdict says what that bound is and what it measured."""
+    from benchmarks import decode
+
+    read_bytes, kv_bytes = 256 * 2**20, 128 * 2**20
+    read_s = [read_bytes / 3.878e12] * 3  # 3,878 GB/s
+    kernel_s = [kv_bytes / (share * read_bytes / t) for share, t in zip(shares, read_s)]
+    result = {"samples": {"32,2048": {"kv_bytes": kv_bytes, "read_bytes": read_bytes,
+                                      "seconds": {"read": read_s, "vmm:all_layers:k": kernel_s}}},
+              "config": {"threads": 1}}
+    best = {"batch": 32, "context": 2048, "candidate": "vmm:all_layers:k", "gbps": kv_bytes / sorted(kernel_s)[1] / 1e9}
+    verdict = decode._bandwidth_verdict(result, best, common.Timings(result["samples"]["32,2048"]["seconds"]), "B=32")
+    assert (verdict.winner, verdict.side) == (winner, side)
+    assert verdict.value == pytest.approx(sorted(shares)[1])
+    assert verdict.result.endswith(f"= {common.number_text(sorted(shares)[1], '%')} of 3,878 GB/s")
+    assert "read bandwidth (torch.sum over 256 MiB, same rounds)" in verdict.question
+
+
 # ---- mapping ---------------------------------------------------------------------------------
 def test_mapping_measures_every_part(smoke_results):
     rows = smoke_results["mapping"]["rows"]
