@@ -1126,6 +1126,10 @@ def test_cuda_presets_measure_what_a_cuda_user_gets():
     assert (config.layout, config.page_size, config.page_size // config.tensor_token_bytes()) == ("all_layers", 2 << 20, 32)
     _, args = _resolved("generate", "cuda")
     assert args.models == ["1b"] and "static" not in args.caches
+    cpu, _ = sharing._settings(_resolved("sharing", "cpu")[1])  # the CUDA preset's shorter max_seq_len replays the same requests
+    assert settings.max_seq_len < cpu.max_seq_len
+    for seed, count in ((settings.seed, settings.requests), (settings.seed + 1, settings.requests * max(widths))):
+        assert common.make_trace("alpaca", count, seed, settings.max_seq_len) == common.make_trace("alpaca", count, seed, cpu.max_seq_len)
 
 
 def test_a_refused_option_stops_the_run_before_anything_runs_or_is_written(monkeypatch, tmp_path, capsys):
