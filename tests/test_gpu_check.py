@@ -1,13 +1,15 @@
 """The GPU check, ``python benchmarks/gpu_check.py`` (``benchmarks/gpu/``), without a GPU.
 
-* Its dry run as a user runs it (``--device cpu --smoke``): ``shared_budget`` and ``zero_page``
-  (whose write probe must die), each in its own process, the JSON, the summary and the verdict line.
+* Its dry run as a user runs it (``--device cpu --smoke``): ``shared_budget``, ``vllm_slots``
+  and ``zero_page`` (whose write probe must die), each in its own process, the JSON, the summary
+  and the verdict line.
 * The registry and the time budget: a section whose estimate does not fit in what is left is
   skipped with the reason; a section's process never outlives the budget, nor do the
   processes it started; the summary fits one screen.
 * Each section's verdict logic, fed results that must fail.
-* The CUDA path of ``shared_budget`` on the fake driver (tests/fake_cuda): the stores hold
-  exactly what the driver created minus what it released, zero pages included.
+* The CUDA paths of ``shared_budget`` and ``vllm_slots`` on the fake driver (tests/fake_cuda):
+  the stores hold exactly what the driver created minus what it released, zero pages included;
+  every driver call of mapping and freeing a slot fails once and is undone.
 
 Every test name holds ``gpu_check``: the ``tests`` section deselects them on a GPU (they would
 start the script inside itself; the fake-driver ones skip there anyway).
@@ -25,7 +27,7 @@ import pytest
 import torch
 from fake_cuda.fixtures import fake, fake_cuda_backends, fake_lib  # noqa: F401  (fixtures)
 
-from benchmarks.gpu import core, memory, runner, vllm_engine
+from benchmarks.gpu import core, memory, runner, slots, vllm_engine
 from benchmarks.gpu.memory import DeviceMemory, MemorySample, shared_budget_section
 from benchmarks.gpu.registry import SectionSkipped, run_process
 from benchmarks.gpu.sections import SECTIONS
@@ -40,9 +42,9 @@ needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is p
 
 # ---- the dry run, as a user runs it -----------------------------------------------------------
 def test_gpu_check_cpu_dry_run_runs_the_sections_each_in_its_own_process(tmp_path):
-    """The write probe dies in a grandchild (SIGSEGV on the host); shared_budget passes, stage by
-    stage; the summary names each with its headline; the last line is the verdict."""
-    sections = ["zero_page", "shared_budget"]
+    """The write probe dies in a grandchild (SIGSEGV on the host); shared_budget (stage by stage)
+    and vllm_slots pass; the summary names each with its headline; the last line is the verdict."""
+    sections = ["zero_page", "shared_budget", "vllm_slots"]
     run = run_process([sys.executable, SCRIPT, "--device", "cpu", "--smoke", "--out", str(tmp_path), "--sections", *sections], 300)
     assert run.returncode == 0, run.output
     report = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -53,9 +55,11 @@ def test_gpu_check_cpu_dry_run_runs_the_sections_each_in_its_own_process(tmp_pat
     budget = entries["shared_budget"]["result"]
     assert all(budget["checks"].values()) and budget["resident_after_second"] <= budget["budget_bytes"]
     assert [row["stage"] for row in budget["rounds"]["measured"]] == list(memory.STAGES)
+    slot = entries["vllm_slots"]["result"]
+    assert all(slot["checks"].values()) and slot["rollback"]["map"]["calls"] > 0 and slot["vllm_layout"] == "LBHNC"
     assert all(entry["estimate_s"] > 0 and entry["headline"] for entry in entries.values())
     lines = run.stdout.strip().splitlines()
-    assert lines[-1] == "gpu_check on cpu: 2 passed, 0 skipped."
+    assert lines[-1] == "gpu_check on cpu: 3 passed, 0 skipped."
     table = lines[lines.index(next(line for line in lines if line.startswith("section "))):]
     assert all(any(line.startswith(name) and entries[name]["headline"][:40] in line for line in table) for name in sections)
 
@@ -159,7 +163,7 @@ def test_gpu_check_without_a_gpu_says_so_in_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as done:
         runner.parse_args(["--help"])
     help_text = capsys.readouterr().out
-    assert done.value.code == 0 and "Exit status" in help_text and "shared_budget" in help_text and "--budget-s" in help_text
+    assert done.value.code == 0 and "Exit status" in help_text and "vllm_slots" in help_text and "--budget-s" in help_text
     code = runner.main(["--out", str(tmp_path / "out")])  # no arguments but the output folder
     lines = capsys.readouterr().out.strip().splitlines()
     assert code == runner.EXIT_NO_GPU == 3 and len(lines) == 1
@@ -345,3 +349,33 @@ def test_gpu_check_shared_budget_on_the_fake_driver_counts_every_byte(fake_cuda_
                        0, *(row["vmkv_resident"] for row in result["rounds"]["measured"])]
     assert result["overhead"]["zero_pages_bytes"] == 2 * page and result["overhead"]["driver_beyond_stores_bytes"] == 0
     assert fake.state()["memory_used"] == 0
+
+
+# ---- vllm_slots: contiguous mode's parts without vLLM -----------------------------------------
+def test_gpu_check_vllm_slots_on_the_fake_cuda_driver(fake_cuda_backends, fake, monkeypatch):  # noqa: F811
+    """On the CUDA backend (all-layers slots, vLLM's block-outermost buffer): every check holds,
+    the driver's access flags match the slots, every driver call of a map and a free fails once
+    and is undone; nothing is left behind (the fixture checks)."""
+    from vmkv.vm.cuda import CudaVirtualMemory, cuda_granularity
+
+    runtime = fake_cuda_backends.runtime
+    monkeypatch.setattr(slots, "open_backend", lambda device, page, pages: CudaVirtualMemory(page, pages, device="cuda:0", runtime=runtime))
+    monkeypatch.setattr(slots, "granularity", lambda device: cuda_granularity("cuda:0", runtime=runtime))
+    result = slots.vllm_slots_section(torch.device("cpu"), smoke=True)
+    assert result["failures"] == [] and result["backend"] == "cuda", result["checks"]
+    assert (result["vllm_layout"], result["slot_layout"]) == ("BLHNC", "all_layers")
+    assert result["checks"]["driver_access_matches_the_slots"] is True
+    for outcome in result["rollback"].values():
+        assert outcome["unit"] == "driver call" and outcome["calls"] >= 20
+    assert [c for c in fake.calls() if not c.ok and "OUT_OF_MEMORY" in c.result] == []  # injected failures never reach the driver
+    assert slots.vllm_slots_headline(result).startswith(f"{len(result['checks'])}/{len(result['checks'])} checks hold; each of ")
+
+
+def test_gpu_check_vllm_slots_catches_a_rollback_that_does_not_undo(monkeypatch):
+    """A slot space whose undo does nothing fails the rollback check: a failed map leaves blocks
+    mapped in a slot that says it holds none."""
+    from vmkv.vllm.slots import SlotSpace
+
+    monkeypatch.setattr(SlotSpace, "_undo", lambda self, exc, done, call, args: exc)
+    result = slots.vllm_slots_section(torch.device("cpu"), smoke=True)
+    assert "every_failing_map_is_undone" in result["failures"] and result["rollback"]["map"]["not_undone"]

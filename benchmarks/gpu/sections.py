@@ -14,7 +14,7 @@ for the sections still to come (Triton kernels, CUDA graphs): see docs/gpu.md, "
 
 from __future__ import annotations
 
-from . import core, memory, vllm_engine
+from . import core, memory, slots, vllm_engine
 from .registry import Context, Section
 
 
@@ -42,6 +42,8 @@ SECTIONS: tuple[Section, ...] = (
             "each paged kernel vs the VMM cache's kernel on the same K/V"),
     Section("shared_budget", 20, lambda ctx: memory.shared_budget_section(ctx.device, ctx.shape),
             memory.shared_budget_headline, "two caches in one ledger: where the device memory goes, stage by stage"),
+    Section("vllm_slots", 15, lambda ctx: slots.vllm_slots_section(ctx.device, ctx.smoke), slots.vllm_slots_headline,
+            "vLLM contiguous mode's slot space over a vLLM-shaped KV buffer, rollback at every driver call"),
     Section("vllm", 150, lambda ctx: vllm_engine.vllm_section(ctx.device, ctx.out), vllm_engine.vllm_headline,
             "vmkv.vllm.gpu_smoke: vLLM + vmkv gives stock vLLM's tokens", skip_reason=vllm_engine.vllm_unavailable),
     Section("vllm_addressing", 420, lambda ctx: vllm_engine.vllm_addressing_section(ctx.device, ctx.out, ctx.smoke),
