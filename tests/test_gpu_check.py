@@ -1,8 +1,8 @@
 """The GPU check, ``python benchmarks/gpu_check.py`` (``benchmarks/gpu/``), without a GPU.
 
-* Its dry run as a user runs it (``--device cpu --smoke``): ``shared_budget``, ``vllm_slots``
-  and ``zero_page`` (whose write probe must die), each in its own process, the JSON, the summary
-  and the verdict line.
+* Its dry run as a user runs it (``--device cpu --smoke``): the sections added for issue 26
+  (``shared_budget``, ``vllm_slots``, ``bench``) and ``zero_page`` (whose write probe must die),
+  each in its own process, the JSON, the summary and the verdict line.
 * The registry and the time budget: a section whose estimate does not fit in what is left is
   skipped with the reason; a section's process never outlives the budget, nor do the
   processes it started; the summary fits one screen.
@@ -27,7 +27,7 @@ import pytest
 import torch
 from fake_cuda.fixtures import fake, fake_cuda_backends, fake_lib  # noqa: F401  (fixtures)
 
-from benchmarks.gpu import core, memory, runner, slots, vllm_engine
+from benchmarks.gpu import bench, core, memory, runner, slots, vllm_engine
 from benchmarks.gpu.memory import DeviceMemory, MemorySample, shared_budget_section
 from benchmarks.gpu.registry import SectionSkipped, run_process
 from benchmarks.gpu.sections import SECTIONS
@@ -41,10 +41,11 @@ needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is p
 
 
 # ---- the dry run, as a user runs it -----------------------------------------------------------
-def test_gpu_check_cpu_dry_run_runs_the_sections_each_in_its_own_process(tmp_path):
-    """The write probe dies in a grandchild (SIGSEGV on the host); shared_budget (stage by stage)
-    and vllm_slots pass; the summary names each with its headline; the last line is the verdict."""
-    sections = ["zero_page", "shared_budget", "vllm_slots"]
+def test_gpu_check_cpu_dry_run_runs_the_new_sections_each_in_its_own_process(tmp_path):
+    """The write probe dies in a grandchild (SIGSEGV on the host); shared_budget, vllm_slots and
+    the main job's suite (one quick benchmark) pass; the summary names each with its headline;
+    the last line is the verdict."""
+    sections = ["zero_page", "shared_budget", "vllm_slots", "bench"]
     run = run_process([sys.executable, SCRIPT, "--device", "cpu", "--smoke", "--out", str(tmp_path), "--sections", *sections], 300)
     assert run.returncode == 0, run.output
     report = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -57,9 +58,11 @@ def test_gpu_check_cpu_dry_run_runs_the_sections_each_in_its_own_process(tmp_pat
     assert [row["stage"] for row in budget["rounds"]["measured"]] == list(memory.STAGES)
     slot = entries["vllm_slots"]["result"]
     assert all(slot["checks"].values()) and slot["rollback"]["map"]["calls"] > 0 and slot["vllm_layout"] == "LBHNC"
+    suite = entries["bench"]["result"]
+    assert suite["returncode"] == 0 and suite["benchmarks"][bench.SMOKE_BENCHMARK]["status"] == "ok", suite
     assert all(entry["estimate_s"] > 0 and entry["headline"] for entry in entries.values())
     lines = run.stdout.strip().splitlines()
-    assert lines[-1] == "gpu_check on cpu: 3 passed, 0 skipped."
+    assert lines[-1] == "gpu_check on cpu: 4 passed, 0 skipped."
     table = lines[lines.index(next(line for line in lines if line.startswith("section "))):]
     assert all(any(line.startswith(name) and entries[name]["headline"][:40] in line for line in table) for name in sections)
 
@@ -67,11 +70,13 @@ def test_gpu_check_cpu_dry_run_runs_the_sections_each_in_its_own_process(tmp_pat
 # ---- the registry and the budget --------------------------------------------------------------
 def test_gpu_check_registry_fits_the_budget_with_room_for_more():
     """Unique names, a stated estimate and a line of text each; what runs without vLLM (the GPU
-    machine has none) fits in the default 8 minutes with room for more sections."""
+    machine has none) fits in the default 8 minutes with room for two more sections; the quick
+    checks come before the main job."""
     names = [section.name for section in SECTIONS]
     assert len(set(names)) == len(names) and all(section.estimate_s > 0 and section.about for section in SECTIONS)
     without_vllm = sum(s.estimate_s for s in SECTIONS if s.skip_reason is not vllm_engine.vllm_unavailable)
     assert without_vllm + 60 <= runner.DEFAULT_BUDGET_S == 480
+    assert names.index("bench") > max(names.index(n) for n in ("environment", "tests", "zero_page", "shared_budget", "vllm_slots"))
 
 
 def _passing_worker(tmp_path: Path, seen: list) -> object:
@@ -85,26 +90,26 @@ def _passing_worker(tmp_path: Path, seen: list) -> object:
 
 
 def test_gpu_check_skips_with_the_reason_what_does_not_fit_the_budget(tmp_path, monkeypatch, capsys):
-    """--budget-s 25: paged_vs_vmm (~30 s) is skipped over budget with the numbers, the others run
+    """--budget-s 100: bench (~200 s) is skipped over budget with the numbers, the others run
     with a time limit inside what is left; a run that starts late skips what no longer fits;
     skipped is not failed (exit 0); the summary fits one screen."""
     seen: list = []
     monkeypatch.setattr(runner, "worker_command", _passing_worker(tmp_path, seen))
     monkeypatch.setitem(runner.BY_NAME, "environment", runner.BY_NAME["environment"].__class__(
         **{**runner.BY_NAME["environment"].__dict__, "headline": lambda result: f"ran {result['section']}"}))
-    code = runner.main(["--device", "cpu", "--out", str(tmp_path), "--sections", "environment", "paged_vs_vmm", "map_unmap", "--budget-s", "25"])
+    code = runner.main(["--device", "cpu", "--out", str(tmp_path), "--sections", "environment", "bench", "zero_page", "--budget-s", "100"])
     assert code == 0
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    skipped = report["sections"]["paged_vs_vmm"]
+    skipped = report["sections"]["bench"]
     assert skipped["status"] == "skipped" and skipped["over_budget"] is True
-    assert skipped["reason"].startswith("over budget: needs ~30 s (estimate on an H200), ") and "of --budget-s 25" in skipped["reason"]
-    assert [name for name, _ in seen] == ["environment", "map_unmap"] and all(seconds <= 25 for _, seconds in seen)
+    assert skipped["reason"].startswith("over budget: needs ~200 s (estimate on an H200), ") and "of --budget-s 100" in skipped["reason"]
+    assert [name for name, _ in seen] == ["environment", "zero_page"] and all(seconds <= 100 for _, seconds in seen)
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1] == "gpu_check on cpu: 2 passed, 1 skipped (1 over budget)."
     summary = out[out.index(next(line for line in out if line.startswith("section "))):]
     assert len(summary) <= 20 and all(len(line) <= 180 for line in summary)
     assert any(line.startswith("environment") and "ran environment" in line for line in summary)
-    assert any(line.startswith("paged_vs_vmm") and "over budget" in line for line in summary)
+    assert any(line.startswith("bench") and "over budget" in line for line in summary)
 
     seen.clear()  # started 95 s ago: 5 s left, nothing fits
     code = runner.main(["--device", "cpu", "--out", str(tmp_path), "--sections", "environment", "--budget-s", "100"],
@@ -292,6 +297,30 @@ def test_gpu_check_verdict_headlines_the_caches_own_kernel():
     kernels["varlen_attn_seqused"] = {"skipped": "needs flash"}
     assert "the cache's kernel varlen_attn_seqused was not timed (needs flash)" in runner.verdict(report)
     assert core.decode_headline(report["sections"]["decode"]["result"]).startswith("the cache's kernel varlen_attn_seqused was not timed")
+
+
+def test_gpu_check_bench_records_the_suites_exit_and_verdicts(tmp_path, monkeypatch):
+    """The main job's exit status decides; each benchmark's status and verdicts are recorded from
+    its suite.json (a stale one from an earlier run is not read); a suite past its time is
+    killed and says so."""
+    assert bench.bench_command(torch.device("cuda", 0), tmp_path / "bench", smoke=False)[1:] == [
+        "-m", "vmkv.cli", "bench", "--device", "cuda", "--out", str(tmp_path / "bench")]
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "suite.json").write_text(json.dumps({"records": [{"name": "stale", "status": "ok"}]}))
+    records = [{"name": "memory", "status": "ok", "seconds": 3.0, "verdicts": [{"question": "q", "result": "r", "winner": "vmm",
+                                                                                 "reliable": True, "note": "dropped"}]},
+               {"name": "mapping", "status": "failed", "reason": "InvalidConfig: page_size 4096 ..."}]
+    writes = (f"import json, pathlib; pathlib.Path({str(tmp_path / 'bench' / 'suite.json')!r}).write_text("
+              f"json.dumps({{'records': {records!r}}})); raise SystemExit(1)")
+    monkeypatch.setattr(bench, "bench_command", lambda device, out, smoke: [sys.executable, "-c", writes])
+    result = bench.bench_section(torch.device("cuda"), tmp_path, smoke=False, timeout=60)
+    assert list(result["benchmarks"]) == ["memory", "mapping"]
+    assert result["benchmarks"]["memory"]["verdicts"] == [{"question": "q", "result": "r", "winner": "vmm", "reliable": True}]
+    assert result["failures"] == ["vmkv bench exit status 1; not ok: mapping"]
+    assert bench.bench_headline(result).startswith("exit status 1: 1 of 2 benchmarks ok, 1 verdicts")
+    monkeypatch.setattr(bench, "bench_command", lambda device, out, smoke: [sys.executable, "-c", "import time; time.sleep(30)"])
+    slow = bench.bench_section(torch.device("cuda"), tmp_path, smoke=False, timeout=0.5)
+    assert slow["returncode"] is None and slow["failures"][0].startswith("vmkv bench timed out after") and slow["benchmarks"] == {}
 
 
 # ---- shared_budget: where the device memory goes ---------------------------------------------

@@ -7,5 +7,6 @@
 * :mod:`.core` -- environment, tests, zero_page, decode, map_unmap, paged_vs_vmm;
 * :mod:`.memory` -- shared_budget (where the device memory goes);
 * :mod:`.slots` -- vllm_slots (vLLM contiguous mode's parts without vLLM);
+* :mod:`.bench` -- bench (the main job on the GPU);
 * :mod:`.vllm_engine` -- vllm and vllm_addressing (need vLLM on the GPU).
 """

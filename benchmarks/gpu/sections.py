@@ -2,8 +2,8 @@
 
 To add one, write its function (``Context -> dict``) in a module of this package and add a
 :class:`~benchmarks.gpu.registry.Section` line below (:mod:`benchmarks.gpu.registry` says what
-each field means). When a run is short of time, the sections whose estimate no longer fits are
-the ones skipped.
+each field means). Keep the quick checks before ``bench``: when a run is short of time, the
+sections whose estimate no longer fits are the ones skipped.
 
 The estimates are seconds on an H200, the section's process start (about 5 s: torch's import)
 included. They are estimates, not measurements: every run records each section's real
@@ -14,7 +14,7 @@ for the sections still to come (Triton kernels, CUDA graphs): see docs/gpu.md, "
 
 from __future__ import annotations
 
-from . import core, memory, slots, vllm_engine
+from . import bench, core, memory, slots, vllm_engine
 from .registry import Context, Section
 
 
@@ -44,6 +44,8 @@ SECTIONS: tuple[Section, ...] = (
             memory.shared_budget_headline, "two caches in one ledger: where the device memory goes, stage by stage"),
     Section("vllm_slots", 15, lambda ctx: slots.vllm_slots_section(ctx.device, ctx.smoke), slots.vllm_slots_headline,
             "vLLM contiguous mode's slot space over a vLLM-shaped KV buffer, rollback at every driver call"),
+    Section("bench", 200, lambda ctx: bench.bench_section(ctx.device, ctx.out, ctx.smoke, ctx.seconds_left() - 10),
+            bench.bench_headline, "the main job: python -m vmkv.cli bench --device cuda (its GPU preset)", timeout_s=240),
     Section("vllm", 150, lambda ctx: vllm_engine.vllm_section(ctx.device, ctx.out), vllm_engine.vllm_headline,
             "vmkv.vllm.gpu_smoke: vLLM + vmkv gives stock vLLM's tokens", skip_reason=vllm_engine.vllm_unavailable),
     Section("vllm_addressing", 420, lambda ctx: vllm_engine.vllm_addressing_section(ctx.device, ctx.out, ctx.smoke),
