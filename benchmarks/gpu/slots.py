@@ -68,6 +68,8 @@ MAPS = [(0, 0, 1), (0, 1, 2), (1, 0, 1), (1, 1, 3), (2, 0, 4)]
 """``(slot, j, block)``: slots 0 and 1 share block 1 (a prefix), slot 2 holds one block."""
 MORE = [(3, 0, 1), (3, 1, 5)]
 """What the rollback checks map and free: a slot that shares block 1 too."""
+PROT_READ, PROT_READWRITE = 1, 3
+"""``CU_MEM_ACCESS_FLAGS_PROT_READ`` / ``_PROT_READWRITE``, as ``cuMemGetAccess`` reports them."""
 
 
 def block_size_for(backend: VirtualMemory, geometry: SlotGeometry) -> int:
@@ -170,10 +172,10 @@ def driver_access(space: SlotSpace) -> list[int | None] | None:
 
 
 def expected_access(space: SlotSpace, maps: list[tuple[int, int, int]]) -> list[int]:
-    """The access flags every page of the slot ranges should have after ``maps``: read-write (3)
-    where a block is mapped, else the zero page's (read-only, 1, where the device allows it)."""
+    """The access flags every page of the slot ranges should have after ``maps``: read-write
+    where a block is mapped, else the zero page's (read-only where the device allows it)."""
     backend = space.backend
-    read_write, empty = 3, 1 if getattr(backend, "zero_page_read_only", True) else 3
+    empty = PROT_READ if getattr(backend, "zero_page_read_only", True) else PROT_READWRITE
     range_bytes = space.stats()["slot_reserved_bytes"] // 2
     pages = range_bytes // backend.page_size
     flags = [empty] * (2 * pages)
@@ -181,7 +183,7 @@ def expected_access(space: SlotSpace, maps: list[tuple[int, int, int]]) -> list[
         first = space.plan.page_offset(slot, j) // backend.page_size
         for half in range(2):
             for page in range(first, first + space.plan.page_bytes // backend.page_size):
-                flags[half * pages + page] = read_write
+                flags[half * pages + page] = PROT_READWRITE
     return flags
 
 
