@@ -397,7 +397,7 @@ def test_gpu_check_vllm_slots_on_the_fake_cuda_driver(fake_cuda_backends, fake, 
     for outcome in result["rollback"].values():
         assert outcome["unit"] == "driver call" and outcome["calls"] >= 20
     assert [c for c in fake.calls() if not c.ok and "OUT_OF_MEMORY" in c.result] == []  # injected failures never reach the driver
-    assert slots.vllm_slots_headline(result).startswith(f"{len(result['checks'])}/{len(result['checks'])} checks hold; each of ")
+    assert slots.vllm_slots_headline(result).startswith(f"{len(result['checks'])}/{len(result['checks'])} checks hold; ")
 
 
 def test_gpu_check_vllm_slots_catches_a_rollback_that_does_not_undo(monkeypatch):

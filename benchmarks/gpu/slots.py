@@ -392,6 +392,6 @@ def vllm_slots_headline(result: dict[str, Any]) -> str:
     checks, timing = result["checks"], result["timing"]
     calls = sum(outcome["calls"] for outcome in result["rollback"].values())
     unit = next(iter(result["rollback"].values()))["unit"]
-    return (f"{sum(checks.values())}/{len(checks)} checks hold; each of {calls} {unit}s failed once, undone; "
-            f"a block into a slot: map {timing['map_us_per_block']['median']:.0f} us, free "
-            f"{timing['free_us_per_block']['median']:.0f} us ({timing['pages_per_block']} pages of {format_size(result['backend_page_bytes'])})")
+    return (f"{sum(checks.values())}/{len(checks)} checks hold; {calls} {unit}s failed one by one, all undone; "
+            f"map {timing['map_us_per_block']['median']:.0f} us, free {timing['free_us_per_block']['median']:.0f} us a block "
+            f"({timing['pages_per_block']} x {format_size(result['backend_page_bytes'])})")
