@@ -286,6 +286,23 @@ def test_split_counts_agree(interpreter, addressing):
         torch.testing.assert_close(out, outs[0], atol=2e-6, rtol=2e-6)
 
 
+def test_steps_reuse_buffers_as_a_graph_replay_would(interpreter):
+    """The same q, out, workspace, lengths tensor and split count every step (what a captured
+    graph replays), lengths grown in place on the device: each step is right, crossing blocks."""
+    final = [2, 17, 33]
+    store = paged_storage(final, 16, 1, 32, F32)
+    lens = torch.tensor([n - 2 for n in final], dtype=torch.int32)  # 0, 15, 31: two steps to go
+    q = torch.randn(3, 4, 32)
+    out = poisoned(q.shape, F32)
+    ws = nan_workspace(3, 4, 32, 3)
+    for step in range(3):
+        ta.decode_attention(q, store.k, store.v, lens, **store.address, num_splits=3, out=out, workspace=ws)
+        n = lens.tolist()
+        expected = torch.stack([reference(q[i : i + 1], store.keys[i][: n[i]], store.values[i][: n[i]], 32**-0.5)[0] for i in range(3)])
+        assert_close(out, expected, F32)
+        lens += 1
+
+
 def test_decode_all_empty_with_splits(interpreter):
     """Every sequence without keys, several splits: the merge sees only empty splits -> zeros."""
     lens = [0, 0]
@@ -583,6 +600,8 @@ def test_kernels_compile_for_sm90():
 
         def compile_(fn, dtype, **constexprs):
             types = {"Q": dtype, "K": dtype, "V": dtype, "OUT": dtype, "PART_OUT": "*fp32", "PART_LSE": "*fp32", "qk_scale": "fp32"}
+            if constexprs.pop("one_split", False):
+                constexprs["num_splits"] = 1  # how triton compiles an int argument equal to 1
             for name in ("KV_LENS", "BLOCK_TABLE", "SLOTS", "CU_Q"):
                 types[name] = "*i32"
             sig = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in fn.arg_names}
@@ -597,14 +616,14 @@ def test_kernels_compile_for_sm90():
             ("merge", "*bf16", "", False, 0, 128, 4, 3),
         ]
         for kernel, dtype, prec, paged, page, dim, group, splits in variants:
-            block_n = 64 if dim <= 128 else 32
+            block_n = max(16, min(64, 16384 // (dim * (4 if dtype == "*fp32" else 2))))  # as triton_attention._block_n
             common = dict(GROUP=group, HEAD_DIM=dim, BLOCK_N=block_n, PAGED=paged, PAGE_SIZE=page, DOT_PRECISION=prec, EMULATE_BF16=False)
             if kernel == "decode":
-                compile_(K._decode_split_kernel, dtype, BLOCK_G=max(16, group), NUM_SPLITS=splits, **common)
+                compile_(K._decode_split_kernel, dtype, BLOCK_G=max(16, group), one_split=splits == 1, **common)
             elif kernel == "prefill":
                 compile_(K._prefill_kernel, dtype, BLOCK_M=max(64, group), BLOCK_Q=max(64, group) // group, **common)
             else:
-                compile_(K._decode_merge_kernel, dtype, GROUP=group, BLOCK_G=group, NUM_SPLITS=splits, SPLITS_P2=4, HEAD_DIM=dim)
+                compile_(K._decode_merge_kernel, dtype, GROUP=group, BLOCK_G=group, HEAD_DIM=dim)
         print("OK")
         """
     )

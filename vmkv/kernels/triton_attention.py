@@ -51,6 +51,13 @@ log-sum-exp of -inf, which the merge weighs 0. No call here reads a device value
 (no ``.item()``, no ``.tolist()``, no sync); scratch can be preallocated
 (:class:`DecodeWorkspace`) so a graph reuses it.
 
+Compiled variants: Triton compiles one kernel per value of its ``tl.constexpr`` arguments. Here
+those are fixed by a cache and layer (head counts, head dim, dtype, block size, addressing), and
+everything that changes from step to step (lengths, batch size, ``T``, the split count) is a
+runtime argument, so a cache compiles a handful of kernels on its first steps and no more (a
+split count of 1 compiles apart: triton treats an int equal to 1 as a constant). Compile them
+before capturing a CUDA graph (run one eager step first).
+
 A sequence with no key (``kv_lens[i] == 0``) gets a decode output of zeros.
 
 Supported: head dims 16, 32, 64, 128, 256; float16, bfloat16, float32 (accumulation always in
@@ -86,7 +93,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 PROGRAMS_PER_SM = 4  # decode programs wanted per multiprocessor (several resident ones hide memory latency)
 MIN_KEYS_PER_SPLIT = 256  # no split shorter: its fixed cost (q, a float32 partial output, the merge) stays small next to its reads
 MAX_AUTO_SPLITS = 64  # the most splits choose_num_splits picks
-MAX_NUM_SPLITS = 256  # the most a caller may force (the merge loads every split's lse as one vector)
+MAX_NUM_SPLITS = 65535  # the most a caller may force (a CUDA grid's third dimension)
 CPU_STAND_IN_SMS = 8  # "multiprocessors" of the CPU interpreter: any fixed number keeps CPU runs reproducible
 
 _KERNELS_MODULE = "vmkv.kernels.triton_kernels"
@@ -379,15 +386,24 @@ def _scale(scale: Any, head_dim: int) -> float:
 
 
 # ---- launch shapes ------------------------------------------------------------------------------
-def _block_n(head_dim: int) -> int:
-    """Keys per tile: 64, or 32 at head_dim 256 (K and V tiles then stay at 32 KiB in fp16)."""
-    return 64 if head_dim <= 128 else 32
+def _block_n(head_dim: int, dtype: torch.dtype) -> int:
+    """Keys per tile: as many as keep one K tile at 16 KiB (64 keys of 256 bytes: head_dim 128
+    in 16 bits; 32 or 16 keys for longer rows), so that with two pipeline stages a program's
+    tiles fit the shared memory of every CUDA GPU since sm80 (about 100 KiB on the smallest)."""
+    row_bytes = head_dim * dtype.itemsize
+    return max(16, min(64, 16384 // row_bytes))
 
 
 _NUM_WARPS = 4
 _NUM_STAGES = 2
 _MERGE_WARPS = 2
-_PREFILL_BLOCK_M = 64  # query rows (tokens x group heads) per prefill program, at least
+
+
+def _prefill_block_m(group: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Query rows (tokens x group heads) per prefill program: 64, 32 for rows over 512 bytes
+    (float32 at head_dim 256: its Q tile alone would be 64 KiB), and never under one group."""
+    row_bytes = head_dim * dtype.itemsize
+    return max(_next_pow2(group), 64 if row_bytes <= 512 else 32)
 
 
 def _next_pow2(n: int) -> int:
@@ -484,10 +500,10 @@ def decode_attention(
     else:
         part_out, part_lse = out, out  # not read: pass 1 writes out itself
 
-    block_n = _block_n(geo.head_dim)
+    block_n = _block_n(geo.head_dim, q.dtype)
     kernels._decode_split_kernel[(batch, geo.kv_heads, num_splits)](
         q, k, v, kv_lens, geo.table, geo.table, out, part_out, part_lse,
-        sm_scale * math.log2(math.e), geo.max_keys,
+        sm_scale * math.log2(math.e), geo.max_keys, num_splits,
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -496,18 +512,17 @@ def decode_attention(
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         GROUP=geo.group, BLOCK_G=max(16, _next_pow2(geo.group)), HEAD_DIM=geo.head_dim, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, PAGED=geo.paged, PAGE_SIZE=geo.page_size, DOT_PRECISION=_dot_precision(q.dtype),
+        PAGED=geo.paged, PAGE_SIZE=geo.page_size, DOT_PRECISION=_dot_precision(q.dtype),
         EMULATE_BF16=q.dtype == torch.bfloat16 and _interpreted(kernels._decode_split_kernel),
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
     if num_splits > 1:
         kernels._decode_merge_kernel[(batch, geo.kv_heads)](
-            part_out, part_lse, out,
+            part_out, part_lse, out, num_splits,
             part_out.stride(0), part_out.stride(1), part_out.stride(2),
             part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1),
-            GROUP=geo.group, BLOCK_G=_next_pow2(geo.group), NUM_SPLITS=num_splits, SPLITS_P2=_next_pow2(num_splits),
-            HEAD_DIM=geo.head_dim, num_warps=_MERGE_WARPS,
+            GROUP=geo.group, BLOCK_G=_next_pow2(geo.group), HEAD_DIM=geo.head_dim, num_warps=_MERGE_WARPS,
         )
     return out
 
@@ -583,7 +598,7 @@ def prefill_attention(
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0 or q.shape[0] == 0:
         return out
-    block_m = max(_PREFILL_BLOCK_M, _next_pow2(geo.group))
+    block_m = _prefill_block_m(geo.group, geo.head_dim, q.dtype)
     block_q = block_m // geo.group  # query tokens per program
     grid = (q.shape[0] // block_q + batch, geo.kv_heads)
     kernels._prefill_kernel[grid](
@@ -594,7 +609,7 @@ def prefill_attention(
         v.stride(0), v.stride(1), v.stride(2),
         geo.table.stride(0),
         out.stride(0), out.stride(1),
-        GROUP=geo.group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=geo.head_dim, BLOCK_N=_block_n(geo.head_dim),
+        GROUP=geo.group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=geo.head_dim, BLOCK_N=_block_n(geo.head_dim, q.dtype),
         PAGED=geo.paged, PAGE_SIZE=geo.page_size, DOT_PRECISION=_dot_precision(q.dtype),
         EMULATE_BF16=q.dtype == torch.bfloat16 and _interpreted(kernels._decode_split_kernel),
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,

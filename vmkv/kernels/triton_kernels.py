@@ -90,7 +90,7 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr):
 @triton.jit
 def _decode_split_kernel(
     Q, K, V, KV_LENS, BLOCK_TABLE, SLOTS, OUT, PART_OUT, PART_LSE,
-    qk_scale, max_keys,
+    qk_scale, max_keys, num_splits,
     stride_qb, stride_qh,
     stride_k0, stride_k1, stride_kh,
     stride_v0, stride_v1, stride_vh,
@@ -99,14 +99,14 @@ def _decode_split_kernel(
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
 ):
     """Pass 1 of decode. Program ``(seq, kv_head, split)``: the ``GROUP`` query heads of KV head
     ``kv_head`` (one ``[BLOCK_G, D]`` tile, rows past ``GROUP`` are zero padding for ``tl.dot``)
     against split ``split`` of the sequence's keys, by online softmax.
 
-    The split's keys: ``kv_len`` cut into ``NUM_SPLITS`` equal ranges rounded up to whole tiles,
+    The split's keys: ``kv_len`` cut into ``num_splits`` equal ranges rounded up to whole tiles,
     computed here from the device length (so the grid never depends on it). A split that starts
     at or past ``kv_len`` runs no iteration and stores lse = -inf and zeros.
 
@@ -119,7 +119,7 @@ def _decode_split_kernel(
     split = tl.program_id(2)
 
     kv_len = tl.minimum(tl.load(KV_LENS + seq), max_keys)
-    keys_per_split = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    keys_per_split = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * keys_per_split
     end = tl.minimum(start + keys_per_split, kv_len)
 
@@ -157,7 +157,7 @@ def _decode_split_kernel(
         m_i = m_new
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no key: acc is 0, so o is 0
-    if NUM_SPLITS == 1:
+    if num_splits == 1:  # (triton compiles a 1 passed as an int as a constant: this branch is resolved then)
         out_ptrs = OUT + seq64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(out_ptrs, o.to(OUT.dtype.element_ty), mask=g_mask[:, None])
     else:
@@ -169,38 +169,39 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    PART_OUT, PART_LSE, OUT,
+    PART_OUT, PART_LSE, OUT, num_splits,
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
     stride_ob, stride_oh,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     """Pass 2 of decode. Program ``(seq, kv_head)``, the same query heads as pass 1: per query
-    head, ``out = sum_s w_s * o_s / sum_s w_s`` with ``w_s = exp2(lse_s - max_s lse_s)``. An
-    empty split (lse = -inf) weighs 0; a sequence whose splits are all empty (no key) gets zeros.
+    head, ``out = sum_s w_s * o_s / sum_s w_s`` with ``w_s = exp2(lse_s - max_s lse_s)``,
+    computed in one pass over the splits with a running max (as pass 1 does over keys). An empty
+    split (lse = -inf) weighs 0; a sequence whose splits are all empty (no key) gets zeros.
     """
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     offs_g = tl.arange(0, BLOCK_G)
-    offs_s = tl.arange(0, SPLITS_P2)
     offs_d = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + offs_g
     g_mask = offs_g < GROUP
 
     lse_ptrs = PART_LSE + seq * stride_lb + heads * stride_lh  # [BLOCK_G], split 0 of each head
-    lse_mask = g_mask[:, None] & (offs_s[None, :] < NUM_SPLITS)
-    lse = tl.load(lse_ptrs[:, None] + offs_s[None, :], mask=lse_mask, other=float("-inf"))  # [BLOCK_G, SPLITS_P2]
-    lse_max = tl.max(lse, 1)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # all empty: every weight exp2(-inf) = 0
-    total = tl.sum(tl.exp2(lse - lse_max[:, None]), 1)
-
+    part_ptrs = PART_OUT + seq * stride_pb + heads[:, None] * stride_ph + offs_d[None, :]  # [BLOCK_G, D]
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of the splits' lse
+    total = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(lse - m_i)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    part_ptrs = PART_OUT + seq * stride_pb + heads[:, None] * stride_ph + offs_d[None, :]
-    for s in range(NUM_SPLITS):
-        w = tl.exp2(tl.load(lse_ptrs + s, mask=g_mask, other=float("-inf")) - lse_max)  # [BLOCK_G]
+    for s in range(num_splits):
+        lse = tl.load(lse_ptrs + s, mask=g_mask, other=float("-inf"))
+        m_new = tl.maximum(m_i, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key so far: every weight exp2(-inf) = 0
+        alpha = tl.exp2(m_i - m_safe)
+        w = tl.exp2(lse - m_safe)
         o = tl.load(part_ptrs + s * stride_ps, mask=g_mask[:, None], other=0.0)  # an empty split stored zeros, never NaN
-        acc += w[:, None] * o
+        acc = acc * alpha[:, None] + w[:, None] * o
+        total = total * alpha + w
+        m_i = m_new
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
     out_ptrs = OUT + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(out_ptrs, out.to(OUT.dtype.element_ty), mask=g_mask[:, None])
