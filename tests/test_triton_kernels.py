@@ -327,13 +327,30 @@ def test_reads_past_length_do_not_matter(interpreter, addressing):
     assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
 
 
-def test_odd_block_size(interpreter):
+def test_odd_block_size_and_group(interpreter):
     """A block size that does not hold whole key tiles and is no power of two (each key looks its
-    block up)."""
+    block up), and a group of 3 query heads per KV head (padded rows)."""
     lens = [0, 24, 49, 100]
     store = paged_storage(lens, 24, 2, 32, F32)
-    run_decode(store, lens, 4, F32, num_splits=2)
-    run_prefill(store, [1, 24, 10, 37], lens, 4, F32)
+    run_decode(store, lens, 6, F32, num_splits=2)
+    run_prefill(store, [1, 24, 10, 37], lens, 6, F32)
+
+
+def test_large_scores(interpreter):
+    """Scores in the hundreds (softmax all but one-hot): the running max keeps every exp2 finite,
+    across tiles and across splits."""
+    lens = [5, 70, 130]
+    store = paged_storage(lens, 16, 1, 32, F32)
+    store.k.mul_(8)  # with q ~ N(0, 1) * 8 below: scores ~ N(0, 64^2 * 32 / 32)
+    store.keys = [k * 8 for k in store.keys]
+    q = torch.randn(3, 2, 32) * 8
+    lengths = torch.tensor(lens, dtype=torch.int32)
+    out = ta.decode_attention(q, store.k, store.v, lengths, **store.address, num_splits=3, out=poisoned(q.shape, F32))
+    expected = torch.stack([reference(q[i : i + 1], store.keys[i], store.values[i], 32**-0.5)[0] for i in range(3)])
+    assert_close(out, expected, F32)
+    cu_q = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    out = ta.prefill_attention(q, store.k, store.v, cu_q, lengths, **store.address, out=poisoned(q.shape, F32))
+    assert_close(out, expected, F32)
 
 
 # ---- prefill ------------------------------------------------------------------------------------
