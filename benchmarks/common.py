@@ -12,6 +12,12 @@ The module contract (what ``vmkv bench`` calls)::
                                               line per question (see :class:`Verdict`)
     table(result) -> list[dict]               optional: a condensed table for the terminal
                                               (default: the result's rows)
+    refusals(args, granularity) -> dict       optional: what run(args) would open that a backend
+                                              whose pages are multiples of ``granularity``
+                                              refuses, label -> why ({} when nothing), found
+                                              without opening anything or touching a device
+                                              (see :func:`cache_refusals`); ``vmkv bench`` asks
+                                              before anything runs
 
 ``run`` returns ``{"name", "schema", "rows", "summary", ...}`` (see :func:`make_result`).
 ``vmkv bench`` stores each module's verdicts in its JSON (``"verdicts"``) and prints the
@@ -299,6 +305,41 @@ def available_memory() -> int | None:
 def cache_config(shape: dict[str, Any], device: str, **fields: Any) -> vmkv.KVCacheConfig:
     """A :class:`vmkv.KVCacheConfig` of model ``shape`` on ``device`` with ``fields`` set."""
     return vmkv.KVCacheConfig(**shape, device=device, **fields)
+
+
+def cache_refusal(mode: str, config: vmkv.KVCacheConfig, granularity: int) -> str:
+    """Why a ``mode`` cache of ``config`` would not open on a backend whose pages are multiples of
+    ``granularity`` ('' if it would), without opening it or touching a device: the checks of
+    :func:`vmkv.config.check_cache_options` that need no device (the page size, in both modes,
+    and the geometry the budget gives).
+
+    Raises:
+        vmkv.InvalidConfig: ``mode`` is neither ``vmm`` nor ``paged``.
+    """
+    from vmkv.config import check_page_size, paged_geometry, vmm_geometry
+
+    if mode not in ("vmm", "paged"):
+        raise vmkv.InvalidConfig(f"mode must be 'vmm' or 'paged', got {mode!r}")
+    try:
+        check_page_size(config, granularity)
+        if mode == "vmm":
+            vmm_geometry(config, granularity)
+        else:
+            paged_geometry(config)
+    except vmkv.InvalidConfig as exc:
+        return str(exc)
+    return ""
+
+
+def cache_refusals(planned: Iterable[tuple[str, str, vmkv.KVCacheConfig]], granularity: int) -> dict[str, str]:
+    """:func:`cache_refusal` of every ``(label, mode, config)`` in ``planned``: label -> why,
+    for those that would not open."""
+    refused = {}
+    for label, mode, config in planned:
+        why = cache_refusal(mode, config, granularity)
+        if why:
+            refused[label] = why
+    return refused
 
 
 def paged_available() -> tuple[bool, str]:

@@ -6,6 +6,9 @@ length, then with beam search (width ``--beam-width``, batch 1). Models::
 
     small   the embedded default: 4 layers, hidden 256, 8 query / 4 KV heads of 32
     mid     12 layers, hidden 768, 12 query / 4 KV heads of 64
+    1b      Llama-3.2-1B's shape: 16 layers, hidden 2048, MLP 8192, 32 query / 8 KV heads of 64,
+            a 128,256-token vocabulary (tied embeddings): the GPU preset's model, large enough
+            for the model's GPU work, not only Python's, to show in each step
 
 Caches::
 
@@ -65,9 +68,12 @@ MODELS: dict[str, dict[str, Any]] = {
     "small": {},  # vmkv.models.DEFAULT_MODEL as it is
     "mid": {"num_hidden_layers": 12, "hidden_size": 768, "intermediate_size": 2048,
             "num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 64},
+    "1b": {"num_hidden_layers": 16, "hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256, "rope_theta": 500000.0,
+           "tie_word_embeddings": True},  # Llama-3.2-1B's shape, random weights (no download)
 }
 SCHEMA = {
-    "model": "small or mid (see the module docstring)",
+    "model": "small, mid or 1b (see the module docstring)",
     "workload": "greedy, or beamW for beam search of width W",
     "batch": "prompts per generate() call",
     "cache": "cache (and attention) under test, see the module docstring",
@@ -88,7 +94,8 @@ SCHEMA = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of this benchmark (the CLI adds --device, --smoke, --seed, --out)."""
-    parser.add_argument("--models", nargs="+", default=["small", "mid"], choices=list(MODELS), help="model sizes (default small mid)")
+    parser.add_argument("--models", nargs="+", default=["small", "mid"], choices=list(MODELS),
+                        help="model sizes (default small mid; 1b: Llama-3.2-1B's shape, about 5 GB in float32, for GPUs)")
     parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default 128)")
     parser.add_argument("--new-tokens", type=int, nargs="+", default=[256, 2048], help="generated tokens, one run each (default 256 2048)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8], help="greedy batch sizes (default 1 8)")
@@ -670,6 +677,6 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[str]:
 
 
 if __name__ == "__main__":  # python -m benchmarks.generate [options] runs `vmkv bench generate [options]`
-    from vmkv.cli import main
+    from benchmarks.suite import main
 
-    sys.exit(main(["bench", NAME, *sys.argv[1:]]))
+    sys.exit(main([NAME, *sys.argv[1:]]))

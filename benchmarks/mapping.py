@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 import vmkv
+from vmkv.sizes import format_size
 from vmkv.vm import open_backend
 
 from . import common
@@ -69,6 +70,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-sizes", nargs="+", default=None, help="backend page sizes for map/unmap (default 64KiB 2MiB; CUDA 2MiB)")
     parser.add_argument("--pages", type=int, default=None, help="pages mapped per latency measurement (default 256; smoke 32)")
     parser.add_argument("--decode-page-sizes", nargs="+", default=None, help="VMM page sizes of the decode-share runs (default 4KiB 64KiB, smoke 4KiB, CUDA 2MiB; small pages map often: the worst case)")
+    parser.add_argument("--shape", choices=list(SHAPES), default=None,
+                        help="K/V geometry of the decode-share runs: small (4 layers, 4 KV heads of 32, float32) or llama3-8b "
+                             "(32 layers, 8 KV heads of 128, float16); default small on CPU, llama3-8b on CUDA, where a "
+                             "2 MiB page of the small model holds 1,024 tokens or more and would hardly ever be mapped")
+    parser.add_argument("--layout", choices=list(vmkv.config.LAYOUTS), default=None,
+                        help="VMM layout of the decode-share runs (default per_layer on CPU, all_layers on CUDA: the "
+                             "library's default there, 32 tokens a 2 MiB page for llama3-8b)")
     parser.add_argument("--batch", type=int, default=None, help="sequences decoding together (default 16; smoke 4)")
     parser.add_argument("--steps", type=int, default=None, help="decode steps (default 256; smoke 16)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds of the three decode variants (default 9; smoke 2)")
@@ -116,30 +124,51 @@ def _reserve_time(device: str, page_size: int) -> common.Spread:
         vm.close()
 
 
+SHAPES = {"small": {"num_layers": 4, "num_kv_heads": 4, "head_dim": 32, "dtype": "float32"}, "llama3-8b": common.LLAMA3_8B}
+PROMPT = 16  # tokens each sequence holds before the timed steps
+
+
+def _decode_config(args: argparse.Namespace, page_size: str, map_ahead: bool = False) -> vmkv.KVCacheConfig:
+    """The cache of the decode-share runs: ``--batch`` sequences of the prompt plus ``--steps``
+    tokens in ``--shape`` and ``--layout`` with ``page_size`` pages, and a budget of the pages
+    the run needs (+1 a sequence), not more: mappings are finite."""
+    shape = SHAPES[args.shape]
+    probe = common.cache_config(shape, args.device, page_size=page_size, layout=args.layout)
+    page = probe.page_size
+    pages_per_seq = -(-(PROMPT + args.steps + 1) * probe.tensor_token_bytes() // page) + 1
+    return common.cache_config(
+        shape, args.device, max_batch_size=args.batch, max_seq_len=PROMPT + args.steps + 1,
+        memory_budget=probe.kv_shape.pieces(args.layout) * page * args.batch * pages_per_seq, page_size=page_size,
+        layout=args.layout, prefix_caching=False, map_ahead=map_ahead,
+    )
+
+
+def _tokens_per_page(config: vmkv.KVCacheConfig) -> int:
+    """Tokens one page of ``config`` holds."""
+    return config.page_size // config.tensor_token_bytes()
+
+
 def _decode_loop(args: argparse.Namespace, page_size: str, map_ahead: bool, premap: bool) -> tuple[list[float], list[float]]:
     """Decode ``steps`` tokens for ``batch`` sequences; return per-step seconds in ``begin_step``
     and per-step seconds in all (wall clock)."""
-    shape = {"num_layers": 4, "num_kv_heads": 4, "head_dim": 32, "dtype": "float32"}
-    prompt = 16
-    page = vmkv.parse_size(page_size)
-    pages_per_seq = -(-(prompt + args.steps + 1) * 4 * 32 * 4 // page) + 1  # 512 B a token in each tensor
-    config = common.cache_config(  # a budget the run needs (+1 page a sequence), not more: mappings are finite
-        shape, args.device, max_batch_size=args.batch, max_seq_len=prompt + args.steps + 1,
-        memory_budget=2 * 4 * page * args.batch * pages_per_seq, page_size=page_size, prefix_caching=False,
-        map_ahead=map_ahead,
-    )
+    config = _decode_config(args, page_size, map_ahead)
+    layers, heads, dim = config.num_layers, config.num_kv_heads, config.head_dim
     gen = torch.Generator().manual_seed(args.seed)
+
+    def randn(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=gen).to(dtype=config.dtype, device=config.device)
+
     with vmkv.open_cache(config, "vmm") as cache:
         for seq in range(args.batch):
             cache.add(seq)
             if premap:
-                cache.reserve(seq, prompt + args.steps)
-        plan = cache.begin_step({seq: prompt for seq in range(args.batch)})
-        kv = torch.randn(args.batch * prompt, 4, 32, generator=gen).to(config.device)
-        for layer in range(4):
+                cache.reserve(seq, PROMPT + args.steps)
+        plan = cache.begin_step({seq: PROMPT for seq in range(args.batch)})
+        kv = randn(args.batch * PROMPT, heads, dim)
+        for layer in range(layers):
             cache.write(layer, kv, kv, plan)
-        k = torch.randn(args.batch, 4, 32, generator=gen).to(config.device)  # k: [B, Hkv, D]
-        q = torch.randn(args.batch, 8, 32, generator=gen).to(config.device)  # q: [B, Hq, D]
+        k = randn(args.batch, heads, dim)  # k: [B, Hkv, D]
+        q = randn(args.batch, 2 * heads, dim)  # q: [B, Hq, D]
         step = {seq: 1 for seq in range(args.batch)}
         begins, totals = [], []
         common.synchronize(args.device)
@@ -147,7 +176,7 @@ def _decode_loop(args: argparse.Namespace, page_size: str, map_ahead: bool, prem
             t0 = time.perf_counter()
             plan = cache.begin_step(step)
             t1 = time.perf_counter()
-            for layer in range(4):
+            for layer in range(layers):
                 cache.write(layer, k, k, plan)
                 cache.attention(layer, q, plan)
             common.synchronize(args.device)
@@ -252,17 +281,38 @@ def _default_sizes(device: str, host: list[str]) -> list[str]:
     return host if device == "cpu" else ["2MiB"]
 
 
-def _run(args: argparse.Namespace) -> dict[str, Any]:
-    common.check_device(args.device)
-    pages = args.pages or (32 if args.smoke else 256)
-    args = argparse.Namespace(**{
+def _settings(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with the defaults that depend on ``--smoke`` and ``--device`` filled in."""
+    cpu = args.device == "cpu"
+    return argparse.Namespace(**{
         **vars(args),
+        "pages": args.pages or (32 if args.smoke else 256),
         "steps": args.steps or (16 if args.smoke else 256),
         "batch": args.batch or (4 if args.smoke else 16),
         "rounds": args.rounds or (2 if args.smoke else 9),
         "decode_page_sizes": args.decode_page_sizes or _default_sizes(args.device, ["4KiB"] if args.smoke else ["4KiB", "64KiB"]),
         "page_sizes": args.page_sizes or _default_sizes(args.device, ["64KiB", "2MiB"]),
+        "shape": args.shape or ("small" if cpu else "llama3-8b"),
+        "layout": args.layout or ("per_layer" if cpu else "all_layers"),
     })
+
+
+def refusals(args: argparse.Namespace, granularity: int) -> dict[str, str]:
+    """What the run needs that a backend of ``granularity`` refuses: a backend page size of the
+    map/unmap latencies that is not a multiple of it, and the decode-share caches (see
+    :func:`benchmarks.common.cache_refusals`)."""
+    args = _settings(args)
+    refused = {f"map/unmap {size} pages": f"{vmkv.parse_size(size)} B is not a multiple of the backend granularity ({granularity} B)"
+               for size in args.page_sizes if vmkv.parse_size(size) % granularity}
+    planned = [(f"decode-share {size} pages ({args.layout}, {args.shape})", "vmm", _decode_config(args, size))
+               for size in args.decode_page_sizes]
+    return {**refused, **common.cache_refusals(planned, granularity)}
+
+
+def _run(args: argparse.Namespace) -> dict[str, Any]:
+    common.check_device(args.device)
+    args = _settings(args)
+    pages = args.pages
     rows: list[dict[str, Any]] = []
     empty = {"map_ahead": None, "step_ms": None, "baseline_step_ms": None, "reliable": True, "why": "", "saving": None,
              "saving_low": None, "saving_high": None}
@@ -291,7 +341,10 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                          for r in rows if r["measure"] == "decode_share"},
         "unreliable": {f"{r['page_size']}B{' ahead' if r['map_ahead'] else ''}": r["why"] for r in rows if not r["reliable"]},
     }
-    config = {"pages": pages, "batch": args.batch, "steps": args.steps, "rounds": args.rounds, "clock": "wall"}
+    config = {"pages": pages, "batch": args.batch, "steps": args.steps, "rounds": args.rounds, "clock": "wall",
+              "shape": args.shape, "layout": args.layout,
+              "tokens_per_page": {str(vmkv.parse_size(size)): _tokens_per_page(_decode_config(args, size))
+                                  for size in args.decode_page_sizes}}
     return common.make_result(NAME, SCHEMA, rows, summary, config=config)
 
 
@@ -304,7 +357,10 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
     page = min(r["page_size"] for r in shares)
     rows = {r["map_ahead"]: r for r in shares if r["page_size"] == page}
     ahead, demand = rows.get(True), rows.get(False)
-    question = f"mapping cost, share of a decode step ({page // 1024} KiB pages, the most maps)"
+    config = result.get("config", {})
+    tokens = config.get("tokens_per_page", {}).get(str(page))
+    geometry = f" = {tokens} tokens, {config['layout']}, {config['shape']}" if tokens else ""
+    question = f"mapping cost, share of a decode step ({format_size(page).replace('.0 ', ' ')} pages{geometry}; the most maps)"
     spread = {k: common.Spread(r["value"], r["low"], r["high"], r["runs"], kept=r["runs"] - 2 if r["runs"] >= common.TRIM_FROM else None)
               for k, r in rows.items()}
     bad = [r for r in rows.values() if not r["reliable"]]
@@ -331,6 +387,6 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
 
 
 if __name__ == "__main__":  # python -m benchmarks.mapping [options] runs `vmkv bench mapping [options]`
-    from vmkv.cli import main
+    from benchmarks.suite import main
 
-    sys.exit(main(["bench", NAME, *sys.argv[1:]]))
+    sys.exit(main([NAME, *sys.argv[1:]]))

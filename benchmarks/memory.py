@@ -71,6 +71,7 @@ class Allocator:
     mode: str  # "vmm" or "paged"
     fields: dict[str, Any]
     policy: str  # "on_demand", "max" or "pow2"
+    sweep: bool = False  # one of every layout x page size: reported as skipped, with the reason, where refused
 
 
 def allocators(page_sizes: list[str]) -> list[Allocator]:
@@ -78,7 +79,7 @@ def allocators(page_sizes: list[str]) -> list[Allocator]:
     accepts and page size in ``page_sizes``, then the library's defaults (no layout or page size
     given, whatever they are on this device)."""
     layouts = typing.get_args(vmkv.config.Layout)
-    vmm = [Allocator(f"vmm-{layout}-{page}", "vmm", {"layout": layout, "page_size": page}, "on_demand")
+    vmm = [Allocator(f"vmm-{layout}-{page}", "vmm", {"layout": layout, "page_size": page}, "on_demand", sweep=True)
            for layout in layouts for page in page_sizes]
     return [*BASELINES, *vmm, Allocator(DEFAULT_VMM, "vmm", {}, "on_demand")]
 
@@ -89,7 +90,7 @@ BASELINES = [
     Allocator("pow2", "vmm", {"layout": "all_layers", "page_size": "2MiB"}, "pow2"),
     Allocator("paged-b16", "paged", {"block_size": 16}, "on_demand"),
 ]
-PAGE_SIZES = ["64KiB", "2MiB"]
+PAGE_SIZES = {"cpu": ["64KiB", "2MiB"], "cuda": ["2MiB"]}  # per device: CUDA maps 2 MiB at the least
 DEFAULT_BUDGETS = {"sharegpt": "2GiB", "alpaca": "512MiB"}  # both hold ~30 average requests
 PAPER_RESERVATION = (0.204, 0.382)  # PagedAttention paper (Kwon et al., 2023), Fig. 2: KV memory
 # actually used by token states in reservation-based systems (Orca Max/Pow2/Oracle, FasterTransformer)
@@ -106,9 +107,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "token; default 2GiB for ShareGPT-like, 512MiB for Alpaca-like, whose requests are ~6x "
                         "shorter; smoke 512MiB)")
     parser.add_argument("--max-seq-len", type=int, default=None, help="longest request; the static baseline reserves this much (default 2048; smoke 256)")
-    parser.add_argument("--page-sizes", nargs="+", default=PAGE_SIZES, help="VMM page sizes, each run with every layout "
-                        f"(default {' '.join(PAGE_SIZES)})")
-    labels = ", ".join(a.label for a in allocators(PAGE_SIZES))
+    parser.add_argument("--page-sizes", nargs="+", default=None, help="VMM page sizes, each run with every layout "
+                        f"(default {' '.join(PAGE_SIZES['cpu'])} on CPU, {' '.join(PAGE_SIZES['cuda'])} on CUDA)")
+    labels = ", ".join(a.label for a in allocators(PAGE_SIZES["cpu"]))
     parser.add_argument("--allocators", nargs="+", default=None, help=f"only these allocators (default: all of {labels})")
 
 
@@ -223,13 +224,46 @@ class _Replay:
         return series
 
 
-def _open(allocator: Allocator, args: argparse.Namespace, budget: str) -> vmkv.KVCacheBase:
-    config = common.cache_config(
+def _config(allocator: Allocator, args: argparse.Namespace, budget: str) -> vmkv.KVCacheConfig:
+    """The cache configuration ``allocator`` replays a trace with in ``budget``."""
+    return common.cache_config(
         common.LLAMA3_8B, args.device,
         max_batch_size=512, max_seq_len=args.max_seq_len, memory_budget=budget,
         prefix_caching=False, deferred_reclaim=False, **allocator.fields,
     )
-    return vmkv.open_cache(config, mode=allocator.mode)
+
+
+def _settings(args: argparse.Namespace) -> tuple[argparse.Namespace, list[Allocator]]:
+    """``args`` with the defaults that depend on ``--smoke`` and ``--device`` filled in, and the
+    allocators to replay.
+
+    Raises:
+        vmkv.InvalidConfig: ``--allocators`` names an unknown allocator.
+    """
+    args = argparse.Namespace(**{**vars(args), "max_seq_len": args.max_seq_len or (256 if args.smoke else 2048),
+                                  "page_sizes": args.page_sizes or PAGE_SIZES[args.device]})
+    chosen = allocators(args.page_sizes)
+    if args.allocators:
+        unknown = sorted(set(args.allocators) - {a.label for a in chosen})
+        if unknown:
+            raise vmkv.InvalidConfig(f"unknown allocators {unknown}; choose from {[a.label for a in chosen]}")
+        chosen = [a for a in chosen if a.label in args.allocators]
+    return args, chosen
+
+
+def _budget(args: argparse.Namespace, kind: str) -> str:
+    """The KV budget of trace ``kind``."""
+    return _per_trace(args.budget, kind, "512MiB" if args.smoke else DEFAULT_BUDGETS[kind])
+
+
+def refusals(args: argparse.Namespace, granularity: int) -> dict[str, str]:
+    """What the replays need that a backend of ``granularity`` refuses (see
+    :func:`benchmarks.common.cache_refusals`): the baselines, paged mode and the library's
+    defaults; the layout x page size sweep is reported as skipped where refused, not needed."""
+    args, chosen = _settings(args)
+    planned = [(f"{allocator.label} ({kind}, {_budget(args, kind)})", allocator.mode, _config(allocator, args, _budget(args, kind)))
+               for kind in args.traces for allocator in chosen if not allocator.sweep]
+    return common.cache_refusals(planned, granularity)
 
 
 def _geometry(cache: vmkv.KVCacheBase) -> str:
@@ -272,18 +306,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     common.check_device(args.device)
     show = getattr(args, "progress", False)
     has_paged, why_not = common.paged_available()
-    args = argparse.Namespace(**{**vars(args), "max_seq_len": args.max_seq_len or (256 if args.smoke else 2048)})
-    chosen = allocators(args.page_sizes)
-    if args.allocators:
-        unknown = sorted(set(args.allocators) - {a.label for a in chosen})
-        if unknown:
-            raise vmkv.InvalidConfig(f"unknown allocators {unknown}; choose from {[a.label for a in chosen]}")
-        chosen = [a for a in chosen if a.label in args.allocators]
+    args, chosen = _settings(args)
     rows, series_out, traces, skipped, budgets = [], {}, {}, {}, {}
     done: dict[tuple[str, str, str], dict[str, Any]] = {}  # (trace, policy, geometry) -> its row
     for kind in args.traces:
         count = int(_per_trace(args.requests, kind, "12" if args.smoke else {"sharegpt": "120", "alpaca": "300"}[kind]))
-        budgets[kind] = _per_trace(args.budget, kind, "512MiB" if args.smoke else DEFAULT_BUDGETS[kind])
+        budgets[kind] = _budget(args, kind)
         trace = common.make_trace(kind, count, args.seed, args.max_seq_len)
         traces[kind] = common.trace_stats(trace)
         for allocator in chosen:
@@ -291,7 +319,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 skipped[allocator.label] = why_not
                 continue
             try:
-                cache = _open(allocator, args, budgets[kind])
+                cache = vmkv.open_cache(_config(allocator, args, budgets[kind]), mode=allocator.mode)
             except vmkv.InvalidConfig as exc:  # e.g. 64 KiB pages under CUDA's 2 MiB granularity
                 skipped[allocator.label] = str(exc)
                 continue
@@ -411,6 +439,6 @@ def plot(result: dict[str, Any], out_dir) -> list[str]:
 
 
 if __name__ == "__main__":  # python -m benchmarks.memory [options] runs `vmkv bench memory [options]`
-    from vmkv.cli import main
+    from benchmarks.suite import main
 
-    sys.exit(main(["bench", NAME, *sys.argv[1:]]))
+    sys.exit(main([NAME, *sys.argv[1:]]))

@@ -111,11 +111,36 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _engine(mode: str, args: argparse.Namespace, budget: str, max_num_seqs: int, page_size: str | None = None) -> Engine:
-    return Engine.from_config(EngineConfig(
+def _engine_config(mode: str, args: argparse.Namespace, budget: str, max_num_seqs: int, page_size: str | None = None) -> EngineConfig:
+    """The configuration of an engine of the embedded model in ``mode`` with ``budget``."""
+    return EngineConfig(
         kv_mode=mode, memory_budget=budget, page_size=page_size, block_size=args.block_size,
         max_num_seqs=max_num_seqs, max_seq_len=1024, device=args.device, seed=args.seed,
-    ))
+    )
+
+
+def _engine(mode: str, args: argparse.Namespace, budget: str, max_num_seqs: int, page_size: str | None = None) -> Engine:
+    return Engine.from_config(_engine_config(mode, args, budget, max_num_seqs, page_size))
+
+
+def _engine_configs(args: argparse.Namespace, settings: dict[str, Any]) -> dict[str, EngineConfig]:
+    """Every engine the run opens, by label: one per mode for the throughput and latency runs,
+    then the capacity experiment's variants (:func:`_capacity_variants`)."""
+    top = max(settings["concurrency"])
+    configs = {f"{mode} ({settings['memory_budget']})": _engine_config(mode, args, settings["memory_budget"], max(top, 16),
+                                                                       args.vmm_page_size)
+               for mode in args.modes}
+    for mode, page in _capacity_variants(args):
+        label = f"capacity {mode}{f' {page} pages' if page else ''} ({settings['capacity_budget']})"
+        configs[label] = _engine_config(mode, args, settings["capacity_budget"], 256, page_size=page)
+    return configs
+
+
+def refusals(args: argparse.Namespace, granularity: int) -> dict[str, str]:
+    """What the engines' caches need that a backend of ``granularity`` refuses (see
+    :func:`benchmarks.common.cache_refusals`), read from the model's configuration: no weight is loaded."""
+    planned = [(label, config.kv_mode, config.cache_config()) for label, config in _engine_configs(args, _settings(args)).items()]
+    return common.cache_refusals(planned, granularity)
 
 
 def _prompts(count: int, length: int, seed: int) -> list[list[int]]:
@@ -282,11 +307,8 @@ CAPACITY_PROMPT_LEN = 64  # fixed, like the request count and output length: one
 
 def _capacity(args: argparse.Namespace, settings: dict[str, Any], prompts: list[list[int]], params: SamplingParams) -> list[dict[str, Any]]:
     """Every prompt at once into ``--capacity-budget``: how many run together, per mode and page size."""
-    variants: list[tuple[str, str | None]] = [(mode, args.vmm_page_size) for mode in args.modes]
-    if "vmm" in args.modes and args.device == "cpu":  # CUDA maps 2 MiB at the least
-        variants.append(("vmm", "4KiB"))
     rows = []
-    for mode, page in variants:
+    for mode, page in _capacity_variants(args):
         engine = _engine(mode, args, settings["capacity_budget"], 256, page_size=page)
         try:
             measured = run_closed_loop(engine, prompts, params, len(prompts))
@@ -294,6 +316,15 @@ def _capacity(args: argparse.Namespace, settings: dict[str, Any], prompts: list[
         finally:
             engine.close()
     return rows
+
+
+def _capacity_variants(args: argparse.Namespace) -> list[tuple[str, str | None]]:
+    """``(mode, VMM page size)`` of each capacity run: every mode at its page size, and on the
+    CPU VMM with 4 KiB pages too (CUDA maps 2 MiB at the least)."""
+    variants: list[tuple[str, str | None]] = [(mode, args.vmm_page_size) for mode in args.modes]
+    if "vmm" in args.modes and args.device == "cpu":
+        variants.append(("vmm", "4KiB"))
+    return variants
 
 
 def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -410,6 +441,6 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[str]:
 
 
 if __name__ == "__main__":  # python -m benchmarks.serve [options] runs `vmkv bench serve [options]`
-    from vmkv.cli import main
+    from benchmarks.suite import main
 
-    sys.exit(main(["bench", NAME, *sys.argv[1:]]))
+    sys.exit(main([NAME, *sys.argv[1:]]))

@@ -17,6 +17,10 @@ Saved = 1 - sum over steps of pages in use (shared) / the same sum (unshared): t
 of memory saved. ``peak_saved`` compares the peaks. Pages count every layer (a pool page), so a
 page of 16 tokens (paged) and one of 1024 tokens (VMM, per-layer layout, 2 MiB pages, Llama-3-8B
 shape) give different answers: sharing saves whole pages only.
+
+``vmm-default`` is what a user gets: the layout and page size the library picks for the model,
+the device and the budget (on CUDA the all-layers layout, 32 tokens a 2 MiB page); the verdict
+compares it with paged mode and shows the other VMM geometries as alternatives.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import vmkv
+from vmkv.config import DEFAULT_TOKENS_PER_PAGE
+from vmkv.sizes import format_size
 
 from . import common
 
@@ -41,6 +47,7 @@ SCHEMA = {
     "scenario": "parallel (n samples) or beam (width w)",
     "n": "samples or beam width",
     "allocator": "cache and page geometry",
+    "geometry": "VMM layout and page bytes per K/V tensor, or paged block size",
     "tokens_per_page": "tokens one page holds",
     "saved": "1 - pages in use with sharing / without, summed over steps (0..1)",
     "peak_saved": "1 - peak pages with sharing / peak pages without",
@@ -64,8 +71,13 @@ ALLOCATORS = [
     Allocator("vmm-per_layer-64KiB", "vmm", {**_ONE_LAYER, "layout": "per_layer", "page_size": "64KiB"}),
     Allocator("vmm-per_layer-2MiB", "vmm", {**_ONE_LAYER, "layout": "per_layer", "page_size": "2MiB"}),
     Allocator("vmm-all_layers-2MiB", "vmm", {**common.LLAMA3_8B, "layout": "all_layers", "page_size": "2MiB"}),
+    Allocator("vmm-default", "vmm", dict(common.LLAMA3_8B)),  # layout and page size: the library's choice
 ]
-DEFAULT_ALLOCATORS = ["paged-b16", "vmm-per_layer-64KiB", "vmm-per_layer-2MiB"]
+DEFAULT_VMM = "vmm-default"
+DEFAULT_ALLOCATORS = {  # per device: CUDA maps 2 MiB at the least
+    "cpu": ["paged-b16", DEFAULT_VMM, "vmm-per_layer-64KiB", "vmm-per_layer-2MiB"],
+    "cuda": ["paged-b16", DEFAULT_VMM, "vmm-per_layer-2MiB"],
+}
 # Requests per (trace, scenario): beam search copies a page on write almost every step (2 MiB
 # pieces with the 2 MiB allocator), so it gets fewer requests than parallel sampling.
 DEFAULT_REQUESTS = {("sharegpt", "parallel"): 12, ("alpaca", "parallel"): 30, ("sharegpt", "beam"): 2, ("alpaca", "beam"): 6}
@@ -76,8 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--traces", nargs="+", default=None, choices=sorted(common.TRACES), help="default: both; smoke: alpaca")
     parser.add_argument("--requests", type=int, default=None, help="requests per (trace, scenario) (default: parallel 12 ShareGPT-like / 30 Alpaca-like, beam 2 / 6; smoke 1)")
     parser.add_argument("--widths", type=int, nargs="+", default=None, help="n and beam widths (default 2 4 6; smoke 2)")
-    parser.add_argument("--allocators", nargs="+", default=DEFAULT_ALLOCATORS, choices=[a.label for a in ALLOCATORS],
-                        help="vmm-all_layers-2MiB has 32 tokens a page like vmm-per_layer-64KiB, so it gives the same pages")
+    parser.add_argument("--allocators", nargs="+", default=None, choices=[a.label for a in ALLOCATORS],
+                        help=f"default {' '.join(DEFAULT_ALLOCATORS['cpu'])} on CPU, {' '.join(DEFAULT_ALLOCATORS['cuda'])} "
+                             "on CUDA; vmm-default is the library's own layout and page size on the device; "
+                             "vmm-all_layers-2MiB has 32 tokens a page like vmm-per_layer-64KiB, so it gives the same pages")
     parser.add_argument("--max-seq-len", type=int, default=None, help="longest sequence (default 2048; smoke 128)")
 
 
@@ -168,38 +182,79 @@ def _beam(run: _Run, rng: random.Random, *, prompt: int, steps: int, width: int)
 def _measure(allocator: Allocator, args: argparse.Namespace, scenario: Callable[[_Run, random.Random], None], width: int, seed: int) -> dict[str, Any]:
     """Run ``scenario`` shared and unshared with the same seed; return page sums and copies."""
     result = {}
+    config = _config(allocator, args, width)
     for shared in (True, False):
-        config = common.cache_config(
-            {}, args.device, **allocator.fields, max_batch_size=2 * width, max_seq_len=args.max_seq_len,
-            memory_budget=_budget(allocator, width, args.max_seq_len), prefix_caching=False, deferred_reclaim=False,
-        )
         with vmkv.open_cache(config, allocator.mode) as cache:
             run = _Run(cache, shared)
             scenario(run, random.Random(seed))
             run.close()
-            result[shared] = (run.page_steps, run.peak, cache.stats()["cow_copies"], cache.tokens_per_page)
+            result[shared] = (run.page_steps, run.peak, cache.stats()["cow_copies"], cache.tokens_per_page, _geometry(cache))
     return result
 
 
-def _budget(allocator: Allocator, width: int, max_seq_len: int) -> int:
-    """Bytes for 2 x width sequences of max_seq_len tokens, rounded up to whole pages."""
-    probe = common.cache_config({}, "cpu", **{k: v for k, v in allocator.fields.items() if k in ("num_layers", "num_kv_heads", "head_dim", "dtype")})
+def _config(allocator: Allocator, args: argparse.Namespace, width: int) -> vmkv.KVCacheConfig:
+    """The cache ``allocator`` replays ``width`` samples or beams in: 2 x width slots and a budget
+    of their pages (:func:`_budget`). ``vmm-default`` takes the layout and page size the library
+    picks for a budget of 16-token pages (the most pages such a run needs)."""
+    fields = dict(allocator.fields)
+    shape = _shape(fields)
+    if allocator.label == DEFAULT_VMM:
+        probe = common.cache_config(fields, args.device, max_seq_len=args.max_seq_len,
+                                    memory_budget=_budget(shape, width, args.max_seq_len, DEFAULT_TOKENS_PER_PAGE))
+        fields.update(layout=probe.layout, page_size=probe.page_size)
     if allocator.mode == "paged":
-        page_tokens = allocator.fields["block_size"]
+        page_tokens = fields["block_size"]
     else:
-        per_token = probe.layer_token_bytes * (probe.num_layers if allocator.fields["layout"] == "all_layers" else 1)
-        page_tokens = vmkv.parse_size(allocator.fields["page_size"]) // per_token
+        page_tokens = vmkv.parse_size(fields["page_size"]) // shape.tensor_token_bytes(fields["layout"])
+    return common.cache_config(
+        {}, args.device, **fields, max_batch_size=2 * width, max_seq_len=args.max_seq_len,
+        memory_budget=_budget(shape, width, args.max_seq_len, page_tokens), prefix_caching=False, deferred_reclaim=False,
+    )
+
+
+def _shape(fields: dict[str, Any]) -> vmkv.KVCacheConfig:
+    """A configuration of the model in ``fields`` alone (what a token's bytes depend on)."""
+    return common.cache_config({k: fields[k] for k in ("num_layers", "num_kv_heads", "head_dim", "dtype")}, "cpu",
+                               page_size="64KiB")  # any page: a default would be sized for nothing
+
+
+def _budget(shape: vmkv.KVCacheConfig, width: int, max_seq_len: int, page_tokens: int) -> int:
+    """Bytes for 2 x width sequences of max_seq_len tokens of the model ``shape``, in pages of
+    ``page_tokens`` tokens (one more a sequence)."""
     pages = 2 * width * (-(-max_seq_len // page_tokens) + 1)
-    return pages * page_tokens * probe.bytes_per_token
+    return pages * page_tokens * shape.bytes_per_token
+
+
+def _geometry(cache: vmkv.KVCacheBase) -> str:
+    """``"all_layers, 2 MiB pages"`` or ``"16-token blocks"``."""
+    if cache.mode == "paged":
+        return f"{cache.tokens_per_page}-token blocks"
+    return f"{cache.config.layout}, {format_size(cache.geometry.piece_bytes).replace('.0 ', ' ')} pages"
+
+
+def _settings(args: argparse.Namespace) -> tuple[argparse.Namespace, list[int]]:
+    """``args`` with the defaults that depend on ``--smoke`` and ``--device`` filled in, and the widths."""
+    widths = args.widths or ([2] if args.smoke else [2, 4, 6])
+    args = argparse.Namespace(**{**vars(args), "max_seq_len": args.max_seq_len or (128 if args.smoke else 2048),
+                                  "traces": args.traces or (["alpaca"] if args.smoke else ["sharegpt", "alpaca"]),
+                                  "allocators": args.allocators or DEFAULT_ALLOCATORS[args.device]})
+    return args, widths
+
+
+def refusals(args: argparse.Namespace, granularity: int) -> dict[str, str]:
+    """What the replays need that a backend of ``granularity`` refuses: every allocator's cache
+    at every width (see :func:`benchmarks.common.cache_refusals`)."""
+    args, widths = _settings(args)
+    planned = [(f"{a.label} (width {width})", a.mode, _config(a, args, width))
+               for a in ALLOCATORS if a.label in args.allocators for width in widths]
+    return common.cache_refusals(planned, granularity)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Replay parallel sampling and beam search per trace, width and allocator, shared vs unshared."""
     common.check_device(args.device)
     has_paged, why_not = common.paged_available()
-    widths = args.widths or ([2] if args.smoke else [2, 4, 6])
-    args = argparse.Namespace(**{**vars(args), "max_seq_len": args.max_seq_len or (128 if args.smoke else 2048),
-                                  "traces": args.traces or (["alpaca"] if args.smoke else ["sharegpt", "alpaca"])})
+    args, widths = _settings(args)
     allocators = [a for a in ALLOCATORS if a.label in args.allocators and (a.mode == "vmm" or has_paged)]
     work = [(kind, scen, n, a) for kind in args.traces for scen in ("parallel", "beam") for n in widths for a in allocators]
     rows, skipped = [], {} if has_paged else {"paged-b16": why_not}
@@ -211,7 +266,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # per-sample output lengths: the same draws for every n (n=2 takes the first 2 of 6)
         most = max(widths)
         extra = common.make_trace(kind, count * most, args.seed + 1, args.max_seq_len)
-        sums = {True: [0, 0, 0], False: [0, 0, 0]}
+        sums: dict[bool, list[Any]] = {True: [0, 0, 0], False: [0, 0, 0]}
         for req in trace:
             if scen == "parallel":
                 draws = extra[req.rid * most : req.rid * most + width]
@@ -224,14 +279,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             except vmkv.InvalidConfig as exc:  # e.g. 64 KiB pages under CUDA's 2 MiB granularity
                 skipped[allocator.label] = str(exc)
                 break
-            for shared, (page_steps, peak, cows, tpp) in measured.items():
+            for shared, (page_steps, peak, cows, tpp, geometry) in measured.items():
                 sums[shared][0] += page_steps
                 sums[shared][1] = max(sums[shared][1], peak)
                 sums[shared][2] += cows
         if allocator.label in skipped:
             continue
         rows.append({
-            "trace": kind, "scenario": scen, "n": width, "allocator": allocator.label, "tokens_per_page": tpp,
+            "trace": kind, "scenario": scen, "n": width, "allocator": allocator.label, "geometry": geometry, "tokens_per_page": tpp,
             "saved": 1 - sums[True][0] / sums[False][0], "peak_saved": 1 - sums[True][1] / sums[False][1],
             "cow_copies": sums[True][2], "requests": count,
         })
@@ -256,41 +311,62 @@ def _span(widths: list[int]) -> str:
     return str(widths[0]) if len(widths) == 1 else f"{widths[0]}-{widths[-1]}"
 
 
+HEADLINE = (DEFAULT_VMM, "paged-b16")
+"""What a verdict compares: VMM with the library's default pages on the device, and paged mode;
+the other allocators measured are shown as alternatives."""
+TIE_POINTS = 0.01
+"""Mean savings closer than one percentage point are a tie (a deterministic replay has no spread)."""
+
+
 def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
-    """Per trace and scenario: memory saved over the widths measured, per allocator, against the
-    vLLM paper's range (judged on 16-token blocks, the paper's own)."""
+    """Per trace and scenario: memory saved over the widths measured by VMM with its default
+    pages and by paged mode (the other allocators as alternatives), against the vLLM paper's range
+    (judged on 16-token blocks, the paper's own)."""
     out = []
     rows = result["rows"]
     for trace, scen in dict.fromkeys((r["trace"], r["scenario"]) for r in rows):
-        mine = [r for r in rows if (r["trace"], r["scenario"]) == (trace, scen)]
-        by = {}
-        for r in mine:
-            by.setdefault(r["allocator"], []).append(r)
-        widths = sorted({r["n"] for r in mine})
-
-        def span(label: str) -> str:
-            values = [r["saved"] for r in by[label]]
-            lo, hi = min(values), max(values)
-            return common.number_text(lo, "%") if lo == hi else f"{common.number_text(lo, '%').removesuffix(' %')}-{common.number_text(hi, '%')}"
-
-        def short(label: str) -> str:
-            return "paged" if label.startswith("paged") else f"VMM {by[label][0]['tokens_per_page']}-tok pages"
-
-        parts = [f"{short(label)} {span(label)}" for label in by]
-        best = max(by, key=lambda label: sum(r["saved"] for r in by[label]))
+        by: dict[str, list[dict[str, Any]]] = {}
+        for r in rows:
+            if (r["trace"], r["scenario"]) == (trace, scen):
+                by.setdefault(r["allocator"], []).append(r)
+        headline = [label for label in HEADLINE if label in by] or list(by)
+        mean = {label: statistics.fmean(r["saved"] for r in by[label]) for label in by}
+        best = max(headline, key=mean.__getitem__)
+        tied = [label for label in headline if mean[best] - mean[label] < TIE_POINTS]
+        winner = best if len(tied) == 1 else f"tie ({' = '.join(tied)}, within 1 point)"
         low, high = PAPER[(trace, scen)]
         agrees = None
         if "paged-b16" in by:
             saved = [r["saved"] for r in by["paged-b16"]]
             agrees = min(saved) <= high and max(saved) >= low  # the measured range meets the paper's
+        alternatives = [label for label in by if label not in headline]
+        widths = sorted({r["n"] for mine in by.values() for r in mine})
         what = "parallel sampling, n" if scen == "parallel" else "beam search, width"
-        mean_best = statistics.fmean(r["saved"] for r in by[best])
         out.append(common.Verdict(
             key=f"sharing.{trace}.{scen}", question=f"memory saved by sharing, {what} {_span(widths)}, {trace}-like",
-            result=", ".join(parts), spread="exact (seeded)", winner=best, side=best,
-            reference=f"vLLM paper Fig. 15: {100 * low:.1f}-{100 * high:.1f} %", agrees=agrees, value=mean_best,
+            result=", ".join(f"{_name(label, by)} {_saved_span(by[label])}" for label in headline), spread="exact (seeded)",
+            winner=winner, side=best if len(tied) == 1 else "tie",
+            reference=f"vLLM paper Fig. 15: {100 * low:.1f}-{100 * high:.1f} %", agrees=agrees, value=mean[best],
+            note="alternatives: " + ", ".join(f"{_name(label, by)} {_saved_span(by[label])}" for label in alternatives) if alternatives else "",
         ))
     return out
+
+
+def _name(label: str, by: dict[str, list[dict[str, Any]]]) -> str:
+    """How a verdict names an allocator: ``paged``, ``VMM default (32-tok pages, all_layers)``, ``VMM 1024-tok pages``."""
+    row = by[label][0]
+    if label.startswith("paged"):
+        return "paged"
+    if label == DEFAULT_VMM:
+        return f"VMM default ({row['tokens_per_page']}-tok pages, {row['geometry'].split(',')[0]})"
+    return f"VMM {row['tokens_per_page']}-tok pages"
+
+
+def _saved_span(rows: list[dict[str, Any]]) -> str:
+    """The savings of ``rows`` as ``"3.8-9.4 %"`` (or one value)."""
+    values = [r["saved"] for r in rows]
+    lo, hi = min(values), max(values)
+    return common.number_text(lo, "%") if lo == hi else f"{common.number_text(lo, '%').removesuffix(' %')}-{common.number_text(hi, '%')}"
 
 
 def plot(result: dict[str, Any], out_dir) -> list[str]:
@@ -323,6 +399,6 @@ def plot(result: dict[str, Any], out_dir) -> list[str]:
 
 
 if __name__ == "__main__":  # python -m benchmarks.sharing [options] runs `vmkv bench sharing [options]`
-    from vmkv.cli import main
+    from benchmarks.suite import main
 
-    sys.exit(main(["bench", NAME, *sys.argv[1:]]))
+    sys.exit(main([NAME, *sys.argv[1:]]))

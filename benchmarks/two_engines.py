@@ -284,6 +284,6 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
 
 
 if __name__ == "__main__":  # python -m benchmarks.two_engines [options] runs `vmkv bench two_engines [options]`
-    from vmkv.cli import main
+    from benchmarks.suite import main
 
-    sys.exit(main(["bench", NAME, *sys.argv[1:]]))
+    sys.exit(main([NAME, *sys.argv[1:]]))

@@ -337,6 +337,6 @@ def kv_memory_side(mean: float, tie_margin: float = common.TIE_MARGIN) -> tuple[
 
 
 if __name__ == "__main__":  # python -m benchmarks.vllm [options] runs `vmkv bench vllm [options]`
-    from vmkv.cli import main
+    from benchmarks.suite import main
 
-    sys.exit(main(["bench", NAME, *sys.argv[1:]]))
+    sys.exit(main([NAME, *sys.argv[1:]]))

@@ -7,8 +7,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import importlib.metadata
 import json
 import math
+import os
 import subprocess
 import sys
 import typing
@@ -20,7 +22,7 @@ import torch
 import vmkv
 import vmkv.config
 import vmkv.kernels.contiguous
-from benchmarks import common, compare
+from benchmarks import common, compare, suite
 from vmkv import cli
 
 FAST = ["memory", "decode", "mapping", "sharing"]  # smoke runs of seconds
@@ -323,6 +325,30 @@ def test_decode_vmm_vs_dense_answers_what_virtual_memory_costs(samples, winner, 
     assert (_cost_verdict(verdict).winner, _cost_verdict(verdict).side) == (winner, side)
 
 
+@pytest.mark.parametrize("shares, winner, side", [
+    ([0.52, 0.53, 0.54], "not bandwidth-bound (below 80 % of the read bandwidth)", "not bandwidth-bound"),  # issue 26's GPU run
+    ([0.85, 0.86, 0.9], "bandwidth-bound (>= 80 % of the read bandwidth)", "bandwidth-bound"),
+    ([0.75, 0.82, 0.85], "near the 80 % line (rounds on both sides)", "tie"),
+])
+def test_decode_bandwidth_verdict_names_its_bound_and_the_80_percent_line(shares, winner, side):
+    """Half the bandwidth is not "bandwidth-bound": the line is 80 % of the read bandwidth measured
+    in the same rounds, and the verdict says what that bound is and what it measured."""
+    from benchmarks import decode
+
+    read_bytes, kv_bytes = 256 * 2**20, 128 * 2**20
+    read_s = [read_bytes / 3.878e12] * 3  # 3,878 GB/s
+    kernel_s = [kv_bytes / (share * read_bytes / t) for share, t in zip(shares, read_s)]
+    result = {"samples": {"32,2048": {"kv_bytes": kv_bytes, "read_bytes": read_bytes,
+                                      "seconds": {"read": read_s, "vmm:all_layers:k": kernel_s}}},
+              "config": {"threads": 1}}
+    best = {"batch": 32, "context": 2048, "candidate": "vmm:all_layers:k", "gbps": kv_bytes / sorted(kernel_s)[1] / 1e9}
+    verdict = decode._bandwidth_verdict(result, best, common.Timings(result["samples"]["32,2048"]["seconds"]), "B=32")
+    assert (verdict.winner, verdict.side) == (winner, side)
+    assert verdict.value == pytest.approx(sorted(shares)[1])
+    assert verdict.result.endswith(f"= {common.number_text(sorted(shares)[1], '%')} of 3,878 GB/s")
+    assert "read bandwidth (torch.sum over 256 MiB, same rounds)" in verdict.question
+
+
 # ---- mapping ---------------------------------------------------------------------------------
 def test_mapping_measures_every_part(smoke_results):
     rows = smoke_results["mapping"]["rows"]
@@ -451,6 +477,18 @@ def test_sharing_saves_memory_only_with_small_pages(smoke_results):
         # 1024-token pages: a short request fits one page, and every write copies it
         assert rows[(scenario, "vmm-per_layer-2MiB")]["saved"] < rows[(scenario, "paged-b16")]["saved"]
     assert rows[("beam", "paged-b16")]["cow_copies"] > 0
+
+
+def test_sharing_verdict_compares_the_default_pages_with_paged_and_shows_the_rest(smoke_results):
+    from benchmarks import sharing
+
+    rows = smoke_results["sharing"]["rows"]
+    default = next(r for r in rows if r["allocator"] == sharing.DEFAULT_VMM)
+    for verdict in sharing.verdicts(smoke_results["sharing"]):
+        assert verdict.result.startswith(f"VMM default ({default['tokens_per_page']}-tok pages, {default['geometry'].split(',')[0]})")
+        assert ", paged " in verdict.result and "1024-tok" not in verdict.result  # the alternatives go to the note
+        assert verdict.note.startswith("alternatives: ") and "VMM 1024-tok pages" in verdict.note
+        assert verdict.side in (sharing.DEFAULT_VMM, "paged-b16", "tie")
 
 
 # ---- vllm (a run starts two vLLM engines: minutes, so its saved result is checked) -----------
@@ -900,14 +938,14 @@ def test_cli_bench_ends_with_the_verdict_and_writes_json_report_and_plot(tmp_pat
 def test_report_keeps_earlier_records_and_names_missing_files(tmp_path):
     verdict = common.ratio_verdict("x.speed", "x question", common.Spread.of([1.4, 1.5, 1.6]), "A", "B").as_dict()
     records = [{"name": "x", "status": "ok", "seconds": 1.0, "json": "x.json", "plots": [], "verdicts": [verdict]}]
-    report = cli.write_report(tmp_path, records).read_text()
+    report = suite.write_report(tmp_path, records).read_text()
     assert "x question" in report and "its result file x.json is no longer in" in report
 
 
 def test_cli_registry_lists_colleagues_and_reports_a_missing_module(tmp_path, monkeypatch, capsys):
-    assert set(ALL) <= set(cli.REGISTRY)
-    broken = cli.Entry("broken", "benchmarks.does_not_exist")
-    monkeypatch.setattr(cli, "REGISTRY", {"broken": broken, "mapping": cli.REGISTRY["mapping"]})
+    assert set(ALL) <= set(suite.REGISTRY)
+    broken = suite.Entry("broken", "benchmarks.does_not_exist")
+    monkeypatch.setattr(suite, "REGISTRY", {"broken": broken, "mapping": suite.REGISTRY["mapping"]})
     status = cli.main(["bench", "--smoke", "--no-plots", "--no-progress", "--out", str(tmp_path)])
     assert status == 1  # one benchmark did not run ...
     records = json.loads((tmp_path / "suite.json").read_text())["records"]
@@ -924,7 +962,7 @@ def test_cli_module_verdicts_come_through_the_contract(tmp_path, monkeypatch, ca
     module.verdicts = lambda result: [common.ratio_verdict(
         "fake.speed", "fake stock vs plugin", common.Spread.of([1.3, 1.4, 1.5]), "plugin", "stock")]
     monkeypatch.setitem(sys.modules, "benchmarks.fake_verdict", module)
-    monkeypatch.setattr(cli, "REGISTRY", {"fake": cli.Entry("fake", "benchmarks.fake_verdict")})
+    monkeypatch.setattr(suite, "REGISTRY", {"fake": suite.Entry("fake", "benchmarks.fake_verdict")})
     assert cli.main(["bench", "--no-progress", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     tail = out[out.rindex("== verdict =="):].splitlines()
@@ -953,6 +991,181 @@ def test_cli_list_names_every_benchmark(capsys):
     assert cli.main(["bench", "--list"]) == 0
     out = capsys.readouterr().out
     assert all(name in out for name in ALL)
+
+
+# ---- vmkv bench through the vmkv.commands entry point ------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _no_installed_commands(monkeypatch, *entry_points: importlib.metadata.EntryPoint) -> None:
+    """Make ``entry_points`` (and nothing else, not this checkout's pyproject.toml) the
+    ``vmkv.commands`` the CLI finds."""
+    monkeypatch.setattr(cli.importlib.metadata, "entry_points",
+                        lambda group: [ep for ep in entry_points if ep.group == group])
+    monkeypatch.setattr(cli, "checkout_commands", lambda pyproject: {})
+
+
+def test_the_library_does_not_import_the_benchmarks():
+    """No module of vmkv imports the benchmarks package: `vmkv bench` reaches it through the
+    entry point pyproject.toml declares."""
+    import ast
+
+    for path in sorted((ROOT / "vmkv").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(name == "benchmarks" or name.startswith("benchmarks.") for name in names), f"{path} imports {names}"
+    declared = cli.checkout_commands(ROOT / "pyproject.toml")
+    assert declared["bench"].value == "benchmarks.suite" and declared["bench"].load() is suite
+
+
+def test_a_contributed_command_gets_the_words_after_its_name(monkeypatch, capsys):
+    command = type(sys)("fake_vmkv_command")
+    command.HELP = "say hello"
+    command.main = lambda argv: seen.append(argv) or 7
+    seen: list[list[str]] = []
+    monkeypatch.setitem(sys.modules, "fake_vmkv_command", command)
+    _no_installed_commands(monkeypatch, importlib.metadata.EntryPoint("hello", "fake_vmkv_command", cli.COMMANDS_GROUP),
+                           importlib.metadata.EntryPoint("other", "fake_vmkv_command", "another.group"))
+    assert cli.main(["hello", "--device", "cuda", "x"]) == 7 and seen == [["--device", "cuda", "x"]]
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert "say hello (vmkv hello --help)" in out and "other" not in out
+    assert "bench" in out and "unavailable: vmkv bench needs the benchmark suite" in " ".join(out.split())
+
+
+def test_vmkv_bench_without_its_entry_point_says_what_to_install(monkeypatch, capsys):
+    _no_installed_commands(monkeypatch)
+    for argv in (["bench"], ["bench", "--list"], ["bench", "--device", "cuda", "mapping"]):
+        assert cli.main(argv) == 2
+        assert capsys.readouterr().err.strip() == ("vmkv bench needs the benchmark suite, which ships with a clone of vmkv: "
+                                                   "pip install -e '.[bench]' (in a vmkv clone)")
+    broken = type(sys)("broken_vmkv_command")  # loads, but is no command
+    monkeypatch.setitem(sys.modules, "broken_vmkv_command", broken)
+    _no_installed_commands(monkeypatch, importlib.metadata.EntryPoint("bench", "broken_vmkv_command", cli.COMMANDS_GROUP),
+                           importlib.metadata.EntryPoint("gone", "no_such_module_here", cli.COMMANDS_GROUP))
+    assert cli.main(["bench"]) == 2 and "is not a vmkv command (it has no HELP or main)" in capsys.readouterr().err
+    assert cli.main(["gone"]) == 2 and "no_such_module_here could not be loaded (ModuleNotFoundError" in capsys.readouterr().err
+
+
+def test_checkout_commands_come_from_vmkv_s_own_pyproject_only(tmp_path):
+    declared = tmp_path / "pyproject.toml"
+    declared.write_text('[project]\nname = "vmkv"\n[project.entry-points."vmkv.commands"]\nbench = "somewhere.else:cmd"\n')
+    (found,) = cli.checkout_commands(declared).values()
+    assert (found.name, found.value, found.group) == ("bench", "somewhere.else:cmd", cli.COMMANDS_GROUP)
+    declared.write_text('[project]\nname = "other"\n[project.entry-points."vmkv.commands"]\nbench = "x"\n')
+    assert cli.checkout_commands(declared) == {}
+    declared.write_text("not toml [")
+    assert cli.checkout_commands(declared) == {} and cli.checkout_commands(tmp_path / "missing.toml") == {}
+
+
+# ---- presets per device and the checks before anything runs -------------------------------------
+CUDA_GRANULARITY = 2 << 20
+
+
+def _resolved(name: str, device: str, smoke: bool = False, options: list[str] | None = None) -> tuple[object, argparse.Namespace]:
+    """The module of benchmark ``name`` and its options as the suite resolves them on ``device``."""
+    entry = suite.REGISTRY[name]
+    module, why = suite.load_module(entry)
+    assert module is not None, why
+    common_ns = argparse.Namespace(device=device, smoke=smoke, seed=0, out=Path("unused"), no_plots=True, progress=False)
+    argv = suite.preset(entry, device, smoke=smoke) if options is None else options
+    return module, suite.module_args(module, entry, argv, common_ns)
+
+
+@pytest.mark.parametrize("device, granularity", [("cpu", 4096), ("cuda", CUDA_GRANULARITY)])
+@pytest.mark.parametrize("smoke", [False, True], ids=["quick", "smoke"])
+@pytest.mark.parametrize("name", ALL)
+def test_every_preset_opens_on_its_device_without_one(name, device, granularity, smoke):
+    """Issue 26: the quick preset (and --smoke) of every benchmark of the suite asks nothing of
+    the device's backend that the backend refuses (CUDA: 2 MiB granularity), found without a
+    GPU: every cache configuration it implies is built and checked."""
+    assert set(suite.REGISTRY[name].presets) == set(suite.DEVICES)
+    module, args = _resolved(name, device, smoke)
+    if name == "generate":  # VirtualCache sizes its own pages: no configuration here to check
+        assert not hasattr(module, "refusals")
+        return
+    assert module.refusals(args, granularity) == {}
+
+
+def test_refusals_name_what_the_device_refuses():
+    """What the old quick preset asked of CUDA (4 KiB pages for mapping), and page sizes below
+    2 MiB elsewhere, are named with the backend's reason; a CPU run of the same is fine."""
+    from benchmarks import mapping
+
+    _, args = _resolved("mapping", "cuda", options=["--decode-page-sizes", "4KiB", "--page-sizes", "64KiB", "2MiB"])
+    refused = mapping.refusals(args, CUDA_GRANULARITY)
+    assert set(refused) == {"map/unmap 64KiB pages", "decode-share 4KiB pages (all_layers, llama3-8b)"}
+    assert "must be a multiple of the backend granularity (2097152 B)" in refused["decode-share 4KiB pages (all_layers, llama3-8b)"]
+    _, args = _resolved("mapping", "cpu", options=["--decode-page-sizes", "4KiB", "--page-sizes", "64KiB", "2MiB"])
+    assert mapping.refusals(args, 4096) == {}
+    for name, options in (("decode", ["--page-size", "64KiB"]), ("sharing", ["--allocators", "vmm-per_layer-64KiB"]),
+                          ("serve", ["--vmm-page-size", "64KiB"]), ("memory", ["--page-sizes", "64KiB", "--allocators", "vmm-default"])):
+        module, args = _resolved(name, "cuda", options=options)
+        refused = module.refusals(args, CUDA_GRANULARITY)
+        if name == "memory":  # the layout x page size sweep is reported as skipped, not needed
+            assert refused == {}
+        else:
+            assert refused and all("2097152" in why for why in refused.values()), (name, refused)
+
+
+def test_cuda_presets_measure_what_a_cuda_user_gets():
+    """mapping maps 32-token pages of Llama-3-8B in the all-layers layout (2 MiB pages of the small
+    model would hold 1,024 tokens or more), sharing's headline VMM allocator is the library's
+    CUDA default (all layers, 32 tokens a page), generate runs the 1b model."""
+    from benchmarks import mapping, sharing
+
+    _, args = _resolved("mapping", "cuda")
+    config = mapping._decode_config(mapping._settings(args), "2MiB")
+    assert (config.layout, config.page_size // config.tensor_token_bytes()) == ("all_layers", 32)
+    _, args = _resolved("sharing", "cuda")
+    settings, widths = sharing._settings(args)
+    default = next(a for a in sharing.ALLOCATORS if a.label == sharing.DEFAULT_VMM)
+    assert sharing.DEFAULT_VMM in settings.allocators and "vmm-per_layer-64KiB" not in settings.allocators
+    config = sharing._config(default, settings, widths[-1])
+    assert (config.layout, config.page_size, config.page_size // config.tensor_token_bytes()) == ("all_layers", 2 << 20, 32)
+    _, args = _resolved("generate", "cuda")
+    assert args.models == ["1b"] and "static" not in args.caches
+    cpu, _ = sharing._settings(_resolved("sharing", "cpu")[1])  # the CUDA preset's shorter max_seq_len replays the same requests
+    assert settings.max_seq_len < cpu.max_seq_len
+    for seed, count in ((settings.seed, settings.requests), (settings.seed + 1, settings.requests * max(widths))):
+        assert common.make_trace("alpaca", count, seed, settings.max_seq_len) == common.make_trace("alpaca", count, seed, cpu.max_seq_len)
+
+
+def test_a_refused_option_stops_the_run_before_anything_runs_or_is_written(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(suite, "granularity", lambda device: CUDA_GRANULARITY)  # this host as if it mapped 2 MiB pages
+    out = tmp_path / "out"
+    assert cli.main(["bench", "mapping", "--page-sizes", "2MiB", "--out", str(out)]) == 2  # its 4 KiB decode pages on CPU
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("vmkv bench: mapping cannot run with its options: on cpu (pages are multiples of 2097152 B) "
+                          "the backend refuses decode-share 4KiB pages (per_layer, small): page_size 4096 must be")
+    assert len(err.splitlines()) == 1 and not out.exists()
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file", "a filesystem that refuses", "a full disk"])
+def test_an_output_directory_that_cannot_be_written_stops_the_run_first(where, tmp_path, monkeypatch, capsys):
+    """Issue 30 item 14: one line, exit status 2, no traceback, nothing run; a directory the
+    check created is gone again."""
+    import errno
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    out = {"a file": blocker, "under a file": blocker / "out", "a filesystem that refuses": Path("/sys/vmkv-bench-out"),
+           "a full disk": tmp_path / "new" / "out"}[where]
+    if where == "a full disk":
+        def full(fd: int) -> None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(suite.os, "fsync", full)
+    elif where == "a filesystem that refuses" and os.access("/sys", os.W_OK) and not Path("/sys").is_dir():
+        pytest.skip("no /sys here")
+    assert cli.main(["bench", "--smoke", "--no-progress", "sharing", "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"vmkv bench: cannot write results to --out {out}: ") and len(captured.err.splitlines()) == 1
+    assert "Traceback" not in captured.err and "== sharing" not in captured.out
+    assert blocker.read_text() == "x"
+    if where == "a full disk":
+        assert captured.err.strip().endswith("No space left on device") and not (tmp_path / "new").exists()
 
 
 def test_cli_serve_delegates_to_the_server_cli(capsys):

@@ -229,7 +229,8 @@ def test_shell_commands_in_the_docs_name_real_extras_and_subcommands() -> None:
     `vmkv` subcommands and benchmarks that exist; CI runs the README's test command."""
     import tomllib
 
-    from vmkv.cli import REGISTRY, build_parser
+    from benchmarks.suite import REGISTRY
+    from vmkv.cli import build_parser
 
     extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
     subcommands = {"--version", "--help", *build_parser()._subparsers._group_actions[0].choices}  # noqa: SLF001

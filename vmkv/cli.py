@@ -1,73 +1,39 @@
-"""The ``vmkv`` command: ``info``, ``bench``, ``serve`` and ``ledger``.
+"""The ``vmkv`` command: ``info``, ``serve``, ``ledger``, and the subcommands other packages
+contribute (``bench``).
 
 ::
 
     vmkv info                          backends, page granularity, kernels per mode and why
-    vmkv bench                         the quick default suite (CPU, a few minutes): tables,
-                                       JSON and PNG plots in --out (default bench-out/)
-    vmkv bench --full                  every benchmark with its own, fuller defaults (docs)
-    vmkv bench <name> [options]        one benchmark with its own options (--help lists them)
-    vmkv bench --list                  the registry
+    vmkv bench [options]               the benchmark suite (``vmkv bench --help``), contributed
+                                       by the clone's ``benchmarks`` package
     vmkv serve [options]               the OpenAI-compatible server (vmkv.server.cli)
     vmkv ledger NAME [--reap]          a host-wide KV budget's members, holdings and verdict
 
-Benchmark modules are imported only when needed; one that is missing or fails to import is
-reported plainly and the others still run. Every module follows the contract described in
-:mod:`benchmarks.common` (``NAME``, ``DESCRIPTION``, ``add_arguments``, ``run``, optional ``plot``).
+A contributed subcommand is an entry point of the ``vmkv.commands`` group (pyproject.toml:
+``[project.entry-points."vmkv.commands"]``) that loads an object, a module will do, with
+``HELP`` (one line for ``vmkv --help``) and ``main(argv) -> int`` (it parses ``argv``, the
+words after its name, with its own parser). The library imports none of them by name: the
+benchmarks live with the benchmarks. A command vmkv documents but cannot find says what to
+install.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import importlib.util
-import json
 import mmap
 import platform
 import sys
-import time
-import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Callable
 
 from .extras import install_hint
 
-COMMON_OPTIONS = ("device", "smoke", "seed", "out")
-BENCH_EXTRA = ("matplotlib", "tqdm", "transformers")  # what the bench extra brings (plots, bars, generate)
-
-
-@dataclass(frozen=True)
-class Entry:
-    """A registered benchmark: its module and the options the quick default suite runs it with
-    (``vmkv bench <name>`` alone runs the module's own, fuller defaults). ``in_suite=False``:
-    not in the quick suite, only in ``--full`` and by name."""
-
-    name: str
-    module: str
-    suite_argv: list[str] = field(default_factory=list)
-    in_suite: bool = True
-
-
-REGISTRY: dict[str, Entry] = {
-    entry.name: entry
-    for entry in (
-        Entry("memory", "benchmarks.memory",
-              ["--requests", "sharegpt=120", "alpaca=300", "--budget", "sharegpt=1GiB", "alpaca=256MiB", "--page-sizes", "2MiB"]),
-        Entry("decode", "benchmarks.decode",
-              ["--batches", "1", "8", "32", "--contexts", "512", "2048", "--repeat", "7", "--paged-kernels", "selected"]),
-        Entry("mapping", "benchmarks.mapping", ["--steps", "128", "--rounds", "11", "--pages", "128", "--decode-page-sizes", "4KiB"]),
-        Entry("sharing", "benchmarks.sharing", ["--traces", "alpaca", "--requests", "3", "--widths", "2", "6"]),
-        Entry("generate", "benchmarks.generate",
-              ["--models", "small", "--prompt-len", "64", "--new-tokens", "256", "--batch-sizes", "8",
-               "--beam-new-tokens", "32", "--caches", "dynamic", "static", "vmm", "vmm+vmkv", "bound", "--repeats", "7"]),
-        Entry("serve", "benchmarks.serve",
-              ["--concurrency", "1", "8", "--rates", "16", "inf", "--requests", "16", "--output-len", "16", "--repeats", "7",
-               "--rate-repeats", "1"]),
-        Entry("vllm", "benchmarks.vllm", in_suite=False),  # vLLM stock vs the vmkv plugin: needs vLLM, minutes
-        Entry("two_engines", "benchmarks.two_engines", in_suite=False),  # two engine processes, alternating bursts
-    )
+COMMANDS_GROUP = "vmkv.commands"
+KNOWN_COMMANDS = {  # contributed commands the docs name: what to install when one is missing
+    "bench": "the benchmark suite, which ships with a clone of vmkv: " + install_hint("bench"),
 }
 
 
@@ -177,212 +143,6 @@ def _paged_kernel_lines(features: set[str]) -> list[str]:
     return lines
 
 
-# ---- vmkv bench --------------------------------------------------------------------------------
-def _common_parser(defaults: bool) -> argparse.ArgumentParser:
-    """The options every benchmark takes; without ``defaults`` they stay unset when absent
-    (so options given before the benchmark name are not overwritten by defaults after it)."""
-    parser = argparse.ArgumentParser(add_help=False)
-    pick = (lambda value: value) if defaults else (lambda value: argparse.SUPPRESS)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default=pick("cpu"), help="where the caches live (default cpu)")
-    parser.add_argument("--smoke", action="store_true", default=pick(False), help="tiny sizes: seconds per benchmark (CI)")
-    parser.add_argument("--seed", type=int, default=pick(0), help="seed of traces and data (default 0)")
-    parser.add_argument("--out", type=Path, default=pick(Path("bench-out")), help="directory for JSON, PNG and report.md (default bench-out/)")
-    parser.add_argument("--no-plots", action="store_true", default=pick(False), help="write JSON only")
-    progress = parser.add_mutually_exclusive_group()
-    progress.add_argument("--progress", dest="progress", action="store_true", default=pick(None), help="progress bars (default: when stderr is a terminal)")
-    progress.add_argument("--no-progress", dest="progress", action="store_false", default=pick(None))
-    return parser
-
-
-def load_module(entry: Entry) -> tuple[ModuleType | None, str]:
-    """Import a benchmark module; ``(None, reason)`` if it is missing or fails to import."""
-    try:
-        module = importlib.import_module(entry.module)
-    except Exception as exc:  # noqa: BLE001 - any import failure is reported and skipped
-        return None, f"{entry.module} could not be imported ({type(exc).__name__}: {exc})"
-    missing = [attr for attr in ("NAME", "add_arguments", "run") if not hasattr(module, attr)]
-    if missing:
-        return None, f"{entry.module} does not follow the benchmark contract (missing {', '.join(missing)})"
-    return module, ""
-
-
-def _module_args(module: ModuleType, entry: Entry, argv: list[str], common: argparse.Namespace) -> argparse.Namespace:
-    """Parse a module's own options from ``argv``; common options may also appear there."""
-    parser = argparse.ArgumentParser(prog=f"vmkv bench {entry.name}", description=getattr(module, "DESCRIPTION", None),
-                                     parents=[_common_parser(defaults=False)])
-    module.add_arguments(parser)
-    args = parser.parse_args(argv)
-    for name, value in vars(common).items():
-        if not hasattr(args, name):
-            setattr(args, name, value)
-    if args.progress is None:
-        args.progress = sys.stderr.isatty()
-    return args
-
-
-def run_one(module: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
-    """Run a benchmark, write its JSON (with its verdicts) and plots, print its table and verdicts;
-    return an index record."""
-    from benchmarks import common
-
-    start = time.perf_counter()
-    result = module.run(args)
-    seconds = time.perf_counter() - start
-    result["verdicts"] = _verdicts(module, result)
-    json_path = common.write_json(result, args.out)
-    plots: list[str] = []
-    if not args.no_plots and hasattr(module, "plot"):
-        plots, why = _try(lambda: module.plot(result, args.out))
-        if why:
-            print(f"[{result['name']}] no plot: {why}", file=sys.stderr)
-            plots = []
-    print(f"\n== {result['name']} ({seconds:.0f} s) ==")
-    if hasattr(module, "table"):  # the module's own condensed view of its rows
-        print(common.format_table(module.table(result)))
-    else:
-        print(common.format_table(result["rows"], list(result["schema"]) if result.get("schema") else None))
-    if result["verdicts"]:
-        print()
-        print(common.format_verdicts(result["verdicts"]))
-    # file names, not paths: suite.json and report.md live in the same directory as the files
-    return {"name": result["name"], "status": "ok", "seconds": seconds, "json": json_path.name,
-            "plots": [Path(p).name for p in plots],
-            "verdicts": result["verdicts"]}
-
-
-def _verdicts(module: ModuleType, result: dict[str, Any]) -> list[dict[str, Any]]:
-    """The module's verdicts as JSON dicts (none if it gives none); a failure becomes a line."""
-    if not hasattr(module, "verdicts"):
-        return []
-    verdicts, why = _try(lambda: [v.as_dict() for v in module.verdicts(result)])
-    if why:
-        print(f"[{result['name']}] no verdict: {why}", file=sys.stderr)
-        return [{"key": f"{result['name']}.error", "question": f"{result['name']}: verdict", "result": "error",
-                 "spread": "", "winner": "no verdict", "side": "", "reliable": False, "note": why}]
-    return verdicts
-
-
-def _suite_names(requested: str | None, full: bool) -> list[str]:
-    """The benchmark asked for, else the quick suite, or with ``full`` every registered one."""
-    if requested:
-        return [requested]
-    return [name for name, entry in REGISTRY.items() if entry.in_suite or full]
-
-
-def bench(ns: argparse.Namespace) -> int:
-    """``vmkv bench``: one benchmark, or the default suite; returns the exit status."""
-    if ns.list:
-        for name, entry in REGISTRY.items():
-            module_ok = importlib.util.find_spec(entry.module) is not None
-            print(f"{name:10s} {entry.module}{'' if module_ok else '  (missing)'}{'  [suite]' if entry.in_suite else ''}")
-        return 0
-    if ns.name is not None and ns.name not in REGISTRY:
-        print(f"vmkv bench: unknown benchmark {ns.name!r}; choose from {', '.join(REGISTRY)}", file=sys.stderr)
-        return 2
-    device_error = _device_unavailable(ns.device)
-    if device_error:  # said once, before any benchmark runs or any file is written
-        print(f"vmkv bench: {device_error}", file=sys.stderr)
-        return 2
-    common_ns = argparse.Namespace(**{k: getattr(ns, k) for k in (*COMMON_OPTIONS, "no_plots", "progress")})
-    out = common_ns.out  # a single benchmark may set --out after its name: then its own wins
-    records = []
-    names = _suite_names(ns.name, ns.full)
-    for name in names:
-        entry = REGISTRY[name]
-        module, why = load_module(entry)
-        if module is None:
-            print(f"[{name}] skipped: {why}", file=sys.stderr)
-            records.append({"name": name, "status": "unavailable", "reason": why})
-            continue
-        preset = [] if ns.smoke or ns.full else list(entry.suite_argv)  # the module's own sizes
-        args = _module_args(module, entry, ns.rest if ns.name else preset, common_ns)
-        device_error = _device_unavailable(args.device)  # --device given after the benchmark's name
-        if device_error:
-            print(f"vmkv bench: {device_error}", file=sys.stderr)
-            return 2
-        args.out.mkdir(parents=True, exist_ok=True)
-        out = args.out if ns.name else out
-        if len(names) > 1:
-            print(f"[{len(records) + 1}/{len(names)}] {name}: {getattr(module, 'DESCRIPTION', '')}", file=sys.stderr)
-        try:
-            records.append({**run_one(module, args), "options": ns.rest if ns.name else preset})
-        except Exception as exc:  # noqa: BLE001 - one failing benchmark does not stop the suite
-            print(f"[{name}] failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-            if ns.name:
-                traceback.print_exc()
-            records.append({"name": name, "status": "failed", "reason": f"{type(exc).__name__}: {exc}"})
-    out.mkdir(parents=True, exist_ok=True)
-    report = write_report(out, _merge_records(out / "suite.json", records))
-    _print_suite(records, out, report)
-    return 0 if all(r["status"] == "ok" for r in records) else 1
-
-
-def _device_unavailable(device: str) -> str:
-    """Why benchmarks cannot run on ``device`` ('' if they can)."""
-    from benchmarks.common import check_device
-
-    _, why = _try(lambda: check_device(device))
-    return why.split(": ", 1)[-1]
-
-
-def _merge_records(path: Path, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Update ``suite.json`` in the output directory with ``records`` (one per benchmark name,
-    the newest wins, registry order) so one benchmark run alone keeps the others' results."""
-    by_name = {r["name"]: r for r in (json.loads(path.read_text())["records"] if path.exists() else [])}
-    by_name.update({r["name"]: r for r in records})
-    order = [name for name in REGISTRY if name in by_name] + [name for name in by_name if name not in REGISTRY]
-    merged = [by_name[name] for name in order]
-    path.write_text(json.dumps({"records": merged}, indent=1, default=str) + "\n")
-    return merged
-
-
-def _print_suite(records: list[dict[str, Any]], out: Path, report: Path) -> None:
-    """The run's index (status, seconds, files written), then the verdict table, last."""
-    from benchmarks.common import format_table, format_verdicts
-
-    table = [{"benchmark": r["name"], "status": r["status"], "seconds": f"{r['seconds']:.0f}" if "seconds" in r else "",
-              "detail": r.get("reason") or ", ".join(Path(p).name for p in [r["json"], *r.get("plots", [])])}
-             for r in records]
-    print("\n" + format_table(table, wrap={"detail": 70}))
-    written = [report.name, "suite.json"] if any(r["status"] == "ok" for r in records) else []
-    if written:
-        print(f"\nresults in {out}/: {', '.join(written)} and the files above")
-    verdicts = [v for r in records if r["status"] == "ok" for v in r.get("verdicts", [])]
-    if verdicts:
-        print("\n== verdict ==")
-        print(format_verdicts(verdicts))
-
-
-def write_report(out: Path, records: list[dict[str, Any]]) -> Path:
-    """``out/report.md``: the verdict table first, then every result's command, table and plots."""
-    from benchmarks.common import format_table, format_verdicts
-
-    ok = [r for r in records if r["status"] == "ok"]
-    parts = ["# vmkv benchmark results", ""]
-    verdicts = [v for r in ok for v in r.get("verdicts", [])]
-    if verdicts:
-        parts += ["## Verdict", "", format_verdicts(verdicts, markdown=True), ""]
-    for record in records:
-        parts += [f"## {record['name']}", ""]
-        if record["status"] != "ok":
-            parts += [f"{record['status']}: {record.get('reason', '')}", ""]
-            continue
-        path = out / Path(record["json"]).name
-        if not path.exists():
-            parts += [f"(its result file {path.name} is no longer in {out})", ""]
-            continue
-        result = json.loads(path.read_text())
-        command = " ".join(["vmkv bench", record["name"], *(record.get("options") or [])])
-        parts += [f"`{command}`: {record['seconds']:.0f} s", ""]
-        if result["rows"]:
-            columns = list(result["schema"]) if result.get("schema") else None
-            parts += [format_table(result["rows"], columns, markdown=True), ""]
-        parts += [f"![{record['name']}]({Path(p).name})" for p in record.get("plots", [])] + [""]
-    path = out / "report.md"
-    path.write_text("\n".join(parts))
-    return path
-
-
 # ---- vmkv serve --------------------------------------------------------------------------------
 def serve(rest: list[str]) -> int:
     """``vmkv serve``: parse ``rest`` with :mod:`vmkv.server.cli` and run the server."""
@@ -400,6 +160,61 @@ def serve(rest: list[str]) -> int:
         return 2
 
 
+# ---- contributed commands (vmkv bench) ---------------------------------------------------------
+def contributed_commands() -> dict[str, importlib.metadata.EntryPoint]:
+    """The ``vmkv.commands`` entry points, by name: those of every installed distribution, and,
+    when this vmkv runs from a source checkout, those the checkout's ``pyproject.toml`` declares.
+    The checkout's win: they name the code that runs, while an editable install's metadata shows
+    a new entry point only once ``pip install -e .`` runs again, and a checkout run in place
+    (``python -m vmkv.cli``) has no metadata at all."""
+    found = {ep.name: ep for ep in importlib.metadata.entry_points(group=COMMANDS_GROUP)}
+    found.update(checkout_commands(Path(__file__).resolve().parents[1] / "pyproject.toml"))
+    return found
+
+
+def checkout_commands(pyproject: Path) -> dict[str, importlib.metadata.EntryPoint]:
+    """The ``vmkv.commands`` entry points ``pyproject`` declares when it is vmkv's own (none
+    when it is missing, unreadable or another project's; none on Python 3.10, which reads no
+    TOML: installed metadata only there)."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:
+        return {}
+    try:
+        project = tomllib.loads(pyproject.read_text()).get("project", {})
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return {}
+    if project.get("name") != "vmkv":
+        return {}
+    declared = project.get("entry-points", {}).get(COMMANDS_GROUP, {})
+    return {name: importlib.metadata.EntryPoint(name, value, COMMANDS_GROUP) for name, value in declared.items()}
+
+
+def load_command(name: str, commands: dict[str, importlib.metadata.EntryPoint]) -> tuple[Any, str]:
+    """The command ``name`` of ``commands`` loaded, or ``(None, why)``: nothing declares it (the
+    message says what to install for a command vmkv documents), or it fails to load."""
+    entry = commands.get(name)
+    if entry is None:
+        return None, f"vmkv {name} needs {KNOWN_COMMANDS.get(name, 'a package that provides it')}"
+    try:
+        command = entry.load()
+    except Exception as exc:  # noqa: BLE001 - whatever the contributed code raises, the user gets one line
+        return None, f"vmkv {name}: {entry.value} could not be loaded ({type(exc).__name__}: {exc})"
+    missing = [attr for attr in ("HELP", "main") if not hasattr(command, attr)]
+    if missing:
+        return None, f"vmkv {name}: {entry.value} is not a vmkv command (it has no {' or '.join(missing)})"
+    return command, ""
+
+
+def run_command(name: str, argv: list[str], commands: dict[str, importlib.metadata.EntryPoint]) -> int:
+    """Run the contributed command ``name`` with the words after it; 2 when it is unavailable."""
+    command, why = load_command(name, commands)
+    if command is None:
+        print(why, file=sys.stderr)
+        return 2
+    return int(command.main(argv) or 0)
+
+
 # ---- entry point -------------------------------------------------------------------------------
 class _SubcommandParser(argparse.ArgumentParser):
     """A subcommand's parser that refuses unknown options with its own usage (plain argparse hands
@@ -412,24 +227,20 @@ class _SubcommandParser(argparse.ArgumentParser):
         return ns, extras
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser (benchmark and server options are parsed by their own modules)."""
+def build_parser(commands: dict[str, importlib.metadata.EntryPoint] | None = None) -> argparse.ArgumentParser:
+    """The top-level parser: ``info``, ``serve``, ``ledger`` and every contributed command
+    (``commands``, default :func:`contributed_commands`), each of which parses its own options."""
     import vmkv
 
+    commands = contributed_commands() if commands is None else commands
     parser = argparse.ArgumentParser(prog="vmkv", description="KV-cache memory managed like virtual memory: info, benchmarks, server")
     parser.add_argument("--version", action="version", version=f"vmkv {vmkv.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_SubcommandParser)
     sub.add_parser("info", help="backends, page granularity, kernels per mode and why")
-    bench_parser = sub.add_parser(
-        "bench", parents=[_common_parser(defaults=True)], help="run the benchmark suite or one benchmark",
-        description="Without a name: the quick default suite. With a name: that benchmark; "
-                    "`vmkv bench <name> --help` lists its options.",
-    )
-    bench_parser.add_argument("--list", action="store_true", help="list the registered benchmarks")
-    bench_parser.add_argument("--full", action="store_true",
-                              help="suite: run every benchmark with its own (fuller) defaults, not the quick presets")
-    bench_parser.add_argument("name", nargs="?", help=f"one of: {', '.join(REGISTRY)}")
-    bench_parser.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options")
+    for name in sorted({*KNOWN_COMMANDS, *commands}):
+        command, why = load_command(name, commands)
+        help_text = f"{command.HELP} (vmkv {name} --help)" if command is not None else f"unavailable: {why}"
+        sub.add_parser(name, add_help=False, help=help_text).add_argument("rest", nargs=argparse.REMAINDER)
     serve_parser = sub.add_parser("serve", add_help=False, help="OpenAI-compatible server (vmkv serve --help)")
     serve_parser.add_argument("rest", nargs=argparse.REMAINDER)
     ledger_parser = sub.add_parser("ledger", help="members of a shared KV budget (shared_budget=NAME:SIZE)")
@@ -460,19 +271,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:  # everything after `serve` belongs to the server's own parser
         return serve(argv[1:])
-    ns = build_parser().parse_args(argv)
-    if ns.command == "bench" and not ns.list:
-        missing = [name for name in BENCH_EXTRA if not _installed_safe(name)]
-        if missing:
-            print(f"vmkv bench needs the bench extra: {install_hint('bench')} (missing: {', '.join(missing)})",
-                  file=sys.stderr)
-            return 2
+    commands = contributed_commands()
+    if argv[:1] and (argv[0] in commands or argv[0] in KNOWN_COMMANDS):  # so do a contributed command's words
+        return run_command(argv[0], argv[1:], commands)
+    ns = build_parser(commands).parse_args(argv)
     if ns.command == "info":
         print("\n".join(info_lines()))
         return 0
-    if ns.command == "ledger":
-        return show_ledger(ns.name, ns.reap)
-    return bench(ns)
+    return show_ledger(ns.name, ns.reap)
 
 
 if __name__ == "__main__":

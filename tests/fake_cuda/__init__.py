@@ -173,6 +173,17 @@ class FakeDriver:
     def hazards(self) -> int:
         return self.lib.fake_cuda_hazards()
 
+    def created_minus_released(self) -> int:
+        """Bytes of the handles ``cuMemCreate`` created minus those ``cuMemRelease`` released,
+        counted from the call log since the last reset or clear (not from the fake's own bookkeeping)."""
+        sizes: dict[str, int] = {}
+        for call in self.calls():
+            if call.name == "cuMemCreate" and call.ok:
+                sizes[call.args.rsplit("handle=", 1)[1]] = int(call.args.split("size=", 1)[1].split(",", 1)[0])
+            elif call.name == "cuMemRelease" and call.ok:
+                del sizes[call.args.split("handle=", 1)[1]]
+        return sum(sizes.values())
+
 
 class FakeRuntime:
     """Stands in for ``TorchCudaRuntime``: torch's side of CUDA, done against the fake driver.

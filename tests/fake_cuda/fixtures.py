@@ -46,18 +46,27 @@ def runtime(fake: FakeDriver) -> FakeRuntime:
     return FakeRuntime()
 
 
+class Backends(list):
+    """The backends :func:`fake_cuda_backends` opened, and the torch runtime they share."""
+
+    def __init__(self, runtime: FakeRuntime) -> None:
+        super().__init__()
+        self.runtime = runtime
+
+
 @pytest.fixture
-def fake_cuda_backends(fake: FakeDriver, monkeypatch) -> list:
+def fake_cuda_backends(fake: FakeDriver, monkeypatch) -> Backends:
     """Make ``vmkv.open_cache`` on a CPU config build its VMM ranges with the CUDA backend on
     the fake driver (4 KiB granularity): the cache's tensors are CPU tensors over the fake's
-    host-backed device memory, so the CPU kernels run on them. Yields the backends opened."""
+    host-backed device memory, so the CPU kernels run on them. Yields the backends opened
+    (``.runtime``: torch's side of CUDA they use; pass it to anything else that asks the driver)."""
     import vmkv.vmm.cache
     import vmkv.vmm.ranges
     from vmkv.vm.cuda import CudaVirtualMemory, cuda_granularity
 
     fake.reset(granularity=4096)
     runtime = FakeRuntime()
-    backends: list = []
+    backends = Backends(runtime)
 
     def open_backend(device, page_size: int, num_pages: int, *, on_demand: bool = False,
                      **_host_only) -> CudaVirtualMemory:

@@ -303,6 +303,43 @@ def test_a_store_that_does_not_fit_is_given_back(fake, runtime):
     assert fake.state()["memory_used"] == 0
 
 
+# ---- what the stores hold ------------------------------------------------------------------
+def test_an_on_demand_store_holds_what_was_created_minus_released_zero_page_included(fake, runtime):
+    """A store in a shared budget creates pages when provisioned (or mapped) and gives them back
+    when released: at every step ``resident_bytes`` is the handles the driver created minus those
+    it released (the zero page among them) and the device memory the driver counts; a provision
+    that fails half-way gives back what it created; close gives back everything."""
+    stores = [CudaVirtualMemory(PAGE, 6, device="cuda:0", runtime=runtime, on_demand=True) for _ in range(2)]
+
+    def in_step() -> int:
+        resident = sum(vm.resident_bytes() for vm in stores)
+        assert resident == fake.created_minus_released() == fake.state()["memory_used"]
+        return resident
+
+    assert in_step() == 2 * PAGE  # the zero pages, one a store
+    first, second = stores
+    assert first.provision([0, 1, 2]) == 3 and first.provision([1, 2]) == 0  # created once
+    addr = first.reserve(2 * PAGE)
+    first.map(addr, 3)  # a page not provisioned yet is created by its map
+    assert in_step() == 6 * PAGE
+    first.synchronize()
+    first.unmap(addr)
+    for page in (0, 3):
+        first.release_page(page)
+    first.release_page(0)  # released already: nothing to do
+    assert in_step() == 4 * PAGE
+    fake.fail("cuMemCreate", nth=3)  # the third page of the batch does not fit
+    with pytest.raises(BackendError, match="cuMemCreate"):
+        second.provision([0, 1, 2, 3])
+    assert in_step() == 4 * PAGE  # the two it created went back
+    assert second.provision([0, 1, 2, 3]) == 4
+    assert in_step() == 8 * PAGE
+    first.free_reservation(addr, 2 * PAGE)
+    for vm in stores:
+        vm.close()
+    assert in_step() == 0 and fake.created_minus_released() == 0
+
+
 # ---- the cache on top: a failing driver call never desynchronises the backend ----------------
 def test_a_failing_driver_call_during_cache_work_keeps_backend_and_driver_in_step(fake_cuda_backends, fake):
     """Fail the k-th driver call of a step that grows, forks (copy-on-write) and frees, for

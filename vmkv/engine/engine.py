@@ -34,7 +34,7 @@ from typing import Any, Iterable
 import torch
 
 from .. import open_cache
-from ..config import check_cache_options
+from ..config import KVCacheConfig, check_cache_options
 from ..core.base import KVCacheBase
 from ..core.step import StepPlan
 from ..errors import DuplicateSequence, InvalidConfig, OutOfPages, SequenceTooLong
@@ -86,6 +86,20 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     shared_budget: str | None = None
+
+    def cache_config(self) -> KVCacheConfig:
+        """The KV cache configuration this engine opens, from the model's ``config.json`` (no
+        weight is read).
+
+        Raises:
+            InvalidConfig: no ``config.json``, an unsupported model, or a bad cache option.
+        """
+        spec = read_model_spec(self.model, dtype=self.dtype, device=self.device)
+        return spec.cache_config(
+            max_batch_size=self.max_num_seqs, max_seq_len=self.max_seq_len or min(spec.max_seq_len(), 4096),
+            memory_budget=self.memory_budget, page_size=self.page_size, block_size=self.block_size,
+            prefix_caching=self.prefix_caching, shared_budget=self.shared_budget,
+        )
 
 
 def _check_cache_fits(loaded: LoadedModel, cache: KVCacheBase) -> None:
@@ -157,12 +171,7 @@ class Engine:
         Raises:
             InvalidConfig: a bad option, an unsupported model, or a mode that cannot open.
         """
-        spec = read_model_spec(config.model, dtype=config.dtype, device=config.device)
-        cache_config = spec.cache_config(
-            max_batch_size=config.max_num_seqs, max_seq_len=config.max_seq_len or min(spec.max_seq_len(), 4096),
-            memory_budget=config.memory_budget, page_size=config.page_size, block_size=config.block_size,
-            prefix_caching=config.prefix_caching, shared_budget=config.shared_budget,
-        )
+        cache_config = config.cache_config()
         scheduler = SchedulerConfig(config.max_num_batched_tokens, config.max_prefill_chunk)
         check_cache_options(cache_config, config.kv_mode)  # before the weights, allocating nothing: fails fast
         loaded = load_model(config.model, dtype=config.dtype, device=config.device)

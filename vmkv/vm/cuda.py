@@ -208,6 +208,33 @@ def cuda_granularity(device: torch.device | str | int, *, runtime: TorchCudaRunt
         raise BackendUnavailable(f"{_UNAVAILABLE}{exc}") from None
 
 
+def cuda_memory_info(device: torch.device | str | int, *, runtime: TorchCudaRuntime | None = None) -> tuple[int, int]:
+    """``(free, total)`` bytes of device memory as the driver counts them (``cuMemGetInfo`` in
+    torch's primary context of ``device``; what ``torch.cuda.mem_get_info`` reads). Device-wide:
+    other processes' memory is in it too.
+
+    Args:
+        device: a CUDA device.
+        runtime: torch's side of CUDA (tests substitute it); default :class:`TorchCudaRuntime`.
+
+    Raises:
+        BackendUnavailable: no GPU, driver or cuda-bindings here, or the driver refused.
+    """
+    driver, ordinal = _driver_for(device, runtime or TorchCudaRuntime())
+    context = _Context(driver, ordinal)
+    try:
+        context.retain()
+        try:
+            with context.current():
+                free, total = context.call(driver.cuMemGetInfo(), "cuMemGetInfo")
+        finally:
+            errors: list[str] = []
+            context.release(errors)
+    except BackendError as exc:
+        raise BackendUnavailable(f"{_UNAVAILABLE}{exc}") from None
+    return int(free), int(total)
+
+
 def _summary(errors: list[str], shown: int = 3) -> str:
     """The first few failures and how many more (close can fail a call per page)."""
     more = f"; and {len(errors) - shown} more" if len(errors) > shown else ""
@@ -782,4 +809,4 @@ class CudaVirtualMemory(VirtualMemory):
             pass
 
 
-__all__ = ["CudaVirtualMemory", "TorchCudaRuntime", "cuda_granularity"]
+__all__ = ["CudaVirtualMemory", "TorchCudaRuntime", "cuda_granularity", "cuda_memory_info"]

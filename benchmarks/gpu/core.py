@@ -1,0 +1,329 @@
+"""The sections that check the CUDA backend and measure the kernels: ``environment``, ``tests``,
+``zero_page``, ``decode``, ``map_unmap`` and ``paged_vs_vmm`` (docs/gpu.md says what each asserts
+and what its numbers mean)."""
+
+from __future__ import annotations
+
+import platform
+import re
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import vmkv
+from vmkv.kernels.contiguous import (
+    CONTIGUOUS_KERNELS,
+    contiguous_kernel_unavailable,
+    flash_varlen_has_seqused_k,
+    has_flash_attn,
+    select_contiguous_kernel,
+    torch_varlen_features,
+)
+
+from .registry import SCRIPT, optional_packages, package_version, run_process
+from .workload import TOLERANCE, MiB, Shape, compare_ms, decode_config, fill, make_data, percentiles_us, reference_decode
+
+
+def environment(device: torch.device, shape: Shape) -> dict[str, Any]:
+    """Versions, the GPU, the VMM granularity, whether the device takes read-only mappings for
+    the zero page, each contiguous kernel (``available`` or why not) and the one a cache picks;
+    ``optional_packages``: each optional package's version, ``None`` where it is missing."""
+    dtype = getattr(torch, shape.dtype)
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "vmkv": vmkv.__version__,
+        "packages": {name: package_version(name) for name in ("cuda-bindings", "flash-attn", "flashinfer-python", "triton", "cupy-cuda12x", "cupy-cuda13x", "numpy")},
+        "optional_packages": optional_packages(),
+        "flash_attn_installed": has_flash_attn(),
+        "aten_flash_varlen_has_seqused_k": flash_varlen_has_seqused_k(),
+        "varlen_attn_arguments": sorted(torch_varlen_features()),
+        "contiguous_kernels": {
+            name: contiguous_kernel_unavailable(name, device, dtype, shape.head_dim) or "available" for name in CONTIGUOUS_KERNELS
+        },
+        "selected_contiguous_kernel": select_contiguous_kernel(device, dtype, shape.head_dim)[0],
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env["gpu"] = {"name": props.name, "capability": f"{props.major}.{props.minor}", "memory_GiB": round(props.total_memory / 2**30, 1),
+                      "multiprocessors": props.multi_processor_count}
+        from vmkv.vm.cuda import cuda_granularity
+
+        env["vmm_granularity_bytes"] = cuda_granularity(device)
+        from vmkv.vm.cuda import CudaVirtualMemory
+
+        probe = CudaVirtualMemory(env["vmm_granularity_bytes"], 1, device=device)
+        env["zero_page_read_only"] = probe.zero_page_read_only  # False: the device refused PROT_READ
+        probe.close()
+        try:
+            from cuda.bindings import driver
+
+            env["cuda_driver_version"] = driver.cuDriverGetVersion()[1]
+        except Exception as exc:  # reported, not fatal: the backend section shows the real error
+            env["cuda_driver_version"] = f"unknown ({exc})"
+    return env
+
+
+def run_tests(paths: list[str], timeout: float) -> dict[str, Any]:
+    """pytest on ``paths`` (at most ``timeout`` seconds); the GPU check's own tests are deselected
+    (they would run this script again)."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *paths, "-k", "not gpu_check"]
+    done = run_process(cmd, timeout)
+    summary = [line for line in done.output.splitlines() if re.search(r"\d+ (passed|failed|error)", line)]
+    counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", summary[-1] if summary else "")}
+    return {
+        "failures": [] if done.returncode == 0 else [f"pytest {done.ended}: {counts}"],
+        "command": " ".join(cmd),
+        "returncode": done.returncode,
+        "counts": counts,
+        "seconds": round(done.seconds, 1),
+        "output_tail": done.output[-4000:],
+    }
+
+
+def decode_section(device: torch.device, shape: Shape, kernels: list[str]) -> dict[str, Any]:
+    """Each of ``kernels`` (contiguous-mode names) on the VMM views vs on a dense tensor with the same bytes."""
+    cache = vmkv.open_cache(decode_config(device, shape))
+    try:
+        data = make_data(device, shape)
+        plan = fill(cache, data, shape)
+        k_vmm, v_vmm = cache.kv_cache(0)  # [batch, seq_len, kv_heads, head_dim] views of the VMM ranges
+        k_dense, v_dense = k_vmm.clone(), v_vmm.clone()  # every position is mapped: all slots are full
+        reference = reference_decode(data.q, k_dense, v_dense, plan.slots_t.long())
+        kv_bytes = 2 * shape.batch * shape.seq_len * shape.kv_heads * shape.head_dim * k_vmm.element_size()
+        tolerance = TOLERANCE[shape.dtype]
+        rows: dict[str, Any] = {}
+        failures = []
+        for name in kernels:
+            kernel = CONTIGUOUS_KERNELS[name]
+            reason = contiguous_kernel_unavailable(name, device, k_vmm.dtype, shape.head_dim)
+            if reason is not None:
+                rows[name] = {"skipped": reason}
+                continue
+            on_vmm = lambda: kernel(data.q, k_vmm, v_vmm, plan, None)  # noqa: E731
+            on_dense = lambda: kernel(data.q, k_dense, v_dense, plan, None)  # noqa: E731
+            out_vmm, out_dense = on_vmm(), on_dense()
+            times = compare_ms({"vmm": on_vmm, "dense": on_dense}, device, shape)
+            rows[name] = {
+                "vmm_ms": times["vmm"],
+                "dense_ms": times["dense"],
+                "vmm_over_dense": times["vmm"] / times["dense"],
+                "vmm_GBps": kv_bytes / times["vmm"] / 1e6,
+                "max_abs_diff": (out_vmm.float() - out_dense.float()).abs().max().item(),
+                "max_abs_err_vs_fp32_reference": (out_vmm.float() - reference).abs().max().item(),
+            }
+            error = rows[name]["max_abs_err_vs_fp32_reference"]
+            if not error <= tolerance:  # NaN fails too
+                failures.append(f"{name}: max |output - fp32 reference| {error:.3g} > {tolerance:g} ({shape.dtype})")
+        return {"shape": asdict(shape), "cache_kernel": cache.kernel, "kv_bytes_read": kv_bytes,
+                "page_bytes": cache.stats()["page_bytes"], "tolerance": tolerance, "kernels": rows, "failures": failures}
+    finally:
+        cache.close()
+
+
+
+def map_unmap_section(device: torch.device, shape: Shape) -> dict[str, Any]:
+    """Per-page latency of map (cuMemMap + cuMemSetAccess) and unmap, host clock, 3 rounds."""
+    began = time.perf_counter()
+    if device.type == "cuda":
+        from vmkv.vm.cuda import CudaVirtualMemory, cuda_granularity
+
+        page = cuda_granularity(device)
+        vm = CudaVirtualMemory(page, shape.map_pages, device=device)
+    else:
+        from vmkv.vm.host import HostVirtualMemory
+
+        page = 2 * MiB
+        vm = HostVirtualMemory(page, shape.map_pages)
+    create_s = time.perf_counter() - began
+    try:
+        addr = vm.reserve(shape.map_pages * page)
+        map_ns, unmap_ns = [], []
+        for _ in range(3):
+            for i in range(shape.map_pages):
+                t = time.perf_counter_ns()
+                vm.map(addr + i * page, i)
+                map_ns.append(time.perf_counter_ns() - t)
+            vm.synchronize()
+            for i in range(shape.map_pages):
+                t = time.perf_counter_ns()
+                vm.unmap(addr + i * page)
+                unmap_ns.append(time.perf_counter_ns() - t)
+        vm.free_reservation(addr, shape.map_pages * page)
+        big = (64 << 30) // page * page
+        t = time.perf_counter_ns()
+        big_addr = vm.reserve(big)
+        reserve_us = (time.perf_counter_ns() - t) / 1e3
+        vm.free_reservation(big_addr, big)
+        return {
+            "backend": vm.name,
+            "page_bytes": page,
+            "pages": shape.map_pages,
+            "create_store_us_per_page": create_s * 1e6 / shape.map_pages,
+            "map_us": percentiles_us(map_ns),
+            "unmap_us": percentiles_us(unmap_ns),
+            "reserve_64GiB_us": reserve_us,
+        }
+    finally:
+        vm.close()
+
+
+
+def paged_section(device: torch.device, shape: Shape) -> dict[str, Any]:
+    """Every paged kernel vs the VMM cache's own kernel, through ``cache.attention``, same K/V."""
+    from vmkv.paged import KERNELS as PAGED_KERNELS
+    from vmkv.paged import PagedKVCache
+
+    data = make_data(device, shape)
+    quick = replace(shape, iters=max(1, shape.iters // 5), repeats=max(1, shape.repeats - 2))  # some kernels are slow
+    vmm = vmkv.open_cache(decode_config(device, shape))
+    try:
+        vmm_plan = fill(vmm, data, shape)
+        vmm_out = vmm.attention(0, data.q, vmm_plan)
+        rows: dict[str, Any] = {}
+        blocks = 2 * shape.batch * -(-shape.seq_len // shape.paged_block)
+        itemsize = torch.empty((), dtype=getattr(torch, shape.dtype)).element_size()
+        block_bytes = shape.paged_block * shape.kv_heads * shape.head_dim * itemsize
+        config = decode_config(device, shape, block_size=shape.paged_block, memory_budget=blocks * block_bytes)
+        tolerance = 2 * TOLERANCE[shape.dtype]  # each output within TOLERANCE of the fp32 reference
+        failures = []
+        for name in PAGED_KERNELS:
+            try:
+                paged = PagedKVCache(config, kernel=name)
+            except (vmkv.BackendUnavailable, vmkv.InvalidConfig) as exc:
+                rows[name] = {"skipped": str(exc)}
+                continue
+            try:
+                plan = fill(paged, data, shape)
+                out = vmkv.kernels.paged(0, data.q, plan)
+                times = compare_ms(
+                    {"paged": lambda: vmkv.kernels.paged(0, data.q, plan), "vmm": lambda: vmm.attention(0, data.q, vmm_plan)},
+                    device, quick,
+                )
+                rows[name] = {
+                    "paged_ms": times["paged"],
+                    "vmm_ms": times["vmm"],
+                    "paged_over_vmm": times["paged"] / times["vmm"],
+                    "max_abs_diff_vs_vmm": (out.float() - vmm_out.float()).abs().max().item(),
+                }
+            finally:
+                paged.close()
+            diff = rows[name]["max_abs_diff_vs_vmm"]
+            if not diff <= tolerance:  # NaN fails too
+                failures.append(f"{name}: max |paged - VMM ({vmm.kernel})| {diff:.3g} > {tolerance:g} ({shape.dtype})")
+        return {"vmm_kernel": vmm.kernel, "paged_block_size": shape.paged_block, "tolerance": tolerance, "kernels": rows,
+                "failures": failures}
+    finally:
+        vmm.close()
+
+
+
+def zero_page_section(device: torch.device, shape: Shape, out_dir: Path, smoke: bool) -> dict[str, Any]:
+    """Empty pages read as zeros (past a sequence, in an empty slot, after close) and a write
+    into one faults -- checked in a child process, since on CUDA the fault kills the context."""
+    config = decode_config(device, replace(shape, batch=2))
+    cache = vmkv.open_cache(config)
+    k_all = None
+    try:
+        tpp = cache.tokens_per_page
+        written = min(5, tpp)
+        cache.add("a")
+        plan = cache.begin_step({"a": written})
+        k = torch.randn(written, shape.kv_heads, shape.head_dim, device=device).to(config.dtype)
+        cache.write(0, k, k, plan)
+        k_all, _ = cache.kv_cache(0)  # [batch, seq_len, kv_heads, head_dim]
+        slot = plan.slots_t[0].item()
+        checks = {
+            "written_tokens_read_back": bool(torch.equal(k_all[slot, :written], k)),
+            "rest_of_the_page_reads_zeros": int(torch.count_nonzero(k_all[slot, written:tpp])) == 0,
+            "pages_past_the_sequence_read_zeros": int(torch.count_nonzero(k_all[slot, tpp:])) == 0,
+            "an_empty_slot_reads_zeros": int(torch.count_nonzero(k_all[1 - slot])) == 0,
+            "no_nan_anywhere": not bool(k_all.isnan().any()),
+        }
+    finally:
+        cache.close()
+    checks["a_view_after_close_reads_zeros"] = k_all is not None and int(torch.count_nonzero(k_all)) == 0
+    probe = write_probe(device, out_dir, smoke)
+    checks["a_write_into_an_empty_page_faults"] = probe["faulted"]
+    return {"checks": checks, "write_probe": probe, "failures": [name for name, ok in checks.items() if not ok]}
+
+
+def write_probe(device: torch.device, out_dir: Path, smoke: bool) -> dict[str, Any]:
+    """Run :func:`write_to_an_empty_page` in a child: it must die (SIGSEGV on the host, a CUDA
+    illegal-address error on a GPU) after reading zeros, without printing ``WROTE``."""
+    cmd = [sys.executable, str(SCRIPT), "--worker", "write_probe", "--device", str(device), "--out", str(out_dir)]
+    done = run_process(cmd + (["--smoke"] if smoke else []), timeout=300)
+    return {
+        "returncode": done.returncode,
+        "exit": done.ended,
+        "read_zeros_first": "READ 0" in done.stdout,
+        "faulted": done.returncode != 0 and "READ 0" in done.stdout and "WROTE" not in done.stdout,
+        "output_tail": done.output[-1500:],
+    }
+
+
+def write_to_an_empty_page(device: torch.device) -> None:
+    """Read an empty page (zeros), then write into it: this process is expected to die here."""
+    from vmkv.vm import granularity, open_backend
+
+    page = granularity(device)
+    vm = open_backend(device, page, 1)
+    addr = vm.reserve(2 * page)
+    view = vm.tensor(addr, (2 * page,), torch.uint8)
+    print("READ", int(view.sum().item()), flush=True)
+    view[page:].fill_(1)  # an empty page: read-only
+    vm.synchronize()
+    print("WROTE", int(view.sum().item()), flush=True)
+
+
+
+
+# ---- headlines: the one number each section shows in the summary ------------------------------
+def environment_headline(result: dict[str, Any]) -> str:
+    """The GPU, the driver, torch and the kernel a cache picks."""
+    gpu = result.get("gpu")
+    where = f"{gpu['name']} (sm {gpu['capability']}), driver {result.get('cuda_driver_version')}" if gpu else "no GPU (dry run)"
+    read_only = "" if result.get("zero_page_read_only", True) else "; the device REFUSED read-only zero pages"
+    return f"{where}, torch {result['torch']}, kernel {result['selected_contiguous_kernel']}{read_only}"
+
+
+def tests_headline(result: dict[str, Any]) -> str:
+    """pytest's counts."""
+    return ", ".join(f"{n} {kind}" for kind, n in result["counts"].items()) or f"no summary ({result['returncode']})"
+
+
+def zero_page_headline(result: dict[str, Any]) -> str:
+    """How many checks hold, and how the write into an empty page ended."""
+    checks = result["checks"]
+    return f"{sum(checks.values())}/{len(checks)} checks hold; the write into an empty page: {result['write_probe']['exit']}"
+
+
+def decode_headline(result: dict[str, Any]) -> str:
+    """VMM over dense with the cache's own kernel, and the bandwidth it reached."""
+    kernel = result["cache_kernel"]
+    row = result["kernels"].get(kernel, {})
+    if "vmm_over_dense" not in row:
+        return f"the cache's kernel {kernel} was not timed ({row.get('skipped', 'not in --kernels')})"
+    return f"VMM/dense {row['vmm_over_dense']:.3f}x with {kernel} ({row['vmm_ms']:.4f} ms, {row['vmm_GBps']:.0f} GB/s)"
+
+
+def map_unmap_headline(result: dict[str, Any]) -> str:
+    """Median map and unmap time per page."""
+    return (f"map {result['map_us']['median']:.0f} us, unmap {result['unmap_us']['median']:.0f} us a "
+            f"{result['page_bytes'] // MiB} MiB page (median); reserve 64 GiB {result['reserve_64GiB_us'] / 1e6:.2f} s")
+
+
+def paged_headline(result: dict[str, Any]) -> str:
+    """The fastest paged kernel's time over the VMM cache's kernel."""
+    timed = {name: row["paged_over_vmm"] for name, row in result["kernels"].items() if "paged_over_vmm" in row}
+    if not timed:
+        return "no paged kernel could run"
+    best = min(timed, key=timed.get)
+    return f"fastest paged kernel {best}: {timed[best]:.2f}x the time of VMM's {result['vmm_kernel']}"
