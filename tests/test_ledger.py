@@ -788,6 +788,41 @@ def test_a_member_in_another_pid_namespace_is_not_reaped(name, reference):
         other.proc.wait(10)
 
 
+def test_max_zero_is_refused(name):
+    """Item 8: ``max=0`` meant no limit."""
+    with pytest.raises(InvalidConfig, match="max"):
+        SharedBudget.parse(f"{name}:4MiB,max=0")
+    with pytest.raises(InvalidConfig, match="max"):
+        small(name, ",max=0")
+    assert not os.path.exists(ledger_path(name))
+
+
+@pytest.mark.parametrize("setting", [":16KiB", ":4MiB,max=16KiB", ":4MiB,min=1MiB,max=512KiB"])
+def test_a_join_that_fails_leaves_no_file(name, setting):
+    """Item 9: a join refused for a budget that holds no page left a member-less file behind, and
+    later opens with another budget got LedgerMismatch."""
+    with pytest.raises(InvalidConfig):
+        ledger_member.open_member(name + setting)
+    assert not os.path.exists(ledger_path(name))
+    with Ledger(name, 3 * BUDGET) as ledger:
+        assert ledger.budget == 3 * BUDGET
+
+
+@pytest.mark.parametrize("budget", [1 << 64, 1 << 80])
+def test_a_budget_past_the_file_format_is_refused_before_any_file(name, budget):
+    """Item 10: a budget of 2**64 or more raised a bare struct.error after creating the file,
+    which then blocked the name for good."""
+    with pytest.raises(InvalidConfig, match="budget"):
+        SharedBudget.parse(f"{name}:{budget}")
+    with pytest.raises(InvalidConfig, match="budget"):
+        Ledger(name, budget)
+    with pytest.raises(InvalidConfig, match="budget"):
+        vmkv.VirtualKVCache(vmkv.KVCacheConfig(**ledger_member.CONFIG, shared_budget=SharedBudget(name, budget)))
+    assert not os.path.exists(ledger_path(name))
+    with Ledger(name, BUDGET) as ledger:
+        assert ledger.budget == BUDGET
+
+
 def test_reading_a_ledger_while_members_create_and_remove_it(name):
     """Item 12: ``vmkv ledger`` and ``/metrics`` read a file a member was just creating and said
     LedgerCorrupt, advising its removal (which splits the budget in two)."""

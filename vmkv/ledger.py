@@ -68,6 +68,8 @@ from .sizes import format_size, parse_size
 MAGIC = b"VMKVLDG1"
 VERSION = 2
 NUM_SLOTS = 32
+MAX_BUDGET = (1 << 63) - 1
+"""The largest budget a ledger records (its fields are 64-bit)."""
 LEDGER_DIR = "/dev/shm"
 _HEADER = struct.Struct("<8sIIQ")  # magic, version, slots, budget; then a crc32 of these bytes
 _CRC = struct.Struct("<I")
@@ -105,6 +107,32 @@ def ledger_path(name: str) -> str:
     return os.path.join(LEDGER_DIR, f"vmkv-ledger.{name}")
 
 
+def check_budget(budget: int) -> int:
+    """Return ``budget`` if a ledger can record it.
+
+    Raises:
+        InvalidConfig: it is not 1 B to ``MAX_BUDGET`` (8 EiB).
+    """
+    if not 0 < budget <= MAX_BUDGET:
+        raise InvalidConfig(f"a shared budget must be 1 B to {MAX_BUDGET} B (8 EiB), got {budget} B")
+    return budget
+
+
+def member_max(budget: int, page_bytes: int, min_bytes: int, max_bytes: int | None, label: str) -> int:
+    """The most bytes a member may hold: ``max_bytes`` (``None``: the budget), at most the budget,
+    rounded down to whole pages.
+
+    Raises:
+        InvalidConfig: no page fits, or ``min_bytes`` is above it.
+    """
+    high = budget if max_bytes is None else min(max_bytes, budget)
+    high -= high % page_bytes if page_bytes > 0 else 0
+    if page_bytes <= 0 or high <= 0 or min_bytes > high:
+        raise InvalidConfig(f"ledger member {label!r}: page_bytes {page_bytes}, min {min_bytes} and max "
+                            f"{max_bytes} leave no page within the budget {format_size(budget)}")
+    return high
+
+
 @dataclass(frozen=True)
 class SharedBudget:
     """A parsed ``shared_budget`` setting: ``"NAME:SIZE[,min=SIZE][,max=SIZE][,member=LABEL][,wait=SECONDS]"``.
@@ -131,7 +159,9 @@ class SharedBudget:
         """Read a ``shared_budget`` string.
 
         Raises:
-            InvalidConfig: it is not ``NAME:SIZE`` with optional ``,min=``, ``,max=``, ``,member=``.
+            InvalidConfig: it is not ``NAME:SIZE`` with optional ``,min=``, ``,max=``, ``,member=``,
+                ``,wait=``; the size is 0 or past ``MAX_BUDGET``; ``max`` is 0; ``min`` is above
+                ``max`` or the budget.
         """
         if not isinstance(text, str) or ":" not in text:
             raise InvalidConfig(f"shared_budget must be 'NAME:SIZE[,min=SIZE][,max=SIZE][,member=LABEL][,wait=SECONDS]', "
@@ -146,10 +176,12 @@ class SharedBudget:
                                     "wait=SECONDS (each once)")
             fields[key.strip()] = value.strip()
         ledger_path(name)  # validates the name
-        budget = parse_size(size.strip(), name="shared_budget size")
+        budget = check_budget(parse_size(size.strip(), name="shared_budget size"))
         low = parse_size(fields.get("min", "0"), name="shared_budget min")
         high = parse_size(fields["max"], name="shared_budget max") if "max" in fields else None
-        if budget == 0 or low > (budget if high is None else min(high, budget)):
+        if high == 0:
+            raise InvalidConfig(f"shared_budget {text!r}: max must be > 0 (leave it out for no limit of its own)")
+        if low > (budget if high is None else min(high, budget)):
             raise InvalidConfig(f"shared_budget {text!r}: the budget must be > 0 and min <= max <= budget")
         member = fields.get("member")
         if member is not None and not 0 < len(member.encode()) <= 32:
@@ -233,6 +265,7 @@ class Ledger:
             judged (module docstring; tests pass their own).
 
     Raises:
+        InvalidConfig: ``budget`` is 0 or past ``MAX_BUDGET``.
         LedgerCorrupt: the file is not a vmkv ledger, or breaks an invariant.
         LedgerMismatch: the ledger exists with another budget or version.
         LedgerError: the path is not a regular file, or cannot be opened or created (permissions,
@@ -248,7 +281,7 @@ class Ledger:
         self._map: mmap.mmap | None = None
         self._locks: set[int] = set()  # slots whose liveness lock this handle holds
         self._opener = os.getpid()
-        self.budget = self._open(budget)
+        self.budget = self._open(None if budget is None else check_budget(budget))
 
     # ---- the file ----------------------------------------------------------------------------
     def _open(self, budget: int | None) -> int:
@@ -507,11 +540,7 @@ class Ledger:
             InvalidConfig: bad sizes, or no page fits in ``max_bytes``.
             LedgerMismatch: every slot is taken by a live member.
         """
-        high = self.budget if max_bytes is None else min(max_bytes, self.budget)
-        high -= high % page_bytes if page_bytes > 0 else 0
-        if page_bytes <= 0 or high <= 0 or min_bytes > high:
-            raise InvalidConfig(f"ledger member {label!r}: page_bytes {page_bytes}, min {min_bytes} and max "
-                                f"{max_bytes} leave no page within the budget {format_size(self.budget)}")
+        high = member_max(self.budget, page_bytes, min_bytes, max_bytes, label)
         own = pid is None or pid == os.getpid()
         pid = os.getpid() if own else pid
         fields = dict(pid=pid, start=process_start(pid) or 0, ns=pid_namespace(), flags=HOLDS_LOCK if own else 0,

@@ -20,9 +20,11 @@ import os
 import sys
 import threading
 import weakref
+from contextlib import suppress
 from typing import TYPE_CHECKING
 
-from .ledger import Ledger, Member, SharedBudget
+from .errors import LedgerError
+from .ledger import Ledger, Member, SharedBudget, member_max
 
 if TYPE_CHECKING:
     from .base import KVCacheBase
@@ -51,13 +53,18 @@ def join(spec: SharedBudget, label: str, page_bytes: int, ceiling: int) -> tuple
         The open ledger and the member's seat in it.
 
     Raises:
-        InvalidConfig, LedgerMismatch, LedgerCorrupt: as :class:`vmkv.ledger.Ledger` and its ``join``.
+        InvalidConfig, LedgerMismatch, LedgerCorrupt, LedgerError: as :class:`vmkv.ledger.Ledger`
+            and its ``join``; a join refused for the member's sizes creates no file, and one
+            refused later leaves no file a member did not need before.
     """
+    max_bytes = ceiling if spec.max_bytes is None else min(spec.max_bytes, ceiling)
+    member_max(spec.budget, page_bytes, spec.min_bytes, max_bytes, label)  # refused before any file exists
     ledger = Ledger(spec.name, spec.budget)
     try:
-        member = ledger.join(label, page_bytes, min_bytes=spec.min_bytes,
-                             max_bytes=min(spec.max_bytes or ceiling, ceiling))
+        member = ledger.join(label, page_bytes, min_bytes=spec.min_bytes, max_bytes=max_bytes)
     except BaseException:
+        with suppress(LedgerError):  # the join's own error is the one to see
+            ledger.close(unlink_if_empty=True)
         ledger.close()
         raise
     return ledger, member
