@@ -823,6 +823,33 @@ def test_a_budget_past_the_file_format_is_refused_before_any_file(name, budget):
         assert ledger.budget == BUDGET
 
 
+def test_a_request_goes_with_the_member_that_made_it(name):
+    """Item 11: a reclaim request outlived its asker (timed out, closed or killed); the asked
+    member later gave pages back for nobody."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    with Ledger(name, BUDGET) as ledger:
+        giver = ledger.join("giver", PAGE)
+        assert giver.take(120) == 0
+        giver.offer(120)
+        asker = ledger.join("asker", PAGE)
+        with pytest.raises(OutOfPages):
+            asker.take(100, wait_s=0.05)  # the giver never serves it
+        assert giver.asked() == 0  # the asker gave up
+        asker.leave()
+        for leaves in ("leave", "dies"):
+            asker = ledger.join("asker", PAGE, pid=None if leaves == "leave" else child.pid)
+            with ledger.locked() as slots:
+                asker._ask(slots, 50 * PAGE)
+            assert giver.asked() == 50
+            if leaves == "leave":
+                asker.leave()
+            else:
+                child.kill()
+                child.wait()
+            assert giver.asked() == 0 and giver.held == 120
+        assert ledger.reap() == 0 and [m.name for m in ledger.members()] == ["giver"]
+
+
 def test_reading_a_ledger_while_members_create_and_remove_it(name):
     """Item 12: ``vmkv ledger`` and ``/metrics`` read a file a member was just creating and said
     LedgerCorrupt, advising its removal (which splits the budget in two)."""
@@ -848,3 +875,45 @@ def test_reading_a_ledger_while_members_create_and_remove_it(name):
     cycler.wait(10)
     assert errors == [] and outcomes["read"] >= 20 and outcomes["absent"] >= 20 and cycles >= 200, \
         (errors[:3], len(errors), outcomes, cycles)
+
+
+def test_threads_sharing_one_handle_take_turns(name):
+    """A member's watcher thread reads its requests under the lock (item 11) while the owner's
+    thread takes and gives: flock alone does not exclude threads that share an open file."""
+    with Ledger(name, BUDGET) as ledger:
+        owner = ledger.join("owner", PAGE)
+        asker = ledger.join("asker", PAGE, pid=os.getppid())  # a live process that asks and gives up
+        errors, stop = [], threading.Event()
+
+        def run(job) -> None:
+            try:
+                while not stop.is_set():
+                    job()
+            except Exception as exc:  # noqa: BLE001 -- the test reports it
+                errors.append(repr(exc))
+
+        def own() -> None:  # the owner's thread: its slot's held changes all along
+            owner.take(2 + owner.held % 7)
+            owner.offer(owner.held)
+            owner.give(owner.held // 2)
+
+        def watch() -> None:  # its watcher: a request comes and goes, then it reads (and clears) it
+            with ledger.locked() as slots:
+                asker._ask(slots, PAGE)
+                ledger._write(asker.slot, want=0)
+            owner.asked()
+
+        threads = [threading.Thread(target=run, args=(job,)) for job in (own, watch)]
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # threads switch inside the lock's hold, if anything lets them
+        try:
+            for thread in threads:
+                thread.start()
+            time.sleep(1.0)
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join()
+            sys.setswitchinterval(interval)
+        assert errors == []
+        assert {m.name: m.held for m in ledger.members()} == {"owner": owner.held * PAGE, "asker": 0}

@@ -17,7 +17,8 @@ the hot path does not lock per page), and gives bytes back when their memory wen
 Invariants (checked on every locked read; a file that breaks one is refused, never trusted):
     * ``sum(held) <= budget``: no member ever holds memory past the ledger's budget;
     * ``min <= max`` and ``held <= max`` for every member;
-    * an empty slot (``pid == 0``) holds nothing.
+    * an empty slot (``pid == 0``) holds nothing;
+    * a request stands only while a live member waits (``want``) for the bytes it asks.
 
 Atomic changes: a process may be killed at any instruction. A file appears under its name only
 complete (written unnamed, then linked), so no reader sees one half made. A slot changes by its
@@ -29,7 +30,8 @@ its new image.
 Pressure: when the budget is spent, :meth:`Member.take` posts a ``request`` (bytes to give back)
 on the members that said they have reclaimable bytes, and waits a bounded time for them to give;
 members read their own ``request`` without the lock (:meth:`Member.asked`) at their next step
-boundary, or on their watcher thread while idle.
+boundary, or on their watcher thread while idle. Requests go when their asker stops waiting (it
+got its pages, timed out, left or died).
 
 Faults, who is dead: a member joining for its own process takes an OFD lock on its slot's first
 byte (``fcntl`` ``F_OFD_SETLK``), which the kernel drops when the process dies, in whatever PID
@@ -38,12 +40,14 @@ unless it runs in this process's PID namespace (recorded at join) and its pid is
 or reused (a forked child may keep the lock of a dead parent). A member joined on behalf of
 another pid (no lock) is judged by its pid in this namespace only, and never counted dead from
 another. :meth:`Ledger.reap` frees dead members' slots and bytes. The lock that guards the record
-is ``fcntl.flock`` on the file, which the kernel also drops when its holder dies.
+is ``fcntl.flock`` on the file, which the kernel also drops when its holder dies, and within a
+process a thread lock (flock does not exclude threads that share an open file: a member's
+watcher thread reads its requests while its owner takes grants).
 
 Every read or change of the record takes the lock; the only lock-free accesses are a member's
 reads of its own ``request`` and writes of its own ``reclaimable`` (aligned 8-byte fields that
-only hint). A handle belongs to the process that opened it: used in a forked child it raises
-``LedgerError``.
+only hint; ``request`` is read again under the lock before it is served). A handle belongs to
+the process that opened it: used in a forked child it raises ``LedgerError``.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ import os
 import re
 import stat
 import struct
+import threading
 import time
 import zlib
 from contextlib import contextmanager
@@ -281,6 +286,7 @@ class Ledger:
         self._map: mmap.mmap | None = None
         self._locks: set[int] = set()  # slots whose liveness lock this handle holds
         self._opener = os.getpid()
+        self._threads = threading.Lock()  # flock excludes other open files, not this one's threads
         self.budget = self._open(None if budget is None else check_budget(budget))
 
     # ---- the file ----------------------------------------------------------------------------
@@ -486,12 +492,13 @@ class Ledger:
         if os.getpid() != self._opener:
             raise LedgerError(f"ledger {self.name!r} was opened by process {self._opener}, not this one "
                               f"({os.getpid()}, a fork): open the ledger (or the cache) again in this process")
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-        try:
-            self._recover()
-            yield self._check()
-        finally:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        with self._threads:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                self._recover()
+                yield self._check()
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     # ---- liveness ----------------------------------------------------------------------------
     def _range_lock(self, command: int, kind: int, index: int) -> int:
@@ -595,9 +602,19 @@ class Ledger:
         return freed
 
     def _clear(self, index: int) -> None:
-        """Empty slot ``index`` (holding the lock)."""
+        """Empty slot ``index`` (holding the lock); its requests go if no one else waits."""
         self._write(index, **{name: b"" if name == "name" else 0 for name in _FIELDS})
         self._drop_lock(index)
+        self._drop_requests()
+
+    def _drop_requests(self, *, of_the_dead: bool = False) -> None:
+        """Clear every request if no member waits for them (``of_the_dead``: no live member)."""
+        slots = [self._slot(i) for i in range(NUM_SLOTS)]
+        if any(s["pid"] and s["want"] and (not of_the_dead or self._is_alive(i, s)) for i, s in enumerate(slots)):
+            return
+        for index, slot in enumerate(slots):
+            if slot["request"]:
+                self._write(index, request=0)
 
     def close(self, *, unlink_if_empty: bool = False) -> None:
         """Unmap the ledger (and remove its file if ``unlink_if_empty`` and no member is left; not
@@ -664,20 +681,26 @@ class Member:
                     slots = self.ledger._check()
                     short = self._grant(slots, pages, extra)
                 if not short or wait_s <= 0:
-                    self.ledger._write(self.slot, want=0)
+                    self._stop_waiting()
                     return short
                 if not any(s["request"] for i, s in enumerate(slots) if i != self.slot) \
                         and not self._ask(slots, short * self.page_bytes):
                     deadline, reason = 0.0, "no other member has idle memory to give back"  # waiting cannot help
             if time.monotonic() >= deadline:
                 with self.ledger.locked():
-                    self.ledger._write(self.slot, want=0)
+                    self._stop_waiting()
                 raise OutOfPages(
                     f"ledger {self.ledger.name!r} ({format_size(self.ledger.budget)}) is full: this member needs "
                     f"{short} more pages of {format_size(self.page_bytes)} and {reason}; free sequences, lower "
                     "other members' use, or raise the shared budget"
                 )
             time.sleep(WAIT_STEP_S)
+
+    def _stop_waiting(self) -> None:
+        """Clear this member's ``want`` (holding the lock), and the requests no one waits for now."""
+        if self.ledger._slot(self.slot)["want"]:
+            self.ledger._write(self.slot, want=0)
+            self.ledger._drop_requests()
 
     def _grant(self, slots: list[dict], pages: int, extra: int) -> int:
         """Grant what the free budget allows towards ``pages`` (+ ``extra``); return the pages still short."""
@@ -730,8 +753,13 @@ class Member:
             self.ledger._write(self.slot, **fields)
 
     def asked(self) -> int:
-        """Pages others asked this member to give back (read without the lock)."""
+        """Pages others asked this member to give back: read without the lock, and when there
+        are any, read again under it, once requests no live member waits for are gone."""
         (nbytes,) = _U64.unpack_from(self.ledger._map, self._base + _OFFSETS["request"])
+        if nbytes:
+            with self.ledger.locked():
+                self.ledger._drop_requests(of_the_dead=True)
+                nbytes = self.ledger._slot(self.slot)["request"]
         return -(-nbytes // self.page_bytes)
 
     def offer(self, pages: int) -> None:
