@@ -788,6 +788,24 @@ def test_a_member_in_another_pid_namespace_is_not_reaped(name, reference):
         other.proc.wait(10)
 
 
+def test_an_idle_member_whose_last_call_was_a_step_gives_back(name):
+    """Item 6: a member whose last call was a finished ``begin_step`` never served requests (its
+    watcher took the step for one in flight); the other waited and got OutOfPages."""
+    with small(name, ",member=a") as a, small(name, ",member=b") as b:
+        ledger_member.run_burst(a, *BURST.values(), seed=1)  # 102 pages, then freed: idle
+        a.add("last")
+        plan = a.begin_step({"last": 16})
+        values = torch.arange(16 * 2 * 64, dtype=torch.float32).view(16, 2, 64)
+        for layer in range(ledger_member.CONFIG["num_layers"]):
+            a.write(layer, values, values, plan)
+        ledger_member.run_burst(b, *BURST.values(), seed=2)  # a idles: its watcher gives back
+        assert b.stats()["ledger_pages_held"] >= 102
+        assert a.stats()["ledger_pages_held"] <= BUDGET // PAGE - 102
+        k, v = a.kv("last", 1)
+        assert torch.equal(k, values) and torch.equal(v, values)
+        a.check()
+
+
 def test_max_zero_is_refused(name):
     """Item 8: ``max=0`` meant no limit."""
     with pytest.raises(InvalidConfig, match="max"):

@@ -868,13 +868,15 @@ class KVCacheBase(ABC):
         self.counters["ledger_reclaims"] += 1
 
     def _serve_ledger(self) -> None:
-        """The watcher's entry: serve a request if the cache is idle (no call, no step in flight)."""
+        """The watcher's entry: serve a request if no call is running. A step begun and not yet
+        followed by another call may be in flight or long finished; either way giving back
+        touches no page a live sequence holds, so it is served too."""
         self._share.serving = True
         try:
             if not self._lock.acquire(blocking=False):
                 return  # a call is running: its next begin_step serves the request
             try:
-                if not (self._closed or self._broken or self._last_step):
+                if not (self._closed or self._broken):
                     self._join_ahead()
                     self._ledger_boundary()
             finally:

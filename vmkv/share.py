@@ -9,8 +9,9 @@ resident KV memory of all members together never exceeds the ledger's budget.
 Requests from other members are served at the cache's next step boundary (the end of a
 ``begin_step`` that succeeded, ``free``, ``trim``) or, while the cache is idle, by the watcher
 thread here, which polls the member's ``request`` field (a lock-free read) and reclaims when no
-step is in flight. Giving back touches only pages no live sequence holds (spare pages of freed
-slots, then the oldest cached pages, and free pages), so it never invalidates a plan.
+call is running (after a ``begin_step`` too: an idle member's last call is often one). Giving
+back touches only pages no live sequence holds (spare pages of freed slots, then the oldest
+cached pages, and free pages), so it never invalidates a plan.
 """
 
 from __future__ import annotations
