@@ -8,6 +8,8 @@ process is cheap, which lets a test kill hundreds of members in seconds.
         SIGKILL each at a random moment; print {"kills", "failures"}
     python tests/ledger_churn.py cycle NAME SECONDS     create the ledger, join, leave and remove
         it, over and over; print {"ready"} first, then {"cycles"}
+    python tests/ledger_churn.py hold NAME PAGES        join, take PAGES, print {"slot"}, leave
+        once stdin closes
 """
 
 from __future__ import annotations
@@ -98,6 +100,17 @@ def cycle(name: str, seconds: float) -> int:
     return cycles
 
 
+def hold(name: str, pages: int) -> None:
+    """Join ledger ``name`` holding ``pages`` pages; print the slot; leave when stdin closes."""
+    ledger = Ledger(name, BUDGET)
+    member = ledger.join("holder", PAGE)
+    member.take(pages)
+    print(json.dumps({"slot": member.slot}), flush=True)
+    sys.stdin.read()
+    member.leave()
+    ledger.close(unlink_if_empty=True)
+
+
 def main() -> None:
     command, name = sys.argv[1], sys.argv[2]
     if command == "kill":
@@ -105,8 +118,10 @@ def main() -> None:
     elif command == "cycle":
         print(json.dumps({"ready": True}), flush=True)
         print(json.dumps({"cycles": cycle(name, float(sys.argv[3]))}), flush=True)
+    elif command == "hold":
+        hold(name, int(sys.argv[3]))
     else:
-        raise SystemExit(f"unknown command {command!r}: kill or cycle")
+        raise SystemExit(f"unknown command {command!r}: kill, cycle or hold")
 
 
 if __name__ == "__main__":

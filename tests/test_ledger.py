@@ -788,6 +788,37 @@ def test_a_member_in_another_pid_namespace_is_not_reaped(name, reference):
         other.proc.wait(10)
 
 
+def test_liveness_rests_on_the_members_lock_not_on_its_pid(name):
+    """Item 5 where no PID namespace can be made: a member whose slot names another namespace and
+    a pid that is dead here stays alive while its process (its lock) lives, and is reaped once it
+    is gone; in this namespace a dead pid is dead although its lock is held (a forked child of
+    a dead member may keep it)."""
+    from vmkv.ledger import pid_namespace
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    holders = [subprocess.Popen([sys.executable, CHURN, "hold", name, str(pages)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for pages in (40, 10)]
+    try:
+        slots = [read_answer(holder, 60)["slot"] for holder in holders]
+        gone = subprocess.Popen(["true"])
+        gone.wait()  # a pid that is dead here
+        with Ledger(name, None) as ledger:
+            with ledger.locked():
+                for slot in slots:
+                    ledger._write(slot, pid=gone.pid, ns=pid_namespace() + 1)
+            assert ledger.reap() == 0 and all(m.alive for m in ledger.members())
+            holders[1].kill()
+            holders[1].wait()
+            assert ledger.reap() == 10 * PAGE  # its lock went with it
+            with ledger.locked():
+                ledger._write(slots[0], ns=pid_namespace())
+            assert ledger.reap() == 40 * PAGE and ledger.members() == []  # here its pid decides
+    finally:
+        for holder in holders:
+            holder.kill()
+            holder.wait()
+
+
 def test_an_idle_member_whose_last_call_was_a_step_gives_back(name):
     """Item 6: a member whose last call was a finished ``begin_step`` never served requests (its
     watcher took the step for one in flight); the other waited and got OutOfPages."""
