@@ -966,3 +966,20 @@ def test_threads_sharing_one_handle_take_turns(name):
             sys.setswitchinterval(interval)
         assert errors == []
         assert {m.name: m.held for m in ledger.members()} == {"owner": owner.held * PAGE, "asker": 0}
+
+
+def test_the_watcher_outlives_a_ledger_it_cannot_read(name, caplog):
+    """Reading a request takes the ledger's lock (item 11), which refuses a damaged record: the
+    idle member's watcher logs it and keeps watching instead of dying with a traceback."""
+    with small(name, ",member=a") as cache, Ledger(name, None) as ledger:
+        ledger_member.run_burst(cache, 2, 128, seed=7)
+        slot = cache._share.member.slot
+        with ledger.locked():
+            ledger._write(slot, request=PAGE)
+            ledger._write(slot, held=2 * BUDGET)  # damaged: more than the budget
+        deadline = time.monotonic() + 5
+        while "giving pages back" not in caplog.text:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert "LedgerCorrupt" in caplog.text and cache._share._watcher.is_alive()
+        ledger._write(slot, held=cache._share.member.held * PAGE, request=0)  # repaired: the cache closes

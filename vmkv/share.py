@@ -36,6 +36,9 @@ POLL_S = 0.01
 """How often an idle member's watcher looks for requests (a member busy with steps answers at
 its next ``begin_step``)."""
 
+FAILED_WAIT_S = 1.0
+"""After a failure the watcher waits this long before it looks for requests again."""
+
 BATCH_DIVISOR = 64
 """A member takes grants in batches of ``1/BATCH_DIVISOR`` of the budget (1 to 64 pages), so
 the ledger's lock is taken about once a batch, not once a page."""
@@ -115,16 +118,22 @@ class BudgetShare:
 
 
 def _watch(ref: "weakref.ref[KVCacheBase]", member: Member, stop: threading.Event) -> None:
-    """The watcher: serve requests while the cache sits idle; stop with the cache."""
-    while not stop.wait(POLL_S):
-        if not member.asked():
-            continue
-        cache = ref()
-        if cache is None:
-            return
+    """The watcher: serve requests while the cache sits idle; stop with the cache. A failure
+    (reading a request takes the ledger's lock, which refuses a damaged file) is logged, and the
+    watcher waits ``FAILED_WAIT_S`` before it looks again: the cache's own calls raise it."""
+    pause = POLL_S
+    while not stop.wait(pause):
+        pause = POLL_S
+        cache = None
         try:
+            if not member.asked():
+                continue
+            cache = ref()
+            if cache is None:
+                return
             cache._serve_ledger()
         except Exception as exc:  # noqa: BLE001 -- the next begin_step serves the request itself
             log.warning("vmkv: giving pages back to ledger %r failed (%s: %s)", member.ledger.name,
                         type(exc).__name__, exc)
+            pause = FAILED_WAIT_S
         del cache
