@@ -562,7 +562,7 @@ class Ledger:
                         index = self._free_slot(self._check(), own)
                     if index is None:
                         raise LedgerMismatch(f"ledger {self.name!r} has {NUM_SLOTS} live members already")
-                    _U64.pack_into(self._map, _SLOTS + index * _SLOT_BYTES + _OFFSETS["reclaimable"], 0)
+                    _U64.pack_into(self._map, _SLOTS + index * _SLOT_BYTES + _OFFSETS["reclaimable"], 0)  # its hint
                     self._write(index, **fields)
                     return Member(self, index, pid, page_bytes)
             self._reopen()  # the last member removed the file after we opened it: join the one named now
