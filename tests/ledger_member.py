@@ -60,7 +60,7 @@ def run_burst(cache: vmkv.KVCacheBase, seqs: int, tokens: int, seed: int, *, kee
 def spin(cache: vmkv.KVCacheBase) -> None:
     """Decode steps of every live sequence until killed (each writes one token a sequence)."""
     while True:
-        ids = cache.seq_ids()
+        ids = cache.seq_ids
         plan = cache.begin_step({seq_id: 1 for seq_id in ids})
         for layer in range(CONFIG["num_layers"]):
             kv = torch.ones(len(ids), 2, 64)

@@ -3,7 +3,8 @@ watcher thread that serves other members' requests while the cache sits idle.
 
 What the cache does with its grants is :mod:`vmkv.core.budget`; the watcher polls the member's
 ``request`` field (a lock-free read) and, when asked, calls the budget's ``serve()``, which gives
-pages back only if no call and no step is in flight.
+pages back whenever no call is running (after a ``begin_step`` too: an idle member's last call is
+often one). Giving back touches only pages no live sequence holds, so it never invalidates a plan.
 """
 
 from __future__ import annotations
@@ -13,15 +14,20 @@ import os
 import sys
 import threading
 import weakref
+from contextlib import suppress
 from typing import Protocol
 
-from .ledger import Ledger, Member, SharedBudget
+from .errors import LedgerError
+from .ledger import Ledger, Member, SharedBudget, member_max
 
 log = logging.getLogger("vmkv")
 
 POLL_S = 0.01
 """How often an idle member's watcher looks for requests (a member busy with steps answers at
 its next ``begin_step``)."""
+
+FAILED_WAIT_S = 1.0
+"""After a failure the watcher waits this long before it looks for requests again."""
 
 BATCH_DIVISOR = 64
 """A member takes grants in batches of ``1/BATCH_DIVISOR`` of the budget (1 to 64 pages), so
@@ -41,13 +47,18 @@ def join(spec: SharedBudget, label: str, page_bytes: int, ceiling: int) -> tuple
         The open ledger and the member's seat in it.
 
     Raises:
-        InvalidConfig, LedgerMismatch, LedgerCorrupt: as :class:`vmkv.ledger.Ledger` and its ``join``.
+        InvalidConfig, LedgerMismatch, LedgerCorrupt, LedgerError: as :class:`vmkv.ledger.Ledger`
+            and its ``join``; a join refused for the member's sizes creates no file, and one
+            refused later leaves no file a member did not need before.
     """
+    max_bytes = ceiling if spec.max_bytes is None else min(spec.max_bytes, ceiling)
+    member_max(spec.budget, page_bytes, spec.min_bytes, max_bytes, label)  # refused before any file exists
     ledger = Ledger(spec.name, spec.budget)
     try:
-        member = ledger.join(label, page_bytes, min_bytes=spec.min_bytes,
-                             max_bytes=min(spec.max_bytes or ceiling, ceiling))
+        member = ledger.join(label, page_bytes, min_bytes=spec.min_bytes, max_bytes=max_bytes)
     except BaseException:
+        with suppress(LedgerError):  # the join's own error is the one to see
+            ledger.close(unlink_if_empty=True)
         ledger.close()
         raise
     return ledger, member
@@ -101,16 +112,22 @@ class BudgetShare:
 
 
 def _watch(ref: "weakref.ref[Server]", member: Member, stop: threading.Event) -> None:
-    """The watcher: serve requests while the cache sits idle; stop with the cache."""
-    while not stop.wait(POLL_S):
-        if not member.asked():
-            continue
-        owner = ref()
-        if owner is None:
-            return
+    """The watcher: serve requests while the cache sits idle; stop with the cache. A failure
+    (reading a request takes the ledger's lock, which refuses a damaged file) is logged, and the
+    watcher waits ``FAILED_WAIT_S`` before it looks again: the cache's own calls raise it."""
+    pause = POLL_S
+    while not stop.wait(pause):
+        pause = POLL_S
+        owner = None
         try:
+            if not member.asked():
+                continue
+            owner = ref()
+            if owner is None:
+                return
             owner.serve()
         except Exception as exc:  # noqa: BLE001 -- the next begin_step serves the request itself
             log.warning("vmkv: giving pages back to ledger %r failed (%s: %s)", member.ledger.name,
                         type(exc).__name__, exc)
+            pause = FAILED_WAIT_S
         del owner

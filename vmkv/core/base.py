@@ -109,8 +109,8 @@ class KVCacheBase(ABC):
         """Take a seat in the host-wide ledger ``spec`` names, counting ``memory``'s pages."""
         self.budget = self._own.budget = CacheBudget(
             spec, self.geometry.page_bytes, self.geometry.num_pages, pool=self.pool, slots=self.slots, memory=memory,
-            guard=self.guard, drop=self._own.drop, busy=weak_method(self._step_in_flight),
-            before_serving=weak_method(self._join_ahead), counters=self.counters)
+            guard=self.guard, drop=self._own.drop, before_serving=weak_method(self._join_ahead),
+            counters=self.counters)
         return self.budget
 
     # ---- hooks a mode implements ---------------------------------------------------------
@@ -597,7 +597,3 @@ class KVCacheBase(ABC):
     def _join_ahead(self) -> None:
         if self._ahead is not None:
             self._ahead.join()
-
-    def _step_in_flight(self) -> bool:
-        """A step began and no later call finished it (a shared budget's watcher waits)."""
-        return bool(self._last_step)

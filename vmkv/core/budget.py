@@ -55,8 +55,6 @@ class CacheBudget:
         num_pages: pages of the cache's pool (its own ceiling).
         pool, slots, memory, guard: the cache's page pool, slot table, page memory and call guard.
         drop: stops addressing a page and releases its reference.
-        busy: whether a step is in flight (the watcher then leaves the request to the next
-            ``begin_step``).
         before_serving: called by the watcher before it gives pages back (joins map-ahead).
         counters: the cache's counters (``ledger_reclaims``).
 
@@ -69,10 +67,10 @@ class CacheBudget:
     """
 
     def __init__(self, spec: SharedBudget, page_bytes: int, num_pages: int, *, pool: PagePool, slots: SlotTable,
-                 memory: PageMemory, guard: CallGuard, drop: Drop, busy: Callable[[], bool],
+                 memory: PageMemory, guard: CallGuard, drop: Drop,
                  before_serving: Callable[[], None], counters: Counter[str]) -> None:
         self.pool, self.slots, self.memory, self.guard = pool, slots, memory, guard
-        self._drop, self._busy, self._before_serving, self._counters = drop, busy, before_serving, counters
+        self._drop, self._before_serving, self._counters = drop, before_serving, counters
         self.share = BudgetShare(self, spec, page_bytes, num_pages * page_bytes)
         self.member = self.share.member
 
@@ -169,14 +167,16 @@ class CacheBudget:
         self.boundary()
 
     def serve(self) -> None:
-        """The watcher's entry: serve a request if the cache is idle (no call, no step in flight)."""
+        """The watcher's entry: serve a request if no call is running. A step begun and not yet
+        finished is no obstacle (an idle member's last call is often a ``begin_step``): giving
+        back touches no page a live sequence holds."""
         guard = self.guard
         guard.serving = True
         try:
             if not guard.lock.acquire(blocking=False):
                 return  # a call is running: its next begin_step serves the request
             try:
-                if not (guard.closed or guard.broken or self._busy()):
+                if not (guard.closed or guard.broken):
                     self._before_serving()
                     self.boundary()
             finally:
