@@ -342,17 +342,6 @@ def cache_refusals(planned: Iterable[tuple[str, str, vmkv.KVCacheConfig]], granu
     return refused
 
 
-def paged_available() -> tuple[bool, str]:
-    """Whether paged mode can be opened, and if not, why (the package may still be in progress)."""
-    try:
-        import paged  # noqa: F401
-
-        paged.PagedKVCache  # noqa: B018 - raises AttributeError while the package is a stub
-    except (ImportError, AttributeError) as exc:
-        return False, f"paged mode unavailable: {exc}"
-    return True, ""
-
-
 def check_device(device: str) -> None:
     """Raise :class:`vmkv.BackendUnavailable` if ``device`` is ``cuda`` and no GPU is usable."""
     if device not in ("cpu", "cuda"):

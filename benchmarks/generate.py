@@ -403,9 +403,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     common.check_device(args.device)
     if args.smoke:
         args = _smoke(args)
-    available, why = common.paged_available()
-    caches = [name for name in args.caches if available or not name.startswith("paged")]
-    args = argparse.Namespace(**{**vars(args), "caches": caches, "failed": {}})
+    args = argparse.Namespace(**{**vars(args), "failed": {}})
     warnings.filterwarnings("ignore", message=".*generation flags are not valid.*")
     rows: list[dict[str, Any]] = []
     samples: dict[str, dict[str, list[float]]] = {}
@@ -428,8 +426,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             del model
     config = {k: v for k, v in vars(args).items() if k not in ("out", "progress", "failed")}
     config["clock"] = clock
-    extra = {"config": config, "samples": samples, "update_overhead": overhead, "profiles": profiles,
-             **({"paged_note": why} if why else {})}
+    extra = {"config": config, "samples": samples, "update_overhead": overhead, "profiles": profiles}
     summary = {**_summary(rows, samples), "failed": args.failed}
     return common.make_result(NAME, SCHEMA, rows, summary, **extra)
 

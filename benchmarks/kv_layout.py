@@ -29,7 +29,7 @@ import torch
 
 import vmkv
 from vmkv.core.step import StepPlan
-from vmkv.kernels.contiguous import CONTIGUOUS_KERNELS
+from vmkv.kernels.contiguous import slot_kernel
 
 from . import common
 
@@ -107,7 +107,7 @@ def measure(batch: int, context: int, dtype: torch.dtype, repeat: int) -> dict:
         outs = {}
         for layout, (k, v) in setup.layouts().items():
             for kernel in ("sdpa_batched", "sdpa_per_sequence"):
-                fn = CONTIGUOUS_KERNELS[kernel]
+                fn = slot_kernel(kernel)
                 call = lambda fn=fn, k=k, v=v: fn(setup.q, k, v, setup.plan, None)  # noqa: E731
                 fns[f"{layout} {kernel}"] = call
                 outs[f"{layout} {kernel}"] = call().float()

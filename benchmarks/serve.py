@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 from vmkv.engine import Engine, EngineConfig, RequestOutput, SamplingParams
-from vmkv.errors import BackendUnavailable
 
 from . import common
 
@@ -242,10 +241,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         vmkv.BackendUnavailable: ``--device cuda`` without a GPU, or paged mode missing.
     """
     common.check_device(args.device)
-    if "paged" in args.modes:
-        ok, why = common.paged_available()
-        if not ok:
-            raise BackendUnavailable(why)
     settings = _settings(args)
     with common.torch_threads(args.threads):
         rows, samples = _measure(args, settings)

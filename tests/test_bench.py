@@ -18,12 +18,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import register_kernel
 
 import vmkv
 import vmkv.config
 import vmkv.kernels.contiguous
 from benchmarks import common, compare, suite
 from vmkv import cli
+from vmkv.kernels import registry
 
 FAST = ["memory", "decode", "mapping", "sharing"]  # smoke runs of seconds
 ALL = [*FAST, "generate", "serve"]
@@ -157,7 +159,7 @@ def test_decode_outputs_agree_and_times_are_positive(smoke_results):
     assert {"vmm:per_layer:sdpa_per_sequence", "vmm:all_layers:sdpa_per_sequence"} <= names
     assert {"dense:sdpa_per_sequence", "paged:gather_sdpa", f"paged:{result['summary']['kernels']['paged_selected']}"} <= names
     # a kernel that cannot run here is named with its reason, not silently dropped
-    for name in set(vmkv.kernels.contiguous.CONTIGUOUS_KERNELS) - set(result["summary"]["kernels"]["contiguous"]):
+    for name in set(registry.names("slots")) - set(result["summary"]["kernels"]["contiguous"]):
         assert result["summary"]["skipped"][name]
 
 
@@ -170,11 +172,8 @@ def test_decode_picks_up_a_newly_registered_kernel_and_rejects_a_wrong_one(monke
     def wrong(q, k_cache, v_cache, plan, scale):
         return torch.zeros_like(q)
 
-    kernels = {**vmkv.kernels.contiguous.CONTIGUOUS_KERNELS, "test_batched": shifted, "test_wrong": wrong}
-    monkeypatch.setattr(vmkv.kernels.contiguous, "CONTIGUOUS_KERNELS", kernels)
-    real = vmkv.kernels.contiguous.contiguous_kernel_unavailable
-    monkeypatch.setattr(vmkv.kernels.contiguous, "contiguous_kernel_unavailable",
-                        lambda name, *a, **k: None if name.startswith("test_") else real(name, *a, **k))
+    register_kernel(monkeypatch, "test_batched", shifted)
+    register_kernel(monkeypatch, "test_wrong", wrong)
     result = decode.run(_args(decode, tmp_path, ["--batches", "2", "--contexts", "64"]))
     names = {r["candidate"] for r in result["rows"]}
     assert {"vmm:per_layer:test_batched", "dense:test_batched"} <= names
@@ -234,7 +233,7 @@ def test_decode_run_with_a_wrong_selected_kernel_gives_no_verdict_on_it(monkeypa
     def wrong(q, k_cache, v_cache, plan, scale):
         return torch.zeros_like(q)
 
-    monkeypatch.setitem(vmkv.kernels.contiguous.CONTIGUOUS_KERNELS, selected, wrong)
+    register_kernel(monkeypatch, selected, wrong)
     result = decode.run(_args(decode, tmp_path, ["--batches", "1", "--contexts", "64"]))
     layout = result["config"]["default_layout"]
     name = f"vmm:{layout}:{selected}"

@@ -26,13 +26,14 @@ from pathlib import Path
 import pytest
 import torch
 from fake_cuda.fixtures import fake, fake_cuda_backends, fake_lib  # noqa: F401  (fixtures)
+from helpers import register_kernel
 
 from benchmarks.gpu import bench, core, memory, runner, slots, vllm_engine
 from benchmarks.gpu.memory import DeviceMemory, MemorySample, shared_budget_section
 from benchmarks.gpu.registry import SectionSkipped, run_process
 from benchmarks.gpu.sections import SECTIONS
 from benchmarks.gpu.workload import SMOKE, TOLERANCE
-from vmkv.kernels.contiguous import CONTIGUOUS_KERNELS
+from vmkv.kernels.contiguous import sdpa_per_sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "benchmarks" / "gpu_check.py")
@@ -201,11 +202,9 @@ def test_gpu_check_decode_fails_a_kernel_off_the_reference(monkeypatch):
     cpu = torch.device("cpu")
 
     def off(q, k_cache, v_cache, plan, scale):
-        return CONTIGUOUS_KERNELS["sdpa_per_sequence"](q, k_cache, v_cache, plan, scale) + 0.01
+        return sdpa_per_sequence(q, k_cache, v_cache, plan, scale) + 0.01
 
-    monkeypatch.setitem(core.CONTIGUOUS_KERNELS, "test_off", off)
-    real = core.contiguous_kernel_unavailable
-    monkeypatch.setattr(core, "contiguous_kernel_unavailable", lambda name, *a: None if name == "test_off" else real(name, *a))
+    register_kernel(monkeypatch, "test_off", off)
     result = core.decode_section(cpu, SMOKE, ["sdpa_per_sequence", "test_off"])
     assert result["tolerance"] == TOLERANCE["float32"]
     assert result["kernels"]["test_off"]["max_abs_err_vs_fp32_reference"] == pytest.approx(0.01, rel=1e-3)
@@ -214,27 +213,13 @@ def test_gpu_check_decode_fails_a_kernel_off_the_reference(monkeypatch):
 
 
 def test_gpu_check_paged_vs_vmm_fails_a_kernel_that_disagrees(monkeypatch):
-    import vmkv.paged.cache
+    from vmkv.kernels.paged import GatherSDPA
 
-    real = vmkv.paged.cache.make_paged_kernel
+    class Off(GatherSDPA):  # gather_sdpa, 0.01 off
+        def run(self, *args):
+            return super().run(*args) + 0.01
 
-    def skewed(*args, **kwargs):  # gather_sdpa, 0.01 off
-        kernel = real(*args, **kwargs)
-        if kernel.name != "gather_sdpa":
-            return kernel
-
-        class Off:
-            name = kernel.name
-
-            def prepare(self, *a):
-                return kernel.prepare(*a)
-
-            def __call__(self, *a):
-                return kernel(*a) + 0.01
-
-        return Off()
-
-    monkeypatch.setattr(vmkv.paged.cache, "make_paged_kernel", skewed)
+    register_kernel(monkeypatch, "gather_sdpa", lambda q, k, v, plan, scale: Off().run(q, k, v, plan, None, scale), "blocks")
     result = core.paged_section(torch.device("cpu"), SMOKE)
     assert result["kernels"]["gather_sdpa"]["max_abs_diff_vs_vmm"] == pytest.approx(0.01, rel=1e-3)
     assert [f.split(":")[0] for f in result["failures"]] == ["gather_sdpa"]

@@ -22,24 +22,27 @@ from .vmm.cache import VirtualKVCache
 __version__ = "0.1.0"  # the package version: pyproject.toml reads it from here
 
 
-def open_cache(config: KVCacheConfig | Mapping[str, Any], mode: str = "vmm") -> KVCacheBase:
+def open_cache(config: KVCacheConfig | Mapping[str, Any], mode: str = "vmm", *, kernel: str | None = None) -> KVCacheBase:
     """Open a KV cache in ``mode`` ``"vmm"`` (virtual memory) or ``"paged"`` (block tables).
 
     Args:
         config: a :class:`KVCacheConfig`, or a mapping of its fields (``dict(num_layers=2, ...)``).
         mode: ``"vmm"`` or ``"paged"``.
+        kernel: force an attention kernel by name (``vmkv info`` lists them; default: the one
+            :mod:`vmkv.kernels.registry` chooses for the device).
 
     Returns:
         The open cache; ``close()`` it (or use it as a context manager).
 
     Raises:
-        InvalidConfig: unknown mode, or a config that is neither a KVCacheConfig nor a mapping
-            of its fields, or whose values are invalid.
+        InvalidConfig: unknown mode or kernel name, or a config that is neither a
+            KVCacheConfig nor a mapping of its fields, or whose values are invalid.
+        BackendUnavailable: the forced kernel (or the device's backend) cannot run here.
     """
     if mode == "vmm":
-        return VirtualKVCache(config)
+        return VirtualKVCache(config, kernel=kernel)
     if mode == "paged":
-        return PagedKVCache(config)
+        return PagedKVCache(config, kernel=kernel)
     raise InvalidConfig(f"mode must be 'vmm' or 'paged', got {mode!r}")
 
 

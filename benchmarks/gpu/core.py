@@ -15,14 +15,8 @@ from typing import Any
 import torch
 
 import vmkv
-from vmkv.kernels.contiguous import (
-    CONTIGUOUS_KERNELS,
-    contiguous_kernel_unavailable,
-    flash_varlen_has_seqused_k,
-    has_flash_attn,
-    select_contiguous_kernel,
-    torch_varlen_features,
-)
+from vmkv.kernels import registry as kernel_registry
+from vmkv.kernels.facts import flash_varlen_has_seqused_k, has_flash_attn, torch_varlen_features
 
 from .registry import SCRIPT, optional_packages, package_version, run_process
 from .workload import TOLERANCE, MiB, Shape, compare_ms, decode_config, fill, make_data, percentiles_us, reference_decode
@@ -33,6 +27,7 @@ def environment(device: torch.device, shape: Shape) -> dict[str, Any]:
     the zero page, each contiguous kernel (``available`` or why not) and the one a cache picks;
     ``optional_packages``: each optional package's version, ``None`` where it is missing."""
     dtype = getattr(torch, shape.dtype)
+    spec = kernel_registry.KernelSpec("slots", device, dtype, shape.kv_heads, shape.head_dim)
     env: dict[str, Any] = {
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -46,9 +41,10 @@ def environment(device: torch.device, shape: Shape) -> dict[str, Any]:
         "aten_flash_varlen_has_seqused_k": flash_varlen_has_seqused_k(),
         "varlen_attn_arguments": sorted(torch_varlen_features()),
         "contiguous_kernels": {
-            name: contiguous_kernel_unavailable(name, device, dtype, shape.head_dim) or "available" for name in CONTIGUOUS_KERNELS
+            name: kernel_registry.unavailable(name, spec) or "available" for name in kernel_registry.names("slots")
         },
-        "selected_contiguous_kernel": select_contiguous_kernel(device, dtype, shape.head_dim)[0],
+        "selected_contiguous_kernel": kernel_registry.choose(spec).name,
+        "selected_paged_kernel": kernel_registry.choose(replace(spec, addressing="blocks", block_size=shape.paged_block)).name,
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -102,8 +98,9 @@ def decode_section(device: torch.device, shape: Shape, kernels: list[str]) -> di
         rows: dict[str, Any] = {}
         failures = []
         for name in kernels:
-            kernel = CONTIGUOUS_KERNELS[name]
-            reason = contiguous_kernel_unavailable(name, device, k_vmm.dtype, shape.head_dim)
+            spec = kernel_registry.KernelSpec("slots", device, k_vmm.dtype, shape.kv_heads, shape.head_dim)
+            reason = kernel_registry.unavailable(name, spec)
+            kernel = kernel_registry.build(name, spec) if reason is None else None
             if reason is not None:
                 rows[name] = {"skipped": reason}
                 continue
@@ -202,9 +199,9 @@ def paged_section(device: torch.device, shape: Shape) -> dict[str, Any]:
                 continue
             try:
                 plan = fill(paged, data, shape)
-                out = vmkv.kernels.paged(0, data.q, plan)
+                out = paged.attention(0, data.q, plan)
                 times = compare_ms(
-                    {"paged": lambda: vmkv.kernels.paged(0, data.q, plan), "vmm": lambda: vmm.attention(0, data.q, vmm_plan)},
+                    {"paged": lambda: paged.attention(0, data.q, plan), "vmm": lambda: vmm.attention(0, data.q, vmm_plan)},
                     device, quick,
                 )
                 rows[name] = {

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from vmkv.kernels.contiguous import CONTIGUOUS_KERNELS
+from vmkv.kernels import registry as kernel_registry
 from vmkv.vm.cuda import TorchCudaRuntime
 
 from .registry import Context, Section, SectionSkipped, optional_packages, run_process
@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"seconds the whole run may take (default {DEFAULT_BUDGET_S}): a section whose estimate does "
                              "not fit in what is left is skipped, with the reason")
     parser.add_argument("--list", action="store_true", help="list the sections with their estimates and exit")
-    parser.add_argument("--kernels", nargs="+", default=list(CONTIGUOUS_KERNELS), choices=list(CONTIGUOUS_KERNELS),
+    parser.add_argument("--kernels", nargs="+", default=kernel_registry.names("slots"), choices=kernel_registry.names("slots"),
                         help="contiguous kernels for the decode section (default: all; those that cannot run are skipped with the reason)")
     parser.add_argument("--tests", nargs="+", default=["tests/test_cuda.py"], help="pytest paths for the tests section")
     parser.add_argument("--test-timeout", type=int, default=240, help="seconds allowed for the tests section's pytest (default 240)")

@@ -1,4 +1,4 @@
-"""Attention over the contiguous (VMM) cache: one entry point, the fastest stock kernel available.
+"""Attention over the contiguous (VMM) cache: kernels that read each sequence's slot.
 
 Every kernel gets the whole virtual K/V of a layer, ``k_cache: [max_batch, capacity,
 kv_heads, head_dim]``, plus the plan's slots and lengths. Per-sequence kernels read only
@@ -7,42 +7,36 @@ length, past shorter sequences' data: those reads see stale-but-finite K/V insid
 filled page, or the zero page past it (both backends back every empty page with it), and
 a per-row length mask gives them probability exactly 0.
 
-Kernel choice, by device and what is installed (logged once, shown in ``stats()["kernel"]``;
-see :func:`select_contiguous_kernel`):
+The kernels (which one runs is :mod:`vmkv.kernels.registry`'s choice, named in ``stats()["kernel"]``):
 
-    cuda  flash_attn_with_kvcache  flash-attn installed and importable (cache_seqlens + cache_batch_idx)
-          varlen_attn_seqused      torch's FlashAttention varlen op with seqused_k (torch >= 2.5)
-          sdpa_per_sequence        otherwise, e.g. float32 or a pre-Ampere GPU
-    cpu   sdpa_adaptive            per step: decode rows in one batched SDPA call, or one call
-                                   per sequence, whichever BatchRule predicts faster
-          gemm_adaptive            (by name; float32) decode rows as GEMMs (torch.matmul, MKL) over
-                                   the run of slots or per sequence, as BatchRule predicts faster;
-                                   prefill chunks as sdpa_adaptive. Measured a tie with
-                                   sdpa_adaptive (python -m benchmarks.vllm_slot_layouts), so
-                                   not selected
-          sdpa_batched             (by name) decode rows always batched
-          gemm_batched             (by name) decode rows always as GEMMs over the run (head-major
-                                   slots; per sequence where slot and head axes do not fold)
-          sdpa_per_sequence        (by name) torch SDPA on each sequence's exact-length slice
+    flash_attn_with_kvcache   CUDA  flash-attn, installed and importable (cache_seqlens + cache_batch_idx)
+    varlen_attn_seqused       CUDA  torch's FlashAttention varlen op with seqused_k (torch >= 2.5)
+    sdpa_adaptive             CPU   per step: decode rows in one batched SDPA call, or one call per
+                                    sequence, whichever :class:`BatchRule` predicts faster
+    gemm_adaptive             CPU   (by name; float32) decode rows as GEMMs (torch.matmul) over the
+                                    run of slots or per sequence, as BatchRule predicts faster;
+                                    prefill chunks as sdpa_adaptive
+    sdpa_batched              CPU   (by name) decode rows always batched
+    gemm_batched              CPU   (by name) decode rows always as GEMMs over the run
+    sdpa_per_sequence         any   torch SDPA on each sequence's exact-length slice
 
-The two FlashAttention kernels need sm80+, float16/bfloat16 and head_dim % 8 == 0, <= 256.
+The two FlashAttention kernels need what :func:`vmkv.kernels.facts.flash_attention_blockers` lists.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-import importlib.util
-import inspect
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 
 from ..core.step import StepPlan, causal_mask
-from ..errors import BackendUnavailable, InvalidShape
+from ..errors import InvalidShape
+from .base import AttentionKernel
+from .facts import optional_kernel
+from .measured import batch_rule_constants
 
 log = logging.getLogger("vmkv")
 
@@ -163,18 +157,10 @@ class BatchRule:
         return batched < per_sequence
 
 
-DEFAULT_BATCH_RULE = BatchRule(call_us=1.984, key_us=1.1787, run_key_us=0.8174, real_key_us=0.1662, fixed_us=0.0)
-"""The CPU rule, fitted by ``python -m benchmarks.contiguous_decode`` (1 thread, fp32, 32 query /
-8 KV heads of 128) on 36 decode steps: B = 4, 8, 32; 128 to 2,048 keys; equal lengths, lengths
-spread 2..L, one long row among 32-token ones, and every second slot empty (dummy rows). It
-picks the faster kernel in 36/36 of them, and in 45/45 (fp32) and 41/45 (bf16) of a noisier
-rerun (worst wrong pick 1.9x slower, where both kernels' own times spread 2x).
-
-In words: a key costs the batched call ~0.98 us against ~1.18 us per sequence, and a call
-~2 us, so one batched call wins by 1.03-1.26x when lengths are (nearly) equal and the slots
-dense (measured 1.03x at B=32 x 2K, 1.26x at B=32 x 128), and loses as soon as short rows pay
-for the longest one (0.09x for one 2K row among 31 of 32 tokens) or half the run is dummy rows
-(0.66-0.77x)."""
+DEFAULT_BATCH_RULE = BatchRule(**batch_rule_constants("cpu"))
+"""The CPU rule, fitted by ``python -m benchmarks.contiguous_decode`` (its constants, machine,
+command and date: ``vmkv/kernels/measured.json``; what it predicts and how well:
+docs/benchmarks.md)."""
 
 
 @dataclass(frozen=True)
@@ -299,7 +285,7 @@ def gemm_decode_batched(
     return _decode_rows(_gqa_gemm(q_run, k, v, q.shape[2] ** -0.5 if scale is None else scale, bias), batch)
 
 
-class SdpaDecodeKernel:
+class SdpaDecodeKernel(AttentionKernel):
     """Torch SDPA with the decode rows of a step in one batched call (prefill rows: one call
     per sequence, as :func:`sdpa_per_sequence`), or, with ``gemm``, the decode rows as GEMMs.
 
@@ -313,32 +299,26 @@ class SdpaDecodeKernel:
             benchmarks.vllm_slot_layouts``). The batched GEMM is taken only where the slot and
             head axes fold without a copy (:func:`heads_merge`); prefill rows stay SDPA.
 
-    The step's :class:`DecodeBatch` is computed by the first layer and reused by the others
-    (the last plan seen is remembered; a plan is immutable, so this is safe across caches and
-    threads: a stale memo only costs a recomputation).
+    :meth:`plan` computes the step's :class:`DecodeBatch` once; every layer's :meth:`run` reuses it.
 
     Shapes: ``q: [T, Hq, D]``, ``k_cache, v_cache: [B, S, Hkv, D]`` (any strides with a unit
     last one); returns ``[T, Hq, D]``.
     """
 
+    addressing = "slots"
+
     def __init__(self, name: str, rule: BatchRule | None, gemm: bool = False) -> None:
         self.name = name
         self.rule = rule
         self.gemm = gemm
-        self._memo: tuple[StepPlan, DecodeBatch | None] | None = None
 
-    def decode_batch(self, plan: StepPlan) -> DecodeBatch | None:
+    def plan(self, plan: StepPlan, q_heads: int = 0, scale: float | None = None) -> DecodeBatch | None:
         """The batched call of ``plan``'s decode rows (``None``: the step has none)."""
-        memo = self._memo
-        if memo is not None and memo[0] is plan:
-            return memo[1]
         decode = [i for i, n in enumerate(plan.q_lens) if n == 1]
-        batch = plan_decode_batch(plan, decode, self.rule) if decode else None
-        self._memo = (plan, batch)
-        return batch
+        return plan_decode_batch(plan, decode, self.rule) if decode else None
 
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan, scale: float | None) -> torch.Tensor:
-        batch = self.decode_batch(plan)
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan,
+            batch: DecodeBatch | None, scale: float | None) -> torch.Tensor:
         batched = batch is not None and batch.batched and (not self.gemm or heads_merge(k_cache) and heads_merge(v_cache))
         if not batched and not self.gemm:
             return sdpa_per_sequence(q, k_cache, v_cache, plan, scale)
@@ -369,9 +349,6 @@ class SdpaDecodeKernel:
         bad = (~torch.isfinite(decode).flatten(1).all(1)).nonzero().flatten().tolist()
         _sdpa_rows(q, k_cache, v_cache, plan, scale, [batch.seqs[i] for i in bad], out)
 
-    def __repr__(self) -> str:
-        return f"SdpaDecodeKernel({self.name!r})"
-
 
 def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan, scale: float | None) -> torch.Tensor:
     """flash-attn's ``flash_attn_with_kvcache`` on the slot-indexed virtual tensors.
@@ -389,7 +366,7 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
     Shapes: ``q: [T, Hq, D]``, ``k_cache, v_cache: [B_max, S, Hkv, D]``; returns ``[T, Hq, D]``.
     """
-    flash_attn_with_kvcache = _flash_attn_with_kvcache()
+    flash_attn_with_kvcache = optional_kernel("flash_attn")
     q = q.contiguous()  # FlashAttention wants a unit last stride (any strided q is accepted here)
     if plan.is_decode:
         out = flash_attn_with_kvcache(
@@ -464,203 +441,45 @@ def varlen_seqused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def optional_import(module: str, attribute: str) -> tuple[Any, str | None]:
-    """Import ``module.attribute`` of an optional package, once per process.
-
-    Returns:
-        ``(object, None)``, or ``(None, why)`` when the package is missing or its import fails
-        (an installed but broken wheel, e.g. flash-attn built for another torch: the ABI
-        mismatch surfaces as an ``ImportError``/``OSError`` naming an undefined symbol).
-    """
-    if importlib.util.find_spec(module.partition(".")[0]) is None:
-        return None, f"{module} is not installed"
-    try:
-        return getattr(importlib.import_module(module), attribute), None
-    except Exception as exc:  # noqa: BLE001 -- any failure of a third-party import means "unusable"
-        return None, f"{module} is installed but importing {attribute} from it fails ({type(exc).__name__}: {exc})"
 
 
-def has_flash_attn() -> bool:
-    """Whether the optional ``flash-attn`` package is installed (not whether it imports: see
-    :func:`optional_import`)."""
-    return importlib.util.find_spec("flash_attn") is not None
-
-
-def _flash_attn_with_kvcache() -> Callable[..., torch.Tensor]:
-    function, why = optional_import("flash_attn", "flash_attn_with_kvcache")
-    if function is None:
-        raise BackendUnavailable(why)
-    return function
-
-
-def torch_varlen_features() -> set[str]:
-    """Optional arguments of ``torch.nn.attention.varlen.varlen_attn`` in this torch (may be empty)."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return set()
-    params = inspect.signature(varlen_attn).parameters
-    return {name for name in ("seqused_k", "block_table", "window_size", "enable_gqa") if name in params}
-
-
-def flash_varlen_has_seqused_k() -> bool:
-    """Whether this torch's ``aten::_flash_attention_forward`` takes ``seqused_k`` (torch >= 2.5)."""
-    try:
-        schema = torch.ops.aten._flash_attention_forward.default._schema
-    except (AttributeError, RuntimeError):
-        return False
-    return any(argument.name == "seqused_k" for argument in schema.arguments)
-
-
-CONTIGUOUS_KERNELS: dict[str, Kernel] = {
-    "flash_attn_with_kvcache": flash_kvcache,
-    "varlen_attn_seqused": varlen_seqused,
-    "sdpa_adaptive": SdpaDecodeKernel("sdpa_adaptive", DEFAULT_BATCH_RULE),
-    "gemm_adaptive": SdpaDecodeKernel("gemm_adaptive", DEFAULT_BATCH_RULE, gemm=True),
-    "sdpa_batched": SdpaDecodeKernel("sdpa_batched", None),
-    "gemm_batched": SdpaDecodeKernel("gemm_batched", None, gemm=True),
-    "sdpa_per_sequence": sdpa_per_sequence,
-}
-"""Every contiguous-mode kernel by name, fastest first (benchmarks pick one explicitly).
-
-``sdpa_adaptive`` runs each decode step as ``sdpa_batched`` or ``sdpa_per_sequence``, whichever
-:data:`DEFAULT_BATCH_RULE` predicts faster for that step's lengths and slots; ``gemm_adaptive``
-makes the same choice with GEMMs for the decode rows (float32 only: the scores of a
-half-precision GEMM would be rounded to its precision before the softmax, which SDPA avoids)."""
-
-_READS_PAST_LENGTHS = ("gemm_adaptive", "sdpa_adaptive", "sdpa_batched", "gemm_batched")
-_FLOAT32_ONLY = ("gemm_adaptive", "gemm_batched")
-
-
-def flash_attention_blockers(
-    on_cuda: bool, capability: tuple[int, int] | None, dtype: torch.dtype | None, head_dim: int | None
-) -> list[str]:
-    """What FlashAttention (flash-attn's kernels and torch's) needs that is missing, each as the
-    object of "needs" (``"float16 or bfloat16 (the cache holds torch.float32)"``); empty if nothing.
-
-    The one statement of its requirements: a CUDA device of compute capability 8.0 or newer,
-    float16 or bfloat16, a head_dim that is a multiple of 8 and at most 256 (``mha_varlen_fwd`` /
-    ``mha_fwd_kvcache`` checks). Both modes' kernel choices call it.
+class Stateless(AttentionKernel):
+    """A slots kernel with no per-step metadata: ``function(q, k_cache, v_cache, plan, scale)``.
 
     Args:
-        on_cuda: whether the cache is on a usable CUDA device.
-        capability: the GPU's compute capability; ``dtype``, ``head_dim``: the cached K/V's.
-            ``None``: not checked.
-    """
-    why = []
-    if not on_cuda:
-        why.append("a CUDA device")
-    if capability is not None and capability < (8, 0):
-        why.append(f"compute capability 8.0 or newer (the GPU is {capability[0]}.{capability[1]})")
-    if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
-        why.append(f"float16 or bfloat16 (the cache holds {dtype})")
-    if head_dim is not None and (head_dim % 8 or head_dim > 256):
-        why.append(f"head_dim a multiple of 8 and <= 256 (got {head_dim})")
-    return why
-
-
-@dataclass(frozen=True)
-class CudaKernelFacts:
-    """What the CUDA contiguous kernels need of the machine beyond the cache's shape.
-
-    Args:
-        capability: the GPU's compute capability; ``None``: no usable CUDA device.
-        flash_attn_missing: why flash-attn's ``flash_attn_with_kvcache`` cannot be imported
-            (:func:`optional_import`); ``None``: it can.
-        varlen_seqused: whether torch's FlashAttention varlen op takes ``seqused_k``
-            (:func:`flash_varlen_has_seqused_k`).
+        name: the name it is registered under.
+        function: the kernel (:func:`sdpa_per_sequence`, :func:`flash_kvcache`, :func:`varlen_seqused`).
     """
 
-    capability: tuple[int, int] | None
-    flash_attn_missing: str | None
-    varlen_seqused: bool
+    addressing = "slots"
 
-    @classmethod
-    def probe(cls, device: torch.device) -> "CudaKernelFacts":
-        """The facts of ``device`` on this machine."""
-        if device.type != "cuda" or not torch.cuda.is_available():
-            return cls(None, "no CUDA device", False)
-        capability = tuple(torch.cuda.get_device_capability(device))
-        return cls(capability, optional_import("flash_attn", "flash_attn_with_kvcache")[1], flash_varlen_has_seqused_k())
+    def __init__(self, name: str, function: Callable[..., torch.Tensor]) -> None:
+        self.name = name
+        self._function = function
+
+    def run(self, q, k, v, plan, meta, scale):
+        return self._function(q, k, v, plan, scale)
 
 
-def contiguous_kernel_unavailable(
-    name: str, device: torch.device, dtype: torch.dtype | None = None, head_dim: int | None = None,
-    facts: CudaKernelFacts | None = None,
-) -> str | None:
-    """Why kernel ``name`` cannot run on ``device`` for K/V of ``dtype`` and ``head_dim``, or
-    ``None`` if it can. ``dtype``/``head_dim`` of ``None`` are not checked.
+def slot_kernel(name: str) -> AttentionKernel:
+    """A new kernel object of slots kernel ``name`` (any of the module docstring's table).
 
-    FlashAttention kernels need what :func:`flash_attention_blockers` lists, and flash-attn must
-    import (or torch's varlen op take ``seqused_k``). The batched SDPA kernels read every slot
-    of a run up to the longest length, past shorter sequences' pages (zero pages on both
-    backends); their batching rule was measured on CPU and they have not been checked on a
-    GPU, so they run on CPU only (CUDA has the FlashAttention kernels, which read exact lengths).
-
-    Args:
-        facts: the machine's CUDA facts (default: :meth:`CudaKernelFacts.probe` of ``device``);
-            given, the rule answers for that machine (``vmkv info`` describes a GPU it lacks).
+    Raises:
+        KeyError: no such kernel.
     """
-    if name not in CONTIGUOUS_KERNELS:
-        return f"unknown kernel {name!r}; known: {', '.join(CONTIGUOUS_KERNELS)}"
-    if name == "sdpa_per_sequence":
-        return None
-    if name in _READS_PAST_LENGTHS:
-        if device.type != "cpu":
-            return f"{name} is a CPU kernel (its batching rule was measured on CPU), not for {device.type}"
-        if name in _FLOAT32_ONLY and dtype is not None and dtype != torch.float32:
-            return f"{name} needs float32 (the cache holds {dtype}: half-precision scores would be rounded)"
-        return None
-    facts = facts or CudaKernelFacts.probe(device)
-    blockers = flash_attention_blockers(device.type == "cuda" and facts.capability is not None, facts.capability,
-                                        dtype, head_dim)
-    if blockers:
-        return f"{name} needs {blockers[0]}"
-    if name == "flash_attn_with_kvcache":
-        return facts.flash_attn_missing
-    if name == "varlen_attn_seqused" and not facts.varlen_seqused:
-        return f"torch {torch.__version__} has no FlashAttention varlen op with seqused_k"
-    return None
+    rule = DEFAULT_BATCH_RULE
+    builders: dict[str, Callable[[], AttentionKernel]] = {
+        "flash_attn_with_kvcache": lambda: Stateless(name, flash_kvcache),
+        "varlen_attn_seqused": lambda: Stateless(name, varlen_seqused),
+        "sdpa_adaptive": lambda: SdpaDecodeKernel(name, rule),
+        "gemm_adaptive": lambda: SdpaDecodeKernel(name, rule, gemm=True),
+        "sdpa_batched": lambda: SdpaDecodeKernel(name, None),
+        "gemm_batched": lambda: SdpaDecodeKernel(name, None, gemm=True),
+        "sdpa_per_sequence": lambda: Stateless(name, sdpa_per_sequence),
+    }
+    return builders[name]()
 
 
-def choose_contiguous_kernel(
-    device: torch.device, dtype: torch.dtype | None = None, head_dim: int | None = None,
-    facts: CudaKernelFacts | None = None,
-) -> tuple[str, list[str]]:
-    """The selection rule: the first of :data:`CONTIGUOUS_KERNELS` (fastest first) that can run,
-    and why each faster one cannot: ``(name, reasons)``. ``facts`` as for
-    :func:`contiguous_kernel_unavailable` (probed once here when ``None``)."""
-    if facts is None and device.type == "cuda":
-        facts = CudaKernelFacts.probe(device)
-    skipped = []
-    for name in CONTIGUOUS_KERNELS:
-        reason = contiguous_kernel_unavailable(name, device, dtype, head_dim, facts)
-        if reason is None:
-            return name, skipped
-        skipped.append(reason)
-    raise AssertionError("unreachable: sdpa_per_sequence runs everywhere")
-
-
-_LOGGED: set[str] = set()
-
-
-def select_contiguous_kernel(
-    device: torch.device, dtype: torch.dtype | None = None, head_dim: int | None = None
-) -> tuple[str, Kernel]:
-    """The fastest contiguous-mode kernel that can run: ``(name, function)``; logs the choice
-    (and why faster ones were passed over) once per choice.
-
-    Args:
-        device: where the cache lives.
-        dtype, head_dim: of the cached K/V; ``None`` skips the checks that need them.
-    """
-    name, skipped = choose_contiguous_kernel(device, dtype, head_dim)
-    kernel = CONTIGUOUS_KERNELS[name]
-    key = f"{name} on {device.type}: {'; '.join(skipped)}"
-    if key not in _LOGGED:
-        _LOGGED.add(key)
-        broken = any("is installed but" in reason for reason in skipped)  # a broken wheel deserves a warning
-        log.log(logging.WARNING if broken else logging.INFO, "vmkv contiguous attention kernel: %s (not faster ones: %s)",
-                name, "; ".join(skipped) or "none")
-    return name, kernel
+SLOT_KERNELS = ("flash_attn_with_kvcache", "varlen_attn_seqused", "sdpa_adaptive", "gemm_adaptive", "sdpa_batched",
+                "gemm_batched", "sdpa_per_sequence")
+"""Every slots kernel of this module by name."""

@@ -10,8 +10,8 @@ and returns ``[T, q_heads, head_dim]``: causal within a sequence's new tokens, b
 aligned over its cached prefix (new token ``j`` of sequence ``i`` sees keys
 ``0 .. starts[i] + j``), grouped-query when ``q_heads`` is a multiple of ``kv_heads``.
 
-Kernels (chosen once per cache by :func:`choose_paged_kernel` / :func:`make_paged_kernel`,
-logged, named in ``stats()["kernel"]``):
+Kernels (which one runs is :mod:`vmkv.kernels.registry`'s choice, logged, named in
+``stats()["kernel"]``):
 
     gather_sdpa               any device  gather each sequence's blocks, then torch SDPA
                                           (the reference: copies each sequence's whole K/V)
@@ -24,34 +24,30 @@ logged, named in ``stats()["kernel"]``):
                                           ``block_table=``/``seqused_k=`` (detected; 2.13 has them)
     flash_attn_with_kvcache   CUDA        flash-attn's kernel with ``block_table=``
     flashinfer_decode         CUDA        FlashInfer ``BatchDecodeWithPagedKVCacheWrapper``
-                                          for decode steps (planned once per step), composed
-                                          with one of the above for steps with prefill
+                                          for decode steps only (planned once per step): the
+                                          registry pairs it with another kernel for the rest
 
 FlashAttention's paged kernels (both flash-attn and torch's copy of it) need a block size
 that is a multiple of 256 tokens and fp16/bf16; where that does not hold they are not used and
 the selection log says why.
 
-A kernel may precompute per-step metadata once (``prepare``) that every layer then reuses;
-the cache memoises it by plan version.
+A kernel may precompute per-step metadata once (``plan``) that every layer's ``run`` then
+reuses (:class:`vmkv.kernels.base.AttentionKernel`).
 """
 
 from __future__ import annotations
 
-import logging
 import math
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ..core.step import StepPlan, causal_mask
-from ..errors import BackendUnavailable, InvalidConfig
-from .contiguous import _flash_attn_with_kvcache, flash_attention_blockers, optional_import, torch_varlen_features
-
-log = logging.getLogger("vmkv")
+from ..errors import InvalidConfig
+from .base import AttentionKernel
+from .facts import optional_kernel
 
 BLOCKWISE_CHUNK_TOKENS = 128  # keys per chunk of the blockwise kernel (measured: see docs/paged.md)
 DEFAULT_CHUNK_TOKENS: int | None = None  # a cache's default: each chunked kernel's own measured value
@@ -70,20 +66,10 @@ def _chunk_tokens(value: int | None, default: int) -> int:
     return value
 
 
-class PagedKernel(ABC):
-    """An attention kernel over block pools. ``name`` is what ``stats()["kernel"]`` shows."""
+class PagedKernel(AttentionKernel):
+    """An attention kernel over block pools (``addressing = "blocks"``)."""
 
-    name: str
-
-    def prepare(self, plan: StepPlan, q_heads: int, scale: float) -> Any:
-        """Per-step metadata shared by every layer (``None`` when the kernel needs none)."""
-        return None
-
-    @abstractmethod
-    def __call__(
-        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: StepPlan, meta: Any, scale: float
-    ) -> torch.Tensor:
-        """Attention of ``q: [T, Hq, D]`` over the pools; returns ``[T, Hq, D]``."""
+    addressing = "blocks"
 
 
 # ---- CPU (and any device): the naive reference ------------------------------------------------
@@ -97,7 +83,7 @@ class GatherSDPA(PagedKernel):
 
     name = "gather_sdpa"
 
-    def __call__(self, q, k_pool, v_pool, plan, meta, scale):
+    def run(self, q, k_pool, v_pool, plan, meta, scale):
         out = torch.empty_like(q)
         self.rows(q, k_pool, v_pool, plan, range(plan.batch_size), out, scale)
         return out
@@ -199,7 +185,7 @@ class ChunkedSDPA(PagedKernel):
         self.min_run_tokens = _chunk_tokens(min_run_tokens, DEFAULT_MIN_RUN_TOKENS)
         self._scratch = _Scratch(device)
 
-    def prepare(self, plan: StepPlan, q_heads: int, scale: float) -> _PiecesMeta:
+    def plan(self, plan: StepPlan, q_heads: int, scale: float) -> _PiecesMeta:
         offsets = plan.offsets
         rows = tuple(
             _DecodeRow(offsets[i], self._pieces(plan.block_table[i], plan.kv_lens[i]))
@@ -240,7 +226,7 @@ class ChunkedSDPA(PagedKernel):
         flush(length - (len(blocks) - 1) * block if pending and pending[-1] == blocks[-1] else block)
         return tuple(pieces)
 
-    def __call__(self, q, k_pool, v_pool, plan, meta: _PiecesMeta, scale):
+    def run(self, q, k_pool, v_pool, plan, meta: _PiecesMeta, scale):
         out = torch.empty_like(q)
         kv_heads, dim = k_pool.shape[2], q.shape[2]
         group = q.shape[1] // kv_heads
@@ -374,7 +360,7 @@ class BlockwiseOnlineSoftmax(PagedKernel):
         self._scratch = _Scratch(device)  # buffers 0/1: K/V as stored, 2/3: as float32
 
     # -- per step ---------------------------------------------------------------------------
-    def prepare(self, plan: StepPlan, q_heads: int, scale: float) -> _BlockwiseMeta:
+    def plan(self, plan: StepPlan, q_heads: int, scale: float) -> _BlockwiseMeta:
         table = plan.block_table
         block = self._block_size
         per_chunk = max(1, self.chunk_tokens // block)  # blocks per chunk
@@ -429,7 +415,7 @@ class BlockwiseOnlineSoftmax(PagedKernel):
         return _PrefillSeq(first_token, n, tuple(chunks))
 
     # -- per layer ----------------------------------------------------------------------------
-    def __call__(self, q, k_pool, v_pool, plan, meta: _BlockwiseMeta, scale):
+    def run(self, q, k_pool, v_pool, plan, meta: _BlockwiseMeta, scale):
         out = torch.empty_like(q)
         if meta.decode is not None:
             out[meta.decode.tokens] = self._decode(q[meta.decode.tokens], k_pool, v_pool, meta.decode, scale)
@@ -527,10 +513,10 @@ class VarlenBlockTable(PagedKernel):
 
     name = "varlen_attn_block_table"
 
-    def prepare(self, plan, q_heads, scale):
+    def plan(self, plan, q_heads, scale):
         return torch.tensor([0, *accumulate(plan.kv_lens)], dtype=torch.int32, device=plan.kv_lens_t.device)
 
-    def __call__(self, q, k_pool, v_pool, plan, meta, scale):
+    def run(self, q, k_pool, v_pool, plan, meta, scale):
         from torch.nn.attention.varlen import varlen_attn
 
         q = q.contiguous()  # FlashAttention wants a unit last stride (any strided q is accepted here)
@@ -550,8 +536,8 @@ class FlashKVCacheBlockTable(PagedKernel):
 
     name = "flash_attn_with_kvcache"
 
-    def __call__(self, q, k_pool, v_pool, plan, meta, scale):
-        flash_attn_with_kvcache = _flash_attn_with_kvcache()
+    def run(self, q, k_pool, v_pool, plan, meta, scale):
+        flash_attn_with_kvcache = optional_kernel("flash_attn")
         q = q.contiguous()  # FlashAttention wants a unit last stride (any strided q is accepted here)
         if plan.is_decode:
             return flash_attn_with_kvcache(
@@ -570,33 +556,31 @@ class FlashKVCacheBlockTable(PagedKernel):
 
 
 class FlashInferDecode(PagedKernel):
-    """FlashInfer's batch decode over the paged pools (NHD layout), planned once per step.
+    """FlashInfer's batch decode over the paged pools (NHD layout), planned once per step;
+    decode steps only (the registry pairs it with another kernel for the rest,
+    :class:`vmkv.kernels.base.PhaseSplit`).
 
-    Steps that are not pure decode go to ``other``. The plan's CSR arrays come from the block
-    table: ``indptr`` (blocks per sequence, cumulative), ``indices`` (the blocks, sequence after
-    sequence), ``last_page_len`` (1 .. block_size tokens used in each last block).
+    The plan's CSR arrays come from the block table: ``indptr`` (blocks per sequence,
+    cumulative), ``indices`` (the blocks, sequence after sequence), ``last_page_len`` (1 ..
+    block_size tokens used in each last block).
 
     Args:
         device: the CUDA device (for the 128 MiB workspace).
         block_size, kv_heads, head_dim, dtype: the pool's geometry.
-        other: the kernel for steps with prefill tokens.
+
+    Raises:
+        BackendUnavailable: FlashInfer is missing or does not import.
     """
 
-    def __init__(
-        self, device: torch.device, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype, other: PagedKernel
-    ) -> None:
-        wrapper, why = optional_import("flashinfer", OPTIONAL_KERNELS["flashinfer"])
-        if wrapper is None:
-            raise BackendUnavailable(why)
-        self.other = other
-        self.name = f"flashinfer_decode+{other.name}"
+    name = "flashinfer_decode"
+
+    def __init__(self, device: torch.device, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        wrapper = optional_kernel("flashinfer")
         workspace = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=device)
         self._wrapper = wrapper(workspace, "NHD")
         self._block_size, self._kv_heads, self._head_dim, self._dtype = block_size, kv_heads, head_dim, dtype
 
-    def prepare(self, plan, q_heads, scale):
-        if not plan.is_decode:
-            return self.other.prepare(plan, q_heads, scale)
+    def plan(self, plan, q_heads, scale):
         block = self._block_size
         table = plan.block_table
         counts = (plan.kv_lens_t.long() + block - 1) // block  # blocks per sequence  [B]
@@ -610,166 +594,30 @@ class FlashInferDecode(PagedKernel):
         )
         return None
 
-    def __call__(self, q, k_pool, v_pool, plan, meta, scale):
-        if not plan.is_decode:
-            return self.other(q, k_pool, v_pool, plan, meta, scale)
+    def run(self, q, k_pool, v_pool, plan, meta, scale):
         return self._wrapper.run(q.contiguous(), (k_pool, v_pool))  # [B, Hq, D]
 
 
-# ---- selection --------------------------------------------------------------------------------
-KERNELS = (
-    "gather_sdpa",
-    "blockwise_online_softmax",
-    "sdpa_chunked",
-    "varlen_attn_block_table",
-    "flash_attn_with_kvcache",
-    "flashinfer_decode",
-)
+BLOCK_KERNELS = ("gather_sdpa", "blockwise_online_softmax", "sdpa_chunked", "varlen_attn_block_table",
+                 "flash_attn_with_kvcache", "flashinfer_decode")
+"""Every blocks kernel of this module by name."""
 
 
-OPTIONAL_KERNELS = {"flash_attn": "flash_attn_with_kvcache", "flashinfer": "BatchDecodeWithPagedKVCacheWrapper"}
-"""Optional packages with paged kernels, and what is imported from each."""
-
-
-def usable_module(name: str) -> tuple[bool, str | None]:
-    """Whether optional package ``name`` (a key of :data:`OPTIONAL_KERNELS`) imports: ``(True,
-    None)``, or ``(False, why)`` when it is missing or installed but broken. Imported once per
-    process (:func:`vmkv.kernels.contiguous.optional_import`)."""
-    function, why = optional_import(name, OPTIONAL_KERNELS[name])
-    return function is not None, why
-
-
-def flash_paged_blockers(
-    device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int, capability: tuple[int, int] | None = None
-) -> list[str]:
-    """Why FlashAttention's paged kernels (flash-attn, torch varlen) cannot read this pool; empty if they can:
-    FlashAttention's own requirements (:func:`vmkv.kernels.contiguous.flash_attention_blockers`) and a
-    block size that is a multiple of 256.
-
-    ``capability`` is the GPU's compute capability (``None``: not checked).
-    """
-    why = [f"they need {need}" for need in flash_attention_blockers(device.type == "cuda", capability, dtype, head_dim)]
-    if block_size % 256:
-        why.append(f"they need block_size to be a multiple of 256, got {block_size}")
-    return why
-
-
-def choose_paged_kernel(
-    device: torch.device,
-    dtype: torch.dtype,
-    head_dim: int,
-    block_size: int,
-    *,
-    flash_attn: bool,
-    flashinfer: bool,
-    varlen_features: set[str],
-    capability: tuple[int, int] | None = None,
-) -> tuple[str, str]:
-    """Pure selection rule: ``(kernel name, why)`` for a pool on ``device``.
-
-    On CPU ``sdpa_chunked``: measured (``python -m benchmarks.paged_kernels``, 1 thread, fp32, 32
-    query / 8 KV heads of 128, shared 2-core machine) at 0.87-1.09x the VMM cache's decode at 2K
-    tokens for B=1 and 0.83-0.92x for B=8 (shuffled / in-order pools), against 0.40-0.71x for the
-    blockwise kernel and 0.30-0.47x for gather + SDPA; prefill as fast as gather + SDPA. On CUDA:
-    flash-attn, else torch varlen with ``block_table``, when FlashAttention can read the pool;
-    else the blockwise kernel. FlashInfer, when installed, takes decode steps (any block size)
-    and the above take the rest: the name is then ``flashinfer_decode+<other>``.
-    """
-    if device.type != "cuda":
-        return "sdpa_chunked", "CPU: torch's fused SDPA over runs of blocks read in place and gathered chunks (benchmarks/paged_kernels.py)"
-    blockers = flash_paged_blockers(device, dtype, head_dim, block_size, capability)
-    if not blockers and flash_attn:
-        name, why = "flash_attn_with_kvcache", "flash-attn is installed"
-    elif not blockers and {"block_table", "seqused_k", "window_size", "enable_gqa"} <= varlen_features:
-        name, why = "varlen_attn_block_table", "torch varlen_attn has block_table; flash-attn not installed"
-    else:
-        missing = "; ".join(blockers) or "neither flash-attn nor torch varlen_attn(block_table=) is available"
-        name, why = "blockwise_online_softmax", f"FlashAttention paged kernels not used: {missing}"
-    if flashinfer and dtype in (torch.float16, torch.bfloat16):
-        return f"flashinfer_decode+{name}", f"FlashInfer decode for decode steps; {name} otherwise ({why})"
-    return name, why
-
-
-_LOGGED: set[str] = set()
-
-
-def make_paged_kernel(
-    device: torch.device,
-    dtype: torch.dtype,
-    kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    forced: str | None = None,
-    chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
-) -> PagedKernel:
-    """Build the kernel for a pool: ``forced`` by name, else by :func:`choose_paged_kernel`. Logs once.
+def block_kernel(name: str, device: torch.device, dtype: torch.dtype, kv_heads: int, head_dim: int, block_size: int,
+                 chunk_tokens: int | None = None) -> PagedKernel:
+    """A new kernel object of blocks kernel ``name`` for a pool of this geometry.
 
     Raises:
-        InvalidConfig: ``forced`` names no kernel.
-        BackendUnavailable: ``forced`` names a kernel that cannot run here (the message says why).
+        KeyError: no such kernel.
+        InvalidConfig: ``chunk_tokens`` is not a positive int.
+        BackendUnavailable: an optional package the kernel calls is missing.
     """
-    if forced is not None and forced not in KERNELS:
-        raise InvalidConfig(f"kernel must be one of {', '.join(KERNELS)}; got {forced!r}")
-    features = torch_varlen_features()
-    capability = _capability(device)
-    if forced is None:
-        usable = {module: usable_module(module) if device.type == "cuda" else (False, None) for module in OPTIONAL_KERNELS}
-        for _, reason in usable.values():
-            if reason is not None and "installed but" in reason:  # a broken wheel: say so, use another kernel
-                log.warning("vmkv paged attention: %s; falling back", reason)
-        name, why = choose_paged_kernel(
-            device, dtype, head_dim, block_size, flash_attn=usable["flash_attn"][0],
-            flashinfer=usable["flashinfer"][0], varlen_features=features, capability=capability,
-        )
-    else:
-        name, why = forced, "chosen by the caller"
-        _check_forced(forced, device, dtype, head_dim, block_size, features, capability)
-    if name not in _LOGGED:
-        _LOGGED.add(name)
-        log.info("vmkv paged attention kernel: %s (%s)", name, why)
-    return _build(name, device, dtype, kv_heads, head_dim, block_size, chunk_tokens)
-
-
-def _capability(device: torch.device) -> tuple[int, int] | None:
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_capability(device)
-
-
-def _check_forced(name: str, device, dtype, head_dim, block_size, features: set[str], capability) -> None:
-    if name == "sdpa_chunked" and device.type != "cpu":
-        raise BackendUnavailable("kernel sdpa_chunked cannot run here: it calls torch's CPU SDPA op (CPU only)")
-    if name in ("gather_sdpa", "blockwise_online_softmax", "sdpa_chunked"):
-        return
-    blockers = [] if name == "flashinfer_decode" else flash_paged_blockers(device, dtype, head_dim, block_size, capability)
-    if name == "flashinfer_decode" and device.type != "cuda":
-        blockers.append("it needs CUDA")
-    if name == "flashinfer_decode" and dtype not in (torch.float16, torch.bfloat16):
-        blockers.append(f"it needs fp16/bf16, the cache holds {dtype}")
-    if name == "flash_attn_with_kvcache" and not usable_module("flash_attn")[0]:
-        blockers.append(usable_module("flash_attn")[1])
-    if name == "flashinfer_decode" and not usable_module("flashinfer")[0]:
-        blockers.append(usable_module("flashinfer")[1])
-    if name == "varlen_attn_block_table" and not {"block_table", "seqused_k"} <= features:
-        blockers.append("this torch's varlen_attn has no block_table/seqused_k")
-    if blockers:
-        raise BackendUnavailable(f"kernel {name} cannot run here: {'; '.join(blockers)}")
-
-
-def _build(name: str, device, dtype, kv_heads, head_dim, block_size, chunk_tokens) -> PagedKernel:
-    if name.startswith("flashinfer_decode"):
-        other = name.partition("+")[2] or choose_paged_kernel(
-            device, dtype, head_dim, block_size, flash_attn=usable_module("flash_attn")[0], flashinfer=False,
-            varlen_features=torch_varlen_features(), capability=_capability(device),
-        )[0]
-        rest = _build(other, device, dtype, kv_heads, head_dim, block_size, chunk_tokens)
-        return FlashInferDecode(device, block_size, kv_heads, head_dim, dtype, rest)
-    if name == "gather_sdpa":
-        return GatherSDPA()
-    if name == "blockwise_online_softmax":
-        return BlockwiseOnlineSoftmax(block_size, kv_heads, chunk_tokens, device)
-    if name == "sdpa_chunked":
-        return ChunkedSDPA(block_size, chunk_tokens, device)
-    if name == "varlen_attn_block_table":
-        return VarlenBlockTable()
-    return FlashKVCacheBlockTable()
+    builders = {
+        "gather_sdpa": lambda: GatherSDPA(),
+        "blockwise_online_softmax": lambda: BlockwiseOnlineSoftmax(block_size, kv_heads, chunk_tokens, device),
+        "sdpa_chunked": lambda: ChunkedSDPA(block_size, chunk_tokens, device),
+        "varlen_attn_block_table": lambda: VarlenBlockTable(),
+        "flash_attn_with_kvcache": lambda: FlashKVCacheBlockTable(),
+        "flashinfer_decode": lambda: FlashInferDecode(device, block_size, kv_heads, head_dim, dtype),
+    }
+    return builders[name]()

@@ -5,7 +5,10 @@
 
 from __future__ import annotations
 
-from ..kernels.paged import KERNELS
+from ..kernels.registry import names
 from .cache import PagedKVCache
+
+KERNELS = tuple(names("blocks"))
+"""The kernels paged mode can run (``PagedKVCache(config, kernel=NAME)``)."""
 
 __all__ = ["PagedKVCache", "KERNELS"]

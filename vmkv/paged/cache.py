@@ -19,7 +19,8 @@ from ..core.calls import exclusive
 from ..core.sequence import SeqId
 from ..core.step import StepPlan
 from ..errors import BackendUnavailable, InvalidConfig
-from ..kernels.paged import DEFAULT_CHUNK_TOKENS, PagedKernel, make_paged_kernel
+from ..kernels.base import AttentionKernel
+from ..kernels.registry import KernelSpec, make_kernel
 from ..validate import as_layer, as_scale
 from ..vm import granularity
 from .blocks import BlockPools
@@ -32,8 +33,8 @@ class PagedKVCache(KVCacheBase):
         config: the cache configuration; ``block_size`` (tokens per block) and
             ``memory_budget`` decide the pool, which is allocated (zeroed) up front.
             A mapping of its fields is accepted too.
-        kernel: force an attention kernel by name (see :mod:`vmkv.kernels.paged`); default: the
-            fastest one that runs here.
+        kernel: force an attention kernel over blocks by name (:mod:`vmkv.kernels.registry`);
+            default: the one the rule chooses for the device.
         chunk_tokens: keys per chunk of the blockwise kernel.
 
     Raises:
@@ -56,7 +57,7 @@ class PagedKVCache(KVCacheBase):
 
     def __init__(
         self, config: KVCacheConfig | Mapping[str, Any], *, kernel: str | None = None,
-        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        chunk_tokens: int | None = None,
     ) -> None:
         config = as_config(config)
         geometry = paged_geometry(config)
@@ -68,14 +69,13 @@ class PagedKVCache(KVCacheBase):
             raise BackendUnavailable("CUDA driver not available: torch.cuda.is_available() is False")
         check_page_size(config, granularity(config.device))  # unused here, but never accepted silently
         block, heads, dim = config.block_size, config.num_kv_heads, config.head_dim
-        self._kernel: PagedKernel = make_paged_kernel(
-            config.device, config.dtype, heads, dim, block, forced=kernel, chunk_tokens=chunk_tokens
+        self._kernel: AttentionKernel = make_kernel(
+            KernelSpec("blocks", config.device, config.dtype, heads, dim, block, chunk_tokens), forced=kernel
         )
         self.kernel = self._kernel.name
         super().__init__(config, geometry)
         self.block_size = block
         self.num_blocks = geometry.num_pages
-        self._step_meta: tuple[tuple[int, int, float], Any] | None = None
         self.blocks: BlockPools | None = None
         try:
             self.blocks = BlockPools(config, geometry, self.max_pages_per_seq, self.guard.log)
@@ -125,15 +125,7 @@ class PagedKVCache(KVCacheBase):
         layer = self._check_plan(plan, layer)
         self._check_query(q, plan)
         scale = as_scale(scale, self.config.head_dim)
-        meta = self._prepared(plan, q.shape[1], scale)
-        return self._kernel(q, self._k[layer], self._v[layer], plan, meta, scale)
-
-    def _prepared(self, plan: StepPlan, q_heads: int, scale: float) -> Any:
-        """The kernel's per-step metadata, computed by the step's first layer and reused by the rest."""
-        key = (plan.version, q_heads, scale)
-        if self._step_meta is None or self._step_meta[0] != key:
-            self._step_meta = (key, self._kernel.prepare(plan, q_heads, scale))
-        return self._step_meta[1]
+        return self._kernel(q, self._k[layer], self._v[layer], plan, scale)
 
     # ---- memory ----------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -149,4 +141,3 @@ class PagedKVCache(KVCacheBase):
     def _close_storage(self) -> None:
         """Free the pools (views handed out keep their own reference to the memory)."""
         self.blocks = self._k = self._v = None
-        self._step_meta = None

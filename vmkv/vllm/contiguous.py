@@ -5,7 +5,7 @@ buffer vmkv backs (:mod:`vmkv.vllm.worker`), and new K/V are written there throu
 slot mapping (:meth:`VmkvContiguousImpl.do_kv_cache_update`). Attention never reads it through a
 block table: every request's K/V is one virtually contiguous slot per layer
 (:mod:`vmkv.vllm.slots`) and the kernel is the one :mod:`vmkv.kernels.contiguous` chooses for the VMM
-cache (:func:`vmkv.kernels.contiguous.select_contiguous_kernel`: on CPU torch SDPA, one batched call for
+cache (:func:`vmkv.kernels.registry.make_kernel`: on CPU torch SDPA, one batched call for
 the decode rows or one call per sequence, as its rule decides), on the same
 :class:`~vmkv.core.step.StepPlan` the VMM cache gives it.
 
@@ -49,7 +49,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from ..core.step import StepPlan, make_plan
 from ..errors import InvalidConfig
-from ..kernels.contiguous import select_contiguous_kernel
+from ..kernels.registry import KernelSpec, make_kernel
 from . import settings as plugin
 from .contiguous_pages import plan_for_vllm
 from .slots import slot_layout
@@ -336,7 +336,8 @@ class VmkvContiguousImpl(AttentionImpl):
             return output  # vLLM's warm-up / profiling runs
         space = _slot_space()
         if self._kernel is None:
-            self.kernel_name, self._kernel = select_contiguous_kernel(query.device, space.dtype, self.head_size)
+            self._kernel = make_kernel(KernelSpec("slots", query.device, space.dtype, self.num_kv_heads, self.head_size))
+            self.kernel_name = self._kernel.name
         index = self._bind(layer, space)
         plan = attn_metadata.plan
         count = attn_metadata.num_actual_tokens

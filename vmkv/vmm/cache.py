@@ -47,7 +47,7 @@ from ..core.checks import check_tensor
 from ..core.sequence import SeqId
 from ..core.step import StepPlan, slot_slice
 from ..errors import InvalidInput
-from ..kernels.contiguous import select_contiguous_kernel
+from ..kernels.registry import KernelSpec, make_kernel
 from ..validate import as_layer, as_scale
 from ..vm import granularity
 from .ranges import SlotRanges
@@ -61,12 +61,15 @@ class VirtualKVCache(KVCacheBase):
     Args:
         config: the cache configuration; ``page_size`` and ``layout`` decide the pages.
             A mapping of its fields is accepted too.
+        kernel: force an attention kernel over slots by name (:mod:`vmkv.kernels.registry`);
+            default: the one the rule chooses for the device.
 
     Raises:
-        InvalidConfig: bad geometry, a budget above the device's memory, or (host) more
-            mappings than Linux's ``vm.max_map_count`` leaves (the message names a page size
-            that fits).
-        BackendUnavailable: CUDA was asked for but is not available.
+        InvalidConfig: bad geometry, an unknown kernel, a budget above the device's memory, or
+            (host) more mappings than Linux's ``vm.max_map_count`` leaves (the message names a
+            page size that fits).
+        BackendUnavailable: CUDA was asked for but is not available, or the forced kernel
+            cannot run here.
 
     Example::
 
@@ -81,11 +84,13 @@ class VirtualKVCache(KVCacheBase):
 
     mode = "vmm"
 
-    def __init__(self, config: KVCacheConfig | Mapping[str, Any]) -> None:
+    def __init__(self, config: KVCacheConfig | Mapping[str, Any], *, kernel: str | None = None) -> None:
         config = as_config(config)
         geometry = vmm_geometry(config, granularity(config.device))
         check_budget_fits(config)
-        self.kernel, self._kernel = select_contiguous_kernel(config.device, config.dtype, config.head_dim)
+        self._kernel = make_kernel(KernelSpec("slots", config.device, config.dtype, config.num_kv_heads, config.head_dim),
+                                   forced=kernel)
+        self.kernel = self._kernel.name
         super().__init__(config, geometry)
         self._hm_rows: tuple[StepPlan, torch.Tensor] | None = None  # head-major write rows of the last plan
         self._batch: tuple[StepPlan, tuple[int, ...], list | None, int] | None = None  # write_batch's last plan (_batch_memo)
