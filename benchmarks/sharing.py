@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import vmkv
-from vmkv.config import DEFAULT_TOKENS_PER_PAGE
 from vmkv.sizes import format_size
+from vmkv.sizing import DEFAULT_TOKENS_PER_PAGE
 
 from . import common
 

@@ -713,7 +713,8 @@ def test_engine_vs_vllm_budget_holds_every_request_whole(kv_mode, requests, prom
     """The vmkv engine's default KV budget holds every request's prompt and output at once, in the
     cache's own pages: it never has to preempt (the default 256 MiB did not hold the default work)."""
     from benchmarks import engine_vs_vllm as bench
-    from vmkv.config import KVCacheConfig, paged_geometry, vmm_geometry
+    from vmkv.config import KVCacheConfig
+    from vmkv.sizing import paged_geometry, resolve, vmm_geometry
     from vmkv.vm import granularity
 
     shape = bench.SHAPE
@@ -723,7 +724,7 @@ def test_engine_vs_vllm_budget_holds_every_request_whole(kv_mode, requests, prom
                            max_seq_len=prompt_len + max_tokens + 16, memory_budget=budget)
     assert bench.token_kv_bytes() == config.bytes_per_token
     assert budget % 2**20 == 0 and budget >= requests * (prompt_len + max_tokens) * config.bytes_per_token
-    geometry = paged_geometry(config) if kv_mode == "paged" else vmm_geometry(config, granularity(config.device))
+    geometry = paged_geometry(config) if kv_mode == "paged" else vmm_geometry(resolve(config), granularity(config.device))
     pages_per_request = -(-(prompt_len + max_tokens) // geometry.tokens_per_page)
     assert geometry.num_pages >= requests * pages_per_request
 

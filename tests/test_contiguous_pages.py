@@ -26,8 +26,9 @@ from hypothesis import strategies as st
 
 import vmkv
 import vmkv.vm.cuda
-from vmkv.config import DEFAULT_TOKENS_PER_PAGE, LAYOUTS, KVShape
+from vmkv.config import LAYOUTS, KVShape
 from vmkv.errors import BackendError, InvalidConfig, InvalidInput
+from vmkv.sizing import DEFAULT_TOKENS_PER_PAGE
 from vmkv.vllm.contiguous_pages import (
     AUTO_LAYOUTS,
     min_block_size,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from . import errors
+from . import errors, sizing  # noqa: F401 - vmkv.sizing, the page decisions (public)
 from .config import KVCacheConfig
 from .core.base import KVCacheBase
 from .core.step import StepPlan

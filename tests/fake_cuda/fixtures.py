@@ -60,7 +60,7 @@ def fake_cuda_backends(fake: FakeDriver, monkeypatch) -> Backends:
     the fake driver (4 KiB granularity): the cache's tensors are CPU tensors over the fake's
     host-backed device memory, so the CPU kernels run on them. Yields the backends opened
     (``.runtime``: torch's side of CUDA they use; pass it to anything else that asks the driver)."""
-    import vmkv.vmm.cache
+    import vmkv.vm
     import vmkv.vmm.ranges
     from vmkv.vm.cuda import CudaVirtualMemory, cuda_granularity
 
@@ -75,6 +75,5 @@ def fake_cuda_backends(fake: FakeDriver, monkeypatch) -> Backends:
         return backend
 
     monkeypatch.setattr(vmkv.vmm.ranges, "open_backend", open_backend)
-    for module in (vmkv.vmm.cache, vmkv.vmm.ranges):
-        monkeypatch.setattr(module, "granularity", lambda device: cuda_granularity("cuda:0", runtime=runtime))
+    monkeypatch.setattr(vmkv.vm, "granularity", lambda device: cuda_granularity("cuda:0", runtime=runtime))
     return backends

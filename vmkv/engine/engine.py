@@ -34,10 +34,11 @@ from typing import Any, Iterable
 import torch
 
 from .. import open_cache
-from ..config import KVCacheConfig, check_cache_options
+from ..config import KVCacheConfig
 from ..core.base import KVCacheBase
 from ..core.step import StepPlan
 from ..errors import DuplicateSequence, InvalidConfig, OutOfPages, SequenceTooLong
+from ..sizing import check_cache_options
 from .request import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
 from .runner import LoadedModel, ModelRunner, cache_config_for, load_model, read_model_spec
 from .sampling import InvalidParameter, SamplerState, SamplingParams, new_generator, next_token
@@ -57,7 +58,7 @@ class EngineConfig:
         kv_mode: ``"vmm"`` (virtually contiguous) or ``"paged"`` (block tables).
         memory_budget: bytes for KV pages (int or "256MiB").
         page_size: VMM page bytes per K/V tensor; ``None``: the cache's per-device default
-            (:func:`vmkv.config.default_vmm_pages`: >= 16 tokens a page, per-layer where that fits).
+            (:func:`vmkv.sizing.default_pages`: >= 16 tokens a page, per-layer where that fits).
         block_size: paged mode: tokens per block.
         max_num_seqs: cache slots: sequences running at once (each completion of n is one).
         max_seq_len: longest prompt + completion; ``None``: min(model's positions, its sliding

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..config import KVCacheConfig, as_config, check_budget_fits, check_page_size, paged_geometry
+from ..config import KVCacheConfig, as_config
 from ..core.base import KVCacheBase
 from ..core.calls import exclusive
 from ..core.sequence import SeqId
@@ -21,6 +21,7 @@ from ..core.step import StepPlan
 from ..errors import BackendUnavailable, InvalidConfig
 from ..kernels.base import AttentionKernel
 from ..kernels.registry import KernelSpec, make_kernel
+from ..sizing import check_budget_fits, check_page_size, paged_geometry, resolve
 from ..validate import as_layer, as_scale
 from ..vm import granularity
 from .blocks import BlockPools
@@ -67,7 +68,8 @@ class PagedKVCache(KVCacheBase):
                                 "front, which cannot give memory back to other members")
         if config.device.type == "cuda" and not torch.cuda.is_available():
             raise BackendUnavailable("CUDA driver not available: torch.cuda.is_available() is False")
-        check_page_size(config, granularity(config.device))  # unused here, but never accepted silently
+        if config.page_size is not None:  # unused here, but never accepted silently
+            check_page_size(resolve(config), granularity(config.device))
         block, heads, dim = config.block_size, config.num_kv_heads, config.head_dim
         self._kernel: AttentionKernel = make_kernel(
             KernelSpec("blocks", config.device, config.dtype, heads, dim, block, chunk_tokens), forced=kernel

@@ -12,7 +12,7 @@ piece's page must be a whole number of backend granules (``cuMemGetAllocationGra
 2 MiB on NVIDIA GPUs; the OS page, 4 KiB, on the host) and of tokens, so the block size is a
 multiple of ``granularity / gcd(granularity, token_bytes)`` tokens. Without a requested size
 the plan takes the smallest such multiple that holds at least
-:data:`~vmkv.config.DEFAULT_TOKENS_PER_PAGE` (16, vLLM's default) tokens, and without a
+:data:`~vmkv.sizing.DEFAULT_TOKENS_PER_PAGE` (16, vLLM's default) tokens, and without a
 requested layout the layout whose block is smallest (``per_layer`` on a tie: its slot views are
 contiguous, which CPU SDPA reads fastest). On CUDA that is ``all_layers`` for every model
 measured in docs/vllm.md ("Contiguous mode: page size on CUDA"): 32 tokens for Llama-3-8B in
@@ -56,9 +56,10 @@ from typing import Any, Sequence
 
 import torch
 
-from ..config import DEFAULT_TOKENS_PER_PAGE, KVShape, Layout, check_layout, smallest_page
+from ..config import KVShape, Layout, check_layout
 from ..errors import InvalidConfig, InvalidInput
 from ..sizes import format_size
+from ..sizing import DEFAULT_TOKENS_PER_PAGE, smallest_page
 from ..vm import granularity as backend_granularity
 
 AUTO_LAYOUTS: tuple[Layout, ...] = ("per_layer", "all_layers")

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ..config import KVCacheConfig, as_config, check_budget_fits, vmm_geometry
+from ..config import KVCacheConfig, as_config
 from ..core.base import KVCacheBase
 from ..core.calls import exclusive
 from ..core.checks import check_tensor
@@ -48,8 +48,8 @@ from ..core.sequence import SeqId
 from ..core.step import StepPlan, slot_slice
 from ..errors import InvalidInput
 from ..kernels.registry import KernelSpec, make_kernel
+from ..sizing import DeviceFacts, check_budget_fits, resolve, vmm_geometry
 from ..validate import as_layer, as_scale
-from ..vm import granularity
 from .ranges import SlotRanges
 
 log = logging.getLogger("vmkv")
@@ -85,8 +85,9 @@ class VirtualKVCache(KVCacheBase):
     mode = "vmm"
 
     def __init__(self, config: KVCacheConfig | Mapping[str, Any], *, kernel: str | None = None) -> None:
-        config = as_config(config)
-        geometry = vmm_geometry(config, granularity(config.device))
+        facts = DeviceFacts.probe(as_config(config).device)  # read once: the layout, the page, the mappings
+        config = resolve(as_config(config), facts)
+        geometry = vmm_geometry(config, facts.granularity)
         check_budget_fits(config)
         self._kernel = make_kernel(KernelSpec("slots", config.device, config.dtype, config.num_kv_heads, config.head_dim),
                                    forced=kernel)
@@ -97,7 +98,7 @@ class VirtualKVCache(KVCacheBase):
         self._slot_views: tuple[tuple[int, ...], list | None] | None = None  # (slots, per-layer [B, H, capacity, D] views)
         self.ranges: SlotRanges | None = None
         try:
-            self.ranges = ranges = SlotRanges(config, geometry, self.guard.log)
+            self.ranges = ranges = SlotRanges(config, geometry, facts, self.guard.log)
             self._open(ranges)
             self.seq_capacity, self.slot_bytes = ranges.seq_capacity, ranges.slot_bytes
             self._k, self._v = ranges.k, ranges.v

@@ -16,30 +16,25 @@ its inverse, so a failure half-way is rolled back by the caller's ``guard.atomic
 from __future__ import annotations
 
 import functools
-import logging
-import math
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from ..config import KVCacheConfig, PageGeometry
-from ..errors import InvalidConfig
-from ..sizes import format_size
-from ..vm import VirtualMemory, granularity, mapping_room, open_backend
+from ..sizing import DeviceFacts, check_mappings
+from ..vm import VirtualMemory, open_backend
 from .memory import MappedPages
 
 if TYPE_CHECKING:
     from ..core.budget import CacheBudget
     from ..core.sequence import LiveSequence
 
-log = logging.getLogger("vmkv")
-
-
 class SlotRanges:
     """The ranges of one cache: the backend, its reservations, the zero-copy views over them.
 
     Args:
-        config, geometry: the cache's configuration and page geometry.
+        config, geometry: the cache's configuration (resolved) and page geometry.
+        facts: the device's facts (the host's mapping room is checked against what the ranges need).
         log: records how to revert a change (the cache's ``guard.log``).
 
     Attributes:
@@ -56,7 +51,8 @@ class SlotRanges:
         BackendUnavailable: CUDA was asked for but is not available.
     """
 
-    def __init__(self, config: KVCacheConfig, geometry: PageGeometry, log: Callable[[Callable[[], None]], None]) -> None:
+    def __init__(self, config: KVCacheConfig, geometry: PageGeometry, facts: DeviceFacts,
+                 log: Callable[[Callable[[], None]], None]) -> None:
         self.config, self.geometry, self._log = config, geometry, log
         tpp = geometry.tokens_per_page
         self.seq_capacity = -(-config.max_seq_len // tpp) * tpp
@@ -68,7 +64,7 @@ class SlotRanges:
         self.v: list[torch.Tensor] = []
         self.vm: VirtualMemory | None = open_backend(
             config.device, geometry.piece_bytes, geometry.num_pages * geometry.num_tensors,
-            max_mappings=check_mappings(config, geometry), on_demand=config.shared_budget is not None)
+            max_mappings=check_mappings(config, geometry, facts), on_demand=config.shared_budget is not None)
         try:
             self._bases = [self.vm.reserve(config.max_batch_size * self.slot_bytes)
                            for _ in range(geometry.num_tensors // self._heads_per_range)]
@@ -174,38 +170,3 @@ class SlotRanges:
             vm.synchronize()
             vm.close()
 
-
-def check_mappings(config: KVCacheConfig, geometry: PageGeometry) -> int:
-    """How many host mappings a cache of ``config`` needs, checked against Linux's ``vm.max_map_count``.
-
-    Each range is one mapping; a run of mapped pages that are neighbours in the page store
-    merges into one more, and splits the range once more. Pages mapped one by one (a
-    fragmented pool) cost up to two each: if that worst case does not fit, a warning is
-    logged and a map that hits the limit raises ``OutOfMappings`` (an ``OutOfPages``), rolled
-    back. Returns the mappings promised (0 on CUDA: no such limit).
-
-    Raises:
-        InvalidConfig: not even one mapping per page fits; names a page size that does.
-    """
-    if config.device.type != "cpu":
-        return 0
-    tensors = geometry.num_tensors
-    typical, worst = tensors * (geometry.num_pages + 1), tensors * (2 * geometry.num_pages + 1)
-    room = mapping_room()
-    if room is None or worst <= room:
-        return typical
-    step = math.lcm(granularity(config.device), geometry.piece_bytes // geometry.tokens_per_page)
-    most_pages = max(1, (room // tensors - 1) // 2)
-    fits = -(-config.memory_budget // (tensors * most_pages * step)) * step
-    advice = (f"page_size={format_size(fits)} or larger fits even a fragmented pool (or use the all_layers "
-              "layout, a smaller memory_budget, or raise the limit: sysctl -w vm.max_map_count=N)")
-    if typical > room:
-        raise InvalidConfig(
-            f"page_size {format_size(config.page_size)} makes {geometry.num_pages} pages in each of {tensors} "
-            f"ranges: {typical} mappings or more, but this process may create only {room} more "
-            f"(Linux vm.max_map_count); {advice}"
-        )
-    log.warning("vmkv: %d pages in %d ranges may need up to %d mappings when fragmented, %d are left "
-                "(Linux vm.max_map_count): a step may then raise OutOfMappings; %s",
-                geometry.num_pages, tensors, worst, room, advice)
-    return typical
