@@ -145,10 +145,9 @@ def linear_backend(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
 
     ``"onednn"``: weights pre-packed once into oneDNN's blocked layout
     (``torch.ops.mkldnn._reorder_linear_weight``) and multiplied with
-    ``torch.ops.mkldnn._linear_pointwise``, the pair inductor's weight freezing emits on CPU.
-    Measured here (``python -m benchmarks.engine_linears``; 2 shared cores, 768-wide layers):
-    1.1-2.6x ``F.linear`` in float32 and 1.5-2x in bfloat16 for 1-512 rows. ``"torch"``:
-    ``F.linear`` (CUDA, float16 on CPU, or a torch built without oneDNN).
+    ``torch.ops.mkldnn._linear_pointwise``, the pair inductor's weight freezing emits on CPU
+    (why: docs/serving.md, "Models").
+    ``"torch"``: ``F.linear`` (CUDA, float16 on CPU, or a torch built without oneDNN).
     """
     if device.type != "cpu":
         return "torch", f"{device.type}: F.linear (cuBLAS)"

@@ -156,8 +156,7 @@ class ChunkedSDPA(PagedKernel):
     Prefill rows: :class:`GatherSDPA` (one gather and one SDPA call per sequence).
 
     Why: SDPA needs K/V with uniform strides, which a block pool is not; gathering a whole
-    sequence writes and re-reads it through memory (about 0.5x of SDPA on the contiguous VMM
-    tensor at 2K tokens). A fresh pool hands out consecutive blocks to a prefill, so prompts
+    sequence writes and re-reads it through memory (what that costs: docs/paged.md). A fresh pool hands out consecutive blocks to a prefill, so prompts
     are read in place; blocks a decode adds one at a time interleave between sequences and are
     gathered. Pieces stop at each sequence's length, so nothing stale is ever read.
 
