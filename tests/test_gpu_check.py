@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,7 +29,7 @@ import torch
 from fake_cuda.fixtures import fake, fake_cuda_backends, fake_lib  # noqa: F401  (fixtures)
 from helpers import register_kernel
 
-from benchmarks.gpu import bench, core, memory, runner, slots, vllm_engine
+from benchmarks.gpu import bench, core, kernels, memory, runner, slots, vllm_engine
 from benchmarks.gpu.memory import DeviceMemory, MemorySample, shared_budget_section
 from benchmarks.gpu.registry import SectionSkipped, run_process
 from benchmarks.gpu.sections import SECTIONS
@@ -187,8 +188,8 @@ def test_gpu_check_sections_that_need_no_process_of_their_own(tmp_path):
     mapping = core.map_unmap_section(cpu, SMOKE)
     assert mapping["backend"] == "host" and mapping["map_us"]["median"] > 0
     assert core.map_unmap_headline(mapping).startswith("map ")
-    paged = core.paged_section(cpu, SMOKE)
-    assert paged["kernels"]["gather_sdpa"]["max_abs_diff_vs_vmm"] < 1e-5
+    paged = kernels.paged_vs_vmm_section(cpu, SMOKE)
+    assert paged["candidates"]["blocks16:gather_sdpa"]["max_abs_err_vs_fp32_reference"] < 1e-5 and not paged["failures"]
     with pytest.raises(SectionSkipped, match="needs a CUDA device"):
         vllm_engine.vllm_section(cpu, tmp_path)
     with pytest.raises(SectionSkipped, match="addressing comparison inside vLLM on CUDA needs a CUDA device"):
@@ -220,10 +221,24 @@ def test_gpu_check_paged_vs_vmm_fails_a_kernel_that_disagrees(monkeypatch):
             return super().run(*args) + 0.01
 
     register_kernel(monkeypatch, "gather_sdpa", lambda q, k, v, plan, scale: Off().run(q, k, v, plan, None, scale), "blocks")
-    result = core.paged_section(torch.device("cpu"), SMOKE)
-    assert result["kernels"]["gather_sdpa"]["max_abs_diff_vs_vmm"] == pytest.approx(0.01, rel=1e-3)
-    assert [f.split(":")[0] for f in result["failures"]] == ["gather_sdpa"]
-    assert "> 0.0002 (float32)" in result["failures"][0]
+    result = kernels.paged_vs_vmm_section(torch.device("cpu"), SMOKE)
+    assert result["candidates"]["blocks16:gather_sdpa"]["max_abs_err_vs_fp32_reference"] == pytest.approx(0.01, rel=1e-3)
+    assert [f.rpartition(": max")[0] for f in result["failures"]] == ["blocks16:gather_sdpa"]
+    assert "> 0.0001 (float32)" in result["failures"][0]
+
+
+def test_gpu_check_paged_vs_vmm_measures_the_triton_kernel_on_both_addressings(tmp_path):
+    """The dry run in Triton's interpreter: the Triton kernel over slots and over block tables,
+    right against the fp32 reference, the translation ratio and the verdicts stated."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    command = [sys.executable, SCRIPT, "--device", "cpu", "--smoke", "--out", str(tmp_path), "--sections", "paged_vs_vmm"]
+    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    entry = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]["paged_vs_vmm"]
+    result = entry["result"]
+    assert entry["status"] == "passed" and {"slots:triton", "blocks16:triton"} <= set(result["candidates"])
+    assert set(result["ratios"]) >= {"slots_share_of_bandwidth", "blocks16_over_slots", "best_paged_over_vmm"}
+    assert any("block" in line for line in result["verdicts"]) and result["splits"]["chosen"] >= 1
 
 
 def test_gpu_check_vllm_section_fails_a_failed_smoke(monkeypatch, tmp_path):

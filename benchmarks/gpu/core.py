@@ -1,5 +1,5 @@
 """The sections that check the CUDA backend and measure the kernels: ``environment``, ``tests``,
-``zero_page``, ``decode``, ``map_unmap`` and ``paged_vs_vmm`` (docs/gpu.md says what each asserts
+``zero_page``, ``decode`` and ``map_unmap`` (docs/gpu.md says what each asserts
 and what its numbers mean)."""
 
 from __future__ import annotations
@@ -173,55 +173,6 @@ def map_unmap_section(device: torch.device, shape: Shape) -> dict[str, Any]:
 
 
 
-def paged_section(device: torch.device, shape: Shape) -> dict[str, Any]:
-    """Every paged kernel vs the VMM cache's own kernel, through ``cache.attention``, same K/V."""
-    from vmkv.paged import KERNELS as PAGED_KERNELS
-    from vmkv.paged import PagedKVCache
-
-    data = make_data(device, shape)
-    quick = replace(shape, iters=max(1, shape.iters // 5), repeats=max(1, shape.repeats - 2))  # some kernels are slow
-    vmm = vmkv.open_cache(decode_config(device, shape))
-    try:
-        vmm_plan = fill(vmm, data, shape)
-        vmm_out = vmm.attention(0, data.q, vmm_plan)
-        rows: dict[str, Any] = {}
-        blocks = 2 * shape.batch * -(-shape.seq_len // shape.paged_block)
-        itemsize = torch.empty((), dtype=getattr(torch, shape.dtype)).element_size()
-        block_bytes = shape.paged_block * shape.kv_heads * shape.head_dim * itemsize
-        config = decode_config(device, shape, block_size=shape.paged_block, memory_budget=blocks * block_bytes)
-        tolerance = 2 * TOLERANCE[shape.dtype]  # each output within TOLERANCE of the fp32 reference
-        failures = []
-        for name in PAGED_KERNELS:
-            try:
-                paged = PagedKVCache(config, kernel=name)
-            except (vmkv.BackendUnavailable, vmkv.InvalidConfig) as exc:
-                rows[name] = {"skipped": str(exc)}
-                continue
-            try:
-                plan = fill(paged, data, shape)
-                out = paged.attention(0, data.q, plan)
-                times = compare_ms(
-                    {"paged": lambda: paged.attention(0, data.q, plan), "vmm": lambda: vmm.attention(0, data.q, vmm_plan)},
-                    device, quick,
-                )
-                rows[name] = {
-                    "paged_ms": times["paged"],
-                    "vmm_ms": times["vmm"],
-                    "paged_over_vmm": times["paged"] / times["vmm"],
-                    "max_abs_diff_vs_vmm": (out.float() - vmm_out.float()).abs().max().item(),
-                }
-            finally:
-                paged.close()
-            diff = rows[name]["max_abs_diff_vs_vmm"]
-            if not diff <= tolerance:  # NaN fails too
-                failures.append(f"{name}: max |paged - VMM ({vmm.kernel})| {diff:.3g} > {tolerance:g} ({shape.dtype})")
-        return {"vmm_kernel": vmm.kernel, "paged_block_size": shape.paged_block, "tolerance": tolerance, "kernels": rows,
-                "failures": failures}
-    finally:
-        vmm.close()
-
-
-
 def zero_page_section(device: torch.device, shape: Shape, out_dir: Path, smoke: bool) -> dict[str, Any]:
     """Empty pages read as zeros (past a sequence, in an empty slot, after close) and a write
     into one faults -- checked in a child process, since on CUDA the fault kills the context."""
@@ -315,12 +266,3 @@ def map_unmap_headline(result: dict[str, Any]) -> str:
     """Median map and unmap time per page."""
     return (f"map {result['map_us']['median']:.0f} us, unmap {result['unmap_us']['median']:.0f} us a "
             f"{result['page_bytes'] // MiB} MiB page (median); reserve 64 GiB {result['reserve_64GiB_us'] / 1e6:.2f} s")
-
-
-def paged_headline(result: dict[str, Any]) -> str:
-    """The fastest paged kernel's time over the VMM cache's kernel."""
-    timed = {name: row["paged_over_vmm"] for name, row in result["kernels"].items() if "paged_over_vmm" in row}
-    if not timed:
-        return "no paged kernel could run"
-    best = min(timed, key=timed.get)
-    return f"fastest paged kernel {best}: {timed[best]:.2f}x the time of VMM's {result['vmm_kernel']}"

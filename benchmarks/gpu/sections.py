@@ -14,7 +14,7 @@ for the sections still to come (Triton kernels, CUDA graphs): see docs/gpu.md, "
 
 from __future__ import annotations
 
-from . import bench, core, memory, slots, vllm_engine
+from . import bench, core, kernels, memory, slots, vllm_engine
 from .registry import Context, Section
 
 
@@ -38,8 +38,8 @@ SECTIONS: tuple[Section, ...] = (
             core.decode_headline, "one decode step per contiguous kernel on VMM views vs a dense copy"),
     Section("map_unmap", 15, lambda ctx: core.map_unmap_section(ctx.device, ctx.shape), core.map_unmap_headline,
             "map/unmap latency per page, store creation, a 64 GiB reservation"),
-    Section("paged_vs_vmm", 30, lambda ctx: core.paged_section(ctx.device, ctx.shape), core.paged_headline,
-            "each paged kernel vs the VMM cache's kernel on the same K/V"),
+    Section("paged_vs_vmm", 45, lambda ctx: kernels.paged_vs_vmm_section(ctx.device, ctx.shape), kernels.paged_vs_vmm_headline,
+            "Triton decode over slots vs block tables (16, 256), every paged kernel vs VMM's, bandwidth, splits"),
     Section("shared_budget", 20, lambda ctx: memory.shared_budget_section(ctx.device, ctx.shape),
             memory.shared_budget_headline, "two caches in one ledger: where the device memory goes, stage by stage"),
     Section("vllm_slots", 15, lambda ctx: slots.vllm_slots_section(ctx.device, ctx.smoke), slots.vllm_slots_headline,
