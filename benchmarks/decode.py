@@ -347,7 +347,8 @@ def _measure_point(
     read, read_bytes = probe
     wanted = args.paged_kernels or ["selected", "gather_sdpa"]
     selected = case.caches["paged"].kernel
-    paged_kernels = list(dict.fromkeys(selected if name == "selected" else name for name in wanted))
+    both = [name for name in kernels if name in registry.names("blocks")]  # read both addressings: measure both
+    paged_kernels = list(dict.fromkeys([*(selected if name == "selected" else name for name in wanted), *both]))
     tolerance = 1e-4 if case.q.dtype == torch.float32 else 2e-2
     candidates, diffs = _checked(case, case.candidates(kernels, paged_kernels), tolerance, skipped, wrong)
     fns = {c.name: c.fn for c in candidates}
@@ -470,6 +471,7 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
             "decode.vmm_vs_dense", question, ratio(vmm, dense), "VMM", "dense", note=f"{kernel}{floor}", tie_margin=margin,
         )))
     out += _batched_verdict(point, timings, default_layout, failed, where, floor, margin)
+    out += _addressing_verdicts(point, timings, default_layout, where, margin)
     best = min((r for r in point if r["candidate"].startswith("vmm:")), key=lambda r: r["ms"], default=None)
     if best:
         out.append(_bandwidth_verdict(result, best, timings, where))
@@ -517,6 +519,28 @@ BATCHING_MATTERS = 0.10
 """Batched vs per-sequence decode is judged a win only beyond 10 %: the calls it saves cost about
 0.1 % of a step at 2K tokens on CPU (``python -m benchmarks.contiguous_decode``), so smaller
 differences are noise and would flip the verdict from run to run."""
+
+
+def _addressing_verdicts(
+    point: list[dict[str, Any]], timings: common.Timings, layout: str, where: str, margin: float,
+) -> list[common.Verdict]:
+    """For each kernel measured on both addressings (the same kernel reading VMM slots and a
+    block table, e.g. Triton): which wins and by how much, i.e. what block-table translation
+    itself costs, nothing else differing."""
+    names = {r["candidate"] for r in point}
+    out = []
+    for name in sorted(names):
+        if not name.startswith("paged:"):
+            continue
+        kernel = name.split(":", 1)[1]
+        on_slots = sorted(n for n in names if n.startswith("vmm:") and n.endswith(f":{kernel}"))
+        slots = f"vmm:{layout}:{kernel}" if f"vmm:{layout}:{kernel}" in names else (on_slots or [None])[0]
+        if slots is not None:
+            out.append(common.ratio_verdict(
+                f"decode.{kernel}.slots_vs_blocks", f"decode attention, {where}: {kernel} reading VMM slots vs a block "
+                "table (speed: the block table's time over the slots')", timings.ratio(name, slots),
+                "slots", "block table", note=f"{slots} vs {name}", tie_margin=margin))
+    return out
 
 
 def _batched_verdict(

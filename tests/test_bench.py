@@ -1195,3 +1195,17 @@ def test_smoke_on_cuda(name, tmp_path):
     args = _args(module, tmp_path)
     args.device = "cuda"
     _check_contract(module.run(args), name)
+
+
+def test_decode_names_the_winner_of_a_kernel_read_through_both_addressings():
+    """A kernel measured on VMM slots and through a block table (Triton) gets a verdict of its
+    own: which addressing wins and by how much; kernels of one addressing get none."""
+    from benchmarks import decode
+
+    noise = [1.0, 1.01, 0.99, 1.0, 1.02, 0.98, 1.0]
+    timings = common.Timings({"vmm:per_layer:triton": noise, "paged:triton": [1.3 * t for t in noise],
+                              "paged:gather_sdpa": [2.0] * 7, "vmm:per_layer:sdpa_per_sequence": [1.5] * 7})
+    point = [{"candidate": name} for name in timings.samples]
+    (verdict,) = decode._addressing_verdicts(point, timings, "all_layers", "B=2, 128 tokens", 0.02)
+    assert verdict.key == "decode.triton.slots_vs_blocks" and verdict.winner.startswith("slots, 1.30x")
+    assert verdict.note == "vmm:per_layer:triton vs paged:triton"
