@@ -973,7 +973,7 @@ def test_the_watcher_outlives_a_ledger_it_cannot_read(name, caplog):
     idle member's watcher logs it and keeps watching instead of dying with a traceback."""
     with small(name, ",member=a") as cache, Ledger(name, None) as ledger:
         ledger_member.run_burst(cache, 2, 128, seed=7)
-        slot = cache._share.member.slot
+        slot = cache.budget.member.slot
         with ledger.locked():
             ledger._write(slot, request=PAGE)
             ledger._write(slot, held=2 * BUDGET)  # damaged: more than the budget
@@ -981,5 +981,5 @@ def test_the_watcher_outlives_a_ledger_it_cannot_read(name, caplog):
         while "giving pages back" not in caplog.text:
             assert time.monotonic() < deadline
             time.sleep(0.02)
-        assert "LedgerCorrupt" in caplog.text and cache._share._watcher.is_alive()
-        ledger._write(slot, held=cache._share.member.held * PAGE, request=0)  # repaired: the cache closes
+        assert "LedgerCorrupt" in caplog.text and cache.budget.share._watcher.is_alive()
+        ledger._write(slot, held=cache.budget.member.held * PAGE, request=0)  # repaired: the cache closes
