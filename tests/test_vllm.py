@@ -20,6 +20,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -515,6 +516,43 @@ def test_the_watcher_wakes_the_engine_core_that_built_the_scheduler_with_vllms_o
     core.wake()
     assert core.input_queue.get_nowait() == (EngineCoreRequestType.WAKEUP, None)
     assert engine_wake() is None  # built outside an engine core (in-process engine, tests): nothing to wake
+
+
+def test_the_engine_seats_watcher_outlives_a_ledger_it_cannot_read(monkeypatch, caplog, ledger_name):
+    """Reading a standing request takes the ledger's lock, which refuses a damaged record
+    (LedgerCorrupt): the engine seat's watcher logs it and looks again after a pause instead of
+    dying, and wakes the engine once the ledger reads again. No vLLM needed."""
+    from vmkv.ledger import Ledger, SharedBudget
+    from vmkv.share import join
+    from vmkv.vllm import share
+
+    monkeypatch.setattr(share, "FAILED_WAIT_S", 0.05)
+    page, spec = 4096, SharedBudget.parse(f"{ledger_name}:64KiB")
+    woken = threading.Event()
+    seat = share.EngineShare(spec, page, 8, woken.set)
+    asker_ledger, asker = join(spec, "asker", page, 64 * 1024)
+    try:
+        seat.attach(SimpleNamespace(mapped_pages=2, limit_changed=lambda: None))  # starts the watcher
+        with Ledger(ledger_name, None) as ledger:
+            with ledger.locked():  # the asker waits for a page this seat is asked for ...
+                ledger._write(asker.slot, want=page)
+                ledger._write(seat.member.slot, request=page)
+                ledger._write(seat.member.slot, held=2 * 64 * 1024)  # ... and the seat's record is damaged
+            deadline = time.monotonic() + 5
+            while "watching ledger" not in caplog.text:
+                assert time.monotonic() < deadline, "the watcher logged nothing"
+                time.sleep(0.02)
+            assert "LedgerCorrupt" in caplog.text and seat._watcher.is_alive() and not woken.is_set()
+            ledger._write(seat.member.slot, held=2 * page)  # repaired (the lock refuses it damaged); the request stands
+            assert woken.wait(5), "the watcher did not wake the engine once the ledger read again"
+            with ledger.locked():
+                ledger._write(asker.slot, want=0)
+                ledger._write(seat.member.slot, request=0)
+    finally:
+        seat.close()
+        asker.leave()
+        asker_ledger.close(unlink_if_empty=True)
+    assert not seat._watcher.is_alive()
 
 
 @needs_vllm

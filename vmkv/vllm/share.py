@@ -30,7 +30,10 @@ loop: it polls the member's ``request`` field (a lock-free read), and while it i
 vLLM's own ``WAKEUP`` message into the engine core's input queue; the connector reports
 pending work (``has_pending_push_work``) while a request or a give-back is pending, so the woken
 loop runs an (empty) step: schedule (the boundary serves the request), execute (the workers
-unmap), update (the grants go back). The watcher never touches the scheduler's state.
+unmap), update (the grants go back). The watcher never touches the scheduler's state. Reading a
+standing request takes the ledger's lock, which refuses a damaged ledger: the watcher logs that
+and looks again after :data:`vmkv.share.FAILED_WAIT_S` (the scheduler's own calls raise it), as
+the cache's watcher does.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from typing import Any, Callable
 
 from ..errors import OutOfPages
 from ..ledger import Member, SharedBudget
-from ..share import POLL_S, grant_batch, join
+from ..share import FAILED_WAIT_S, POLL_S, grant_batch, join
 
 log = logging.getLogger("vmkv")
 
@@ -73,7 +76,7 @@ class EngineShare:
                  wake: Callable[[], None] | None) -> None:
         ceiling = cap_pages * page_bytes
         self.ledger, self.member = join(spec, spec.member or f"vllm:{os.getpid()}", page_bytes, ceiling)
-        self.max_pages = min(spec.max_bytes or ceiling, ceiling, spec.budget) // page_bytes
+        self.max_pages = min(ceiling if spec.max_bytes is None else spec.max_bytes, ceiling, spec.budget) // page_bytes
         self.batch = grant_batch(spec, page_bytes)
         self.wait_s = spec.wait_s
         self.owed = 0  # pages evicted for a request, given back when reclaim_step finished
@@ -190,15 +193,29 @@ class EngineShare:
 
 
 def _watch(member: Member, wake: Callable[[], None] | None, stop: threading.Event) -> None:
-    """The watcher: while others ask this member for pages, wake the engine loop (module docstring)."""
+    """The watcher: while others ask this member for pages, wake the engine loop (module docstring).
+
+    A failure (reading a standing request takes the ledger's lock, which refuses a damaged
+    ledger; the wake call) is logged, and the watcher waits ``FAILED_WAIT_S`` before it looks
+    again instead of dying: the scheduler's own ledger calls raise the error where it matters.
+    """
     woken = 0.0
-    while not stop.wait(POLL_S):
-        if wake is None or not member.asked():
+    pause = POLL_S
+    while not stop.wait(pause):
+        pause = POLL_S
+        if wake is None:
             continue
-        now = time.monotonic()
-        if now - woken >= WAKE_EVERY_S:
-            wake()
-            woken = now
+        try:
+            if not member.asked():
+                continue
+            now = time.monotonic()
+            if now - woken >= WAKE_EVERY_S:
+                wake()
+                woken = now
+        except Exception as exc:  # noqa: BLE001 -- the next step boundary serves the request itself
+            log.warning("vmkv: watching ledger %r for requests failed (%s: %s)", member.ledger.name,
+                        type(exc).__name__, exc)
+            pause = FAILED_WAIT_S
 
 
 def engine_wake() -> Callable[[], None] | None:
