@@ -112,10 +112,6 @@ class PageAffineBlockPool(BlockPool):
         logger.debug("vmkv trim: %d pages to unmap", pages)
         return pages
 
-    def memory_stats(self) -> dict[str, int]:
-        """Mapped pages, units, held/cached blocks and the budget, as the scheduler sees them."""
-        return self.free_block_queue.stats()
-
     def check(self) -> None:
         """The pool's consistency, for tests (vLLM's own core tests run it on every pool they
         build): every block but the null block is free exactly when its ``ref_cnt`` is 0, and free
