@@ -149,7 +149,7 @@ def _run_child(config: dict[str, Any]) -> dict[str, Any]:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import SamplingParams
 
-    from vmkv.vllm import drive
+    from benchmarks.vllm_harness import drive
 
     vm = config["vmkv"]
     llm = drive.engine(config["model"], vmkv=vm, kv_cache_bytes=config["kv_bytes"],

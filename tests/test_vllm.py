@@ -88,8 +88,9 @@ def test_a_missing_vllm_gives_one_clear_error():
         import os, sys
         sys.modules["vllm"] = None  # as if vLLM were not installed
         os.environ["VMKV_VLLM"] = "1"
+        from benchmarks.gpu.vllm_smoke import gpu_smoke
         from vmkv import vllm as plugin
-        for call in (plugin.check_vllm, plugin.register, lambda: plugin.gpu_smoke(".")):
+        for call in (plugin.check_vllm, plugin.register, lambda: gpu_smoke(".")):
             try:
                 call()
             except Exception as exc:
@@ -610,7 +611,7 @@ def test_a_request_fills_its_own_page_and_decode_steps_allocate_nothing():
 def test_drive_engine_sets_the_environment_only_while_vllm_starts(monkeypatch):
     import vllm
 
-    from vmkv.vllm import drive
+    from benchmarks.vllm_harness import drive
 
     names = (plugin.ENV_FLAG, drive.RESERVED_CPUS, "HF_HUB_OFFLINE")
     seen = []
@@ -693,7 +694,7 @@ def test_stats_aggregate_per_rank_and_reach_prometheus():
 
 # ---- end to end -------------------------------------------------------------------------------
 def run_scenarios(tmp_path_factory, names: list[str]) -> dict:
-    from vmkv.vllm.tiny import save_tiny_model
+    from benchmarks.vllm_harness.tiny import save_tiny_model
 
     root = tmp_path_factory.mktemp("vllm")
     model = save_tiny_model(root / "model")
@@ -793,32 +794,6 @@ def test_two_engines_in_one_ledger_move_idle_pages_and_keep_their_tokens(tmp_pat
         tokens = run[phase]["tokens"]
         assert len(tokens) == count and all(len(t) == new_tokens for t in tokens.values())
         assert tokens == run["alone"][alone], f"{phase}: tokens differ from the run alone"
-
-
-@needs_vllm
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: gpu_smoke would run for real")
-def test_gpu_smoke_says_why_it_cannot_run_here(tmp_path):
-    with pytest.raises(vmkv.BackendUnavailable, match="needs a CUDA GPU"):
-        plugin.gpu_smoke(tmp_path)
-    assert not any(tmp_path.iterdir())  # refused before writing anything
-
-
-def test_gpu_smoke_passes_only_when_tokens_and_prefix_hits_match_stock():
-    from vmkv.vllm import smoke
-
-    # the smoke keeps vmkv's default max_cached: prefix-cached pages stay mapped for the second pass
-    assert plugin.PluginConfig.from_extra_config(smoke.VMKV_OPTIONS).max_cached is None
-    tokens = {"0": [5, 6], "1": [7]}
-    stock = {"tokens": tokens, "again": tokens, "cached": {"0": 288, "1": 288}}
-    ours = {**stock, "peak_mapped": 2**20}
-    assert smoke.verdict(stock, ours, 2**29)["passed"]
-    for change, failed in [({"cached": {"0": 288, "1": 0}}, "prefix_hits_identical"),
-                           ({"again": {"0": [5, 6], "1": [8]}}, "tokens_identical"),
-                           ({"peak_mapped": 2**29}, "passed")]:
-        result = smoke.verdict(stock, {**ours, **change}, 2**29)
-        assert not result[failed] and not result["passed"], change
-    nothing = {**stock, "cached": {"0": 0, "1": 0}}  # no hit anywhere: prefix caching went untested
-    assert not smoke.verdict(nothing, {**nothing, "peak_mapped": 1}, 2**29)["passed"]
 
 
 @pytest.mark.slow

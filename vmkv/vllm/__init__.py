@@ -29,8 +29,6 @@ function that needs vLLM raises one clear :class:`~vmkv.errors.BackendUnavailabl
 from __future__ import annotations
 
 import logging
-import os
-from typing import Any
 
 from ..errors import UnsupportedVllm
 from .control import stats, trim
@@ -76,18 +74,8 @@ def register() -> None:
         logger.info("vmkv: vLLM %s KV cache backed by vmkv virtual memory (%s=1)", version, ENV_FLAG)
 
 
-def gpu_smoke(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """Run the plugin on the tiny model on a GPU and compare with stock vLLM (for the GPU check).
-
-    See :func:`vmkv.vllm.smoke.gpu_smoke`.
-    """
-    from .smoke import gpu_smoke as run
-
-    return run(out_dir)
-
-
 __all__ = [
     "SUPPORTED_VLLM", "ENV_FLAG", "CONNECTOR_NAME", "CONNECTOR_MODULE", "SCHEDULER_CLS", "WORKER_EXTENSION_CLS",
     "INSTALL_HINT", "KV_MODES", "UnsupportedVllm", "PluginConfig", "check_vllm", "vllm_version", "enabled", "register",
-    "engine_args", "serve_flags", "stats", "trim", "gpu_smoke", "describe",
+    "engine_args", "serve_flags", "stats", "trim", "describe",
 ]
