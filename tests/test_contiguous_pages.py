@@ -1,4 +1,4 @@
-"""Page size of vLLM's contiguous mode (:mod:`vmkv.vllm.contiguous_pages`).
+"""Page size of vLLM's contiguous mode (:mod:`vmkv.vllm.contiguous.pages`).
 
 * The plan, for any model shape, granularity and layout: pages are whole granules and whole
   tokens, the block size is the smallest valid one (or the one asked for), the waste bound and
@@ -28,7 +28,7 @@ import vmkv
 import vmkv.vm.cuda
 from vmkv.config import DEFAULT_TOKENS_PER_PAGE, LAYOUTS, KVShape
 from vmkv.errors import BackendError, InvalidConfig, InvalidInput
-from vmkv.vllm.contiguous_pages import min_block_size, plan_contiguous_pages, plan_for_vllm, vllm_stage_shapes
+from vmkv.vllm.contiguous.pages import min_block_size, plan_contiguous_pages, plan_for_vllm, vllm_stage_shapes
 from vmkv.vm import granularity as device_granularity
 from vmkv.vm.cuda import CudaVirtualMemory, cuda_granularity
 
@@ -259,7 +259,7 @@ def test_on_cuda_vllm_takes_the_contiguous_plans_block_size_when_none_is_set(tin
     from vllm.config import KVTransferConfig, set_current_vllm_config
 
     from vmkv import vllm as plugin
-    from vmkv.vllm.contiguous import VmkvContiguousBackend
+    from vmkv.vllm.contiguous.backend import VmkvContiguousBackend
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     transfer = KVTransferConfig(**plugin.engine_args(kv_mode="contiguous")["kv_transfer_config"])
@@ -363,9 +363,9 @@ SLOT_LAYERS, SLOT_HEADS, SLOT_DIM, SLOT_BLOCKS = 2, 2, 32, 6
 def cuda_slot_space(runtime, block: int = 128, page_size: int = 64 * KiB, views_layout: str = "BLHNC"):  # noqa: F811
     """A KV buffer of ``SLOT_BLOCKS`` blocks on the fake CUDA backend, vLLM's per-layer views of it
     in ``views_layout`` (every page mapped, block b's bytes filled by layer, K|V and head) and a
-    :class:`~vmkv.vllm.slots.SlotSpace` of 3 slots x 3 blocks over it."""
-    from vmkv.vllm.kvbuffer import KVBuffer
-    from vmkv.vllm.slots import SlotSpace
+    :class:`~vmkv.vllm.contiguous.slots.SlotSpace` of 3 slots x 3 blocks over it."""
+    from vmkv.vllm.contiguous.slots import SlotSpace
+    from vmkv.vllm.worker.kvbuffer import KVBuffer
 
     layer_block = SLOT_HEADS * block * 2 * SLOT_DIM  # floats of one layer's block [H, N, 2D]
     nbytes = SLOT_BLOCKS * SLOT_LAYERS * layer_block * 4
@@ -464,7 +464,7 @@ def test_every_failing_driver_call_of_the_slot_space_is_undone(fake, runtime, op
     """Fail the k-th driver call of ``space.map`` / ``space.free`` / the slot reservation, for
     every k: ``BackendError``, the driver's mappings and the slot tables are as before (nothing
     half-mapped), and the same call works once the driver does."""
-    from vmkv.vllm.slots import SlotSpace
+    from vmkv.vllm.contiguous.slots import SlotSpace
 
     def prepared():  # a fresh torch runtime after every reset of the driver, as the backend tests do
         buffer, space = cuda_slot_space(FakeRuntime())

@@ -428,7 +428,7 @@ def test_gpu_check_vllm_slots_on_the_fake_cuda_driver(fake_cuda_backends, fake, 
 def test_gpu_check_vllm_slots_catches_a_rollback_that_does_not_undo(monkeypatch):
     """A slot space whose undo does nothing fails the rollback check: a failed map leaves blocks
     mapped in a slot that says it holds none."""
-    from vmkv.vllm.slots import SlotSpace
+    from vmkv.vllm.contiguous.slots import SlotSpace
 
     monkeypatch.setattr(SlotSpace, "_undo", lambda self, exc, done, call, args: exc)
     result = slots.vllm_slots_section(torch.device("cpu"), smoke=True)

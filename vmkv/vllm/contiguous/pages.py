@@ -1,4 +1,7 @@
-"""Page size of the contiguous mode: how vLLM's blocks become VMM pages of per-request slots.
+"""Page size of contiguous mode: how vLLM's blocks become VMM pages of per-request slots.
+
+Used on the worker side (each worker's slot space plans its slots) and by vLLM's front end
+(the attention backend's preferred block size, :func:`plan_for_vllm`).
 
 In contiguous mode every request owns a *slot*: a token-contiguous virtual range in each K/V
 piece of the VMM layout (the layouts of :class:`~vmkv.vmm.cache.VirtualKVCache`: ``per_layer``
@@ -13,7 +16,7 @@ piece's page must be a whole number of backend granules (``cuMemGetAllocationGra
 multiple of ``granularity / gcd(granularity, token_bytes)`` tokens. Without a requested size
 the plan takes the smallest such multiple that holds at least
 :data:`~vmkv.config.DEFAULT_TOKENS_PER_PAGE` (16, vLLM's default) tokens. The layout is the
-caller's (the device's slot layout, :data:`vmkv.vllm.slots.SLOT_LAYOUTS`): on CUDA
+caller's (the device's slot layout, :data:`vmkv.vllm.contiguous.slots.SLOT_LAYOUTS`): on CUDA
 ``all_layers``, whose block is the smaller for every model measured in docs/vllm.md
 ("Contiguous mode: page size on CUDA"): 32 tokens for Llama-3-8B in fp16, where ``per_layer``
 needs 1,024.
@@ -56,9 +59,9 @@ from typing import Any, Sequence
 
 import torch
 
-from ..config import DEFAULT_TOKENS_PER_PAGE, KVShape, Layout, check_layout, smallest_page
-from ..errors import InvalidConfig, InvalidInput
-from ..sizes import format_size
+from ...config import DEFAULT_TOKENS_PER_PAGE, KVShape, Layout, check_layout, smallest_page
+from ...errors import InvalidConfig, InvalidInput
+from ...sizes import format_size
 
 
 @dataclass(frozen=True)
@@ -240,7 +243,7 @@ def plan_contiguous_pages(shape: KVShape, granularity: int, *, max_model_len: in
             2 MiB on CUDA, 4 KiB on the host).
         max_model_len: the longest request, in tokens.
         max_num_seqs: slots (requests running at once).
-        layout: the slots' VMM layout (the device's: :data:`vmkv.vllm.slots.SLOT_LAYOUTS`).
+        layout: the slots' VMM layout (the device's: :data:`vmkv.vllm.contiguous.slots.SLOT_LAYOUTS`).
         block_size: the block size the user asked vLLM for; ``None``: the smallest valid one
             holding at least 16 tokens.
         stages: every pipeline stage's shape (this rank's among them) where stages hold different

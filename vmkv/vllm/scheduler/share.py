@@ -1,7 +1,7 @@
-"""The vLLM plugin in a host-wide ledger (``shared_budget``): the scheduler holds the grants.
+"""The vLLM plugin in a host-wide ledger (``shared_budget``): the scheduler side holds the grants.
 
 Who is the member: vLLM's engine-core process, the one running the scheduler. It decides which
-pages every worker maps (:class:`~vmkv.vllm.free_blocks.PageAwareFreeBlocks`, lists sent with
+pages every worker maps (:class:`~vmkv.vllm.scheduler.free_blocks.PageAwareFreeBlocks`, lists sent with
 each step), so it is the one that can keep a promise about them; a member page is one buffer
 page on every rank (``page_size x ranks`` bytes: each rank maps the same pages from its own
 store). The workers only follow the lists (on CUDA their store creates a page's memory when a
@@ -47,9 +47,9 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from ..errors import OutOfPages
-from ..ledger import Member, SharedBudget
-from ..share import FAILED_WAIT_S, POLL_S, grant_batch, join
+from ...errors import OutOfPages
+from ...ledger import Member, SharedBudget
+from ...share import FAILED_WAIT_S, POLL_S, grant_batch, join
 
 log = logging.getLogger("vmkv")
 
@@ -227,6 +227,7 @@ def engine_wake() -> Callable[[], None] | None:
     ``WAKEUP`` message (``EngineCoreRequestType.WAKEUP``, used at shutdown). The engine core is
     found as ``self`` of a calling frame (vLLM keeps no other handle on it in that process).
     """
+    # vLLM's engine core, imported when called: the seat itself runs (and is tested) without vLLM
     from vllm.v1.engine import EngineCoreRequestType
     from vllm.v1.engine.core import EngineCore
 
