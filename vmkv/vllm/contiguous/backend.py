@@ -1,7 +1,8 @@
 """vLLM's attention backend in contiguous mode (``kv_mode="contiguous"``): the stock kernel on slots.
 
 Worker side (the builder and the kernel run in every worker), and vLLM's front end, which picks
-the backend and its block size (:func:`install_platform_hook`, :meth:`VmkvContiguousBackend.get_preferred_block_size`).
+the backend and its block size (:func:`install_platform_hook`,
+:meth:`VmkvContiguousBackend.get_preferred_block_size`).
 
 vLLM keeps scheduling, prefix caching, preemption and parallelism; its KV buffer stays the paged
 buffer vmkv backs (:mod:`vmkv.vllm.worker`), and new K/V are written there through vLLM's own
@@ -22,9 +23,9 @@ How vLLM picks it: the CPU platform always answers ``CPU_ATTN`` for non-MLA mode
 answer this backend exactly when the engine's KV connector is vmkv's with
 ``kv_mode="contiguous"`` (:func:`~vmkv.vllm.contiguous.support.contiguous_requested`). On GPU the
 backend is registered as vLLM's ``CUSTOM`` backend and selected by ``--attention-backend CUSTOM``
-(which :func:`vmkv.vllm.engine_args` adds;
-:func:`~vmkv.vllm.contiguous.support.check_attention_backend` refuses a GPU engine without it); it asks vLLM for block-outermost blocks (``BLHNC``) and, when no block size is set, for the
-all-layers plan's (:meth:`VmkvContiguousBackend.get_preferred_block_size`), and its kernel is
+(which :func:`vmkv.vllm.engine_args` adds; :func:`~vmkv.vllm.contiguous.support.check_attention_backend`
+refuses a GPU engine without it); it asks vLLM for block-outermost blocks (``BLHNC``) and, when no
+block size is set, for the all-layers plan's (:meth:`VmkvContiguousBackend.get_preferred_block_size`), and its kernel is
 FlashAttention's ``flash_attn_with_kvcache`` with ``cache_batch_idx`` where flash-attn imports
 (the same rule names what runs otherwise). It declares no CUDA graph support.
 
