@@ -10,7 +10,7 @@ the kernel :func:`vmkv.kernels.registry.make_kernel` picks, over three slot layo
   side, what vLLM's token-major block holds): K and V are strided views of it;
 * ``separate``: one K and one V range ``[slots, tokens, heads, D]`` (token-major, the
   ``per_layer`` layout of :class:`~vmkv.vmm.cache.VirtualKVCache` and of
-  :func:`vmkv.vllm.contiguous_pages.plan_contiguous_pages`);
+  :func:`vmkv.vllm.contiguous.pages.plan_contiguous_pages`);
 * ``head_major``: K and V ``[slots, heads, tokens, D]`` (each head's tokens contiguous; a piece of
   a block is ``block_size * D * 4`` = 32 KiB, whole OS pages);
 
@@ -28,7 +28,7 @@ slots beat token-major ones by 1.6x in decode, the layouts tie in the prefill ch
 ``gemm_adaptive`` ties with ``sdpa_adaptive`` (decode reads each KV head once in both); vLLM's
 ``CPU_ATTN`` is 1.2-1.5x faster in decode and 1.6-1.7x in the prefill chunk (2.2x / 2.4x in an
 earlier run at lower load). Contiguous mode's slots are head-major
-(:class:`vmkv.vllm.slots.SlotSpace`); what is left of the gap to stock vLLM is the kernel, not
+(:class:`vmkv.vllm.contiguous.slots.SlotSpace`); what is left of the gap to stock vLLM is the kernel, not
 the addressing.
 """
 

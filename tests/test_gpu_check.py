@@ -17,6 +17,7 @@ start the script inside itself; the fake-driver ones skip there anyway).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -29,12 +30,14 @@ import torch
 from fake_cuda.fixtures import fake, fake_cuda_backends, fake_lib  # noqa: F401  (fixtures)
 from helpers import register_kernel
 
-from benchmarks.gpu import bench, core, kernels, memory, runner, slots, vllm_engine
+import vmkv
+from benchmarks.gpu import bench, core, kernels, memory, runner, slots, vllm_engine, vllm_smoke
 from benchmarks.gpu.memory import DeviceMemory, MemorySample, shared_budget_section
 from benchmarks.gpu.registry import SectionSkipped, run_process
 from benchmarks.gpu.sections import SECTIONS
 from benchmarks.gpu.workload import SMOKE, TOLERANCE
 from vmkv.kernels.contiguous import sdpa_per_sequence
+from vmkv.vllm import PluginConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "benchmarks" / "gpu_check.py")
@@ -242,14 +245,12 @@ def test_gpu_check_paged_vs_vmm_measures_the_triton_kernel_on_both_addressings(t
 
 
 def test_gpu_check_vllm_section_fails_a_failed_smoke(monkeypatch, tmp_path):
-    """gpu_smoke reports "passed" (vmkv/vllm/smoke.py): passed=False fails the section with the
-    reasons, through the worker as gpu_check runs it; passed=True passes; no "passed" fails."""
+    """gpu_smoke reports "passed" (benchmarks/gpu/vllm_smoke.py): passed=False fails the section
+    with the reasons, through the worker as gpu_check runs it; passed=True passes; no "passed" fails."""
     import importlib.util
 
     answer: dict = {}
-    plugin = type(sys)("vmkv.vllm")
-    plugin.gpu_smoke = lambda out_dir: dict(answer)
-    monkeypatch.setitem(sys.modules, "vmkv.vllm", plugin)
+    monkeypatch.setattr(vllm_engine, "gpu_smoke", lambda out_dir: dict(answer))
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
 
@@ -267,6 +268,30 @@ def test_gpu_check_vllm_section_fails_a_failed_smoke(monkeypatch, tmp_path):
     answer.clear()
     answer["ok"] = True  # not gpu_smoke's contract
     assert "no 'passed'" in worker()["error"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM 0.32 not installed")
+@needs_no_cuda
+def test_gpu_check_vllm_smoke_says_why_it_cannot_run_here(tmp_path):
+    with pytest.raises(vmkv.BackendUnavailable, match="needs a CUDA GPU"):
+        vllm_smoke.gpu_smoke(tmp_path)
+    assert not any(tmp_path.iterdir())  # refused before writing anything
+
+
+def test_gpu_check_vllm_smoke_passes_only_when_tokens_and_prefix_hits_match_stock():
+    # the smoke keeps vmkv's default max_cached: prefix-cached pages stay mapped for the second pass
+    assert PluginConfig.from_extra_config(vllm_smoke.VMKV_OPTIONS).max_cached is None
+    tokens = {"0": [5, 6], "1": [7]}
+    stock = {"tokens": tokens, "again": tokens, "cached": {"0": 288, "1": 288}}
+    ours = {**stock, "peak_mapped": 2**20}
+    assert vllm_smoke.verdict(stock, ours, 2**29)["passed"]
+    for change, failed in [({"cached": {"0": 288, "1": 0}}, "prefix_hits_identical"),
+                           ({"again": {"0": [5, 6], "1": [8]}}, "tokens_identical"),
+                           ({"peak_mapped": 2**29}, "passed")]:
+        result = vllm_smoke.verdict(stock, {**ours, **change}, 2**29)
+        assert not result[failed] and not result["passed"], change
+    nothing = {**stock, "cached": {"0": 0, "1": 0}}  # no hit anywhere: prefix caching went untested
+    assert not vllm_smoke.verdict(nothing, {**nothing, "peak_mapped": 1}, 2**29)["passed"]
 
 
 def test_gpu_check_addressing_fails_on_a_wrong_cache_and_headlines_the_ratio():
@@ -403,7 +428,7 @@ def test_gpu_check_vllm_slots_on_the_fake_cuda_driver(fake_cuda_backends, fake, 
 def test_gpu_check_vllm_slots_catches_a_rollback_that_does_not_undo(monkeypatch):
     """A slot space whose undo does nothing fails the rollback check: a failed map leaves blocks
     mapped in a slot that says it holds none."""
-    from vmkv.vllm.slots import SlotSpace
+    from vmkv.vllm.contiguous.slots import SlotSpace
 
     monkeypatch.setattr(SlotSpace, "_undo", lambda self, exc, done, call, args: exc)
     result = slots.vllm_slots_section(torch.device("cpu"), smoke=True)

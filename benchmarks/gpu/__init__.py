@@ -9,5 +9,6 @@
 * :mod:`.memory` -- shared_budget (where the device memory goes);
 * :mod:`.slots` -- vllm_slots (vLLM contiguous mode's parts without vLLM);
 * :mod:`.bench` -- bench (the main job on the GPU);
-* :mod:`.vllm_engine` -- vllm and vllm_addressing (need vLLM on the GPU).
+* :mod:`.vllm_engine` -- vllm and vllm_addressing (need vLLM on the GPU);
+* :mod:`.vllm_smoke` -- the vllm section's run: stock vLLM and vLLM + vmkv on the tiny model.
 """

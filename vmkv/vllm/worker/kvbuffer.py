@@ -1,4 +1,5 @@
-"""One vLLM worker's KV buffer: a vmkv reservation whose pages are mapped on request.
+"""One vLLM worker's KV buffer: a vmkv reservation whose pages are mapped on request (worker side;
+no vLLM import).
 
 The buffer is a reservation of the backend (:func:`vmkv.vm.open_backend`: host memory on CPU,
 CUDA VMM on GPU) as large as the buffer vLLM would have allocated. Its pages are *virtual page
@@ -24,8 +25,8 @@ from typing import Any, Sequence
 
 import torch
 
-from ..errors import BackendError, InvalidConfig, InvalidInput
-from ..vm import VirtualMemory
+from ...errors import BackendError, InvalidConfig, InvalidInput
+from ...vm import VirtualMemory
 
 
 def process_rss_bytes() -> int:

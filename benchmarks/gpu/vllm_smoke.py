@@ -1,4 +1,5 @@
-"""The plugin on a GPU: stock vLLM and vLLM + vmkv on the tiny model, compared (for gpu_check).
+"""The plugin on a GPU: stock vLLM and vLLM + vmkv on the tiny model, compared (the GPU check's
+``vllm`` section, :mod:`benchmarks.gpu.vllm_engine`).
 
 Nothing here runs on CPU-only machines: :func:`gpu_smoke` raises
 :class:`~vmkv.errors.BackendUnavailable` with the reason (no vLLM, an unsupported vLLM, no CUDA
@@ -16,10 +17,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import BackendUnavailable
-from . import drive, tiny
-from .control import trim
-from .settings import check_vllm
+from benchmarks.vllm_harness import drive, tiny
+from vmkv.errors import BackendUnavailable
+from vmkv.vllm import check_vllm, trim
 
 PAGE_SIZE = 2 * 2**20  # the CUDA VMM granularity
 KV_BYTES = 512 * 2**20
@@ -52,7 +52,7 @@ def gpu_smoke(out_dir: str | Path) -> dict[str, Any]:
 
     version = check_vllm()
     if not torch.cuda.is_available():
-        raise BackendUnavailable("vmkv.vllm.gpu_smoke needs a CUDA GPU; torch sees none")
+        raise BackendUnavailable("the vLLM GPU smoke test needs a CUDA GPU; torch sees none")
     from vllm import SamplingParams
 
     out = Path(out_dir)

@@ -1,4 +1,5 @@
-"""The page-aware set of free KV blocks behind :class:`vmkv.vllm.block_pool.PageAffineBlockPool`.
+"""The page-aware set of free KV blocks behind :class:`vmkv.vllm.scheduler.block_pool.PageAffineBlockPool`
+(scheduler side).
 
 vLLM 0.32's ``BlockPool`` (``vllm/v1/core/block_pool.py``) keeps free blocks in a
 ``FreeKVCacheBlockQueue`` (``vllm/v1/core/kv_cache_utils.py``): blocks without a prefix-cache
@@ -58,7 +59,7 @@ Pages whose mapped state changed are collected; :meth:`PageAwareFreeBlocks.take_
 what to map and unmap since the last call (a page unmapped and mapped again in between is left
 alone), which the connector sends to the workers with the step.
 
-In a host-wide ledger (``shared_budget``, :mod:`vmkv.vllm.share`) the physical budget is also
+In a host-wide ledger (``shared_budget``, :mod:`vmkv.vllm.scheduler.share`) the physical budget is also
 bounded by the pages the ledger granted (``grants.limit``): step 3 maps new units only within
 it, so the free count is what the grants allow. Before vLLM compares a request's need with the
 free count, :meth:`PageAwareFreeBlocks.make_room` asks for the grants the need takes: from the
@@ -80,8 +81,8 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any, Callable, Iterable, Iterator
 
-from ..errors import InvalidConfig
-from .layout import KVLayout
+from ...errors import InvalidConfig
+from ..layout import KVLayout
 
 
 class PageAwareFreeBlocks:
@@ -141,7 +142,7 @@ class PageAwareFreeBlocks:
         self.unmaps = 0
         self._unbounded = False
         self._new_count: int | None = None  # blocks step 3 can deliver; None: to recount
-        self.grants: Any = None  # in a shared budget: the ledger seat (vmkv.vllm.share.EngineShare)
+        self.grants: Any = None  # in a shared budget: the ledger seat (vmkv.vllm.scheduler.share.EngineShare)
         self._changes = 0  # units changed so far (_change)
         self._idle_pages = (-1, 0)  # (_changes when counted, idle_pages())
 

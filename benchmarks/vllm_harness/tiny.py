@@ -1,4 +1,4 @@
-"""A tiny Llama checkpoint vLLM can load from a directory, built offline (tests, benchmark, GPU smoke).
+"""A tiny Llama checkpoint vLLM can load from a directory, built offline (tests, benchmarks, GPU smoke).
 
 The weights are vmkv's embedded default model (:mod:`vmkv.models`: seeded random weights large
 enough that greedy decoding has clear winners) with 2 layers; the tokenizer is
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..models import DEFAULT_MODEL, default_hf_model, save_byte_tokenizer
+from vmkv.models import DEFAULT_MODEL, default_hf_model, save_byte_tokenizer
 
 TINY_LAYERS = 2
 TOKENIZER_VERSION = 2  # 1: ids in code-point order of the byte alphabet, no BOS (directories made so are rewritten)

@@ -1,4 +1,5 @@
-"""``--scheduler-cls vmkv.vllm.scheduler.VmkvScheduler``: installs the page-affine block pool.
+"""``--scheduler-cls vmkv.vllm.scheduler.VmkvScheduler``: installs the page-affine block pool
+(scheduler side: vLLM builds the scheduler in its engine-core process).
 
 vLLM 0.32 builds one ``BlockPool`` inside the scheduler's ``KVCacheManager``
 (``vllm/v1/core/kv_cache_manager.py``) through its coordinator
@@ -6,14 +7,14 @@ vLLM 0.32 builds one ``BlockPool`` inside the scheduler's ``KVCacheManager``
 per-group manager (``vllm/v1/core/single_type_kv_cache_manager.py``,
 ``SingleTypeKVCacheManager.block_pool``, and its null block as ``_null_block``);
 ``KVCacheManager.block_pool`` keeps another reference. :class:`VmkvScheduler` lets vLLM build all
-of it, then puts a :class:`~vmkv.vllm.block_pool.PageAffineBlockPool` (and its null block) in all
+of it, then puts a :class:`~vmkv.vllm.scheduler.block_pool.PageAffineBlockPool` (and its null block) in all
 those places before any block is allocated (:func:`install_pool`), and rebinds the KV connector to it (``bind_kv_cache_manager``). vLLM warns that this
 surface is not public: the plugin pins vLLM 0.32 (:func:`vmkv.vllm.check_vllm`).
 
 ``BlockPool.get_new_blocks`` is not told which request asks. Each manager's
 ``allocate_new_blocks(request_id, ...)`` is wrapped (on the instance) to tell the pool the
 request's last block while it allocates, so a request fills its own page before it takes
-another (:meth:`~vmkv.vllm.free_blocks.PageAwareFreeBlocks.affinity`). vLLM calls it for every
+another (:meth:`~vmkv.vllm.scheduler.free_blocks.PageAwareFreeBlocks.affinity`). vLLM calls it for every
 scheduled request at every step; the calls that allocate nothing (nearly all decode steps) go
 straight to vLLM's method, so the wrapper costs a dictionary lookup and a division per request
 and step.
@@ -32,10 +33,10 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 
-from ..errors import InvalidConfig
-from . import settings as plugin
+from ...errors import InvalidConfig
+from .. import settings as plugin
+from ..connector import VmkvConnector
 from .block_pool import PageAffineBlockPool
-from .connector import VmkvConnector
 from .share import engine_wake
 
 logger = init_logger(__name__)
@@ -63,12 +64,13 @@ class VmkvScheduler(Scheduler):
                 f"{plugin.SCHEDULER_CLS} needs vmkv's KV connector: start vLLM with "
                 f"--kv-transfer-config '{{\"kv_connector\":\"{plugin.CONNECTOR_NAME}\",\"kv_connector_module_path\":"
                 f"\"{plugin.CONNECTOR_MODULE}\",\"kv_role\":\"kv_producer\"}}' (or vmkv.vllm.engine_args())")
+        half = self.connector.connector_scheduler
         manager = self.kv_cache_manager
-        pool = PageAffineBlockPool.replacing(manager.block_pool, *self.connector.pool_settings(vllm_config))
+        pool = PageAffineBlockPool.replacing(manager.block_pool, *half.pool_settings(vllm_config))
         install_pool(manager, pool)
         self.connector.bind_kv_cache_manager(manager)
         logger.info("vmkv: page-affine block pool installed (%s)", pool.free_block_queue.layout)
-        share = self.connector.join_ledger(vllm_config.parallel_config.world_size, engine_wake())
+        share = half.join_ledger(vllm_config.parallel_config.world_size, engine_wake())
         if share is not None:
             manager.coordinator.get_num_blocks_to_allocate = _with_room(manager.coordinator, pool)
             logger.info("vmkv: joined ledger %r (%d B): pages are mapped as it grants them", share.ledger.name,
@@ -76,13 +78,13 @@ class VmkvScheduler(Scheduler):
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM's ``schedule``, after serving other ledger members' requests (a step boundary)."""
-        self.connector.step_boundary()
+        self.connector.connector_scheduler.step_boundary()
         return super().schedule(*args, **kwargs)
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         """vLLM's ``update_from_output``; then the step is done on every worker (its unmaps too)."""
         outputs = super().update_from_output(scheduler_output, model_runner_output)
-        self.connector.step_finished(scheduler_output.kv_connector_metadata)
+        self.connector.connector_scheduler.step_finished(scheduler_output.kv_connector_metadata)
         return outputs
 
 
@@ -142,7 +144,7 @@ def _with_affinity(manager: Any, pool: PageAffineBlockPool) -> Any:
 def _with_room(coordinator: Any, pool: PageAffineBlockPool) -> Any:
     """``coordinator.get_num_blocks_to_allocate`` that, in a shared budget, takes the grants the
     blocks it counts need before vLLM compares them with the free count
-    (:meth:`~vmkv.vllm.free_blocks.PageAwareFreeBlocks.make_room`)."""
+    (:meth:`~vmkv.vllm.scheduler.free_blocks.PageAwareFreeBlocks.make_room`)."""
     count = coordinator.get_num_blocks_to_allocate
 
     def get_num_blocks_to_allocate(*args: Any, **kwargs: Any) -> int:

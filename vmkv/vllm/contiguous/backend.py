@@ -1,31 +1,36 @@
 """vLLM's attention backend in contiguous mode (``kv_mode="contiguous"``): the stock kernel on slots.
 
+Worker side (the builder and the kernel run in every worker), and vLLM's front end, which picks
+the backend and its block size (:func:`install_platform_hook`,
+:meth:`VmkvContiguousBackend.get_preferred_block_size`).
+
 vLLM keeps scheduling, prefix caching, preemption and parallelism; its KV buffer stays the paged
 buffer vmkv backs (:mod:`vmkv.vllm.worker`), and new K/V are written there through vLLM's own
 slot mapping (:meth:`VmkvContiguousImpl.do_kv_cache_update`). Attention never reads it through a
 block table: every request's K/V is one virtually contiguous slot per layer
-(:mod:`vmkv.vllm.slots`) and the kernel is the one :mod:`vmkv.kernels.contiguous` chooses for the VMM
+(:mod:`vmkv.vllm.contiguous.slots`) and the kernel is the one :mod:`vmkv.kernels.contiguous` chooses for the VMM
 cache (:func:`vmkv.kernels.registry.make_kernel`: on CPU torch SDPA, one batched call for
 the decode rows or one call per sequence, as its rule decides), on the same
 :class:`~vmkv.core.step.StepPlan` the VMM cache gives it.
 
 Per step, once for all layers (:class:`VmkvContiguousBuilder`): the rows' slots come from the
-worker's :class:`~vmkv.vllm.slots.SlotSpace` (checked against vLLM's block table), and the plan
+worker's :class:`~vmkv.vllm.contiguous.slots.SlotSpace` (checked against vLLM's block table), and the plan
 holds each row's cached length (``seq_len - query_len``, so prefix hits and chunked prefill
 attend to the cached part), its new tokens and its slot.
 
 How vLLM picks it: the CPU platform always answers ``CPU_ATTN`` for non-MLA models
 (``CpuPlatform.get_attn_backend_cls``), so :func:`install_platform_hook` wraps that method to
 answer this backend exactly when the engine's KV connector is vmkv's with
-``kv_mode="contiguous"`` (:func:`contiguous_requested`). On GPU the backend is registered as
-vLLM's ``CUSTOM`` backend and selected by ``--attention-backend CUSTOM`` (which
-:func:`vmkv.vllm.engine_args` adds; :func:`check_attention_backend` refuses a GPU engine without
-it); it asks vLLM for block-outermost blocks (``BLHNC``) and, when no block size is set, for the
-all-layers plan's (:meth:`VmkvContiguousBackend.get_preferred_block_size`), and its kernel is
+``kv_mode="contiguous"`` (:func:`~vmkv.vllm.contiguous.support.contiguous_requested`). On GPU the
+backend is registered as vLLM's ``CUSTOM`` backend and selected by ``--attention-backend CUSTOM``
+(which :func:`vmkv.vllm.engine_args` adds; :func:`~vmkv.vllm.contiguous.support.check_attention_backend`
+refuses a GPU engine without it); it asks vLLM for block-outermost blocks (``BLHNC``) and, when no
+block size is set, for the all-layers plan's (:meth:`VmkvContiguousBackend.get_preferred_block_size`), and its kernel is
 FlashAttention's ``flash_attn_with_kvcache`` with ``cache_batch_idx`` where flash-attn imports
 (the same rule names what runs otherwise). It declares no CUDA graph support.
 
-:func:`check_model` refuses at engine start what the mode does not support, naming the setting.
+The worker's slot space is found through the engine's KV connector (its worker half makes it);
+what the mode supports is checked at engine start by :mod:`vmkv.vllm.contiguous.support`.
 """
 
 from __future__ import annotations
@@ -47,68 +52,17 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from ..core.step import StepPlan, make_plan
-from ..errors import InvalidConfig
-from ..kernels.registry import KernelSpec, make_kernel
-from . import settings as plugin
-from .contiguous_pages import plan_for_vllm
-from .slots import slot_layout
+from ...core.step import StepPlan, make_plan
+from ...errors import InvalidConfig
+from ...kernels.registry import KernelSpec, make_kernel
+from ..connector import VmkvConnector
+from .pages import plan_for_vllm
+from .slots import SlotSpace, slot_layout
+from .support import contiguous_requested
 
-BACKEND_PATH = "vmkv.vllm.contiguous.VmkvContiguousBackend"
+BACKEND_PATH = "vmkv.vllm.contiguous.backend.VmkvContiguousBackend"
 CUDA_GRANULARITY = 2 << 20
 """``cuMemGetAllocationGranularity`` (minimum) of NVIDIA GPUs: what the front end plans with."""
-
-
-def contiguous_requested(vllm_config: Any) -> bool:
-    """Whether ``vllm_config`` runs vmkv's KV connector with ``kv_mode="contiguous"``."""
-    transfer = getattr(vllm_config, "kv_transfer_config", None)
-    if transfer is None or transfer.kv_connector != plugin.CONNECTOR_NAME:
-        return False
-    return (transfer.kv_connector_extra_config or {}).get("kv_mode") == "contiguous"
-
-
-def check_model(vllm_config: Any, kv_cache_config: Any) -> None:
-    """Refuse, at engine start, models contiguous mode does not support, naming the setting.
-
-    Raises:
-        InvalidConfig: sliding-window attention, MLA, hybrid (Mamba/linear attention or several
-            KV cache groups), encoder-decoder, or a quantized (fp8) KV cache.
-    """
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-    model, cache = vllm_config.model_config, vllm_config.cache_config
-    check_attention_backend(vllm_config)
-    why = []
-    if model.get_sliding_window() is not None:
-        why.append(f"sliding-window attention (the model's sliding_window={model.get_sliding_window()})")
-    if model.use_mla:
-        why.append("MLA (multi-head latent attention)")
-    if model.is_encoder_decoder:
-        why.append("encoder-decoder models")
-    if str(cache.cache_dtype) != "auto":
-        why.append(f"a quantized KV cache (kv_cache_dtype={cache.cache_dtype!r}; use 'auto')")
-    groups = kv_cache_config.kv_cache_groups
-    specs = [type(group.kv_cache_spec).__name__ for group in groups]
-    if len(groups) != 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec:
-        why.append(f"hybrid models or other KV than full attention (KV cache groups: {specs})")
-    if why:
-        raise InvalidConfig(f"vmkv kv_mode='contiguous' does not support {'; '.join(why)}: use kv_mode='paged'")
-
-
-def check_attention_backend(vllm_config: Any) -> None:
-    """On a GPU, contiguous mode needs vLLM to run vmkv's attention backend (the CPU platform's
-    choice is made by :func:`install_platform_hook`).
-
-    Raises:
-        InvalidConfig: the engine is not on CPU and its attention backend is not ``CUSTOM``.
-    """
-    device = vllm_config.device_config.device
-    backend = vllm_config.attention_config.backend
-    name = None if backend is None else backend.name
-    if torch.device(device).type != "cpu" and name != plugin.ATTENTION_BACKEND:
-        raise InvalidConfig(f"vmkv kv_mode='contiguous' on {device} needs vmkv's attention backend, but vLLM's is "
-                            f"{name or 'chosen automatically'}: start vLLM with --attention-backend {plugin.ATTENTION_BACKEND} "
-                            "(vmkv.vllm.engine_args(kv_mode='contiguous') and python -m vmkv.vllm --kv-mode contiguous add it)")
 
 
 def install_platform_hook() -> bool:
@@ -117,6 +71,7 @@ def install_platform_hook() -> bool:
     Returns:
         True if the hook was installed now (False: it was already).
     """
+    # vLLM's CPU platform module, imported when the hook is installed (register(), VMKV_VLLM=1)
     from vllm.platforms.cpu import CpuPlatform
 
     stock = CpuPlatform.get_attn_backend_cls
@@ -138,21 +93,21 @@ def install_platform_hook() -> bool:
 
 def register_custom_backend() -> None:
     """Register the backend as vLLM's ``CUSTOM`` attention backend (``--attention-backend CUSTOM``)."""
+    # vLLM's backend registry, imported when the backend is registered (register(), VMKV_VLLM=1)
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
 
 
-def _slot_space() -> Any:
-    """The worker's :class:`~vmkv.vllm.slots.SlotSpace` (through its KV connector).
+def _slot_space() -> SlotSpace:
+    """The worker's :class:`~vmkv.vllm.contiguous.slots.SlotSpace` (its KV connector's worker half holds it).
 
     Raises:
         InvalidConfig: the engine runs without vmkv's connector in contiguous mode.
     """
-    from .connector import VmkvConnector
-
     connector = get_kv_transfer_group() if has_kv_transfer_group() else None
-    space = connector.slot_space if isinstance(connector, VmkvConnector) else None
+    half = connector.connector_worker if isinstance(connector, VmkvConnector) else None
+    space = half.slot_space if half is not None else None
     if space is None:
         raise InvalidConfig("vmkv's contiguous attention backend runs only with vmkv's KV connector in "
                             "kv_mode='contiguous' (vmkv.vllm.engine_args(kv_mode='contiguous'))")
@@ -193,8 +148,9 @@ class VmkvContiguousBackend(AttentionBackend):
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        """The one layout whose blocks map into this device's slots (:data:`~vmkv.vllm.slots.SLOT_LAYOUTS`:
+        """The one layout whose blocks map into this device's slots (:data:`~vmkv.vllm.contiguous.slots.SLOT_LAYOUTS`:
         head-major ``LBHNC`` on CPU, block-outermost ``BLHNC`` on CUDA)."""
+        # vLLM resolves its platform on first access to current_platform: not at this module's import
         from vllm.platforms import current_platform
 
         return (KVCacheLayout[slot_layout(current_platform.device_type).vllm_layout],)
@@ -281,7 +237,7 @@ class VmkvContiguousImpl(AttentionImpl):
                            slot_mapping: torch.Tensor) -> None:
         """Write the step's new K/V where vLLM's slot mapping says (token ``s`` of the step goes
         to block ``s // block_size``, row ``s % block_size``), into the block interior the slots
-        read (:attr:`~vmkv.vllm.slots.SlotSpace.write_views`); the slots see it through the shared
+        read (:attr:`~vmkv.vllm.contiguous.slots.SlotSpace.write_views`); the slots see it through the shared
         pages. Padding entries (vLLM's ``-1``) write into its null block 0, which no slot maps.
         One ``index_copy_`` of head_dim-wide rows (:meth:`_write_rows`): an advanced-index write
         into the 5-D strided view was several times slower."""

@@ -9,22 +9,19 @@ so :func:`install` replaces the function in ``vllm.v1.worker.utils`` (for module
 and in every loaded module holding the original (for those imported before).
 
 :func:`allocate_kv_cache` runs vLLM's own function on the ``meta`` device (its views, no
-memory), reserves a :class:`~vmkv.vllm.kvbuffer.KVBuffer` of the same size from
+memory), reserves a :class:`~vmkv.vllm.worker.kvbuffer.KVBuffer` of the same size from
 :func:`vmkv.vm.open_backend` (host backend on CPU, CUDA VMM on GPU) with a physical store of the
 budget, and rebuilds each view with the same shape, strides and offset over the reservation. No
-page is mapped yet: the KV connector maps pages as the scheduler hands out blocks in them.
+page is mapped yet: the KV connector's worker half (:mod:`vmkv.vllm.worker.connector`) maps
+pages as the scheduler hands out blocks in them.
 
 It uses vmkv's buffer only when the engine was configured with vmkv's KV connector; vLLM's
 minimal profiling cache (allocated before connectors exist, under CUDA graph profiling) stays
 stock, and ``VMKV_VLLM=1`` without the connector is refused with the flags to add.
-
-:class:`VmkvWorkerExtension` (``--worker-extension-cls``) adds ``vmkv_stats`` to every worker
-and ``vmkv_process`` (pid and resident set, also on stock engines) for ``LLM.collective_rpc``.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any
 
@@ -34,28 +31,30 @@ from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_
 from vllm.logger import init_logger
 from vllm.v1.worker import utils as worker_utils
 
-from ..errors import InvalidConfig
-from ..vm import open_backend
-from . import settings as plugin
-from .connector import VmkvConnector, budget_settings
-from .kvbuffer import KVBuffer, process_rss_bytes
-from .layout import buffer_bytes, check_supported, layout_from_views, vllm_allocate_kv_cache
+from ...errors import InvalidConfig
+from ...vm import open_backend
+from .. import settings as plugin
+from ..connector import VmkvConnector
+from ..layout import buffer_bytes, check_supported, layout_from_views, vllm_allocate_kv_cache
+from .connector import VmkvConnectorWorker
+from .kvbuffer import KVBuffer
 
 logger = init_logger(__name__)
 
 _VLLM_ALLOCATE = vllm_allocate_kv_cache()
 
 
-def _engine_connector() -> VmkvConnector | None:
-    """vmkv's connector of this worker, or ``None`` when vLLM should allocate (profiling).
+def _engine_connector() -> VmkvConnectorWorker | None:
+    """The worker half of vmkv's connector in this worker, or ``None`` when vLLM should allocate
+    (profiling).
 
     Raises:
         InvalidConfig: ``VMKV_VLLM=1`` but the engine was configured without vmkv's connector.
     """
     if has_kv_transfer_group():
         connector = get_kv_transfer_group()
-        if isinstance(connector, VmkvConnector):
-            return connector
+        if isinstance(connector, VmkvConnector) and connector.connector_worker is not None:
+            return connector.connector_worker
         raise InvalidConfig(f"{plugin.ENV_FLAG}=1 but the engine's KV connector is {type(connector).__name__}, "
                             f"not {plugin.CONNECTOR_NAME}: unset {plugin.ENV_FLAG} or use vmkv.vllm.engine_args()")
     config = get_current_vllm_config_or_none()
@@ -86,7 +85,7 @@ def allocate_kv_cache(kv_cache_config: Any, device: torch.device, layout: Any,
     views = _VLLM_ALLOCATE(kv_cache_config, torch.device("meta"), layout, kernel_block_sizes)
     nbytes = buffer_bytes(kv_cache_config)
     kv_layout = layout_from_views(views, kv_cache_config.num_blocks, nbytes, connector.config.page_size)
-    budget_pages, _ = budget_settings(connector.config, kv_layout)
+    budget_pages, _ = plugin.budget_settings(connector.config, kv_layout)
     # host: every mapped page may split the reservation's zero mapping in two (Linux vm.max_map_count),
     # and so may every block contiguous mode maps into a slot;
     # in a shared budget, CUDA pages exist only while mapped (the ledger counts what is mapped)
@@ -127,22 +126,3 @@ def install() -> bool:
             module.allocate_kv_cache = allocate_kv_cache
             replaced = True
     return replaced
-
-
-class VmkvWorkerExtension:
-    """Methods mixed into every vLLM worker (``--worker-extension-cls``), for ``collective_rpc``."""
-
-    def vmkv_process(self) -> dict[str, int]:
-        """``{"pid", "rss_bytes"}`` of this worker process (works without vmkv's connector too,
-        so stock engines can be measured the same way)."""
-        return {"pid": os.getpid(), "rss_bytes": process_rss_bytes()}
-
-    def vmkv_stats(self) -> dict[str, Any]:
-        """This worker's KV memory counters (:meth:`VmkvConnector.worker_stats`).
-
-        Raises:
-            InvalidConfig: the engine runs without vmkv's connector.
-        """
-        if not has_kv_transfer_group() or not isinstance(get_kv_transfer_group(), VmkvConnector):
-            raise InvalidConfig("vmkv_stats: this engine runs without vmkv's KV connector")
-        return get_kv_transfer_group().worker_stats()

@@ -6,7 +6,7 @@ about *which* free block to use goes through that queue (``get_new_blocks`` ->
 ``popleft_n``, ``touch`` -> ``remove``, ``free_blocks`` -> ``prepend_n``/``append_n``,
 ``unpin_blocks`` -> ``append_n``, ``get_num_free_blocks`` -> ``num_free_blocks``).
 :class:`PageAffineBlockPool` keeps all of vLLM's pool and replaces only the queue, with
-:class:`~vmkv.vllm.free_blocks.PageAwareFreeBlocks`. Three methods change with it:
+:class:`~vmkv.vllm.scheduler.free_blocks.PageAwareFreeBlocks`. Three methods change with it:
 
 * ``reset_prefix_cache``: vLLM checks "nothing in use" from the free count, which here is
   limited by the physical budget, so the check counts every free block; afterwards no free block
@@ -26,9 +26,9 @@ from typing import Any, Callable, Iterable
 from vllm.logger import init_logger
 from vllm.v1.core.block_pool import BlockPool
 
-from ..errors import InvalidConfig
+from ...errors import InvalidConfig
+from ..layout import KVLayout
 from .free_blocks import PageAwareFreeBlocks
-from .layout import KVLayout
 
 logger = init_logger(__name__)
 
@@ -111,10 +111,6 @@ class PageAffineBlockPool(BlockPool):
         pages = self.free_block_queue.trim()
         logger.debug("vmkv trim: %d pages to unmap", pages)
         return pages
-
-    def memory_stats(self) -> dict[str, int]:
-        """Mapped pages, units, held/cached blocks and the budget, as the scheduler sees them."""
-        return self.free_block_queue.stats()
 
     def check(self) -> None:
         """The pool's consistency, for tests (vLLM's own core tests run it on every pool they

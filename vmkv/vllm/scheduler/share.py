@@ -1,7 +1,7 @@
-"""The vLLM plugin in a host-wide ledger (``shared_budget``): the scheduler holds the grants.
+"""The vLLM plugin in a host-wide ledger (``shared_budget``): the scheduler side holds the grants.
 
 Who is the member: vLLM's engine-core process, the one running the scheduler. It decides which
-pages every worker maps (:class:`~vmkv.vllm.free_blocks.PageAwareFreeBlocks`, lists sent with
+pages every worker maps (:class:`~vmkv.vllm.scheduler.free_blocks.PageAwareFreeBlocks`, lists sent with
 each step), so it is the one that can keep a promise about them; a member page is one buffer
 page on every rank (``page_size x ranks`` bytes: each rank maps the same pages from its own
 store). The workers only follow the lists (on CUDA their store creates a page's memory when a
@@ -30,7 +30,10 @@ loop: it polls the member's ``request`` field (a lock-free read), and while it i
 vLLM's own ``WAKEUP`` message into the engine core's input queue; the connector reports
 pending work (``has_pending_push_work``) while a request or a give-back is pending, so the woken
 loop runs an (empty) step: schedule (the boundary serves the request), execute (the workers
-unmap), update (the grants go back). The watcher never touches the scheduler's state.
+unmap), update (the grants go back). The watcher never touches the scheduler's state. Reading a
+standing request takes the ledger's lock, which refuses a damaged ledger: the watcher logs that
+and looks again after :data:`vmkv.share.FAILED_WAIT_S` (the scheduler's own calls raise it), as
+the cache's watcher does.
 """
 
 from __future__ import annotations
@@ -44,9 +47,9 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from ..errors import OutOfPages
-from ..ledger import Member, SharedBudget
-from ..share import POLL_S, grant_batch, join
+from ...errors import OutOfPages
+from ...ledger import Member, SharedBudget
+from ...share import FAILED_WAIT_S, POLL_S, grant_batch, join
 
 log = logging.getLogger("vmkv")
 
@@ -73,7 +76,7 @@ class EngineShare:
                  wake: Callable[[], None] | None) -> None:
         ceiling = cap_pages * page_bytes
         self.ledger, self.member = join(spec, spec.member or f"vllm:{os.getpid()}", page_bytes, ceiling)
-        self.max_pages = min(spec.max_bytes or ceiling, ceiling, spec.budget) // page_bytes
+        self.max_pages = min(ceiling if spec.max_bytes is None else spec.max_bytes, ceiling, spec.budget) // page_bytes
         self.batch = grant_batch(spec, page_bytes)
         self.wait_s = spec.wait_s
         self.owed = 0  # pages evicted for a request, given back when reclaim_step finished
@@ -190,15 +193,29 @@ class EngineShare:
 
 
 def _watch(member: Member, wake: Callable[[], None] | None, stop: threading.Event) -> None:
-    """The watcher: while others ask this member for pages, wake the engine loop (module docstring)."""
+    """The watcher: while others ask this member for pages, wake the engine loop (module docstring).
+
+    A failure (reading a standing request takes the ledger's lock, which refuses a damaged
+    ledger; the wake call) is logged, and the watcher waits ``FAILED_WAIT_S`` before it looks
+    again instead of dying: the scheduler's own ledger calls raise the error where it matters.
+    """
     woken = 0.0
-    while not stop.wait(POLL_S):
-        if wake is None or not member.asked():
+    pause = POLL_S
+    while not stop.wait(pause):
+        pause = POLL_S
+        if wake is None:
             continue
-        now = time.monotonic()
-        if now - woken >= WAKE_EVERY_S:
-            wake()
-            woken = now
+        try:
+            if not member.asked():
+                continue
+            now = time.monotonic()
+            if now - woken >= WAKE_EVERY_S:
+                wake()
+                woken = now
+        except Exception as exc:  # noqa: BLE001 -- the next step boundary serves the request itself
+            log.warning("vmkv: watching ledger %r for requests failed (%s: %s)", member.ledger.name,
+                        type(exc).__name__, exc)
+            pause = FAILED_WAIT_S
 
 
 def engine_wake() -> Callable[[], None] | None:
@@ -210,6 +227,7 @@ def engine_wake() -> Callable[[], None] | None:
     ``WAKEUP`` message (``EngineCoreRequestType.WAKEUP``, used at shutdown). The engine core is
     found as ``self`` of a calling frame (vLLM keeps no other handle on it in that process).
     """
+    # vLLM's engine core, imported when called: the seat itself runs (and is tested) without vLLM
     from vllm.v1.engine import EngineCoreRequestType
     from vllm.v1.engine.core import EngineCore
 

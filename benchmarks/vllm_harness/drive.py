@@ -1,4 +1,4 @@
-"""Run vLLM engines with and without the plugin on the same work (tests, benchmark, GPU smoke).
+"""Run vLLM engines with and without the plugin on the same work (tests, benchmarks, GPU smoke).
 
 :func:`engine` starts a ``vllm.LLM`` (stock, or with vmkv: ``VMKV_VLLM=1`` for the processes it
 spawns, set only while it starts, plus :func:`vmkv.vllm.engine_args`); :func:`run` feeds it requests at given arrival
@@ -29,9 +29,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from ..errors import BackendError
-from . import settings as plugin
-from .control import stats as vmkv_stats
+from vmkv.errors import BackendError
+from vmkv.vllm import settings as plugin
+from vmkv.vllm.control import stats as vmkv_stats
 
 ENTRY_POINT = "vmkv.vllm:register"
 RESERVED_CPUS = "VLLM_CPU_NUM_OF_RESERVED_CPU"
@@ -90,7 +90,7 @@ def engine(model: str | Path, *, vmkv: bool, kv_cache_bytes: int, max_model_len:
     """A ``vllm.LLM`` over ``model``, stock or with vmkv.
 
     Args:
-        model: a model directory (e.g. :func:`vmkv.vllm.tiny.save_tiny_model`).
+        model: a model directory (e.g. :func:`benchmarks.vllm_harness.tiny.save_tiny_model`).
         vmkv: put vmkv under the KV cache.
         kv_cache_bytes: vLLM's KV buffer size (``kv_cache_memory_bytes``).
         max_model_len: the longest request.

@@ -1,4 +1,7 @@
-"""Page size of the contiguous mode: how vLLM's blocks become VMM pages of per-request slots.
+"""Page size of contiguous mode: how vLLM's blocks become VMM pages of per-request slots.
+
+Used on the worker side (each worker's slot space plans its slots) and by vLLM's front end
+(the attention backend's preferred block size, :func:`plan_for_vllm`).
 
 In contiguous mode every request owns a *slot*: a token-contiguous virtual range in each K/V
 piece of the VMM layout (the layouts of :class:`~vmkv.vmm.cache.VirtualKVCache`: ``per_layer``
@@ -12,11 +15,11 @@ piece's page must be a whole number of backend granules (``cuMemGetAllocationGra
 2 MiB on NVIDIA GPUs; the OS page, 4 KiB, on the host) and of tokens, so the block size is a
 multiple of ``granularity / gcd(granularity, token_bytes)`` tokens. Without a requested size
 the plan takes the smallest such multiple that holds at least
-:data:`~vmkv.sizing.DEFAULT_TOKENS_PER_PAGE` (16, vLLM's default) tokens, and without a
-requested layout the layout whose block is smallest (``per_layer`` on a tie: its slot views are
-contiguous, which CPU SDPA reads fastest). On CUDA that is ``all_layers`` for every model
-measured in docs/vllm.md ("Contiguous mode: page size on CUDA"): 32 tokens for Llama-3-8B in
-fp16, where ``per_layer`` needs 1,024.
+:data:`~vmkv.sizing.DEFAULT_TOKENS_PER_PAGE` (16, vLLM's default) tokens. The layout is the
+caller's (the device's slot layout, :data:`vmkv.vllm.contiguous.slots.SLOT_LAYOUTS`): on CUDA
+``all_layers``, whose block is the smaller for every model measured in docs/vllm.md
+("Contiguous mode: page size on CUDA"): 32 tokens for Llama-3-8B in fp16, where ``per_layer``
+needs 1,024.
 
 Several blocks in one page are refused, not planned: the page is then mapped at one place of one
 slot, so its blocks must be consecutive logical blocks of one request in page order (page-affine
@@ -42,10 +45,10 @@ Tensor and pipeline parallelism: a rank's token holds its own KV heads and its s
 (Llama-3-70B at TP=8 keeps one KV head a rank: 512-token all-layers blocks), and vLLM has one
 ``block_size`` for every stage, so it must make whole granules in each (``stages``).
 
-This module is pure (no device access, vLLM imported only by the two functions that read a
-``VllmConfig``) except :func:`plan_for_device`, which asks the backend for its granularity
-(:func:`vmkv.vm.granularity`); :func:`plan_for_vllm` is what contiguous mode calls at engine
-start.
+This module is pure: no device access (the caller passes the granularity: the worker's slot
+space its backend's, the front end NVIDIA's), vLLM imported only by the functions that read a
+``VllmConfig``, when called (the rest runs without vLLM). :func:`plan_for_vllm` is what vLLM's
+front end calls to choose the block size.
 """
 
 from __future__ import annotations
@@ -56,17 +59,10 @@ from typing import Any, Sequence
 
 import torch
 
-from ..config import KVShape, Layout, check_layout
-from ..errors import InvalidConfig, InvalidInput
-from ..sizes import format_size
-from ..sizing import DEFAULT_TOKENS_PER_PAGE, smallest_page
-from ..vm import granularity as backend_granularity
-
-AUTO_LAYOUTS: tuple[Layout, ...] = ("per_layer", "all_layers")
-"""The layouts :func:`plan_contiguous_pages` chooses from, in order of preference on a tie
-(a ``head_major`` token takes ``kv_heads`` times fewer bytes of a piece than a ``per_layer`` one,
-so its blocks are never shorter and up to ``kv_heads`` times longer: it is planned only when
-asked for)."""
+from ...config import KVShape, Layout, check_layout
+from ...errors import InvalidConfig, InvalidInput
+from ...sizes import format_size
+from ...sizing import DEFAULT_TOKENS_PER_PAGE, smallest_page
 
 
 @dataclass(frozen=True)
@@ -90,7 +86,7 @@ class ContiguousPagePlan:
         max_model_len: the longest request, in tokens.
         slot_tokens: tokens one slot holds: ``max_model_len`` rounded up to whole blocks.
         max_num_seqs: slots (requests running at once).
-        reason: why this block size and layout, in one sentence with the numbers.
+        reason: why this block size, in one sentence with the numbers.
     """
 
     layout: Layout
@@ -227,19 +223,17 @@ def _block_for(shapes: Sequence[KVShape], granularity: int, layout: Layout, requ
     if requested is None:  # the smallest page that is whole steps and holds DEFAULT_TOKENS_PER_PAGE tokens
         return smallest_page(token_bytes, step * token_bytes) // token_bytes
     if requested % step:
-        others = [f"{other}: a multiple of {_step(shapes, granularity, other)}" for other in AUTO_LAYOUTS if other != layout]
         stages = " on this pipeline stage, and the block must suit the other stages too" if len(shapes) > 1 else ""
         raise InvalidConfig(
             f"block_size {requested}: in the {layout} layout a token takes {token_bytes} B of a piece{stages} and pages are "
             f"whole {format_size(granularity)} granules, so one vLLM block (one page in every piece) must be a multiple "
             f"of {step} tokens (several blocks in one page are not supported: docs/vllm.md, \"Contiguous mode: page "
-            f"size on CUDA\"); use block_size={-(-requested // step) * step}, leave it unset"
-            + (f", or another layout ({'; '.join(others)})" if others else ""))
+            f"size on CUDA\"); use block_size={-(-requested // step) * step} or leave it unset")
     return requested
 
 
 def plan_contiguous_pages(shape: KVShape, granularity: int, *, max_model_len: int, max_num_seqs: int,
-                          block_size: int | None = None, layout: Layout | None = None,
+                          layout: Layout, block_size: int | None = None,
                           stages: Sequence[KVShape] = ()) -> ContiguousPagePlan:
     """Plan the pages of contiguous mode: one vLLM block is one page in every piece.
 
@@ -250,10 +244,9 @@ def plan_contiguous_pages(shape: KVShape, granularity: int, *, max_model_len: in
             2 MiB on CUDA, 4 KiB on the host).
         max_model_len: the longest request, in tokens.
         max_num_seqs: slots (requests running at once).
+        layout: the slots' VMM layout (the device's: :data:`vmkv.vllm.contiguous.slots.SLOT_LAYOUTS`).
         block_size: the block size the user asked vLLM for; ``None``: the smallest valid one
             holding at least 16 tokens.
-        layout: the slots' VMM layout; ``None``: the one of ``per_layer`` and ``all_layers`` with
-            the smaller block (``per_layer`` on a tie).
         stages: every pipeline stage's shape (this rank's among them) where stages hold different
             layer counts: vLLM has one ``block_size``, so it must make whole granules in each
             (``all_layers`` tokens take bytes in proportion to the stage's layers).
@@ -274,53 +267,24 @@ def plan_contiguous_pages(shape: KVShape, granularity: int, *, max_model_len: in
         if not isinstance(other, KVShape):
             raise InvalidConfig(f"shape and stages must be KVShape, got {type(other).__name__}")
     shapes = list(dict.fromkeys([shape, *stages]))  # this rank's first; equal stages once
-    if layout is not None:
-        check_layout(layout)
-        chosen = layout
-    else:
-        chosen = min(AUTO_LAYOUTS, key=lambda name: _block_for(shapes, granularity, name, None))
-    block = _block_for(shapes, granularity, chosen, block_size)
-    token_bytes = shape.token_bytes(chosen)
+    check_layout(layout)
+    block = _block_for(shapes, granularity, layout, block_size)
+    token_bytes = shape.token_bytes(layout)
     return ContiguousPagePlan(
-        layout=chosen, granularity=granularity, token_bytes=token_bytes, pieces=shape.pieces(chosen),
-        heads_per_range=shape.num_kv_heads if chosen == "head_major" else 1, block_size=block,
-        min_block_size=_step(shapes, granularity, chosen), page_bytes=block * token_bytes,
+        layout=layout, granularity=granularity, token_bytes=token_bytes, pieces=shape.pieces(layout),
+        heads_per_range=shape.num_kv_heads if layout == "head_major" else 1, block_size=block,
+        min_block_size=_step(shapes, granularity, layout), page_bytes=block * token_bytes,
         max_model_len=max_model_len, slot_tokens=-(-max_model_len // block) * block, max_num_seqs=max_num_seqs,
-        reason=_reason(shapes, granularity, chosen, block, block_size, layout))
+        reason=_reason(shapes, granularity, layout, block_size))
 
 
-def _reason(shapes: Sequence[KVShape], granularity: int, chosen: Layout, block: int, requested: int | None,
-            layout: Layout | None) -> str:
-    """Why the plan has this block size and layout, with the numbers."""
-    token_bytes = shapes[0].token_bytes(chosen)
-    why_block = (f"block_size {requested} as asked (a multiple of {_step(shapes, granularity, chosen)})"
-                 if requested is not None else
-                 f"the smallest page of whole {format_size(granularity)} granules holding >= "
-                 f"{DEFAULT_TOKENS_PER_PAGE} tokens of {token_bytes} B")
-    if len(shapes) > 1:
-        why_block += ", valid in every pipeline stage"
-    if layout is not None:
-        return f"{chosen} as asked; {why_block}"
-    others = ", ".join(f"{other} would need {_block_for(shapes, granularity, other, None)}"
-                       for other in AUTO_LAYOUTS if other != chosen)
-    return f"{chosen}: {block}-token blocks ({others}); {why_block}"
-
-
-def plan_for_device(device: torch.device | str, shape: KVShape, *, max_model_len: int, max_num_seqs: int,
-                    block_size: int | None = None, layout: Layout | None = None,
-                    stages: Sequence[KVShape] = ()) -> ContiguousPagePlan:
-    """:func:`plan_contiguous_pages` with the granularity of ``device``'s backend.
-
-    Raises:
-        BackendUnavailable: ``device`` is CUDA and the driver, a GPU or cuda-bindings is missing.
-        InvalidConfig: as :func:`plan_contiguous_pages`, or ``device`` is not a torch device.
-    """
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise InvalidConfig(f"device: {device!r} is not a torch device ({exc})") from None
-    return plan_contiguous_pages(shape, backend_granularity(device), max_model_len=max_model_len,
-                                 max_num_seqs=max_num_seqs, block_size=block_size, layout=layout, stages=stages)
+def _reason(shapes: Sequence[KVShape], granularity: int, layout: Layout, requested: int | None) -> str:
+    """Why the plan has this block size, with the numbers."""
+    why = (f"block_size {requested} as asked (a multiple of {_step(shapes, granularity, layout)})"
+           if requested is not None else
+           f"the smallest page of whole {format_size(granularity)} granules holding >= "
+           f"{DEFAULT_TOKENS_PER_PAGE} tokens of {shapes[0].token_bytes(layout)} B")
+    return why + (", valid in every pipeline stage" if len(shapes) > 1 else "")
 
 
 def vllm_stage_shapes(vllm_config: Any) -> list[KVShape]:
@@ -344,37 +308,27 @@ def vllm_stage_shapes(vllm_config: Any) -> list[KVShape]:
     return [KVShape(end - start, heads, head_dim, dtype.itemsize) for start, end in spans]
 
 
-def plan_for_vllm(vllm_config: Any, *, layout: Layout | None = None, device: torch.device | str | None = None,
-                  granularity: int | None = None) -> ContiguousPagePlan:
+def plan_for_vllm(vllm_config: Any, *, layout: Layout, granularity: int) -> ContiguousPagePlan:
     """The plan of this rank's pipeline stage of a vLLM engine (a block size valid in every stage).
 
     Args:
         vllm_config: vLLM's ``VllmConfig``: ``max_model_len``, ``max_num_seqs``, the parallel
             layout, and ``block_size`` if the user set it (``user_specified_block_size``; else
             the plan chooses it and the caller sets ``cache_config.block_size`` to it).
-        layout: the slots' layout; ``None``: chosen (:func:`plan_contiguous_pages`).
-        device: whose granularity; default the engine's device (``device_config.device``).
-        granularity: use this granularity instead of asking the device's backend (a process
-            that must not touch the GPU: vLLM's front end choosing the block size).
+        layout: the slots' layout (the device's).
+        granularity: the backend's smallest mappable page (vLLM's front end, which must not touch
+            the GPU, passes the one NVIDIA GPUs report).
 
     Raises:
         InvalidConfig: as :func:`plan_contiguous_pages` and :func:`vllm_stage_shapes`.
-        BackendUnavailable: as :func:`plan_for_device`.
     """
     shapes = vllm_stage_shapes(vllm_config)
     parallel, cache = vllm_config.parallel_config, vllm_config.cache_config
     stage = (parallel.rank // parallel.tensor_parallel_size) % parallel.pipeline_parallel_size  # vLLM's order: DP x PP x TP
-    if granularity is not None:
-        return plan_contiguous_pages(shapes[stage], granularity, max_model_len=vllm_config.model_config.max_model_len,
-                                     max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
-                                     block_size=cache.block_size if cache.user_specified_block_size else None,
-                                     layout=layout, stages=shapes)
-    return plan_for_device(device if device is not None else vllm_config.device_config.device, shapes[stage],
-                           max_model_len=vllm_config.model_config.max_model_len,
-                           max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
-                           block_size=cache.block_size if cache.user_specified_block_size else None,
-                           layout=layout, stages=shapes)
+    return plan_contiguous_pages(shapes[stage], granularity, max_model_len=vllm_config.model_config.max_model_len,
+                                 max_num_seqs=vllm_config.scheduler_config.max_num_seqs, layout=layout,
+                                 block_size=cache.block_size if cache.user_specified_block_size else None,
+                                 stages=shapes)
 
 
-__all__ = ["AUTO_LAYOUTS", "ContiguousPagePlan", "min_block_size", "plan_contiguous_pages", "plan_for_device",
-           "plan_for_vllm", "vllm_stage_shapes"]
+__all__ = ["ContiguousPagePlan", "min_block_size", "plan_contiguous_pages", "plan_for_vllm", "vllm_stage_shapes"]
