@@ -10,7 +10,7 @@ its own constraints on top:
   tokens a page, a layout from a preference list by device and dtype, within the mappings;
 * transformers' ``VirtualCache`` (:mod:`vmkv.hf.sizing`): the layout its attention reads
   fastest, pages grown until the first batch fits the mappings;
-* vLLM's contiguous mode (:mod:`vmkv.vllm.contiguous_pages`): one vLLM block is one page in
+* vLLM's contiguous mode (:mod:`vmkv.vllm.contiguous.pages`): one vLLM block is one page in
   every piece.
 
 :class:`~vmkv.config.KVCacheConfig` only validates what the user gave: a ``None`` layout or page
