@@ -105,7 +105,7 @@ def test_memory_covers_every_layout_and_the_library_defaults(smoke_results):
             assert label in labels or skipped[label]
     assert {"vmm-per_layer-2MiB", "vmm-all_layers-2MiB"} <= labels
     budget = smoke_results["memory"]["config"]["budget"]["sharegpt"]
-    defaults = vmkv.KVCacheConfig(**common.LLAMA3_8B, memory_budget=budget)  # the default layout depends on the budget
+    defaults = vmkv.sizing.resolve(vmkv.KVCacheConfig(**common.LLAMA3_8B, memory_budget=budget))  # depends on the budget
     row = next(r for r in smoke_results["memory"]["rows"] if (r["trace"], r["allocator"]) == ("sharegpt", memory.DEFAULT_VMM))
     assert row["geometry"].startswith(defaults.layout)
     paged = next(r for r in smoke_results["memory"]["rows"] if (r["trace"], r["allocator"]) == ("sharegpt", "paged-b16"))
