@@ -18,6 +18,7 @@ import torch
 
 from ..config import LAYOUTS
 from ..core.base import KVCacheBase
+from ..core.mapping import background_safe
 from ..core.step import StepPlan, slot_slice
 from ..errors import CacheClosed, InvalidConfig, InvalidInput, InvalidShape, NoFreeSlot, Unsupported
 from ..sizes import parse_size
@@ -156,6 +157,14 @@ def _check_compile(compile: Any, mode: str, config: Any, style: str | None, max_
         raise InvalidConfig("compile=True needs max_seq_len: every compiled step attends over that many columns "
                             "(as StaticCache over max_cache_len), so give the longest row you will generate")
     return True
+
+
+def _check_map_ahead(compile: bool, map_ahead: bool, device: torch.device) -> None:
+    """Raise ``InvalidConfig`` if pages would be mapped on a thread beside compiled steps whose
+    attention reads the zero pages past each row (CUDA: ``vmkv.core.mapping.background_safe``)."""
+    if compile and map_ahead and not background_safe(device.type, reads_past_length=True):
+        raise InvalidConfig("map_ahead maps pages on a thread while compile=True's attention reads the zero pages "
+                            "past each row, which a remap on CUDA would fault: use one or the other")
 
 
 def _refuse_assignment(value: Any) -> None:
@@ -582,7 +591,9 @@ class VirtualCache(RowPolicy, Cache):
         Raises:
             InvalidShape: the core (kept by ``reset``) holds K/V of another shape.
             NoFreeSlot: more rows than free slots.
+            InvalidConfig: ``compile=True`` with ``map_ahead`` on CUDA (see ``_check_map_ahead``).
         """
+        _check_map_ahead(self._compile, self._options.map_ahead, like.device)
         if self._shared is None:
             self._shared = SharedCore(*open_core(self.mode, self._options, like, num_layers, self.attention_style))
         if self._compile and self._compiled is None:
