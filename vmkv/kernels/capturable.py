@@ -7,9 +7,10 @@ Two rules make a kernel usable there:
   widened into a copy of the whole tensor: inductor functionalizes an in-place write into a view
   (``narrow(...).copy_``) as a full clone of the base and a copy back, and the copy back writes
   every page of the range, the empty ones too, which are the read-only zero page (SIGSEGV on the
-  host, a fault on the GPU). :func:`write_columns` is a ``torch.library`` custom op that declares
-  what it mutates; inductor calls it in place on the storage (it re-inplaces the functional form
-  of a custom op whose mutated input is a graph input) and cannot look inside it.
+  host, a fault on the GPU). :func:`write_columns` is an operator of its own
+  (``torch.ops.vmkv.write_columns``) whose schema declares what it mutates; inductor calls it in
+  place on the storage (it re-inplaces the functional form of an op whose mutated input is a
+  graph input) and cannot look inside it.
 * **Its launches depend on host ints known up front** and its lengths live on the device, so one
   capture serves every step: :func:`decode_attention` takes the cache's lengths as a device
   tensor and an upper bound on them as a host int.
@@ -28,10 +29,36 @@ from .triton_attention import decode_attention as _triton_decode
 __all__ = ["DecodeWorkspace", "decode_attention", "decode_kernel_name", "write_columns"]
 
 
-@torch.library.custom_op("vmkv::write_columns", mutates_args=("k_store", "v_store"))
+_LIBRARY = torch.library.Library("vmkv", "FRAGMENT")  # noqa: TOR901 - the schema says what is mutated
+_LIBRARY.define("write_columns(Tensor(a!) k_store, Tensor(b!) v_store, Tensor k, Tensor v, Tensor slots, "
+                "Tensor starts) -> ()")
+
+
+def _write_columns(k_store: torch.Tensor, v_store: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   slots: torch.Tensor, starts: torch.Tensor) -> None:
+    # rows: [B, 1] slots, cols: [B or 1, S] positions; the pair selects [B, S] tokens of [H, D] each
+    rows, cols = slots.reshape(-1, 1), starts.reshape(-1, 1)
+    if k.shape[2] > 1:
+        cols = cols + torch.arange(k.shape[2], device=k.device)
+    torch.ops.aten.index_put_.default(k_store, [rows, cols], k.transpose(1, 2))  # [B, S, H, D]
+    torch.ops.aten.index_put_.default(v_store, [rows, cols], v.transpose(1, 2))
+
+
+# one Python kernel for every device (the dispatcher's own registration: a torch.library.custom_op
+# adds an autograd wrapper that doubles the cost of a call, and the op is never differentiated)
+_LIBRARY.impl("write_columns", _write_columns, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("vmkv::write_columns")
+def _write_columns_fake(k_store: torch.Tensor, v_store: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        slots: torch.Tensor, starts: torch.Tensor) -> None:
+    return None
+
+
 def write_columns(k_store: torch.Tensor, v_store: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   slots: torch.Tensor, starts: torch.Tensor) -> None:
-    """Write each row's new K/V at its own positions of its slot, and nothing else.
+    """Write each row's new K/V at its own positions of its slot, and nothing else
+    (``torch.ops.vmkv.write_columns``: its schema names the two tensors it mutates).
 
     Args:
         k_store, v_store: ``[max_batch, capacity, kv_heads, head_dim]`` (any strides: a layer of
@@ -41,17 +68,7 @@ def write_columns(k_store: torch.Tensor, v_store: torch.Tensor, k: torch.Tensor,
         slots: int64 ``[B]``, the slot of each row.
         starts: int64 ``[B]`` (or ``[]``: the same for every row), the first position each row writes.
     """
-    # cols: [B or 1, S] positions; the index pair selects [B, S] tokens of [H, D] each
-    cols = starts.reshape(-1, 1) + torch.arange(k.shape[2], device=k.device)
-    rows = slots.reshape(-1, 1)
-    k_store[rows, cols] = k.transpose(1, 2)  # [B, S, H, D]
-    v_store[rows, cols] = v.transpose(1, 2)
-
-
-@write_columns.register_fake
-def _write_columns_fake(k_store: torch.Tensor, v_store: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        slots: torch.Tensor, starts: torch.Tensor) -> None:
-    return None
+    torch.ops.vmkv.write_columns(k_store, v_store, k, v, slots, starts)
 
 
 def decode_kernel_name(device: torch.device) -> str:
