@@ -78,6 +78,17 @@ def test_graph_engine_gives_the_eager_engines_tokens():
     graphed.close()
 
 
+def test_graphs_with_pages_mapped_ahead_on_a_thread_give_the_same_tokens():
+    """map_ahead maps the next step's pages on a worker while the step replays (the Triton and the
+    masked kernel never read past a length); a capture waits for the worker first."""
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (12, 9, 6, 3, 2)]
+    eager, graphed = engine("vmm", False), engine("vmm", True, map_ahead=True)
+    assert outputs(graphed, params) == outputs(eager, params)
+    assert graphed.stats()["cache"]["pages_mapped_ahead"] > 0
+    eager.close()
+    graphed.close()
+
+
 def test_graphs_are_off_on_a_cpu_unless_asked_and_refused_where_they_cannot_run():
     e = engine("vmm", None)
     assert e.graphs is None and e.cache.config.max_batch_size == 8

@@ -26,7 +26,9 @@ from transformers import CompileConfig, StaticCache  # noqa: E402
 from transformers.masking_utils import create_causal_mask  # noqa: E402
 
 import vmkv.hf as vhf  # noqa: E402
+from vmkv.core.mapping import background_safe  # noqa: E402
 from vmkv.errors import InvalidConfig, InvalidInput, SequenceTooLong  # noqa: E402
+from vmkv.hf.cache import _check_map_ahead  # noqa: E402
 from vmkv.models import PAD, default_hf_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -196,6 +198,21 @@ def test_compile_needs_what_it_runs_on(model):
     assert cache.is_compileable and cache.get_max_length() == MAX_LEN
     with pytest.raises(InvalidInput):
         cache.prepare_step(0)
+
+
+def test_map_ahead_beside_a_compiled_attention_that_reads_zero_pages_is_refused_on_cuda(model):
+    """A page mapped on the worker replaces the zero page under the compiled attention's reads: on
+    the host that is one atomic mmap (allowed), on CUDA an unmap then a map (refused)."""
+    assert background_safe("cpu", reads_past_length=True) and background_safe("cuda", reads_past_length=False)
+    assert not background_safe("cuda", reads_past_length=True)
+    with pytest.raises(InvalidConfig, match="map_ahead"):
+        _check_map_ahead(True, True, torch.device("cuda"))
+    cache = compiled_cache(model, map_ahead=True)  # the host: allowed, and the same tokens
+    ids, mask = batch(padded=False)
+    static = generate(model, StaticCache(config=model.config, max_cache_len=MAX_LEN), ids, mask, do_sample=False)
+    assert torch.equal(generate(model, cache, ids, mask, do_sample=False), static)
+    assert cache.stats()["pages_mapped_ahead"] > 0
+    cache.close()
 
 
 def test_the_eager_point_refuses_a_step_past_max_seq_len_and_changes_nothing(model):
