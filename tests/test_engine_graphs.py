@@ -18,6 +18,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 from fake_cuda.fixtures import fake, fake_cuda_backends, fake_lib  # noqa: F401  (fixtures)
 
 import vmkv
@@ -173,3 +174,26 @@ def test_both_addressings_through_the_triton_kernels_in_the_interpreter():
     lines = done.stdout.strip().splitlines()
     assert "vmm SAME" in lines and "paged SAME" in lines, done.stdout
     assert "vmm [4, 2, 1]" in lines and "paged [4, 2, 1]" in lines, done.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU with the CUDA driver")
+@pytest.mark.parametrize("mode", ["vmm", "paged"])
+def test_real_cuda_graphs_give_the_eager_engines_tokens_across_page_boundaries(mode):
+    """On a GPU: real CUDA graphs (capture, replay), float32, prompts of about 1,000 tokens that
+    cross a 2 MiB VMM page (1,024 tokens of the embedded model) while decoding, so pages are
+    mapped between replays; the tokens must be the eager engine's."""
+    prompts = [[(11 * i + j) % 256 for j in range(1000 + 5 * i)] for i in range(4)]
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    got = {}
+    for graphs in (False, True):
+        e = engine(mode, graphs, device="cuda", dtype="float32", memory_budget="256MiB", page_size=None, max_seq_len=2048,
+                   max_num_batched_tokens=4096, max_prefill_chunk=4096)
+        try:
+            got[graphs] = [o.outputs[0].token_ids for o in e.generate(prompts, greedy)]
+            if graphs:
+                assert e.stats()["engine"]["cuda_graphs"]["replays"] >= 39
+            e.cache.check()
+        finally:
+            e.close()
+    assert got[True] == got[False]
