@@ -218,7 +218,6 @@ class DecodeGraphs:
         self.buffers = StepBuffers(self.buckets[-1], max_blocks, self.device)
         self._replay_factory = replay or _default_replay(self.device)
         self._graphs: dict[int, Replay] = {}
-        self._workspaces: dict[int, DecodeWorkspace] = {}
         self.stats = GraphStats()
 
     def _pad_row(self) -> PadRow:
@@ -292,7 +291,7 @@ class DecodeGraphs:
             return decode_attention(q, k_pool, v_pool, kv_lens, block_table=block_table, max_kv_len=max_len,
                                     out=out, workspace=workspace)
 
-        def step() -> torch.Tensor:
+        def step() -> torch.Tensor:  # (``plan`` is not read: ``attend`` replaces the plan's write and attention)
             return model(cache, plan, rows[StepBuffers.IDS], rows[StepBuffers.POSITIONS], logit_rows, attention=attend)
 
         return step

@@ -557,8 +557,10 @@ class VirtualCache(RowPolicy, Cache):
         consecutive slots, so the views had to be gathered: a copy), ``materialised_kv`` (reads of
         ``layers[i].keys``/``.values`` that had no view and returned a copy), ``row_forks``/``row_frees``
         and ``row_retargets`` (rows reorder_cache rewrote in place, see ``_remap_rows``), ``layout``
-        (VMM layout, ``"blocks"`` in paged mode; ``None`` before the first forward) and
-        ``layout_reason`` (``"given"``, or why the default chose it: ``sizing.choose_layout``).
+        (VMM layout, ``"blocks"`` in paged mode; ``None`` before the first forward),
+        ``layout_reason`` (``"given"``, or why the default chose it: ``sizing.choose_layout``),
+        ``compiled_steps`` (``compile=True``: steps prepared at the eager point) and
+        ``compile_fallbacks`` (``update`` calls a compiled forward ran eagerly at a graph break).
         """
         stats = self.core.stats() if self.core is not None else {"mode": self.mode}
         choice = self._shared.choice if self._shared is not None else None
@@ -658,11 +660,11 @@ class VirtualCache(RowPolicy, Cache):
 
     def _arm(self, q_len: int) -> None:
         """The eager point of a compiled step (see :meth:`prepare_step`)."""
+        if self._closed:
+            raise CacheClosed("this VirtualCache was closed; make a new one")
         compiled = self._compiled
         if compiled is None or compiled.armed or not self._rows:
             return
-        if self._closed:
-            raise CacheClosed("this VirtualCache was closed; make a new one")
         self._shared.reap()
         self._step = self._begin_dense_step(q_len)
         compiled.arm(self._step.plan)
