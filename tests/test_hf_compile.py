@@ -28,7 +28,7 @@ from transformers.masking_utils import create_causal_mask  # noqa: E402
 import vmkv.hf as vhf  # noqa: E402
 from vmkv.core.mapping import background_safe  # noqa: E402
 from vmkv.errors import InvalidConfig, InvalidInput, SequenceTooLong  # noqa: E402
-from vmkv.hf.cache import _check_map_ahead  # noqa: E402
+from vmkv.hf.compiled import check_map_ahead  # noqa: E402
 from vmkv.models import PAD, default_hf_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -206,7 +206,7 @@ def test_map_ahead_beside_a_compiled_attention_that_reads_zero_pages_is_refused_
     assert background_safe("cpu", reads_past_length=True) and background_safe("cuda", reads_past_length=False)
     assert not background_safe("cuda", reads_past_length=True)
     with pytest.raises(InvalidConfig, match="map_ahead"):
-        _check_map_ahead(True, True, torch.device("cuda"))
+        check_map_ahead(True, True, torch.device("cuda"))
     cache = compiled_cache(model, map_ahead=True)  # the host: allowed, and the same tokens
     ids, mask = batch(padded=False)
     static = generate(model, StaticCache(config=model.config, max_cache_len=MAX_LEN), ids, mask, do_sample=False)

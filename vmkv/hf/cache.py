@@ -18,14 +18,13 @@ import torch
 
 from ..config import LAYOUTS
 from ..core.base import KVCacheBase
-from ..core.mapping import background_safe
 from ..core.step import StepPlan, slot_slice
 from ..errors import CacheClosed, InvalidConfig, InvalidInput, InvalidShape, NoFreeSlot, Unsupported
 from ..sizes import parse_size
 from ..validate import as_layer
 from .attention import ATTN_IMPLEMENTATION, HANDOFF
 from .compat import Cache, CacheLayerMixin, attention_kwargs
-from .compiled import CompiledSteps, eager_update
+from .compiled import CompiledSteps, check_compile, check_map_ahead, eager_update
 from .rows import RowPolicy, SharedCore
 from .sizing import CacheOptions, open_core
 
@@ -134,39 +133,6 @@ class VirtualLayer(CacheLayerMixin):
         raise Unsupported("call batch_select_indices on the VirtualCache: its pages hold every layer")
 
 
-def _check_compile(compile: Any, mode: str, config: Any, style: str | None, max_seq_len: int | None) -> bool:
-    """``compile`` as a bool, once ``VirtualCache(compile=True)`` has what it needs.
-
-    Raises:
-        InvalidConfig: ``compile=True`` in paged mode, with the ``"vmkv"`` attention, without
-            ``config`` or without ``max_seq_len``.
-    """
-    if not isinstance(compile, bool):
-        raise InvalidConfig(f"compile must be True or False, got {compile!r}")
-    if not compile:
-        return False
-    if mode != "vmm":
-        raise InvalidConfig("compile=True runs the model's own attention over virtually contiguous views: VMM mode only")
-    if config is None:
-        raise InvalidConfig("compile=True needs config=model.config: the compiled forward must know the layers "
-                            "and the attention up front")
-    if style != "model":
-        raise InvalidConfig("compile=True runs the model's own attention (attn_implementation 'sdpa' or 'eager'); "
-                            "the 'vmkv' attention does not run in a compiled forward yet")
-    if max_seq_len is None:
-        raise InvalidConfig("compile=True needs max_seq_len: every compiled step attends over that many columns "
-                            "(as StaticCache over max_cache_len), so give the longest row you will generate")
-    return True
-
-
-def _check_map_ahead(compile: bool, map_ahead: bool, device: torch.device) -> None:
-    """Raise ``InvalidConfig`` if pages would be mapped on a thread beside compiled steps whose
-    attention reads the zero pages past each row (CUDA: ``vmkv.core.mapping.background_safe``)."""
-    if compile and map_ahead and not background_safe(device.type, reads_past_length=True):
-        raise InvalidConfig("map_ahead maps pages on a thread while compile=True's attention reads the zero pages "
-                            "past each row, which a remap on CUDA would fault: use one or the other")
-
-
 def _refuse_assignment(value: Any) -> None:
     """``CacheLayerMixin.__init__`` sets ``keys``/``values`` to ``None``; any tensor is refused."""
     if value is not None:
@@ -248,7 +214,7 @@ class VirtualCache(RowPolicy, Cache):
             self._config_style = "vmkv" if text._attn_implementation == ATTN_IMPLEMENTATION else "model"
         self.attention_style: str | None = self._config_style  # "model" | "vmkv"; None until known
         self._require_style_fits_mode()
-        self._compile = _check_compile(compile, mode, config, self._config_style, max_seq_len)
+        self._compile = check_compile(compile, mode, config, self._config_style, max_seq_len)
         self._compiled: CompiledSteps | None = None  # compile=True: made with the rows' core
         self._shared: SharedCore | None = None
         self._closed = False
@@ -593,9 +559,9 @@ class VirtualCache(RowPolicy, Cache):
         Raises:
             InvalidShape: the core (kept by ``reset``) holds K/V of another shape.
             NoFreeSlot: more rows than free slots.
-            InvalidConfig: ``compile=True`` with ``map_ahead`` on CUDA (see ``_check_map_ahead``).
+            InvalidConfig: ``compile=True`` with ``map_ahead`` on CUDA (``compiled.check_map_ahead``).
         """
-        _check_map_ahead(self._compile, self._options.map_ahead, like.device)
+        check_map_ahead(self._compile, self._options.map_ahead, like.device)
         if self._shared is None:
             self._shared = SharedCore(*open_core(self.mode, self._options, like, num_layers, self.attention_style))
         if self._compile and self._compiled is None:

@@ -33,10 +33,45 @@ from typing import Any
 import torch
 
 from ..core.base import KVCacheBase
+from ..core.mapping import background_safe
 from ..core.step import StepPlan, slot_slice
+from ..errors import InvalidConfig
 from ..kernels.capturable import write_columns
 
 log = logging.getLogger("vmkv")
+
+
+def check_compile(compile: Any, mode: str, config: Any, style: str | None, max_seq_len: int | None) -> bool:
+    """``compile`` as a bool, once ``VirtualCache(compile=True)`` has what it needs.
+
+    Raises:
+        InvalidConfig: ``compile=True`` in paged mode, with the ``"vmkv"`` attention, without
+            ``config`` or without ``max_seq_len``.
+    """
+    if not isinstance(compile, bool):
+        raise InvalidConfig(f"compile must be True or False, got {compile!r}")
+    if not compile:
+        return False
+    if mode != "vmm":
+        raise InvalidConfig("compile=True runs the model's own attention over virtually contiguous views: VMM mode only")
+    if config is None:
+        raise InvalidConfig("compile=True needs config=model.config: the compiled forward must know the layers "
+                            "and the attention up front")
+    if style != "model":
+        raise InvalidConfig("compile=True runs the model's own attention (attn_implementation 'sdpa' or 'eager'); "
+                            "the 'vmkv' attention does not run in a compiled forward yet")
+    if max_seq_len is None:
+        raise InvalidConfig("compile=True needs max_seq_len: every compiled step attends over that many columns "
+                            "(as StaticCache over max_cache_len), so give the longest row you will generate")
+    return True
+
+
+def check_map_ahead(compile: bool, map_ahead: bool, device: torch.device) -> None:
+    """Raise ``InvalidConfig`` if pages would be mapped on a thread beside compiled steps whose
+    attention reads the zero pages past each row (CUDA: ``vmkv.core.mapping.background_safe``)."""
+    if compile and map_ahead and not background_safe(device.type, reads_past_length=True):
+        raise InvalidConfig("map_ahead maps pages on a thread while compile=True's attention reads the zero pages "
+                            "past each row, which a remap on CUDA would fault: use one or the other")
 
 
 class CompiledSteps:
