@@ -293,6 +293,20 @@ def test_generate_bound_verdicts_say_what_bookkeeping_costs_and_what_the_target_
         assert not verdicts[key].reliable and verdicts[key].note == "bound generated other tokens than DynamicCache"
 
 
+def test_generate_compile_verdicts_have_their_targets():
+    from benchmarks import generate
+
+    result = _generate_result({"vmm": True, "vmm+compile": True, "static+compile": True})
+    times = result["samples"]["small/greedy/b2/4"]  # vmm: 1.0, 1.1, 1.2
+    times["vmm+compile"], times["static+compile"] = [1.04, 1.15, 1.26], [1.0, 1.1, 1.2]
+    verdicts = {v.key: v for v in generate.verdicts(result)}
+    eager, static = verdicts["generate.small.compiled_vs_vmm"], verdicts["generate.small.compiled_vs_static_compile"]
+    assert eager.agrees and eager.reference == "target >= 0.95x"  # 0.96x of eager: within the target
+    assert not static.agrees and "missed by 0.04x" in static.note
+    result["rows"] = [{**r, "same_tokens_as_dynamic": r["cache"] != "vmm+compile"} for r in result["rows"]]
+    assert not {v.key: v for v in generate.verdicts(result)}["generate.small.compiled_vs_vmm"].reliable
+
+
 def test_generate_bound_cache_gives_dynamic_cache_tokens_and_refuses_moving_rows():
     pytest.importorskip("transformers")
     from transformers import DynamicCache

@@ -72,15 +72,36 @@ def test_gpu_check_cpu_dry_run_runs_the_new_sections_each_in_its_own_process(tmp
     assert all(any(line.startswith(name) and entries[name]["headline"][:40] in line for line in table) for name in sections)
 
 
+def test_gpu_check_cpu_dry_run_of_the_cuda_graph_sections(tmp_path):
+    """engine_graphs (the engine's captured decode steps, replayed eagerly on a CPU: VMM mode;
+    paged mode needs Triton's interpreter and is skipped with the reason) and hf_compiled
+    (generate() compiled over StaticCache and VirtualCache(compile=True), tiny) pass their dry run."""
+    sections = ["engine_graphs", "hf_compiled"]
+    run = run_process([sys.executable, SCRIPT, "--device", "cpu", "--smoke", "--out", str(tmp_path), "--sections", *sections], 400)
+    assert run.returncode == 0, run.output
+    entries = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]
+    assert all(entries[name]["status"] == "passed" for name in sections), entries
+    graphs = entries["engine_graphs"]["result"]
+    assert graphs["outputs"]["vmm"]["max_rel_diff"] < 1e-4 and graphs["outputs"]["vmm"]["pages_mapped_while_decoding"] > 0
+    assert "paged" in graphs["skipped"] and graphs["speed"]["vmm"]["captured"] == [3]
+    compiled = entries["hf_compiled"]["result"]
+    assert set(compiled["dense"]) == {"dynamic", "static", "vmm", "vmm+compile"} and set(compiled["ratios"]) >= set(compiled["targets"])
+    assert compiled["logit_errors"]["vmm+compile"] < 1e-4
+    assert "alone" not in entries["hf_compiled"] and "StaticCache" in entries["hf_compiled"]["headline"]
+
+
 # ---- the registry and the budget --------------------------------------------------------------
 def test_gpu_check_registry_fits_the_budget_with_room_for_more():
-    """Unique names, a stated estimate and a line of text each; what runs without vLLM (the GPU
-    machine has none) fits in the default 8 minutes with room for two more sections; the quick
-    checks come before the main job."""
+    """Unique names, a stated estimate and a line of text each; what a default run does without
+    vLLM (the GPU machine has none) fits in the default 8 minutes with half a minute to spare
+    (estimates are estimates); a section that runs alone is left out of the default run; the
+    quick checks come before the main job."""
     names = [section.name for section in SECTIONS]
     assert len(set(names)) == len(names) and all(section.estimate_s > 0 and section.about for section in SECTIONS)
-    without_vllm = sum(s.estimate_s for s in SECTIONS if s.skip_reason is not vllm_engine.vllm_unavailable)
-    assert without_vllm + 60 <= runner.DEFAULT_BUDGET_S == 480
+    default = [s for s in SECTIONS if not s.alone]
+    without_vllm = sum(s.estimate_s for s in default if s.skip_reason is not vllm_engine.vllm_unavailable)
+    assert without_vllm + 30 <= runner.DEFAULT_BUDGET_S == 480
+    assert runner.parse_args([]).sections == [s.name for s in default] and "hf_compiled" not in runner.parse_args([]).sections
     assert names.index("bench") > max(names.index(n) for n in ("environment", "tests", "zero_page", "shared_budget", "vllm_slots"))
 
 

@@ -47,8 +47,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("gpu-check-out"), help="directory for gpu_check.json (default: gpu-check-out)")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu for a dry run")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and few iterations (a dry run of the code paths)")
-    parser.add_argument("--sections", nargs="+", default=names, choices=names, metavar="SECTION",
-                        help="which sections to run, in this order (default: all)")
+    alone = [section.name for section in SECTIONS if section.alone]
+    parser.add_argument("--sections", nargs="+", default=[n for n in names if n not in alone], choices=names,
+                        metavar="SECTION", help="which sections to run, in this order (default: all but "
+                        f"{', '.join(alone) or 'none'}, which run only when named)")
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
                         help=f"seconds the whole run may take (default {DEFAULT_BUDGET_S}): a section whose estimate does "
                              "not fit in what is left is skipped, with the reason")

@@ -374,6 +374,24 @@ class KVCacheBase(ABC):
         self._store(layer, k, v, plan)
         self._layers_written.add(layer)
 
+    @exclusive
+    def written(self, plan: StepPlan) -> None:
+        """Record that every layer of the step was written outside :meth:`write`: a replayed CUDA
+        graph writes through device rows the step's plan filled (``vmkv.engine.graphs``). Only
+        then may the step's full pages enter the prefix index.
+
+        Raises:
+            StalePlan: ``plan`` is not this cache's current plan.
+        """
+        self._check_plan(plan, 0)
+        self._layers_written.update(range(self.config.num_layers))
+
+    @exclusive
+    def wait_for_mapping(self) -> None:
+        """Wait until no page is being mapped ahead in the background (``map_ahead``): before a
+        CUDA graph capture, during which no other thread may synchronize the device."""
+        self._join_ahead()
+
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> None:
         """Copy validated ``k``, ``v`` ``[T, kv_heads, head_dim]`` to their rows of ``layer``
         (a mode whose storage is not token rows overrides this)."""

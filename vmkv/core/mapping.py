@@ -1,13 +1,29 @@
-"""When pages are mapped: on demand inside ``begin_step`` (always), and ahead of need on a
-background thread (``config.map_ahead``, VMM mode).
+"""When pages are mapped: at the eager point of each step, and ahead of need on a background
+thread (``config.map_ahead``, VMM mode).
 
-Mapping ahead overlaps the system calls of the *next* step's new pages with this step's
+**The eager point** is ``begin_step``: it maps (and copies on write) every page the step will
+write, before any kernel of the step runs. Compiled and captured steps rely on it: a compiled
+transformers forward (``vmkv.hf.compiled``) or a replayed CUDA graph (``vmkv.engine.graphs``)
+cannot map a page, so their eager point (``VirtualCache.get_mask_sizes`` / ``prepare_step``, the
+engine's step before a replay) calls ``begin_step`` first and the graph only writes rows that are
+mapped and owned by the step. Nothing is ever mapped inside a compiled or captured region.
+
+**Mapping ahead** overlaps the system calls of the *next* step's new pages with this step's
 compute (vAttention maps the next step's pages this way): after each ``begin_step``, every
 sequence of the step whose room runs out if its next step is as long as this one (a decode
 crossing a page boundary) gets one more page on the worker thread. Every cache call first waits
 for the worker (:meth:`MapAhead.join`), so the worker never runs beside a call that changes
 pages; ``write`` and ``attention`` do not wait (they touch no page the worker maps: it maps past
-every sequence's length).
+every sequence's length). Two rules keep the worker safe beside kernels (:func:`background_safe`):
+
+* a new page replaces the zero page at its address. On the host that is one atomic ``mmap``;
+  on CUDA it is an unmap then a map, and a kernel reading that address in between faults. So on
+  CUDA the worker may run only while every kernel reads no further than each sequence's length
+  (the varlen and Triton kernels, which read lengths from the device), never beside the model's
+  own attention over full-length views (``VirtualCache(compile=True)``: that reads the zero pages
+  past each row, and is refused with ``map_ahead``).
+* a mapping synchronizes the device first, which no thread may do while another captures a CUDA
+  graph: the graphs wait for the worker before a capture (``cache.wait_for_mapping()``).
 """
 
 from __future__ import annotations
@@ -20,6 +36,12 @@ from typing import Callable, Iterable
 from .sequence import LiveSequence
 
 log = logging.getLogger("vmkv")
+
+
+def background_safe(device_type: str, reads_past_length: bool) -> bool:
+    """Whether pages may be mapped on the worker thread while kernels run (module docstring):
+    always on the host, on CUDA only if no kernel reads past a sequence's length."""
+    return device_type != "cuda" or not reads_past_length
 
 
 class MapAhead:

@@ -1,5 +1,6 @@
 """Serving engine: continuous batching, chunked prefill, preemption, per-request sampling, n > 1
-by ``cache.fork``, prefix caching; a Llama-family runner over the cache's attention entry point.
+by ``cache.fork``, prefix caching; a Llama-family runner over the cache's attention entry point;
+decode steps captured as CUDA graphs per batch-size bucket (``vmkv.engine.graphs``).
 
 Public API::
 

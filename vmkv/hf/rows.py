@@ -7,8 +7,8 @@ continues another shares its pages (copy-on-write) instead of copying K/V; ``cop
 forks every row into the same core cache (:class:`SharedCore`).
 
 :class:`RowPolicy` is a mixin of ``VirtualCache``: it reads and writes the cache's ``_rows``,
-``_dropped``, ``_shared``, ``_pending``, ``_step`` and ``counters``, and calls its
-``_flush_pending``, ``reset`` and ``_make_layers``.
+``_dropped``, ``_shared``, ``_pending``, ``_step``, ``_compiled`` and ``counters``, and calls its
+``_disarm``, ``_flush_pending``, ``reset`` and ``_make_layers``.
 """
 
 from __future__ import annotations
@@ -93,10 +93,11 @@ class RowPolicy:
         Raises:
             NoFreeSlot: the copy's rows do not fit the free slots (raise ``max_batch_size``).
         """
+        self._disarm()
         self._flush_pending()
         clone = type(self).__new__(type(self))
         memo[id(self)] = clone
-        own = {"layers", "_shared", "_rows", "_step", "_pending"}
+        own = {"layers", "_shared", "_rows", "_step", "_pending", "_compiled"}
         for name, value in self.__dict__.items():
             if name not in own:
                 setattr(clone, name, copy.deepcopy(value, memo))
@@ -104,6 +105,7 @@ class RowPolicy:
         clone.layers = []
         clone.layers = clone._make_layers(len(self.layers))
         clone._shared, clone._rows = None, []
+        clone._compiled = self._compiled.copy() if self._compiled is not None else None
         if self._shared is None:
             return clone
         self._shared.reap()
@@ -155,6 +157,7 @@ class RowPolicy:
             NoFreeSlot: the new rows do not fit the slots the other users of the core leave
                 (nothing changed).
         """
+        self._disarm()
         self._flush_pending()
         self._step = None
         if not self._rows:

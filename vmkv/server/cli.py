@@ -36,6 +36,9 @@ def _positive(text: str) -> int:
     return value
 
 
+GRAPHS = {"auto": None, "on": True, "off": False}  # --cuda-graphs -> EngineConfig.cuda_graphs
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``serve`` options to ``parser`` (every help line shows its default)."""
     model = parser.add_argument_group("model")
@@ -63,6 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--max-num-batched-tokens", type=_positive, default=512, help="tokens one step feeds at most "
                        "(default: %(default)s)")
     cache.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off (default: on)")
+    cache.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
+                       help="capture decode steps as CUDA graphs, one per batch-size bucket (auto: on a CUDA device; "
+                       "takes one more cache slot and page, for padding rows) (default: %(default)s)")
+    cache.add_argument("--map-ahead", action="store_true", help="VMM: map the next step's pages on a background "
+                       "thread while the step runs (default: off)")
     cache.add_argument("--shared-budget", default=None, help="VMM: share one host-wide KV budget with other "
                        "engines, e.g. kv-host:16GiB[,min=1GiB,max=8GiB,member=NAME]; --memory-budget is then "
                        "this engine's ceiling (vmkv ledger NAME shows the members)")
@@ -106,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_seq_len=args.max_seq_len,
         max_num_batched_tokens=args.max_num_batched_tokens, max_prefill_chunk=args.max_num_batched_tokens,
         prefix_caching=not args.no_prefix_caching, dtype=args.dtype, device=args.device, seed=args.seed,
-        shared_budget=args.shared_budget,
+        shared_budget=args.shared_budget, cuda_graphs=GRAPHS[args.cuda_graphs], map_ahead=args.map_ahead,
     )
     try:
         engine = Engine.from_config(config)
