@@ -16,7 +16,9 @@ Two rules make a kernel usable there:
   tensor and an upper bound on them as a host int.
 
 This module is the one place the graph paths (``vmkv.hf.compiled``, ``vmkv.engine.graphs``) get
-their kernels from, so that the kernel registry can route them later.
+their kernels from. Eager steps take their kernel from :mod:`vmkv.kernels.registry`; a graph
+needs one that is capturable as well, which today only the Triton kernels are (elsewhere:
+SDPA over whole slots, masked).
 """
 
 from __future__ import annotations
