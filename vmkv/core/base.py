@@ -117,7 +117,8 @@ class KVCacheBase(ABC):
     @abstractmethod
     def layer_storage(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A layer's K and V storage flattened to rows (zero-copy): ``[rows, kv_heads, head_dim]``,
-        or ``[rows, head_dim]`` in the VMM head-major layout (see the modes' docstrings)."""
+        or ``[rows, head_dim]`` in the VMM head-major layout (see the modes' docstrings). VMM:
+        read-only views; paged: the pools themselves (write only through ``write``)."""
 
     @abstractmethod
     def attention(self, layer: int, q: torch.Tensor, plan: StepPlan, *, scale: float | None = None) -> torch.Tensor:
@@ -376,7 +377,7 @@ class KVCacheBase(ABC):
 
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> None:
         """Copy validated ``k``, ``v`` ``[T, kv_heads, head_dim]`` to their rows of ``layer``
-        (a mode whose storage is not token rows overrides this)."""
+        (a mode whose ``layer_storage`` is not writable token rows overrides this: VMM)."""
         k_rows, v_rows = self.layer_storage(layer)
         k_rows.index_copy_(0, plan.write_rows, k)
         v_rows.index_copy_(0, plan.write_rows, v)

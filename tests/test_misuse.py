@@ -1,0 +1,126 @@
+"""Misuse a new user may try, each a typed error and never a crash or a wrong answer (issue 30).
+
+* Item 2: writes through the views the cache hands out (``kv_cache``, ``kv``, ``layer_storage``)
+  are refused with ``Unsupported``: the whole range, one element past a sequence's length, a view
+  kept after ``free`` or ``close``; the crashes are tried in a child process, so a SIGSEGV fails
+  the test and not the suite.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import small_config
+
+import vmkv
+from vmkv.errors import Unsupported
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def fill(cache: vmkv.KVCacheBase, batch: dict[str, int], value: float) -> None:
+    """One step of ``batch`` writing ``value`` into every layer's K and V."""
+    plan = cache.begin_step(batch)
+    kv = torch.full((sum(batch.values()), 2, 16), value)
+    for layer in range(cache.config.num_layers):
+        cache.write(layer, kv, kv, plan)
+
+
+def run_child(script: str) -> subprocess.CompletedProcess:
+    """Run ``script`` in a fresh interpreter on this checkout (a crash there is only a return code)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env=env)
+
+
+# ---- item 2: the views a user gets refuse writes ---------------------------------------------------
+WRITES_THROUGH_VIEWS = """
+    import torch, vmkv
+    from helpers import small_config
+
+    def attempt(name, write):
+        try:
+            write()
+        except Exception as exc:
+            print(f"{name}: {type(exc).__name__}", flush=True)
+        else:
+            print(f"{name}: WRITTEN", flush=True)
+
+    for layout in ("per_layer", "head_major", "all_layers"):
+        cache = vmkv.VirtualKVCache(small_config(layout=layout))
+        cache.add("a")
+        plan = cache.begin_step({"a": 5})
+        kv = torch.full((5, 2, 16), 2.0)
+        for layer in range(2):
+            cache.write(layer, kv, kv, plan)
+        k_all, v_all = cache.kv_cache(0)
+        rows, _ = cache.layer_storage(1)
+        k, v = cache.kv("a", 0)
+        slot = cache.slot("a")
+        attempt(f"{layout} zero_ the whole layer", lambda: k_all.zero_())
+        attempt(f"{layout} one past the length", lambda: k_all.__setitem__((slot, 5), 1.0))
+        attempt(f"{layout} an empty page", lambda: v_all[slot, 3 * 32].fill_(1.0))
+        attempt(f"{layout} rows", lambda: rows.zero_())
+        attempt(f"{layout} out=", lambda: torch.add(k_all[slot, 40], 1.0, out=k_all[slot, 40]))
+        attempt(f"{layout} in-place operator", lambda: k_all[slot].__iadd__(1.0))
+        cache.free("a")
+        attempt(f"{layout} kv after free", lambda: k.fill_(1.0))
+        cache.close()
+        attempt(f"{layout} kv after close", lambda: k.__setitem__(0, 1.0))
+        attempt(f"{layout} numpy after close", lambda: v.numpy().__setitem__(0, 1.0))
+        print(layout, "reads after close", float(k.sum()), float(k_all.abs().sum()), flush=True)
+    print("alive", flush=True)
+"""
+
+
+def test_writes_through_the_views_raise_and_never_kill_the_process():
+    proc = run_child(WRITES_THROUGH_VIEWS)
+    assert proc.returncode == 0, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    lines = proc.stdout.splitlines()
+    assert lines[-1] == "alive"
+    attempts = dict(line.rsplit(": ", 1) for line in lines if ": " in line)
+    assert len(attempts) == 3 * 9
+    for name, error in attempts.items():  # NumPy refuses a write to a read-only array with a ValueError
+        assert error == ("ValueError" if "numpy" in name else "Unsupported"), (name, error)
+    for layout in ("per_layer", "head_major", "all_layers"):
+        assert f"{layout} reads after close 0.0 0.0" in lines
+
+
+def test_a_refused_write_changes_nothing_and_reads_copies_and_kernels_still_work(mode):
+    cache = vmkv.open_cache(small_config(), mode=mode)
+    cache.add("a")
+    fill(cache, {"a": 5}, 3.0)
+    k, v = cache.kv("a", 1)
+    before = k.clone(), cache.state()
+    if mode == "vmm":  # mapped positions too: a view is for reading, whatever lies under it
+        k_all, _ = cache.kv_cache(1)
+        for write in (lambda: k.zero_(), lambda: k.__setitem__(0, 1.0), lambda: k_all[cache.slot("a"), :5].add_(1.0),
+                      lambda: torch.nn.init.zeros_(k), lambda: torch.ops.aten.fill_.Scalar(k, 1.0),
+                      lambda: torch._foreach_add_([k], 1.0), lambda: torch.nn.functional.relu(k, inplace=True)):
+            with pytest.raises(Unsupported, match="read-only"):
+                write()
+        with pytest.raises(ValueError):  # the NumPy array over the same memory is read-only too
+            k.numpy()[0] = 1.0
+        assert type(k_all[0]) is type(k) and type(k.transpose(0, 1)) is type(k) and type(k.detach()) is type(k)
+    assert torch.equal(k, before[0]) and cache.state() == before[1]
+    mine = k.clone()  # a copy is an ordinary tensor: the user's to change
+    mine.zero_()
+    assert type(mine) is torch.Tensor and float(k.sum()) == 5 * 2 * 16 * 3.0
+    assert type(k + 1) is torch.Tensor and torch.equal(k * 2, before[0] * 2)
+    for copied in (copy.deepcopy(k), pickle.loads(pickle.dumps(k))):
+        assert type(copied) is torch.Tensor and torch.equal(copied, before[0])
+    plan = cache.begin_step({"a": 1})
+    q = torch.ones(1, 4, 16)
+    for layer in range(2):  # the cache's own writes and kernels are unaffected
+        cache.write(layer, torch.ones(1, 2, 16), torch.ones(1, 2, 16), plan)
+        cache.attention(layer, q, plan)
+    assert torch.equal(cache.kv("a", 1)[0][5], torch.ones(2, 16))
+    cache.close()
