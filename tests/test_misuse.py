@@ -4,11 +4,15 @@
   are refused with ``Unsupported``: the whole range, one element past a sequence's length, a view
   kept after ``free`` or ``close``; the crashes are tried in a child process, so a SIGSEGV fails
   the test and not the suite.
+* Item 4: a cache used in a process that did not open it (``os.fork``, multiprocessing's default
+  start method on Linux) raises ``CacheClosed`` and leaves the parent's K/V alone; like a closed
+  cache (item 16), it reports no sequence.
 """
 
 from __future__ import annotations
 
 import copy
+import multiprocessing
 import os
 import pickle
 import subprocess
@@ -21,7 +25,7 @@ import torch
 from helpers import small_config
 
 import vmkv
-from vmkv.errors import Unsupported
+from vmkv.errors import CacheClosed, UnknownSequence, Unsupported
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -123,4 +127,77 @@ def test_a_refused_write_changes_nothing_and_reads_copies_and_kernels_still_work
         cache.write(layer, torch.ones(1, 2, 16), torch.ones(1, 2, 16), plan)
         cache.attention(layer, q, plan)
     assert torch.equal(cache.kv("a", 1)[0][5], torch.ones(2, 16))
+    cache.close()
+
+
+# ---- items 4 and 16: a forked child's copy is closed; a closed cache holds no sequence -------------
+def _child_uses(cache: vmkv.KVCacheBase, results) -> None:
+    """In the forked child: try every kind of call, report what each raised."""
+    out = {}
+    calls = {
+        "add": lambda: cache.add("b"),
+        "truncate": lambda: cache.truncate("a", 0),
+        "begin_step": lambda: cache.begin_step({"a": 5}),
+        "kv": lambda: cache.kv("a", 0),
+        "trim": lambda: cache.trim(),
+        "seq_len": lambda: cache.seq_len("a"),
+    }
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = "ok"
+        except Exception as exc:  # noqa: BLE001 - reported to the parent
+            out[name] = f"{type(exc).__name__}: {exc}"
+    try:  # what the issue's child did: rewrite "a" from token 0 (the parent's page)
+        cache.truncate("a", 0)
+        plan = cache.begin_step({"a": 5})
+        for layer in range(2):
+            cache.write(layer, torch.full((5, 2, 16), 7.0), torch.full((5, 2, 16), 7.0), plan)
+        out["overwrite"] = "ok"
+    except Exception as exc:  # noqa: BLE001
+        out["overwrite"] = type(exc).__name__
+    out["len"], out["seq_ids"], out["in"] = len(cache), cache.seq_ids, "a" in cache
+    cache.close()  # releases the child's copies only
+    results.put(out)
+
+
+def test_a_forked_child_gets_cache_closed_and_the_parent_keeps_its_kv(mode):
+    assert multiprocessing.get_start_method() == "fork"  # Linux's default (this is what users get)
+    cache = vmkv.open_cache(small_config(), mode=mode)
+    cache.add("a")
+    fill(cache, {"a": 5}, 3.0)
+    before = cache.kv("a", 0)[0].clone(), cache.state()
+    results = multiprocessing.Queue()
+    child = multiprocessing.Process(target=_child_uses, args=(cache, results))
+    child.start()
+    out = results.get(timeout=60)
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    for name in ("add", "truncate", "begin_step", "kv", "trim", "seq_len"):
+        assert out[name].startswith("CacheClosed: "), (name, out[name])
+    assert f"opened by process {os.getpid()}" in out["add"] and "fork" in out["add"]
+    assert out["overwrite"] == "CacheClosed"
+    assert (out["len"], out["seq_ids"], out["in"]) == (0, [], False)
+    assert torch.equal(cache.kv("a", 0)[0], before[0]) and cache.state() == before[1]
+    fill(cache, {"a": 1}, 4.0)  # the parent carries on
+    cache.check()
+    cache.close()
+
+
+def test_a_closed_cache_reports_no_sequence(mode):
+    cache = vmkv.open_cache(small_config(), mode=mode)
+    cache.add("a")
+    fill(cache, {"a": 3}, 1.0)
+    cache.close()
+    assert (len(cache), cache.seq_ids, "a" in cache, ["x"] in cache) == (0, [], False, False)
+    for lookup in (lambda: cache.seq_len("a"), lambda: cache.slot("a"), lambda: cache.seq_len("never")):
+        with pytest.raises(CacheClosed):
+            lookup()
+    assert cache.stats()["sequences"] == 0
+
+
+def test_an_open_cache_still_tells_unknown_sequences_apart(mode):
+    cache = vmkv.open_cache(small_config(), mode=mode)
+    with pytest.raises(UnknownSequence):
+        cache.seq_len("a")
     cache.close()

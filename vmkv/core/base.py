@@ -383,19 +383,23 @@ class KVCacheBase(ABC):
         v_rows.index_copy_(0, plan.write_rows, v)
 
     # ---- queries ---------------------------------------------------------------------------
+    # A closed cache (or a forked child's copy, see vmkv.core.calls) holds no sequence: ``in``,
+    # ``len`` and ``seq_ids`` say so, and ``seq_len``/``slot`` of any id raise ``CacheClosed``.
     def __contains__(self, seq_id: SeqId) -> bool:
+        if self.guard.closed:
+            return False
         try:
             return seq_id in self._seqs
         except TypeError:  # unhashable: certainly not a sequence of ours
             return False
 
     def __len__(self) -> int:
-        return len(self._seqs)
+        return 0 if self.guard.closed else len(self._seqs)
 
     @property
     def seq_ids(self) -> list[SeqId]:
-        """Ids of the live sequences."""
-        return list(self._seqs)
+        """Ids of the live sequences (none once closed)."""
+        return [] if self.guard.closed else list(self._seqs)
 
     def pages_for(self, num_tokens: int) -> int:
         """Pool pages that hold ``num_tokens`` tokens of one sequence.
@@ -406,11 +410,23 @@ class KVCacheBase(ABC):
         return -(-as_int(num_tokens, "num_tokens") // self.tokens_per_page)
 
     def seq_len(self, seq_id: SeqId) -> int:
-        """Tokens stored for ``seq_id`` (after ``add``: the tokens found in the prefix cache)."""
+        """Tokens stored for ``seq_id`` (after ``add``: the tokens found in the prefix cache).
+
+        Raises:
+            UnknownSequence; CacheClosed after ``close()`` (or in a forked child).
+        """
+        if self.guard.closed:
+            raise self.guard.closed_error("seq_len()")
         return self._get(seq_id).length
 
     def slot(self, seq_id: SeqId) -> int:
-        """The slot (batch row) of ``seq_id``."""
+        """The slot (batch row) of ``seq_id``.
+
+        Raises:
+            UnknownSequence; CacheClosed after ``close()`` (or in a forked child).
+        """
+        if self.guard.closed:
+            raise self.guard.closed_error("slot()")
         return self._get(seq_id).slot
 
     @exclusive
@@ -433,7 +449,7 @@ class KVCacheBase(ABC):
         return {
             "mode": self.mode,
             "kernel": self.kernel,
-            "sequences": len(self._seqs),
+            "sequences": len(self._seqs),  # none once closed: close() drops the table
             "pages_total": self.pool.num_pages,
             "pages_free": self.pool.num_free,
             "pages_in_use": self.pool.num_in_use,
@@ -487,7 +503,10 @@ class KVCacheBase(ABC):
     # ---- closing ---------------------------------------------------------------------------
     def close(self) -> None:
         """Release all memory; views handed out earlier stay readable (VMM: they read zeros).
-        The cache is unusable afterwards. Idempotent, and works on a half-built cache.
+        The cache is unusable afterwards: it holds no sequence (``len`` is 0, ``seq_ids`` empty)
+        and every call but ``stats()`` and ``close()`` raises ``CacheClosed``. Idempotent, and
+        works on a half-built cache. In a forked child it does nothing (the memory is the
+        parent's: see :mod:`vmkv.core.calls`).
 
         Raises:
             ConcurrentUse: another thread is inside the cache.
@@ -504,6 +523,7 @@ class KVCacheBase(ABC):
             if self._ahead is not None:
                 self._ahead.close()
             self._close_storage()
+            self._seqs, self._tokens = {}, 0
             budget, self.budget = self.budget, None
             if budget is not None:
                 budget.close()
