@@ -7,6 +7,7 @@
 * Item 4: a cache used in a process that did not open it (``os.fork``, multiprocessing's default
   start method on Linux) raises ``CacheClosed`` and leaves the parent's K/V alone; like a closed
   cache (item 16), it reports no sequence.
+* Item 7: ``attention`` on a layer the current step has not written raises ``InvalidInput``.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ import torch
 from helpers import small_config
 
 import vmkv
-from vmkv.errors import CacheClosed, UnknownSequence, Unsupported
+from vmkv.errors import CacheClosed, InvalidInput, UnknownSequence, Unsupported
 
 ROOT = Path(__file__).resolve().parents[1]
+TPP = 32  # tokens a page in the small config
 
 
 def fill(cache: vmkv.KVCacheBase, batch: dict[str, int], value: float) -> None:
@@ -200,4 +202,42 @@ def test_an_open_cache_still_tells_unknown_sequences_apart(mode):
     cache = vmkv.open_cache(small_config(), mode=mode)
     with pytest.raises(UnknownSequence):
         cache.seq_len("a")
+    cache.close()
+
+
+# ---- item 7: attention reads only layers the step wrote -------------------------------------------
+def test_attention_on_a_layer_the_step_has_not_written_raises(mode):
+    cache = vmkv.open_cache(small_config(), mode=mode)
+    cache.add("old")
+    fill(cache, {"old": 2 * TPP}, 9.0)  # pages that will be reused: stale K/V under the new sequence
+    cache.free("old")
+    cache.trim(keep_cached=True)
+    cache.add("a")
+    plan = cache.begin_step({"a": 5})
+    q, kv = torch.ones(5, 4, 16), torch.ones(5, 2, 16)
+    before = cache.state()
+    for layer in (0, 1):
+        with pytest.raises(InvalidInput, match=f"layer {layer} .*not written"):
+            cache.attention(layer, q, plan)
+    cache.write(0, kv, kv, plan)
+    cache.attention(0, q, plan)
+    with pytest.raises(InvalidInput, match="layer 1 .*not written"):
+        cache.attention(1, q, plan)
+    assert cache.state() == before
+    cache.write(1, kv, kv, plan)
+    cache.attention(1, q, plan)
+    plan = cache.begin_step({"a": 1})  # a new step: nothing written yet
+    with pytest.raises(InvalidInput, match="not written"):
+        cache.attention(0, torch.ones(1, 4, 16), plan)
+    cache.close()
+
+
+def test_attention_after_write_batch_reads_the_written_layer():
+    cache = vmkv.VirtualKVCache(small_config())
+    cache.add("x"), cache.add("y")
+    plan = cache.begin_step({"x": 3, "y": 3})
+    cache.write_batch(0, torch.ones(2, 2, 3, 16), torch.ones(2, 2, 3, 16), plan)
+    cache.attention(0, torch.ones(6, 4, 16), plan)
+    with pytest.raises(InvalidInput, match="not written"):
+        cache.attention(1, torch.ones(6, 4, 16), plan)
     cache.close()

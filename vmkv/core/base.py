@@ -126,6 +126,10 @@ class KVCacheBase(ABC):
 
         Returns ``[T, q_heads, head_dim]``: causal within the new tokens, full over the cached
         prefix, grouped-query when ``q_heads`` is a multiple of ``num_kv_heads``.
+
+        Raises:
+            StalePlan, InvalidShape, InvalidDtype, InvalidDevice, InvalidInput (also: ``layer`` not
+            written in this step yet, checked first after the plan).
         """
 
     @abstractmethod
@@ -555,6 +559,18 @@ class KVCacheBase(ABC):
 
     def _check_query(self, q: torch.Tensor, plan: StepPlan) -> None:
         check_query(q, plan, self.config)
+
+    def _require_written(self, layer: int) -> None:
+        """Refuse attention over ``layer`` (a checked index, its plan current) before this step
+        wrote it: its new tokens' K/V would be whatever the pages held (zeros, or an earlier
+        sequence's data). One set lookup.
+
+        Raises:
+            InvalidInput: this step has not written ``layer``.
+        """
+        if layer not in self._layers_written:
+            raise InvalidInput(f"attention: layer {layer} is not written in this step yet; call write(layer, k, v, "
+                               "plan) first (its K/V would be stale: zeros or an earlier sequence's data)")
 
     def _start_sequence(self, seq_id: SeqId, slot: int, pages: list[int], length: int, tokens: list[int]) -> LiveSequence:
         """Commit a new sequence in ``slot`` (after ``adopt_slot`` succeeded)."""

@@ -120,9 +120,11 @@ class PagedKVCache(KVCacheBase):
         """See :meth:`vmkv.core.base.KVCacheBase.attention`; runs ``stats()["kernel"]``.
 
         Raises:
-            StalePlan, InvalidShape, InvalidDtype, InvalidDevice, InvalidInput.
+            StalePlan, InvalidShape, InvalidDtype, InvalidDevice, InvalidInput (also: ``layer`` not
+            written in this step yet).
         """
         layer = self._check_plan(plan, layer)
+        self._require_written(layer)
         self._check_query(q, plan)
         scale = as_scale(scale, self.config.head_dim)
         meta = self._prepared(plan, q.shape[1], scale)

@@ -257,6 +257,7 @@ class VirtualKVCache(KVCacheBase):
     @exclusive
     def attention(self, layer: int, q: torch.Tensor, plan: StepPlan, *, scale: float | None = None) -> torch.Tensor:
         layer = self._check_plan(plan, layer)
+        self._require_written(layer)
         self._check_query(q, plan)
         return self._kernel(q, self._k[layer], self._v[layer], plan, as_scale(scale, self.config.head_dim))
 
