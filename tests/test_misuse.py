@@ -8,6 +8,8 @@
   start method on Linux) raises ``CacheClosed`` and leaves the parent's K/V alone; like a closed
   cache (item 16), it reports no sequence.
 * Item 7: ``attention`` on a layer the current step has not written raises ``InvalidInput``.
+* Item 16: ``device="cpu:1"``, a ``max_seq_len`` past int32 and a paged block table no memory
+  holds are refused when configured; ``VirtualCache.crop``/``reorder_cache`` refuse non-ints.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers import small_config
 
 import vmkv
-from vmkv.errors import CacheClosed, InvalidInput, UnknownSequence, Unsupported
+from vmkv.errors import CacheClosed, InvalidConfig, InvalidInput, UnknownSequence, Unsupported
 
 ROOT = Path(__file__).resolve().parents[1]
 TPP = 32  # tokens a page in the small config
@@ -241,3 +244,51 @@ def test_attention_after_write_batch_reads_the_written_layer():
     with pytest.raises(InvalidInput, match="not written"):
         cache.attention(1, torch.ones(6, 4, 16), plan)
     cache.close()
+
+
+# ---- item 16: devices, sizes, transformers' row calls ------------------------------------------------
+@pytest.mark.parametrize("device", ["cpu:1", "cpu:7", torch.device("cpu", 3)])
+def test_a_cpu_device_index_other_than_0_is_refused(device):
+    with pytest.raises(InvalidConfig, match="cpu"):
+        small_config(device=device)
+
+
+def test_cpu_0_is_the_cpu(mode):
+    config = small_config(device="cpu:0")
+    assert config.device == torch.device("cpu")
+    cache = vmkv.open_cache(config, mode=mode)
+    cache.add("a")
+    fill(cache, {"a": 3}, 1.0)  # tensors on "cpu" are on the cache's device
+    cache.close()
+
+
+@pytest.mark.parametrize("max_seq_len", [2**62, 2**40, 2**31])
+def test_a_max_seq_len_no_int32_position_or_block_table_holds_is_refused_before_allocating(mode, max_seq_len):
+    with pytest.raises(InvalidConfig, match="max_seq_len"):
+        vmkv.open_cache(small_config(max_seq_len=max_seq_len), mode=mode)
+
+
+def test_a_paged_block_table_larger_than_memory_is_refused():
+    from vmkv.config import device_memory
+
+    row_bytes = 4 * -(-(2**31 - 1) // 32)  # int32 entries for the longest sequence positions allow
+    slots = device_memory(torch.device("cpu")) // row_bytes + 1  # one row more than the memory holds
+    with pytest.raises(InvalidConfig, match="block table"):
+        vmkv.PagedKVCache(small_config(max_seq_len=2**31 - 1, max_batch_size=slots))
+
+
+@pytest.mark.parametrize("call, arg", [("crop", None), ("crop", "x"), ("crop", 1.5), ("crop", True),
+                                       ("reorder_cache", None), ("reorder_cache", 3), ("reorder_cache", [True]),
+                                       ("batch_select_indices", None)])
+def test_virtual_cache_row_calls_refuse_what_is_not_ints(call, arg):
+    vhf = pytest.importorskip("vmkv.hf")
+    cache = vhf.VirtualCache("vmm")
+    with pytest.raises(InvalidInput):
+        getattr(cache, call)(arg)
+    assert cache.get_seq_length() == 0
+
+
+def test_numpy_ints_are_ints_for_crop():
+    vhf = pytest.importorskip("vmkv.hf")
+    cache = vhf.VirtualCache("vmm")
+    cache.crop(np.int64(0))  # a no-op on an empty cache
