@@ -545,6 +545,7 @@ def test_bad_input_raises_typed_errors_and_changes_nothing(mode):
     cache.add("a")
     plan = cache.begin_step({"a": 2})
     q, kv = torch.ones(2, 4, 16), torch.ones(2, 2, 16)
+    cache.write(0, kv, kv, plan)  # layer 0 written: attention's scale is what gets checked
     bad = [
         (InvalidInput, lambda: cache.add(["unhashable"])),
         (InvalidInput, lambda: cache.add(("a", ["b"]))),

@@ -48,6 +48,10 @@ def _as_device(value: torch.device | str) -> torch.device:
         raise InvalidConfig(f"device: {value!r} is not a torch device ({exc})") from None
     if device.type not in ("cpu", "cuda"):
         raise InvalidConfig(f"device: {device} is not supported; use 'cpu' or 'cuda[:N]'")
+    if device.type == "cpu":  # torch has one CPU device: tensors say "cpu", so "cpu:0" is that one
+        if device.index not in (None, 0):
+            raise InvalidConfig(f"device: {device} does not exist; the CPU is 'cpu' (or 'cpu:0')")
+        return torch.device("cpu")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
     return device
@@ -126,6 +130,11 @@ def check_layout(layout: object) -> None:
         raise InvalidConfig(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
 
 
+MAX_SEQ_LEN = 2**31 - 1
+"""The longest ``max_seq_len``: plans and kernels hold positions and lengths as int32
+(FlashAttention's ``cu_seqlens``/``seqused_k`` too)."""
+
+
 @dataclass(frozen=True)
 class KVCacheConfig:
     """What a KV cache holds and how much memory it may use. Shared by both modes.
@@ -135,9 +144,9 @@ class KVCacheConfig:
         num_kv_heads: key/value heads per layer (fewer than query heads under GQA).
         head_dim: size of one head.
         dtype: element type of K and V (float32, float16, bfloat16; strings accepted).
-        device: ``"cpu"`` (host virtual memory) or ``"cuda[:N]"`` (CUDA driver VMM).
+        device: ``"cpu"`` (host virtual memory; ``"cpu:0"`` is the same) or ``"cuda[:N]"`` (CUDA driver VMM).
         max_batch_size: number of slots, i.e. sequences that can be live at once.
-        max_seq_len: longest sequence, in tokens.
+        max_seq_len: longest sequence, in tokens (at most :data:`MAX_SEQ_LEN`).
         memory_budget: bytes of physical memory for pages (int or "2GiB").
         page_size: VMM mode: bytes of one physical mapping in one K or V tensor (a multiple of
             the backend granularity — 4 KiB on the host, usually 2 MiB on CUDA — and of the
@@ -188,6 +197,9 @@ class KVCacheConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidConfig(f"{name} must be a positive int, got {value!r}")
+        if self.max_seq_len > MAX_SEQ_LEN:
+            raise InvalidConfig(f"max_seq_len must be at most {MAX_SEQ_LEN} (positions are int32), "
+                                f"got {self.max_seq_len}")
         if self.layout is not None and self.layout not in LAYOUTS:
             raise InvalidConfig(f"layout must be one of {', '.join(map(repr, LAYOUTS))} (or None), got {self.layout!r}")
         object.__setattr__(self, "dtype", _as_dtype(self.dtype))

@@ -252,7 +252,8 @@ def paged_geometry(config: KVCacheConfig) -> PageGeometry:
     """Page geometry of paged mode: a page is one block of ``block_size`` tokens in every tensor.
 
     Raises:
-        InvalidConfig: the budget holds no block.
+        InvalidConfig: the budget holds no block, or the block table (int32, ``max_batch_size``
+            rows of ``max_seq_len / block_size`` entries, in host memory) would not fit the host.
     """
     piece = config.block_size * config.layer_token_bytes
     num_tensors = 2 * config.num_layers
@@ -261,6 +262,14 @@ def paged_geometry(config: KVCacheConfig) -> PageGeometry:
         raise InvalidConfig(
             f"memory_budget {config.memory_budget} B holds no block of {config.block_size} tokens "
             f"({num_tensors * piece} B across all layers); raise the budget"
+        )
+    table_bytes = config.max_batch_size * -(-config.max_seq_len // config.block_size) * 4
+    host = device_memory(torch.device("cpu"))
+    if host is not None and table_bytes > host:
+        raise InvalidConfig(
+            f"the block table of max_batch_size={config.max_batch_size} x max_seq_len={config.max_seq_len} "
+            f"(blocks of {config.block_size} tokens) takes {format_size(table_bytes)}, more than this host's "
+            f"{format_size(host)}; lower max_seq_len or max_batch_size, or raise block_size"
         )
     return PageGeometry(config.block_size, num_tensors, piece, num_pages)
 

@@ -17,6 +17,7 @@ import torch
 import vmkv
 from vmkv.kernels import registry as kernel_registry
 from vmkv.kernels.facts import flash_varlen_has_seqused_k, has_flash_attn, torch_varlen_features
+from vmkv.vmm.views import unguarded
 
 from .registry import SCRIPT, optional_packages, package_version, run_process
 from .workload import TOLERANCE, MiB, Shape, compare_ms, decode_config, fill, make_data, percentiles_us, reference_decode
@@ -90,7 +91,7 @@ def decode_section(device: torch.device, shape: Shape, kernels: list[str]) -> di
     try:
         data = make_data(device, shape)
         plan = fill(cache, data, shape)
-        k_vmm, v_vmm = cache.kv_cache(0)  # [batch, seq_len, kv_heads, head_dim] views of the VMM ranges
+        k_vmm, v_vmm = map(unguarded, cache.kv_cache(0))  # [batch, seq_len, kv_heads, head_dim] plain views of the ranges
         k_dense, v_dense = k_vmm.clone(), v_vmm.clone()  # every position is mapped: all slots are full
         reference = reference_decode(data.q, k_dense, v_dense, plan.slots_t.long())
         kv_bytes = 2 * shape.batch * shape.seq_len * shape.kv_heads * shape.head_dim * k_vmm.element_size()

@@ -30,6 +30,7 @@ import vmkv
 from benchmarks import common
 from vmkv.kernels import measured, triton_attention
 from vmkv.kernels import registry as kernel_registry
+from vmkv.vmm.views import unguarded
 
 from .workload import TOLERANCE, Shape, compare_ms, decode_config, fill, make_data, reference_decode
 
@@ -70,7 +71,7 @@ def _candidates(device: torch.device, shape: Shape, data, opened: list
     why = kernel_registry.unavailable("triton", spec)
     if why is None:
         triton = kernel_registry.build("triton", spec)
-        k, v = vmm.kv_cache(0)
+        k, v = map(unguarded, vmm.kv_cache(0))
         fns["slots:triton"] = lambda: triton(data.q, k, v, plan, None)
     else:
         skipped["slots:triton"] = why
@@ -95,7 +96,7 @@ def _split_sweep(device: torch.device, shape: Shape, data, vmm: vmkv.VirtualKVCa
     ok, why = triton_attention.triton_available(device)
     if not ok:
         return {"skipped": why}
-    k, v = vmm.kv_cache(0)
+    k, v = map(unguarded, vmm.kv_cache(0))
     counts = [n for n in SPLIT_COUNTS if n <= max(2, shape.seq_len // 64)]
     fns = {str(n): (lambda n=n: triton_attention.decode_attention(data.q, k, v, plan.kv_lens_t, slots=plan.slots_t,
                                                                     num_splits=n)) for n in counts}
@@ -115,7 +116,7 @@ def paged_vs_vmm_section(device: torch.device, shape: Shape) -> dict[str, Any]:
     try:
         fns, skipped, plan = _candidates(device, shape, data, opened)
         vmm = opened[0]
-        k, v = vmm.kv_cache(0)
+        k, v = map(unguarded, vmm.kv_cache(0))
         reference = reference_decode(data.q, k.clone(), v.clone(), plan.slots_t.long())
         tolerance = TOLERANCE[shape.dtype]
         errors = {name: (fn().float() - reference).abs().max().item() for name, fn in fns.items()}

@@ -117,7 +117,8 @@ class KVCacheBase(ABC):
     @abstractmethod
     def layer_storage(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A layer's K and V storage flattened to rows (zero-copy): ``[rows, kv_heads, head_dim]``,
-        or ``[rows, head_dim]`` in the VMM head-major layout (see the modes' docstrings)."""
+        or ``[rows, head_dim]`` in the VMM head-major layout (see the modes' docstrings). VMM:
+        read-only views; paged: the pools themselves (write only through ``write``)."""
 
     @abstractmethod
     def attention(self, layer: int, q: torch.Tensor, plan: StepPlan, *, scale: float | None = None) -> torch.Tensor:
@@ -125,6 +126,10 @@ class KVCacheBase(ABC):
 
         Returns ``[T, q_heads, head_dim]``: causal within the new tokens, full over the cached
         prefix, grouped-query when ``q_heads`` is a multiple of ``num_kv_heads``.
+
+        Raises:
+            StalePlan, InvalidShape, InvalidDtype, InvalidDevice, InvalidInput (also: ``layer`` not
+            written in this step yet, checked first after the plan).
         """
 
     @abstractmethod
@@ -394,25 +399,29 @@ class KVCacheBase(ABC):
 
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> None:
         """Copy validated ``k``, ``v`` ``[T, kv_heads, head_dim]`` to their rows of ``layer``
-        (a mode whose storage is not token rows overrides this)."""
+        (a mode whose ``layer_storage`` is not writable token rows overrides this: VMM)."""
         k_rows, v_rows = self.layer_storage(layer)
         k_rows.index_copy_(0, plan.write_rows, k)
         v_rows.index_copy_(0, plan.write_rows, v)
 
     # ---- queries ---------------------------------------------------------------------------
+    # A closed cache (or a forked child's copy, see vmkv.core.calls) holds no sequence: ``in``,
+    # ``len`` and ``seq_ids`` say so, and ``seq_len``/``slot`` of any id raise ``CacheClosed``.
     def __contains__(self, seq_id: SeqId) -> bool:
+        if self.guard.closed:
+            return False
         try:
             return seq_id in self._seqs
         except TypeError:  # unhashable: certainly not a sequence of ours
             return False
 
     def __len__(self) -> int:
-        return len(self._seqs)
+        return 0 if self.guard.closed else len(self._seqs)
 
     @property
     def seq_ids(self) -> list[SeqId]:
-        """Ids of the live sequences."""
-        return list(self._seqs)
+        """Ids of the live sequences (none once closed)."""
+        return [] if self.guard.closed else list(self._seqs)
 
     def pages_for(self, num_tokens: int) -> int:
         """Pool pages that hold ``num_tokens`` tokens of one sequence.
@@ -423,11 +432,23 @@ class KVCacheBase(ABC):
         return -(-as_int(num_tokens, "num_tokens") // self.tokens_per_page)
 
     def seq_len(self, seq_id: SeqId) -> int:
-        """Tokens stored for ``seq_id`` (after ``add``: the tokens found in the prefix cache)."""
+        """Tokens stored for ``seq_id`` (after ``add``: the tokens found in the prefix cache).
+
+        Raises:
+            UnknownSequence; CacheClosed after ``close()`` (or in a forked child).
+        """
+        if self.guard.closed:
+            raise self.guard.closed_error("seq_len()")
         return self._get(seq_id).length
 
     def slot(self, seq_id: SeqId) -> int:
-        """The slot (batch row) of ``seq_id``."""
+        """The slot (batch row) of ``seq_id``.
+
+        Raises:
+            UnknownSequence; CacheClosed after ``close()`` (or in a forked child).
+        """
+        if self.guard.closed:
+            raise self.guard.closed_error("slot()")
         return self._get(seq_id).slot
 
     @exclusive
@@ -450,7 +471,7 @@ class KVCacheBase(ABC):
         return {
             "mode": self.mode,
             "kernel": self.kernel,
-            "sequences": len(self._seqs),
+            "sequences": len(self._seqs),  # none once closed: close() drops the table
             "pages_total": self.pool.num_pages,
             "pages_free": self.pool.num_free,
             "pages_in_use": self.pool.num_in_use,
@@ -504,7 +525,10 @@ class KVCacheBase(ABC):
     # ---- closing ---------------------------------------------------------------------------
     def close(self) -> None:
         """Release all memory; views handed out earlier stay readable (VMM: they read zeros).
-        The cache is unusable afterwards. Idempotent, and works on a half-built cache.
+        The cache is unusable afterwards: it holds no sequence (``len`` is 0, ``seq_ids`` empty)
+        and every call but ``stats()`` and ``close()`` raises ``CacheClosed``. Idempotent, and
+        works on a half-built cache. In a forked child it does nothing (the memory is the
+        parent's: see :mod:`vmkv.core.calls`).
 
         Raises:
             ConcurrentUse: another thread is inside the cache.
@@ -521,6 +545,7 @@ class KVCacheBase(ABC):
             if self._ahead is not None:
                 self._ahead.close()
             self._close_storage()
+            self._seqs, self._tokens = {}, 0
             budget, self.budget = self.budget, None
             if budget is not None:
                 budget.close()
@@ -552,6 +577,18 @@ class KVCacheBase(ABC):
 
     def _check_query(self, q: torch.Tensor, plan: StepPlan) -> None:
         check_query(q, plan, self.config)
+
+    def _require_written(self, layer: int) -> None:
+        """Refuse attention over ``layer`` (a checked index, its plan current) before this step
+        wrote it: its new tokens' K/V would be whatever the pages held (zeros, or an earlier
+        sequence's data). One set lookup.
+
+        Raises:
+            InvalidInput: this step has not written ``layer``.
+        """
+        if layer not in self._layers_written:
+            raise InvalidInput(f"attention: layer {layer} is not written in this step yet; call write(layer, k, v, "
+                               "plan) first (its K/V would be stale: zeros or an earlier sequence's data)")
 
     def _start_sequence(self, seq_id: SeqId, slot: int, pages: list[int], length: int, tokens: list[int]) -> LiveSequence:
         """Commit a new sequence in ``slot`` (after ``adopt_slot`` succeeded)."""

@@ -12,6 +12,15 @@ called from any thread), the one-field lookups ``seq_len``, ``slot``, ``seq_ids`
 cache may run is a shared budget's watcher (:mod:`vmkv.core.budget`): a call that finds it
 inside waits for it (a moment) instead of raising.
 
+**One process.** A cache belongs to the process that opened it. After ``os.fork()``
+(multiprocessing's default start method on Linux) the child's copy of every cache is closed
+(:func:`_close_in_forked_child`, run by ``os.register_at_fork``): a call there raises
+:class:`~vmkv.errors.CacheClosed` naming both processes, the lookups report no sequence, and
+``close()`` does nothing. A VMM cache's pages are shared memory (``MAP_SHARED``): the child would
+otherwise hand out the very pages the parent uses next and overwrite its K/V. Costs nothing per
+call: the child's caches are marked once, and calls already test ``closed``. (The host-wide ledger
+refuses a forked child's use of its handle in the same way: :mod:`vmkv.ledger`.)
+
 **All or nothing.** A call that changes memory (mapping, unmapping, copying pages) runs inside
 :meth:`CallGuard.atomic`: every change appends a function that reverts it to the journal (the
 page pool journals its own changes); if anything raises, the journal runs backwards and the cache is
@@ -30,6 +39,7 @@ Timeline of one call::
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import weakref
 from contextlib import contextmanager
@@ -55,7 +65,9 @@ class CallGuard:
     Attributes:
         lock: held by the call running inside the cache.
         journal: the undo functions of the running :meth:`atomic` block, else ``None``.
-        closed: ``close()`` ran; every guarded call raises ``CacheClosed``.
+        closed: ``close()`` ran, or this is a forked child's copy; every guarded call raises
+            ``CacheClosed``.
+        pid: the process that opened the cache.
         broken: why a rollback failed (every guarded call raises ``BackendError``), else ``None``.
         serving: a shared budget's watcher holds the lock for a moment; a caller that finds it
             there waits (:data:`LEDGER_WAIT_S`) instead of raising ``ConcurrentUse``.
@@ -67,7 +79,9 @@ class CallGuard:
         self.closed = False
         self.broken: str | None = None
         self.serving = False
+        self.pid = os.getpid()
         self._pool = pool
+        _GUARDS.add(self)
 
     def log(self, undo: Undo) -> None:
         """Record how to revert a change just made (inside :meth:`atomic`; a no-op outside)."""
@@ -82,11 +96,24 @@ class CallGuard:
         return self.serving and self.lock.acquire(timeout=LEDGER_WAIT_S)
 
     def check_usable(self, what: str) -> None:
-        """Raise ``CacheClosed`` after ``close()``, ``BackendError`` once a rollback failed."""
+        """Raise ``CacheClosed`` after ``close()`` or in a forked child, ``BackendError`` once a
+        rollback failed."""
         if self.closed:
-            raise CacheClosed(f"{what}: the cache is closed")
+            raise self.closed_error(what)
         if self.broken is not None:
             raise BackendError(f"{what}: {self.broken}")
+
+    def closed_error(self, what: str) -> CacheClosed:
+        """The ``CacheClosed`` for a call ``what`` to a closed cache: closed, or opened by another
+        process (this one is a fork of it)."""
+        if os.getpid() == self.pid:
+            return CacheClosed(f"{what}: the cache is closed")
+        return CacheClosed(
+            f"{what}: this cache was opened by process {self.pid}, not by this one ({os.getpid()}, a fork of it): "
+            "a cache belongs to the process that opened it (a VMM cache's pages are shared with that process, so "
+            "writing here would overwrite its K/V); open a cache in this process, or start workers with "
+            "multiprocessing's 'spawn' or 'forkserver' method"
+        )
 
     @contextmanager
     def atomic(self) -> Iterator[None]:
@@ -113,6 +140,22 @@ class CallGuard:
             raise
         finally:
             self.journal = self._pool.journal = None
+
+
+_GUARDS: "weakref.WeakSet[CallGuard]" = weakref.WeakSet()
+"""Every live guard of this process (a forked child closes them all)."""
+
+
+def _close_in_forked_child() -> None:
+    """``os.fork()``'s child: close the copy of every cache it inherited (see the module docstring).
+    Each gets a new lock too: another thread of the parent may have held the old one at the fork,
+    and no thread of the child will ever release it."""
+    for guard in list(_GUARDS):
+        guard.closed = True
+        guard.lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_close_in_forked_child)
 
 
 class Guarded(Protocol):

@@ -40,6 +40,7 @@ from ..core.step import StepPlan
 from ..errors import InvalidConfig, Unsupported
 from ..kernels.capturable import DecodeWorkspace, decode_attention, decode_kernel_name, write_columns
 from ..kernels.triton_attention import SUPPORTED_HEAD_DIMS, choose_num_splits, multiprocessor_count, triton_available
+from ..vmm.views import unguarded
 from .llama import LlamaForCausalLM
 
 log = logging.getLogger("vmkv.engine")
@@ -278,7 +279,7 @@ class DecodeGraphs:
             positions, slots = rows[StepBuffers.POSITIONS], rows[StepBuffers.SLOTS]
             kv_lens = rows[StepBuffers.LENGTHS].to(torch.int32)
             if block_table is None:
-                k_store, v_store = cache.kv_cache(layer)  # [max_batch, max_seq_len, Hkv, D]
+                k_store, v_store = map(unguarded, cache.kv_cache(layer))  # [max_batch, max_seq_len, Hkv, D], writable
                 write_columns(k_store, v_store, k[:, :, None], v[:, :, None], slots, positions)
                 return decode_attention(q, k_store, v_store, kv_lens, slots=slots.to(torch.int32), max_kv_len=max_len,
                                         out=out, workspace=workspace)

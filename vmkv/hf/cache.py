@@ -9,6 +9,7 @@ writes and attends with that plan. Row operations (beams, forks, deep copies) ar
 from __future__ import annotations
 
 import logging
+import operator
 import weakref
 from collections import Counter
 from dataclasses import dataclass
@@ -432,9 +433,13 @@ class VirtualCache(RowPolicy, Cache):
         """Forget the last ``-tokens_to_remove`` columns of every row (``truncate``; 0 is a no-op).
 
         Raises:
-            InvalidInput: a positive value (transformers' legacy absolute form is not supported)
-                or more columns than stored.
+            InvalidInput: not an int, a positive value (transformers' legacy absolute form is not
+                supported) or more columns than stored.
         """
+        if isinstance(tokens_to_remove, (bool, float, torch.Tensor)) or not hasattr(tokens_to_remove, "__index__"):
+            raise InvalidInput(f"crop takes an int (a negative number of tokens to remove), got "
+                               f"{type(tokens_to_remove).__name__} {tokens_to_remove!r}")
+        tokens_to_remove = operator.index(tokens_to_remove)
         if tokens_to_remove > 0:
             raise InvalidInput("crop takes a negative number of tokens to remove")
         keep = self.get_seq_length() + tokens_to_remove

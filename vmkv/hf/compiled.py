@@ -37,6 +37,7 @@ from ..core.mapping import background_safe
 from ..core.step import StepPlan, slot_slice
 from ..errors import InvalidConfig
 from ..kernels.capturable import write_columns
+from ..vmm.views import unguarded
 
 log = logging.getLogger("vmkv")
 
@@ -79,7 +80,9 @@ class CompiledSteps:
 
     Args:
         stores: per layer, the core's ``kv_cache(layer)`` K and V, ``[max_batch, max_len, kv_heads,
-            head_dim]`` views made once (:meth:`for_core`): their addresses never move.
+            head_dim]`` views made once (:meth:`for_core`): their addresses never move. Plain
+            tensors (:func:`vmkv.vmm.views.unguarded`): the compiled write goes through them, only
+            at positions the eager point mapped for the step.
         max_len: columns of every view a layer returns (the core's ``max_seq_len``).
 
     Attributes:
@@ -112,7 +115,7 @@ class CompiledSteps:
     @classmethod
     def for_core(cls, core: KVCacheBase, max_len: int) -> "CompiledSteps":
         """The compiled steps over ``core``'s layers."""
-        return cls([core.kv_cache(layer) for layer in range(core.config.num_layers)], max_len)
+        return cls([tuple(map(unguarded, core.kv_cache(layer))) for layer in range(core.config.num_layers)], max_len)
 
     def copy(self) -> "CompiledSteps":
         """Steps of another ``VirtualCache`` over the same core (a deep copy: its own rows)."""

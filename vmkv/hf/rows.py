@@ -129,9 +129,19 @@ class RowPolicy:
         return len(self._rows)
 
     def _as_index_list(self, index: torch.Tensor | list[int]) -> list[int]:
-        values = index.reshape(-1).tolist() if isinstance(index, torch.Tensor) else list(index)
+        """``index`` (a tensor or a sequence of row indexes) as a list of ints.
+
+        Raises:
+            InvalidInput: neither, or an index that is not an int (a bool is not) in ``0 .. rows - 1``.
+        """
+        if isinstance(index, torch.Tensor):
+            values = index.reshape(-1).tolist()
+        elif isinstance(index, (str, bytes)) or not hasattr(index, "__iter__"):
+            raise InvalidInput(f"row indexes must be a tensor or a sequence of ints, got {type(index).__name__}")
+        else:
+            values = list(index)
         rows = self._num_rows()
-        if not all(isinstance(i, int) and 0 <= i < rows for i in values):
+        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < rows for i in values):
             raise InvalidInput(f"row indexes must be ints in 0..{rows - 1}, got {values}")
         return values
 

@@ -122,9 +122,11 @@ class PagedKVCache(KVCacheBase):
         """See :meth:`vmkv.core.base.KVCacheBase.attention`; runs ``stats()["kernel"]``.
 
         Raises:
-            StalePlan, InvalidShape, InvalidDtype, InvalidDevice, InvalidInput.
+            StalePlan, InvalidShape, InvalidDtype, InvalidDevice, InvalidInput (also: ``layer`` not
+            written in this step yet).
         """
         layer = self._check_plan(plan, layer)
+        self._require_written(layer)
         self._check_query(q, plan)
         scale = as_scale(scale, self.config.head_dim)
         return self._kernel(q, self._k[layer], self._v[layer], plan, scale)

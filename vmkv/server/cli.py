@@ -11,8 +11,6 @@ import logging
 import os
 import sys
 
-log = logging.getLogger("vmkv.server")
-
 
 def _port(text: str) -> int:
     """A TCP port, 0..65535 (0: any free port), refused by argparse before anything binds."""
@@ -91,7 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Open the cache (a bad cache option fails before the weights load), load the model, bind
-    the socket (its real port is logged: ``--port 0`` gets one from the OS), serve until interrupted.
+    the socket (a line on stderr names its real port at any ``--log-level``: ``--port 0`` gets one
+    from the OS), serve until interrupted.
 
     Returns:
         0 after a clean shutdown, 2 on a configuration error.
@@ -128,11 +127,12 @@ def run(args: argparse.Namespace) -> int:
         server = uvicorn.Server(uvicorn.Config(create_app(loop, name, args.api_key, args.protect_metrics),
                                                host=args.host, port=args.port, log_level=args.log_level,
                                                timeout_keep_alive=KEEP_ALIVE_S))
-        sock = server.config.bind_socket()  # bound now, so the log names the port --port 0 got
+        sock = server.config.bind_socket()  # bound now, so the line names the port --port 0 got
         host, port = sock.getsockname()[:2]
-        log.info("serving %s on http://%s:%d (kv mode %s, kernel %s, %d pages of %d tokens)",
-                 name, f"[{host}]" if ":" in host else host, port,
-                 stats["mode"], stats["kernel"], stats["pages_total"], stats["tokens_per_page"])
+        # printed, not logged: a client of --port 0 needs the port whatever --log-level hides
+        print(f"vmkv serve: serving {name} on http://{f'[{host}]' if ':' in host else host}:{port} (kv mode "
+              f"{stats['mode']}, kernel {stats['kernel']}, {stats['pages_total']} pages of {stats['tokens_per_page']} "
+              "tokens)", file=sys.stderr, flush=True)
         server.run(sockets=[sock])
     finally:
         loop.close()

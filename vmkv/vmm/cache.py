@@ -28,8 +28,11 @@ memory.
 
 Every page of a range that holds no data reads as zeros (the backend's shared zero page): a
 read past a sequence's length never faults, and views stay readable after ``free``, ``trim``
-and ``close`` (they read zeros there). Writes go through :meth:`write` only: a write through a
-view into an empty page faults (SIGSEGV on the host), so views are for reading.
+and ``close`` (they read zeros there). Writes go through :meth:`write` and :meth:`write_batch`
+only: a write into an empty page faults (SIGSEGV on the host), so the views users get
+(``kv``, ``kv_cache``, ``layer_storage``) are read-only (:mod:`vmkv.vmm.views`), and the plain
+tensors under them (``_k``, ``_v``, ``_rows``: fixed addresses and shapes for the cache's life)
+stay with the cache's own writes and kernels.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from ..kernels.registry import KernelSpec, make_kernel
 from ..sizing import DeviceFacts, check_budget_fits, resolve, vmm_geometry
 from ..validate import as_layer, as_scale
 from .ranges import SlotRanges
+from .views import ReadOnlyView, read_only
 
 log = logging.getLogger("vmkv")
 
@@ -118,42 +122,57 @@ class VirtualKVCache(KVCacheBase):
 
     # ---- what the model and kernels read ---------------------------------------------------
     @exclusive
-    def kv_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole K and V of a layer, ``[max_batch, max_seq_len, kv_heads, head_dim]`` (zero-copy).
+    def kv_cache(self, layer: int) -> tuple[ReadOnlyView, ReadOnlyView]:
+        """The whole K and V of a layer, ``[max_batch, max_seq_len, kv_heads, head_dim]``: zero-copy
+        read-only views (:mod:`vmkv.vmm.views`; a write raises ``Unsupported``).
 
         Positions past each sequence's length hold zeros or stale data (never a fault): read
         them through the lengths of a plan (``kv_lens``). The views stay readable after the
         cache is closed (they then read zeros).
+
+        Raises:
+            InvalidInput: no such layer.
         """
         layer = as_layer(layer, self.config.num_layers)
         seq = self.config.max_seq_len
-        return self._k[layer][:, :seq], self._v[layer][:, :seq]
+        return read_only(self._k[layer][:, :seq]), read_only(self._v[layer][:, :seq])
 
     @exclusive
-    def kv(self, seq_id: SeqId, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stored K and V of one sequence in one layer, each ``[length, kv_heads, head_dim]``
-        (zero-copy views of its slot).
+    def kv(self, seq_id: SeqId, layer: int) -> tuple[ReadOnlyView, ReadOnlyView]:
+        """The stored K and V of one sequence in one layer, each ``[length, kv_heads, head_dim]``:
+        zero-copy read-only views of its slot (a write raises ``Unsupported``). A view kept after
+        the sequence is freed or the cache closed reads what its pages then hold (zeros once
+        unmapped, or a later sequence's tokens); ``clone()`` it to keep the values.
 
         Raises:
             UnknownSequence, InvalidInput.
         """
         seq = self._get(seq_id)
         layer = as_layer(layer, self.config.num_layers)
-        return self._k[layer][seq.slot, : seq.length], self._v[layer][seq.slot, : seq.length]
+        return read_only(self._k[layer][seq.slot, : seq.length]), read_only(self._v[layer][seq.slot, : seq.length])
 
     @exclusive
-    def layer_storage(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A layer's K and V flattened to rows (zero-copy): ``[max_batch * capacity, kv_heads,
-        head_dim]`` token rows (row ``slot * capacity + position``, as ``plan.write_rows``), or in
-        the head-major layout ``[max_batch * kv_heads * capacity, head_dim]`` (row ``(slot *
-        kv_heads + head) * capacity + position``)."""
-        return self._rows[as_layer(layer, self.config.num_layers)]
+    def layer_storage(self, layer: int) -> tuple[ReadOnlyView, ReadOnlyView]:
+        """A layer's K and V flattened to rows, zero-copy and read-only: ``[max_batch * capacity,
+        kv_heads, head_dim]`` token rows (row ``slot * capacity + position``, as
+        ``plan.write_rows``), or in the head-major layout ``[max_batch * kv_heads * capacity,
+        head_dim]`` (row ``(slot * kv_heads + head) * capacity + position``).
+
+        Raises:
+            InvalidInput: no such layer.
+        """
+        k_rows, v_rows = self._rows[as_layer(layer, self.config.num_layers)]
+        return read_only(k_rows), read_only(v_rows)
 
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> None:
-        if self.config.layout != "head_major":
-            return super()._store(layer, k, v, plan)
-        rows = self._head_major_rows(plan)  # [T * H]
+        """Copy validated ``k``, ``v`` ``[T, kv_heads, head_dim]`` to their rows of ``layer`` (the
+        plain rows: ``layer_storage`` hands out read-only ones)."""
         k_rows, v_rows = self._rows[layer]
+        if self.config.layout != "head_major":
+            k_rows.index_copy_(0, plan.write_rows, k)
+            v_rows.index_copy_(0, plan.write_rows, v)
+            return
+        rows = self._head_major_rows(plan)  # [T * H]
         k_rows.index_copy_(0, rows, k.reshape(-1, self.config.head_dim))
         v_rows.index_copy_(0, rows, v.reshape(-1, self.config.head_dim))
 
@@ -175,7 +194,9 @@ class VirtualKVCache(KVCacheBase):
 
         Returns:
             ``(keys, values)``, each ``[B, kv_heads, start + S, head_dim]``: every token of the
-            plan's sequences, this step's included.
+            plan's sequences, this step's included. Views of the cache's own (writable) tensors,
+            for the kernel that reads them now: never write them, and read them only until the
+            next call that changes the cache (a write into a page freed since would fault).
 
         Raises:
             StalePlan, InvalidShape, InvalidDtype, InvalidDevice, InvalidInput (also: a plan whose
@@ -242,6 +263,7 @@ class VirtualKVCache(KVCacheBase):
     @exclusive
     def attention(self, layer: int, q: torch.Tensor, plan: StepPlan, *, scale: float | None = None) -> torch.Tensor:
         layer = self._check_plan(plan, layer)
+        self._require_written(layer)
         self._check_query(q, plan)
         return self._kernel(q, self._k[layer], self._v[layer], plan, as_scale(scale, self.config.head_dim))
 
