@@ -271,7 +271,7 @@ def test_a_max_seq_len_no_int32_position_or_block_table_holds_is_refused_before_
 
 
 def test_a_paged_block_table_larger_than_memory_is_refused():
-    from vmkv.config import device_memory
+    from vmkv.sizing import device_memory
 
     row_bytes = 4 * -(-(2**31 - 1) // 32)  # int32 entries for the longest sequence positions allow
     slots = device_memory(torch.device("cpu")) // row_bytes + 1  # one row more than the memory holds
