@@ -303,23 +303,26 @@ def available_memory() -> int | None:
 
 
 def cache_config(shape: dict[str, Any], device: str, **fields: Any) -> vmkv.KVCacheConfig:
-    """A :class:`vmkv.KVCacheConfig` of model ``shape`` on ``device`` with ``fields`` set."""
-    return vmkv.KVCacheConfig(**shape, device=device, **fields)
+    """A :class:`vmkv.KVCacheConfig` of model ``shape`` on ``device`` with ``fields`` set, its VMM
+    layout and page size decided as a cache would decide them here (:func:`vmkv.sizing.resolve`:
+    a benchmark names the geometry it measures)."""
+    return vmkv.sizing.resolve(vmkv.KVCacheConfig(**shape, device=device, **fields))
 
 
 def cache_refusal(mode: str, config: vmkv.KVCacheConfig, granularity: int) -> str:
     """Why a ``mode`` cache of ``config`` would not open on a backend whose pages are multiples of
     ``granularity`` ('' if it would), without opening it or touching a device: the checks of
-    :func:`vmkv.config.check_cache_options` that need no device (the page size, in both modes,
+    :func:`vmkv.sizing.check_cache_options` that need no device (the page size, in both modes,
     and the geometry the budget gives).
 
     Raises:
         vmkv.InvalidConfig: ``mode`` is neither ``vmm`` nor ``paged``.
     """
-    from vmkv.config import check_page_size, paged_geometry, vmm_geometry
+    from vmkv.sizing import DeviceFacts, check_page_size, paged_geometry, resolve, vmm_geometry
 
     if mode not in ("vmm", "paged"):
         raise vmkv.InvalidConfig(f"mode must be 'vmm' or 'paged', got {mode!r}")
+    config = resolve(config, DeviceFacts(config.device.type, granularity))
     try:
         check_page_size(config, granularity)
         if mode == "vmm":
@@ -340,17 +343,6 @@ def cache_refusals(planned: Iterable[tuple[str, str, vmkv.KVCacheConfig]], granu
         if why:
             refused[label] = why
     return refused
-
-
-def paged_available() -> tuple[bool, str]:
-    """Whether paged mode can be opened, and if not, why (the package may still be in progress)."""
-    try:
-        import paged  # noqa: F401
-
-        paged.PagedKVCache  # noqa: B018 - raises AttributeError while the package is a stub
-    except (ImportError, AttributeError) as exc:
-        return False, f"paged mode unavailable: {exc}"
-    return True, ""
 
 
 def check_device(device: str) -> None:

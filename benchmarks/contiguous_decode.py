@@ -1,12 +1,12 @@
 """Batched vs per-sequence decode attention on the VMM cache: the measurements behind the rule
-that ``sdpa_adaptive`` (vmkv.attention) uses to choose between them at every step.
+that ``sdpa_adaptive`` (vmkv.kernels.contiguous) uses to choose between them at every step.
 
 Run: ``python -m benchmarks.contiguous_decode [--dtype float32 bfloat16] [--threads 1] [--repeat 7]``
 
 For each workload (batch size, per-sequence lengths, which slots they occupy) one one-layer VMM
 cache holds the K/V; one decode step is timed with both kernels, taking turns (median of
 ``--repeat``, spread = min..max), and the outputs are compared. Then the cost model of
-:class:`vmkv.attention.BatchRule` is fitted by least squares::
+:class:`vmkv.kernels.contiguous.BatchRule` is fitted by least squares::
 
     per-sequence  t = call * B + key * sum(L)
     batched       t = run_key * span * max_kv + real_key * sum(L)  (+ ~one call)
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 import vmkv
-from vmkv.attention import DEFAULT_BATCH_RULE, BatchRule, plan_decode_batch, sdpa_decode_batched, sdpa_per_sequence
+from vmkv.kernels.contiguous import DEFAULT_BATCH_RULE, BatchRule, plan_decode_batch, sdpa_decode_batched, sdpa_per_sequence
 
 from . import common
 

@@ -5,7 +5,7 @@ are written into one VMM cache per layout that ``vmkv.KVCacheConfig`` accepts an
 cache, with identical K/V; then one decode step (one new token per sequence, attention of
 layer 0 only) is timed, every candidate taking its turn in every round::
 
-    vmm:<layout>:<kernel>   each kernel of ``vmkv.attention.CONTIGUOUS_KERNELS`` that can run
+    vmm:<layout>:<kernel>   each slots kernel of ``vmkv.kernels.registry`` that can run
                             here (e.g. sdpa_per_sequence, one SDPA call per sequence; a batched
                             kernel, one call for all rows), on that layout's virtual tensors
     dense:<kernel>          the same kernel on ordinary torch tensors of the same shape (what
@@ -16,7 +16,7 @@ layer 0 only) is timed, every candidate taking its turn in every round::
 
 The VMM caches hold two layers (layer 0 is timed), so a layout that interleaves layers shows
 its real strides. Kernels and layouts are found by name at run time: one added to
-``vmkv.attention`` or ``vmkv.config`` is measured without touching this file; one that cannot
+``vmkv.kernels.contiguous`` or ``vmkv.config`` is measured without touching this file; one that cannot
 run here is reported with the reason, one that raises or gives a wrong answer is reported and
 left out of the verdict.
 
@@ -37,8 +37,10 @@ import torch
 import torch.nn.functional as F
 
 import vmkv
-import vmkv.attention as vattn
 import vmkv.config
+from vmkv.kernels import registry
+from vmkv.kernels.base import AttentionKernel
+from vmkv.vmm.views import unguarded
 
 from . import common
 
@@ -71,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, help="default float32 on CPU, float16 on CUDA")
     parser.add_argument("--page-size", default="2MiB", help="VMM page size")
     parser.add_argument("--layouts", nargs="+", default=None, help="VMM layouts (default: every layout vmkv.KVCacheConfig accepts)")
-    parser.add_argument("--kernels", nargs="+", default=None, help="contiguous kernels (default: every one in vmkv.attention.CONTIGUOUS_KERNELS that can run here)")
+    parser.add_argument("--kernels", nargs="+", default=None, help="contiguous (slots) kernels (default: every one vmkv.kernels.registry has that can run here)")
     parser.add_argument("--block-size", type=int, default=None, help="paged block size (default 16 on CPU, 256 on CUDA: FlashAttention's paged kernels need multiples of 256)")
     parser.add_argument("--paged-kernels", nargs="+", default=None, help="paged kernels to time; 'selected' is the one paged mode picks here (default: selected gather_sdpa)")
     parser.add_argument("--repeat", type=int, default=None, help="rounds, every candidate once per round (default 7; smoke 2)")
@@ -90,7 +92,7 @@ def _defaults(args: argparse.Namespace) -> argparse.Namespace:
         "block_size": args.block_size or (256 if cuda else 16),
         "repeat": args.repeat or (2 if smoke else 7),
         "layouts": args.layouts or list(typing.get_args(vmkv.config.Layout)),
-        "kernels": args.kernels or list(vattn.CONTIGUOUS_KERNELS),
+        "kernels": args.kernels or registry.names("slots"),
     })
 
 
@@ -98,15 +100,16 @@ def _runnable_kernels(args: argparse.Namespace) -> tuple[list[str], dict[str, st
     """Contiguous kernels that can run here, and why the others cannot.
 
     Raises:
-        vmkv.InvalidConfig: a kernel name that ``vmkv.attention`` does not know.
+        vmkv.InvalidConfig: a kernel name that ``vmkv.kernels.registry`` has no slots kernel of.
     """
-    unknown = sorted(set(args.kernels) - set(vattn.CONTIGUOUS_KERNELS))
+    unknown = sorted(set(args.kernels) - set(registry.names("slots")))
     if unknown:
-        raise vmkv.InvalidConfig(f"unknown kernels {unknown}; known: {list(vattn.CONTIGUOUS_KERNELS)}")
+        raise vmkv.InvalidConfig(f"unknown kernels {unknown}; known: {registry.names('slots')}")
     dtype = common.cache_config({"num_layers": 1, "num_kv_heads": 1, "head_dim": args.head_dim, "dtype": args.dtype}, args.device).dtype
     runnable, skipped = [], {}
+    spec = registry.KernelSpec("slots", torch.device(args.device), dtype, args.kv_heads, args.head_dim)
     for name in args.kernels:
-        why = vattn.contiguous_kernel_unavailable(name, torch.device(args.device), dtype, args.head_dim)
+        why = registry.unavailable(name, spec)
         if why is None:
             runnable.append(name)
         else:
@@ -182,42 +185,44 @@ class _Case:
         for label, cache in self.caches.items():
             if cache.mode != "vmm":
                 continue
-            k_view, v_view = cache.kv_cache(0)
+            k_view, v_view = map(unguarded, cache.kv_cache(0))  # plain tensors: time the kernel alone
             plan = self.plans[label]
             dense.setdefault(tuple(k_view.shape), (_dense_copy(k_view), _dense_copy(v_view), plan))
             for name in kernels:
-                kernel = vattn.CONTIGUOUS_KERNELS[name]
+                kernel = registry.build(name, self._slots_spec(cache))
                 out.append(_Candidate(f"{label}:{name}", self._call(kernel, k_view, v_view, plan), name == cache.kernel))
         default_layout = common.cache_config(self.shape, self.args.device).layout
         for shape, (k_dense, v_dense, plan) in dense.items():
             prefix = "dense" if len(dense) == 1 else f"dense{list(shape)}"
             for name in kernels:
-                kernel = vattn.CONTIGUOUS_KERNELS[name]
+                kernel = registry.build(name, self._slots_spec(self.caches[next(iter(self.caches))]))
                 selected = any(c.selected and c.name == f"vmm:{default_layout}:{name}" for c in out)
                 out.append(_Candidate(f"{prefix}:{name}", self._call(kernel, k_dense, v_dense, plan), selected))
         out += self._paged(paged_kernels)
         return out
 
-    def _call(self, kernel: vattn.Kernel, k: torch.Tensor, v: torch.Tensor, plan: Any) -> Callable[[], torch.Tensor]:
+    @staticmethod
+    def _slots_spec(cache: vmkv.KVCacheBase) -> registry.KernelSpec:
+        cfg = cache.config
+        return registry.KernelSpec("slots", cfg.device, cfg.dtype, cfg.num_kv_heads, cfg.head_dim)
+
+    def _call(self, kernel: AttentionKernel, k: torch.Tensor, v: torch.Tensor, plan: Any) -> Callable[[], torch.Tensor]:
         q, scale = self.q, self.scale
         return lambda: kernel(q, k, v, plan, scale)
 
     def _paged(self, names: list[str]) -> list[_Candidate]:
-        from paged.attention import make_paged_kernel
-
         cache, plan = self.caches["paged"], self.plans["paged"]
         cfg = cache.config
+        spec = registry.KernelSpec("blocks", cfg.device, cfg.dtype, cfg.num_kv_heads, cfg.head_dim, cfg.block_size)
         k_pool, v_pool = cache.block_pool(0)
         out = []
         for name in names:
             try:
-                kernel = make_paged_kernel(cfg.device, cfg.dtype, cfg.num_kv_heads, cfg.head_dim, cfg.block_size, forced=name)
+                kernel = registry.make_kernel(spec, forced=name)
             except vmkv.VMKVError as exc:
                 self.skipped[f"paged:{name}"] = f"{type(exc).__name__}: {exc}"
                 continue
-            meta = kernel.prepare(plan, self.q.shape[1], self.scale)
-            q, scale = self.q, self.scale
-            out.append(_Candidate(f"paged:{name}", lambda k=kernel, m=meta: k(q, k_pool, v_pool, plan, m, scale), name == cache.kernel))
+            out.append(_Candidate(f"paged:{name}", self._call(kernel, k_pool, v_pool, plan), name == cache.kernel))
         return out
 
     def close(self) -> None:
@@ -274,9 +279,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:
     common.check_device(args.device)
-    has_paged, why_not = common.paged_available()
-    if not has_paged:
-        raise vmkv.BackendUnavailable(f"the decode benchmark compares with paged mode; {why_not}")
     args = _defaults(args)
     kernels, skipped = _runnable_kernels(args)
     if not kernels:
@@ -346,7 +348,8 @@ def _measure_point(
     read, read_bytes = probe
     wanted = args.paged_kernels or ["selected", "gather_sdpa"]
     selected = case.caches["paged"].kernel
-    paged_kernels = list(dict.fromkeys(selected if name == "selected" else name for name in wanted))
+    both = [name for name in kernels if name in registry.names("blocks")]  # read both addressings: measure both
+    paged_kernels = list(dict.fromkeys([*(selected if name == "selected" else name for name in wanted), *both]))
     tolerance = 1e-4 if case.q.dtype == torch.float32 else 2e-2
     candidates, diffs = _checked(case, case.candidates(kernels, paged_kernels), tolerance, skipped, wrong)
     fns = {c.name: c.fn for c in candidates}
@@ -469,6 +472,7 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
             "decode.vmm_vs_dense", question, ratio(vmm, dense), "VMM", "dense", note=f"{kernel}{floor}", tie_margin=margin,
         )))
     out += _batched_verdict(point, timings, default_layout, failed, where, floor, margin)
+    out += _addressing_verdicts(point, timings, default_layout, where, margin)
     best = min((r for r in point if r["candidate"].startswith("vmm:")), key=lambda r: r["ms"], default=None)
     if best:
         out.append(_bandwidth_verdict(result, best, timings, where))
@@ -516,6 +520,28 @@ BATCHING_MATTERS = 0.10
 """Batched vs per-sequence decode is judged a win only beyond 10 %: the calls it saves cost about
 0.1 % of a step at 2K tokens on CPU (``python -m benchmarks.contiguous_decode``), so smaller
 differences are noise and would flip the verdict from run to run."""
+
+
+def _addressing_verdicts(
+    point: list[dict[str, Any]], timings: common.Timings, layout: str, where: str, margin: float,
+) -> list[common.Verdict]:
+    """For each kernel measured on both addressings (the same kernel reading VMM slots and a
+    block table, e.g. Triton): which wins and by how much, i.e. what block-table translation
+    itself costs, nothing else differing."""
+    names = {r["candidate"] for r in point}
+    out = []
+    for name in sorted(names):
+        if not name.startswith("paged:"):
+            continue
+        kernel = name.split(":", 1)[1]
+        on_slots = sorted(n for n in names if n.startswith("vmm:") and n.endswith(f":{kernel}"))
+        slots = f"vmm:{layout}:{kernel}" if f"vmm:{layout}:{kernel}" in names else (on_slots or [None])[0]
+        if slots is not None:
+            out.append(common.ratio_verdict(
+                f"decode.{kernel}.slots_vs_blocks", f"decode attention, {where}: {kernel} reading VMM slots vs a block "
+                "table (speed: the block table's time over the slots')", timings.ratio(name, slots),
+                "slots", "block table", note=f"{slots} vs {name}", tie_margin=margin))
+    return out
 
 
 def _batched_verdict(

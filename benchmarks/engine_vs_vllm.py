@@ -52,6 +52,7 @@ def kv_budget(requests: int, prompt_len: int, max_tokens: int, kv_mode: str = "v
     ``block_size`` tokens in paged mode), the total rounded up to a MiB.
     """
     from vmkv.config import KVCacheConfig
+    from vmkv.sizing import resolve
 
     tokens = prompt_len + max_tokens
     mib = 1 << 20
@@ -61,9 +62,9 @@ def kv_budget(requests: int, prompt_len: int, max_tokens: int, kv_mode: str = "v
 
     budget = round_up(requests * tokens * token_kv_bytes(), mib)
     for _ in range(8):  # the default page size may depend on the budget: repeat until it holds
-        config = KVCacheConfig(num_layers=SHAPE["num_hidden_layers"], num_kv_heads=SHAPE["num_key_value_heads"],
-                               head_dim=SHAPE["head_dim"], dtype="float32", device="cpu", max_batch_size=requests,
-                               max_seq_len=tokens + 16, memory_budget=budget, block_size=block_size)
+        config = resolve(KVCacheConfig(num_layers=SHAPE["num_hidden_layers"], num_kv_heads=SHAPE["num_key_value_heads"],
+                                       head_dim=SHAPE["head_dim"], dtype="float32", device="cpu", max_batch_size=requests,
+                                       max_seq_len=tokens + 16, memory_budget=budget, block_size=block_size))
         per_page = block_size if kv_mode == "paged" else config.page_size // config.tensor_token_bytes()
         need = round_up(requests * round_up(tokens, per_page) * config.bytes_per_token, mib)
         if need <= budget:

@@ -17,6 +17,10 @@ Caches::
     vmm          VirtualCache("vmm"), the model's SDPA over zero-copy views of the valid length
     vmm+vmkv     VirtualCache("vmm"), attn_implementation="vmkv": the cache's contiguous kernel
     paged+vmkv   VirtualCache("paged"), attn_implementation="vmkv": the paged kernel
+    static+compile  StaticCache under generate()'s compiled forward (``compile_config``; on CUDA
+                 generate() compiles a StaticCache by itself, so there it is ``static``)
+    vmm+compile  VirtualCache("vmm", compile=True) under the same compile: StaticCache's contract
+                 over pages (vmkv.hf.compiled); one untimed warm-up run compiles before the rounds
     bound        the least work a cache can do (greedy points only): K/V preallocated contiguous
                  [B, H, prompt + new tokens, D] per layer, one copy per tensor a step, views of
                  the stored length returned, no pages and no checks; not a cache to use, the
@@ -60,9 +64,11 @@ from . import common
 NAME = "generate"
 DESCRIPTION = "transformers generate(): VirtualCache (vmm, paged) vs DynamicCache/StaticCache tokens/s and KV bytes"
 
-CACHES = ("dynamic", "static", "vmm", "vmm+vmkv", "paged+vmkv", "bound")
+CACHES = ("dynamic", "static", "vmm", "vmm+vmkv", "paged+vmkv", "bound", "static+compile", "vmm+compile")
+DEFAULT_CACHES = CACHES[:6]  # the +compile caches compile for each shape (seconds on a CPU, tens on a GPU): asked for
 LONG_POINT = (512, 2048, 8)  # prompt tokens, new tokens, batch: issue 16's long point
 TARGETS = {"main": 1.0, "long": 1.2, "static": 1.0}  # VirtualCache speed / the other cache's
+COMPILE_TARGETS = {"vmm": 0.95, "static+compile": 1.0}  # vmm+compile speed / the other cache's (issue 28)
 UPDATE_SHARE_TARGET = 0.05  # most of a decode step update() may take
 MODELS: dict[str, dict[str, Any]] = {
     "small": {},  # vmkv.models.DEFAULT_MODEL as it is
@@ -102,7 +108,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--beam-width", type=int, default=4, help="beam search width, 0 to skip (default 4)")
     parser.add_argument("--beam-new-tokens", type=int, default=64, help="beam search tokens (default 64)")
     parser.add_argument("--static-len", type=int, default=None, help="StaticCache max_cache_len (default: prompt + new tokens, what the run needs)")
-    parser.add_argument("--caches", nargs="+", default=list(CACHES), choices=list(CACHES), help="caches to compare (default all)")
+    parser.add_argument("--caches", nargs="+", default=list(DEFAULT_CACHES), choices=list(CACHES),
+                        help=f"caches to compare (default {' '.join(DEFAULT_CACHES)})")
     parser.add_argument("--repeats", type=int, default=3, help="rounds, every cache once per round (default 3)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: stable on shared CPUs)")
     parser.add_argument("--clock", default="auto", choices=["auto", *common.CLOCKS],
@@ -169,9 +176,22 @@ def _make_cache(name: str, model: torch.nn.Module, args: argparse.Namespace, max
         return DynamicCache()
     if name == "bound":
         return _bound_cache(model.config.num_hidden_layers, total)
-    if name == "static":
+    if name in ("static", "static+compile"):
         return StaticCache(config=model.config, max_cache_len=args.static_len or total)
+    if name == "vmm+compile":
+        return vmkv.hf.VirtualCache("vmm", config=model.config, compile=True, max_batch_size=max_batch,
+                                    max_seq_len=args.static_len or total)
     return vmkv.hf.VirtualCache(name.split("+")[0], max_batch_size=max_batch, max_seq_len=total + 1)
+
+
+def _compile_config() -> Any:
+    """generate()'s compile for the ``+compile`` caches, on every device (transformers compiles
+    by itself only on GPUs); its default mode, ``reduce-overhead``, captures CUDA graphs there."""
+    from transformers import CompileConfig
+
+    config = CompileConfig()
+    config._compile_all_devices = True
+    return config
 
 
 def _kv_bytes(cache: Any) -> tuple[int, int, int]:
@@ -217,6 +237,8 @@ def _run_once(model: torch.nn.Module, args: argparse.Namespace, point: Point, na
     ids, kwargs = _generate_call(model, args, point)
     model.set_attn_implementation("vmkv" if "vmkv" in name else "sdpa")
     cache = _make_cache(name, model, args, point.batch * point.beams, point.prompt_len + point.new_tokens)
+    if name.endswith("+compile"):
+        kwargs["compile_config"] = _compile_config()
     return cache, model.generate(ids, **{vmkv.hf.cache_argument(): cache}, **kwargs)
 
 
@@ -230,6 +252,13 @@ def _workload(
     last: dict[str, tuple[Any, torch.Tensor]] = {}
     if point.beams > 1 and "bound" in caches:  # its rows never move: greedy points only
         caches.remove("bound")
+    for name in [name for name in caches if name.endswith("+compile") and name not in args.failed]:
+        try:  # an untimed run compiles (dynamo, inductor) before the rounds
+            warm, _ = _run_once(model, args, point, name)
+            if hasattr(warm, "close"):
+                warm.close()
+        except Exception as exc:  # noqa: BLE001 - reported, the others go on
+            args.failed[name] = f"{type(exc).__name__}: {exc}"
     for round_ in range(args.repeats):
         for name in caches[round_ % len(caches):] + caches[: round_ % len(caches)]:
             if name in args.failed:
@@ -294,7 +323,7 @@ def _update_share_once(model: torch.nn.Module, args: argparse.Namespace, point: 
     on the host: the cache runs no other thread unless ``map_ahead`` is on, which the
     benchmark's caches leave off, so nothing the cache does is left out of it.
     """
-    from vmkv.base import KVCacheBase
+    from vmkv.core.base import KVCacheBase
     from vmkv.hf import VirtualCache
 
     now = common.CLOCKS["cpu"] if args.device == "cpu" else common.CLOCKS["wall"]
@@ -403,9 +432,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     common.check_device(args.device)
     if args.smoke:
         args = _smoke(args)
-    available, why = common.paged_available()
-    caches = [name for name in args.caches if available or not name.startswith("paged")]
-    args = argparse.Namespace(**{**vars(args), "caches": caches, "failed": {}})
+    args = argparse.Namespace(**{**vars(args), "failed": {}})
     warnings.filterwarnings("ignore", message=".*generation flags are not valid.*")
     rows: list[dict[str, Any]] = []
     samples: dict[str, dict[str, list[float]]] = {}
@@ -428,8 +455,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             del model
     config = {k: v for k, v in vars(args).items() if k not in ("out", "progress", "failed")}
     config["clock"] = clock
-    extra = {"config": config, "samples": samples, "update_overhead": overhead, "profiles": profiles,
-             **({"paged_note": why} if why else {})}
+    extra = {"config": config, "samples": samples, "update_overhead": overhead, "profiles": profiles}
     summary = {**_summary(rows, samples), "failed": args.failed}
     return common.make_result(NAME, SCHEMA, rows, summary, **extra)
 
@@ -513,6 +539,29 @@ def _speed_verdicts(result: dict[str, Any], model: str, case: list[dict[str, Any
     return out + _bound_verdicts(timings, case, failed, key_case.split("/")[0], label, where, ours)
 
 
+def _compile_verdicts(result: dict[str, Any], model: str, case: list[dict[str, Any]], label: str) -> list[common.Verdict]:
+    """``vmm+compile`` on ``case`` against eager ``vmm`` (compiling must not slow it down) and
+    against ``static+compile`` (the same compile over StaticCache), each against its target."""
+    timings = common.Timings(result["samples"][_case_key(case[0])])
+    if "vmm+compile" not in timings.samples:
+        return []
+    failed = result["summary"].get("failed", {})
+    top = case[0]
+    where = f"{model} model, B={top['batch']}, {top.get('prompt_len', '?')}+{top['new_tokens']} tokens"
+    out = []
+    for base, target in COMPILE_TARGETS.items():
+        if base not in timings.samples:
+            continue
+        key = f"generate.{model}.{label}compiled_vs_{base.replace('+', '_')}"
+        question = f"generate() tokens/s, {where}: VirtualCache(compile=True) vs {base}"
+        why = _wrong(case, ["vmm+compile", base], failed)
+        ratio = timings.ratio(base, "vmm+compile")
+        out.append(common.unreliable(key, question, why) if why else common.ratio_verdict(
+            key, question, ratio, "vmm+compile", base, reference=f"target >= {target}x", agrees=ratio.value >= target,
+            note=_target_note(ratio, target, None, None)))
+    return out
+
+
 def _bound_verdicts(
     timings: common.Timings, case: list[dict[str, Any]], failed: dict[str, str], model: str, label: str, where: str,
     ours: list[str],
@@ -587,7 +636,8 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
             greedy = [r for r in rows if r["model"] == model and r["workload"] == "greedy" and r.get("point", "main") == kind]
             if greedy:
                 top = max(greedy, key=lambda r: (r["batch"] * r["new_tokens"], r["new_tokens"]))
-                out += _speed_verdicts(result, model, [r for r in greedy if _case_key(r) == _case_key(top)], label)
+                case = [r for r in greedy if _case_key(r) == _case_key(top)]
+                out += _speed_verdicts(result, model, case, label) + _compile_verdicts(result, model, case, label)
         out += _overhead_verdict(result, model)
         beam = {r["cache"]: r for r in rows if r["model"] == model and r["workload"].startswith("beam")}
         vmm_beam = [beam[name] for name in ("vmm", "vmm+vmkv") if name in beam]

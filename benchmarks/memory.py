@@ -305,7 +305,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Replay each trace through each allocator; rows per (trace, allocator)."""
     common.check_device(args.device)
     show = getattr(args, "progress", False)
-    has_paged, why_not = common.paged_available()
     args, chosen = _settings(args)
     rows, series_out, traces, skipped, budgets = [], {}, {}, {}, {}
     done: dict[tuple[str, str, str], dict[str, Any]] = {}  # (trace, policy, geometry) -> its row
@@ -315,9 +314,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         trace = common.make_trace(kind, count, args.seed, args.max_seq_len)
         traces[kind] = common.trace_stats(trace)
         for allocator in chosen:
-            if allocator.mode == "paged" and not has_paged:
-                skipped[allocator.label] = why_not
-                continue
             try:
                 cache = vmkv.open_cache(_config(allocator, args, budgets[kind]), mode=allocator.mode)
             except vmkv.InvalidConfig as exc:  # e.g. 64 KiB pages under CUDA's 2 MiB granularity

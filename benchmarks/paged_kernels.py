@@ -23,8 +23,8 @@ import time
 import torch
 
 import vmkv
-from paged.attention import DEFAULT_MIN_RUN_TOKENS, DEFAULT_SDPA_CHUNK_TOKENS, ChunkedSDPA
-from paged.cache import PagedKVCache
+from vmkv.kernels.paged import DEFAULT_MIN_RUN_TOKENS, DEFAULT_SDPA_CHUNK_TOKENS, ChunkedSDPA
+from vmkv.paged.cache import PagedKVCache
 
 KV_HEADS, Q_HEADS, HEAD_DIM, BLOCK = 8, 32, 128, 16
 
@@ -100,7 +100,7 @@ def run(dtype: str, layers: int, repeat: int, kernels: dict[str, dict], fragment
             for round_ in range(repeat + 1):  # round 0 warms up
                 for label, cache in caches.items():
                     if cache.mode == "paged":
-                        cache._step_meta = None  # pay the per-step preparation every round
+                        cache._kernel._memo = None  # pay the per-step plan every round
                     start = time.perf_counter()
                     for layer in range(layers):
                         outs[label] = cache.attention(layer, q, plans[label])

@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 from vmkv.engine import Engine, EngineConfig, RequestOutput, SamplingParams
-from vmkv.errors import BackendUnavailable
 
 from . import common
 
@@ -92,6 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate-repeats", type=int, default=None, help="runs per mode and rate of the open-loop "
                         "experiment (default: --repeats; no verdict rests on them)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads during the run (tiny model: 1 is fastest)")
+    parser.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
+                        help="capture the engines' decode steps as CUDA graphs (auto: on a CUDA device; off: compare)")
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -116,6 +117,7 @@ def _engine_config(mode: str, args: argparse.Namespace, budget: str, max_num_seq
     return EngineConfig(
         kv_mode=mode, memory_budget=budget, page_size=page_size, block_size=args.block_size,
         max_num_seqs=max_num_seqs, max_seq_len=1024, device=args.device, seed=args.seed,
+        cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs],
     )
 
 
@@ -242,15 +244,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         vmkv.BackendUnavailable: ``--device cuda`` without a GPU, or paged mode missing.
     """
     common.check_device(args.device)
-    if "paged" in args.modes:
-        ok, why = common.paged_available()
-        if not ok:
-            raise BackendUnavailable(why)
     settings = _settings(args)
     with common.torch_threads(args.threads):
         rows, samples = _measure(args, settings)
     config = {**settings, "rates": [str(r) for r in settings["rates"]], "vmm_page_size": args.vmm_page_size,
-              "block_size": args.block_size, "threads": args.threads, "driver": "in-process Engine (no HTTP)"}
+              "block_size": args.block_size, "threads": args.threads, "driver": "in-process Engine (no HTTP)",
+              "cuda_graphs": args.cuda_graphs}
     return common.make_result(NAME, SCHEMA, rows, _summary(rows), config=config, samples=samples)
 
 

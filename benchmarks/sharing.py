@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import vmkv
-from vmkv.config import DEFAULT_TOKENS_PER_PAGE
 from vmkv.sizes import format_size
+from vmkv.sizing import DEFAULT_TOKENS_PER_PAGE
 
 from . import common
 
@@ -253,11 +253,10 @@ def refusals(args: argparse.Namespace, granularity: int) -> dict[str, str]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Replay parallel sampling and beam search per trace, width and allocator, shared vs unshared."""
     common.check_device(args.device)
-    has_paged, why_not = common.paged_available()
     args, widths = _settings(args)
-    allocators = [a for a in ALLOCATORS if a.label in args.allocators and (a.mode == "vmm" or has_paged)]
+    allocators = [a for a in ALLOCATORS if a.label in args.allocators]
     work = [(kind, scen, n, a) for kind in args.traces for scen in ("parallel", "beam") for n in widths for a in allocators]
-    rows, skipped = [], {} if has_paged else {"paged-b16": why_not}
+    rows, skipped = [], {}
     for kind, scen, width, allocator in common.progress(work, "sharing", enabled=getattr(args, "progress", False)):
         if allocator.label in skipped:
             continue

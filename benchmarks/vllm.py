@@ -6,7 +6,7 @@ what the plugin's hooks add to one engine step, timed in isolation (:mod:`benchm
 model, minutes) compares block tables with virtual memory inside one vLLM: stock, vmkv's paged
 backing and vmkv's contiguous mode (:mod:`benchmarks.vllm_addressing`, issue 20). The trace part:
 
-Both engines run the tiny Llama (:mod:`vmkv.vllm.tiny`, greedy, fp32, eager) with the same KV
+Both engines run the tiny Llama (:mod:`benchmarks.vllm_harness.tiny`, greedy, fp32, eager) with the same KV
 buffer (``kv_cache_memory_bytes``); the vmkv engine maps its pages on demand
 (:mod:`vmkv.vllm`). Both stay up for the whole run and take turns, round after round (the order
 alternates), each serving the full trace: requests arrive in bursts (``--bursts`` groups,
@@ -156,8 +156,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     Raises:
         vmkv.InvalidInput: ``--parts`` or ``--client-rates`` not understood.
     """
+    from benchmarks.vllm_harness import tiny
     from vmkv.sizes import parse_size
-    from vmkv.vllm import check_vllm, tiny
+    from vmkv.vllm import check_vllm
 
     parts = _parts(args.parts)
     check_vllm()
@@ -195,7 +196,7 @@ def _run_trace(args: argparse.Namespace, model: Path, kv_bytes: int) -> tuple[li
     """The trace through both in-process engines, interleaved: ``(rows, series, config)``."""
     from vllm import SamplingParams
 
-    from vmkv.vllm import drive
+    from benchmarks.vllm_harness import drive
 
     s = _settings(args)
     trace = common.make_trace("sharegpt", s["requests"], args.seed, s["max_model_len"])

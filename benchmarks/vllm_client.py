@@ -1,6 +1,6 @@
 """Stock vLLM vs vLLM + vmkv under vLLM's own benchmark client (the client part of ``vmkv bench vllm``).
 
-Both engines run vLLM's OpenAI server on the tiny Llama (:func:`vmkv.vllm.drive.servers`: the
+Both engines run vLLM's OpenAI server on the tiny Llama (:func:`benchmarks.vllm_harness.drive.servers`: the
 same flags, cores and threads; the vmkv one with the plugin's three flags as docs/vllm.md starts
 it), both up for the whole run. vLLM's client (``vllm bench serve``, run from Python as
 ``vllm.benchmarks.serve``'s ``add_cli_args`` + ``main``: the CPU build's ``vllm`` command fails
@@ -118,7 +118,7 @@ def measure(settings: dict[str, Any], model: Path, kv_bytes: int, options: dict[
     Returns:
         ``{"schema", "rows", "summary", "config"}``.
     """
-    from vmkv.vllm import drive
+    from benchmarks.vllm_harness import drive
 
     specs = {"stock": drive.ServerSpec(vmkv=False), "vmkv": drive.ServerSpec(vmkv=True, options=options)}
     rows, texts = [], {}

@@ -149,7 +149,7 @@ def _run_child(config: dict[str, Any]) -> dict[str, Any]:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import SamplingParams
 
-    from vmkv.vllm import drive
+    from benchmarks.vllm_harness import drive
 
     vm = config["vmkv"]
     llm = drive.engine(config["model"], vmkv=vm, kv_cache_bytes=config["kv_bytes"],
@@ -226,7 +226,7 @@ def _hook_costs(llm: Any, prompts: list[list[int]], params: Any) -> dict[str, An
         worker = get_kv_transfer_group()
         out["worker_stats_us"] = per_call_us(worker.get_kv_connector_stats)
         out["worker_stats_bytes"] = len(pickle.dumps(worker.get_kv_connector_stats()))
-        out["worker_apply_empty_us"] = _apply_cost(worker)
+        out["worker_apply_empty_us"] = _apply_cost(worker.connector_worker)
     return out
 
 
@@ -253,15 +253,15 @@ def _stock_allocation(manager: Any) -> Iterator[None]:
 
 
 def _apply_cost(worker: Any) -> float:
-    """Microseconds the worker spends on a step's metadata that changes no page."""
-    from vmkv.vllm.connector import VmkvMetadata
+    """Microseconds the worker half of the connector spends on a step's metadata that changes no page."""
+    from vmkv.vllm.metadata import VmkvMetadata
 
     applied = worker._applied
-    fingerprint = worker._layout.fingerprint
+    fingerprint = worker.layout.fingerprint
 
     def apply() -> None:
         worker._applied = applied
-        worker._apply(VmkvMetadata(applied + 1, fingerprint))
+        worker.apply(VmkvMetadata(applied + 1, fingerprint))
 
     try:
         return per_call_us(apply)

@@ -4,13 +4,13 @@ Run: ``python -m benchmarks.vllm_slot_layouts [--repeat 9] [--threads 1] [--cloc
 
 One layer of the addressing benchmark's model (8 query / 4 KV heads, head_dim 64, fp32, vLLM
 blocks of 128 tokens), 8 requests of 1,024-1,536 tokens. The same K/V, timed interleaved with
-the kernel :func:`vmkv.attention.select_contiguous_kernel` picks, over three slot layouts:
+the kernel :func:`vmkv.kernels.registry.make_kernel` picks, over three slot layouts:
 
 * ``kv_interleaved``: ``[slots, tokens, heads, K|V]`` (one range; each token's K and V side by
   side, what vLLM's token-major block holds): K and V are strided views of it;
 * ``separate``: one K and one V range ``[slots, tokens, heads, D]`` (token-major, the
-  ``per_layer`` layout of :class:`~vmkv.cache.VirtualKVCache` and of
-  :func:`vmkv.vllm.contiguous_pages.plan_contiguous_pages`);
+  ``per_layer`` layout of :class:`~vmkv.vmm.cache.VirtualKVCache` and of
+  :func:`vmkv.vllm.contiguous.pages.plan_contiguous_pages`);
 * ``head_major``: K and V ``[slots, heads, tokens, D]`` (each head's tokens contiguous; a piece of
   a block is ``block_size * D * 4`` = 32 KiB, whole OS pages);
 
@@ -28,7 +28,7 @@ slots beat token-major ones by 1.6x in decode, the layouts tie in the prefill ch
 ``gemm_adaptive`` ties with ``sdpa_adaptive`` (decode reads each KV head once in both); vLLM's
 ``CPU_ATTN`` is 1.2-1.5x faster in decode and 1.6-1.7x in the prefill chunk (2.2x / 2.4x in an
 earlier run at lower load). Contiguous mode's slots are head-major
-(:class:`vmkv.vllm.slots.SlotSpace`); what is left of the gap to stock vLLM is the kernel, not
+(:class:`vmkv.vllm.contiguous.slots.SlotSpace`); what is left of the gap to stock vLLM is the kernel, not
 the addressing.
 """
 
@@ -40,8 +40,9 @@ from typing import Any, Callable
 
 import torch
 
-from vmkv.attention import CONTIGUOUS_KERNELS, select_contiguous_kernel
-from vmkv.step import make_plan
+from vmkv.core.step import make_plan
+from vmkv.kernels.contiguous import slot_kernel
+from vmkv.kernels.registry import KernelSpec, make_kernel
 
 from . import common
 
@@ -110,7 +111,8 @@ def measure(repeat: int, seed: int, clock: str = "wall") -> tuple[list[dict[str,
         q = torch.randn(sum(q_lens), Q_HEADS, HEAD_DIM, generator=gen)
         plan = make_plan(tuple(range(slots)), list(range(slots)), [n - m for n, m in zip(lens, q_lens)], q_lens,
                          device=torch.device("cpu"), write_rows=torch.empty(0, dtype=torch.long))
-        kernel_name, kernel = select_contiguous_kernel(torch.device("cpu"), torch.float32, HEAD_DIM)
+        kernel = make_kernel(KernelSpec("slots", torch.device("cpu"), torch.float32, KV_HEADS, HEAD_DIM))
+        kernel_name = kernel.name
         fns: dict[str, Callable[[], Any]] = {}
         outs = {}
         for layout in LAYOUTS:
@@ -118,7 +120,8 @@ def measure(repeat: int, seed: int, clock: str = "wall") -> tuple[list[dict[str,
             fns[layout] = (lambda kl=kl, vl=vl: kernel(q, kl, vl, plan, HEAD_DIM ** -0.5))
             outs[layout] = fns[layout]()
         hk, hv = slot_views("head_major", k, v)
-        fns[GEMM_CANDIDATE] = (lambda: CONTIGUOUS_KERNELS["gemm_adaptive"](q, hk, hv, plan, HEAD_DIM ** -0.5))
+        gemm = slot_kernel("gemm_adaptive")
+        fns[GEMM_CANDIDATE] = (lambda: gemm(q, hk, hv, plan, HEAD_DIM ** -0.5))
         outs[GEMM_CANDIDATE] = fns[GEMM_CANDIDATE]()
         fns["vllm_cpu_attn"] = (lambda run=vllm_cpu_attn(k, v, lens, q_lens): run(q))
         outs["vllm_cpu_attn"] = fns["vllm_cpu_attn"]()

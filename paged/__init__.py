@@ -1,11 +1,8 @@
-"""Paged mode of vmkv: block pools and block tables (the PagedAttention idea), same API as VMM mode.
+"""``import paged``: the name paged mode had before it moved to :mod:`vmkv.paged` (kept for users).
 
-``PagedKVCache(config)`` or ``vmkv.open_cache(config, mode="paged")``; see docs/paged.md.
+``paged.PagedKVCache`` and ``paged.KERNELS`` are :mod:`vmkv.paged`'s.
 """
 
-from __future__ import annotations
-
-from .attention import KERNELS
-from .cache import PagedKVCache
+from vmkv.paged import KERNELS, PagedKVCache
 
 __all__ = ["PagedKVCache", "KERNELS"]

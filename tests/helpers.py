@@ -157,10 +157,10 @@ def instrument(cache: vmkv.KVCacheBase) -> Faults:
     faults = Faults()
     if cache.mode == "vmm":
         for name in ("map", "map_pages", "unmap", "release_page"):
-            faults.wrap(cache._vm, name)
+            faults.wrap(cache.ranges.vm, name)
     else:
-        for name in ("_attach", "_detach"):
-            faults.wrap(cache, name)
+        for name in ("attach", "detach"):
+            faults.wrap(cache.blocks, name)
     faults.wrap(cache.pool, "allocate")
     return faults
 
@@ -172,3 +172,23 @@ def rss_bytes() -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def register_kernel(monkeypatch, name: str, function, addressing: str = "slots") -> None:
+    """Make ``function(q, k, v, plan, scale)`` the kernel ``name`` of ``addressing`` for this test
+    (a new name is added to the registry, runnable everywhere; an existing one is replaced)."""
+    from vmkv.kernels import registry
+    from vmkv.kernels.contiguous import Stateless
+
+    if name not in registry.KERNELS:
+        monkeypatch.setitem(registry.KERNELS, name, registry.KernelEntry(name, frozenset({addressing}), lambda spec, facts: []))
+    real = registry.build
+
+    def build(kernel: str, spec):
+        if kernel != name:
+            return real(kernel, spec)
+        built = Stateless(name, function)
+        built.addressing = spec.addressing
+        return built
+
+    monkeypatch.setattr(registry, "build", build)

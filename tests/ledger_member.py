@@ -60,7 +60,7 @@ def run_burst(cache: vmkv.KVCacheBase, seqs: int, tokens: int, seed: int, *, kee
 def spin(cache: vmkv.KVCacheBase) -> None:
     """Decode steps of every live sequence until killed (each writes one token a sequence)."""
     while True:
-        ids = cache.seq_ids()
+        ids = cache.seq_ids
         plan = cache.begin_step({seq_id: 1 for seq_id in ids})
         for layer in range(CONFIG["num_layers"]):
             kv = torch.ones(len(ids), 2, 64)
@@ -72,7 +72,7 @@ def spin(cache: vmkv.KVCacheBase) -> None:
 def main() -> None:
     torch.set_num_threads(1)
     cache = open_member(sys.argv[1] if len(sys.argv) > 1 else None)
-    print(json.dumps({"ready": True, "memfd": cache._vm._fd}), flush=True)
+    print(json.dumps({"ready": True, "memfd": cache.ranges.vm._fd}), flush=True)
     for line in sys.stdin:
         command = json.loads(line)
         op = command["op"]

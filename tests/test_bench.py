@@ -18,12 +18,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import register_kernel
 
 import vmkv
-import vmkv.attention
 import vmkv.config
+import vmkv.kernels.contiguous
 from benchmarks import common, compare, suite
 from vmkv import cli
+from vmkv.kernels import registry
 
 FAST = ["memory", "decode", "mapping", "sharing"]  # smoke runs of seconds
 ALL = [*FAST, "generate", "serve"]
@@ -103,7 +105,7 @@ def test_memory_covers_every_layout_and_the_library_defaults(smoke_results):
             assert label in labels or skipped[label]
     assert {"vmm-per_layer-2MiB", "vmm-all_layers-2MiB"} <= labels
     budget = smoke_results["memory"]["config"]["budget"]["sharegpt"]
-    defaults = vmkv.KVCacheConfig(**common.LLAMA3_8B, memory_budget=budget)  # the default layout depends on the budget
+    defaults = vmkv.sizing.resolve(vmkv.KVCacheConfig(**common.LLAMA3_8B, memory_budget=budget))  # depends on the budget
     row = next(r for r in smoke_results["memory"]["rows"] if (r["trace"], r["allocator"]) == ("sharegpt", memory.DEFAULT_VMM))
     assert row["geometry"].startswith(defaults.layout)
     paged = next(r for r in smoke_results["memory"]["rows"] if (r["trace"], r["allocator"]) == ("sharegpt", "paged-b16"))
@@ -157,7 +159,7 @@ def test_decode_outputs_agree_and_times_are_positive(smoke_results):
     assert {"vmm:per_layer:sdpa_per_sequence", "vmm:all_layers:sdpa_per_sequence"} <= names
     assert {"dense:sdpa_per_sequence", "paged:gather_sdpa", f"paged:{result['summary']['kernels']['paged_selected']}"} <= names
     # a kernel that cannot run here is named with its reason, not silently dropped
-    for name in set(vmkv.attention.CONTIGUOUS_KERNELS) - set(result["summary"]["kernels"]["contiguous"]):
+    for name in set(registry.names("slots")) - set(result["summary"]["kernels"]["contiguous"]):
         assert result["summary"]["skipped"][name]
 
 
@@ -165,16 +167,13 @@ def test_decode_picks_up_a_newly_registered_kernel_and_rejects_a_wrong_one(monke
     from benchmarks import decode
 
     def shifted(q, k_cache, v_cache, plan, scale):  # a batched-looking kernel that is right
-        return vmkv.attention.sdpa_per_sequence(q, k_cache, v_cache, plan, scale)
+        return vmkv.kernels.contiguous.sdpa_per_sequence(q, k_cache, v_cache, plan, scale)
 
     def wrong(q, k_cache, v_cache, plan, scale):
         return torch.zeros_like(q)
 
-    kernels = {**vmkv.attention.CONTIGUOUS_KERNELS, "test_batched": shifted, "test_wrong": wrong}
-    monkeypatch.setattr(vmkv.attention, "CONTIGUOUS_KERNELS", kernels)
-    real = vmkv.attention.contiguous_kernel_unavailable
-    monkeypatch.setattr(vmkv.attention, "contiguous_kernel_unavailable",
-                        lambda name, *a, **k: None if name.startswith("test_") else real(name, *a, **k))
+    register_kernel(monkeypatch, "test_batched", shifted)
+    register_kernel(monkeypatch, "test_wrong", wrong)
     result = decode.run(_args(decode, tmp_path, ["--batches", "2", "--contexts", "64"]))
     names = {r["candidate"] for r in result["rows"]}
     assert {"vmm:per_layer:test_batched", "dense:test_batched"} <= names
@@ -234,7 +233,7 @@ def test_decode_run_with_a_wrong_selected_kernel_gives_no_verdict_on_it(monkeypa
     def wrong(q, k_cache, v_cache, plan, scale):
         return torch.zeros_like(q)
 
-    monkeypatch.setitem(vmkv.attention.CONTIGUOUS_KERNELS, selected, wrong)
+    register_kernel(monkeypatch, selected, wrong)
     result = decode.run(_args(decode, tmp_path, ["--batches", "1", "--contexts", "64"]))
     layout = result["config"]["default_layout"]
     name = f"vmm:{layout}:{selected}"
@@ -292,6 +291,20 @@ def test_generate_bound_verdicts_say_what_bookkeeping_costs_and_what_the_target_
     verdicts = {v.key: v for v in generate.verdicts(result)}
     for key in ("generate.small.vs_bound", "generate.small.bound_vs_dynamic"):
         assert not verdicts[key].reliable and verdicts[key].note == "bound generated other tokens than DynamicCache"
+
+
+def test_generate_compile_verdicts_have_their_targets():
+    from benchmarks import generate
+
+    result = _generate_result({"vmm": True, "vmm+compile": True, "static+compile": True})
+    times = result["samples"]["small/greedy/b2/4"]  # vmm: 1.0, 1.1, 1.2
+    times["vmm+compile"], times["static+compile"] = [1.04, 1.15, 1.26], [1.0, 1.1, 1.2]
+    verdicts = {v.key: v for v in generate.verdicts(result)}
+    eager, static = verdicts["generate.small.compiled_vs_vmm"], verdicts["generate.small.compiled_vs_static_compile"]
+    assert eager.agrees and eager.reference == "target >= 0.95x"  # 0.96x of eager: within the target
+    assert not static.agrees and "missed by 0.04x" in static.note
+    result["rows"] = [{**r, "same_tokens_as_dynamic": r["cache"] != "vmm+compile"} for r in result["rows"]]
+    assert not {v.key: v for v in generate.verdicts(result)}["generate.small.compiled_vs_vmm"].reliable
 
 
 def test_generate_bound_cache_gives_dynamic_cache_tokens_and_refuses_moving_rows():
@@ -714,7 +727,8 @@ def test_engine_vs_vllm_budget_holds_every_request_whole(kv_mode, requests, prom
     """The vmkv engine's default KV budget holds every request's prompt and output at once, in the
     cache's own pages: it never has to preempt (the default 256 MiB did not hold the default work)."""
     from benchmarks import engine_vs_vllm as bench
-    from vmkv.config import KVCacheConfig, paged_geometry, vmm_geometry
+    from vmkv.config import KVCacheConfig
+    from vmkv.sizing import paged_geometry, resolve, vmm_geometry
     from vmkv.vm import granularity
 
     shape = bench.SHAPE
@@ -724,7 +738,7 @@ def test_engine_vs_vllm_budget_holds_every_request_whole(kv_mode, requests, prom
                            max_seq_len=prompt_len + max_tokens + 16, memory_budget=budget)
     assert bench.token_kv_bytes() == config.bytes_per_token
     assert budget % 2**20 == 0 and budget >= requests * (prompt_len + max_tokens) * config.bytes_per_token
-    geometry = paged_geometry(config) if kv_mode == "paged" else vmm_geometry(config, granularity(config.device))
+    geometry = paged_geometry(config) if kv_mode == "paged" else vmm_geometry(resolve(config), granularity(config.device))
     pages_per_request = -(-(prompt_len + max_tokens) // geometry.tokens_per_page)
     assert geometry.num_pages >= requests * pages_per_request
 
@@ -1195,3 +1209,17 @@ def test_smoke_on_cuda(name, tmp_path):
     args = _args(module, tmp_path)
     args.device = "cuda"
     _check_contract(module.run(args), name)
+
+
+def test_decode_names_the_winner_of_a_kernel_read_through_both_addressings():
+    """A kernel measured on VMM slots and through a block table (Triton) gets a verdict of its
+    own: which addressing wins and by how much; kernels of one addressing get none."""
+    from benchmarks import decode
+
+    noise = [1.0, 1.01, 0.99, 1.0, 1.02, 0.98, 1.0]
+    timings = common.Timings({"vmm:per_layer:triton": noise, "paged:triton": [1.3 * t for t in noise],
+                              "paged:gather_sdpa": [2.0] * 7, "vmm:per_layer:sdpa_per_sequence": [1.5] * 7})
+    point = [{"candidate": name} for name in timings.samples]
+    (verdict,) = decode._addressing_verdicts(point, timings, "all_layers", "B=2, 128 tokens", 0.02)
+    assert verdict.key == "decode.triton.slots_vs_blocks" and verdict.winner.startswith("slots, 1.30x")
+    assert verdict.note == "vmm:per_layer:triton vs paged:triton"

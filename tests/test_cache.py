@@ -232,6 +232,7 @@ def test_every_invalid_call_raises_its_error_and_changes_nothing(make_cache):
     def t(n: int, heads: int = cfg.num_kv_heads) -> torch.Tensor:
         return torch.zeros(n, heads, cfg.head_dim, dtype=cfg.dtype)
 
+    cache.write(0, t(1), t(1), plan)  # layer 0 written: attention's own argument checks are reached
     failing = [
         (UnknownSequence, lambda: cache.free("nope")),
         (UnknownSequence, lambda: cache.reserve("nope", 3)),
@@ -257,6 +258,7 @@ def test_every_invalid_call_raises_its_error_and_changes_nothing(make_cache):
         (InvalidShape, lambda: cache.write(0, t(1, 3), t(1, 3), plan)),
         (InvalidShape, lambda: cache.attention(0, t(1, 3), plan)),
         (InvalidShape, lambda: cache.attention(0, t(2, 4), plan)),
+        (InvalidInput, lambda: cache.attention(1, t(1, 4), plan)),  # layer 1 not written yet (issue 30 item 7)
         (InvalidDtype, lambda: cache.write(0, t(1).double(), t(1), plan)),
         (InvalidDevice, lambda: cache.write(0, t(1).to("meta"), t(1), plan)),
         (InvalidInput, lambda: cache.write(cfg.num_layers, t(1), t(1), plan)),
@@ -306,6 +308,7 @@ def test_shape_errors_name_each_tensor_s_dimensions(make_cache):
     kv = torch.zeros(3, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype)
     with pytest.raises(InvalidShape, match=r"k must have shape \[4, 2, 16\] \(\[tokens, kv_heads, head_dim\]\)"):
         cache.write(0, kv, kv, plan)
+    cache.write(0, kv[:1].expand(4, -1, -1), kv[:1].expand(4, -1, -1), plan)  # layer 0 written: q is checked
     q = torch.zeros(7, 2 * cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype)  # 7 tokens where the plan has 4
     with pytest.raises(InvalidShape, match=r"q must have shape \[4, 4, 16\] \(\[tokens, q_heads, head_dim\]\)"):
         cache.attention(0, q, plan)
@@ -329,7 +332,8 @@ def test_errors_are_catchable_as_builtin_kinds():
 
 def test_a_mapping_of_the_config_fields_opens_a_cache_and_anything_else_is_refused(mode):
     with vmkv.open_cache(dict(num_layers=2, num_kv_heads=2, head_dim=64, memory_budget="8MiB"), mode=mode) as cache:
-        assert cache.config == vmkv.KVCacheConfig(num_layers=2, num_kv_heads=2, head_dim=64, memory_budget="8MiB")
+        given = vmkv.KVCacheConfig(num_layers=2, num_kv_heads=2, head_dim=64, memory_budget="8MiB")
+        assert cache.config == (vmkv.sizing.resolve(given) if mode == "vmm" else given)  # VMM decides its pages
     with pytest.raises(InvalidConfig, match="unknown field.*'heads'"):
         vmkv.open_cache(dict(num_layers=2, heads=2, head_dim=64), mode=mode)
     with pytest.raises(InvalidConfig, match="missing field.*num_kv_heads"):

@@ -12,8 +12,10 @@ import torch
 from helpers import KVMirror, dense_attention, small_config
 
 import vmkv
-from vmkv import attention
-from vmkv.attention import CONTIGUOUS_KERNELS, DEFAULT_BATCH_RULE, BatchRule, SdpaDecodeKernel, plan_decode_batch
+from vmkv.kernels import contiguous as attention
+from vmkv.kernels import facts, registry
+from vmkv.kernels.contiguous import DEFAULT_BATCH_RULE, BatchRule, SdpaDecodeKernel, plan_decode_batch, slot_kernel
+from vmkv.kernels.facts import MachineFacts
 
 CPU_KERNELS = ["gemm_adaptive", "gemm_batched", "sdpa_adaptive", "sdpa_batched", "sdpa_per_sequence"]
 FLOAT32_ONLY = {"gemm_adaptive", "gemm_batched"}  # selection never gives them other dtypes
@@ -32,7 +34,7 @@ class Driver(KVMirror):
             q = self.randn(total, self.q_heads, cfg.head_dim)
             self.cache.write(layer, k, v, plan)
             k_view, v_view = self.cache.kv_cache(layer)
-            outs = {name: CONTIGUOUS_KERNELS[name](q, k_view, v_view, plan, None) for name in kernels
+            outs = {name: slot_kernel(name)(q, k_view, v_view, plan, None) for name in kernels
                     if cfg.dtype == torch.float32 or name not in FLOAT32_ONLY}
             outs["cache.attention"] = self.cache.attention(layer, q, plan)
             offset = 0
@@ -93,7 +95,7 @@ def test_stale_data_past_a_length_contributes_nothing(layout):
         driver.fill("long" if fresh == "new" else "new", 70)  # the run's longest row: 71 keys read for both
         for _ in range(2):
             plan = driver.step({"new": 1, "long": 1})
-        batch = CONTIGUOUS_KERNELS["sdpa_batched"].decode_batch(plan)
+        batch = slot_kernel("sdpa_batched").plan(plan)
         assert batch.batched and batch.mask is not None and batch.max_kv == 72
     finally:
         cache.close()
@@ -119,7 +121,7 @@ def test_non_finite_stale_data_is_never_read_into_an_answer(poison, layout):
         driver.fill("long", 70)
         for _ in range(2):
             plan = driver.step({"new": 1, "long": 1})  # every kernel's output checked finite and exact
-        assert CONTIGUOUS_KERNELS["sdpa_batched"].decode_batch(plan).batched
+        assert slot_kernel("sdpa_batched").plan(plan).batched
     finally:
         cache.close()
 
@@ -188,11 +190,17 @@ def test_adaptive_kernel_follows_its_rule_and_memoises_per_plan():
     try:
         plan = _plan(cache, {"a": 300, "b": 2, "c": 2, "d": 2})
         kernel = SdpaDecodeKernel("test", DEFAULT_BATCH_RULE)
-        batch = kernel.decode_batch(plan)
+        batch = kernel.plan(plan)
         assert not batch.batched  # 3 of 4 rows would pay 301 keys for 3
-        assert kernel.decode_batch(plan) is batch  # computed once per step, reused by every layer
+        planned = []
+        kernel.plan = lambda *args, real=kernel.plan: planned.append(1) or real(*args)
+        k_view, v_view = cache.kv_cache(0)
+        q = torch.randn(4, 4, cache.config.head_dim)
+        for _ in range(3):  # three layers of one step
+            kernel(q, k_view, v_view, plan, None)
+        assert planned == [1]  # planned once per step, reused by every layer
         always = SdpaDecodeKernel("always", None)
-        assert always.decode_batch(plan).batched
+        assert always.plan(plan).batched
     finally:
         cache.close()
 
@@ -203,7 +211,7 @@ def test_a_prefill_only_step_runs_per_sequence():
         cache.add("a"), cache.add("b")
         driver = Driver(cache, q_heads=4)
         plan = driver.step({"a": 7, "b": 40})
-        assert CONTIGUOUS_KERNELS["sdpa_batched"].decode_batch(plan) is None
+        assert slot_kernel("sdpa_batched").plan(plan) is None
     finally:
         cache.close()
 
@@ -215,9 +223,9 @@ def test_non_contiguous_q_is_accepted():
         k_view, v_view = cache.kv_cache(0)
         wide = torch.randn(2, 4, 32)
         q = wide[:, :, ::2]  # [2, 4, 16], non-contiguous
-        want = CONTIGUOUS_KERNELS["sdpa_per_sequence"](q.contiguous(), k_view, v_view, plan, None)
+        want = slot_kernel("sdpa_per_sequence")(q.contiguous(), k_view, v_view, plan, None)
         for name in CPU_KERNELS:
-            torch.testing.assert_close(CONTIGUOUS_KERNELS[name](q, k_view, v_view, plan, None), want)
+            torch.testing.assert_close(slot_kernel(name)(q, k_view, v_view, plan, None), want)
     finally:
         cache.close()
 
@@ -228,11 +236,13 @@ def test_cpu_selects_the_adaptive_kernel():
         assert cache.kernel == "sdpa_adaptive" and cache.stats()["kernel"] == "sdpa_adaptive"
     finally:
         cache.close()
-    assert attention.contiguous_kernel_unavailable("gemm_adaptive", torch.device("cpu"), torch.float32) is None
-    reason = attention.contiguous_kernel_unavailable("gemm_adaptive", torch.device("cpu"), torch.bfloat16)
-    assert "needs float32" in reason
-    reason = attention.contiguous_kernel_unavailable("sdpa_batched", torch.device("cuda", 0))
-    assert "CPU kernel" in reason
+    cpu = registry.KernelSpec("slots", torch.device("cpu"), torch.float32, 2, 16)
+    assert registry.unavailable("gemm_adaptive", cpu) is None
+    reason = registry.unavailable("gemm_adaptive", registry.KernelSpec("slots", torch.device("cpu"), torch.bfloat16, 2, 16))
+    assert "float32" in reason
+    reason = registry.unavailable("sdpa_batched", registry.KernelSpec("slots", torch.device("cuda", 0), torch.float16, 2, 16),
+                                  MachineFacts((9, 0)))
+    assert "the CPU" in reason
 
 
 @pytest.fixture
@@ -245,58 +255,65 @@ def broken_flash_attn(tmp_path, monkeypatch):
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
-    attention.optional_import.cache_clear()
+    facts.optional_import.cache_clear()
     yield
-    attention.optional_import.cache_clear()
+    facts.optional_import.cache_clear()
 
 
 def test_a_broken_flash_attn_is_reported_not_selected(broken_flash_attn, monkeypatch, caplog):
-    function, why = attention.optional_import("flash_attn", "flash_attn_with_kvcache")
+    function, why = facts.optional_import("flash_attn", "flash_attn_with_kvcache")
     assert function is None and "undefined symbol" in why and "installed but" in why
     # pretend to be an sm90 GPU, so that selection gets as far as importing flash-attn
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(attention, "_LOGGED", set())
+    monkeypatch.setattr(registry, "_LOGGED", set())
     with caplog.at_level(logging.INFO, logger="vmkv"):
-        name, _ = attention.select_contiguous_kernel(torch.device("cuda", 0), torch.bfloat16, 128)
-    assert name != "flash_attn_with_kvcache"
+        kernel = registry.make_kernel(registry.KernelSpec("slots", torch.device("cuda", 0), torch.bfloat16, 8, 128))
+    assert kernel.name != "flash_attn_with_kvcache"
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings and "undefined symbol" in warnings[0].getMessage()
     with pytest.raises(vmkv.BackendUnavailable, match="undefined symbol"):
-        attention._flash_attn_with_kvcache()
+        facts.optional_kernel("flash_attn")
 
 
 def test_flash_attention_requirements_are_stated_once_for_both_modes():
-    """One rule (sm80+, fp16/bf16, head_dim % 8 and <= 256) behind the contiguous selector, the
-    paged pool's FlashAttention check and ``vmkv info``."""
-    from paged.attention import flash_paged_blockers
-
-    sm75 = attention.CudaKernelFacts((7, 5), None, True)
-    sm90 = attention.CudaKernelFacts((9, 0), None, True)
+    """One rule (sm80+, fp16/bf16, head_dim % 8 and <= 256) behind both addressings' FlashAttention
+    kernels and ``vmkv info``."""
+    sm75 = MachineFacts((7, 5), varlen_seqused=True, triton_missing="not here")
+    sm90 = MachineFacts((9, 0), varlen_seqused=True, triton_missing="not here")
     cuda = torch.device("cuda", 0)
-    for facts, dtype, head_dim, need in [(sm75, torch.float16, 128, "compute capability 8.0"),
-                                         (sm90, torch.float32, 128, "float16 or bfloat16"),
-                                         (sm90, torch.bfloat16, 260, "head_dim a multiple of 8")]:
-        contiguous = attention.contiguous_kernel_unavailable("flash_attn_with_kvcache", cuda, dtype, head_dim, facts)
-        paged = flash_paged_blockers(cuda, dtype, head_dim, 256, facts.capability)
-        assert need in contiguous and [need in why for why in paged] == [True]
-    assert attention.choose_contiguous_kernel(cuda, torch.float16, 128, sm90) == ("flash_attn_with_kvcache", [])
-    no_flash = attention.CudaKernelFacts((9, 0), "flash_attn is not installed", False)
-    name, skipped = attention.choose_contiguous_kernel(cuda, torch.float16, 128, no_flash)
-    assert name == "sdpa_per_sequence" and skipped[0] == "flash_attn is not installed" and "seqused_k" in skipped[1]
+    for machine, dtype, head_dim, need in [(sm75, torch.float16, 128, "compute capability 8.0"),
+                                           (sm90, torch.float32, 128, "float16 or bfloat16"),
+                                           (sm90, torch.bfloat16, 264, "head_dim a multiple of 8")]:
+        slots = registry.KernelSpec("slots", cuda, dtype, 8, head_dim)
+        blocks = registry.KernelSpec("blocks", cuda, dtype, 8, head_dim, 256)
+        assert need in registry.unavailable("flash_attn_with_kvcache", slots, machine)
+        assert need in registry.unavailable("flash_attn_with_kvcache", blocks, machine)
+    choice = registry.choose(registry.KernelSpec("slots", cuda, torch.float16, 8, 128), sm90)
+    assert (choice.name, choice.skipped) == ("flash_attn_with_kvcache", ())
+    no_flash = MachineFacts((9, 0), {"flash_attn": "flash_attn is not installed"}, varlen_seqused=False,
+                            triton_missing="triton is not installed")
+    choice = registry.choose(registry.KernelSpec("slots", cuda, torch.float16, 8, 128), no_flash)
+    assert choice.name == "sdpa_per_sequence"
+    assert "flash_attn is not installed" in choice.skipped[0] and "seqused_k" in choice.skipped[1]
+    assert "triton is not installed" in choice.skipped[2]
 
 
 def test_vmkv_info_reports_the_selector_s_choice(monkeypatch):
-    """``vmkv info``'s CUDA line is the selector's answer for this torch and flash-attn (it once
+    """``vmkv info``'s CUDA lines are the rule's answer for this torch and flash-attn (it once
     re-derived the choice from other tests: flash-attn installed rather than importable, torch's
     varlen_attn signature rather than the op the kernel calls)."""
     from vmkv import cli
+    from vmkv.kernels import triton_attention
 
+    monkeypatch.setattr(triton_attention, "_import_triton", lambda: "triton is not installed")
     for seqused, chosen in ((True, "varlen_attn_seqused"), (False, "sdpa_per_sequence")):
-        monkeypatch.setattr(attention, "flash_varlen_has_seqused_k", lambda seqused=seqused: seqused)
-        monkeypatch.setattr(attention, "optional_import", lambda module, name: (None, f"{module} is not installed"))
-        lines = cli._cuda_contiguous_lines()
+        monkeypatch.setattr(facts, "flash_varlen_has_seqused_k", lambda seqused=seqused: seqused)
+        monkeypatch.setattr(facts, "optional_import", lambda module, name: (None, f"{module} is not installed"))
+        lines = cli._kernel_lines()
         if torch.cuda.is_available():
             continue  # a real GPU answers for itself
-        assert lines[-1].endswith(f"head_dim 128: {chosen}")
-        assert ("varlen_attn_seqused: available" in lines[1]) == seqused
+        at = lines.index(next(line for line in lines if line.startswith("  VMM mode (slots), cuda")))
+        section = lines[at : at + 12]
+        assert any(line.strip().startswith(f"chosen: {chosen}") for line in section)
+        assert any(line.split() == ["varlen_attn_seqused", "available"] for line in section) == seqused

@@ -1,4 +1,4 @@
-"""Page size of vLLM's contiguous mode (:mod:`vmkv.vllm.contiguous_pages`).
+"""Page size of vLLM's contiguous mode (:mod:`vmkv.vllm.contiguous.pages`).
 
 * The plan, for any model shape, granularity and layout: pages are whole granules and whole
   tokens, the block size is the smallest valid one (or the one asked for), the waste bound and
@@ -26,16 +26,11 @@ from hypothesis import strategies as st
 
 import vmkv
 import vmkv.vm.cuda
-from vmkv.config import DEFAULT_TOKENS_PER_PAGE, LAYOUTS, KVShape
+from vmkv.config import LAYOUTS, KVShape
 from vmkv.errors import BackendError, InvalidConfig, InvalidInput
-from vmkv.vllm.contiguous_pages import (
-    AUTO_LAYOUTS,
-    min_block_size,
-    plan_contiguous_pages,
-    plan_for_device,
-    plan_for_vllm,
-    vllm_stage_shapes,
-)
+from vmkv.sizing import DEFAULT_TOKENS_PER_PAGE
+from vmkv.vllm.contiguous.pages import min_block_size, plan_contiguous_pages, plan_for_vllm, vllm_stage_shapes
+from vmkv.vm import granularity as device_granularity
 from vmkv.vm.cuda import CudaVirtualMemory, cuda_granularity
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -63,7 +58,7 @@ shapes = st.builds(KVShape, num_layers=st.integers(1, 96), num_kv_heads=st.integ
 
 
 @settings(max_examples=200, deadline=None)
-@given(shape=shapes, granularity=st.sampled_from([HOST, 64 * KiB, GPU]), layout=st.sampled_from([None, *LAYOUTS]),
+@given(shape=shapes, granularity=st.sampled_from([HOST, 64 * KiB, GPU]), layout=st.sampled_from(LAYOUTS),
        max_model_len=st.integers(1, 40_000), max_num_seqs=st.integers(1, 512))
 def test_pages_are_whole_granules_and_the_block_the_smallest_that_holds_16_tokens(shape, granularity, layout,
                                                                                  max_model_len, max_num_seqs):
@@ -80,10 +75,6 @@ def test_pages_are_whole_granules_and_the_block_the_smallest_that_holds_16_token
     assert last % granularity == 0 and last + p.page_bytes == p.reservation_bytes  # the last page ends the range
     assert p.waste_bytes == p.waste_tokens * shape.bytes_per_token == (p.block_size - 1) * shape.bytes_per_token
     assert p.sharing_tokens == p.block_size and p.mappings_per_request == p.pages_per_slot * p.pieces
-    if layout is None:  # the auto layout has the smallest block; per_layer wins a tie
-        blocks = {name: plan(shape, granularity, layout=name).block_size for name in AUTO_LAYOUTS}
-        assert p.block_size == min(blocks.values())
-        assert p.layout == next(name for name in AUTO_LAYOUTS if blocks[name] == p.block_size)
 
 
 @settings(max_examples=100, deadline=None)
@@ -102,39 +93,40 @@ def test_a_requested_block_size_is_kept_when_whole_granules_else_refused_naming_
 
 
 # ---- documented numbers --------------------------------------------------------------------
-# (shape, granularity, layout) -> (layout, block_size, page_bytes, pieces, waste_bytes, mappings at 8K tokens)
+# (shape, granularity, layout) -> (block_size, page_bytes, pieces, waste_bytes, mappings at 8K tokens)
 KNOWN = [
-    (LLAMA3_8B, GPU, "per_layer", ("per_layer", 1024, 2 * MiB, 64, 1023 * 2 * KiB * 64, 512)),
-    (LLAMA3_8B, GPU, None, ("all_layers", 32, 2 * MiB, 2, 31 * 64 * KiB * 2, 512)),
-    (LLAMA3_70B, GPU, "per_layer", ("per_layer", 1024, 2 * MiB, 160, 1023 * 2 * KiB * 160, 1280)),
-    (LLAMA3_70B, GPU, None, ("all_layers", 64, 10 * MiB, 2, 63 * 160 * KiB * 2, 256)),
-    (LLAMA3_70B_TP8, GPU, None, ("all_layers", 512, 10 * MiB, 2, 511 * 20 * KiB * 2, 32)),
-    (QWEN2_7B, GPU, "per_layer", ("per_layer", 2048, 2 * MiB, 56, 2047 * KiB * 56, 224)),
-    (QWEN2_7B, GPU, None, ("all_layers", 512, 14 * MiB, 2, 511 * 28 * KiB * 2, 32)),
-    (HD64, GPU, "per_layer", ("per_layer", 8192, 2 * MiB, 8, 8191 * 256 * 8, 8)),
-    (HD64, GPU, None, ("all_layers", 2048, 2 * MiB, 2, 2047 * KiB * 2, 8)),
-    (HD64_FP32, HOST, None, ("per_layer", 16, 8 * KiB, 8, 15 * 512 * 8, 4096)),
-    (LLAMA3_8B_FP32, HOST, None, ("per_layer", 16, 64 * KiB, 64, 15 * 4 * KiB * 64, 32768)),
-    (LLAMA3_8B_FP32, HOST, "all_layers", ("all_layers", 16, 2 * MiB, 2, 15 * 128 * KiB * 2, 1024)),
+    (LLAMA3_8B, GPU, "per_layer", (1024, 2 * MiB, 64, 1023 * 2 * KiB * 64, 512)),
+    (LLAMA3_8B, GPU, "all_layers", (32, 2 * MiB, 2, 31 * 64 * KiB * 2, 512)),
+    (LLAMA3_70B, GPU, "per_layer", (1024, 2 * MiB, 160, 1023 * 2 * KiB * 160, 1280)),
+    (LLAMA3_70B, GPU, "all_layers", (64, 10 * MiB, 2, 63 * 160 * KiB * 2, 256)),
+    (LLAMA3_70B_TP8, GPU, "all_layers", (512, 10 * MiB, 2, 511 * 20 * KiB * 2, 32)),
+    (QWEN2_7B, GPU, "per_layer", (2048, 2 * MiB, 56, 2047 * KiB * 56, 224)),
+    (QWEN2_7B, GPU, "all_layers", (512, 14 * MiB, 2, 511 * 28 * KiB * 2, 32)),
+    (HD64, GPU, "per_layer", (8192, 2 * MiB, 8, 8191 * 256 * 8, 8)),
+    (HD64, GPU, "all_layers", (2048, 2 * MiB, 2, 2047 * KiB * 2, 8)),
+    (HD64_FP32, HOST, "per_layer", (16, 8 * KiB, 8, 15 * 512 * 8, 4096)),
+    (HD64_FP32, HOST, "head_major", (16, 4 * KiB, 16, 15 * 256 * 16, 8192)),
+    (LLAMA3_8B_FP32, HOST, "per_layer", (16, 64 * KiB, 64, 15 * 4 * KiB * 64, 32768)),
+    (LLAMA3_8B_FP32, HOST, "all_layers", (16, 2 * MiB, 2, 15 * 128 * KiB * 2, 1024)),
 ]
 
 
 @pytest.mark.parametrize("shape, granularity, layout, expected", KNOWN)
 def test_known_models_give_the_documented_numbers(shape, granularity, layout, expected):
     p = plan(shape, granularity, layout=layout)
-    assert (p.layout, p.block_size, p.page_bytes, p.pieces, p.waste_bytes, p.mappings_per_request) == expected
+    assert (p.layout, p.block_size, p.page_bytes, p.pieces, p.waste_bytes, p.mappings_per_request) == (layout, *expected)
     assert p.granules_per_page == p.page_bytes // granularity
 
 
-def test_the_reason_names_the_choice_and_the_alternative():
-    p = plan(LLAMA3_8B, GPU)
+def test_all_layers_pages_map_as_often_as_per_layer_ones_in_fewer_pieces_and_the_reason_says_why():
+    p = plan(LLAMA3_8B, GPU, layout="all_layers")
     per_layer = plan(LLAMA3_8B, GPU, layout="per_layer")
     assert 256 * p.maps_per_decode_token == 256 * per_layer.maps_per_decode_token == 16  # maps a step, 256 decoding
     assert (p.block_bytes, per_layer.block_bytes) == (4 * MiB, 128 * MiB)  # the memory one block maps
     assert (p.waste_bytes_per_piece, per_layer.waste_bytes_per_piece) == (31 * 64 * KiB, 1023 * 2 * KiB)
-    assert "all_layers: 32-token blocks (per_layer would need 1024)" in p.reason
-    assert "block_size 32 tokens = one 2.0 MiB page" in p.describe()
-    assert "as asked" in plan(LLAMA3_8B, GPU, layout="per_layer", block_size=2048).reason
+    assert "the smallest page of whole 2.0 MiB granules holding >= 16 tokens of 65536 B" in p.reason
+    assert "block_size 32 tokens = one 2.0 MiB page" in p.describe() and "all_layers" in p.describe()
+    assert "block_size 2048 as asked" in plan(LLAMA3_8B, GPU, layout="per_layer", block_size=2048).reason
 
 
 # ---- pipeline stages and vLLM's config ------------------------------------------------------
@@ -145,11 +137,11 @@ def stage(shape: KVShape, layers: int) -> KVShape:
 def test_pipeline_stages_get_one_block_size_valid_in_every_stage():
     """Llama-3-70B over 3 stages (vLLM splits 80 layers 27, 27, 26): alone, the 26-layer stage's
     all-layers token (52 KiB = 13 x 4 KiB) makes 512-token blocks, the 27-layer ones (27 x 2 KiB)
-    1,024; vLLM has one block_size, so every stage plans 1,024 (and per_layer wins the tie)."""
+    1,024; vLLM has one block_size, so every stage plans 1,024 (per-layer pages too)."""
     stages = [stage(LLAMA3_70B, n) for n in (27, 27, 26)]
     assert plan(stages[2], GPU, layout="all_layers").block_size == 512
-    plans = [plan(shape, GPU, stages=stages) for shape in stages]
-    assert {(p.block_size, p.layout) for p in plans} == {(1024, "per_layer")}
+    plans = [plan(shape, GPU, stages=stages, layout="per_layer") for shape in stages]
+    assert [p.block_size for p in plans] == [1024] * 3 and "valid in every pipeline stage" in plans[0].reason
     for p, shape in zip(plans, stages):
         assert p.page_bytes % GPU == 0 and p.pieces == 2 * shape.num_layers
     together = [plan(shape, GPU, stages=stages, layout="all_layers") for shape in stages]
@@ -163,7 +155,7 @@ needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    from vmkv.vllm.tiny import save_tiny_model
+    from benchmarks.vllm_harness.tiny import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny") / "model", num_layers=4)  # 4 KV heads of 32, 4 layers
 
@@ -182,18 +174,18 @@ def test_a_vllm_config_gives_each_ranks_geometry_and_keeps_a_block_size_the_user
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     config = engine_config(tiny_model_dir, tensor_parallel_size=2, dtype="float32")
     assert vllm_stage_shapes(config) == [KVShape(4, 2, 32, 4)]
-    p = plan_for_vllm(config)
+    p = plan_for_vllm(config, layout="per_layer", granularity=HOST)
     assert (p.layout, p.block_size, p.slot_tokens, p.max_num_seqs, p.granularity) == ("per_layer", 16, 304, 5, HOST)
-    assert p == plan_contiguous_pages(KVShape(4, 2, 32, 4), HOST, max_model_len=300, max_num_seqs=5)
-    assert plan_for_vllm(config, layout="all_layers").layout == "all_layers"
+    assert p == plan_contiguous_pages(KVShape(4, 2, 32, 4), HOST, max_model_len=300, max_num_seqs=5, layout="per_layer")
+    assert plan_for_vllm(config, layout="all_layers", granularity=HOST).layout == "all_layers"
 
     config = engine_config(tiny_model_dir, pipeline_parallel_size=3, block_size=64)
     assert config.cache_config.user_specified_block_size and config.model_config.dtype == torch.bfloat16
     shapes = vllm_stage_shapes(config)
     assert shapes == [KVShape(1, 4, 32, 2), KVShape(2, 4, 32, 2), KVShape(1, 4, 32, 2)]
-    p = plan_for_vllm(config)
+    p = plan_for_vllm(config, layout="per_layer", granularity=HOST)
     assert (p.block_size, p.pieces) == (64, 2) and p == plan(shapes[0], HOST, max_model_len=300, max_num_seqs=5,
-                                                               block_size=64, stages=shapes)
+                                                               layout="per_layer", block_size=64, stages=shapes)
     config = engine_config(tiny_model_dir, kv_cache_dtype="fp8")
     with pytest.raises(InvalidConfig, match="cache_dtype='fp8'"):
         vllm_stage_shapes(config)
@@ -207,28 +199,26 @@ def test_a_vllm_config_gives_each_ranks_geometry_and_keeps_a_block_size_the_user
     (dict(max_model_len=0), "max_model_len must be a positive int"),
     (dict(max_num_seqs=-1), "max_num_seqs must be a positive int"),
     (dict(block_size=0), "block_size must be a positive int"),
-    (dict(block_size=16, layout="per_layer"), r"multiple of 1024 tokens.*block_size=1024.*all_layers: a multiple of 32"),
+    (dict(block_size=16, layout="per_layer"), r"multiple of 1024 tokens.*block_size=1024 or leave it unset"),
     (dict(block_size=48), r"all_layers layout .* multiple of 32 tokens.*block_size=64"),
     (dict(layout="rows"), "layout must be one of"),
 ])
 def test_bad_input_raises_invalid_config_naming_the_field(kw, match):
-    args = dict(granularity=GPU, max_model_len=8192, max_num_seqs=8) | kw
+    args = dict(granularity=GPU, max_model_len=8192, max_num_seqs=8, layout="all_layers") | kw
     with pytest.raises(InvalidConfig, match=match):
         plan_contiguous_pages(LLAMA3_8B, args.pop("granularity"), **args)
 
 
-def test_bad_shapes_devices_and_offsets_raise_typed_errors():
+def test_bad_shapes_and_offsets_raise_typed_errors():
     with pytest.raises(InvalidConfig, match="num_kv_heads must be a positive int"):
         KVShape(32, 0, 128, 2)
     with pytest.raises(InvalidConfig, match="element_size must be a positive int"):
         KVShape(32, 8, 128, True)
     with pytest.raises(InvalidConfig, match="must be KVShape, got list"):
-        plan_contiguous_pages(LLAMA3_8B, GPU, max_model_len=64, max_num_seqs=1, stages=[[32, 8, 128, 2]])
+        plan_contiguous_pages(LLAMA3_8B, GPU, max_model_len=64, max_num_seqs=1, layout="all_layers", stages=[[32, 8, 128, 2]])
     with pytest.raises(InvalidConfig, match="must be KVShape, got dict"):
-        plan_contiguous_pages({"num_layers": 32}, GPU, max_model_len=64, max_num_seqs=1)
-    with pytest.raises(InvalidConfig, match="not a torch device"):
-        plan_for_device("gpu0", LLAMA3_8B, max_model_len=64, max_num_seqs=1)
-    p = plan(LLAMA3_8B, GPU, max_num_seqs=4)
+        plan_contiguous_pages({"num_layers": 32}, GPU, max_model_len=64, max_num_seqs=1, layout="all_layers")
+    p = plan(LLAMA3_8B, GPU, max_num_seqs=4, layout="all_layers")
     for args in [(4, 0), (0, p.pages_per_slot), (-1, 0), (0, 0, 1), (0, True)]:
         with pytest.raises(InvalidInput, match="page_offset"):
             p.page_offset(*args)
@@ -241,8 +231,8 @@ def test_the_plan_is_the_slot_geometry_of_a_virtual_kv_cache(layout):
     page j of slot s starts ``page_offset(s, j)`` bytes into each piece's range (checked on the
     cache's own views, by address; nothing is mapped)."""
     shape = KVShape(num_layers=3, num_kv_heads=2, head_dim=64, element_size=4)
-    p = plan_for_device("cpu", shape, max_model_len=100, max_num_seqs=3, layout=layout)
-    assert p.granularity == HOST
+    p = plan_contiguous_pages(shape, device_granularity(torch.device("cpu")), max_model_len=100, max_num_seqs=3,
+                              layout=layout)
     config = vmkv.KVCacheConfig(num_layers=3, num_kv_heads=2, head_dim=64, dtype="float32", device="cpu",
                                 max_batch_size=3, max_seq_len=100, memory_budget="1MiB",
                                 page_size=p.page_bytes, layout=layout)
@@ -270,7 +260,7 @@ def test_on_cuda_vllm_takes_the_contiguous_plans_block_size_when_none_is_set(tin
     from vllm.config import KVTransferConfig, set_current_vllm_config
 
     from vmkv import vllm as plugin
-    from vmkv.vllm.contiguous import VmkvContiguousBackend
+    from vmkv.vllm.contiguous.backend import VmkvContiguousBackend
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     transfer = KVTransferConfig(**plugin.engine_args(kv_mode="contiguous")["kv_transfer_config"])
@@ -287,23 +277,6 @@ def test_on_cuda_vllm_takes_the_contiguous_plans_block_size_when_none_is_set(tin
 
 
 # ---- on the fake CUDA driver ---------------------------------------------------------------
-@pytest.fixture
-def torch_runtime_is_fake(runtime, monkeypatch):  # noqa: F811
-    """``vmkv.vm.granularity("cuda")`` reaches the fake driver: torch's side of CUDA is the fake's."""
-    monkeypatch.setattr(vmkv.vm.cuda, "TorchCudaRuntime", lambda: runtime)
-    return runtime
-
-
-@pytest.mark.parametrize("driver_granularity", [64 * KiB, GPU])
-def test_plan_for_device_takes_the_granularity_from_the_cuda_driver(fake, torch_runtime_is_fake, driver_granularity):  # noqa: F811
-    fake.reset(granularity=driver_granularity)
-    fake.calls(clear=True)
-    p = plan_for_device("cuda:0", LLAMA3_8B, max_model_len=8192, max_num_seqs=8)
-    assert any(c.name == "cuMemGetAllocationGranularity" and c.ok for c in fake.calls())
-    assert p.granularity == driver_granularity and p.layout == "all_layers"
-    assert p.block_size == max(DEFAULT_TOKENS_PER_PAGE, driver_granularity // (64 * KiB))  # 16 or 32 tokens
-
-
 TOY = KVShape(num_layers=5, num_kv_heads=2, head_dim=128, element_size=4)  # 70B's proportions at 64 KiB granules
 
 
@@ -391,9 +364,9 @@ SLOT_LAYERS, SLOT_HEADS, SLOT_DIM, SLOT_BLOCKS = 2, 2, 32, 6
 def cuda_slot_space(runtime, block: int = 128, page_size: int = 64 * KiB, views_layout: str = "BLHNC"):  # noqa: F811
     """A KV buffer of ``SLOT_BLOCKS`` blocks on the fake CUDA backend, vLLM's per-layer views of it
     in ``views_layout`` (every page mapped, block b's bytes filled by layer, K|V and head) and a
-    :class:`~vmkv.vllm.slots.SlotSpace` of 3 slots x 3 blocks over it."""
-    from vmkv.vllm.kvbuffer import KVBuffer
-    from vmkv.vllm.slots import SlotSpace
+    :class:`~vmkv.vllm.contiguous.slots.SlotSpace` of 3 slots x 3 blocks over it."""
+    from vmkv.vllm.contiguous.slots import SlotSpace
+    from vmkv.vllm.worker.kvbuffer import KVBuffer
 
     layer_block = SLOT_HEADS * block * 2 * SLOT_DIM  # floats of one layer's block [H, N, 2D]
     nbytes = SLOT_BLOCKS * SLOT_LAYERS * layer_block * 4
@@ -492,7 +465,7 @@ def test_every_failing_driver_call_of_the_slot_space_is_undone(fake, runtime, op
     """Fail the k-th driver call of ``space.map`` / ``space.free`` / the slot reservation, for
     every k: ``BackendError``, the driver's mappings and the slot tables are as before (nothing
     half-mapped), and the same call works once the driver does."""
-    from vmkv.vllm.slots import SlotSpace
+    from vmkv.vllm.contiguous.slots import SlotSpace
 
     def prepared():  # a fresh torch runtime after every reset of the driver, as the backend tests do
         buffer, space = cuda_slot_space(FakeRuntime())

@@ -27,9 +27,10 @@ from fake_cuda.fixtures import fake, fake_cuda_backends, fake_lib, runtime  # no
 from helpers import KVMirror, dense_attention
 
 import vmkv
-import vmkv.cache
-from vmkv.attention import CONTIGUOUS_KERNELS, _slot_rows, contiguous_kernel_unavailable, select_contiguous_kernel
+import vmkv.vmm.cache
 from vmkv.errors import BackendError, BackendUnavailable, InvalidConfig
+from vmkv.kernels import registry
+from vmkv.kernels.contiguous import _slot_rows
 from vmkv.vm.cuda import CudaVirtualMemory, TorchCudaRuntime, cuda_granularity
 from vmkv.vm.host import HostVirtualMemory
 
@@ -281,9 +282,10 @@ class CudaMirror(KVMirror):
             self.cache.write(layer, k.to(dev), v.to(dev), plan)
             outs = {"cache": self.cache.attention(layer, q.to(dev), plan).cpu()}
             k_view, v_view = self.cache.kv_cache(layer)
-            for name in CONTIGUOUS_KERNELS:
-                if contiguous_kernel_unavailable(name, dev, cfg.dtype, cfg.head_dim) is None:
-                    outs[name] = CONTIGUOUS_KERNELS[name](q.to(dev), k_view, v_view, plan, None).cpu()
+            spec = registry.KernelSpec("slots", dev, cfg.dtype, cfg.num_kv_heads, cfg.head_dim)
+            for name in registry.names("slots"):
+                if registry.unavailable(name, spec) is None:
+                    outs[name] = registry.build(name, spec)(q.to(dev), k_view, v_view, plan, None).cpu()
             offset = 0
             for seq_id, n in counts.items():
                 start = self.record(seq_id, layer, k[offset : offset + n], v[offset : offset + n])
@@ -400,14 +402,16 @@ def test_slot_rows_address_each_slot_without_copying(layout):
 
 
 def test_kernel_selection_names_why_faster_kernels_are_skipped():
-    assert select_contiguous_kernel(torch.device("cpu"))[0] == "sdpa_adaptive"
-    assert contiguous_kernel_unavailable("sdpa_per_sequence", torch.device("cpu")) is None
-    assert "unknown kernel" in contiguous_kernel_unavailable("nope", torch.device("cpu"))
+    cpu = registry.KernelSpec("slots", torch.device("cpu"), torch.float32, 8, 128)
+    assert registry.choose(cpu).name == "sdpa_adaptive"
+    assert registry.unavailable("sdpa_per_sequence", cpu) is None
+    assert "unknown kernel" in registry.unavailable("nope", cpu)
     if not torch.cuda.is_available():
-        assert "needs a CUDA device" in contiguous_kernel_unavailable("varlen_attn_seqused", torch.device("cuda", 0))
+        cuda = registry.KernelSpec("slots", torch.device("cuda", 0), torch.float16, 8, 128)
+        assert "needs a CUDA device" in registry.unavailable("varlen_attn_seqused", cuda)
     elif CUDA_OK:
-        reason = contiguous_kernel_unavailable("varlen_attn_seqused", torch.device("cuda", 0), torch.float32, 128)
-        assert "float16 or bfloat16" in reason
+        cuda = registry.KernelSpec("slots", torch.device("cuda", 0), torch.float32, 8, 128)
+        assert "float16 or bfloat16" in registry.unavailable("varlen_attn_seqused", cuda)
 
 
 # ---- no GPU here: one clear error ------------------------------------------------------------

@@ -17,8 +17,10 @@ start the script inside itself; the fake-driver ones skip there anyway).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,13 +28,16 @@ from pathlib import Path
 import pytest
 import torch
 from fake_cuda.fixtures import fake, fake_cuda_backends, fake_lib  # noqa: F401  (fixtures)
+from helpers import register_kernel
 
-from benchmarks.gpu import bench, core, memory, runner, slots, vllm_engine
+import vmkv
+from benchmarks.gpu import bench, core, kernels, memory, runner, slots, vllm_engine, vllm_smoke
 from benchmarks.gpu.memory import DeviceMemory, MemorySample, shared_budget_section
 from benchmarks.gpu.registry import SectionSkipped, run_process
 from benchmarks.gpu.sections import SECTIONS
 from benchmarks.gpu.workload import SMOKE, TOLERANCE
-from vmkv.attention import CONTIGUOUS_KERNELS
+from vmkv.kernels.contiguous import sdpa_per_sequence
+from vmkv.vllm import PluginConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "benchmarks" / "gpu_check.py")
@@ -67,15 +72,36 @@ def test_gpu_check_cpu_dry_run_runs_the_new_sections_each_in_its_own_process(tmp
     assert all(any(line.startswith(name) and entries[name]["headline"][:40] in line for line in table) for name in sections)
 
 
+def test_gpu_check_cpu_dry_run_of_the_cuda_graph_sections(tmp_path):
+    """engine_graphs (the engine's captured decode steps, replayed eagerly on a CPU: VMM mode;
+    paged mode needs Triton's interpreter and is skipped with the reason) and hf_compiled
+    (generate() compiled over StaticCache and VirtualCache(compile=True), tiny) pass their dry run."""
+    sections = ["engine_graphs", "hf_compiled"]
+    run = run_process([sys.executable, SCRIPT, "--device", "cpu", "--smoke", "--out", str(tmp_path), "--sections", *sections], 400)
+    assert run.returncode == 0, run.output
+    entries = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]
+    assert all(entries[name]["status"] == "passed" for name in sections), entries
+    graphs = entries["engine_graphs"]["result"]
+    assert graphs["outputs"]["vmm"]["max_rel_diff"] < 1e-4 and graphs["outputs"]["vmm"]["pages_mapped_while_decoding"] > 0
+    assert "paged" in graphs["skipped"] and graphs["speed"]["vmm"]["captured"] == [3]
+    compiled = entries["hf_compiled"]["result"]
+    assert set(compiled["dense"]) == {"dynamic", "static", "vmm", "vmm+compile"} and set(compiled["ratios"]) >= set(compiled["targets"])
+    assert compiled["logit_errors"]["vmm+compile"] < 1e-4
+    assert "alone" not in entries["hf_compiled"] and "StaticCache" in entries["hf_compiled"]["headline"]
+
+
 # ---- the registry and the budget --------------------------------------------------------------
 def test_gpu_check_registry_fits_the_budget_with_room_for_more():
-    """Unique names, a stated estimate and a line of text each; what runs without vLLM (the GPU
-    machine has none) fits in the default 8 minutes with room for two more sections; the quick
-    checks come before the main job."""
+    """Unique names, a stated estimate and a line of text each; what a default run does without
+    vLLM (the GPU machine has none) fits in the default 8 minutes with half a minute to spare
+    (estimates are estimates); a section that runs alone is left out of the default run; the
+    quick checks come before the main job."""
     names = [section.name for section in SECTIONS]
     assert len(set(names)) == len(names) and all(section.estimate_s > 0 and section.about for section in SECTIONS)
-    without_vllm = sum(s.estimate_s for s in SECTIONS if s.skip_reason is not vllm_engine.vllm_unavailable)
-    assert without_vllm + 60 <= runner.DEFAULT_BUDGET_S == 480
+    default = [s for s in SECTIONS if not s.alone]
+    without_vllm = sum(s.estimate_s for s in default if s.skip_reason is not vllm_engine.vllm_unavailable)
+    assert without_vllm + 30 <= runner.DEFAULT_BUDGET_S == 480
+    assert runner.parse_args([]).sections == [s.name for s in default] and "hf_compiled" not in runner.parse_args([]).sections
     assert names.index("bench") > max(names.index(n) for n in ("environment", "tests", "zero_page", "shared_budget", "vllm_slots"))
 
 
@@ -186,8 +212,8 @@ def test_gpu_check_sections_that_need_no_process_of_their_own(tmp_path):
     mapping = core.map_unmap_section(cpu, SMOKE)
     assert mapping["backend"] == "host" and mapping["map_us"]["median"] > 0
     assert core.map_unmap_headline(mapping).startswith("map ")
-    paged = core.paged_section(cpu, SMOKE)
-    assert paged["kernels"]["gather_sdpa"]["max_abs_diff_vs_vmm"] < 1e-5
+    paged = kernels.paged_vs_vmm_section(cpu, SMOKE)
+    assert paged["candidates"]["blocks16:gather_sdpa"]["max_abs_err_vs_fp32_reference"] < 1e-5 and not paged["failures"]
     with pytest.raises(SectionSkipped, match="needs a CUDA device"):
         vllm_engine.vllm_section(cpu, tmp_path)
     with pytest.raises(SectionSkipped, match="addressing comparison inside vLLM on CUDA needs a CUDA device"):
@@ -201,11 +227,9 @@ def test_gpu_check_decode_fails_a_kernel_off_the_reference(monkeypatch):
     cpu = torch.device("cpu")
 
     def off(q, k_cache, v_cache, plan, scale):
-        return CONTIGUOUS_KERNELS["sdpa_per_sequence"](q, k_cache, v_cache, plan, scale) + 0.01
+        return sdpa_per_sequence(q, k_cache, v_cache, plan, scale) + 0.01
 
-    monkeypatch.setitem(core.CONTIGUOUS_KERNELS, "test_off", off)
-    real = core.contiguous_kernel_unavailable
-    monkeypatch.setattr(core, "contiguous_kernel_unavailable", lambda name, *a: None if name == "test_off" else real(name, *a))
+    register_kernel(monkeypatch, "test_off", off)
     result = core.decode_section(cpu, SMOKE, ["sdpa_per_sequence", "test_off"])
     assert result["tolerance"] == TOLERANCE["float32"]
     assert result["kernels"]["test_off"]["max_abs_err_vs_fp32_reference"] == pytest.approx(0.01, rel=1e-3)
@@ -214,42 +238,40 @@ def test_gpu_check_decode_fails_a_kernel_off_the_reference(monkeypatch):
 
 
 def test_gpu_check_paged_vs_vmm_fails_a_kernel_that_disagrees(monkeypatch):
-    import paged.cache
+    from vmkv.kernels.paged import GatherSDPA
 
-    real = paged.cache.make_paged_kernel
+    class Off(GatherSDPA):  # gather_sdpa, 0.01 off
+        def run(self, *args):
+            return super().run(*args) + 0.01
 
-    def skewed(*args, **kwargs):  # gather_sdpa, 0.01 off
-        kernel = real(*args, **kwargs)
-        if kernel.name != "gather_sdpa":
-            return kernel
+    register_kernel(monkeypatch, "gather_sdpa", lambda q, k, v, plan, scale: Off().run(q, k, v, plan, None, scale), "blocks")
+    result = kernels.paged_vs_vmm_section(torch.device("cpu"), SMOKE)
+    assert result["candidates"]["blocks16:gather_sdpa"]["max_abs_err_vs_fp32_reference"] == pytest.approx(0.01, rel=1e-3)
+    assert [f.rpartition(": max")[0] for f in result["failures"]] == ["blocks16:gather_sdpa"]
+    assert "> 0.0001 (float32)" in result["failures"][0]
 
-        class Off:
-            name = kernel.name
 
-            def prepare(self, *a):
-                return kernel.prepare(*a)
-
-            def __call__(self, *a):
-                return kernel(*a) + 0.01
-
-        return Off()
-
-    monkeypatch.setattr(paged.cache, "make_paged_kernel", skewed)
-    result = core.paged_section(torch.device("cpu"), SMOKE)
-    assert result["kernels"]["gather_sdpa"]["max_abs_diff_vs_vmm"] == pytest.approx(0.01, rel=1e-3)
-    assert [f.split(":")[0] for f in result["failures"]] == ["gather_sdpa"]
-    assert "> 0.0002 (float32)" in result["failures"][0]
+def test_gpu_check_paged_vs_vmm_measures_the_triton_kernel_on_both_addressings(tmp_path):
+    """The dry run in Triton's interpreter: the Triton kernel over slots and over block tables,
+    right against the fp32 reference, the translation ratio and the verdicts stated."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    command = [sys.executable, SCRIPT, "--device", "cpu", "--smoke", "--out", str(tmp_path), "--sections", "paged_vs_vmm"]
+    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    entry = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]["paged_vs_vmm"]
+    result = entry["result"]
+    assert entry["status"] == "passed" and {"slots:triton", "blocks16:triton"} <= set(result["candidates"])
+    assert set(result["ratios"]) >= {"slots_share_of_bandwidth", "blocks16_over_slots", "best_paged_over_vmm"}
+    assert any("block" in line for line in result["verdicts"]) and result["splits"]["chosen"] >= 1
 
 
 def test_gpu_check_vllm_section_fails_a_failed_smoke(monkeypatch, tmp_path):
-    """gpu_smoke reports "passed" (vmkv/vllm/smoke.py): passed=False fails the section with the
-    reasons, through the worker as gpu_check runs it; passed=True passes; no "passed" fails."""
+    """gpu_smoke reports "passed" (benchmarks/gpu/vllm_smoke.py): passed=False fails the section
+    with the reasons, through the worker as gpu_check runs it; passed=True passes; no "passed" fails."""
     import importlib.util
 
     answer: dict = {}
-    plugin = type(sys)("vmkv.vllm")
-    plugin.gpu_smoke = lambda out_dir: dict(answer)
-    monkeypatch.setitem(sys.modules, "vmkv.vllm", plugin)
+    monkeypatch.setattr(vllm_engine, "gpu_smoke", lambda out_dir: dict(answer))
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
 
@@ -267,6 +289,30 @@ def test_gpu_check_vllm_section_fails_a_failed_smoke(monkeypatch, tmp_path):
     answer.clear()
     answer["ok"] = True  # not gpu_smoke's contract
     assert "no 'passed'" in worker()["error"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM 0.32 not installed")
+@needs_no_cuda
+def test_gpu_check_vllm_smoke_says_why_it_cannot_run_here(tmp_path):
+    with pytest.raises(vmkv.BackendUnavailable, match="needs a CUDA GPU"):
+        vllm_smoke.gpu_smoke(tmp_path)
+    assert not any(tmp_path.iterdir())  # refused before writing anything
+
+
+def test_gpu_check_vllm_smoke_passes_only_when_tokens_and_prefix_hits_match_stock():
+    # the smoke keeps vmkv's default max_cached: prefix-cached pages stay mapped for the second pass
+    assert PluginConfig.from_extra_config(vllm_smoke.VMKV_OPTIONS).max_cached is None
+    tokens = {"0": [5, 6], "1": [7]}
+    stock = {"tokens": tokens, "again": tokens, "cached": {"0": 288, "1": 288}}
+    ours = {**stock, "peak_mapped": 2**20}
+    assert vllm_smoke.verdict(stock, ours, 2**29)["passed"]
+    for change, failed in [({"cached": {"0": 288, "1": 0}}, "prefix_hits_identical"),
+                           ({"again": {"0": [5, 6], "1": [8]}}, "tokens_identical"),
+                           ({"peak_mapped": 2**29}, "passed")]:
+        result = vllm_smoke.verdict(stock, {**ours, **change}, 2**29)
+        assert not result[failed] and not result["passed"], change
+    nothing = {**stock, "cached": {"0": 0, "1": 0}}  # no hit anywhere: prefix caching went untested
+    assert not vllm_smoke.verdict(nothing, {**nothing, "peak_mapped": 1}, 2**29)["passed"]
 
 
 def test_gpu_check_addressing_fails_on_a_wrong_cache_and_headlines_the_ratio():
@@ -403,7 +449,7 @@ def test_gpu_check_vllm_slots_on_the_fake_cuda_driver(fake_cuda_backends, fake, 
 def test_gpu_check_vllm_slots_catches_a_rollback_that_does_not_undo(monkeypatch):
     """A slot space whose undo does nothing fails the rollback check: a failed map leaves blocks
     mapped in a slot that says it holds none."""
-    from vmkv.vllm.slots import SlotSpace
+    from vmkv.vllm.contiguous.slots import SlotSpace
 
     monkeypatch.setattr(SlotSpace, "_undo", lambda self, exc, done, call, args: exc)
     result = slots.vllm_slots_section(torch.device("cpu"), smoke=True)

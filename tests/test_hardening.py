@@ -25,6 +25,7 @@ import torch
 from helpers import KVMirror, instrument, small_config
 
 import vmkv
+from vmkv.core.pages import PagePool
 from vmkv.errors import (
     BackendError,
     CacheClosed,
@@ -35,7 +36,6 @@ from vmkv.errors import (
     StalePlan,
     UnknownSequence,
 )
-from vmkv.pages import PagePool
 from vmkv.vm import free_map_count
 
 TPP = 32  # tokens a page in the small config (4 KiB pages / blocks of 32, 128 B a token)
@@ -129,8 +129,8 @@ def test_every_map_and_unmap_waits_for_running_kernels():
     cache = vmkv.open_cache(small_config(), mode="vmm")
     calls = []
     for name in ("map", "unmap", "synchronize"):
-        real = getattr(cache._vm, name)
-        setattr(cache._vm, name, lambda *args, _real=real, _name=name: (calls.append(_name), _real(*args))[1])
+        real = getattr(cache.ranges.vm, name)
+        setattr(cache.ranges.vm, name, lambda *args, _real=real, _name=name: (calls.append(_name), _real(*args))[1])
     ids = _tokens(TPP + 1, 1)
     cache.add("a")
     plan = cache.begin_step({"a": ids})  # maps two pages
@@ -296,7 +296,7 @@ def test_a_failed_rollback_marks_the_cache_broken():
     cache.add("a")
     fill(cache, {"a": 2 * TPP + 5})
     cache.fork("a", "b")
-    real_map, real_unmap = cache._vm.map, cache._vm.unmap
+    real_map, real_unmap = cache.ranges.vm.map, cache.ranges.vm.unmap
     calls = {"unmap": 0}
 
     def unmap_fails_from_the_fifth_call(addr):
@@ -308,10 +308,10 @@ def test_a_failed_rollback_marks_the_cache_broken():
     def map_always_fails(addr, page):
         raise BackendError("injected: map refused")
 
-    cache._vm.map, cache._vm.unmap = map_always_fails, unmap_fails_from_the_fifth_call
+    cache.ranges.vm.map, cache.ranges.vm.unmap = map_always_fails, unmap_fails_from_the_fifth_call
     with pytest.raises(BackendError, match="could not undo"):
         cache.free("b")  # unmaps b's last page (4 tensors), fails on the next; mapping back fails too
-    cache._vm.map, cache._vm.unmap = real_map, real_unmap
+    cache.ranges.vm.map, cache.ranges.vm.unmap = real_map, real_unmap
     with pytest.raises(BackendError, match="close\\(\\) it"):
         cache.add("c")
     assert cache.stats()["sequences"] == 2  # stats() still answers
@@ -326,7 +326,7 @@ def test_a_rollback_that_fails_inside_one_page_marks_the_cache_broken_and_nothin
     cache.add("a")
     fill(cache, {"a": 40})
     cache.fork("a", "b")
-    real_map = cache._vm.map
+    real_map = cache.ranges.vm.map
     calls = {"map": 0}
 
     def map_refused_from_the_second_call(addr, page):
@@ -335,10 +335,10 @@ def test_a_rollback_that_fails_inside_one_page_marks_the_cache_broken_and_nothin
             raise BackendError("injected: map refused")
         real_map(addr, page)
 
-    cache._vm.map = map_refused_from_the_second_call
+    cache.ranges.vm.map = map_refused_from_the_second_call
     with pytest.raises(BackendError, match="could not undo"):
         cache.begin_step({"b": 1})
-    cache._vm.map = real_map
+    cache.ranges.vm.map = real_map
     for call in (lambda: cache.begin_step({"b": 1}), lambda: cache.free("a"), lambda: cache.kv("b", 0)):
         with pytest.raises(BackendError, match="close\\(\\) it"):
             call()
@@ -409,14 +409,14 @@ def test_neighbouring_pages_merge_into_one_mapping():
 # ---- A6: map-ahead failures --------------------------------------------------------------------------
 def test_a_map_ahead_failure_is_reported_once_and_the_cache_keeps_working():
     cache = vmkv.VirtualKVCache(small_config(map_ahead=True))
-    real_map_pages = cache._vm.map_pages
+    real_map_pages = cache.ranges.vm.map_pages
 
     def map_fails_on_the_worker(pairs):
         if threading.current_thread().name.startswith("vmkv-map-ahead"):
             raise BackendError("injected map-ahead failure")
         real_map_pages(pairs)
 
-    cache._vm.map_pages = map_fails_on_the_worker  # how a new page is mapped
+    cache.ranges.vm.map_pages = map_fails_on_the_worker  # how a new page is mapped
     cache.add("a")
     fill(cache, {"a": TPP - 1})  # the worker tries to map the next page ... and fails
     assert cache.pages("a") == [0]  # joined: the failed page is rolled back, nothing leaked
@@ -545,6 +545,7 @@ def test_bad_input_raises_typed_errors_and_changes_nothing(mode):
     cache.add("a")
     plan = cache.begin_step({"a": 2})
     q, kv = torch.ones(2, 4, 16), torch.ones(2, 2, 16)
+    cache.write(0, kv, kv, plan)  # layer 0 written: attention's scale is what gets checked
     bad = [
         (InvalidInput, lambda: cache.add(["unhashable"])),
         (InvalidInput, lambda: cache.add(("a", ["b"]))),

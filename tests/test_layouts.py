@@ -8,7 +8,7 @@ import torch
 from helpers import KVMirror, small_config
 
 import vmkv
-from vmkv.config import DEFAULT_TOKENS_PER_PAGE, default_vmm_pages, vmm_pieces
+from vmkv.sizing import DEFAULT_TOKENS_PER_PAGE, DeviceFacts, default_pages, resolve
 from vmkv.vm import mapping_room
 
 PAGES = {"per_layer": "4KiB", "all_layers": "8KiB", "head_major": "4KiB"}  # 32, 32 and 64 tokens a page
@@ -109,7 +109,7 @@ def test_head_major_pages_cover_one_head_and_map_only_what_is_stored():
     cache = vmkv.VirtualKVCache(small_config(layout="head_major", page_size="4KiB"))
     try:
         assert cache.tokens_per_page == 4096 // (16 * 4)  # one head's tokens: head_dim 16 floats
-        assert cache.geometry.num_tensors == 2 * 2 * 2 == vmm_pieces(cache.config)  # layers x K/V x heads
+        assert cache.geometry.num_tensors == 2 * 2 * 2 == cache.config.kv_shape.pieces(cache.config.layout)  # layers x K/V x heads
         cache.add("a")
         n = cache.tokens_per_page + 1
         plan = cache.begin_step({"a": n})
@@ -126,12 +126,12 @@ def test_head_major_pages_cover_one_head_and_map_only_what_is_stored():
 
 def test_the_default_is_the_fastest_layout_that_fits_else_all_layers_with_16_tokens_a_page():
     llama = dict(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float32")  # Llama-3-8B, fp32: 4 KiB a token and layer
-    small = vmkv.KVCacheConfig(**llama, memory_budget="64MiB")
+    small = resolve(vmkv.KVCacheConfig(**llama, memory_budget="64MiB"))
     assert small.layout == "per_layer" and small.page_size == 16 * 4096  # 16 pool pages x 64 pieces fit the room
     llama["dtype"] = "float16"  # half precision: head-major first (CPU SDPA reads it 1.4-2x faster) when it fits
-    half = vmkv.KVCacheConfig(**llama, memory_budget="64MiB")
+    half = resolve(vmkv.KVCacheConfig(**llama, memory_budget="64MiB"))
     assert half.layout == "head_major" and half.page_size == 4096  # 16 tokens of one 256 B head
-    config = vmkv.KVCacheConfig(**llama, memory_budget="1GiB")  # per-layer 16-token pages: ~65,600 mappings
+    config = resolve(vmkv.KVCacheConfig(**llama, memory_budget="1GiB"))  # per-layer 16-token pages: ~65,600 mappings
     assert config.layout == "all_layers"
     tpp = config.page_size // config.tensor_token_bytes()
     assert config.page_size % 4096 == 0 and tpp == DEFAULT_TOKENS_PER_PAGE
@@ -147,18 +147,37 @@ def test_the_default_page_grows_to_fit_the_mapping_room():
     if room is None:
         pytest.skip("this system does not report vm.max_map_count")
     small = dict(num_layers=2, num_kv_heads=1, head_dim=16, dtype="float32")  # 128 B a token, all layers
-    config = vmkv.KVCacheConfig(**small, memory_budget="4GiB")
-    pieces = vmm_pieces(config)
+    config = resolve(vmkv.KVCacheConfig(**small, memory_budget="4GiB"))
+    pieces = config.kv_shape.pieces(config.layout)
     pages = config.memory_budget // (pieces * config.page_size)
     assert pieces * (2 * pages + 1) <= room  # even a fragmented pool fits
     assert config.page_size // config.tensor_token_bytes() > DEFAULT_TOKENS_PER_PAGE  # had to grow
-    tiny = vmkv.KVCacheConfig(**small, memory_budget="1MiB")
+    tiny = resolve(vmkv.KVCacheConfig(**small, memory_budget="1MiB"))
     assert (tiny.layout, tiny.page_size) == ("per_layer", 4096)  # 64 tokens: the host granularity is the floor
 
 
 def test_an_explicit_page_size_keeps_the_per_layer_layout():
-    config = vmkv.KVCacheConfig(num_layers=2, num_kv_heads=2, head_dim=16, page_size="4KiB")
+    config = resolve(vmkv.KVCacheConfig(num_layers=2, num_kv_heads=2, head_dim=16, page_size="4KiB"))
     assert config.layout == "per_layer" and config.page_size == 4096
-    assert default_vmm_pages(config, "head_major")[0] == "head_major"
+    assert default_pages(config.kv_shape, config.dtype, config.memory_budget, DeviceFacts("cpu", 4096), "head_major")[0] == "head_major"
     with pytest.raises(vmkv.InvalidConfig, match="layout must be one of"):
         vmkv.KVCacheConfig(num_layers=2, num_kv_heads=2, head_dim=16, layout="heads")
+
+
+def test_the_config_reads_no_device_and_the_cache_decides_its_pages(monkeypatch):
+    """A config only validates (a None layout and page size stay None); the cache decides them
+    from the device's facts, read once when it opens, and ``cache.config`` holds the result."""
+    import vmkv.vm
+
+    reads = []
+    real_granularity, real_room = vmkv.vm.granularity, vmkv.vm.mapping_room
+    monkeypatch.setattr(vmkv.vm, "granularity", lambda device: reads.append("granularity") or real_granularity(device))
+    monkeypatch.setattr(vmkv.vm, "mapping_room", lambda: reads.append("mapping_room") or real_room())
+    config = vmkv.KVCacheConfig(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32", memory_budget="8MiB",
+                                max_batch_size=2, max_seq_len=64)
+    cuda = vmkv.KVCacheConfig(num_layers=2, num_kv_heads=2, head_dim=16, device="cuda:0")
+    assert (config.layout, config.page_size, cuda.layout, cuda.page_size) == (None, None, None, None) and reads == []
+    with vmkv.VirtualKVCache(config) as cache:
+        assert (cache.config.layout, cache.config.page_size) == ("per_layer", 4096)  # 32 tokens of 128 B: the granule
+    assert reads.count("granularity") == 1 and reads.count("mapping_room") == 1  # once each, at open
+    assert resolve(cuda, DeviceFacts("cuda", 2 << 20)).layout == "all_layers"

@@ -8,7 +8,7 @@ import torch
 from helpers import KVMirror, small_config
 
 import vmkv
-from paged import PagedKVCache
+from vmkv.paged import PagedKVCache
 
 BLOCK = 32  # small_config's block_size
 
@@ -197,6 +197,9 @@ def test_errors_are_typed_and_raised_before_any_change(cache):
         cache.write(0, torch.zeros(3, 2, 16), k, plan)
     with pytest.raises(vmkv.InvalidDtype):
         cache.write(0, k.double(), k, plan)
+    with pytest.raises(vmkv.InvalidInput, match="not written"):
+        cache.attention(0, torch.zeros(4, 2, 16), plan)  # the failed writes wrote nothing
+    cache.write(0, k, k, plan)
     with pytest.raises(vmkv.InvalidShape):
         cache.attention(0, torch.zeros(4, 3, 16), plan)  # 3 query heads over 2 KV heads
     with pytest.raises(vmkv.InvalidDtype):

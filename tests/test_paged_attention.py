@@ -11,8 +11,10 @@ import torch
 from helpers import KVMirror, dense_attention, small_config
 
 import vmkv
-from paged import PagedKVCache
-from paged.attention import BlockwiseOnlineSoftmax, ChunkedSDPA, GatherSDPA, choose_paged_kernel
+from vmkv.kernels import registry
+from vmkv.kernels.facts import MachineFacts
+from vmkv.kernels.paged import BlockwiseOnlineSoftmax, ChunkedSDPA, GatherSDPA
+from vmkv.paged import PagedKVCache
 
 CPU_KERNELS = ["gather_sdpa", "blockwise_online_softmax", "sdpa_chunked"]
 
@@ -86,9 +88,8 @@ def test_blockwise_equals_gather_sdpa(chunk_tokens):
                 cache.write(layer, k, k, plan)
                 q = mirror.randn(6, 8, 16)
                 k_pool, v_pool = cache.block_pool(layer)
-                meta = fast.prepare(plan, 8, 0.25)
                 torch.testing.assert_close(
-                    fast(q, k_pool, v_pool, plan, meta, 0.25), slow(q, k_pool, v_pool, plan, None, 0.25),
+                    fast(q, k_pool, v_pool, plan, 0.25), slow(q, k_pool, v_pool, plan, 0.25),
                     atol=1e-5, rtol=1e-5,
                 )
     finally:
@@ -198,38 +199,43 @@ CUDA = torch.device("cuda", 0)
 VARLEN = {"block_table", "seqused_k", "window_size", "enable_gqa"}
 
 
+def facts(flash_attn: bool = False, flashinfer: bool = False, varlen: set[str] = VARLEN, triton: bool = False,
+          capability: tuple[int, int] = (9, 0)) -> MachineFacts:
+    """A made-up GPU: which optional packages import, what torch's varlen op takes, whether Triton runs."""
+    missing = {name: f"{name} is not installed" for name, ok in (("flash_attn", flash_attn), ("flashinfer", flashinfer)) if not ok}
+    return MachineFacts(capability, missing, True, frozenset(varlen), None if triton else "triton is not installed")
+
+
 @pytest.mark.parametrize(
-    "dtype, block, flash_attn, flashinfer, varlen, want, why",
+    "dtype, block, machine, want, why",
     [
-        (torch.float16, 16, False, False, VARLEN, "blockwise_online_softmax", "multiple of 256"),
-        (torch.float32, 256, True, False, VARLEN, "blockwise_online_softmax", "float16 or bfloat16"),
-        (torch.bfloat16, 256, False, False, VARLEN, "varlen_attn_block_table", "block_table"),
-        (torch.bfloat16, 256, False, False, {"seqused_k"}, "blockwise_online_softmax", "neither"),
-        (torch.bfloat16, 256, True, False, VARLEN, "flash_attn_with_kvcache", "flash-attn"),
-        (torch.float16, 16, False, True, VARLEN, "flashinfer_decode+blockwise_online_softmax", "FlashInfer"),
-        (torch.float16, 512, True, True, set(), "flashinfer_decode+flash_attn_with_kvcache", "FlashInfer"),
-        (torch.float32, 16, False, True, VARLEN, "blockwise_online_softmax", "float16 or bfloat16"),
+        (torch.float16, 16, facts(), "gather_sdpa", "multiple of 256"),
+        (torch.float16, 16, facts(triton=True), "triton", "not yet measured"),
+        (torch.float32, 256, facts(flash_attn=True), "gather_sdpa", "float16 or bfloat16"),
+        (torch.bfloat16, 256, facts(), "varlen_attn_block_table", "flash_attn is not installed"),
+        (torch.bfloat16, 256, facts(varlen={"seqused_k"}), "gather_sdpa", "block_table"),
+        (torch.bfloat16, 256, facts(flash_attn=True), "flash_attn_with_kvcache", "flashinfer is not installed"),
+        (torch.float16, 16, facts(flashinfer=True), "flashinfer_decode+gather_sdpa", "multiple of 256"),
+        (torch.float16, 512, facts(flash_attn=True, flashinfer=True, varlen=set()), "flashinfer_decode+flash_attn_with_kvcache",
+         "not yet measured"),
+        (torch.float32, 16, facts(flashinfer=True), "gather_sdpa", "float16 or bfloat16"),
     ],
 )
-def test_cuda_kernel_selection_rule(dtype, block, flash_attn, flashinfer, varlen, want, why):
-    name, reason = choose_paged_kernel(
-        CUDA, dtype, 128, block, flash_attn=flash_attn, flashinfer=flashinfer, varlen_features=varlen, capability=(9, 0)
-    )
-    assert name == want and why in reason
+def test_cuda_kernel_selection_rule(dtype, block, machine, want, why):
+    choice = registry.choose(registry.KernelSpec("blocks", CUDA, dtype, 2, 128, block), machine)
+    assert choice.name == want and why in choice.reason
 
 
 def test_cuda_selection_needs_ampere_for_flash_kernels():
-    name, reason = choose_paged_kernel(
-        CUDA, torch.float16, 128, 256, flash_attn=True, flashinfer=False, varlen_features=VARLEN, capability=(7, 5)
-    )
-    assert name == "blockwise_online_softmax" and "8.0" in reason
+    choice = registry.choose(registry.KernelSpec("blocks", CUDA, torch.float16, 2, 128, 256),
+                             facts(flash_attn=True, capability=(7, 5)))
+    assert choice.name == "gather_sdpa" and "8.0" in choice.reason
 
 
 def test_cpu_selection_rule():
-    name, _ = choose_paged_kernel(
-        torch.device("cpu"), torch.float32, 16, 16, flash_attn=True, flashinfer=True, varlen_features=VARLEN
-    )
-    assert name == "sdpa_chunked"
+    choice = registry.choose(registry.KernelSpec("blocks", torch.device("cpu"), torch.float32, 2, 16, 16),
+                             facts(flash_attn=True, flashinfer=True))
+    assert choice.name == "sdpa_chunked"
 
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU with the CUDA driver")
@@ -285,7 +291,7 @@ def test_blockwise_runs_while_autograd_records():
 @pytest.fixture
 def broken_optional_kernels(tmp_path, monkeypatch):
     """flash-attn and flashinfer installed, but their imports fail the way an ABI mismatch does."""
-    from vmkv import attention
+    from vmkv.kernels import facts as attention
 
     for name in ("flash_attn", "flashinfer"):
         (tmp_path / name).mkdir()
@@ -298,15 +304,16 @@ def broken_optional_kernels(tmp_path, monkeypatch):
 
 
 def test_broken_optional_kernels_fall_back_with_the_reason_logged(broken_optional_kernels, monkeypatch, caplog):
-    import paged.attention as pa
-
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # pretend: an sm90 GPU
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(pa, "_LOGGED", set())
+    monkeypatch.setattr(registry, "_LOGGED", set())
+    spec = registry.KernelSpec("blocks", CUDA, torch.bfloat16, 2, 128, 256)
     with caplog.at_level(logging.INFO, logger="vmkv"):
-        kernel = pa.make_paged_kernel(CUDA, torch.bfloat16, 2, 128, 256)
-    assert "flash" not in kernel.name  # neither flash-attn nor flashinfer
+        choice = registry.choose(spec)
+        registry.make_kernel(spec)
+    assert "flash" not in choice.name  # neither flash-attn nor flashinfer
+    assert "flash_attn is installed but" in choice.reason and "flashinfer is installed but" in choice.reason
     warnings = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
-    assert "flash_attn is installed but" in warnings and "flashinfer is installed but" in warnings
+    assert "is installed but" in warnings
     with pytest.raises(vmkv.BackendUnavailable, match="undefined symbol"):
-        pa.make_paged_kernel(CUDA, torch.bfloat16, 2, 128, 256, forced="flashinfer_decode")
+        registry.make_kernel(spec, forced="flashinfer_decode")

@@ -2,8 +2,8 @@
 
 import pytest
 
+from vmkv.core.pages import PagePool
 from vmkv.errors import OutOfPages
-from vmkv.pages import PagePool
 
 
 def test_allocates_lowest_ids_first_and_reuses_freed_pages():

@@ -198,13 +198,14 @@ BAD = [  # (path, body, status, error code, error param); raw bytes are sent as 
     ("/v1/completions", b"[" * 100_000, 400, None, None),  # nested too deeply for the parser
     ("/v1/completions", {"model": "gpt-unknown", "prompt": "x"}, 404, "model_not_found", "model"),
     ("/v1/completions", {"model": MODEL, "prompt": "x" * 300, "max_tokens": 1}, 400, "context_length_exceeded",
-     "max_tokens"),
+     "prompt"),  # the prompt alone is too long: no max_tokens would fit (issue 30 item 15)
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, None, "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 10_000}, 400, "context_length_exceeded",
      "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "ten"}, 400, None, "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, None, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 10**30}, 400, None, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 9}, 400, None, "n"),  # above the 8 sequence slots
     ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": 3}, 400, None, "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, None, "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 2}, 400, None, "logprobs"),
@@ -217,6 +218,12 @@ BAD = [  # (path, body, status, error code, error param); raw bytes are sent as 
      "context_length_exceeded", "messages"),  # no max_tokens sent: the prompt alone is too long
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "max_completion_tokens": 10_000}, 400, "context_length_exceeded", "max_completion_tokens"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x" * 300}],
+                              "max_completion_tokens": 5}, 400, "context_length_exceeded", "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "max_completion_tokens": 0}, 400, None, "max_completion_tokens"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
+     400, None, "max_tokens"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stop": [1]}, 400, None,
      "stop"),
     # issue 10 item 17: lone surrogates (valid JSON escapes, not Unicode) and numbers no float holds
@@ -254,6 +261,14 @@ def test_bad_requests_get_4xx_and_change_nothing(server):
     with pytest.raises(openai.NotFoundError):
         server.client.completions.create(model="nope", prompt="x")
     assert server.client.completions.create(model=MODEL, prompt="still serving", max_tokens=2).choices[0].text is not None
+
+
+def test_the_bound_of_n_is_the_servers_whatever_side_it_misses(server):
+    """n=0 and n=1000 name the same bound: [1, min(128, sequence slots)] (8 slots here)."""
+    for n in (0, 9, 1000):
+        response = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "n": n})
+        assert response.status_code == 400
+        assert response.json()["error"]["message"] == f"n must be in [1, 8], got {n}"
 
 
 def test_framework_errors_have_the_openai_shape(server):
@@ -511,16 +526,20 @@ def test_the_cache_is_never_used_by_two_threads_at_once(server, monkeypatch):
     assert [pair for pair in guard.overlaps if "stats" not in pair] == []  # stats() may overlap by contract
 
 
-def test_serve_on_port_0_logs_the_url_it_listens_on():
-    """``vmkv serve --port 0``: the OS picks the port, and the log line names that one, not :0."""
+def test_serve_on_port_0_prints_the_url_it_listens_on_at_any_log_level():
+    """``vmkv serve --port 0``: the OS picks the port, and a line names that one, not :0, even with
+    ``--log-level warning`` (which hides the info log)."""
     import subprocess
     import sys
 
-    command = [sys.executable, "-m", "vmkv.server.cli", "--port", "0", "--memory-budget", "8MiB", "--max-num-seqs", "2"]
+    command = [sys.executable, "-m", "vmkv.server.cli", "--port", "0", "--memory-budget", "8MiB", "--max-num-seqs", "2",
+               "--log-level", "warning"]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = threading.Timer(120, process.kill)  # no line by then: the server is killed, stderr ends, the test fails
+    deadline.start()
     try:
-        url = None
-        for line in process.stderr:  # the log goes to stderr; wait for the serving line
+        url, port = None, 0
+        for line in process.stderr:  # the line goes to stderr, with the log; wait for it
             found = re.search(r"serving \S+ on (http://127\.0\.0\.1:(\d+)) ", line)
             if found:
                 url, port = found.group(1), int(found.group(2))
@@ -528,6 +547,7 @@ def test_serve_on_port_0_logs_the_url_it_listens_on():
         assert url is not None and port != 0
         assert httpx.get(url + "/health", timeout=30).json() == {"status": "ok"}
     finally:
+        deadline.cancel()
         process.terminate()
         process.wait(timeout=30)
 

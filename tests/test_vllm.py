@@ -20,6 +20,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -82,13 +83,103 @@ def test_importing_the_plugin_does_not_import_vllm():
     assert out.stdout.strip() == "False", out.stderr
 
 
+def test_the_modules_that_need_no_vllm_import_without_it():
+    """The plugin's logic that runs without vLLM (the free-block policy, the ledger seat, the KV
+    buffer, the page layout, contiguous mode's page rule, slot table and slot space) imports with
+    vLLM absent: only the modules that subclass or call vLLM need it."""
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["vllm"] = None  # as if vLLM were not installed
+        import vmkv.vllm, vmkv.vllm.__main__, vmkv.vllm.control, vmkv.vllm.layout, vmkv.vllm.settings
+        import vmkv.vllm.scheduler.free_blocks, vmkv.vllm.scheduler.share, vmkv.vllm.worker.kvbuffer
+        import vmkv.vllm.contiguous.assign, vmkv.vllm.contiguous.pages, vmkv.vllm.contiguous.slots
+        print("imported")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.stdout.strip() == "imported", out.stderr
+
+
+def _plugin_imports() -> tuple[dict[str, set[str]], set[tuple[str, str]]]:
+    """``(graph, late)`` of vmkv.vllm's own imports, read from the source: ``graph[m]`` the plugin
+    modules ``m`` imports when it is imported (with their packages, which Python runs first; not
+    under ``TYPE_CHECKING``), ``late`` the ``(module, function)`` pairs importing one in a function."""
+    import ast
+
+    base = ROOT / "vmkv" / "vllm"
+    names = {".".join(("vmkv", *path.relative_to(ROOT / "vmkv").with_suffix("").parts)).removesuffix(".__init__"): path
+             for path in base.rglob("*.py")}
+
+    def targets(module: str, node: ast.AST) -> set[str]:
+        if isinstance(node, ast.Import):
+            found = {alias.name for alias in node.names}
+        else:
+            package = module.split(".") if names[module].name == "__init__.py" else module.split(".")[:-1]
+            stem = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+            stem = stem if node.level else node.module
+            found = {f"{stem}.{alias.name}" if f"{stem}.{alias.name}" in names else stem for alias in node.names}
+        out = set()
+        for name in found:
+            while name.startswith("vmkv.vllm"):
+                if name in names:
+                    out.add(name)
+                name = name.rpartition(".")[0]
+        return out - {module}
+
+    graph: dict[str, set[str]] = {module: set() for module in names}
+    late: set[tuple[str, str]] = set()
+
+    def visit(module: str, node: ast.AST, function: str | None) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(module, child, function or child.name)
+            elif isinstance(child, ast.If) and getattr(child.test, "id", None) == "TYPE_CHECKING":
+                continue
+            elif isinstance(child, (ast.Import, ast.ImportFrom)):
+                found = targets(module, child)
+                if function is None:
+                    graph[module] |= found
+                elif found:
+                    late.add((module, function))
+            else:
+                visit(module, child, function)
+
+    for module, path in names.items():
+        visit(module, ast.parse(path.read_text()), None)
+    return graph, late
+
+
+def test_the_plugins_modules_import_each_other_without_circles():
+    """No circle among vmkv.vllm's module-level imports, and a module imports another inside a
+    function only where vLLM must not be imported yet (register() in every vLLM process; the
+    --scheduler-cls and --worker-extension-cls names, whose packages hold vLLM-free modules):
+    never to dodge a circle."""
+    graph, late = _plugin_imports()
+    assert late == {("vmkv.vllm", "register"), ("vmkv.vllm.scheduler", "__getattr__"),
+                    ("vmkv.vllm.worker", "__getattr__")}
+    done: set[str] = set()
+
+    def walk(module: str, path: list[str]) -> None:
+        if module in path:
+            pytest.fail("import circle: " + " -> ".join(path[path.index(module):] + [module]))
+        if module not in done:
+            for target in sorted(graph[module]):
+                walk(target, path + [module])
+            done.add(module)
+
+    for module in sorted(graph):
+        walk(module, [])
+    assert graph["vmkv.vllm.connector"] >= {"vmkv.vllm.scheduler.connector", "vmkv.vllm.worker.connector"}  # read right
+
+
 def test_a_missing_vllm_gives_one_clear_error():
     code = textwrap.dedent("""
         import os, sys
         sys.modules["vllm"] = None  # as if vLLM were not installed
         os.environ["VMKV_VLLM"] = "1"
+        from benchmarks.gpu.vllm_smoke import gpu_smoke
         from vmkv import vllm as plugin
-        for call in (plugin.check_vllm, plugin.register, lambda: plugin.gpu_smoke(".")):
+        for call in (plugin.check_vllm, plugin.register, lambda: gpu_smoke(".")):
             try:
                 call()
             except Exception as exc:
@@ -141,7 +232,7 @@ def test_install_covers_every_module_that_imported_the_allocator(monkeypatch):
     import vllm.v1.worker.gpu_model_runner as v1_runner
     import vllm.v1.worker.utils as utils
 
-    from vmkv.vllm import worker
+    from vmkv.vllm.worker import allocate as worker
 
     original = worker.vllm_allocate_kv_cache()
     for module in (utils, v1_runner, v2_runner):
@@ -203,20 +294,20 @@ def halves(config):
 
 
 def allocate_on(worker_connector, monkeypatch):
-    from vmkv.vllm import worker
+    from vmkv.vllm.worker import allocate as worker
 
-    monkeypatch.setattr(worker, "_engine_connector", lambda: worker_connector)
+    monkeypatch.setattr(worker, "_engine_connector", lambda: worker_connector.connector_worker)
     return worker.allocate_kv_cache(kv_cache_config(), torch.device("cpu"), lbhnc(), [BLOCK])
 
 
 @needs_vllm
 def test_the_hook_rebuilds_vllms_own_views_over_a_reservation(halves, monkeypatch):
-    from vmkv.vllm import worker
+    from vmkv.vllm.worker import allocate as worker
 
     _, _, connector = halves
     stock = worker.vllm_allocate_kv_cache()(kv_cache_config(), torch.device("cpu"), lbhnc(), [BLOCK])
     ours = allocate_on(connector, monkeypatch)
-    buffer = connector._buffer
+    buffer = connector.connector_worker.buffer
     assert set(ours) == set(stock)
     for name, view in ours.items():
         want = stock[name]
@@ -234,8 +325,8 @@ def test_the_hook_rebuilds_vllms_own_views_over_a_reservation(halves, monkeypatc
 def test_meta_layout_of_the_scheduler_equals_the_workers(halves, monkeypatch):
     config, scheduler, worker_connector = halves
     allocate_on(worker_connector, monkeypatch)
-    layout, budget_pages, max_idle_units = scheduler.pool_settings(config)
-    assert layout.fingerprint == worker_connector._layout.fingerprint
+    layout, budget_pages, max_idle_units = scheduler.connector_scheduler.pool_settings(config)
+    assert layout.fingerprint == worker_connector.connector_worker.layout.fingerprint
     assert (layout.blocks_per_unit, layout.max_pages_per_unit) == (2, 2)  # 2 KiB blocks, 4 KiB pages, 2 layers
     assert budget_pages == 64 and max_idle_units == 2  # max_cached 16 KiB = 2 units of 2 pages of 4 KiB
 
@@ -246,14 +337,14 @@ def test_every_held_block_stays_mapped_and_keeps_its_data_step_after_step(halves
     applies each step's lists; every held or cached block keeps the marker written into it."""
     import random
 
-    from vmkv.vllm.block_pool import PageAffineBlockPool
+    from vmkv.vllm.scheduler.block_pool import PageAffineBlockPool
 
     config, scheduler, worker_connector = halves
     views = allocate_on(worker_connector, monkeypatch)
-    layout, _, max_idle = scheduler.pool_settings(config)
+    layout, _, max_idle = scheduler.connector_scheduler.pool_settings(config)
     pool = PageAffineBlockPool(NUM_BLOCKS, True, BLOCK, layout=layout, budget_pages=24, max_idle_units=max_idle)
     scheduler.bind_kv_cache_manager(SimpleNamespace(block_pool=pool))
-    buffer = worker_connector._buffer
+    buffer = worker_connector.connector_worker.buffer
     rng = random.Random(1)
     held: dict[int, float] = {}  # block id -> marker written into it
     cached: dict[int, float] = {}
@@ -305,29 +396,29 @@ def test_every_held_block_stays_mapped_and_keeps_its_data_step_after_step(halves
 
 @needs_vllm
 def test_worker_refuses_a_lost_step_and_a_foreign_layout(halves, monkeypatch):
-    from vmkv.vllm.connector import VmkvMetadata
+    from vmkv.vllm.metadata import VmkvMetadata
 
     _, _, connector = halves
     allocate_on(connector, monkeypatch)
-    fingerprint = connector._layout.fingerprint
+    fingerprint = connector.connector_worker.layout.fingerprint
     connector.handle_preemptions(VmkvMetadata(1, fingerprint, [0], []))
     connector.handle_preemptions(VmkvMetadata(1, fingerprint, [0], []))  # applied once only
-    assert connector._buffer.mapped_pages == 1
+    assert connector.connector_worker.buffer.mapped_pages == 1
     with pytest.raises(vmkv.BackendError, match="step 3 arrived after step 1"):
         connector.handle_preemptions(VmkvMetadata(3, fingerprint, [], []))
     with pytest.raises(vmkv.BackendError, match="differs from the scheduler's"):
         connector.handle_preemptions(VmkvMetadata(2, "0" * 16, [], []))
-    assert connector._buffer.mapped_pages == 1 and connector.worker_stats()["applied_step"] == 1
+    assert connector.connector_worker.buffer.mapped_pages == 1 and connector.connector_worker.worker_stats()["applied_step"] == 1
 
 
 @needs_vllm
 def test_trim_waits_for_the_step_scheduled_after_it(halves, monkeypatch):
     """A busy engine with a step in flight: the step scheduled before the trim does not end the wait."""
-    from vmkv.vllm.block_pool import PageAffineBlockPool
+    from vmkv.vllm.scheduler.block_pool import PageAffineBlockPool
 
     config, scheduler, worker_connector = halves
     allocate_on(worker_connector, monkeypatch)
-    layout, _, max_idle = scheduler.pool_settings(config)
+    layout, _, max_idle = scheduler.connector_scheduler.pool_settings(config)
     pool = PageAffineBlockPool(NUM_BLOCKS, True, BLOCK, layout=layout, budget_pages=24, max_idle_units=max_idle)
     scheduler.bind_kv_cache_manager(SimpleNamespace(block_pool=pool))
     blocks = pool.get_new_blocks(4)
@@ -343,13 +434,13 @@ def test_trim_waits_for_the_step_scheduled_after_it(halves, monkeypatch):
             assert method == "vmkv_stats"
             worker_connector.handle_preemptions(in_flight.pop(0))
             in_flight.append(scheduler.build_connector_meta(None))
-            return [worker_connector.worker_stats()]
+            return [worker_connector.connector_worker.worker_stats()]
 
         def reset_prefix_cache(self, reset_connector: bool = False) -> bool:
             assert reset_connector
             return scheduler.reset_cache()
 
-    buffer = worker_connector._buffer
+    buffer = worker_connector.connector_worker.buffer
     assert pool.free_block_queue.mapped_pages == 6  # block 0's unit and the two idle cached units
     after = plugin.trim(BusyLLM(), timeout=5)[0]
     assert after["mapped_pages"] == buffer.mapped_pages == 2  # the trim's unmaps were applied
@@ -374,29 +465,29 @@ class SharedEngine:
     def __init__(self, monkeypatch, shared: str, wake=None) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-        from vmkv.vllm.block_pool import PageAffineBlockPool
         from vmkv.vllm.connector import VmkvConnector
+        from vmkv.vllm.scheduler.block_pool import PageAffineBlockPool
 
         config = vllm_config(max_cached="256KiB", shared_budget=shared)  # the prefix cache may keep everything
         self.scheduler = VmkvConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
         self.worker = VmkvConnector(config, KVConnectorRole.WORKER, kv_cache_config())
         self.views = allocate_on(self.worker, monkeypatch)
-        layout, budget_pages, max_idle = self.scheduler.pool_settings(config)
+        layout, budget_pages, max_idle = self.scheduler.connector_scheduler.pool_settings(config)
         self.pool = PageAffineBlockPool(NUM_BLOCKS, True, BLOCK, layout=layout, budget_pages=budget_pages,
                                         max_idle_units=max_idle)
         self.scheduler.bind_kv_cache_manager(SimpleNamespace(block_pool=self.pool))
-        self.share = self.scheduler.join_ledger(1, wake)
-        self.buffer = self.worker._buffer
+        self.share = self.scheduler.connector_scheduler.join_ledger(1, wake)
+        self.buffer = self.worker.connector_worker.buffer
         self.markers: dict[int, float] = {}  # cached block -> the marker written into it
         self.peak_held = 0
 
     def step(self) -> None:
-        self.scheduler.step_boundary()
+        self.scheduler.connector_scheduler.step_boundary()
         meta = self.scheduler.build_connector_meta(None)
         self.check()  # the step is built: the workers still map the pages of the one before
         self.worker.handle_preemptions(meta)
         self.check()
-        self.scheduler.step_finished(meta)
+        self.scheduler.connector_scheduler.step_finished(meta)
         self.check()
 
     def check(self) -> None:
@@ -452,7 +543,7 @@ def test_a_shared_budget_moves_idle_prefix_pages_only_at_a_step_boundary(monkeyp
                 woken.clear()
                 asked_before_boundary.append(a.share.member.asked())
                 mapped = a.buffer.mapped_pages
-                a.scheduler.step_boundary()  # evicts idle units in the scheduler; their grants are owed
+                a.scheduler.connector_scheduler.step_boundary()  # evicts idle units in the scheduler; their grants are owed
                 owed, held = a.share.owed, a.share.member.held
                 evicted = mapped - a.pool.free_block_queue.mapped_pages
                 assert owed >= evicted > 0 and held >= mapped
@@ -461,7 +552,7 @@ def test_a_shared_budget_moves_idle_prefix_pages_only_at_a_step_boundary(monkeyp
                 a.worker.handle_preemptions(meta)  # the workers unmap them
                 assert a.buffer.mapped_pages == mapped - evicted
                 a.check()
-                a.scheduler.step_finished(meta)  # only now do the grants go back
+                a.scheduler.connector_scheduler.step_finished(meta)  # only now do the grants go back
                 assert a.share.owed == 0 and a.share.member.held <= held - owed
                 a.check()
                 if not a.share.pending():
@@ -504,7 +595,7 @@ def test_the_watcher_wakes_the_engine_core_that_built_the_scheduler_with_vllms_o
     from vllm.v1.engine import EngineCoreRequestType
     from vllm.v1.engine.core import EngineCore
 
-    from vmkv.vllm.share import engine_wake
+    from vmkv.vllm.scheduler.share import engine_wake
 
     class Core(EngineCore):
         def __init__(self) -> None:  # as EngineCoreProc: the queue exists before the scheduler is built
@@ -517,17 +608,54 @@ def test_the_watcher_wakes_the_engine_core_that_built_the_scheduler_with_vllms_o
     assert engine_wake() is None  # built outside an engine core (in-process engine, tests): nothing to wake
 
 
+def test_the_engine_seats_watcher_outlives_a_ledger_it_cannot_read(monkeypatch, caplog, ledger_name):
+    """Reading a standing request takes the ledger's lock, which refuses a damaged record
+    (LedgerCorrupt): the engine seat's watcher logs it and looks again after a pause instead of
+    dying, and wakes the engine once the ledger reads again. No vLLM needed."""
+    from vmkv.ledger import Ledger, SharedBudget
+    from vmkv.share import join
+    from vmkv.vllm.scheduler import share
+
+    monkeypatch.setattr(share, "FAILED_WAIT_S", 0.05)
+    page, spec = 4096, SharedBudget.parse(f"{ledger_name}:64KiB")
+    woken = threading.Event()
+    seat = share.EngineShare(spec, page, 8, woken.set)
+    asker_ledger, asker = join(spec, "asker", page, 64 * 1024)
+    try:
+        seat.attach(SimpleNamespace(mapped_pages=2, limit_changed=lambda: None))  # starts the watcher
+        with Ledger(ledger_name, None) as ledger:
+            with ledger.locked():  # the asker waits for a page this seat is asked for ...
+                ledger._write(asker.slot, want=page)
+                ledger._write(seat.member.slot, request=page)
+                ledger._write(seat.member.slot, held=2 * 64 * 1024)  # ... and the seat's record is damaged
+            deadline = time.monotonic() + 5
+            while "watching ledger" not in caplog.text:
+                assert time.monotonic() < deadline, "the watcher logged nothing"
+                time.sleep(0.02)
+            assert "LedgerCorrupt" in caplog.text and seat._watcher.is_alive() and not woken.is_set()
+            ledger._write(seat.member.slot, held=2 * page)  # repaired (the lock refuses it damaged); the request stands
+            assert woken.wait(5), "the watcher did not wake the engine once the ledger read again"
+            with ledger.locked():
+                ledger._write(asker.slot, want=0)
+                ledger._write(seat.member.slot, request=0)
+    finally:
+        seat.close()
+        asker.leave()
+        asker_ledger.close(unlink_if_empty=True)
+    assert not seat._watcher.is_alive()
+
+
 @needs_vllm
 def test_the_scheduler_puts_the_new_pool_and_its_null_block_in_every_group_manager(halves):
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-    from vmkv.vllm.block_pool import PageAffineBlockPool
-    from vmkv.vllm.scheduler import install_pool
+    from vmkv.vllm.scheduler.block_pool import PageAffineBlockPool
+    from vmkv.vllm.scheduler.scheduler import install_pool
 
     config, scheduler, _ = halves
     manager = KVCacheManager(kv_cache_config(), max_model_len=NUM_BLOCKS * BLOCK, scheduler_block_size=BLOCK,
                              hash_block_size=BLOCK)
-    pool = PageAffineBlockPool.replacing(manager.block_pool, *scheduler.pool_settings(config))
+    pool = PageAffineBlockPool.replacing(manager.block_pool, *scheduler.connector_scheduler.pool_settings(config))
     install_pool(manager, pool)
     assert manager.block_pool is manager.coordinator.block_pool is pool
     single = manager.coordinator.single_type_managers[0]
@@ -546,15 +674,15 @@ def test_a_request_fills_its_own_page_and_decode_steps_allocate_nothing():
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-    from vmkv.vllm.block_pool import PageAffineBlockPool
     from vmkv.vllm.connector import VmkvConnector
-    from vmkv.vllm.scheduler import install_pool
+    from vmkv.vllm.scheduler.block_pool import PageAffineBlockPool
+    from vmkv.vllm.scheduler.scheduler import install_pool
 
     config = vllm_config(page_size="8KiB")  # 4 blocks a unit
     connector = VmkvConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
     manager = KVCacheManager(kv_cache_config(), max_model_len=NUM_BLOCKS * BLOCK, scheduler_block_size=BLOCK,
                              hash_block_size=BLOCK)
-    pool = PageAffineBlockPool.replacing(manager.block_pool, *connector.pool_settings(config))
+    pool = PageAffineBlockPool.replacing(manager.block_pool, *connector.connector_scheduler.pool_settings(config))
     install_pool(manager, pool)
     single, unit_of = manager.coordinator.single_type_managers[0], pool.free_block_queue.layout.unit_of
     (a1,) = single.allocate_new_blocks("a", BLOCK, BLOCK)  # the null block's unit: mapped, no request's
@@ -572,7 +700,7 @@ def test_a_request_fills_its_own_page_and_decode_steps_allocate_nothing():
 def test_drive_engine_sets_the_environment_only_while_vllm_starts(monkeypatch):
     import vllm
 
-    from vmkv.vllm import drive
+    from benchmarks.vllm_harness import drive
 
     names = (plugin.ENV_FLAG, drive.RESERVED_CPUS, "HF_HUB_OFFLINE")
     seen = []
@@ -627,7 +755,7 @@ def test_stats_aggregate_per_rank_and_reach_prometheus():
     from prometheus_client import Counter, Gauge, Histogram
     from vllm.v1.metrics.prometheus import unregister_vllm_metrics
 
-    from vmkv.vllm.connector import VmkvConnectorStats, VmkvPromMetrics
+    from vmkv.vllm.metrics import VmkvConnectorStats, VmkvPromMetrics
 
     one = {"resident_bytes": 10, "mapped_pages": 1, "maps": 3, "unmaps": 2}
     two = {"resident_bytes": 30, "mapped_pages": 2, "maps": 4, "unmaps": 2}
@@ -655,7 +783,7 @@ def test_stats_aggregate_per_rank_and_reach_prometheus():
 
 # ---- end to end -------------------------------------------------------------------------------
 def run_scenarios(tmp_path_factory, names: list[str]) -> dict:
-    from vmkv.vllm.tiny import save_tiny_model
+    from benchmarks.vllm_harness.tiny import save_tiny_model
 
     root = tmp_path_factory.mktemp("vllm")
     model = save_tiny_model(root / "model")
@@ -755,32 +883,6 @@ def test_two_engines_in_one_ledger_move_idle_pages_and_keep_their_tokens(tmp_pat
         tokens = run[phase]["tokens"]
         assert len(tokens) == count and all(len(t) == new_tokens for t in tokens.values())
         assert tokens == run["alone"][alone], f"{phase}: tokens differ from the run alone"
-
-
-@needs_vllm
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: gpu_smoke would run for real")
-def test_gpu_smoke_says_why_it_cannot_run_here(tmp_path):
-    with pytest.raises(vmkv.BackendUnavailable, match="needs a CUDA GPU"):
-        plugin.gpu_smoke(tmp_path)
-    assert not any(tmp_path.iterdir())  # refused before writing anything
-
-
-def test_gpu_smoke_passes_only_when_tokens_and_prefix_hits_match_stock():
-    from vmkv.vllm import smoke
-
-    # the smoke keeps vmkv's default max_cached: prefix-cached pages stay mapped for the second pass
-    assert plugin.PluginConfig.from_extra_config(smoke.VMKV_OPTIONS).max_cached is None
-    tokens = {"0": [5, 6], "1": [7]}
-    stock = {"tokens": tokens, "again": tokens, "cached": {"0": 288, "1": 288}}
-    ours = {**stock, "peak_mapped": 2**20}
-    assert smoke.verdict(stock, ours, 2**29)["passed"]
-    for change, failed in [({"cached": {"0": 288, "1": 0}}, "prefix_hits_identical"),
-                           ({"again": {"0": [5, 6], "1": [8]}}, "tokens_identical"),
-                           ({"peak_mapped": 2**29}, "passed")]:
-        result = smoke.verdict(stock, {**ours, **change}, 2**29)
-        assert not result[failed] and not result["passed"], change
-    nothing = {**stock, "cached": {"0": 0, "1": 0}}  # no hit anywhere: prefix caching went untested
-    assert not smoke.verdict(nothing, {**nothing, "peak_mapped": 1}, 2**29)["passed"]
 
 
 @pytest.mark.slow

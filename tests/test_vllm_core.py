@@ -32,8 +32,8 @@ def manager(num_blocks: int, plugin: bool):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm_core_plugin import suite_budget, suite_layout
 
-    from vmkv.vllm.block_pool import PageAffineBlockPool
-    from vmkv.vllm.scheduler import install_pool
+    from vmkv.vllm.scheduler.block_pool import PageAffineBlockPool
+    from vmkv.vllm.scheduler.scheduler import install_pool
 
     config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32))])

@@ -1,6 +1,6 @@
 """The vLLM plugin's page logic, without vLLM: where blocks live in the KV buffer
 (:mod:`vmkv.vllm.layout`), which blocks are handed out and which pages are mapped
-(:mod:`vmkv.vllm.free_blocks`), and the worker's buffer (:mod:`vmkv.vllm.kvbuffer`)."""
+(:mod:`vmkv.vllm.scheduler.free_blocks`), and the worker's buffer (:mod:`vmkv.vllm.worker.kvbuffer`)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from fake_cuda import FakeRuntime
 from fake_cuda.fixtures import fake, fake_lib  # noqa: F401  (fixtures)
 
 import vmkv
-from vmkv.vllm.free_blocks import PageAwareFreeBlocks
-from vmkv.vllm.kvbuffer import KVBuffer
 from vmkv.vllm.layout import KVLayout, Segment, layout_from_views, view_segments
+from vmkv.vllm.scheduler.free_blocks import PageAwareFreeBlocks
+from vmkv.vllm.worker.kvbuffer import KVBuffer
 from vmkv.vm import HostVirtualMemory
 
 # vLLM 0.32's KVCacheLayout members: logical [L, B, H, N, C] axes in physical (memory) order.
@@ -361,7 +361,7 @@ def test_trim_unmaps_every_idle_unit_and_reset_forgets_hashes():
 
 
 class Grants:
-    """A ledger seat as the free set sees it (:class:`vmkv.vllm.share.EngineShare`'s contract):
+    """A ledger seat as the free set sees it (:class:`vmkv.vllm.scheduler.share.EngineShare`'s contract):
     ``cover`` grants some of what is asked, at random; the limit never drops below what is mapped."""
 
     def __init__(self, rng: random.Random, free: PageAwareFreeBlocks) -> None:
@@ -497,7 +497,7 @@ def test_a_write_to_an_unmapped_page_fails_loudly():
     script = textwrap.dedent(f"""
         import faulthandler; faulthandler.enable()
         from vmkv.vm import HostVirtualMemory
-        from vmkv.vllm.kvbuffer import KVBuffer
+        from vmkv.vllm.worker.kvbuffer import KVBuffer
         buffer = KVBuffer(HostVirtualMemory({PAGE}, 2), 4 * {PAGE})
         buffer.apply([], [0])
         raw = buffer.tensor()

@@ -31,8 +31,7 @@ def suite_layout(num_blocks: int) -> Any:
 
 def suite_budget(layout: Any) -> tuple[int, int]:
     """``(budget_pages, max_idle_units)``: the plugin's own rule with the whole buffer for both."""
-    from vmkv.vllm.connector import budget_settings
-    from vmkv.vllm.settings import PluginConfig
+    from vmkv.vllm.settings import PluginConfig, budget_settings
 
     return budget_settings(PluginConfig(page_size=layout.page_size, max_cached=layout.buffer_bytes), layout)
 
@@ -40,8 +39,8 @@ def suite_budget(layout: Any) -> tuple[int, int]:
 def _install() -> None:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-    from vmkv.vllm.block_pool import PageAffineBlockPool
-    from vmkv.vllm.scheduler import install_pool
+    from vmkv.vllm.scheduler.block_pool import PageAffineBlockPool
+    from vmkv.vllm.scheduler.scheduler import install_pool
 
     original_init = PageAffineBlockPool.__init__
 
@@ -64,7 +63,7 @@ class SuiteBlockPool:
     """Stands for ``BlockPool`` in a test module's namespace: builds a ``PageAffineBlockPool``."""
 
     def __new__(cls, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int, **kwargs: Any) -> Any:
-        from vmkv.vllm.block_pool import PageAffineBlockPool
+        from vmkv.vllm.scheduler.block_pool import PageAffineBlockPool
 
         layout = suite_layout(num_gpu_blocks)
         budget, idle = suite_budget(layout)

@@ -66,7 +66,7 @@ def workload() -> tuple[list[list[int]], list[int]]:
 def run_workload(llm, vmkv: bool, sample_every: int) -> dict:
     from vllm import SamplingParams
 
-    from vmkv.vllm import drive
+    from benchmarks.vllm_harness import drive
 
     prompts, outputs = workload()
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in outputs]
@@ -87,8 +87,8 @@ def metric_values(llm, prefix: str) -> dict[str, float]:
 
 
 def scenario(name: str, model: str) -> dict:
+    from benchmarks.vllm_harness import drive
     from vmkv import vllm as plugin
-    from vmkv.vllm import drive
 
     start = time.perf_counter()
     if name in ("stock", "tp2stock"):
@@ -146,7 +146,7 @@ def ledger_member(model: str, shared_budget: str) -> None:
     cached tokens, ``{"op": "reset"}`` (empty the prefix cache), ``{"op": "quit"}``."""
     from vllm import SamplingParams
 
-    from vmkv.vllm import drive
+    from benchmarks.vllm_harness import drive
 
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # vLLM (and the processes it starts) log to stdout

@@ -55,8 +55,8 @@ def info_lines() -> list[str]:
     import torch
 
     import vmkv
-    from vmkv.attention import select_contiguous_kernel, torch_varlen_features
-    from vmkv.vm import HostVirtualMemory
+
+    from .vm import HostVirtualMemory
 
     lines = [f"vmkv {vmkv.__version__}  python {platform.python_version()}  torch {torch.__version__}  ({platform.platform()})", ""]
     lines.append("Virtual-memory backends")
@@ -67,12 +67,8 @@ def info_lines() -> list[str]:
         lines.append(f"  cuda  unavailable: {cuda_why}")
     else:
         lines.append(f"  cuda  available on {torch.cuda.get_device_name()}; granularity {cuda_gran} B (CUDA driver VMM)")
-    features = torch_varlen_features()
-    lines += ["", "Contiguous (VMM) mode kernels"]
-    lines.append(f"  cpu   {select_contiguous_kernel(torch.device('cpu'))[0]} (torch SDPA: a step's decode rows in one batched call or one call per sequence, by a measured rule)")
-    lines += _cuda_contiguous_lines()
-    lines += ["", "Paged mode kernels"]
-    lines += _paged_kernel_lines(features)
+    lines += ["", "Attention kernels (the rule: vmkv/kernels/registry.py; the measured orders: vmkv/kernels/measured.json)"]
+    lines += _kernel_lines()
     lines += ["", "Optional packages"]
     for extra, names in (("hf", ["transformers"]), ("serve", ["fastapi", "uvicorn"]), ("bench", ["matplotlib", "tqdm"]),
                          ("cuda", ["cuda.bindings"]), ("flash", ["flash_attn"]), ("optional", ["flashinfer"])):
@@ -91,54 +87,33 @@ def _installed_safe(name: str) -> bool:
 def _cuda_granularity() -> int:
     import torch
 
-    from vmkv.vm import granularity
+    from .vm import granularity
 
     return granularity(torch.device("cuda"))
 
 
-def _cuda_contiguous_lines() -> list[str]:
-    """The CUDA contiguous kernels as the selector judges them, for an sm80+ GPU (this machine's
-    own GPU when it has one) and a float16 cache of head_dim 128: this machine's flash-attn and torch."""
+def _kernel_lines() -> list[str]:
+    """Each mode's kernels as the rule judges them: on this machine's CPU, and on this GPU (or,
+    without one, on an sm80+ GPU with this machine's packages and torch)."""
     import torch
 
-    from vmkv.attention import (
-        CudaKernelFacts,
-        choose_contiguous_kernel,
-        contiguous_kernel_unavailable,
-        flash_varlen_has_seqused_k,
-        optional_import,
-    )
+    from .kernels.facts import MachineFacts
+    from .kernels.registry import KernelSpec, describe
 
-    device = torch.device("cuda", 0)
-    facts = CudaKernelFacts.probe(device)
+    cuda = torch.device("cuda", 0)
+    gpu = MachineFacts.probe(cuda)
     where = "this GPU"
-    if facts.capability is None:
-        facts = CudaKernelFacts((8, 0), optional_import("flash_attn", "flash_attn_with_kvcache")[1], flash_varlen_has_seqused_k())
-        where = "an sm80+ GPU"
+    if gpu.capability is None:
+        gpu, where = MachineFacts.assumed_gpu(), "an sm80+ GPU with this machine's packages"
+    cases = (("VMM mode (slots)", "cpu, float32, head_dim 128", KernelSpec("slots", torch.device("cpu"), torch.float32, 8, 128), None),
+             ("VMM mode (slots)", f"cuda ({where}), float16, head_dim 128", KernelSpec("slots", cuda, torch.float16, 8, 128), gpu),
+             ("paged mode (blocks)", "cpu, float32, block 16", KernelSpec("blocks", torch.device("cpu"), torch.float32, 8, 128, 16), None),
+             ("paged mode (blocks)", f"cuda ({where}), float16, block 16", KernelSpec("blocks", cuda, torch.float16, 8, 128, 16), gpu),
+             ("paged mode (blocks)", f"cuda ({where}), float16, block 256", KernelSpec("blocks", cuda, torch.float16, 8, 128, 256), gpu))
     lines = []
-    for name in ("flash_attn_with_kvcache", "varlen_attn_seqused"):
-        why = contiguous_kernel_unavailable(name, device, torch.float16, 128, facts)
-        lines.append(f"  {'cuda' if not lines else '    '}  {name}: {why or 'available'}")
-    name, _ = choose_contiguous_kernel(device, torch.float16, 128, facts)
-    lines.append(f"        chosen on {where}, float16, head_dim 128: {name}")
-    return lines
-
-
-def _paged_kernel_lines(features: set[str]) -> list[str]:
-    import torch
-
-    try:
-        from paged.attention import KERNELS, choose_paged_kernel
-    except ImportError as exc:
-        return [f"  paged mode unavailable: {exc}"]
-    lines = [f"  kernels: {', '.join(KERNELS)}"]
-    flash, flashinfer = _installed("flash_attn"), _installed("flashinfer")
-    cases = (("cpu", torch.float32, 16), ("cuda", torch.float16, 16), ("cuda", torch.float16, 256))
-    for device, dtype, block in cases:
-        name, why = choose_paged_kernel(torch.device(device), dtype, 128, block,
-                                        flash_attn=flash, flashinfer=flashinfer, varlen_features=features)
-        dtype_name = str(dtype).removeprefix("torch.")
-        lines.append(f"  {device:4s}  {dtype_name}, block {block:3d}: {name} ({why})")
+    for mode, case, spec, facts in cases:
+        lines.append(f"  {mode}, {case}:")
+        lines += describe(spec, facts)
     return lines
 
 

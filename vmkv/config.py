@@ -1,9 +1,8 @@
-"""Cache configuration: what the user chooses, validated once, plus the page geometry it implies."""
+"""Cache configuration: what the user chooses, validated once (no device is read here: a
+``None`` layout or page size is decided when a cache opens, by :mod:`vmkv.sizing`)."""
 
 from __future__ import annotations
 
-import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
@@ -12,15 +11,11 @@ import torch
 
 from .errors import InvalidConfig
 from .ledger import SharedBudget
-from .sizes import format_size, parse_size
+from .sizes import parse_size
 
 Layout = Literal["per_layer", "all_layers", "head_major"]
 LAYOUTS = ("per_layer", "all_layers", "head_major")
 
-DEFAULT_TOKENS_PER_PAGE = 16
-"""Default VMM page: the smallest that holds at least this many tokens (vLLM's block size). On
-the ShareGPT-like trace (``vmkv bench memory``) 16 tokens a page store 98.1 % of what they map,
-32 tokens 96.2 %, 64 tokens 92.6 %; see :func:`default_vmm_pages`."""
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -53,6 +48,10 @@ def _as_device(value: torch.device | str) -> torch.device:
         raise InvalidConfig(f"device: {value!r} is not a torch device ({exc})") from None
     if device.type not in ("cpu", "cuda"):
         raise InvalidConfig(f"device: {device} is not supported; use 'cpu' or 'cuda[:N]'")
+    if device.type == "cpu":  # torch has one CPU device: tensors say "cpu", so "cpu:0" is that one
+        if device.index not in (None, 0):
+            raise InvalidConfig(f"device: {device} does not exist; the CPU is 'cpu' (or 'cpu:0')")
+        return torch.device("cpu")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
     return device
@@ -131,6 +130,11 @@ def check_layout(layout: object) -> None:
         raise InvalidConfig(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
 
 
+MAX_SEQ_LEN = 2**31 - 1
+"""The longest ``max_seq_len``: plans and kernels hold positions and lengths as int32
+(FlashAttention's ``cu_seqlens``/``seqused_k`` too)."""
+
+
 @dataclass(frozen=True)
 class KVCacheConfig:
     """What a KV cache holds and how much memory it may use. Shared by both modes.
@@ -140,23 +144,23 @@ class KVCacheConfig:
         num_kv_heads: key/value heads per layer (fewer than query heads under GQA).
         head_dim: size of one head.
         dtype: element type of K and V (float32, float16, bfloat16; strings accepted).
-        device: ``"cpu"`` (host virtual memory) or ``"cuda[:N]"`` (CUDA driver VMM).
+        device: ``"cpu"`` (host virtual memory; ``"cpu:0"`` is the same) or ``"cuda[:N]"`` (CUDA driver VMM).
         max_batch_size: number of slots, i.e. sequences that can be live at once.
-        max_seq_len: longest sequence, in tokens.
+        max_seq_len: longest sequence, in tokens (at most :data:`MAX_SEQ_LEN`).
         memory_budget: bytes of physical memory for pages (int or "2GiB").
         page_size: VMM mode: bytes of one physical mapping in one K or V tensor (a multiple of
             the backend granularity — 4 KiB on the host, usually 2 MiB on CUDA — and of the
-            bytes one token takes in that tensor). ``None`` (default): chosen with the layout
-            by :func:`default_vmm_pages` (at least 16 tokens a page, within the mapping limit;
-            host: per-layer when that fits, else all-layers; CUDA: all-layers). Paged mode
-            ignores it but refuses a value VMM mode would refuse.
+            bytes one token takes in that tensor). ``None`` (default): decided with the layout
+            when the cache opens (:func:`vmkv.sizing.default_pages`); ``cache.config`` holds
+            the value. Paged mode ignores it but refuses a value VMM mode would refuse.
         layout: VMM mode: ``"per_layer"`` (one range per layer and per K/V, token-major
             ``[B, S, H, D]``), ``"all_layers"`` (one range for K and one for V holding every
             layer, so a page covers fewer tokens), or ``"head_major"`` (per layer,
             ``[B, H, S, D]``: each head's keys contiguous, what CPU SDPA reads fastest, but a
             page then covers one head, so ``num_kv_heads`` times more mappings than
-            ``per_layer``). ``None`` (default): chosen with the page size when ``page_size`` is
-            ``None`` too (:func:`default_vmm_pages`), else ``"per_layer"``.
+            ``per_layer``). ``None`` (default): decided with the page size when the cache opens
+            (:func:`vmkv.sizing.default_pages`) if ``page_size`` is ``None`` too, else
+            ``"per_layer"``.
         block_size: paged mode: tokens per block (vLLM's default is 16), a positive int in
             either mode; VMM mode ignores it (its pages hold ``page_size`` bytes).
         prefix_caching: keep full pages indexed by a hash of their tokens for later prompts.
@@ -193,6 +197,9 @@ class KVCacheConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidConfig(f"{name} must be a positive int, got {value!r}")
+        if self.max_seq_len > MAX_SEQ_LEN:
+            raise InvalidConfig(f"max_seq_len must be at most {MAX_SEQ_LEN} (positions are int32), "
+                                f"got {self.max_seq_len}")
         if self.layout is not None and self.layout not in LAYOUTS:
             raise InvalidConfig(f"layout must be one of {', '.join(map(repr, LAYOUTS))} (or None), got {self.layout!r}")
         object.__setattr__(self, "dtype", _as_dtype(self.dtype))
@@ -200,15 +207,10 @@ class KVCacheConfig:
         object.__setattr__(self, "memory_budget", parse_size(self.memory_budget, name="memory_budget"))
         if self.shared_budget is not None and not isinstance(self.shared_budget, SharedBudget):
             object.__setattr__(self, "shared_budget", SharedBudget.parse(self.shared_budget))
-        if self.page_size is None:
-            layout, page = default_vmm_pages(self, self.layout)
-            object.__setattr__(self, "layout", layout)
-            object.__setattr__(self, "page_size", page)
-        else:
-            object.__setattr__(self, "layout", self.layout or "per_layer")
+        if self.page_size is not None:
             object.__setattr__(self, "page_size", parse_size(self.page_size, name="page_size"))
-        if self.page_size <= 0:
-            raise InvalidConfig("page_size must be > 0")
+            if self.page_size <= 0:
+                raise InvalidConfig("page_size must be > 0")
         for name in ("prefix_caching", "deferred_reclaim", "map_ahead"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidConfig(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -283,191 +285,3 @@ class PageGeometry:
     def page_bytes(self) -> int:
         """Bytes of one pool page (all its pieces)."""
         return self.num_tensors * self.piece_bytes
-
-
-def device_memory(device: torch.device) -> int | None:
-    """Bytes of physical memory on ``device`` (host RAM for the CPU), or ``None`` if unknown."""
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            return None
-        return torch.cuda.mem_get_info(device)[1]
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def check_budget_fits(config: KVCacheConfig) -> None:
-    """Refuse a ``memory_budget`` larger than the device's whole memory: such a cache would be
-    killed by the OS (or fail in the driver) long before it reported ``OutOfPages``.
-
-    Raises:
-        InvalidConfig: the budget exceeds the device's memory.
-    """
-    total = device_memory(config.device)
-    if total is not None and config.memory_budget > total:
-        raise InvalidConfig(
-            f"memory_budget {format_size(config.memory_budget)} exceeds the memory of {config.device} "
-            f"({format_size(total)} in all); lower it"
-        )
-
-
-def vmm_pieces(config: KVCacheConfig, layout: str | None = None) -> int:
-    """Physical pieces one pool page takes in VMM mode: one per range (and per head, head-major)."""
-    return config.kv_shape.pieces(layout or config.layout)
-
-
-def smallest_page(token_bytes: int, granularity: int, min_tokens: int = DEFAULT_TOKENS_PER_PAGE) -> int:
-    """The smallest page that is a multiple of ``granularity`` and of ``token_bytes`` and holds at
-    least ``min_tokens`` tokens.
-
-    Args:
-        token_bytes: bytes one token takes in one piece (:meth:`KVShape.token_bytes`).
-        granularity: the backend's smallest mappable page (:func:`vmkv.vm.granularity`).
-        min_tokens: the fewest tokens the page must hold.
-
-    Returns:
-        The page size in bytes.
-    """
-    step = math.lcm(granularity, token_bytes)
-    return step * max(1, -(-min_tokens * token_bytes // step))
-
-
-def default_vmm_pages(config: KVCacheConfig, layout: str | None = None) -> tuple[str, int]:
-    """The default VMM ``(layout, page_size)`` for ``config``'s model, device and budget.
-
-    A page is the smallest multiple of the backend granularity and of a token's bytes that
-    holds at least :data:`DEFAULT_TOKENS_PER_PAGE` tokens. On the host a layout qualifies only if
-    even a fragmented pool of such pages fits the mappings this process may still create
-    (``vm.max_map_count`` less what open caches promised: ``vmkv.vm.mapping_room``; a mapped
-    piece costs up to 2 mappings, and the count is ``~2 * memory_budget / page_size`` whatever
-    the layout). Layout, unless given:
-
-    * host, float16/bfloat16: ``head_major`` if it qualifies (CPU SDPA reads half-precision K/V
-      stored head by head 1.4-2.0x faster than token-major at 2K-8K tokens, B=8-32:
-      ``python -m benchmarks.kv_layout``; it takes ``num_kv_heads`` times more mappings, so it
-      qualifies only for small budgets or models), then as for float32;
-    * host, float32: ``per_layer`` if it qualifies (CPU SDPA reads a per-layer view 1.06-1.6x faster than
-      an all-layers one, and head-major gains nothing in float32), else ``all_layers`` (its pages
-      cover ``num_layers`` times fewer tokens for the same bytes, so it reaches 16 tokens a page
-      with ``num_layers`` times fewer mappings), its page enlarged until it fits if need be;
-    * CUDA: ``all_layers``: with 2 MiB pages it is the only layout near 16-32 tokens a page
-      (32 for Llama-3-8B in fp16, 96 % utilization on the ShareGPT-like trace; per-layer 2 MiB
-      pages hold 1,024 tokens there: 42 %). FlashAttention needs only a unit last stride.
-
-    Args:
-        config: the model shape, dtype, device and budget (its ``page_size`` is ignored).
-        layout: size pages for this layout; ``None``: choose it as above.
-    """
-    from .vm import granularity, mapping_room  # the backends import this module
-
-    try:
-        gran = granularity(config.device)
-    except Exception:  # noqa: BLE001 -- no CUDA driver: the cache will say so when it opens
-        gran = 2 << 20
-    room = mapping_room() if config.device.type == "cpu" else None
-
-    def smallest(candidate: str) -> tuple[int, int]:  # (page, step) holding DEFAULT_TOKENS_PER_PAGE tokens
-        token_bytes = config.tensor_token_bytes(candidate)
-        return smallest_page(token_bytes, gran), math.lcm(gran, token_bytes)
-
-    def fits(candidate: str, page: int) -> bool:
-        pieces = vmm_pieces(config, candidate)
-        pages = config.memory_budget // (pieces * page)
-        return room is None or pieces * (2 * pages + 1) <= room
-
-    if layout is None:
-        if config.device.type != "cpu":
-            options: tuple[str, ...] = ("all_layers",)
-        elif config.dtype == torch.float32:
-            options = ("per_layer", "all_layers")
-        else:
-            options = ("head_major", "per_layer", "all_layers")
-        layout = next((c for c in options if fits(c, smallest(c)[0])), "all_layers")
-    page, step = smallest(layout)
-    if room is not None and not fits(layout, page):
-        pieces = vmm_pieces(config, layout)
-        pages_that_fit = max(1, (room // pieces - 1) // 2)
-        page = max(page, -(-config.memory_budget // (pieces * pages_that_fit * step)) * step)
-    return layout, page
-
-
-def check_page_size(config: KVCacheConfig, granularity: int) -> None:
-    """Refuse a ``page_size`` that no VMM cache of ``config`` could map. Both modes call it: paged
-    mode ignores the page size but validates a given one all the same, so that a setting is never
-    accepted silently in one mode and refused in the other.
-
-    Raises:
-        InvalidConfig: the page size is not a multiple of the backend granularity or of the
-            bytes one token takes in one tensor of ``config.layout``.
-    """
-    token_bytes, page = config.tensor_token_bytes(), config.page_size
-    if page % granularity or page % token_bytes:
-        step = math.lcm(granularity, token_bytes)
-        suggestion = max(step, page // step * step)
-        raise InvalidConfig(
-            f"page_size {page} must be a multiple of the backend granularity ({granularity} B) and of "
-            f"the bytes one token takes in one {config.layout} tensor ({token_bytes} B); "
-            f"try page_size={suggestion}"
-        )
-
-
-def check_cache_options(config: KVCacheConfig, mode: str) -> PageGeometry:
-    """Refuse what opening a ``mode`` cache of ``config`` would refuse for its options, without
-    allocating anything: the page size (both modes), the geometry, the budget against the
-    device's memory. For callers with slow work between choosing and opening (``vmkv serve``
-    loads weights: a bad option must not wait for them).
-
-    Returns:
-        The page geometry the cache will have.
-
-    Raises:
-        InvalidConfig: an unknown mode, or an option the cache would refuse.
-        BackendUnavailable: the device's backend is not available.
-    """
-    from .vm import granularity  # the backends import this module
-
-    if mode not in ("vmm", "paged"):
-        raise InvalidConfig(f"mode must be 'vmm' or 'paged', got {mode!r}")
-    gran = granularity(config.device)
-    check_page_size(config, gran)
-    geometry = vmm_geometry(config, gran) if mode == "vmm" else paged_geometry(config)
-    check_budget_fits(config)
-    return geometry
-
-
-def vmm_geometry(config: KVCacheConfig, granularity: int) -> PageGeometry:
-    """Page geometry of VMM mode: a page is ``page_size`` bytes in each virtual K/V piece
-    (head-major: each head of each range is a piece).
-
-    Raises:
-        InvalidConfig: the page size is not a multiple of the backend granularity or of the
-            bytes one token takes in one tensor, or the budget holds no page.
-    """
-    check_page_size(config, granularity)
-    num_tensors, token_bytes = vmm_pieces(config), config.tensor_token_bytes()
-    page = config.page_size
-    num_pages = config.memory_budget // (num_tensors * page)
-    if num_pages == 0:
-        raise InvalidConfig(
-            f"memory_budget {config.memory_budget} B holds no page of {num_tensors} x {page} B; "
-            "raise the budget or lower page_size"
-        )
-    return PageGeometry(page // token_bytes, num_tensors, page, num_pages)
-
-
-def paged_geometry(config: KVCacheConfig) -> PageGeometry:
-    """Page geometry of paged mode: a page is one block of ``block_size`` tokens in every tensor.
-
-    Raises:
-        InvalidConfig: the budget holds no block.
-    """
-    piece = config.block_size * config.layer_token_bytes
-    num_tensors = 2 * config.num_layers
-    num_pages = config.memory_budget // (num_tensors * piece)
-    if num_pages == 0:
-        raise InvalidConfig(
-            f"memory_budget {config.memory_budget} B holds no block of {config.block_size} tokens "
-            f"({num_tensors * piece} B across all layers); raise the budget"
-        )
-    return PageGeometry(config.block_size, num_tensors, piece, num_pages)

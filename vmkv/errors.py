@@ -4,7 +4,7 @@ Each error is raised *before* any state changes, or after the call rolled back w
 changed: a call that fails leaves the cache exactly as it was. Two exceptions: ``trim()`` frees
 pages and then gives their memory back to the OS; if the OS refuses part of that it raises
 ``BackendError`` with the pages already free. And if a rollback itself fails, the cache is
-marked broken (see :mod:`vmkv.calls`): later calls raise ``BackendError`` until ``close()``.
+marked broken (see :mod:`vmkv.core.calls`): later calls raise ``BackendError`` until ``close()``.
 
 Every class derives from :class:`VMKVError` and from the built-in exception a Python user would
 expect (``ValueError`` for bad arguments, ``LookupError`` for unknown ids, ...), so both

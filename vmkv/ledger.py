@@ -3,9 +3,11 @@
 A *ledger* is a small file in shared memory (``/dev/shm/vmkv-ledger.NAME``, or any path) that
 every member maps. It records one byte budget and, per member, what it holds::
 
-    header  magic "VMKVLDG1" | version | slots | budget bytes | crc32 of the fields before it
-    slot i  pid | process start time | member name | page bytes | held | min | max |
-            grants | returns | reclaims | request | reclaimable | want
+    header   magic "VMKVLDG1" | version | slots | budget bytes | crc32 of the fields before it
+    journal  slot index | a slot's new image | seal (crc32 of the two, or 0: empty)
+    slot i   pid | process start time | pid namespace | flags | member name | page bytes | held |
+             min | max | grants | returns | reclaims | request | want    (the image)
+             reclaimable                                           (written without the lock)
 
 Members count bytes (each in its own page size): a member that is about to back ``n`` more pages
 with memory first takes ``n * page_bytes`` from the ledger (:meth:`Member.take`, in batches, so
@@ -15,29 +17,50 @@ the hot path does not lock per page), and gives bytes back when their memory wen
 Invariants (checked on every locked read; a file that breaks one is refused, never trusted):
     * ``sum(held) <= budget``: no member ever holds memory past the ledger's budget;
     * ``min <= max`` and ``held <= max`` for every member;
-    * an empty slot (``pid == 0``) holds nothing.
+    * an empty slot (``pid == 0``) holds nothing;
+    * a request stands only while a live member waits (``want``) for the bytes it asks.
+
+Atomic changes: a process may be killed at any instruction. A file appears under its name only
+complete (written unnamed, then linked), so no reader sees one half made. A slot changes by its
+whole image: written to the journal, sealed, copied into the slot, the seal cleared. Whoever
+takes the lock next copies a sealed record again (a writer killed after sealing) or drops an
+unsealed one (killed before: the slot is untouched), so every slot is always either its old or
+its new image.
 
 Pressure: when the budget is spent, :meth:`Member.take` posts a ``request`` (bytes to give back)
 on the members that said they have reclaimable bytes, and waits a bounded time for them to give;
 members read their own ``request`` without the lock (:meth:`Member.asked`) at their next step
-boundary, or on their watcher thread while idle.
+boundary, or on their watcher thread while idle. Requests go when their asker stops waiting (it
+got its pages, timed out, left or died).
 
-Faults: a member whose process is gone (no ``/proc/PID``, a zombie, or another process under a
-reused pid) is *dead*: :meth:`Ledger.reap` frees its slot and its bytes. The lock is
-``fcntl.flock`` on the file, which the kernel drops when its holder dies.
+Faults, who is dead: a member joining for its own process takes an OFD lock on its slot's first
+byte (``fcntl`` ``F_OFD_SETLK``), which the kernel drops when the process dies, in whatever PID
+namespace it runs. A member whose lock is gone is dead. A member whose lock is held is alive,
+unless it runs in this process's PID namespace (recorded at join) and its pid is gone, a zombie
+or reused (a forked child may keep the lock of a dead parent). A member joined on behalf of
+another pid (no lock) is judged by its pid in this namespace only, and never counted dead from
+another. :meth:`Ledger.reap` frees dead members' slots and bytes. The lock that guards the record
+is ``fcntl.flock`` on the file, which the kernel also drops when its holder dies, and within a
+process a thread lock (flock does not exclude threads that share an open file: a member's
+watcher thread reads its requests while its owner takes grants).
 
 Every read or change of the record takes the lock; the only lock-free accesses are a member's
 reads of its own ``request`` and writes of its own ``reclaimable`` (aligned 8-byte fields that
-only hint).
+only hint; ``request`` is read again under the lock before it is served). A handle belongs to
+the process that opened it: used in a forked child it raises ``LedgerError``.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import itertools
 import mmap
 import os
 import re
+import stat
 import struct
+import threading
 import time
 import zlib
 from contextlib import contextmanager
@@ -48,19 +71,31 @@ from .errors import InvalidConfig, LedgerCorrupt, LedgerError, LedgerMismatch, O
 from .sizes import format_size, parse_size
 
 MAGIC = b"VMKVLDG1"
-VERSION = 1
+VERSION = 2
 NUM_SLOTS = 32
+MAX_BUDGET = (1 << 63) - 1
+"""The largest budget a ledger records (its fields are 64-bit)."""
 LEDGER_DIR = "/dev/shm"
 _HEADER = struct.Struct("<8sIIQ")  # magic, version, slots, budget; then a crc32 of these bytes
 _CRC = struct.Struct("<I")
-_HEADER_BYTES = 64
-_SLOT = struct.Struct("<qQ32sQQQQQQQQQQ")
-_SLOT_BYTES = 128
-_FIELDS = ("pid", "start", "name", "page_bytes", "held", "min", "max", "grants", "returns", "reclaims",
-           "request", "reclaimable", "want")
-_OFFSETS = {name: offset for name, offset in zip(_FIELDS, (0, 8, 16, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120))}
+_SLOT = struct.Struct("<qQQQ32sQQQQQQQQQ")  # a slot's image: every field written under the lock
+_FIELDS = ("pid", "start", "ns", "flags", "name", "page_bytes", "held", "min", "max", "grants", "returns",
+           "reclaims", "request", "want")
+_OFFSETS = dict(zip(_FIELDS, itertools.accumulate((32 if name == "name" else 8 for name in _FIELDS), initial=0)))
+_OFFSETS["reclaimable"] = _SLOT.size  # the one field written without the lock, after the image
+_SLOT_BYTES = 160
+_INDEX = struct.Struct("<Q")
+_JOURNAL = 64  # the journal record: the slot's index, then its new image; then the seal
+_SEAL = _JOURNAL + _INDEX.size + _SLOT.size
+_SLOTS = 256
+FILE_BYTES = _SLOTS + NUM_SLOTS * _SLOT_BYTES
+HOLDS_LOCK = 1
+"""``flags`` bit: the member holds the OFD lock on its slot's first byte (module docstring)."""
+_FLOCK = struct.Struct("@hhqqi4x")  # struct flock: type, whence, start, len, pid
 _U64 = struct.Struct("<Q")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+          stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket"}
 WAIT_STEP_S = 0.005
 
 
@@ -75,6 +110,32 @@ def ledger_path(name: str) -> str:
     if not _NAME.match(name):
         raise InvalidConfig(f"ledger name {name!r}: use 1-64 letters, digits, '_', '.' or '-' (or a path)")
     return os.path.join(LEDGER_DIR, f"vmkv-ledger.{name}")
+
+
+def check_budget(budget: int) -> int:
+    """Return ``budget`` if a ledger can record it.
+
+    Raises:
+        InvalidConfig: it is not 1 B to ``MAX_BUDGET`` (8 EiB).
+    """
+    if not 0 < budget <= MAX_BUDGET:
+        raise InvalidConfig(f"a shared budget must be 1 B to {MAX_BUDGET} B (8 EiB), got {budget} B")
+    return budget
+
+
+def member_max(budget: int, page_bytes: int, min_bytes: int, max_bytes: int | None, label: str) -> int:
+    """The most bytes a member may hold: ``max_bytes`` (``None``: the budget), at most the budget,
+    rounded down to whole pages.
+
+    Raises:
+        InvalidConfig: no page fits, or ``min_bytes`` is above it.
+    """
+    high = budget if max_bytes is None else min(max_bytes, budget)
+    high -= high % page_bytes if page_bytes > 0 else 0
+    if page_bytes <= 0 or high <= 0 or min_bytes > high:
+        raise InvalidConfig(f"ledger member {label!r}: page_bytes {page_bytes}, min {min_bytes} and max "
+                            f"{max_bytes} leave no page within the budget {format_size(budget)}")
+    return high
 
 
 @dataclass(frozen=True)
@@ -103,7 +164,9 @@ class SharedBudget:
         """Read a ``shared_budget`` string.
 
         Raises:
-            InvalidConfig: it is not ``NAME:SIZE`` with optional ``,min=``, ``,max=``, ``,member=``.
+            InvalidConfig: it is not ``NAME:SIZE`` with optional ``,min=``, ``,max=``, ``,member=``,
+                ``,wait=``; the size is 0 or past ``MAX_BUDGET``; ``max`` is 0; ``min`` is above
+                ``max`` or the budget.
         """
         if not isinstance(text, str) or ":" not in text:
             raise InvalidConfig(f"shared_budget must be 'NAME:SIZE[,min=SIZE][,max=SIZE][,member=LABEL][,wait=SECONDS]', "
@@ -118,10 +181,12 @@ class SharedBudget:
                                     "wait=SECONDS (each once)")
             fields[key.strip()] = value.strip()
         ledger_path(name)  # validates the name
-        budget = parse_size(size.strip(), name="shared_budget size")
+        budget = check_budget(parse_size(size.strip(), name="shared_budget size"))
         low = parse_size(fields.get("min", "0"), name="shared_budget min")
         high = parse_size(fields["max"], name="shared_budget max") if "max" in fields else None
-        if budget == 0 or low > (budget if high is None else min(high, budget)):
+        if high == 0:
+            raise InvalidConfig(f"shared_budget {text!r}: max must be > 0 (leave it out for no limit of its own)")
+        if low > (budget if high is None else min(high, budget)):
             raise InvalidConfig(f"shared_budget {text!r}: the budget must be > 0 and min <= max <= budget")
         member = fields.get("member")
         if member is not None and not 0 < len(member.encode()) <= 32:
@@ -158,8 +223,8 @@ class MemberInfo:
 def process_start(pid: int) -> int | None:
     """The start time of process ``pid`` (clock ticks since boot), or ``None`` if it is gone or a zombie."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            fields = stat.read().rpartition(b")")[2].split()
+        with open(f"/proc/{pid}/stat", "rb") as stat_file:
+            fields = stat_file.read().rpartition(b")")[2].split()
     except OSError:
         return None
     return None if fields[0] == b"Z" else int(fields[19])
@@ -179,17 +244,37 @@ def process_alive(pid: int, start: int) -> bool:
     return True
 
 
+def pid_namespace() -> int:
+    """This process's PID namespace (the inode of ``/proc/self/ns/pid``), or 0 if this ``/proc``
+    does not show it: then no pid read from ``/proc`` means what this process's pids mean."""
+    try:
+        if os.readlink("/proc/self") != str(os.getpid()):  # /proc of another namespace
+            return 0
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _seal(record: bytes) -> int:
+    """The seal of a journal record: never 0 (0 marks an empty journal)."""
+    return 1 << 32 | zlib.crc32(record)
+
+
 class Ledger:
     """One host-wide budget, opened (created if need be) by every member process.
 
     Args:
         name: the ledger's name (``/dev/shm/vmkv-ledger.NAME``) or path.
         budget: its bytes; ``None`` to open an existing ledger whatever its budget (``vmkv ledger``).
-        alive: ``alive(pid, start)`` says whether a member's process lives (tests pass their own).
+        alive: ``alive(pid, start)`` says whether a member's process lives, where its pid can be
+            judged (module docstring; tests pass their own).
 
     Raises:
+        InvalidConfig: ``budget`` is 0 or past ``MAX_BUDGET``.
         LedgerCorrupt: the file is not a vmkv ledger, or breaks an invariant.
         LedgerMismatch: the ledger exists with another budget or version.
+        LedgerError: the path is not a regular file, or cannot be opened or created (permissions,
+            a read-only filesystem, no space left: the message says which; no file is left).
         FileNotFoundError: ``budget`` is ``None`` and no such ledger exists.
     """
 
@@ -199,86 +284,185 @@ class Ledger:
         self._alive = alive
         self._fd = -1
         self._map: mmap.mmap | None = None
-        while self._map is None:  # the last member may remove the file between our open and our lock: retry
-            fd = self._open_file(budget is not None)
+        self._locks: set[int] = set()  # slots whose liveness lock this handle holds
+        self._opener = os.getpid()
+        self._threads = threading.Lock()  # flock excludes other open files, not this one's threads
+        self.budget = self._open(None if budget is None else check_budget(budget))
+
+    # ---- the file ----------------------------------------------------------------------------
+    def _open(self, budget: int | None) -> int:
+        """Open and map the file (creating it if ``budget``); return its budget."""
+        while True:
+            fd = self._open_file(budget)
+            if fd < 0:
+                continue  # just created (by us or another process): open what the path names now
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
-                if os.path.exists(self.path) and os.stat(self.path).st_ino == os.fstat(fd).st_ino:
-                    self._open_locked(fd, budget)
-            finally:
-                if self._map is None:
-                    os.close(fd)  # also drops the lock
-                else:
-                    self._fd = fd
+                if self._names(fd):  # else the last member removed it meanwhile: open again
+                    found = self._map_file(fd, budget)
                     fcntl.flock(fd, fcntl.LOCK_UN)
-
-    # ---- file format -------------------------------------------------------------------------
-    def _open_file(self, create: bool) -> int:
-        try:
-            return os.open(self.path, os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0), 0o600)
-        except FileNotFoundError:
-            if not create:
+                    self._fd = fd
+                    return found
+            except BaseException:
+                os.close(fd)
                 raise
+            os.close(fd)
+
+    def _open_file(self, budget: int | None) -> int:
+        """A descriptor of the regular file at the path, or -1 once a missing one was created."""
+        try:
+            info = os.stat(self.path)
+        except FileNotFoundError:
+            if budget is None:
+                raise FileNotFoundError(errno.ENOENT, "no such ledger", self.path) from None
+            self._create(budget)
+            return -1
+        except OSError as exc:
+            raise self._os_error("open", exc) from None
+        self._refuse_special(info)
+        try:  # O_NONBLOCK: should the path turn into a FIFO or a device meanwhile, opening cannot hang
+            fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return -1
+        except OSError as exc:
+            raise self._os_error("open", exc) from None
+        try:
+            self._refuse_special(os.fstat(fd))
+        except LedgerError:
+            os.close(fd)
+            raise
+        return fd
+
+    def _refuse_special(self, info: os.stat_result) -> None:
+        if not stat.S_ISREG(info.st_mode):
+            kind = _KINDS.get(stat.S_IFMT(info.st_mode), "not a regular file")
+            raise LedgerError(f"{self.path} is {kind}, not a ledger file: name the ledger by another path")
+
+    def _create(self, budget: int) -> None:
+        """Write a complete, empty ledger as an unnamed file, then give it the path (unless
+        another process did first): no process ever sees a ledger half made, and a failure
+        leaves nothing behind.
+
+        Raises:
+            LedgerError: the directory is missing, read-only or full, or refuses unnamed files.
+        """
+        directory = os.path.dirname(self.path) or "."
+        header = _HEADER.pack(MAGIC, VERSION, NUM_SLOTS, budget)
+        image = bytearray(FILE_BYTES)
+        image[: _HEADER.size] = header
+        _CRC.pack_into(image, _HEADER.size, zlib.crc32(header))
+        try:
+            folder = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
             raise LedgerError(f"cannot create the ledger file {self.path}: its directory does not exist "
                               "(name the ledger by a path in a directory that does)") from None
-        except PermissionError as exc:
-            raise LedgerError(f"cannot open the ledger file {self.path}: {exc.strerror} (ledgers are "
-                              "private to their owner's processes)") from None
-
-    def _open_locked(self, fd: int, budget: int | None) -> None:
-        """Map the file (holding its lock), writing a fresh header into an empty one if ``budget``."""
-        size, actual = _HEADER_BYTES + NUM_SLOTS * _SLOT_BYTES, os.fstat(fd).st_size
-        fresh = actual == 0 and budget is not None
-        if fresh:
-            os.ftruncate(fd, size)
-        elif actual != size:
-            head = os.pread(fd, _HEADER.size, 0)
-            if len(head) == _HEADER.size and head[:8] == MAGIC and _HEADER.unpack(head)[1] != VERSION:
-                raise LedgerMismatch(f"{self.path} is a version {_HEADER.unpack(head)[1]} ledger; this vmkv reads "
-                                     f"version {VERSION}")
-            raise LedgerCorrupt(f"{self.path} is not a vmkv ledger ({actual} bytes, a ledger has {size}); "
-                                "remove it if nothing uses it")
-        self._map = mmap.mmap(fd, size)
+        except OSError as exc:
+            raise self._os_error("create", exc) from None
+        fd = -1
         try:
-            if fresh:
-                self._write_header(budget)
-            self.budget = self._read_header(budget)
+            fd = os.open(".", os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600, dir_fd=folder)
+            os.posix_fallocate(fd, 0, FILE_BYTES)  # the file's memory now, or ENOSPC: never SIGBUS later
+            os.pwrite(fd, image, 0)
+            os.link(f"/proc/self/fd/{fd}", os.path.basename(self.path), dst_dir_fd=folder)  # follows the fd link
+        except FileExistsError:
+            pass  # another process created it first: we open theirs
+        except OSError as exc:
+            raise self._os_error("create", exc) from None
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            os.close(folder)
+
+    def _os_error(self, action: str, exc: OSError) -> LedgerError:
+        """A typed error for an ``OSError`` of opening or creating the file, with what to do."""
+        hint = {errno.EACCES: " (ledgers are private to their owner's processes)",
+                errno.EPERM: " (ledgers are private to their owner's processes)",
+                errno.ENOSPC: f" ({FILE_BYTES} bytes needed; a Docker container's /dev/shm is 64 MiB unless "
+                              "--shm-size says more)",
+                errno.EROFS: " (name the ledger by a path on a writable filesystem)",
+                errno.EOPNOTSUPP: " (vmkv creates a ledger as an unnamed file first, O_TMPFILE: use tmpfs, "
+                                  "ext4, xfs or btrfs)"}.get(exc.errno, "")
+        reason = (exc.strerror or str(exc)).lower()
+        return LedgerError(f"cannot {action} the ledger file {self.path}: {reason}{hint}")
+
+    def _names(self, fd: int) -> bool:
+        """Whether the path still names the open file ``fd`` (its last member may remove it)."""
+        try:
+            info = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        mine = os.fstat(fd)
+        return (info.st_dev, info.st_ino) == (mine.st_dev, mine.st_ino)
+
+    def _map_file(self, fd: int, budget: int | None) -> int:
+        """Check the header of ``fd`` (holding its lock), map it, recover and check its record;
+        return its budget."""
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, _HEADER.size + _CRC.size, 0)
+        if len(head) < _HEADER.size + _CRC.size or head[:8] != MAGIC:
+            advice = "remove it if nothing uses it" if "/" not in self.name else "name the ledger by another path"
+            raise LedgerCorrupt(f"{self.path} is not a vmkv ledger ({size} bytes, no ledger header); {advice}")
+        _, version, slots, found = _HEADER.unpack_from(head)
+        if version != VERSION:
+            raise LedgerMismatch(f"{self.path} is a version {version} ledger; this vmkv reads version {VERSION}")
+        if _CRC.unpack_from(head, _HEADER.size)[0] != zlib.crc32(head[: _HEADER.size]) or slots != NUM_SLOTS \
+                or size != FILE_BYTES:
+            raise LedgerCorrupt(f"{self.path} is a damaged vmkv ledger ({size} bytes, {slots} slots, or a bad "
+                                "checksum); remove it when nothing uses it")
+        if budget is not None and found != budget:
+            raise LedgerMismatch(f"ledger {self.name!r} exists with a budget of {format_size(found)}, not "
+                                 f"{format_size(budget)}: use the same budget, or another name")
+        self._map = mmap.mmap(fd, FILE_BYTES)
+        self.budget = found
+        try:
+            self._recover()
             self._check()
         except BaseException:
             self._map.close()
             self._map = None
             raise
-
-    def _write_header(self, budget: int) -> None:
-        header = _HEADER.pack(MAGIC, VERSION, NUM_SLOTS, budget)
-        self._map[: _HEADER.size] = header
-        _CRC.pack_into(self._map, _HEADER.size, zlib.crc32(header))
-
-    def _read_header(self, budget: int | None) -> int:
-        header = bytes(self._map[: _HEADER.size])
-        magic, version, slots, found = _HEADER.unpack(header)
-        (crc,) = _CRC.unpack_from(self._map, _HEADER.size)
-        if magic != MAGIC or crc != zlib.crc32(header):
-            raise LedgerCorrupt(f"{self.path} is not a vmkv ledger (bad magic or checksum); remove it if nothing uses it")
-        if version != VERSION or slots != NUM_SLOTS:
-            raise LedgerMismatch(f"{self.path} is a version {version} ledger with {slots} slots; this vmkv reads "
-                                 f"version {VERSION} with {NUM_SLOTS}")
-        if budget is not None and found != budget:
-            raise LedgerMismatch(f"ledger {self.name!r} exists with a budget of {format_size(found)}, not "
-                                 f"{format_size(budget)}: use the same budget, or another name")
         return found
 
+    def _reopen(self) -> None:
+        """Open the file the path names now (this handle's was removed by its last member)."""
+        self._map.close()
+        self._map = None
+        os.close(self._fd)
+        self._fd = -1
+        self.budget = self._open(self.budget)
+
+    # ---- the record --------------------------------------------------------------------------
     def _slot(self, index: int) -> dict:
-        values = _SLOT.unpack_from(self._map, _HEADER_BYTES + index * _SLOT_BYTES)
+        values = _SLOT.unpack_from(self._map, _SLOTS + index * _SLOT_BYTES)
         return dict(zip(_FIELDS, values))
 
     def _write(self, index: int, **fields: int | bytes) -> None:
-        base = _HEADER_BYTES + index * _SLOT_BYTES
-        for name, value in fields.items():
-            if name == "name":
-                self._map[base + 16 : base + 48] = value.ljust(32, b"\0")
-            else:
-                struct.pack_into("<q" if name == "pid" else "<Q", self._map, base + _OFFSETS[name], value)
+        """Change fields of slot ``index`` (holding the lock), atomically (module docstring)."""
+        slot = self._slot(index)
+        slot.update(fields)
+        record = _INDEX.pack(index) + _SLOT.pack(*(slot[name] for name in _FIELDS))
+        self._map[_JOURNAL:_SEAL] = record
+        _U64.pack_into(self._map, _SEAL, _seal(record))
+        self._apply(record)
+        _U64.pack_into(self._map, _SEAL, 0)
+
+    def _apply(self, record: bytes) -> None:
+        base = _SLOTS + _INDEX.unpack_from(record)[0] * _SLOT_BYTES
+        self._map[base : base + _SLOT.size] = record[_INDEX.size :]
+
+    def _recover(self) -> None:
+        """Finish what a writer killed inside :meth:`_write` left (holding the lock): copy a sealed
+        journal record into its slot again, drop an unsealed one."""
+        (seal,) = _U64.unpack_from(self._map, _SEAL)
+        if not seal:
+            return
+        record = bytes(self._map[_JOURNAL:_SEAL])
+        if seal == _seal(record):
+            if _INDEX.unpack_from(record)[0] >= NUM_SLOTS:
+                raise LedgerCorrupt(f"{self.path}: its journal names no slot; the file is damaged: remove it when "
+                                    "nothing uses it")
+            self._apply(record)
+        _U64.pack_into(self._map, _SEAL, 0)
 
     def _check(self) -> list[dict]:
         """All slots, after checking the invariants of the module docstring (holding the lock)."""
@@ -297,18 +481,54 @@ class Ledger:
 
     @contextmanager
     def locked(self) -> Iterator[list[dict]]:
-        """Hold the ledger's lock; yield its slots, checked (see the module docstring).
+        """Hold the ledger's lock; yield its slots, recovered and checked (module docstring).
 
         Raises:
-            LedgerCorrupt: the record breaks an invariant (nothing is changed).
+            LedgerCorrupt: the record breaks an invariant (nothing is changed), or the ledger is closed.
+            LedgerError: this process did not open the handle (a forked child).
         """
         if self._map is None:
             raise LedgerCorrupt(f"ledger {self.name!r} is closed")
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        if os.getpid() != self._opener:
+            raise LedgerError(f"ledger {self.name!r} was opened by process {self._opener}, not this one "
+                              f"({os.getpid()}, a fork): open the ledger (or the cache) again in this process")
+        with self._threads:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                self._recover()
+                yield self._check()
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    # ---- liveness ----------------------------------------------------------------------------
+    def _range_lock(self, command: int, kind: int, index: int) -> int:
+        arg = _FLOCK.pack(kind, os.SEEK_SET, _SLOTS + index * _SLOT_BYTES, 1, 0)
+        return _FLOCK.unpack(fcntl.fcntl(self._fd, command, arg))[0]
+
+    def _take_lock(self, index: int) -> bool:
+        """Take slot ``index``'s liveness lock for this process; ``False`` if another open file
+        holds it (a forked child of its dead member)."""
         try:
-            yield self._check()
-        finally:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            self._range_lock(fcntl.F_OFD_SETLK, fcntl.F_WRLCK, index)
+        except (BlockingIOError, PermissionError):
+            return False
+        self._locks.add(index)
+        return True
+
+    def _drop_lock(self, index: int) -> None:
+        if index in self._locks:
+            self._range_lock(fcntl.F_OFD_SETLK, fcntl.F_UNLCK, index)
+            self._locks.discard(index)
+
+    def _is_alive(self, index: int, slot: dict) -> bool:
+        """Whether the member in slot ``index`` lives (the rule of the module docstring)."""
+        if slot["flags"] & HOLDS_LOCK and index not in self._locks \
+                and self._range_lock(fcntl.F_OFD_GETLK, fcntl.F_WRLCK, index) == fcntl.F_UNLCK:
+            return False  # its lock went with its process
+        here = pid_namespace()
+        if here and slot["ns"] == here and index not in self._locks:
+            return self._alive(slot["pid"], slot["start"])
+        return True
 
     # ---- members -----------------------------------------------------------------------------
     def join(self, label: str, page_bytes: int, *, min_bytes: int = 0, max_bytes: int | None = None,
@@ -320,31 +540,39 @@ class Ledger:
             page_bytes: bytes of one of its pages (it takes and gives whole pages).
             min_bytes: it is never asked to give back below this.
             max_bytes: it never holds more (``None``: the budget), rounded down to whole pages.
-            pid: the member's process (default: this one).
+            pid: the member's process (default: this one, which then holds the slot's liveness
+                lock; another pid is judged by its pid alone, see the module docstring).
 
         Raises:
             InvalidConfig: bad sizes, or no page fits in ``max_bytes``.
             LedgerMismatch: every slot is taken by a live member.
         """
-        encoded = label.encode()[:32]
-        high = self.budget if max_bytes is None else min(max_bytes, self.budget)
-        high -= high % page_bytes if page_bytes > 0 else 0
-        if page_bytes <= 0 or high <= 0 or min_bytes > high:
-            raise InvalidConfig(f"ledger member {label!r}: page_bytes {page_bytes}, min {min_bytes} and max "
-                                f"{max_bytes} leave no page within the budget {format_size(self.budget)}")
-        pid = os.getpid() if pid is None else pid
-        start = process_start(pid) or 0
-        with self.locked() as slots:
-            free = [i for i, slot in enumerate(slots) if slot["pid"] == 0]
-            if not free:
-                self._reap(slots)
-                free = [i for i, slot in enumerate(self._check()) if slot["pid"] == 0]
-            if not free:
-                raise LedgerMismatch(f"ledger {self.name!r} has {NUM_SLOTS} live members already")
-            index = free[0]
-            self._write(index, pid=pid, start=start, name=encoded, page_bytes=page_bytes, held=0, min=min_bytes,
-                        max=high, grants=0, returns=0, reclaims=0, request=0, reclaimable=0, want=0)
-        return Member(self, index, pid, page_bytes)
+        high = member_max(self.budget, page_bytes, min_bytes, max_bytes, label)
+        own = pid is None or pid == os.getpid()
+        pid = os.getpid() if own else pid
+        fields = dict(pid=pid, start=process_start(pid) or 0, ns=pid_namespace(), flags=HOLDS_LOCK if own else 0,
+                      name=label.encode()[:32], page_bytes=page_bytes, held=0, min=min_bytes, max=high, grants=0,
+                      returns=0, reclaims=0, request=0, want=0)
+        while True:
+            with self.locked() as slots:
+                if self._locks or self._names(self._fd):  # a handle with members keeps its file named
+                    index = self._free_slot(slots, own)
+                    if index is None:
+                        self._reap(slots)
+                        index = self._free_slot(self._check(), own)
+                    if index is None:
+                        raise LedgerMismatch(f"ledger {self.name!r} has {NUM_SLOTS} live members already")
+                    _U64.pack_into(self._map, _SLOTS + index * _SLOT_BYTES + _OFFSETS["reclaimable"], 0)  # its hint
+                    self._write(index, **fields)
+                    return Member(self, index, pid, page_bytes)
+            self._reopen()  # the last member removed the file after we opened it: join the one named now
+
+    def _free_slot(self, slots: list[dict], own: bool) -> int | None:
+        """An empty slot (with its liveness lock taken, for a member of this process), or ``None``."""
+        for index, slot in enumerate(slots):
+            if slot["pid"] == 0 and (not own or self._take_lock(index)):
+                return index
+        return None
 
     def members(self) -> list[MemberInfo]:
         """Every member, live or dead (a snapshot taken under the lock)."""
@@ -353,9 +581,12 @@ class Ledger:
                 MemberInfo(slot=i, pid=s["pid"], name=s["name"].rstrip(b"\0").decode(errors="replace"),
                            page_bytes=s["page_bytes"], held=s["held"], min=s["min"], max=s["max"],
                            grants=s["grants"], returns=s["returns"], reclaims=s["reclaims"], request=s["request"],
-                           reclaimable=s["reclaimable"], want=s["want"], alive=self._alive(s["pid"], s["start"]))
+                           reclaimable=self._reclaimable(i), want=s["want"], alive=self._is_alive(i, s))
                 for i, s in enumerate(slots) if s["pid"]
             ]
+
+    def _reclaimable(self, index: int) -> int:
+        return _U64.unpack_from(self._map, _SLOTS + index * _SLOT_BYTES + _OFFSETS["reclaimable"])[0]
 
     def reap(self) -> int:
         """Free the slots and bytes of members whose processes are gone; return the bytes freed."""
@@ -365,28 +596,42 @@ class Ledger:
     def _reap(self, slots: list[dict]) -> int:
         freed = 0
         for index, slot in enumerate(slots):
-            if slot["pid"] and not self._alive(slot["pid"], slot["start"]):
+            if slot["pid"] and not self._is_alive(index, slot):
                 freed += slot["held"]
                 self._clear(index)
         return freed
 
     def _clear(self, index: int) -> None:
-        self._write(index, pid=0, start=0, name=b"", page_bytes=0, held=0, min=0, max=0, grants=0, returns=0,
-                    reclaims=0, request=0, reclaimable=0, want=0)
+        """Empty slot ``index`` (holding the lock); its requests go if no one else waits."""
+        self._write(index, **{name: b"" if name == "name" else 0 for name in _FIELDS})
+        self._drop_lock(index)
+        self._drop_requests()
+
+    def _drop_requests(self, *, of_the_dead: bool = False) -> None:
+        """Clear every request if no member waits for them (``of_the_dead``: no live member)."""
+        slots = [self._slot(i) for i in range(NUM_SLOTS)]
+        if any(s["pid"] and s["want"] and (not of_the_dead or self._is_alive(i, s)) for i, s in enumerate(slots)):
+            return
+        for index, slot in enumerate(slots):
+            if slot["request"]:
+                self._write(index, request=0)
 
     def close(self, *, unlink_if_empty: bool = False) -> None:
-        """Unmap the ledger (and remove its file if ``unlink_if_empty`` and no member is left). Idempotent."""
+        """Unmap the ledger (and remove its file if ``unlink_if_empty`` and no member is left; not
+        from a forked child). Idempotent."""
         if self._map is None:
             return
-        if unlink_if_empty:
-            with self.locked() as slots:
-                if not any(slot["pid"] for slot in slots) and os.path.exists(self.path) \
-                        and os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
-                    os.unlink(self.path)
-        self._map.close()
-        self._map = None
-        os.close(self._fd)
-        self._fd = -1
+        try:
+            if unlink_if_empty and os.getpid() == self._opener:
+                with self.locked() as slots:
+                    if not any(slot["pid"] for slot in slots) and self._names(self._fd):
+                        os.unlink(self.path)
+        finally:
+            self._map.close()
+            self._map = None
+            os.close(self._fd)
+            self._fd = -1
+            self._locks.clear()
 
     def __enter__(self) -> "Ledger":
         return self
@@ -408,7 +653,7 @@ class Member:
         self.pid = pid
         self.page_bytes = page_bytes
         self.held = 0
-        self._base = _HEADER_BYTES + slot * _SLOT_BYTES
+        self._base = _SLOTS + slot * _SLOT_BYTES
 
     def take(self, pages: int, *, extra: int = 0, wait_s: float = 0.0) -> int:
         """Hold at least ``pages`` pages in all, plus up to ``extra`` more if the budget has them
@@ -436,20 +681,26 @@ class Member:
                     slots = self.ledger._check()
                     short = self._grant(slots, pages, extra)
                 if not short or wait_s <= 0:
-                    self.ledger._write(self.slot, want=0)
+                    self._stop_waiting()
                     return short
                 if not any(s["request"] for i, s in enumerate(slots) if i != self.slot) \
                         and not self._ask(slots, short * self.page_bytes):
                     deadline, reason = 0.0, "no other member has idle memory to give back"  # waiting cannot help
             if time.monotonic() >= deadline:
                 with self.ledger.locked():
-                    self.ledger._write(self.slot, want=0)
+                    self._stop_waiting()
                 raise OutOfPages(
                     f"ledger {self.ledger.name!r} ({format_size(self.ledger.budget)}) is full: this member needs "
                     f"{short} more pages of {format_size(self.page_bytes)} and {reason}; free sequences, lower "
                     "other members' use, or raise the shared budget"
                 )
             time.sleep(WAIT_STEP_S)
+
+    def _stop_waiting(self) -> None:
+        """Clear this member's ``want`` (holding the lock), and the requests no one waits for now."""
+        if self.ledger._slot(self.slot)["want"]:
+            self.ledger._write(self.slot, want=0)
+            self.ledger._drop_requests()
 
     def _grant(self, slots: list[dict], pages: int, extra: int) -> int:
         """Grant what the free budget allows towards ``pages`` (+ ``extra``); return the pages still short."""
@@ -478,11 +729,11 @@ class Member:
         """Post requests for ``nbytes`` on the others, largest reclaimable first; return the bytes asked."""
         self.ledger._write(self.slot, want=nbytes)
         others = sorted((i for i, s in enumerate(slots) if s["pid"] and i != self.slot),
-                        key=lambda i: -slots[i]["reclaimable"])
+                        key=lambda i: -self.ledger._reclaimable(i))
         asked = 0
         for index in others:
             slot = slots[index]
-            offer = min(slot["reclaimable"], max(0, slot["held"] - slot["min"]), nbytes - asked)
+            offer = min(self.ledger._reclaimable(index), max(0, slot["held"] - slot["min"]), nbytes - asked)
             if offer > 0:
                 self.ledger._write(index, request=slot["request"] + offer)
                 asked += offer
@@ -502,8 +753,13 @@ class Member:
             self.ledger._write(self.slot, **fields)
 
     def asked(self) -> int:
-        """Pages others asked this member to give back (read without the lock)."""
+        """Pages others asked this member to give back: read without the lock, and when there
+        are any, read again under it, once requests no live member waits for are gone."""
         (nbytes,) = _U64.unpack_from(self.ledger._map, self._base + _OFFSETS["request"])
+        if nbytes:
+            with self.ledger.locked():
+                self.ledger._drop_requests(of_the_dead=True)
+                nbytes = self.ledger._slot(self.slot)["request"]
         return -(-nbytes // self.page_bytes)
 
     def offer(self, pages: int) -> None:
@@ -517,12 +773,14 @@ class Member:
         return -(-nbytes // self.page_bytes)
 
     def leave(self) -> None:
-        """Give everything back and free the slot. Idempotent."""
+        """Give everything back and free the slot (not from a forked child: the member is its
+        parent's). Idempotent."""
         if self.ledger._map is None or self.slot < 0:
             return
-        with self.ledger.locked() as slots:
-            if slots[self.slot]["pid"] == self.pid:
-                self.ledger._clear(self.slot)
+        if os.getpid() == self.ledger._opener:
+            with self.ledger.locked() as slots:
+                if slots[self.slot]["pid"] == self.pid:
+                    self.ledger._clear(self.slot)
         self.held, self.slot = 0, -1
 
 

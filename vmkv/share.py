@@ -1,16 +1,10 @@
-"""A cache's membership in a host-wide ledger (the ``shared_budget`` setting).
+"""A cache's seat in a host-wide ledger (the ``shared_budget`` setting): joining it, and the
+watcher thread that serves other members' requests while the cache sits idle.
 
-The cache keeps one invariant with it: ``member.held >= cache._backed()``, the pages whose
-memory the cache may hold (VMM mode: every page mapped since its memory was last given back to
-the OS). The cache takes grants before it backs pages (``KVCacheBase._cover``), and gives them
-back only once that memory went back to the OS (``trim``, or a reclaim on request): so the
-resident KV memory of all members together never exceeds the ledger's budget.
-
-Requests from other members are served at the cache's next step boundary (the end of a
-``begin_step`` that succeeded, ``free``, ``trim``) or, while the cache is idle, by the watcher
-thread here, which polls the member's ``request`` field (a lock-free read) and reclaims when no
-step is in flight. Giving back touches only pages no live sequence holds (spare pages of freed
-slots, then the oldest cached pages, and free pages), so it never invalidates a plan.
+What the cache does with its grants is :mod:`vmkv.core.budget`; the watcher polls the member's
+``request`` field (a lock-free read) and, when asked, calls the budget's ``serve()``, which gives
+pages back whenever no call is running (after a ``begin_step`` too: an idle member's last call is
+often one). Giving back touches only pages no live sequence holds, so it never invalidates a plan.
 """
 
 from __future__ import annotations
@@ -20,18 +14,20 @@ import os
 import sys
 import threading
 import weakref
-from typing import TYPE_CHECKING
+from contextlib import suppress
+from typing import Protocol
 
-from .ledger import Ledger, Member, SharedBudget
-
-if TYPE_CHECKING:
-    from .base import KVCacheBase
+from .errors import LedgerError
+from .ledger import Ledger, Member, SharedBudget, member_max
 
 log = logging.getLogger("vmkv")
 
 POLL_S = 0.01
 """How often an idle member's watcher looks for requests (a member busy with steps answers at
 its next ``begin_step``)."""
+
+FAILED_WAIT_S = 1.0
+"""After a failure the watcher waits this long before it looks for requests again."""
 
 BATCH_DIVISOR = 64
 """A member takes grants in batches of ``1/BATCH_DIVISOR`` of the budget (1 to 64 pages), so
@@ -51,13 +47,18 @@ def join(spec: SharedBudget, label: str, page_bytes: int, ceiling: int) -> tuple
         The open ledger and the member's seat in it.
 
     Raises:
-        InvalidConfig, LedgerMismatch, LedgerCorrupt: as :class:`vmkv.ledger.Ledger` and its ``join``.
+        InvalidConfig, LedgerMismatch, LedgerCorrupt, LedgerError: as :class:`vmkv.ledger.Ledger`
+            and its ``join``; a join refused for the member's sizes creates no file, and one
+            refused later leaves no file a member did not need before.
     """
+    max_bytes = ceiling if spec.max_bytes is None else min(spec.max_bytes, ceiling)
+    member_max(spec.budget, page_bytes, spec.min_bytes, max_bytes, label)  # refused before any file exists
     ledger = Ledger(spec.name, spec.budget)
     try:
-        member = ledger.join(label, page_bytes, min_bytes=spec.min_bytes,
-                             max_bytes=min(spec.max_bytes or ceiling, ceiling))
+        member = ledger.join(label, page_bytes, min_bytes=spec.min_bytes, max_bytes=max_bytes)
     except BaseException:
+        with suppress(LedgerError):  # the join's own error is the one to see
+            ledger.close(unlink_if_empty=True)
         ledger.close()
         raise
     return ledger, member
@@ -68,31 +69,35 @@ def grant_batch(spec: SharedBudget, page_bytes: int) -> int:
     return max(1, min(64, spec.budget // page_bytes // BATCH_DIVISOR))
 
 
+class Server(Protocol):
+    """What the watcher serves requests through (:class:`vmkv.core.budget.CacheBudget`)."""
+
+    def serve(self) -> None:
+        """Give pages back if the cache is idle."""
+
+
 class BudgetShare:
     """One cache's seat in a ledger: its member handle, batch size and watcher thread.
 
     Args:
-        cache: the cache (held weakly by the watcher, so a dropped cache still closes).
+        owner: serves requests (held weakly by the watcher, so a dropped cache still closes).
         spec: the parsed setting.
+        page_bytes: bytes of one of the cache's pages.
+        ceiling: bytes the cache can map at most on its own.
 
     Attributes:
         member: the ledger handle (``member.held``: pages granted).
         batch: pages taken beyond need per grant, when the budget has them.
         wait_s: how long a member short of budget waits for others.
-        serving: the watcher is inside the cache (``vmkv.calls`` waits for it instead of
-            raising ``ConcurrentUse``).
     """
 
-    def __init__(self, cache: "KVCacheBase", spec: SharedBudget) -> None:
-        page_bytes = cache.geometry.page_bytes
-        ceiling = cache.geometry.num_pages * page_bytes
+    def __init__(self, owner: Server, spec: SharedBudget, page_bytes: int, ceiling: int) -> None:
         label = spec.member or f"{os.path.basename(sys.argv[0]) or 'python'}:{os.getpid()}"
         self.ledger, self.member = join(spec, label, page_bytes, ceiling)
         self.batch = grant_batch(spec, page_bytes)
         self.wait_s = spec.wait_s
-        self.serving = False
         self._stop = threading.Event()
-        self._watcher = threading.Thread(target=_watch, args=(weakref.ref(cache), self.member, self._stop),
+        self._watcher = threading.Thread(target=_watch, args=(weakref.ref(owner), self.member, self._stop),
                                          name="vmkv-ledger", daemon=True)
         self._watcher.start()
 
@@ -106,17 +111,23 @@ class BudgetShare:
         self.ledger.close(unlink_if_empty=True)
 
 
-def _watch(ref: "weakref.ref[KVCacheBase]", member: Member, stop: threading.Event) -> None:
-    """The watcher: serve requests while the cache sits idle; stop with the cache."""
-    while not stop.wait(POLL_S):
-        if not member.asked():
-            continue
-        cache = ref()
-        if cache is None:
-            return
+def _watch(ref: "weakref.ref[Server]", member: Member, stop: threading.Event) -> None:
+    """The watcher: serve requests while the cache sits idle; stop with the cache. A failure
+    (reading a request takes the ledger's lock, which refuses a damaged file) is logged, and the
+    watcher waits ``FAILED_WAIT_S`` before it looks again: the cache's own calls raise it."""
+    pause = POLL_S
+    while not stop.wait(pause):
+        pause = POLL_S
+        owner = None
         try:
-            cache._serve_ledger()
+            if not member.asked():
+                continue
+            owner = ref()
+            if owner is None:
+                return
+            owner.serve()
         except Exception as exc:  # noqa: BLE001 -- the next begin_step serves the request itself
             log.warning("vmkv: giving pages back to ledger %r failed (%s: %s)", member.ledger.name,
                         type(exc).__name__, exc)
-        del cache
+            pause = FAILED_WAIT_S
+        del owner

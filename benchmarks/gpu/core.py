@@ -1,5 +1,5 @@
 """The sections that check the CUDA backend and measure the kernels: ``environment``, ``tests``,
-``zero_page``, ``decode``, ``map_unmap`` and ``paged_vs_vmm`` (docs/gpu.md says what each asserts
+``zero_page``, ``decode`` and ``map_unmap`` (docs/gpu.md says what each asserts
 and what its numbers mean)."""
 
 from __future__ import annotations
@@ -15,14 +15,9 @@ from typing import Any
 import torch
 
 import vmkv
-from vmkv.attention import (
-    CONTIGUOUS_KERNELS,
-    contiguous_kernel_unavailable,
-    flash_varlen_has_seqused_k,
-    has_flash_attn,
-    select_contiguous_kernel,
-    torch_varlen_features,
-)
+from vmkv.kernels import registry as kernel_registry
+from vmkv.kernels.facts import flash_varlen_has_seqused_k, has_flash_attn, torch_varlen_features
+from vmkv.vmm.views import unguarded
 
 from .registry import SCRIPT, optional_packages, package_version, run_process
 from .workload import TOLERANCE, MiB, Shape, compare_ms, decode_config, fill, make_data, percentiles_us, reference_decode
@@ -33,6 +28,7 @@ def environment(device: torch.device, shape: Shape) -> dict[str, Any]:
     the zero page, each contiguous kernel (``available`` or why not) and the one a cache picks;
     ``optional_packages``: each optional package's version, ``None`` where it is missing."""
     dtype = getattr(torch, shape.dtype)
+    spec = kernel_registry.KernelSpec("slots", device, dtype, shape.kv_heads, shape.head_dim)
     env: dict[str, Any] = {
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -46,9 +42,10 @@ def environment(device: torch.device, shape: Shape) -> dict[str, Any]:
         "aten_flash_varlen_has_seqused_k": flash_varlen_has_seqused_k(),
         "varlen_attn_arguments": sorted(torch_varlen_features()),
         "contiguous_kernels": {
-            name: contiguous_kernel_unavailable(name, device, dtype, shape.head_dim) or "available" for name in CONTIGUOUS_KERNELS
+            name: kernel_registry.unavailable(name, spec) or "available" for name in kernel_registry.names("slots")
         },
-        "selected_contiguous_kernel": select_contiguous_kernel(device, dtype, shape.head_dim)[0],
+        "selected_contiguous_kernel": kernel_registry.choose(spec).name,
+        "selected_paged_kernel": kernel_registry.choose(replace(spec, addressing="blocks", block_size=shape.paged_block)).name,
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -94,7 +91,7 @@ def decode_section(device: torch.device, shape: Shape, kernels: list[str]) -> di
     try:
         data = make_data(device, shape)
         plan = fill(cache, data, shape)
-        k_vmm, v_vmm = cache.kv_cache(0)  # [batch, seq_len, kv_heads, head_dim] views of the VMM ranges
+        k_vmm, v_vmm = map(unguarded, cache.kv_cache(0))  # [batch, seq_len, kv_heads, head_dim] plain views of the ranges
         k_dense, v_dense = k_vmm.clone(), v_vmm.clone()  # every position is mapped: all slots are full
         reference = reference_decode(data.q, k_dense, v_dense, plan.slots_t.long())
         kv_bytes = 2 * shape.batch * shape.seq_len * shape.kv_heads * shape.head_dim * k_vmm.element_size()
@@ -102,8 +99,9 @@ def decode_section(device: torch.device, shape: Shape, kernels: list[str]) -> di
         rows: dict[str, Any] = {}
         failures = []
         for name in kernels:
-            kernel = CONTIGUOUS_KERNELS[name]
-            reason = contiguous_kernel_unavailable(name, device, k_vmm.dtype, shape.head_dim)
+            spec = kernel_registry.KernelSpec("slots", device, k_vmm.dtype, shape.kv_heads, shape.head_dim)
+            reason = kernel_registry.unavailable(name, spec)
+            kernel = kernel_registry.build(name, spec) if reason is None else None
             if reason is not None:
                 rows[name] = {"skipped": reason}
                 continue
@@ -173,55 +171,6 @@ def map_unmap_section(device: torch.device, shape: Shape) -> dict[str, Any]:
         }
     finally:
         vm.close()
-
-
-
-def paged_section(device: torch.device, shape: Shape) -> dict[str, Any]:
-    """Every paged kernel vs the VMM cache's own kernel, through ``cache.attention``, same K/V."""
-    from paged import KERNELS as PAGED_KERNELS
-    from paged import PagedKVCache
-
-    data = make_data(device, shape)
-    quick = replace(shape, iters=max(1, shape.iters // 5), repeats=max(1, shape.repeats - 2))  # some kernels are slow
-    vmm = vmkv.open_cache(decode_config(device, shape))
-    try:
-        vmm_plan = fill(vmm, data, shape)
-        vmm_out = vmm.attention(0, data.q, vmm_plan)
-        rows: dict[str, Any] = {}
-        blocks = 2 * shape.batch * -(-shape.seq_len // shape.paged_block)
-        itemsize = torch.empty((), dtype=getattr(torch, shape.dtype)).element_size()
-        block_bytes = shape.paged_block * shape.kv_heads * shape.head_dim * itemsize
-        config = decode_config(device, shape, block_size=shape.paged_block, memory_budget=blocks * block_bytes)
-        tolerance = 2 * TOLERANCE[shape.dtype]  # each output within TOLERANCE of the fp32 reference
-        failures = []
-        for name in PAGED_KERNELS:
-            try:
-                paged = PagedKVCache(config, kernel=name)
-            except (vmkv.BackendUnavailable, vmkv.InvalidConfig) as exc:
-                rows[name] = {"skipped": str(exc)}
-                continue
-            try:
-                plan = fill(paged, data, shape)
-                out = paged.attention(0, data.q, plan)
-                times = compare_ms(
-                    {"paged": lambda: paged.attention(0, data.q, plan), "vmm": lambda: vmm.attention(0, data.q, vmm_plan)},
-                    device, quick,
-                )
-                rows[name] = {
-                    "paged_ms": times["paged"],
-                    "vmm_ms": times["vmm"],
-                    "paged_over_vmm": times["paged"] / times["vmm"],
-                    "max_abs_diff_vs_vmm": (out.float() - vmm_out.float()).abs().max().item(),
-                }
-            finally:
-                paged.close()
-            diff = rows[name]["max_abs_diff_vs_vmm"]
-            if not diff <= tolerance:  # NaN fails too
-                failures.append(f"{name}: max |paged - VMM ({vmm.kernel})| {diff:.3g} > {tolerance:g} ({shape.dtype})")
-        return {"vmm_kernel": vmm.kernel, "paged_block_size": shape.paged_block, "tolerance": tolerance, "kernels": rows,
-                "failures": failures}
-    finally:
-        vmm.close()
 
 
 
@@ -318,12 +267,3 @@ def map_unmap_headline(result: dict[str, Any]) -> str:
     """Median map and unmap time per page."""
     return (f"map {result['map_us']['median']:.0f} us, unmap {result['unmap_us']['median']:.0f} us a "
             f"{result['page_bytes'] // MiB} MiB page (median); reserve 64 GiB {result['reserve_64GiB_us'] / 1e6:.2f} s")
-
-
-def paged_headline(result: dict[str, Any]) -> str:
-    """The fastest paged kernel's time over the VMM cache's kernel."""
-    timed = {name: row["paged_over_vmm"] for name, row in result["kernels"].items() if "paged_over_vmm" in row}
-    if not timed:
-        return "no paged kernel could run"
-    best = min(timed, key=timed.get)
-    return f"fastest paged kernel {best}: {timed[best]:.2f}x the time of VMM's {result['vmm_kernel']}"

@@ -102,6 +102,7 @@ class Section:
             is started (cheap: no CUDA initialisation).
         timeout_s: its process's time limit (``None``: ``--section-timeout``); what is left of
             the budget caps it.
+        alone: too long for the default run's budget: it runs only when named in ``--sections``.
     """
 
     name: str
@@ -111,6 +112,7 @@ class Section:
     about: str
     skip_reason: Callable[[torch.device, bool], str | None] = _runs_anywhere
     timeout_s: float | None = None
+    alone: bool = False
 
 
 def package_version(name: str) -> str | None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from vmkv.attention import CONTIGUOUS_KERNELS
+from vmkv.kernels import registry as kernel_registry
 from vmkv.vm.cuda import TorchCudaRuntime
 
 from .registry import Context, Section, SectionSkipped, optional_packages, run_process
@@ -47,13 +47,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("gpu-check-out"), help="directory for gpu_check.json (default: gpu-check-out)")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu for a dry run")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and few iterations (a dry run of the code paths)")
-    parser.add_argument("--sections", nargs="+", default=names, choices=names, metavar="SECTION",
-                        help="which sections to run, in this order (default: all)")
+    alone = [section.name for section in SECTIONS if section.alone]
+    parser.add_argument("--sections", nargs="+", default=[n for n in names if n not in alone], choices=names,
+                        metavar="SECTION", help="which sections to run, in this order (default: all but "
+                        f"{', '.join(alone) or 'none'}, which run only when named)")
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
                         help=f"seconds the whole run may take (default {DEFAULT_BUDGET_S}): a section whose estimate does "
                              "not fit in what is left is skipped, with the reason")
     parser.add_argument("--list", action="store_true", help="list the sections with their estimates and exit")
-    parser.add_argument("--kernels", nargs="+", default=list(CONTIGUOUS_KERNELS), choices=list(CONTIGUOUS_KERNELS),
+    parser.add_argument("--kernels", nargs="+", default=kernel_registry.names("slots"), choices=kernel_registry.names("slots"),
                         help="contiguous kernels for the decode section (default: all; those that cannot run are skipped with the reason)")
     parser.add_argument("--tests", nargs="+", default=["tests/test_cuda.py"], help="pytest paths for the tests section")
     parser.add_argument("--test-timeout", type=int, default=240, help="seconds allowed for the tests section's pytest (default 240)")

@@ -9,12 +9,13 @@ The estimates are seconds on an H200, the section's process start (about 5 s: to
 included. They are estimates, not measurements: every run records each section's real
 ``seconds`` in ``gpu_check.json``; correct an estimate from there. Together the sections that run
 without vLLM must fit in :data:`~benchmarks.gpu.runner.DEFAULT_BUDGET_S` (8 minutes), with room
-for the sections still to come (Triton kernels, CUDA graphs): see docs/gpu.md, "Time budget".
+for the Triton kernels' section still to come: see docs/gpu.md, "Time budget". A section too long
+for that (``alone=True``: ``hf_compiled``) runs only when named in ``--sections``.
 """
 
 from __future__ import annotations
 
-from . import bench, core, memory, slots, vllm_engine
+from . import bench, compiled, core, graphs, kernels, memory, slots, vllm_engine
 from .registry import Context, Section
 
 
@@ -38,16 +39,22 @@ SECTIONS: tuple[Section, ...] = (
             core.decode_headline, "one decode step per contiguous kernel on VMM views vs a dense copy"),
     Section("map_unmap", 15, lambda ctx: core.map_unmap_section(ctx.device, ctx.shape), core.map_unmap_headline,
             "map/unmap latency per page, store creation, a 64 GiB reservation"),
-    Section("paged_vs_vmm", 30, lambda ctx: core.paged_section(ctx.device, ctx.shape), core.paged_headline,
-            "each paged kernel vs the VMM cache's kernel on the same K/V"),
+    Section("paged_vs_vmm", 35, lambda ctx: kernels.paged_vs_vmm_section(ctx.device, ctx.shape), kernels.paged_vs_vmm_headline,
+            "Triton decode over slots vs block tables (16, 256), every paged kernel vs VMM's, bandwidth, splits"),
     Section("shared_budget", 20, lambda ctx: memory.shared_budget_section(ctx.device, ctx.shape),
             memory.shared_budget_headline, "two caches in one ledger: where the device memory goes, stage by stage"),
     Section("vllm_slots", 15, lambda ctx: slots.vllm_slots_section(ctx.device, ctx.smoke), slots.vllm_slots_headline,
             "vLLM contiguous mode's slot space over a vLLM-shaped KV buffer, rollback at every driver call"),
+    Section("engine_graphs", 40, lambda ctx: graphs.engine_graphs_section(ctx.device, ctx.smoke), graphs.engine_graphs_headline,
+            "the engine's decode steps as CUDA graphs: logits against eager across page boundaries, speed-up at 32 sequences"),
     Section("bench", 200, lambda ctx: bench.bench_section(ctx.device, ctx.out, ctx.smoke, ctx.seconds_left() - 10),
             bench.bench_headline, "the main job: python -m vmkv.cli bench --device cuda (its GPU preset)", timeout_s=240),
+    Section("hf_compiled", 300, lambda ctx: compiled.hf_compiled_section(ctx.device, ctx.smoke), compiled.hf_compiled_headline,
+            "generate() compiled over VirtualCache(compile=True) vs StaticCache: dense, ragged, teacher-forced logits",
+            timeout_s=420, alone=True),
     Section("vllm", 150, lambda ctx: vllm_engine.vllm_section(ctx.device, ctx.out), vllm_engine.vllm_headline,
-            "vmkv.vllm.gpu_smoke: vLLM + vmkv gives stock vLLM's tokens", skip_reason=vllm_engine.vllm_unavailable),
+            "the vLLM smoke test (vllm_smoke.gpu_smoke): vLLM + vmkv gives stock vLLM's tokens",
+            skip_reason=vllm_engine.vllm_unavailable),
     Section("vllm_addressing", 420, lambda ctx: vllm_engine.vllm_addressing_section(ctx.device, ctx.out, ctx.smoke),
             vllm_engine.vllm_addressing_headline, "block tables vs virtual memory inside one vLLM (three engines)",
             skip_reason=vllm_engine.vllm_unavailable, timeout_s=1080),

@@ -1,13 +1,13 @@
 """The ``vllm_slots`` section: vLLM contiguous mode's device parts, without vLLM.
 
 vLLM's GPU build is not on the machines the project is checked on, so the parts of contiguous
-mode that need no vLLM (:mod:`vmkv.vllm.slots`, :mod:`vmkv.vllm.kvbuffer`) run here against a
+mode that need no vLLM (:mod:`vmkv.vllm.contiguous.slots`, :mod:`vmkv.vllm.worker.kvbuffer`) run here against a
 KV buffer shaped as vLLM's allocator makes it: one byte allocation of ``num_blocks`` blocks
-(:func:`vmkv.vllm.worker.allocate_kv_cache` reserves it with vmkv's backend), per-layer views
+(:func:`vmkv.vllm.worker.allocate.allocate_kv_cache` reserves it with vmkv's backend), per-layer views
 ``[num_blocks, kv_heads, block_size, 2 * head_dim]`` in the device's layout
-(:data:`vmkv.vllm.slots.SLOT_LAYOUTS`: block-outermost ``BLHNC`` on CUDA, layer-outermost
+(:data:`vmkv.vllm.contiguous.slots.SLOT_LAYOUTS`: block-outermost ``BLHNC`` on CUDA, layer-outermost
 ``LBHNC`` on the host), every page mapped and filled with random K/V. A
-:class:`~vmkv.vllm.slots.SlotSpace` (the worker half of contiguous mode) reserves the slot
+:class:`~vmkv.vllm.contiguous.slots.SlotSpace` (the worker half of contiguous mode) reserves the slot
 ranges and maps blocks into slots as block tables say; the section checks what the slots read:
 
 * before any map and past every slot's blocks: zeros (the zero page under the slots);
@@ -39,9 +39,9 @@ import torch
 from vmkv.config import KVShape
 from vmkv.errors import BackendError
 from vmkv.sizes import format_size
-from vmkv.vllm.contiguous_pages import plan_contiguous_pages
-from vmkv.vllm.kvbuffer import KVBuffer
-from vmkv.vllm.slots import SlotSpace, slot_layout
+from vmkv.vllm.contiguous.pages import plan_contiguous_pages
+from vmkv.vllm.contiguous.slots import SlotSpace, slot_layout
+from vmkv.vllm.worker.kvbuffer import KVBuffer
 from vmkv.vm import VirtualMemory, granularity, open_backend
 
 from .workload import percentiles_us

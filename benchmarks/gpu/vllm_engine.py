@@ -5,7 +5,6 @@ reason, off CUDA or without vLLM; contiguous mode's parts that need no vLLM are 
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import statistics
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 import vmkv
 
 from .registry import SectionSkipped
+from .vllm_smoke import gpu_smoke
 from .workload import MiB
 
 
@@ -29,23 +29,17 @@ def vllm_unavailable(device: torch.device, smoke: bool) -> str | None:
 
 
 def vllm_section(device: torch.device, out_dir: Path) -> dict[str, Any]:
-    """``vmkv.vllm.gpu_smoke(out_dir)``, written by the vLLM integration, if it is there."""
+    """:func:`~benchmarks.gpu.vllm_smoke.gpu_smoke` ``(out_dir / "vllm")``: stock vLLM and vLLM + vmkv
+    on the tiny model, compared."""
     if device.type != "cuda":
         raise SectionSkipped("the vLLM smoke test needs a CUDA device")
     if importlib.util.find_spec("vllm") is None:
         raise SectionSkipped("vLLM is not installed")
-    try:
-        module = importlib.import_module("vmkv.vllm")
-    except ImportError as exc:
-        raise SectionSkipped(f"vmkv.vllm cannot be imported: {exc}") from None
-    smoke = getattr(module, "gpu_smoke", None)
-    if smoke is None:
-        raise SectionSkipped("vmkv.vllm has no gpu_smoke(out_dir)")
     (out_dir / "vllm").mkdir(parents=True, exist_ok=True)
     try:
-        result = smoke(out_dir / "vllm")
+        result = gpu_smoke(out_dir / "vllm")
     except vmkv.BackendUnavailable as exc:  # e.g. a vLLM other than the one the plugin supports
-        raise SectionSkipped(f"vmkv.vllm.gpu_smoke: {exc}") from None
+        raise SectionSkipped(f"the vLLM smoke test: {exc}") from None
     result = dict(result) if isinstance(result, dict) else {"returned": result}
     result["failures"] = vllm_failures(result)
     return result

@@ -12,7 +12,7 @@ import torch
 
 import vmkv
 from benchmarks import common
-from vmkv.step import StepPlan
+from vmkv.core.step import StepPlan
 
 MiB = 1 << 20
 

@@ -60,7 +60,8 @@ def fake_cuda_backends(fake: FakeDriver, monkeypatch) -> Backends:
     the fake driver (4 KiB granularity): the cache's tensors are CPU tensors over the fake's
     host-backed device memory, so the CPU kernels run on them. Yields the backends opened
     (``.runtime``: torch's side of CUDA they use; pass it to anything else that asks the driver)."""
-    import vmkv.cache
+    import vmkv.vm
+    import vmkv.vmm.ranges
     from vmkv.vm.cuda import CudaVirtualMemory, cuda_granularity
 
     fake.reset(granularity=4096)
@@ -73,6 +74,6 @@ def fake_cuda_backends(fake: FakeDriver, monkeypatch) -> Backends:
         backends.append(backend)
         return backend
 
-    monkeypatch.setattr(vmkv.cache, "open_backend", open_backend)
-    monkeypatch.setattr(vmkv.cache, "granularity", lambda device: cuda_granularity("cuda:0", runtime=runtime))
+    monkeypatch.setattr(vmkv.vmm.ranges, "open_backend", open_backend)
+    monkeypatch.setattr(vmkv.vm, "granularity", lambda device: cuda_granularity("cuda:0", runtime=runtime))
     return backends

@@ -377,7 +377,7 @@ def test_a_failing_driver_call_during_cache_work_keeps_backend_and_driver_in_ste
             pass
         fake.clear_failures()
         assert_in_step(fake_cuda_backends[0], fake)
-        cache.check()  # the cache's own rollback (vmkv/base.py) left its bookkeeping whole
+        cache.check()  # the cache's own rollback (vmkv/core/base.py) left its bookkeeping whole
         cache.close()
         del cache
         assert not leftovers(fake), (k, leftovers(fake))

@@ -1,9 +1,10 @@
 """Serving engine: continuous batching, chunked prefill, preemption, per-request sampling, n > 1
-by ``cache.fork``, prefix caching; a Llama-family runner over the cache's attention entry point.
+by ``cache.fork``, prefix caching; a Llama-family runner over the cache's attention entry point;
+decode steps captured as CUDA graphs per batch-size bucket (``vmkv.engine.graphs``).
 
 Public API::
 
-    from vmkv.engine import Engine, EngineConfig, SamplingParams
+    from . import Engine, EngineConfig, SamplingParams
     engine = Engine.from_config(EngineConfig(kv_mode="vmm"))
     rid = engine.add_request("prompt", SamplingParams(max_tokens=16))
     outputs = engine.step()          # RequestOutput per request that progressed

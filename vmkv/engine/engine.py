@@ -34,10 +34,12 @@ from typing import Any, Iterable
 import torch
 
 from .. import open_cache
-from ..base import KVCacheBase
-from ..config import KVCacheConfig, check_cache_options
+from ..config import KVCacheConfig
+from ..core.base import KVCacheBase
+from ..core.step import StepPlan
 from ..errors import DuplicateSequence, InvalidConfig, OutOfPages, SequenceTooLong
-from ..step import StepPlan
+from ..sizing import check_cache_options
+from .graphs import SLOTS_TAKEN, DecodeGraphs, unsupported
 from .request import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
 from .runner import LoadedModel, ModelRunner, cache_config_for, load_model, read_model_spec
 from .sampling import InvalidParameter, SamplerState, SamplingParams, new_generator, next_token
@@ -57,7 +59,7 @@ class EngineConfig:
         kv_mode: ``"vmm"`` (virtually contiguous) or ``"paged"`` (block tables).
         memory_budget: bytes for KV pages (int or "256MiB").
         page_size: VMM page bytes per K/V tensor; ``None``: the cache's per-device default
-            (:func:`vmkv.config.default_vmm_pages`: >= 16 tokens a page, per-layer where that fits).
+            (:func:`vmkv.sizing.default_pages`: >= 16 tokens a page, per-layer where that fits).
         block_size: paged mode: tokens per block.
         max_num_seqs: cache slots: sequences running at once (each completion of n is one).
         max_seq_len: longest prompt + completion; ``None``: min(model's positions, its sliding
@@ -70,6 +72,12 @@ class EngineConfig:
         seed: seeds the generators of requests that bring no seed.
         shared_budget: VMM: join a host-wide KV budget (:mod:`vmkv.ledger`), e.g.
             ``"kv-host:16GiB"``; ``memory_budget`` is then this engine's ceiling.
+        cuda_graphs: capture decode steps as CUDA graphs (:mod:`vmkv.engine.graphs`); ``None``:
+            on a CUDA device, off elsewhere. On a CPU ``True`` replays the same step function
+            eagerly (no speed-up: the graph path's reference). Takes one more cache slot and
+            one page, for padding rows.
+        map_ahead: VMM: map the next step's pages on a background thread while the step runs
+            (:mod:`vmkv.core.mapping`; the engine's kernels read no further than each length).
     """
 
     model: str | None = None
@@ -86,6 +94,13 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     shared_budget: str | None = None
+    cuda_graphs: bool | None = None
+    map_ahead: bool = False
+
+    @property
+    def graphs(self) -> bool:
+        """Whether decode steps are captured (``cuda_graphs``, ``None`` resolved by the device)."""
+        return torch.device(self.device).type == "cuda" if self.cuda_graphs is None else self.cuda_graphs
 
     def cache_config(self) -> KVCacheConfig:
         """The KV cache configuration this engine opens, from the model's ``config.json`` (no
@@ -96,9 +111,10 @@ class EngineConfig:
         """
         spec = read_model_spec(self.model, dtype=self.dtype, device=self.device)
         return spec.cache_config(
-            max_batch_size=self.max_num_seqs, max_seq_len=self.max_seq_len or min(spec.max_seq_len(), 4096),
+            max_batch_size=self.max_num_seqs + SLOTS_TAKEN * self.graphs,
+            max_seq_len=self.max_seq_len or min(spec.max_seq_len(), 4096),
             memory_budget=self.memory_budget, page_size=self.page_size, block_size=self.block_size,
-            prefix_caching=self.prefix_caching, shared_budget=self.shared_budget,
+            prefix_caching=self.prefix_caching, shared_budget=self.shared_budget, map_ahead=self.map_ahead,
         )
 
 
@@ -124,6 +140,19 @@ def _check_cache_fits(loaded: LoadedModel, cache: KVCacheBase) -> None:
             )
 
 
+def _decode_graphs(loaded: LoadedModel, cache: KVCacheBase, wanted: bool | None) -> DecodeGraphs | None:
+    """The engine's captured decode steps: ``wanted`` ``True`` (raise where they cannot run),
+    ``False``, or ``None`` (on CUDA where they can run; elsewhere, or with one warning, none)."""
+    if wanted is None:
+        if torch.device(cache.config.device).type != "cuda":
+            return None
+        why = unsupported(cache)
+        if why is not None:
+            log.warning("vmkv engine: decode steps run without CUDA graphs: %s", why)
+            return None
+    return DecodeGraphs(loaded.model, cache) if wanted or wanted is None else None
+
+
 class Engine:
     """Continuous-batching generation over one model and one KV cache.
 
@@ -132,6 +161,13 @@ class Engine:
         cache: an open cache shaped for the model (``runner.cache_config_for``), either mode.
         scheduler: step limits.
         seed: seeds requests that bring no seed of their own.
+        cuda_graphs: capture decode steps (:mod:`vmkv.engine.graphs`), taking one of the cache's
+            slots (``EngineConfig.cache_config`` adds it); ``None``: on a CUDA device where the
+            graphs can run (else eagerly, with one warning), off elsewhere.
+
+    Raises:
+        InvalidConfig: the cache does not fit the model.
+        Unsupported: ``cuda_graphs=True`` where decode steps cannot be captured (the reason).
 
     Example::
 
@@ -143,14 +179,17 @@ class Engine:
     """
 
     def __init__(
-        self, loaded: LoadedModel, cache: KVCacheBase, scheduler: SchedulerConfig | None = None, seed: int = 0
+        self, loaded: LoadedModel, cache: KVCacheBase, scheduler: SchedulerConfig | None = None, seed: int = 0,
+        cuda_graphs: bool | None = None,
     ) -> None:
         _check_cache_fits(loaded, cache)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.vocab_size = loaded.model.shape.vocab_size
         self.cache = cache
-        self.runner = ModelRunner(loaded.model)
+        self.graphs = _decode_graphs(loaded, cache, cuda_graphs)
+        self.max_slots = cache.config.max_batch_size - (SLOTS_TAKEN if self.graphs is not None else 0)  # for requests
+        self.runner = ModelRunner(loaded.model, self.graphs)
         self.scheduler = Scheduler(cache, scheduler or SchedulerConfig())
         self.max_seq_len = cache.config.max_seq_len
         self._rng = random.Random(seed)
@@ -177,7 +216,7 @@ class Engine:
         loaded = load_model(config.model, dtype=config.dtype, device=config.device)
         cache = open_cache(cache_config, mode=config.kv_mode)  # after the weights: a GPU store takes what they leave
         try:
-            return cls(loaded, cache, scheduler, config.seed)
+            return cls(loaded, cache, scheduler, config.seed, cuda_graphs=config.cuda_graphs)
         except Exception:
             cache.close()
             raise
@@ -238,8 +277,8 @@ class Engine:
                 f"this model's maximum context length is {self.max_seq_len} tokens; the prompt has {len(ids)} "
                 f"and {asked}, so at most {max(0, self.max_seq_len - len(ids))} tokens can be generated"
             )
-        if params.n > self.cache.config.max_batch_size:
-            raise InvalidParameter("n", f"n={params.n} exceeds the {self.cache.config.max_batch_size} sequence slots")
+        if params.n > self.max_slots:
+            raise InvalidParameter("n", f"n={params.n} exceeds the {self.max_slots} sequence slots")
         pages = self.cache.pages_for(len(ids) + params.max_tokens - 1)
         if pages > self.cache.pool.num_pages:
             raise OutOfPages(
@@ -478,6 +517,7 @@ class Engine:
             prefix_hit_rate=cache["prefix_hits"] / queries if queries else 0.0,
             tokens_per_second=self.tokens_per_second(),
             ttft_seconds_sum=self.ttft_sum,
+            cuda_graphs=self.graphs.stats.as_dict() if self.graphs is not None else None,
         )
         return {"engine": engine, "cache": cache}
 

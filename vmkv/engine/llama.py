@@ -21,15 +21,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..base import KVCacheBase
+from ..core.base import KVCacheBase
+from ..core.step import StepPlan
 from ..errors import InvalidConfig
-from ..step import StepPlan
 
 FAMILIES = ("llama", "mistral", "qwen2")
 
@@ -145,10 +145,9 @@ def linear_backend(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
 
     ``"onednn"``: weights pre-packed once into oneDNN's blocked layout
     (``torch.ops.mkldnn._reorder_linear_weight``) and multiplied with
-    ``torch.ops.mkldnn._linear_pointwise``, the pair inductor's weight freezing emits on CPU.
-    Measured here (``python -m benchmarks.engine_linears``; 2 shared cores, 768-wide layers):
-    1.1-2.6x ``F.linear`` in float32 and 1.5-2x in bfloat16 for 1-512 rows. ``"torch"``:
-    ``F.linear`` (CUDA, float16 on CPU, or a torch built without oneDNN).
+    ``torch.ops.mkldnn._linear_pointwise``, the pair inductor's weight freezing emits on CPU
+    (why: docs/serving.md, "Models").
+    ``"torch"``: ``F.linear`` (CUDA, float16 on CPU, or a torch built without oneDNN).
     """
     if device.type != "cpu":
         return "torch", f"{device.type}: F.linear (cuBLAS)"
@@ -260,6 +259,20 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(shape) for _ in range(shape.num_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+
+
+# how one layer stores its new K/V and attends: (layer, q [T, Hq, D], k, v [T, Hkv, D]) -> [T, Hq, D]
+LayerAttention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def cache_attention(cache: KVCacheBase, plan: StepPlan) -> LayerAttention:
+    """The usual layer attention: ``cache.write`` then ``cache.attention`` with ``plan``."""
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cache.write(layer, k, v, plan)
+        return cache.attention(layer, q, plan)
+
+    return attend
 
 
 class LlamaForCausalLM(nn.Module):
@@ -379,7 +392,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(
         self, cache: KVCacheBase, plan: StepPlan, input_ids: torch.Tensor, positions: torch.Tensor,
-        logit_rows: torch.Tensor,
+        logit_rows: torch.Tensor, attention: LayerAttention | None = None,
     ) -> torch.Tensor:
         """One step over the packed batch of ``plan``.
 
@@ -389,12 +402,16 @@ class LlamaForCausalLM(nn.Module):
             input_ids: int64 ``[T]`` new tokens, packed in plan order.
             positions: int64 ``[T]`` their positions in their sequences.
             logit_rows: int64 ``[R]`` packed rows whose next-token logits are wanted.
+            attention: how each layer stores its K/V and attends; default
+                :func:`cache_attention` (a captured decode step passes its own:
+                ``vmkv.engine.graphs``).
 
         Returns:
             float32 logits ``[R, vocab]``.
         """
+        attend = attention or cache_attention(cache, plan)
         if self._packed is None:
-            return self._forward_modules(cache, plan, input_ids, positions, logit_rows)
+            return self._forward_modules(attend, input_ids, positions, logit_rows)
         s = self.shape
         layers, lm_head = self._packed
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
@@ -406,8 +423,7 @@ class LlamaForCausalLM(nn.Module):
             k = k.view(-1, s.num_kv_heads, s.head_dim)
             q = q * cos + rotate_half(q) * sin  # fresh contiguous tensors
             k = k * cos + rotate_half(k) * sin
-            cache.write(index, k, v.reshape(-1, s.num_kv_heads, s.head_dim), plan)
-            out = cache.attention(index, q, plan)  # [T, Hq, D]
+            out = attend(index, q, k, v.reshape(-1, s.num_kv_heads, s.head_dim))  # [T, Hq, D]
             x = x + ops.o(out.reshape(x.shape[0], -1))
             gate, up = ops.gate_up.split(layer.post_attention_layernorm(x))
             x = x + ops.down(F.silu(gate) * up)
@@ -415,16 +431,14 @@ class LlamaForCausalLM(nn.Module):
         return lm_head(x).float()
 
     def _forward_modules(
-        self, cache: KVCacheBase, plan: StepPlan, input_ids: torch.Tensor, positions: torch.Tensor,
-        logit_rows: torch.Tensor,
+        self, attend: LayerAttention, input_ids: torch.Tensor, positions: torch.Tensor, logit_rows: torch.Tensor,
     ) -> torch.Tensor:
         """:meth:`forward` through the ``nn.Linear`` modules one by one (the reference path)."""
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self._rope(positions, x.dtype)
         for index, layer in enumerate(self.model.layers):
             q, k, v = self._qkv(layer, x, cos, sin)
-            cache.write(index, k.contiguous(), v.contiguous(), plan)
-            out = cache.attention(index, q.contiguous(), plan)  # [T, Hq, D]
+            out = attend(index, q.contiguous(), k.contiguous(), v.contiguous())  # [T, Hq, D]
             x = x + layer.self_attn.o_proj(out.reshape(x.shape[0], -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         x = self.model.norm(x[logit_rows])

@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 
-from ..base import KVCacheBase
 from ..config import KVCacheConfig
+from ..core.base import KVCacheBase
+from ..core.step import StepPlan
 from ..errors import InvalidConfig
 from ..models import DEFAULT_MODEL, ByteTokenizer, default_hf_model
-from ..step import StepPlan
+from .graphs import DecodeGraphs
 from .llama import LlamaForCausalLM, LlamaShape
 
 log = logging.getLogger("vmkv.engine")
@@ -220,10 +221,17 @@ def cache_config_for(model: LlamaForCausalLM, **options: Any) -> KVCacheConfig:
 
 
 class ModelRunner:
-    """Packs a step's token chunks, runs the model over them, returns the logits asked for."""
+    """Packs a step's token chunks, runs the model over them, returns the logits asked for.
 
-    def __init__(self, model: LlamaForCausalLM) -> None:
+    Args:
+        model: the model.
+        graphs: captured decode steps (``vmkv.engine.graphs``): decode steps they cover replay a
+            graph, every other step runs eagerly.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, graphs: DecodeGraphs | None = None) -> None:
         self.model = model
+        self.graphs = graphs
         self.device = model.lm_head.weight.device
 
     def execute(
@@ -240,6 +248,8 @@ class ModelRunner:
         Returns:
             float32 ``[sum(logits_for), vocab]``, in plan order.
         """
+        if self.graphs is not None and self.graphs.applies(plan) and all(logits_for):
+            return self.graphs.run(plan, [chunk[0] for chunk in chunks])
         ids: list[int] = []
         positions: list[int] = []
         rows: list[int] = []

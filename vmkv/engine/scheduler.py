@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from ..base import KVCacheBase
+from ..core.base import KVCacheBase
 from ..errors import InvalidConfig
 from .request import Sequence, Status
 

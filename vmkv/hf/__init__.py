@@ -27,6 +27,10 @@ Where things live (one concept per module):
 ``vmkv.hf.attention``
     the ``"vmkv"`` attention, its mask, and how it finds its cache (the 5.24 attention kwargs, or
     a per-thread note ``update`` leaves); the stock SDPA fallback for other caches.
+``vmkv.hf.compiled``
+    ``VirtualCache(compile=True)`` under transformers' compiled generation: the step committed at
+    an eager point (``get_mask_sizes`` / ``prepare_step``), the compiled forward's writes through
+    device positions, full-length views of the fixed virtual tensors.
 ``vmkv.hf.rows``
     the row policy: batch rows as sequence ids; beams (``reorder_cache``), ``batch_*``, deep
     copies as ``free`` + ``fork`` (copy-on-write, no K/V copied).

@@ -8,8 +8,8 @@ the same layer takes it back if it received that very tensor. When no ``VirtualC
 the K over (a ``DynamicCache``: generate()'s assistant model, say), the attention runs the stock
 SDPA kernel instead.
 
-The cache side is duck-typed (``attention_style`` and ``_attend``): this module does not import
-the cache, the cache imports it.
+The cache side is the :class:`AttendingCache` protocol (``attention_style`` and ``attend``): this
+module does not import the cache, the cache imports it.
 """
 
 from __future__ import annotations
@@ -18,15 +18,12 @@ import functools
 import logging
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from ..errors import InvalidConfig
 from .compat import AttentionInterface, AttentionMaskInterface
-
-if TYPE_CHECKING:
-    from .cache import VirtualCache
 
 log = logging.getLogger("vmkv")
 
@@ -35,6 +32,18 @@ ATTN_IMPLEMENTATION = "vmkv"
 WAY_OUT = ("load the model with its own attention (attn_implementation='sdpa' or 'eager') and pass "
            "VirtualCache('vmm'): update() then returns zero-copy views of every stored token, the model's "
            "own mask and kernel apply, and the tokens are identical to transformers' own cache")
+
+class AttendingCache(Protocol):
+    """What the ``"vmkv"`` attention needs of a cache (:class:`vmkv.hf.VirtualCache` is one)."""
+
+    attention_style: str | None
+    """``"vmkv"``: the cache runs this attention; ``"model"``: the model's own attention reads its
+    views; ``None``: not known before the first forward."""
+
+    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
+        """Write one layer's new K/V and attend: ``query: [B, Hq, S, D]`` -> ``[B, S, Hq, D]``."""
+
 
 # ---- how the "vmkv" attention finds its cache ----------------------------------------------------
 class _Handoff(threading.local):
@@ -48,10 +57,10 @@ class _Handoff(threading.local):
         self.key: weakref.ref | None = None
         self.layer = -1
 
-    def give(self, cache: "VirtualCache", key: torch.Tensor, layer: int) -> None:
+    def give(self, cache: "AttendingCache", key: torch.Tensor, layer: int) -> None:
         self.cache, self.key, self.layer = weakref.ref(cache), weakref.ref(key), layer
 
-    def take(self, module: torch.nn.Module, key: torch.Tensor) -> "VirtualCache | None":
+    def take(self, module: torch.nn.Module, key: torch.Tensor) -> "AttendingCache | None":
         """The cache whose ``update`` returned ``key``, or ``None`` if none did (the cache is not ours).
 
         Raises:
@@ -128,7 +137,7 @@ def vmkv_attention_forward(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
-    vmkv_cache: "VirtualCache | None" = None,
+    vmkv_cache: "AttendingCache | None" = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """``attn_implementation="vmkv"``: write the step into the cache and run the cache's kernel.
@@ -161,7 +170,7 @@ def vmkv_attention_forward(
     _refuse_what_the_kernels_lack(module, kwargs)
     if cache is None or cache.attention_style == "model":
         return _stock_attention(module, query, key, value, attention_mask, scaling, **kwargs)
-    return cache._attend(module, query, key, value, attention_mask, scaling), None
+    return cache.attend(module, query, key, value, attention_mask, scaling), None
 
 
 # attention kwargs the "vmkv" kernels have no counterpart for -> what a user calls them

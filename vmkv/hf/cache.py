@@ -9,6 +9,7 @@ writes and attends with that plan. Row operations (beams, forks, deep copies) ar
 from __future__ import annotations
 
 import logging
+import operator
 import weakref
 from collections import Counter
 from dataclasses import dataclass
@@ -16,14 +17,15 @@ from typing import Any
 
 import torch
 
-from ..base import KVCacheBase
 from ..config import LAYOUTS
+from ..core.base import KVCacheBase
+from ..core.step import StepPlan, slot_slice
 from ..errors import CacheClosed, InvalidConfig, InvalidInput, InvalidShape, NoFreeSlot, Unsupported
 from ..sizes import parse_size
-from ..step import StepPlan, slot_slice
 from ..validate import as_layer
 from .attention import ATTN_IMPLEMENTATION, HANDOFF
 from .compat import Cache, CacheLayerMixin, attention_kwargs
+from .compiled import CompiledSteps, check_compile, check_map_ahead, eager_update
 from .rows import RowPolicy, SharedCore
 from .sizing import CacheOptions, open_core
 
@@ -108,7 +110,7 @@ class VirtualLayer(CacheLayerMixin):
         return self._cache.get_seq_length()
 
     def get_max_length(self) -> int:
-        return -1
+        return self._cache.get_max_length()
 
     def offload(self) -> None:
         raise Unsupported("a VirtualCache does not offload: its pages live in the vmkv pool on the model's device")
@@ -163,10 +165,17 @@ class VirtualCache(RowPolicy, Cache):
         deferred_reclaim: VMM: freed rows keep their pages mapped for the next sequence. Off by
             default: beam search frees rows every step and that memory should return to the pool.
         map_ahead: VMM: map the next page on a background thread.
+        compile: run under transformers' compiled generation (``is_compileable``; see
+            ``vmkv.hf.compiled`` and docs/hf.md): StaticCache's contract over pages. Each layer
+            returns ``[B, kv_heads, max_seq_len, head_dim]`` views (the model's mask hides what
+            is past each row's length, which reads zeros and holds no memory), and each step's
+            pages are mapped at an eager point before the compiled forward. Needs VMM mode, the
+            model's own attention, ``config`` and ``max_seq_len`` (attention reads that many
+            columns, as StaticCache reads ``max_cache_len``).
 
     Raises:
-        InvalidConfig: unknown mode or layout, a page size that is no size, or paged mode with a
-            config whose attention is not "vmkv".
+        InvalidConfig: unknown mode or layout, a page size that is no size, paged mode with a
+            config whose attention is not "vmkv", or ``compile=True`` without what it needs.
 
     Threads: like the core cache, one thread at a time (see ``docs/hf.md``).
     """
@@ -184,6 +193,7 @@ class VirtualCache(RowPolicy, Cache):
         block_size: int = 16,
         deferred_reclaim: bool = False,
         map_ahead: bool = False,
+        compile: bool = False,
     ) -> None:
         if mode not in MODES:
             raise InvalidConfig(f"mode must be 'vmm' or 'paged', got {mode!r}")
@@ -205,6 +215,8 @@ class VirtualCache(RowPolicy, Cache):
             self._config_style = "vmkv" if text._attn_implementation == ATTN_IMPLEMENTATION else "model"
         self.attention_style: str | None = self._config_style  # "model" | "vmkv"; None until known
         self._require_style_fits_mode()
+        self._compile = check_compile(compile, mode, config, self._config_style, max_seq_len)
+        self._compiled: CompiledSteps | None = None  # compile=True: made with the rows' core
         self._shared: SharedCore | None = None
         self._closed = False
         self._rows: list[int] = []  # sequence id of each batch row; empty before the first forward
@@ -232,21 +244,56 @@ class VirtualCache(RowPolicy, Cache):
         return self.layers[:count] + [VirtualLayer(self, i) for i in range(len(self.layers), count)]
 
     # ---- what transformers asks ----------------------------------------------------------------
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Columns seen so far (padding included), as ``DynamicCache`` counts them."""
+    def get_seq_length(self, layer_idx: int = 0) -> int | torch.Tensor:
+        """Columns seen before the coming forward (padding included), as ``DynamicCache`` counts
+        them. Inside a compiled forward of a prepared step: a 0-d device tensor (as StaticCache's),
+        so that the graph does not depend on the count."""
+        compiled = self._compiled
+        if compiled is not None and compiled.armed:
+            if torch.compiler.is_compiling():
+                return compiled.starts
+            return self._columns - self._step.plan.q_lens[0]
         return self._columns + (self._pending[0][0].shape[2] if self._pending else 0)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        """``(kv_length, kv_offset)``: the returned K/V hold exactly ``columns + query_length`` tokens."""
+        """``(kv_length, kv_offset)``: the returned K/V hold exactly ``columns + query_length`` tokens,
+        or with ``compile=True`` always ``max_seq_len`` (and, called eagerly, this is the step's
+        eager point: :meth:`prepare_step`)."""
+        if self._compile:
+            if not torch.compiler.is_compiling():
+                self._arm(query_length)
+            return self._options.max_seq_len, 0
         return self.get_seq_length() + query_length, 0
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
-        """-1: no fixed length is attended over (the cache grows page by page)."""
-        return -1
+        """-1: no fixed length is attended over (the cache grows page by page); with
+        ``compile=True`` the columns every layer returns (``max_seq_len``)."""
+        return self._options.max_seq_len if self._compile else -1
 
     @property
     def is_compileable(self) -> bool:
-        return False
+        """Whether transformers may compile a forward over this cache (``compile=True``)."""
+        return self._compile
+
+    def prepare_step(self, q_len: int = 1) -> None:
+        """The eager point of a compiled step (``compile=True``): commit the next forward's
+        ``q_len`` new columns of every row, mapping (and copying on write) the pages they land in,
+        and point the compiled forward's device positions at them. transformers' ``generate()``
+        does it through :meth:`get_mask_sizes`; call it yourself before each compiled forward of a
+        hand-written loop. A no-op while a step is already prepared, or before the first forward
+        (which opens the rows eagerly).
+
+        Raises:
+            InvalidConfig: the cache was not made with ``compile=True``.
+            InvalidInput: ``q_len`` is not a positive int.
+            CacheClosed, SequenceTooLong, OutOfPages: from the core cache (nothing changed).
+        """
+        if not self._compile:
+            raise InvalidConfig("prepare_step is the eager point of VirtualCache(compile=True); this cache "
+                                "runs eagerly and needs none")
+        if isinstance(q_len, bool) or not isinstance(q_len, int) or q_len < 1:
+            raise InvalidInput(f"q_len must be a positive int, got {q_len!r}")
+        self._arm(q_len)
 
     @property
     def is_initialized(self) -> bool:
@@ -262,8 +309,11 @@ class VirtualCache(RowPolicy, Cache):
         """Store a layer's new K/V (``[B, kv_heads, S, head_dim]``) and return what attention reads.
 
         ``"model"`` style: the K/V of every stored token, ``[B, kv_heads, columns, head_dim]``,
-        zero-copy views of the VMM tensors. ``"vmkv"`` style (or before the style is known):
-        the new states unchanged; the ``"vmkv"`` attention writes them.
+        zero-copy views of the VMM tensors (``compile=True``: ``[B, kv_heads, max_seq_len,
+        head_dim]``). ``"vmkv"`` style (or before the style is known): the new states unchanged;
+        the ``"vmkv"`` attention writes them. Inside a compiled forward a prepared step writes
+        through device positions (``vmkv.hf.compiled``); anything else runs this eagerly at a
+        graph break, with one warning.
 
         Raises:
             InvalidShape: the batch changed without ``reorder_cache``/``batch_*``, or a reset
@@ -272,12 +322,33 @@ class VirtualCache(RowPolicy, Cache):
             CacheClosed: the cache was closed.
             SequenceTooLong, OutOfPages, NoFreeSlot: from the core cache.
         """
-        step = self._step
-        if step is not None and step.dense and self._last_layer < layer_idx < len(self.layers):
+        if torch.compiler.is_compiling():
+            return self._compiled_update(key_states, value_states, layer_idx, args, kwargs)
+        return self._eager_update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _compiled_update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+                         args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """``update`` as dynamo traces it: a prepared step writes through device positions
+        (``CompiledSteps.update``); anything else runs eagerly at a graph break, with one warning."""
+        compiled = self._compiled
+        if compiled is None:
+            return eager_update(self, key_states, value_states, layer_idx, args, kwargs)
+        live = compiled.begin_forward() if layer_idx == 0 else compiled.live
+        if not live:
+            return eager_update(self, key_states, value_states, layer_idx, args, kwargs)
+        return compiled.update(layer_idx, key_states, value_states)
+
+    def _eager_update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``update`` outside a compiled region (see :meth:`update`)."""
+        step, compiled = self._step, self._compiled
+        if (step is not None and step.dense and self._last_layer < layer_idx < len(self.layers)
+                and (compiled is None or not compiled.armed)):
             # "model" style, a later layer of this forward: the step's plan is known (the lean path
             # of a decode step; core.write_batch still checks the tensors, plan and layer)
             self._last_layer = layer_idx
-            if not step.gathered:
+            if not step.gathered and compiled is None:
                 return self._shared.core.write_batch(layer_idx, key_states, value_states, step.plan)
             return self._write_and_view(layer_idx, key_states, value_states)
         if self._closed:
@@ -362,9 +433,13 @@ class VirtualCache(RowPolicy, Cache):
         """Forget the last ``-tokens_to_remove`` columns of every row (``truncate``; 0 is a no-op).
 
         Raises:
-            InvalidInput: a positive value (transformers' legacy absolute form is not supported)
-                or more columns than stored.
+            InvalidInput: not an int, a positive value (transformers' legacy absolute form is not
+                supported) or more columns than stored.
         """
+        if isinstance(tokens_to_remove, (bool, float, torch.Tensor)) or not hasattr(tokens_to_remove, "__index__"):
+            raise InvalidInput(f"crop takes an int (a negative number of tokens to remove), got "
+                               f"{type(tokens_to_remove).__name__} {tokens_to_remove!r}")
+        tokens_to_remove = operator.index(tokens_to_remove)
         if tokens_to_remove > 0:
             raise InvalidInput("crop takes a negative number of tokens to remove")
         keep = self.get_seq_length() + tokens_to_remove
@@ -372,6 +447,7 @@ class VirtualCache(RowPolicy, Cache):
             raise InvalidInput(f"cannot crop {-tokens_to_remove} of {self.get_seq_length()} tokens")
         if tokens_to_remove == 0:
             return
+        self._disarm()
         self._flush_pending()
         for row, seq_id in enumerate(self._rows):
             self._dropped[row] = [c for c in self._dropped[row] if c < keep]
@@ -385,6 +461,8 @@ class VirtualCache(RowPolicy, Cache):
         The core cache stays open with its geometry, so the next use must have the same KV
         heads, head size, dtype and device (any batch size up to ``max_batch_size``).
         """
+        if self._compiled is not None:
+            self._compiled.disarm()
         if self._shared is not None:
             self._shared.reap()
             for seq_id in self._rows:
@@ -450,8 +528,10 @@ class VirtualCache(RowPolicy, Cache):
         consecutive slots, so the views had to be gathered: a copy), ``materialised_kv`` (reads of
         ``layers[i].keys``/``.values`` that had no view and returned a copy), ``row_forks``/``row_frees``
         and ``row_retargets`` (rows reorder_cache rewrote in place, see ``_remap_rows``), ``layout``
-        (VMM layout, ``"blocks"`` in paged mode; ``None`` before the first forward) and
-        ``layout_reason`` (``"given"``, or why the default chose it: ``sizing.choose_layout``).
+        (VMM layout, ``"blocks"`` in paged mode; ``None`` before the first forward),
+        ``layout_reason`` (``"given"``, or why the default chose it: ``sizing.choose_layout``),
+        ``compiled_steps`` (``compile=True``: steps prepared at the eager point) and
+        ``compile_fallbacks`` (``update`` calls a compiled forward ran eagerly at a graph break).
         """
         stats = self.core.stats() if self.core is not None else {"mode": self.mode}
         choice = self._shared.choice if self._shared is not None else None
@@ -462,6 +542,8 @@ class VirtualCache(RowPolicy, Cache):
             materialised_kv=self.counters["materialised_kv"],
             row_forks=self.counters["row_forks"], row_frees=self.counters["row_frees"],
             row_retargets=self.counters["row_retargets"],
+            compiled_steps=self.counters["compiled_steps"],
+            compile_fallbacks=self.counters["compile_fallbacks"],
         )
         return stats
 
@@ -482,9 +564,13 @@ class VirtualCache(RowPolicy, Cache):
         Raises:
             InvalidShape: the core (kept by ``reset``) holds K/V of another shape.
             NoFreeSlot: more rows than free slots.
+            InvalidConfig: ``compile=True`` with ``map_ahead`` on CUDA (``compiled.check_map_ahead``).
         """
+        check_map_ahead(self._compile, self._options.map_ahead, like.device)
         if self._shared is None:
             self._shared = SharedCore(*open_core(self.mode, self._options, like, num_layers, self.attention_style))
+        if self._compile and self._compiled is None:
+            self._compiled = CompiledSteps.for_core(self._shared.core, self._options.max_seq_len)
         self._shared.reap()
         core = self.core
         batch = like.shape[0]
@@ -528,7 +614,10 @@ class VirtualCache(RowPolicy, Cache):
 
     # ---- internals: steps ----------------------------------------------------------------------
     def _start_forward(self, batch: int) -> None:
-        """The first layer of a forward; its plan is built lazily (the columns count once it exists)."""
+        """The first layer of a forward; its plan is built lazily (the columns count once it exists),
+        unless a step was prepared at the eager point (``compile=True``): the forward writes that one."""
+        if self._compiled is not None and self._compiled.begin_forward():
+            return
         if self._shared is not None:
             self._shared.reap()
         if self._pending and self.attention_style != "vmkv":
@@ -540,6 +629,29 @@ class VirtualCache(RowPolicy, Cache):
             )
         self._step = None
 
+    def _arm(self, q_len: int) -> None:
+        """The eager point of a compiled step (see :meth:`prepare_step`)."""
+        if self._closed:
+            raise CacheClosed("this VirtualCache was closed; make a new one")
+        compiled = self._compiled
+        if compiled is None or compiled.armed or not self._rows:
+            return
+        self._shared.reap()
+        self._step = self._begin_dense_step(q_len)
+        compiled.arm(self._step.plan)
+        self.counters["compiled_steps"] += 1
+
+    def _disarm(self) -> None:
+        """Roll back a step prepared at the eager point that no forward wrote (before a row
+        operation, ``crop`` or ``reset``): its columns were never written."""
+        if self._compiled is None or not self._compiled.disarm():
+            return
+        q_len = self._step.plan.q_lens[0]
+        for seq_id in self._rows:
+            self.core.truncate(seq_id, self.core.seq_len(seq_id) - q_len)
+        self._columns -= q_len
+        self._step = None
+
     def _begin_dense_step(self, q_len: int) -> _Step:
         """"model" style: every row stores all ``q_len`` new columns."""
         plan = self.core.begin_step(dict.fromkeys(self._rows, q_len))
@@ -548,6 +660,8 @@ class VirtualCache(RowPolicy, Cache):
         last = self._last_slots
         if last is None or last[0] is not plan.slots:  # a decode fast-path plan shares its slots tuple
             self._last_slots = last = (plan.slots, slot_slice(plan.slots) is None)
+            if self._compiled is not None:
+                self._compiled.follow(plan)
         return _Step(plan, None, dense=True, gathered=last[1])
 
     def _begin_ragged_step(self, mask: torch.Tensor | None, batch: int, q_len: int) -> _Step:
@@ -587,6 +701,8 @@ class VirtualCache(RowPolicy, Cache):
         """"model" style: write, then return ``[B, H, columns, D]`` views of the virtual tensors."""
         step = self._step
         keys, values = self.core.write_batch(layer, k, v, step.plan)
+        if self._compiled is not None:
+            return self._compiled.views(layer)  # [B, H, max_seq_len, D], as the compiled forward's
         if not step.gathered:
             return keys, values  # views of the virtual tensors
         self.counters["gathered_views"] += 1  # rows not in arithmetic slot order: one copy
@@ -595,7 +711,7 @@ class VirtualCache(RowPolicy, Cache):
                      "attn_implementation='vmkv' avoids this")
         return keys, values
 
-    def _attend(
+    def attend(
         self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         mask: torch.Tensor | None, scaling: float | None,
     ) -> torch.Tensor:

@@ -7,8 +7,8 @@ continues another shares its pages (copy-on-write) instead of copying K/V; ``cop
 forks every row into the same core cache (:class:`SharedCore`).
 
 :class:`RowPolicy` is a mixin of ``VirtualCache``: it reads and writes the cache's ``_rows``,
-``_dropped``, ``_shared``, ``_pending``, ``_step`` and ``counters``, and calls its
-``_flush_pending``, ``reset`` and ``_make_layers``.
+``_dropped``, ``_shared``, ``_pending``, ``_step``, ``_compiled`` and ``counters``, and calls its
+``_disarm``, ``_flush_pending``, ``reset`` and ``_make_layers``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..base import KVCacheBase
+from ..core.base import KVCacheBase
 from ..errors import InvalidInput, NoFreeSlot
 from .sizing import Choice
 
@@ -93,10 +93,11 @@ class RowPolicy:
         Raises:
             NoFreeSlot: the copy's rows do not fit the free slots (raise ``max_batch_size``).
         """
+        self._disarm()
         self._flush_pending()
         clone = type(self).__new__(type(self))
         memo[id(self)] = clone
-        own = {"layers", "_shared", "_rows", "_step", "_pending"}
+        own = {"layers", "_shared", "_rows", "_step", "_pending", "_compiled"}
         for name, value in self.__dict__.items():
             if name not in own:
                 setattr(clone, name, copy.deepcopy(value, memo))
@@ -104,6 +105,7 @@ class RowPolicy:
         clone.layers = []
         clone.layers = clone._make_layers(len(self.layers))
         clone._shared, clone._rows = None, []
+        clone._compiled = self._compiled.copy() if self._compiled is not None else None
         if self._shared is None:
             return clone
         self._shared.reap()
@@ -127,9 +129,19 @@ class RowPolicy:
         return len(self._rows)
 
     def _as_index_list(self, index: torch.Tensor | list[int]) -> list[int]:
-        values = index.reshape(-1).tolist() if isinstance(index, torch.Tensor) else list(index)
+        """``index`` (a tensor or a sequence of row indexes) as a list of ints.
+
+        Raises:
+            InvalidInput: neither, or an index that is not an int (a bool is not) in ``0 .. rows - 1``.
+        """
+        if isinstance(index, torch.Tensor):
+            values = index.reshape(-1).tolist()
+        elif isinstance(index, (str, bytes)) or not hasattr(index, "__iter__"):
+            raise InvalidInput(f"row indexes must be a tensor or a sequence of ints, got {type(index).__name__}")
+        else:
+            values = list(index)
         rows = self._num_rows()
-        if not all(isinstance(i, int) and 0 <= i < rows for i in values):
+        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < rows for i in values):
             raise InvalidInput(f"row indexes must be ints in 0..{rows - 1}, got {values}")
         return values
 
@@ -155,6 +167,7 @@ class RowPolicy:
             NoFreeSlot: the new rows do not fit the slots the other users of the core leave
                 (nothing changed).
         """
+        self._disarm()
         self._flush_pending()
         self._step = None
         if not self._rows:

@@ -1,5 +1,7 @@
 """How a ``VirtualCache`` sizes its core cache from the first K/V it sees: slots, length, page
-size, layout and memory budget (the defaults are documented in docs/hf.md, "Sizing")."""
+size, layout and memory budget (the defaults are documented in docs/hf.md, "Sizing"). The page
+rules themselves are :mod:`vmkv.sizing`'s; this module passes the transformers adapter's
+constraints: the layout its attention reads fastest, and pages that fit the first batch."""
 
 from __future__ import annotations
 
@@ -8,8 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base import KVCacheBase
-from ..config import KVCacheConfig, smallest_page, vmm_pieces
+from ..config import KVCacheConfig
+from ..core.base import KVCacheBase
+from ..sizing import DeviceFacts, default_pages, mappable_pages, smallest_page
 
 log = logging.getLogger("vmkv")
 
@@ -20,7 +23,7 @@ MAX_HEAD_MAJOR_TOKENS = 1024  # the largest head-major page the default grows to
 
 def default_page_size(token_bytes: int, granularity: int, min_tokens: int = MIN_TOKENS_PER_PAGE) -> int:
     """Smallest page that is a multiple of ``granularity`` and ``token_bytes`` and holds ``min_tokens``
-    (:func:`vmkv.config.smallest_page` with this module's default of tokens)."""
+    (:func:`vmkv.sizing.smallest_page` with this module's default of tokens)."""
     return smallest_page(token_bytes, granularity, min_tokens)
 
 
@@ -47,42 +50,37 @@ class Choice:
     reason: str
 
 
-def choose_layout(config: KVCacheConfig, style: str, options: CacheOptions, room: int | None) -> Choice:
+def choose_layout(config: KVCacheConfig, style: str, options: CacheOptions, facts: DeviceFacts) -> Choice:
     """The VMM layout and page size for ``config`` (its ``layout`` and ``page_size`` are ignored)
     when the attention reading the K/V is ``style`` (``"model"``: the model's SDPA/eager over
-    ``[B, kv_heads, len, head_dim]`` views; ``"vmkv"``: the cache's own kernel); ``room`` is
-    ``vmkv.vm.mapping_room()`` (host; ``None``: unknown or not the host).
+    ``[B, kv_heads, len, head_dim]`` views; ``"vmkv"``: the cache's own kernel).
 
     The rule (measurements in docs/hf.md, "Defaults"; ``python -m benchmarks.hf_layouts``):
 
     * host: ``head_major`` (each head's keys of a row contiguous: DynamicCache's own layout, what
-      CPU SDPA reads fastest, in float32 and half precision alike) if the mappings it needs fit
-      (``head_major`` maps ``kv_heads`` pieces per page and layer): its page grows from 64 tokens
+      CPU SDPA reads fastest) if the mappings it needs fit (``head_major`` maps ``kv_heads``
+      pieces per page and layer): its page grows from :data:`MIN_TOKENS_PER_PAGE` tokens
       (doubling, up to :data:`MAX_HEAD_MAJOR_TOKENS`) until a pool holding the first batch at
       ``max_seq_len`` fits half the mappings ``vm.max_map_count`` leaves; else ``per_layer``;
-    * CUDA: ``all_layers`` with the backend's 2 MiB granularity (``vmkv.config.default_vmm_pages``):
-      FlashAttention/SDPA read token-major ``[B, S, H, D]`` with a unit last stride, and it is the
-      only layout near 16-32 tokens a page.
+    * CUDA: the core's default (:func:`vmkv.sizing.default_pages`: ``all_layers``, the backend's
+      granule): FlashAttention/SDPA read token-major ``[B, S, H, D]`` with a unit last stride.
 
     A layout or page size the user gave is kept (the page then defaults as for that layout).
     """
-    from ..config import default_vmm_pages
-    from ..vm import granularity
-
-    gran = granularity(config.device)
+    shape, gran = config.kv_shape, facts.granularity
     if options.layout is not None:
         layout = options.layout
-        page = options.page_size or default_page_size(config.tensor_token_bytes(layout), gran)
+        page = options.page_size or default_page_size(shape.token_bytes(layout), gran)
         return Choice(layout, page, "given")
-    if config.device.type != "cpu":
-        layout, page = default_vmm_pages(config.replace(memory_budget=max(config.memory_budget, 1)))
-        return Choice(layout, options.page_size or page, f"{config.device.type}: token-major pages of the "
+    if facts.device_type != "cpu":
+        layout, page = default_pages(shape, config.dtype, max(config.memory_budget, 1), facts)
+        return Choice(layout, options.page_size or page, f"{facts.device_type}: token-major pages of the "
                       "backend granularity, the layout FlashAttention/SDPA read natively")
-    token_bytes = config.tensor_token_bytes("head_major")
+    token_bytes = shape.token_bytes("head_major")
     page = options.page_size or default_page_size(token_bytes, gran)
     need_tokens = config.max_batch_size * config.max_seq_len  # (rows * length) the pool should hold
     while True:
-        pages = mappable_pages(config.replace(layout="head_major"), room)
+        pages = mappable_pages(shape.pieces("head_major"), facts.mapping_room)
         if pages * (page // token_bytes) >= need_tokens + config.max_batch_size * (page // token_bytes):
             return Choice("head_major", page, f"{style} attention on the host: head-major views are what CPU "
                           f"SDPA reads fastest ({page // token_bytes} tokens a page fit the mappings)")
@@ -90,7 +88,7 @@ def choose_layout(config: KVCacheConfig, style: str, options: CacheOptions, room
             break
         page *= 2
     layout = "per_layer"
-    return Choice(layout, options.page_size or default_page_size(config.tensor_token_bytes(layout), gran),
+    return Choice(layout, options.page_size or default_page_size(shape.token_bytes(layout), gran),
                   "host: head-major pages would need more mappings than vm.max_map_count leaves; per_layer")
 
 
@@ -110,25 +108,19 @@ def open_core(mode: str, options: CacheOptions, like: torch.Tensor, num_layers: 
     max_seq = options.max_seq_len or DEFAULT_MAX_SEQ_LEN
     config = KVCacheConfig(
         num_layers=num_layers, num_kv_heads=heads, head_dim=head_dim, dtype=like.dtype, device=like.device,
-        max_batch_size=max_batch, max_seq_len=max_seq, memory_budget=1, page_size=1,
-        block_size=options.block_size, prefix_caching=False,
-        deferred_reclaim=options.deferred_reclaim, map_ahead=options.map_ahead,
+        max_batch_size=max_batch, max_seq_len=max_seq, memory_budget=1, block_size=options.block_size,
+        prefix_caching=False, deferred_reclaim=options.deferred_reclaim, map_ahead=options.map_ahead,
     )
-    room = None  # the host's mapping room, read once where a default needs it (each read lists /proc/self/maps)
+    # the device's facts, read once; the mapping room only where a default needs it (each read lists /proc/self/maps)
+    facts = DeviceFacts.probe(config.device, mappings=mode == "vmm" and (options.layout is None or options.memory_budget is None))
     if mode == "vmm":
-        if config.device.type == "cpu" and (options.layout is None or options.memory_budget is None):
-            from ..vm import mapping_room
-
-            room = mapping_room()
-        first_batch = config.replace(max_batch_size=batch, max_seq_len=max_seq)
-        choice = choose_layout(first_batch, style, options, room)
+        choice = choose_layout(config.replace(max_batch_size=batch), style, options, facts)
         config = config.replace(layout=choice.layout, page_size=choice.page_size)
-        tokens_per_page, page_bytes = config.page_size // config.tensor_token_bytes(), vmm_pieces(config) * config.page_size
-    else:  # paged mode ignores the page size, but validates one all the same (config.check_page_size)
-        from ..vm import granularity
-
-        page = options.page_size or default_page_size(config.tensor_token_bytes(), granularity(config.device))
-        config = config.replace(page_size=page)
+        pieces = config.kv_shape.pieces(choice.layout)
+        tokens_per_page, page_bytes = choice.page_size // config.tensor_token_bytes(), pieces * choice.page_size
+    else:  # paged mode ignores the page size, but validates a given one all the same (sizing.check_page_size)
+        if options.page_size is not None:
+            config = config.replace(page_size=options.page_size)
         choice = Choice("blocks", 0, f"paged mode: {config.block_size}-token blocks")
         tokens_per_page = config.block_size
         page_bytes = 2 * num_layers * config.block_size * config.layer_token_bytes
@@ -138,18 +130,8 @@ def open_core(mode: str, options: CacheOptions, like: torch.Tensor, num_layers: 
         if config.device.type == "cuda":  # CUDA pages are allocated up front: at most half the free memory
             budget = min(budget, torch.cuda.mem_get_info(config.device)[0] // 2)
         elif mode == "vmm":  # each mapped page costs host mappings: stay within half of those left
-            budget = min(budget, mappable_pages(config, room) * page_bytes)
+            budget = min(budget, mappable_pages(pieces, facts.mapping_room) * page_bytes)
     core = open_cache(config.replace(memory_budget=budget), mode=mode)
     log.info("vmkv.hf: %s cache, %d layers, %d B budget, layout %s (%s), kernel %s",
              mode, num_layers, budget, choice.layout, choice.reason, core.kernel)
     return core, choice
-
-
-def mappable_pages(config: KVCacheConfig, room: int | None) -> int:
-    """Pool pages whose mappings (two per page and range when fragmented) fit in half of
-    ``room``, the mappings Linux's ``vm.max_map_count`` still allows this process
-    (``vmkv.vm.mapping_room()``; unbounded when ``None``, unknown)."""
-    if room is None:
-        return 1 << 62
-    pieces = vmm_pieces(config)
-    return max(1, (room // 2 // pieces - 1) // 2)

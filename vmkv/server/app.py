@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine import EngineLoop, InvalidParameter, RequestOutput, SamplingParams
 from ..errors import InvalidConfig, InvalidInput, OutOfPages, SequenceTooLong, VMKVError
 from . import metrics
-from .protocol import ChatBody, CompletionBody
+from .protocol import MAX_N, ChatBody, CompletionBody
 
 log = logging.getLogger("vmkv.server")
 
@@ -203,6 +203,10 @@ class Server:
             checked = []
             for prompt in prompts:
                 ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+                try:
+                    self.loop.engine.max_new_tokens(len(ids))  # reads fixed sizes only: no lock needed
+                except (SequenceTooLong, OutOfPages) as exc:  # the prompt alone fills the context or budget
+                    raise _engine_error(exc, prompt_param, limit_param=prompt_param) from None
                 params = make_params(len(ids))
                 checked.append((self.loop.validate(ids, params), params))
         except VMKVError as exc:
@@ -321,6 +325,7 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None, pr
             scrapers often have no key; turn it on when the port is reachable by others.
     """
     server = Server(loop, model_name, api_key, protect_metrics)
+    max_n = min(MAX_N, loop.engine.cache.config.max_batch_size)  # n completions run in n sequence slots
     app = FastAPI(title="vmkv", version="0.1.0")
     app.state.server = server
 
@@ -371,7 +376,7 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None, pr
         except InvalidInput as exc:
             raise _engine_error(exc) from None
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
-        job = await server.submit(prompts, lambda _: body.sampling(max_tokens), "prompt")
+        job = await server.submit(prompts, lambda _: body.sampling(max_tokens, max_n=max_n), "prompt")
         rid, created = f"cmpl-{job.request_ids[0]}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
         if body.stream:
@@ -400,13 +405,11 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None, pr
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
 
         def params(prompt_len: int) -> SamplingParams:
-            """The client's limit, else as many tokens as the context and the KV budget leave."""
+            """The client's limit, else as many tokens as the context and the KV budget leave
+            (``submit`` refused a prompt that alone leaves none)."""
             if limit is not None:
-                return body.sampling(limit)
-            try:
-                return body.sampling(loop.engine.max_new_tokens(prompt_len))
-            except (SequenceTooLong, OutOfPages) as exc:  # the prompt alone does not fit
-                raise _engine_error(exc, limit_param="messages") from None
+                return body.sampling(limit, limit_param=limit_param, max_n=max_n)
+            return body.sampling(loop.engine.max_new_tokens(prompt_len), max_n=max_n)
 
         job = await server.submit([ids], params, "messages", limit_param)
         rid, created = f"chatcmpl-{job.request_ids[0]}", int(time.time())

@@ -11,8 +11,6 @@ import logging
 import os
 import sys
 
-log = logging.getLogger("vmkv.server")
-
 
 def _port(text: str) -> int:
     """A TCP port, 0..65535 (0: any free port), refused by argparse before anything binds."""
@@ -34,6 +32,9 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
     return value
+
+
+GRAPHS = {"auto": None, "on": True, "off": False}  # --cuda-graphs -> EngineConfig.cuda_graphs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,6 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--max-num-batched-tokens", type=_positive, default=512, help="tokens one step feeds at most "
                        "(default: %(default)s)")
     cache.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off (default: on)")
+    cache.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
+                       help="capture decode steps as CUDA graphs, one per batch-size bucket (auto: on a CUDA device; "
+                       "takes one more cache slot and page, for padding rows) (default: %(default)s)")
+    cache.add_argument("--map-ahead", action="store_true", help="VMM: map the next step's pages on a background "
+                       "thread while the step runs (default: off)")
     cache.add_argument("--shared-budget", default=None, help="VMM: share one host-wide KV budget with other "
                        "engines, e.g. kv-host:16GiB[,min=1GiB,max=8GiB,member=NAME]; --memory-budget is then "
                        "this engine's ceiling (vmkv ledger NAME shows the members)")
@@ -83,7 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Open the cache (a bad cache option fails before the weights load), load the model, bind
-    the socket (its real port is logged: ``--port 0`` gets one from the OS), serve until interrupted.
+    the socket (a line on stderr names its real port at any ``--log-level``: ``--port 0`` gets one
+    from the OS), serve until interrupted.
 
     Returns:
         0 after a clean shutdown, 2 on a configuration error.
@@ -106,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_seq_len=args.max_seq_len,
         max_num_batched_tokens=args.max_num_batched_tokens, max_prefill_chunk=args.max_num_batched_tokens,
         prefix_caching=not args.no_prefix_caching, dtype=args.dtype, device=args.device, seed=args.seed,
-        shared_budget=args.shared_budget,
+        shared_budget=args.shared_budget, cuda_graphs=GRAPHS[args.cuda_graphs], map_ahead=args.map_ahead,
     )
     try:
         engine = Engine.from_config(config)
@@ -120,11 +127,12 @@ def run(args: argparse.Namespace) -> int:
         server = uvicorn.Server(uvicorn.Config(create_app(loop, name, args.api_key, args.protect_metrics),
                                                host=args.host, port=args.port, log_level=args.log_level,
                                                timeout_keep_alive=KEEP_ALIVE_S))
-        sock = server.config.bind_socket()  # bound now, so the log names the port --port 0 got
+        sock = server.config.bind_socket()  # bound now, so the line names the port --port 0 got
         host, port = sock.getsockname()[:2]
-        log.info("serving %s on http://%s:%d (kv mode %s, kernel %s, %d pages of %d tokens)",
-                 name, f"[{host}]" if ":" in host else host, port,
-                 stats["mode"], stats["kernel"], stats["pages_total"], stats["tokens_per_page"])
+        # printed, not logged: a client of --port 0 needs the port whatever --log-level hides
+        print(f"vmkv serve: serving {name} on http://{f'[{host}]' if ':' in host else host}:{port} (kv mode "
+              f"{stats['mode']}, kernel {stats['kernel']}, {stats['pages_total']} pages of {stats['tokens_per_page']} "
+              "tokens)", file=sys.stderr, flush=True)
         server.run(sockets=[sock])
     finally:
         loop.close()

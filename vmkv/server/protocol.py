@@ -13,6 +13,16 @@ from pydantic import BaseModel, ConfigDict, Field, PlainValidator, StrictBool, S
 
 from ..engine import InvalidParameter, SamplingParams
 
+MAX_N = 128
+"""The most completions one request may ask for (OpenAI's limit); the server's bound is this or
+the engine's sequence slots, whichever is smaller."""
+
+
+def _shown(value: int) -> str:
+    """An int for an error message, cut to 40 characters (a 400-digit number helps no one)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
 
 def _number(value: Any) -> int | float:
     """A JSON number as is (no bool, no string); the range is checked by ``SamplingParams``, so an
@@ -49,15 +59,22 @@ class _Body(BaseModel):
             if present:
                 raise InvalidParameter(name, f"'{name}' is not supported by this server")
 
-    def sampling(self, max_tokens: int) -> SamplingParams:
+    def sampling(self, max_tokens: int, *, limit_param: str = "max_tokens", max_n: int = MAX_N) -> SamplingParams:
         """The engine's parameters.
+
+        Args:
+            max_tokens: the completion's length limit.
+            limit_param: the body field that set ``max_tokens`` (named when it is out of range).
+            max_n: the largest ``n`` the server takes (``MAX_N``, or fewer sequence slots).
 
         Raises:
             InvalidParameter: a value out of range or an unsupported option (``param`` names it).
         """
         self._refuse(logit_bias=bool(self.logit_bias))
-        if self.n > 128:
-            raise InvalidParameter("n", "n must be in [1, 128]")
+        if not 1 <= self.n <= max_n:
+            raise InvalidParameter("n", f"n must be in [1, {max_n}], got {_shown(self.n)}")
+        if max_tokens < 1:
+            raise InvalidParameter(limit_param, f"{limit_param} must be at least 1, got {_shown(max_tokens)}")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > 4:
             raise InvalidParameter("stop", "stop takes at most 4 strings")

@@ -3,19 +3,23 @@
 vLLM allocates every layer's KV cache as one ``torch.zeros`` buffer sized to its whole KV budget,
 so a worker holds that memory from start to finish. With this plugin the buffer is a vmkv
 reservation (:mod:`vmkv.vm`: host memory on CPU, CUDA VMM on GPU) in which physical pages are
-mapped only while vLLM blocks that live in them hold data. Four pieces, one focused module each:
+mapped only while vLLM blocks that live in them hold data. The package is split by the side of
+vLLM a module runs on:
 
-* :mod:`vmkv.vllm.worker` -- the KV buffer: covers ``allocate_kv_cache`` (worker side).
-* :mod:`vmkv.vllm.block_pool` and :mod:`vmkv.vllm.free_blocks` -- which blocks vLLM hands out:
-  packed into pages, idle prefix-cache pages given back whole, free blocks counted from the physical
-  budget (scheduler side); installed by :mod:`vmkv.vllm.scheduler` (``--scheduler-cls``).
-* :mod:`vmkv.vllm.connector` -- the map/unmap lists travel with every step to every rank as KV
-  connector metadata (vLLM's own scheduler->worker path), plus stats and Prometheus metrics.
-* :mod:`vmkv.vllm.layout` -- which buffer pages each block occupies (both sides agree on it).
-* :mod:`vmkv.vllm.share` -- the engine's seat in a host-wide ledger (``shared_budget``): grants
-  held by the scheduler, idle pages given back at a step boundary.
-* :mod:`vmkv.vllm.settings` -- the settings (:class:`PluginConfig`) and names every module shares;
-  :mod:`vmkv.vllm.control` -- stats and trim of a running engine.
+* :mod:`vmkv.vllm.scheduler` -- the scheduler side (the engine-core process): which blocks vLLM
+  hands out, packed into pages, idle prefix-cache pages given back whole, free blocks counted from
+  the physical budget; the connector's scheduler half; the engine's seat in a host-wide ledger.
+  ``--scheduler-cls vmkv.vllm.scheduler.VmkvScheduler`` installs it.
+* :mod:`vmkv.vllm.worker` -- the worker side (every worker): the KV buffer behind vLLM's
+  ``allocate_kv_cache``, the connector's worker half that maps and unmaps, and
+  ``--worker-extension-cls vmkv.vllm.worker.VmkvWorkerExtension``.
+* :mod:`vmkv.vllm.contiguous` -- contiguous mode (``kv_mode="contiguous"``): request slots over
+  the buffer, its page rule, and vLLM's attention backend over the slots.
+* Shared by both sides: :mod:`vmkv.vllm.connector` (the one connector class vLLM loads, holding
+  the half of its role), :mod:`vmkv.vllm.metadata` (the per-step message, scheduler -> every
+  rank), :mod:`vmkv.vllm.metrics` (stats and Prometheus metrics), :mod:`vmkv.vllm.layout`
+  (which buffer pages each block occupies), :mod:`vmkv.vllm.settings` (:class:`PluginConfig` and
+  the names); in the user's process, :mod:`vmkv.vllm.control` (stats and trim of a running engine).
 
 Enabling it (see ``docs/vllm.md``): ``VMKV_VLLM=1`` in the environment activates the
 ``vllm.general_plugins`` entry point :func:`register` in every vLLM process, and the engine
@@ -29,8 +33,6 @@ function that needs vLLM raises one clear :class:`~vmkv.errors.BackendUnavailabl
 from __future__ import annotations
 
 import logging
-import os
-from typing import Any
 
 from ..errors import UnsupportedVllm
 from .control import stats, trim
@@ -59,7 +61,7 @@ def register() -> None:
     """The ``vllm.general_plugins`` entry point; vLLM calls it in every process it starts.
 
     Does nothing unless ``VMKV_VLLM=1``. Then it checks the vLLM version and covers vLLM's KV
-    allocation function (:func:`vmkv.vllm.worker.install`). Safe to call more than once.
+    allocation function (:func:`vmkv.vllm.worker.allocate.install`). Safe to call more than once.
 
     Raises:
         UnsupportedVllm: ``VMKV_VLLM=1`` with a vLLM other than 0.32.x.
@@ -67,8 +69,10 @@ def register() -> None:
     if not enabled():
         return
     version = check_vllm()
-    from .contiguous import install_platform_hook, register_custom_backend
-    from .worker import install
+    # vLLM's internals only now, with the plugin asked for: this module is imported by every vLLM
+    # process (and by users without vLLM), so it imports no vLLM code itself
+    from .contiguous.backend import install_platform_hook, register_custom_backend
+    from .worker.allocate import install
 
     install_platform_hook()  # answers vmkv's backend only for engines with kv_mode="contiguous"
     register_custom_backend()
@@ -76,18 +80,8 @@ def register() -> None:
         logger.info("vmkv: vLLM %s KV cache backed by vmkv virtual memory (%s=1)", version, ENV_FLAG)
 
 
-def gpu_smoke(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """Run the plugin on the tiny model on a GPU and compare with stock vLLM (for the GPU check).
-
-    See :func:`vmkv.vllm.smoke.gpu_smoke`.
-    """
-    from .smoke import gpu_smoke as run
-
-    return run(out_dir)
-
-
 __all__ = [
     "SUPPORTED_VLLM", "ENV_FLAG", "CONNECTOR_NAME", "CONNECTOR_MODULE", "SCHEDULER_CLS", "WORKER_EXTENSION_CLS",
     "INSTALL_HINT", "KV_MODES", "UnsupportedVllm", "PluginConfig", "check_vllm", "vllm_version", "enabled", "register",
-    "engine_args", "serve_flags", "stats", "trim", "gpu_smoke", "describe",
+    "engine_args", "serve_flags", "stats", "trim", "describe",
 ]

@@ -1,5 +1,8 @@
 """Control of a running ``vllm.LLM`` with the plugin: per-worker stats and trim (no vLLM import).
 
+Runs in the user's process, the one holding the ``LLM``; the calls reach the workers (stats) and
+the engine core (trim) through vLLM.
+
 Both go through vLLM's own public calls (``LLM.collective_rpc`` on the worker extension,
 ``LLM.reset_prefix_cache``), so they work on any ``LLM`` object started with
 :func:`vmkv.vllm.engine_args`.

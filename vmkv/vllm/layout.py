@@ -1,4 +1,4 @@
-"""Which pages of vLLM's KV buffer each KV block occupies.
+"""Which pages of vLLM's KV buffer each KV block occupies: both sides compute it and must agree.
 
 vLLM 0.32 places all layers' KV in one buffer (``vllm/v1/kv_cache_interface.py``,
 ``KVCacheTensor``: layer ``l`` of block ``b`` starts at ``offset + l * layer_stride +
@@ -26,6 +26,10 @@ Terms used by the plugin::
 A page is mapped while any block whose runs touch it holds data. With the CPU default (LBHNC,
 128-token blocks of 128 KiB per layer) and 512 KiB pages, a unit is 4 blocks and maps one page
 per layer.
+
+vLLM is imported only by the functions that read its config or call its allocator, when called:
+the layout itself (and the scheduler side's :mod:`vmkv.vllm.scheduler.free_blocks` over it) runs
+without vLLM.
 """
 
 from __future__ import annotations
@@ -218,7 +222,7 @@ def check_supported(kv_cache_config: Any) -> None:
     Raises:
         InvalidConfig: the configuration is not supported.
     """
-    from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs
+    from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs  # when called: see the module docstring
 
     if kv_cache_config.needs_kv_cache_zeroing:
         raise InvalidConfig("vmkv's vLLM plugin does not support models whose new KV blocks vLLM must zero "
@@ -234,8 +238,8 @@ def check_supported(kv_cache_config: Any) -> None:
 
 def vllm_allocate_kv_cache() -> Callable[..., dict[str, torch.Tensor]]:
     """vLLM's own ``allocate_kv_cache`` (``vllm.v1.worker.utils``), never the plugin's replacement
-    (:func:`vmkv.vllm.worker.install` keeps the original as ``__wrapped__``)."""
-    from vllm.v1.worker import utils
+    (:func:`vmkv.vllm.worker.allocate.install` keeps the original as ``__wrapped__``)."""
+    from vllm.v1.worker import utils  # when called: see the module docstring
 
     allocate = utils.allocate_kv_cache
     return getattr(allocate, "__wrapped__", allocate)

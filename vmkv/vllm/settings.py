@@ -1,4 +1,4 @@
-"""The vLLM plugin's settings and names, shared by every module of :mod:`vmkv.vllm`.
+"""The vLLM plugin's settings and names, shared by both sides of vLLM and by the user's process.
 
 Nothing here imports vLLM at module level: the scheduler, connector and worker modules import
 their settings from here (not from the package), and :mod:`vmkv.vllm` re-exports them, so
@@ -13,12 +13,15 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import BackendUnavailable, InvalidConfig, UnsupportedVllm
 from ..extras import install_hint
 from ..ledger import SharedBudget
 from ..sizes import format_size, parse_size
+
+if TYPE_CHECKING:
+    from .layout import KVLayout
 
 SUPPORTED_VLLM = "0.32"
 """The vLLM release series the plugin is written and tested against (``0.32.x``)."""
@@ -36,7 +39,7 @@ ignores the selection, so the plugin's platform hook answers it there)."""
 KV_MODES = ("paged", "contiguous")
 """``kv_mode`` values: ``"paged"`` (vmkv backs vLLM's paged buffer, vLLM's kernels read it through
 block tables) or ``"contiguous"`` (every request's K/V is one virtually contiguous slot per layer,
-read by the stock contiguous kernel of :mod:`vmkv.attention`; see :mod:`vmkv.vllm.contiguous`)."""
+read by the stock contiguous kernel of :mod:`vmkv.kernels.contiguous`; see :mod:`vmkv.vllm.contiguous`)."""
 
 
 def vllm_version() -> str:
@@ -150,6 +153,17 @@ class PluginConfig:
         if self.shared_budget is not None:
             out["shared_budget"] = self.shared_budget
         return out
+
+
+def budget_settings(config: PluginConfig, layout: "KVLayout") -> tuple[int, int]:
+    """``(budget_pages, max_idle_units)`` of ``config`` over ``layout``; the scheduler and every
+    worker compute them the same way (in a shared budget no more pages than the ledger holds)."""
+    pages = layout.num_pages if config.budget is None else min(config.budget // layout.page_size, layout.num_pages)
+    if config.shared_budget is not None:
+        pages = min(pages, SharedBudget.parse(config.shared_budget).budget // layout.page_size)
+    cached = pages * layout.page_size // 8 if config.max_cached is None else config.max_cached
+    unit_bytes = layout.max_pages_per_unit * layout.page_size
+    return pages, cached // unit_bytes
 
 
 def engine_args(page_size: int | str = "2MiB", budget: int | str | None = None,

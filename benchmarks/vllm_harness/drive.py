@@ -1,0 +1,319 @@
+"""Run vLLM engines with and without the plugin on the same work (tests, benchmarks, GPU smoke).
+
+:func:`engine` starts a ``vllm.LLM`` (stock, or with vmkv: ``VMKV_VLLM=1`` for the processes it
+spawns, set only while it starts, plus :func:`vmkv.vllm.engine_args`); :func:`run` feeds it requests at given arrival
+times through ``LLM.llm_engine`` (``add_request`` / ``step``) and samples, every few steps, the
+tokens the running requests hold next to each worker's memory (``collective_rpc``).
+:func:`servers` runs vLLM's OpenAI servers instead (subprocesses), for vLLM's own benchmark client.
+Both give stock and vmkv engines the same environment but for the plugin's flag
+(:func:`engine_environment`): the same cores, the same threads.
+
+vLLM spawns its engine and worker processes, so scripts using this need an
+``if __name__ == "__main__":`` guard.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from vmkv.errors import BackendError
+from vmkv.vllm import settings as plugin
+from vmkv.vllm.control import stats as vmkv_stats
+
+ENTRY_POINT = "vmkv.vllm:register"
+RESERVED_CPUS = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+"""vLLM's CPU platform keeps one core per rank away from its workers for the engine process, and
+one more per rank whenever *any* KV connector is configured (``vllm/utils/ompmultiprocessing.py``,
+meant for NIXL transfers). vmkv's connector transfers nothing, so :func:`engine_environment` sets
+this variable to the same value for stock and vmkv engines: both then compute on the same cores
+(on 2 cores the extra reservation leaves no core free and slows the tiny model ~7x)."""
+
+
+def ensure_entry_point() -> Path | None:
+    """Make the plugin's ``vllm.general_plugins`` entry point visible to the processes vLLM spawns.
+
+    An installed vmkv declares it (``pyproject.toml``); a source checkout run against an install
+    that predates it does not. Then a minimal ``dist-info`` declaring only the entry point is
+    written to a temporary directory, which is put first on ``sys.path`` (processes vLLM spawns
+    with multiprocessing inherit it) and on ``PYTHONPATH`` (other child processes).
+
+    Returns:
+        The directory added, or ``None`` when the entry point was visible already.
+    """
+    if any(ep.value == ENTRY_POINT for ep in metadata.entry_points(group="vllm.general_plugins")):
+        return None
+    root = Path(tempfile.mkdtemp(prefix="vmkv-entry-point-"))
+    info = root / "vmkv_vllm_plugin-0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vmkv-vllm-plugin\nVersion: 0\n")
+    (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\nvmkv = {ENTRY_POINT}\n")
+    sys.path.insert(0, str(root))
+    importlib.invalidate_caches()
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH", "")]))
+    return root
+
+
+def engine_environment(*, vmkv: bool, ranks: int = 1) -> dict[str, str | None]:
+    """The environment a stock or vmkv engine starts with (``None``: unset).
+
+    Both get the same core reservation (:data:`RESERVED_CPUS`: the caller's value if set, else
+    ``ranks``, what stock vLLM reserves on x86, Arm and RISC-V without a KV connector) and
+    ``HF_HUB_OFFLINE=1`` unless set; only ``VMKV_VLLM`` differs. vLLM derives the workers' cores
+    and OpenMP threads from the reservation, so the two compute on the same cores.
+
+    Args:
+        vmkv: whether the engine runs the plugin.
+        ranks: tensor x pipeline parallel ranks on this node.
+    """
+    return {
+        plugin.ENV_FLAG: "1" if vmkv else None,
+        RESERVED_CPUS: os.environ.get(RESERVED_CPUS) or str(ranks),
+        "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+    }
+
+
+def engine(model: str | Path, *, vmkv: bool, kv_cache_bytes: int, max_model_len: int = 2048,
+           options: dict[str, Any] | None = None, **llm_kwargs: Any) -> Any:
+    """A ``vllm.LLM`` over ``model``, stock or with vmkv.
+
+    Args:
+        model: a model directory (e.g. :func:`benchmarks.vllm_harness.tiny.save_tiny_model`).
+        vmkv: put vmkv under the KV cache.
+        kv_cache_bytes: vLLM's KV buffer size (``kv_cache_memory_bytes``).
+        max_model_len: the longest request.
+        options: :func:`vmkv.vllm.engine_args` keywords (page_size, budget, max_cached).
+        llm_kwargs: more ``LLM`` arguments (``enforce_eager=True`` and ``dtype="float32"`` unless
+            given).
+
+    While the engine starts (vLLM spawns its engine and worker processes then, and loads its
+    plugins), this process's environment is :func:`engine_environment`'s; it is restored
+    afterwards. (:func:`ensure_entry_point`'s ``sys.path`` and ``PYTHONPATH`` entry stays: it
+    only makes the plugin importable.)
+    """
+    from vllm import LLM
+
+    if vmkv:
+        ensure_entry_point()
+        llm_kwargs.update(plugin.engine_args(**(options or {})))
+    else:
+        llm_kwargs.setdefault("worker_extension_cls", plugin.WORKER_EXTENSION_CLS)
+    ranks = llm_kwargs.get("tensor_parallel_size", 1) * llm_kwargs.get("pipeline_parallel_size", 1)
+    llm_kwargs.setdefault("enforce_eager", True)
+    llm_kwargs.setdefault("dtype", "float32")
+    with _environment(engine_environment(vmkv=vmkv, ranks=ranks)):
+        return LLM(model=str(model), kv_cache_memory_bytes=kv_cache_bytes, max_model_len=max_model_len, **llm_kwargs)
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One server of :func:`servers`: stock or vmkv (with :func:`vmkv.vllm.engine_args` ``options``)."""
+
+    vmkv: bool
+    options: dict[str, Any] | None = None
+
+
+@contextmanager
+def servers(model: str | Path, specs: dict[str, ServerSpec], *, kv_cache_bytes: int, max_model_len: int = 2048,
+            log_dir: Path | None = None, startup_timeout: float = 900.0) -> Iterator[dict[str, str]]:
+    """vLLM's OpenAI servers over ``model`` (``python -m vllm.entrypoints.openai.api_server``, the
+    CPU build's ``vllm serve``), one per spec, stock or with vmkv's three flags, all up for the
+    block. They start at once (each in its own process group, on a free port, with
+    :func:`engine_environment`) and are stopped (SIGTERM, then SIGKILL) when the block ends.
+
+    Args:
+        model: a model directory; the servers name the model by this path.
+        specs: name -> :class:`ServerSpec`.
+        kv_cache_bytes / max_model_len: as :func:`engine` (``--enforce-eager``, ``--dtype float32``
+            too).
+        log_dir: where server ``name`` writes ``vllm_server_<name>.log`` (default: discarded).
+        startup_timeout: seconds to wait for every ``/health``.
+
+    Yields:
+        name -> base URL (``http://127.0.0.1:PORT``).
+
+    Raises:
+        BackendError: a server exited or did not answer within ``startup_timeout`` (the reason
+            is in its log).
+    """
+    if any(spec.vmkv for spec in specs.values()):
+        ensure_entry_point()
+    started: dict[str, tuple[subprocess.Popen, str, Path | None]] = {}
+    try:
+        for name, spec in specs.items():
+            log = None if log_dir is None else Path(log_dir) / f"vllm_server_{name}.log"
+            started[name] = _start_server(model, spec, kv_cache_bytes, max_model_len, log)
+        deadline = time.monotonic() + startup_timeout
+        for process, url, log in started.values():
+            _wait_healthy(url, process, deadline, log)
+        yield {name: url for name, (_, url, _) in started.items()}
+    finally:
+        for process, _, _ in started.values():
+            _stop(process)
+
+
+def _start_server(model: str | Path, spec: ServerSpec, kv_cache_bytes: int, max_model_len: int,
+                  log: Path | None) -> tuple[subprocess.Popen, str, Path | None]:
+    port = _free_port()
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
+               "--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32", "--max-model-len", str(max_model_len),
+               "--kv-cache-memory-bytes", str(kv_cache_bytes),
+               *(plugin.serve_flags(**(spec.options or {})) if spec.vmkv else [])]
+    env = dict(os.environ)
+    _set_environment(engine_environment(vmkv=spec.vmkv), env)
+    with open(log or os.devnull, "w") as out:
+        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return process, f"http://127.0.0.1:{port}", log
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_healthy(url: str, process: subprocess.Popen, deadline: float, log: Path | None) -> None:
+    where = f"see {log}" if log else "pass log_dir= to see its output"
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise BackendError(f"vLLM's server exited with status {process.returncode} while starting ({where})")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5):
+                return
+        except OSError:
+            time.sleep(1.0)
+    raise BackendError(f"vLLM's server did not answer {url}/health in time ({where})")
+
+
+def _stop(process: subprocess.Popen, grace: float = 30.0) -> None:
+    """Stop the server's process group (API server, engine core, workers): SIGTERM, then SIGKILL."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+@contextmanager
+def _environment(values: dict[str, str | None]) -> Iterator[None]:
+    """Set (``None``: remove) environment variables inside the block; restore them after it."""
+    saved = {name: os.environ.get(name) for name in values}
+    try:
+        _set_environment(values)
+        yield
+    finally:
+        _set_environment(saved)
+
+
+def _set_environment(values: dict[str, str | None], env: Any = os.environ) -> None:
+    for name, value in values.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+
+
+@dataclass
+class Sample:
+    """One look at the engine between steps.
+
+    Attributes:
+        t: seconds since the run started.
+        running: requests started and not finished.
+        live_tokens: tokens those requests hold (prompt + generated so far).
+        mapped_bytes / resident_bytes: vmkv's mapped pages and the memory behind its page store,
+            summed over workers (0 for stock engines).
+        rss_bytes: the workers' resident set sizes, summed.
+    """
+
+    t: float
+    running: int
+    live_tokens: int
+    mapped_bytes: int
+    resident_bytes: int
+    rss_bytes: int
+
+
+@dataclass
+class RunResult:
+    """What :func:`run` returns: tokens per request, cached prompt tokens, samples, timing, and
+    the engine steps that returned outputs."""
+
+    tokens: dict[str, list[int]]
+    cached_tokens: dict[str, int]
+    samples: list[Sample]
+    wall_s: float
+    output_tokens: int
+    steps: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "samples": [asdict(s) for s in self.samples]}
+
+
+def memory_sample(llm: Any, vmkv: bool, t: float, running: int, live_tokens: int) -> Sample:
+    """Ask every worker for its memory now."""
+    if vmkv:
+        stats = vmkv_stats(llm)
+        mapped, resident = sum(s["mapped_bytes"] for s in stats), sum(s["resident_bytes"] for s in stats)
+        rss = sum(s["rss_bytes"] for s in stats)
+    else:
+        mapped = resident = 0
+        rss = sum(p["rss_bytes"] for p in llm.collective_rpc("vmkv_process"))
+    return Sample(t, running, live_tokens, mapped, resident, rss)
+
+
+def run(llm: Any, prompts: Sequence[Sequence[int]], params: Sequence[Any], *, vmkv: bool,
+        arrivals: Sequence[float] | None = None, sample_every: int = 0) -> RunResult:
+    """Serve ``prompts`` (token ids) with ``params`` (``SamplingParams``), arriving at ``arrivals``.
+
+    Args:
+        llm: from :func:`engine`.
+        prompts / params: one per request; request ``i`` is named ``str(i)``.
+        vmkv: whether ``llm`` runs vmkv (decides how memory is sampled).
+        arrivals: seconds after the start at which each request arrives (default: all at 0).
+        sample_every: take a :class:`Sample` every this many engine steps (0: never).
+    """
+    engine_ = llm.llm_engine
+    arrivals = list(arrivals) if arrivals is not None else [0.0] * len(prompts)
+    order = sorted(range(len(prompts)), key=arrivals.__getitem__)
+    tokens: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
+    live: dict[str, int] = {}
+    samples: list[Sample] = []
+    start = time.perf_counter()
+    next_request, steps = 0, 0
+    while next_request < len(order) or engine_.has_unfinished_requests():
+        now = time.perf_counter() - start
+        while next_request < len(order) and arrivals[order[next_request]] <= now:
+            i = order[next_request]
+            engine_.add_request(str(i), {"prompt_token_ids": list(prompts[i])}, params[i])
+            live[str(i)] = len(prompts[i])
+            next_request += 1
+        if not engine_.has_unfinished_requests():
+            time.sleep(min(0.005, max(0.0, arrivals[order[next_request]] - now)))
+            continue
+        for out in engine_.step():
+            live[out.request_id] = len(out.prompt_token_ids) + len(out.outputs[0].token_ids)
+            if out.finished:
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+                cached[out.request_id] = out.num_cached_tokens or 0
+                live.pop(out.request_id, None)
+        steps += 1
+        if sample_every and steps % sample_every == 0:
+            samples.append(memory_sample(llm, vmkv, time.perf_counter() - start, len(live), sum(live.values())))
+    wall = time.perf_counter() - start
+    return RunResult(tokens, cached, samples, wall, sum(len(t) for t in tokens.values()), steps)

@@ -1,0 +1,125 @@
+"""The one kernel registry of both modes: its measured orders, the rule, forcing a kernel, and
+the Triton kernel read through each cache's own addressing (interpreter mode, in a child process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import small_config
+
+import vmkv
+from vmkv.kernels import measured, registry
+from vmkv.kernels.base import ADDRESSINGS, PhaseSplit
+from vmkv.kernels.facts import MachineFacts
+
+ROOT = Path(__file__).resolve().parents[1]
+CUDA = torch.device("cuda", 0)
+
+
+def test_every_measured_order_names_registered_kernels_with_its_provenance():
+    data = json.loads(measured.PATH.read_text())
+    for key, entry in data["order"].items():
+        device_type, addressing = key.split("/")
+        assert device_type in ("cpu", "cuda") and addressing in ADDRESSINGS
+        assert entry["kernels"] and set(entry["kernels"]) <= set(registry.names(addressing)), key
+        assert set(entry.get("provisional", ())) <= set(entry["kernels"]), key
+        assert all(entry[field] for field in ("machine", "command", "date", "result")), key
+    rule = data["batch_rule"]["cpu"]
+    assert all(rule[field] for field in ("machine", "command", "date"))
+    assert measured.batch_rule_constants("cpu")["call_us"] == rule["call_us"]
+
+
+def test_every_addressing_on_every_device_has_a_kernel_that_runs_anywhere():
+    """The last kernel of each order needs nothing but torch: a cache always gets one."""
+    nothing = MachineFacts((9, 0), {"flash_attn": "absent", "flashinfer": "absent"}, False, frozenset(), "absent")
+    for device in (torch.device("cpu"), CUDA):
+        for addressing in ADDRESSINGS:
+            spec = registry.KernelSpec(addressing, device, torch.float32, 2, 16, 16 if addressing == "blocks" else None)
+            choice = registry.choose(spec, nothing)
+            assert registry.unavailable(choice.name, spec, nothing) is None
+
+
+def test_a_decode_only_kernel_is_paired_with_the_next_one_for_other_steps():
+    flashinfer = MachineFacts((9, 0), {"flash_attn": "absent"}, True, frozenset(), "absent")
+    choice = registry.choose(registry.KernelSpec("blocks", CUDA, torch.float16, 2, 128, 16), flashinfer)
+    assert (choice.decode, choice.other, choice.name) == ("flashinfer_decode", "gather_sdpa", "flashinfer_decode+gather_sdpa")
+    assert "flashinfer_decode placed by reasoning, not yet measured" in choice.reason
+
+
+def test_forcing_a_kernel_by_name_in_either_mode():
+    for mode, name in (("vmm", "sdpa_per_sequence"), ("paged", "gather_sdpa")):
+        cls = vmkv.VirtualKVCache if mode == "vmm" else vmkv.PagedKVCache
+        with cls(small_config(), kernel=name) as cache:
+            assert cache.kernel == name == cache.stats()["kernel"]
+        with pytest.raises(vmkv.InvalidConfig, match="kernel must be one of"):
+            cls(small_config(), kernel="sdpa_chunked" if mode == "vmm" else "sdpa_adaptive")  # the other mode's
+        with pytest.raises(vmkv.BackendUnavailable, match="cannot run here"):
+            cls(small_config(), kernel="flash_attn_with_kvcache")  # needs CUDA
+
+
+def test_phase_split_runs_each_step_with_its_kernel():
+    from vmkv.kernels.contiguous import Stateless
+
+    calls = []
+
+    def tagged(tag):
+        return Stateless(tag, lambda q, k, v, plan, scale: calls.append(tag) or torch.zeros_like(q))
+
+    kernel = PhaseSplit(tagged("decode"), tagged("other"))
+    assert kernel.name == "decode+other"
+    with vmkv.VirtualKVCache(small_config()) as cache:
+        cache.add("a")
+        q = torch.zeros(3, 4, 16)
+        plan = cache.begin_step({"a": 3})
+        k, v = cache.kv_cache(0)
+        kernel(q, k, v, plan, None)
+        for layer in range(cache.config.num_layers):
+            cache.write(layer, torch.zeros(3, 2, 16), torch.zeros(3, 2, 16), plan)
+        plan = cache.begin_step({"a": 1})
+        kernel(q[:1], k, v, plan, None)
+    assert calls == ["other", "decode"]
+
+
+TRITON_THROUGH_CACHES = textwrap.dedent('''
+    import torch, vmkv
+    from helpers import KVMirror, dense_attention, small_config
+
+    for mode, cls in (("vmm", vmkv.VirtualKVCache), ("paged", vmkv.PagedKVCache)):
+        with cls(small_config(block_size=16), kernel="triton") as cache, cls(small_config(block_size=16)) as ref:
+            assert cache.kernel == "triton"
+            gen = torch.Generator().manual_seed(0)
+            for seq in ("a", "b", "c"):
+                cache.add(seq); ref.add(seq)
+            cache.fork("a", "a2"); ref.fork("a", "a2")  # shared pages, copied on write
+            for batch in ({"a": 19, "b": 5, "c": 33, "a2": 1}, {"a": 1, "b": 1, "c": 1, "a2": 1},
+                          {"a": 1, "b": 16, "c": 1, "a2": 2}, {"a": 1, "b": 1, "c": 1, "a2": 1}):
+                total = sum(batch.values())
+                plan, ref_plan = cache.begin_step(batch), ref.begin_step(batch)
+                for layer in range(cache.config.num_layers):
+                    k, v = (torch.randn(total, 2, 16, generator=gen) for _ in range(2))
+                    q = torch.randn(total, 4, 16, generator=gen)
+                    cache.write(layer, k, v, plan); ref.write(layer, k, v, ref_plan)
+                    got, want = cache.attention(layer, q, plan), ref.attention(layer, q, ref_plan)
+                    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+            cache.check()
+    print("ok")
+''')
+
+
+@pytest.mark.skipif(not registry.KERNELS.get("triton") or __import__("importlib").util.find_spec("triton") is None,
+                    reason="triton is not installed (it is in the test extra on Linux x86_64)")
+def test_the_triton_kernel_reads_both_addressings_through_the_caches():
+    """``kernel="triton"`` in VMM mode (slots) and paged mode (block tables): the same outputs as
+    each mode's own CPU kernel, over prefill, decode, chunked prefill and copy-on-write forks
+    (Triton's interpreter: a child process, ``TRITON_INTERPRET=1`` before triton's first import)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    result = subprocess.run([sys.executable, "-c", TRITON_THROUGH_CACHES], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout[-3000:] + result.stderr[-3000:]

@@ -1,0 +1,654 @@
+"""The lifecycle both modes share: sequences and the pages that hold them.
+
+``KVCacheBase`` owns every decision about *which* pool page holds *which* tokens of *which*
+sequence. A mode says how a page is addressed (VMM: mapped into a slot's virtual ranges, paged:
+written into a block-table row) through its :class:`~vmkv.core.ownership.Addressing` (VMM:
+:class:`~vmkv.vmm.ranges.SlotRanges`, paged: :class:`~vmkv.paged.blocks.BlockTable`), and how
+its storage is read (``layer_storage``, ``kv``, ``attention``: the abstract methods below).
+
+Ownership, per slot::
+
+    logical page   0      1      2      3                       (tokens_per_page tokens each)
+    live seq    [ p7 ][ p2 ][ p9 ][ p4 ]    seq.pages = [7, 2, 9, 4], seq.length <= 4 * tpp
+    freed slot  [ p5 ][ p6 ]                spare pages: still mapped, kept for the next sequence
+
+Invariants (checked by :meth:`KVCacheBase.check`): every page in ``seq.pages`` or in a slot's
+spare list holds one reference in the pool, a page shared by a fork or a prefix hit one per
+owner; a write into a page with two or more owners first copies it (copy-on-write); a step's
+full pages enter the prefix index only once the step wrote every layer.
+
+The verbs come in pairs: ``add``/``fork`` and ``free`` start and end a sequence, ``reserve`` and
+``truncate``/``trim`` grow and shrink its pages, ``begin_step`` and ``write`` make and fill a
+step. Each validates everything first and raises before changing anything; what can fail
+half-way (the OS or driver refusing a mapping) runs inside ``self.guard.atomic()`` and is rolled
+back (:mod:`vmkv.core.calls`). The collaborators, each in its own module: the page pool
+(:mod:`.pages`), the slot table (:mod:`.slots`), page ownership (:mod:`.ownership`: grow,
+copy-on-write, drop), the prefix index (:mod:`.prefix`), page planning and the decode fast
+path (:mod:`.planning`), mapping ahead (:mod:`.mapping`), a shared budget (:mod:`.budget`) and
+the argument checks (:mod:`.checks`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any, Sequence
+
+import torch
+
+from ..config import KVCacheConfig, PageGeometry
+from ..errors import ConcurrentUse, DuplicateSequence, InvalidInput, SequenceTooLong
+from ..ledger import SharedBudget
+from ..validate import as_int, as_token_ids, check_seq_id
+from .budget import CacheBudget, PageMemory
+from .calls import CallGuard, exclusive, weak_method
+from .checks import Step, check_length, check_plan, check_query, check_tensor, get_sequence, parse_batch
+from .mapping import MapAhead
+from .ownership import Addressing, PageOwnership
+from .pages import PagePool
+from .planning import DecodeFastPath, plan_pages
+from .prefix import PrefixIndex
+from .sequence import LiveSequence, SeqId
+from .slots import SlotTable
+from .step import StepPlan, make_plan
+
+
+class KVCacheBase(ABC):
+    """Lifecycle API shared by :class:`vmkv.VirtualKVCache` and :class:`vmkv.PagedKVCache`.
+
+    Subclasses set ``mode`` and ``kernel``, call ``super().__init__`` before anything that can
+    fail (so ``close()`` always finds the attributes it needs), then allocate their storage and
+    hand its addressing to :meth:`_open`.
+
+    Attributes:
+        config, geometry: what the cache holds and how its pages map onto tokens and bytes.
+        pool: the page pool (reference counts, free list, prefix index).
+        guard: the call discipline (lock, undo journal, closed/broken).
+        slots: free slots and spare pages.
+        budget: the shared budget this cache joined (``shared_budget``), else ``None``.
+        counters: event counts reported by ``stats()``.
+    """
+
+    mode: str
+    kernel: str
+
+    def __init__(self, config: KVCacheConfig, geometry: PageGeometry) -> None:
+        self.config = config
+        self.geometry = geometry
+        self.tokens_per_page = geometry.tokens_per_page
+        self.max_pages_per_seq = self.pages_for(config.max_seq_len)
+        self.pool = PagePool(geometry.num_pages)
+        self.guard = CallGuard(self.pool)
+        self.slots = SlotTable(config.max_batch_size, self.guard.log)
+        self.prefix = PrefixIndex(self.pool, self.tokens_per_page, config.prefix_caching, self.guard.log)
+        self._fast = DecodeFastPath(self.tokens_per_page, config.max_seq_len)
+        self._seqs: dict[SeqId, LiveSequence] = {}
+        self._keep_spare = config.deferred_reclaim and self.mode == "vmm"
+        self._tokens = 0  # sum of the live sequences' lengths (stats() is O(1))
+        self._version = 0
+        self._owner = object()  # plans carry it: a plan of another cache is refused
+        # the last step, until the next call registers its full pages: (seq_id, start) and layers written
+        self._last_step: list[tuple[SeqId, int]] = []
+        self._layers_written: set[int] = set()
+        self.counters: Counter[str] = Counter()
+        self.budget: CacheBudget | None = None
+        self.addressing: Addressing | None = None  # set by _open, once the mode's storage exists
+        self._own: PageOwnership | None = None
+        self._ahead: MapAhead | None = None
+
+    def _open(self, addressing: Addressing) -> None:
+        """The mode's storage exists: pages can now be owned (the last step of a mode's ``__init__``
+        that needs them)."""
+        self.addressing = addressing
+        self._own = PageOwnership(self.pool, self.slots, self.guard, addressing, self.tokens_per_page)
+        if self.config.map_ahead and self.mode == "vmm":
+            self._ahead = MapAhead(self._own.grow_one, self._own.covered, self.counters)
+
+    def _join_budget(self, spec: SharedBudget, memory: PageMemory) -> CacheBudget:
+        """Take a seat in the host-wide ledger ``spec`` names, counting ``memory``'s pages."""
+        self.budget = self._own.budget = CacheBudget(
+            spec, self.geometry.page_bytes, self.geometry.num_pages, pool=self.pool, slots=self.slots, memory=memory,
+            guard=self.guard, drop=self._own.drop, before_serving=weak_method(self._join_ahead),
+            counters=self.counters)
+        return self.budget
+
+    # ---- hooks a mode implements ---------------------------------------------------------
+    @abstractmethod
+    def layer_storage(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's K and V storage flattened to rows (zero-copy): ``[rows, kv_heads, head_dim]``,
+        or ``[rows, head_dim]`` in the VMM head-major layout (see the modes' docstrings). VMM:
+        read-only views; paged: the pools themselves (write only through ``write``)."""
+
+    @abstractmethod
+    def attention(self, layer: int, q: torch.Tensor, plan: StepPlan, *, scale: float | None = None) -> torch.Tensor:
+        """Attention of the step's queries ``q: [T, q_heads, head_dim]`` over each sequence's cache.
+
+        Returns ``[T, q_heads, head_dim]``: causal within the new tokens, full over the cached
+        prefix, grouped-query when ``q_heads`` is a multiple of ``num_kv_heads``.
+
+        Raises:
+            StalePlan, InvalidShape, InvalidDtype, InvalidDevice, InvalidInput (also: ``layer`` not
+            written in this step yet, checked first after the plan).
+        """
+
+    @abstractmethod
+    def kv(self, seq_id: SeqId, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored K and V of one sequence in one layer, each ``[length, kv_heads, head_dim]``."""
+
+    @abstractmethod
+    def _close_storage(self) -> None:
+        """Release the mode's memory (must work on a half-built cache)."""
+
+    # ---- starting and ending sequences ---------------------------------------------------
+    @exclusive
+    def add(self, seq_id: SeqId, token_ids: Sequence[int] | None = None) -> int:
+        """Start a sequence in a free slot, reusing cached pages of its prompt.
+
+        Args:
+            seq_id: any hashable id not in use.
+            token_ids: the prompt, if known. With prefix caching on, the longest prefix of
+                whole pages already cached is linked in (no copy, no new page) and counts as
+                stored: ``seq_len(seq_id)`` then says how many tokens the caller may skip. At
+                least one token is always left to compute.
+
+        Returns:
+            The slot (batch row) the sequence occupies.
+
+        Raises:
+            DuplicateSequence, SequenceTooLong, NoFreeSlot, InvalidInput; BackendError (or
+            OutOfMappings) if the OS refused a mapping: the call was rolled back.
+        """
+        self._join_ahead()
+        check_seq_id(seq_id)
+        if seq_id in self._seqs:
+            raise DuplicateSequence(f"sequence {seq_id!r} already exists; free it first or pick another id")
+        tokens = [] if token_ids is None else as_token_ids(token_ids)
+        if len(tokens) > self.config.max_seq_len:
+            raise SequenceTooLong(f"prompt of {len(tokens)} tokens exceeds max_seq_len={self.config.max_seq_len}")
+        self.slots.require_free(seq_id)
+        with self.guard.atomic():
+            self._finish_last_step()
+            hits = self.prefix.match(tokens)
+            slot = self.slots.pick(self.pages_for(len(tokens)) if tokens else None)
+            for page, _ in hits:
+                self.pool.incref(page)
+            pages = self._own.adopt_slot(slot, [page for page, _ in hits])
+        seq = self._start_sequence(seq_id, slot, pages, len(hits) * self.tokens_per_page, tokens)
+        seq.hashes = [page_hash for _, page_hash in hits]
+        if tokens and self.config.prefix_caching:
+            self.counters["prefix_queries"] += 1
+            self.counters["prefix_hits"] += bool(hits)
+            self.counters["prefix_hit_tokens"] += seq.length
+        return slot
+
+    @exclusive
+    def fork(self, src_id: SeqId, dst_id: SeqId) -> int:
+        """Start ``dst_id`` as a copy of ``src_id`` that shares all of its pages (no copy).
+
+        The first write of either sequence into a shared page copies that page (copy-on-write),
+        so neither ever sees the other's new tokens. Forking allocates no page.
+
+        Returns:
+            The slot of ``dst_id``.
+
+        Raises:
+            UnknownSequence, DuplicateSequence, NoFreeSlot, InvalidInput; BackendError (or
+            OutOfMappings) if the OS refused a mapping: the call was rolled back.
+        """
+        self._join_ahead()
+        src = self._get(src_id)
+        check_seq_id(dst_id)
+        if dst_id in self._seqs:
+            raise DuplicateSequence(f"cannot fork into {dst_id!r}: it already exists")
+        self.slots.require_free(dst_id)
+        slot = self.slots.pick(0)
+        with self.guard.atomic():
+            self._finish_last_step()
+            for page in src.pages:
+                self.pool.incref(page)
+            pages = self._own.adopt_slot(slot, list(src.pages))
+        seq = self._start_sequence(dst_id, slot, pages, src.length, list(src.tokens))
+        seq.reserved, seq.hashes = src.reserved, list(src.hashes)
+        self.counters["forks"] += 1
+        return slot
+
+    @exclusive
+    def free(self, seq_id: SeqId) -> None:
+        """End a sequence. Its full pages stay in the prefix cache; with deferred reclamation
+        (VMM mode) its private pages stay mapped in the slot for the next sequence.
+
+        Raises:
+            UnknownSequence; BackendError if the OS refused to unmap a page: the call was rolled
+            back.
+        """
+        self._join_ahead()
+        seq = self._get(seq_id)
+        with self.guard.atomic():
+            self._finish_last_step()  # first: its full pages stay in the prefix cache
+            keep = 0
+            if self._keep_spare:
+                while keep < len(seq.pages) and self._own.is_private(seq.pages[keep]):
+                    keep += 1
+            self._own.drop_from(seq, keep)
+        self.slots.vacate(seq.slot, seq.pages[:keep])
+        del self._seqs[seq_id]
+        self._tokens -= seq.length
+        self._version += 1
+        if self.budget is not None:
+            self.budget.boundary()
+
+    # ---- growing and shrinking ------------------------------------------------------------
+    @exclusive
+    def reserve(self, seq_id: SeqId, num_tokens: int) -> None:
+        """Guarantee room for ``num_tokens`` tokens in total, mapping pages now if needed. A plan
+        from ``begin_step`` stays valid.
+
+        Raises:
+            UnknownSequence, SequenceTooLong, OutOfPages, InvalidInput; BackendError (or
+            OutOfMappings) if the OS refused a mapping: the call was rolled back.
+        """
+        self._join_ahead()
+        seq = self._get(seq_id)
+        num_tokens = as_int(num_tokens, "num_tokens")
+        check_length(seq, num_tokens, self.config.max_seq_len)
+        grow = max(0, self.pages_for(num_tokens) - len(seq.pages))
+        with self.guard.atomic():
+            self._own.make_room(grow)
+            self._own.grow(seq, grow)
+        seq.reserved = max(seq.reserved, num_tokens)
+
+    @exclusive
+    def truncate(self, seq_id: SeqId, length: int) -> None:
+        """Forget the tokens of ``seq_id`` from position ``length`` on (pages stay until ``trim``).
+
+        Raises:
+            UnknownSequence, InvalidInput (length negative or beyond the sequence).
+        """
+        self._join_ahead()
+        seq = self._get(seq_id)
+        length = as_int(length, "truncate length")
+        if length > seq.length:
+            raise InvalidInput(f"truncate length must be in 0..{seq.length}, got {length}")
+        with self.guard.atomic():
+            self._finish_last_step()
+        self._tokens -= seq.length - length
+        seq.length = length
+        del seq.tokens[length:]
+        del seq.hashes[length // self.tokens_per_page :]
+        self._version += 1
+
+    @exclusive
+    def trim(self, keep_cached: bool = False) -> int:
+        """Return every page no live sequence needs to the pool, and free memory to the OS.
+
+        Unmaps the spare pages of freed slots and pages of live sequences beyond
+        ``max(length, reserved)``; unless ``keep_cached``, also drops the prefix cache.
+
+        Returns:
+            The number of pages that became free.
+
+        Raises:
+            BackendError: the OS refused to unmap a page (the call was rolled back), or to take
+                some free page's memory back (the pages are free in the pool all the same: call
+                ``trim()`` again to retry).
+        """
+        self._join_ahead()
+        before = self.pool.num_free
+        needs = {seq.seq_id: self.pages_for(max(seq.length, seq.reserved)) for seq in self._seqs.values()}
+        with self.guard.atomic():
+            self._finish_last_step()
+            self.slots.drain(self.pool.num_pages, self._own.drop)
+            for seq in self._seqs.values():
+                self._own.drop_from(seq, needs[seq.seq_id])
+            if not keep_cached:
+                self.pool.evict_all()
+        for seq in self._seqs.values():
+            del seq.pages[needs[seq.seq_id] :]
+        self._version += 1
+        self.addressing.release(self.pool.free_pages())
+        if self.budget is not None:
+            self.budget.after_trim()
+        return self.pool.num_free - before
+
+    # ---- a step ----------------------------------------------------------------------------
+    @exclusive
+    def begin_step(self, batch: Mapping[SeqId, int | Sequence[int]]) -> StepPlan:
+        """Make room for a step's new tokens and build the metadata every layer will use.
+
+        Args:
+            batch: for each sequence of the step, the number of new tokens, or their token ids
+                (ids let full pages enter the prefix cache). Prefill chunks and single decode
+                tokens mix freely.
+
+        Returns:
+            The :class:`StepPlan` to pass to ``write`` and ``attention`` for every layer. Any
+            later call that changes the cache makes it stale.
+
+        Raises:
+            UnknownSequence, SequenceTooLong, OutOfPages, InvalidInput; BackendError (or
+            OutOfMappings) if the OS refused a mapping: the call was rolled back.
+        """
+        self._join_ahead()
+        plan, steps = self._fast.next_plan(batch, self._version, self._parse_batch)
+        fast = plan is not None
+        copies = 0
+        if fast:  # nothing to map, copy or unregister
+            self._finish_last_step()  # outside ``atomic``: nothing after it can fail
+            seqs = self._fast.seqs
+            for seq, _, ids in steps or ():  # token ids given: record them where the ids so far are known
+                if ids is not None and len(seq.tokens) >= seq.length:  # (else, as for a count, nothing to do)
+                    seq.tokens[seq.length : seq.length + 1] = ids
+            self._last_step = [(seq.seq_id, seq.length) for seq in seqs]
+            for seq in seqs:
+                seq.length += 1
+            self._tokens += len(seqs)
+        else:
+            steps = steps or self._parse_batch(batch)
+            with self.guard.atomic():
+                self._finish_last_step()
+                plan, copies = self._map_step(steps)
+            self._commit_step(steps)
+            seqs = [seq for seq, _, _ in steps]
+        self.counters["cow_copies"] += copies
+        self._layers_written = set()
+        self._version += 1
+        self._fast.commit(plan, seqs, fast)
+        if self.budget is not None:  # after the commit: a step that fails changes nothing
+            self.budget.boundary()
+        if self._ahead is not None:
+            self._ahead.start(zip(seqs, plan.q_lens), self.tokens_per_page, self.max_pages_per_seq)
+        return plan
+
+    @exclusive
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> None:
+        """Store the step's new keys and values of one layer.
+
+        Args:
+            layer: layer index.
+            k, v: ``[T, kv_heads, head_dim]`` packed in the plan's order, cache dtype and device.
+            plan: this step's plan from ``begin_step``.
+
+        Raises:
+            StalePlan, InvalidShape, InvalidDtype, InvalidDevice, InvalidInput.
+        """
+        layer = self._check_plan(plan, layer)
+        shape = (plan.num_tokens, self.config.num_kv_heads, self.config.head_dim)
+        for name, tensor in (("k", k), ("v", v)):
+            check_tensor(name, tensor, shape, self.config)
+        self._store(layer, k, v, plan)
+        self._layers_written.add(layer)
+
+    @exclusive
+    def written(self, plan: StepPlan) -> None:
+        """Record that every layer of the step was written outside :meth:`write`: a replayed CUDA
+        graph writes through device rows the step's plan filled (``vmkv.engine.graphs``). Only
+        then may the step's full pages enter the prefix index.
+
+        Raises:
+            StalePlan: ``plan`` is not this cache's current plan.
+        """
+        self._check_plan(plan, 0)
+        self._layers_written.update(range(self.config.num_layers))
+
+    @exclusive
+    def wait_for_mapping(self) -> None:
+        """Wait until no page is being mapped ahead in the background (``map_ahead``): before a
+        CUDA graph capture, during which no other thread may synchronize the device."""
+        self._join_ahead()
+
+    def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> None:
+        """Copy validated ``k``, ``v`` ``[T, kv_heads, head_dim]`` to their rows of ``layer``
+        (a mode whose ``layer_storage`` is not writable token rows overrides this: VMM)."""
+        k_rows, v_rows = self.layer_storage(layer)
+        k_rows.index_copy_(0, plan.write_rows, k)
+        v_rows.index_copy_(0, plan.write_rows, v)
+
+    # ---- queries ---------------------------------------------------------------------------
+    # A closed cache (or a forked child's copy, see vmkv.core.calls) holds no sequence: ``in``,
+    # ``len`` and ``seq_ids`` say so, and ``seq_len``/``slot`` of any id raise ``CacheClosed``.
+    def __contains__(self, seq_id: SeqId) -> bool:
+        if self.guard.closed:
+            return False
+        try:
+            return seq_id in self._seqs
+        except TypeError:  # unhashable: certainly not a sequence of ours
+            return False
+
+    def __len__(self) -> int:
+        return 0 if self.guard.closed else len(self._seqs)
+
+    @property
+    def seq_ids(self) -> list[SeqId]:
+        """Ids of the live sequences (none once closed)."""
+        return [] if self.guard.closed else list(self._seqs)
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Pool pages that hold ``num_tokens`` tokens of one sequence.
+
+        Raises:
+            InvalidInput: ``num_tokens`` is not an int >= 0.
+        """
+        return -(-as_int(num_tokens, "num_tokens") // self.tokens_per_page)
+
+    def seq_len(self, seq_id: SeqId) -> int:
+        """Tokens stored for ``seq_id`` (after ``add``: the tokens found in the prefix cache).
+
+        Raises:
+            UnknownSequence; CacheClosed after ``close()`` (or in a forked child).
+        """
+        if self.guard.closed:
+            raise self.guard.closed_error("seq_len()")
+        return self._get(seq_id).length
+
+    def slot(self, seq_id: SeqId) -> int:
+        """The slot (batch row) of ``seq_id``.
+
+        Raises:
+            UnknownSequence; CacheClosed after ``close()`` (or in a forked child).
+        """
+        if self.guard.closed:
+            raise self.guard.closed_error("slot()")
+        return self._get(seq_id).slot
+
+    @exclusive
+    def pages(self, seq_id: SeqId) -> list[int]:
+        """Pool page ids holding ``seq_id``'s tokens, in order (a copy).
+
+        Raises:
+            UnknownSequence.
+        """
+        self._join_ahead()
+        return list(self._get(seq_id).pages)
+
+    def stats(self) -> dict[str, Any]:
+        """Memory and sharing counters, in O(1); callable from any thread (a snapshot that a
+        concurrent call may be changing). ``utilization`` = ``token_bytes / bytes_in_use``: above
+        1.0 when sharing stores one page for several sequences."""
+        page_bytes = self.geometry.page_bytes
+        token_bytes = self._tokens * self.config.bytes_per_token
+        bytes_in_use = self.pool.num_in_use * page_bytes
+        return {
+            "mode": self.mode,
+            "kernel": self.kernel,
+            "sequences": len(self._seqs),  # none once closed: close() drops the table
+            "pages_total": self.pool.num_pages,
+            "pages_free": self.pool.num_free,
+            "pages_in_use": self.pool.num_in_use,
+            "pages_spare": sum(len(spare) for spare in list(self.slots.spare.values())),
+            "shared_pages": self.pool.num_shared,
+            "cached_pages": self.pool.num_cached,
+            "page_bytes": page_bytes,
+            "tokens_per_page": self.tokens_per_page,
+            "bytes_in_use": bytes_in_use,
+            "tokens": self._tokens,
+            "token_bytes": token_bytes,
+            "utilization": token_bytes / bytes_in_use if bytes_in_use else 0.0,
+            "prefix_hits": self.counters["prefix_hits"],
+            "prefix_queries": self.counters["prefix_queries"],
+            "prefix_hit_tokens": self.counters["prefix_hit_tokens"],
+            "cow_copies": self.counters["cow_copies"],
+            "forks": self.counters["forks"],
+            "evictions": self.pool.evictions,
+            "map_ahead_errors": self.counters["map_ahead_errors"],
+        }
+
+    @exclusive
+    def check(self) -> None:
+        """Raise ``AssertionError`` if page ownership (or the mode's storage, e.g. the paged block
+        table) is inconsistent (used by the tests)."""
+        self._join_ahead()
+        self.pool.check()
+        owners: Counter[int] = Counter()
+        for seq in self._seqs.values():
+            owners.update(seq.pages)
+            assert seq.length <= len(seq.pages) * self.tokens_per_page, f"{seq.seq_id!r} outgrew its pages"
+            assert seq.slot not in self.slots.free and not self.slots.spare[seq.slot]
+        assert len(self.slots.free) + len(self._seqs) == self.slots.count, "a slot is both free and held"
+        for spare in self.slots.spare.values():
+            owners.update(spare)
+        for page in range(self.pool.num_pages):
+            assert self.pool.refcount(page) == owners[page], f"page {page}: ref != owners"
+        assert self._tokens == sum(seq.length for seq in self._seqs.values()), "token counter is off"
+        self.addressing.check(list(self._seqs.values()))
+
+    def state(self) -> tuple:
+        """Everything that defines the cache's bookkeeping, as comparable values: a failed call
+        leaves it equal (tests compare it before and after)."""
+        seqs = tuple(
+            (s.seq_id, s.slot, tuple(s.pages), s.length, s.reserved, tuple(s.tokens), tuple(s.hashes))
+            for s in self._seqs.values()
+        )
+        spare, free = self.slots.state()
+        return (seqs, spare, free, self.pool.state(), self._version, self._tokens, dict(self.counters))
+
+    # ---- closing ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release all memory; views handed out earlier stay readable (VMM: they read zeros).
+        The cache is unusable afterwards: it holds no sequence (``len`` is 0, ``seq_ids`` empty)
+        and every call but ``stats()`` and ``close()`` raises ``CacheClosed``. Idempotent, and
+        works on a half-built cache. In a forked child it does nothing (the memory is the
+        parent's: see :mod:`vmkv.core.calls`).
+
+        Raises:
+            ConcurrentUse: another thread is inside the cache.
+        """
+        guard = getattr(self, "guard", None)
+        if guard is None:  # __init__ failed before the guard existed: nothing was allocated
+            return
+        if not guard.enter():
+            raise ConcurrentUse("close() while another thread is inside this cache")
+        try:
+            if guard.closed:
+                return
+            guard.closed = True
+            if self._ahead is not None:
+                self._ahead.close()
+            self._close_storage()
+            self._seqs, self._tokens = {}, 0
+            budget, self.budget = self.budget, None
+            if budget is not None:
+                budget.close()
+        finally:
+            guard.lock.release()
+
+    def __enter__(self) -> "KVCacheBase":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown, or a half-built object: nothing left to do
+            pass
+
+    # ---- checks ----------------------------------------------------------------------------
+    def _get(self, seq_id: SeqId) -> LiveSequence:
+        return get_sequence(self._seqs, seq_id)
+
+    def _parse_batch(self, batch: Any) -> list[Step]:
+        return parse_batch(batch, self._seqs, self.config.max_seq_len)
+
+    def _check_plan(self, plan: StepPlan, layer: int) -> int:
+        """Validate a plan and layer index for this cache; return the layer as an int."""
+        return check_plan(plan, self._owner, self._version, layer, self.config.num_layers)
+
+    def _check_query(self, q: torch.Tensor, plan: StepPlan) -> None:
+        check_query(q, plan, self.config)
+
+    def _require_written(self, layer: int) -> None:
+        """Refuse attention over ``layer`` (a checked index, its plan current) before this step
+        wrote it: its new tokens' K/V would be whatever the pages held (zeros, or an earlier
+        sequence's data). One set lookup.
+
+        Raises:
+            InvalidInput: this step has not written ``layer``.
+        """
+        if layer not in self._layers_written:
+            raise InvalidInput(f"attention: layer {layer} is not written in this step yet; call write(layer, k, v, "
+                               "plan) first (its K/V would be stale: zeros or an earlier sequence's data)")
+
+    def _start_sequence(self, seq_id: SeqId, slot: int, pages: list[int], length: int, tokens: list[int]) -> LiveSequence:
+        """Commit a new sequence in ``slot`` (after ``adopt_slot`` succeeded)."""
+        self.slots.occupy(slot)
+        seq = LiveSequence(seq_id, slot, pages, length, tokens=tokens)
+        self._seqs[seq_id] = seq
+        self._tokens += length
+        self._version += 1
+        return seq
+
+    # ---- steps -----------------------------------------------------------------------------
+    def _map_step(self, steps: list[Step]) -> tuple[StepPlan, int]:
+        """Copy shared pages written into, map the pages the step needs, and build its plan
+        (journaled, inside the caller's ``atomic``; nothing is committed). Returns the plan and
+        the number of pages copied."""
+        copies, grows = plan_pages(steps, self.pool, self.tokens_per_page)
+        self._own.make_room(sum(len(c) for c in copies) + sum(grows))
+        for (seq, _, _), copy_at, grow in zip(steps, copies, grows):
+            self._own.copy_on_write(seq, copy_at)
+            self._own.grow(seq, grow)
+        plan = self._build_plan([s for s, _, _ in steps], [c for _, c, _ in steps])  # may fail: before the commit
+        return plan, sum(len(c) for c in copies)
+
+    def _commit_step(self, steps: list[Step]) -> None:
+        """Commit a mapped step: its written pages leave the prefix index, token ids are recorded
+        where the ids so far are known, lengths advance."""
+        for seq, count, ids in steps:
+            self.prefix.forget_written(seq, count)
+            if ids is not None and len(seq.tokens) >= seq.length:
+                seq.tokens[seq.length : seq.length + count] = ids
+            elif len(seq.tokens) < seq.length + count:
+                del seq.tokens[seq.length :]  # ids unknown from here on: stop hashing
+            self._last_step.append((seq.seq_id, seq.length))
+            seq.length += count
+            self._tokens += count
+
+    def _build_plan(self, seqs: list[LiveSequence], counts: list[int]) -> StepPlan:
+        """The plan of a step adding ``counts[i]`` tokens to ``seqs[i]``, built before the step is
+        committed (lengths are still the old ones; the plan carries the version it commits)."""
+        starts = [seq.length for seq in seqs]
+        rows = [self.addressing.token_rows(seq.slot, seq.pages, s, n) for seq, s, n in zip(seqs, starts, counts)]
+        kv_lens = [s + n for s, n in zip(starts, counts)]
+        return make_plan(tuple(seq.seq_id for seq in seqs), [seq.slot for seq in seqs], starts, counts,
+                         device=self.config.device, write_rows=torch.cat(rows).to(self.config.device),
+                         block_table=self.addressing.block_table(seqs, kv_lens), version=self._version + 1, owner=self._owner)
+
+    def _finish_last_step(self) -> None:
+        """Let the prefix index take the full pages the last step filled, if it wrote every layer
+        (:meth:`PrefixIndex.finish_step`). Runs (journaled) inside the calls that make the step's
+        plan stale, after their checks: a call that fails finishes nothing, and queries between a
+        step's layers change nothing."""
+        if not self._last_step:
+            return
+        complete = len(self._layers_written) == self.config.num_layers
+        live = [(self._seqs[seq_id], start) for seq_id, start in self._last_step if seq_id in self._seqs]
+        self.prefix.finish_step(live, complete)
+        last, self._last_step = self._last_step, []
+        self.guard.log(lambda: setattr(self, "_last_step", last))
+
+    # ---- mapping ahead ---------------------------------------------------------------------
+    def _join_ahead(self) -> None:
+        if self._ahead is not None:
+            self._ahead.join()

@@ -1,0 +1,142 @@
+"""Which pool page each logical page of each slot addresses: the changes of ownership.
+
+Every change here runs inside the caller's ``guard.atomic()`` block and journals its inverse, so
+a failure half-way (the OS or driver refusing a mapping) is rolled back. The mode says how a
+page is addressed (:class:`Addressing`: VMM maps it into the slot's virtual ranges, paged mode
+writes a block-table entry); this module decides which page, with what references.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from ..errors import OutOfPages
+from .calls import CallGuard
+from .pages import PagePool
+from .sequence import LiveSequence
+from .slots import SlotTable
+
+if TYPE_CHECKING:
+    from .budget import CacheBudget
+
+
+class Addressing(Protocol):
+    """How a mode addresses pool pages from slots (its storage's side of page ownership).
+
+    ``attach`` and ``detach`` journal the inverse of every change they make (``guard.log``).
+    """
+
+    def attach(self, slot: int, index: int, page: int, old: int | None, keep: int) -> None:
+        """Make logical page ``index`` of ``slot`` address ``page`` (replacing ``old``, or ``None``).
+        Copy-on-write: the first ``keep`` tokens of ``old`` (every layer, K and V) are copied first."""
+
+    def detach(self, slot: int, index: int, page: int) -> None:
+        """Make logical page ``index`` of ``slot`` (which addresses ``page``) address nothing."""
+
+    def release(self, pages: list[int]) -> None:
+        """Return the memory behind free pool pages to the OS, where the mode can."""
+
+    def token_rows(self, slot: int, pages: list[int], start: int, count: int) -> torch.Tensor:
+        """int64 rows, in a layer's flattened storage, of tokens ``start .. start + count - 1``."""
+
+    def block_table(self, seqs: list[LiveSequence], kv_lens: list[int]) -> torch.Tensor | None:
+        """The block table a kernel reads for ``seqs`` holding ``kv_lens`` tokens, or ``None``."""
+
+    def check(self, seqs: list[LiveSequence]) -> None:
+        """Raise ``AssertionError`` if the storage disagrees with the sequences' pages."""
+
+
+class PageOwnership:
+    """Grows, copies, adopts and drops the pages of slots.
+
+    Args:
+        pool, slots, guard: the cache's page pool, slot table and call guard.
+        addressing: the mode's storage.
+        tokens_per_page: tokens of one page.
+
+    Attributes:
+        budget: the cache's shared budget, if it joined one: new pages need its grants.
+    """
+
+    def __init__(self, pool: PagePool, slots: SlotTable, guard: CallGuard, addressing: Addressing,
+                 tokens_per_page: int) -> None:
+        self.pool, self.slots, self.guard, self.addressing = pool, slots, guard, addressing
+        self.tokens_per_page = tokens_per_page
+        self.budget: CacheBudget | None = None
+
+    def drop(self, slot: int, index: int, page: int) -> None:
+        """Stop addressing ``page`` from ``slot``/``index`` and release that reference."""
+        self.addressing.detach(slot, index, page)
+        self.pool.decref(page)
+
+    def is_private(self, page: int) -> bool:
+        """One owner and no prefix hash: nothing else can read the page."""
+        return self.pool.refcount(page) == 1 and self.pool.page_hash(page) is None
+
+    def adopt_slot(self, slot: int, head: list[int]) -> list[int]:
+        """Map ``head`` (already referenced) as the first pages of ``slot``; return the pages of
+        the new sequence: ``head`` then the slot's spare pages past it. Spare pages under ``head``
+        are released. The caller commits (``slots.occupy``)."""
+        spare = self.slots.spare[slot]
+        for index, page in enumerate(head):
+            old = spare[index] if index < len(spare) else None
+            self.addressing.attach(slot, index, page, old, 0)
+            if old is not None:
+                self.pool.decref(old)
+        return head + spare[len(head) :]
+
+    def make_room(self, count: int) -> None:
+        """Ensure ``pool.allocate(count)`` will succeed, taking spare pages back from freed slots,
+        and, in a shared budget, that the ledger granted the memory it will back.
+
+        Raises:
+            OutOfPages: even with every spare page and cached page there is not enough, or the
+                shared budget did not free up in time.
+        """
+        short = count - self.pool.num_free
+        if short > 0:
+            spare = self.slots.idle_spare()
+            if count > self.pool.num_free + self.pool.num_cached + spare:
+                raise OutOfPages(
+                    f"need {count} pages; {self.pool.num_free} free, {self.pool.num_cached} cached, {spare} "
+                    f"spare ({self.pool.num_pages} in all); free sequences or raise memory_budget"
+                )
+            self.slots.drain(short, self.drop)
+        if self.budget is not None:
+            self.budget.cover(count)
+
+    def grow(self, seq: LiveSequence, count: int) -> None:
+        """Append ``count`` new pages to ``seq`` (room made first: :meth:`make_room`)."""
+        for page in self.pool.allocate(count):
+            self.addressing.attach(seq.slot, len(seq.pages), page, None, 0)
+            seq.pages.append(page)
+            self.guard.log(seq.pages.pop)
+
+    def copy_on_write(self, seq: LiveSequence, indexes: list[int]) -> None:
+        """Give ``seq`` private copies of the shared pages at ``indexes`` (only stored tokens are copied)."""
+        for index in indexes:
+            old = seq.pages[index]
+            (page,) = self.pool.allocate(1)
+            keep = min(self.tokens_per_page, max(0, seq.length - index * self.tokens_per_page))
+            self.addressing.attach(seq.slot, index, page, old, keep)
+            self.pool.decref(old)
+            seq.pages[index] = page
+            self.guard.log(lambda index=index, old=old: seq.pages.__setitem__(index, old))
+
+    def covered(self, count: int) -> int:
+        """How many of the next ``count`` free pages may be mapped now, without taking spare or
+        cached pages back and within a shared budget's grants (what mapping ahead takes)."""
+        return min(count, self.pool.num_free) if self.budget is None else self.budget.covered(count)
+
+    def grow_one(self, seq: LiveSequence) -> None:
+        """One more page for ``seq``, all or nothing (the map-ahead worker's step: free pages only)."""
+        with self.guard.atomic():
+            self.grow(seq, 1)
+
+    def drop_from(self, seq: LiveSequence, keep: int) -> None:
+        """Drop the pages of ``seq`` past its first ``keep``, last first (the caller then shortens
+        ``seq.pages``: the list itself is not journaled)."""
+        for index in range(len(seq.pages) - 1, keep - 1, -1):
+            self.drop(seq.slot, index, seq.pages[index])

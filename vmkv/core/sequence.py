@@ -1,0 +1,28 @@
+"""One live sequence as the core tracks it: its slot, its pages, its length, its known tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable
+
+SeqId = Hashable
+
+
+@dataclass
+class LiveSequence:
+    """A sequence between ``add`` (or ``fork``) and ``free``.
+
+    Invariants (checked by ``KVCacheBase.check``): ``pages[i]`` holds its tokens
+    ``i * tpp .. (i + 1) * tpp - 1`` (``tpp``: tokens per page) and each holds one pool reference
+    for it; ``length <= len(pages) * tpp``; ``hashes[i]`` is the prefix hash of full page ``i``
+    (a prefix of ``pages``); ``tokens`` are the ids of positions ``0 .. len(tokens) - 1``, known
+    only as far as the caller gave them.
+    """
+
+    seq_id: SeqId
+    slot: int
+    pages: list[int]
+    length: int = 0  # tokens stored (including those the current step is writing)
+    reserved: int = 0  # tokens reserve() guaranteed room for
+    tokens: list[int] = field(default_factory=list)  # known token ids of positions 0..len-1
+    hashes: list[bytes] = field(default_factory=list)  # chained hash of each full page, in order

@@ -1,0 +1,313 @@
+"""Captured decode steps: the engine's CUDA graphs, one per batch-size bucket, in both modes.
+
+A decode step (every sequence adds one token) is a few hundred small kernel launches; on a GPU
+their launch overhead, not the arithmetic, sets the speed of a small batch. A CUDA graph
+records them once and replays them with one launch. It may replay only what never changes, so:
+
+* **fixed addresses**: the model reads its inputs from persistent device buffers
+  (:class:`StepBuffers`: token ids, positions, slots, lengths; paged mode's block table at a fixed
+  width) that each step fills before the replay (one host-to-device copy, plus the block table
+  copied on the device). The K/V storage never moves: VMM mode's virtual ranges, paged mode's
+  pools.
+* **fixed shapes**: a graph per *bucket* of batch sizes (1, 2, 4, 8, 16, 24, 32, ...); a batch of
+  ``B`` sequences runs the smallest bucket ``b >= B``, its ``b - B`` padding rows pointed at a
+  scratch sequence of its own (one slot, one page): they write there and attend over its one
+  token, touching no real sequence.
+* **lengths on the device**: attention is :func:`vmkv.kernels.capturable.decode_attention` (the
+  split-KV Triton kernel over slots or a block table, its launch fixed by ``max_seq_len``), which
+  reads each sequence's length from the device and nothing past it.
+* **no page mapped inside**: the engine's ``begin_step`` (the eager point, before each replay)
+  maps and copies on write every page the step writes; the graph only writes rows the step
+  owns. Prefill and mixed steps run eagerly.
+
+A bucket is captured the first time a batch needs it (one eager warm-up run first, so that
+Triton compiles outside the capture). On a CPU (no CUDA graphs) :class:`EagerReplay` stands in:
+it records the same step function over the same buffers and replays it by calling it again, with
+the plan of the capture, so a step that depended on anything but its buffers would give
+different tokens than the eager path: that is what the CPU tests check.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+from ..core.base import KVCacheBase
+from ..core.step import StepPlan
+from ..errors import InvalidConfig, Unsupported
+from ..kernels.capturable import DecodeWorkspace, decode_attention, decode_kernel_name, write_columns
+from ..kernels.triton_attention import SUPPORTED_HEAD_DIMS, choose_num_splits, multiprocessor_count, triton_available
+from ..vmm.views import unguarded
+from .llama import LlamaForCausalLM
+
+log = logging.getLogger("vmkv.engine")
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+PAD_SEQUENCE = ("vmkv-graphs", "padding")  # the scratch sequence padding rows write into
+SLOTS_TAKEN = 1  # cache slots the graphs take (the scratch sequence's)
+
+
+def unsupported(cache: KVCacheBase) -> str | None:
+    """Why decode steps over ``cache`` cannot be captured, or ``None`` if they can."""
+    config = cache.config
+    if config.max_batch_size <= SLOTS_TAKEN:
+        return f"captured decode steps need a cache of at least {SLOTS_TAKEN + 1} slots (one holds padding rows)"
+    kernel = decode_kernel_name(torch.device(config.device))
+    if kernel == "triton" and config.head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"head_dim {config.head_dim} is not one the Triton decode kernel supports ({SUPPORTED_HEAD_DIMS})"
+    if kernel != "triton" and (cache.mode == "paged" or torch.device(config.device).type == "cuda"):
+        return f"the captured decode step needs the Triton kernels here: {triton_available(config.device)[1]}"
+    return None
+
+
+def graph_buckets(max_batch: int) -> tuple[int, ...]:
+    """The batch sizes captured for up to ``max_batch`` sequences: :data:`BUCKETS` below it, and
+    ``max_batch`` itself (the largest bucket).
+
+    Raises:
+        InvalidConfig: ``max_batch`` < 1.
+    """
+    if max_batch < 1:
+        raise InvalidConfig(f"CUDA graphs need at least one sequence slot, got {max_batch}")
+    return tuple(b for b in BUCKETS if b < max_batch) + (max_batch,)
+
+
+def bucket_for(batch: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest bucket holding ``batch`` sequences, or ``None`` past the largest."""
+    return next((b for b in buckets if b >= batch), None)
+
+
+class Replay(Protocol):
+    """A step function recorded once and replayed."""
+
+    def capture(self, step: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Record ``step`` (run it as needed) and return its output tensor."""
+
+    def replay(self) -> torch.Tensor:
+        """Run the recorded step again over the buffers' current contents; its output tensor."""
+
+
+class CudaGraphReplay:
+    """A ``torch.cuda.CUDAGraph`` of the step (warm-up run on a side stream first, as torch
+    requires), in a memory pool shared by every bucket of an engine."""
+
+    def __init__(self, pool: object) -> None:
+        self._pool = pool
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._out: torch.Tensor | None = None
+
+    def capture(self, step: Callable[[], torch.Tensor]) -> torch.Tensor:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()  # compiles the Triton kernels and settles lazy allocations
+        torch.cuda.current_stream().wait_stream(side)
+        self._graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self._graph, pool=self._pool):
+            self._out = step()
+        return self._out
+
+    def replay(self) -> torch.Tensor:
+        self._graph.replay()
+        return self._out
+
+
+class EagerReplay:
+    """The CPU stand-in: replaying calls the recorded step function again (same closure, same
+    capture-time plan and host values), so only the buffers' contents change between replays."""
+
+    def __init__(self) -> None:
+        self._step: Callable[[], torch.Tensor] | None = None
+
+    def capture(self, step: Callable[[], torch.Tensor]) -> torch.Tensor:
+        self._step = step
+        return step()
+
+    def replay(self) -> torch.Tensor:
+        return self._step()
+
+
+@dataclass
+class PadRow:
+    """Where padding rows of a bucket point: the scratch sequence's first token."""
+
+    slot: int
+    block: int  # paged mode: its block (VMM: unused)
+
+
+class StepBuffers:
+    """Persistent device inputs of the captured decode steps, for up to ``rows`` sequences.
+
+    ``host`` (int64 ``[4, rows]``: token ids, positions, slots, lengths) is filled on the host
+    and copied to ``device`` in one transfer; the graphs read ``device`` (and paged mode's
+    ``block_table``, int32 ``[rows, max_blocks]``, filled on the device from the plan's).
+    """
+
+    IDS, POSITIONS, SLOTS, LENGTHS = range(4)
+
+    def __init__(self, rows: int, max_blocks: int | None, device: torch.device) -> None:
+        pinned = device.type == "cuda"
+        self.host = torch.zeros(4, rows, dtype=torch.int64, pin_memory=pinned)
+        self.device = torch.zeros(4, rows, dtype=torch.int64, device=device)
+        self.block_table = None if max_blocks is None else torch.zeros(rows, max_blocks, dtype=torch.int32, device=device)
+
+    def load(self, plan: StepPlan, token_ids: list[int], bucket: int, pad: PadRow) -> None:
+        """Fill rows ``0 .. bucket - 1``: the plan's sequences, then padding rows (``pad``'s first
+        token: position 0, length 1)."""
+        batch = plan.batch_size
+        rows = self.host[:, :bucket]
+        rows[self.IDS, :batch] = torch.tensor(token_ids)
+        rows[self.POSITIONS, :batch] = torch.tensor(plan.starts)
+        rows[self.SLOTS, :batch] = torch.tensor(plan.slots)
+        rows[self.LENGTHS, :batch] = torch.tensor(plan.kv_lens)
+        rows[:, batch:] = torch.tensor([[0], [0], [pad.slot], [1]])
+        self.device[:, :bucket].copy_(rows, non_blocking=True)
+        if self.block_table is not None:
+            width = plan.block_table.shape[1]
+            self.block_table[:batch, :width].copy_(plan.block_table)
+            self.block_table[batch:bucket, 0] = pad.block
+
+
+@dataclass
+class GraphStats:
+    """What the engine's graphs did (``Engine.stats()["engine"]["cuda_graphs"]``)."""
+
+    captured: list[int] = field(default_factory=list)  # buckets captured, in order
+    replays: int = 0
+    padded_rows: int = 0  # padding rows replayed (bucket - batch, summed)
+
+    def as_dict(self) -> dict:
+        return {"captured": list(self.captured), "replays": self.replays, "padded_rows": self.padded_rows}
+
+
+class DecodeGraphs:
+    """The captured decode steps of one model over one cache (module docstring).
+
+    Args:
+        model: the engine's model (on the cache's device).
+        cache: the engine's cache, with one slot more than the engine schedules (the padding
+            rows' scratch sequence takes it).
+        replay: makes one :class:`Replay` per bucket (default: CUDA graphs on a CUDA device,
+            :class:`EagerReplay` elsewhere).
+        buckets: batch sizes to capture (default :func:`graph_buckets` of the slots left).
+
+    Raises:
+        Unsupported: :func:`unsupported` says why.
+        InvalidConfig: a bucket larger than the slots left.
+        OutOfPages: no page for the scratch sequence.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, cache: KVCacheBase,
+                 replay: Callable[[], Replay] | None = None, buckets: tuple[int, ...] | None = None) -> None:
+        why = unsupported(cache)
+        if why is not None:
+            raise Unsupported(why)
+        self.model, self.cache = model, cache
+        config = cache.config
+        self.device = torch.device(config.device)
+        slots = config.max_batch_size - SLOTS_TAKEN
+        self.buckets = buckets or graph_buckets(slots)
+        if self.buckets[-1] > slots:
+            raise InvalidConfig(f"the largest graph bucket ({self.buckets[-1]}) needs {self.buckets[-1] + SLOTS_TAKEN} "
+                                f"slots (one for padding rows), the cache has {config.max_batch_size}")
+        self.paged = cache.mode == "paged"
+        self.pad = self._pad_row()
+        max_blocks = cache.pages_for(config.max_seq_len) if self.paged else None
+        self.buffers = StepBuffers(self.buckets[-1], max_blocks, self.device)
+        self._replay_factory = replay or _default_replay(self.device)
+        self._graphs: dict[int, Replay] = {}
+        self.stats = GraphStats()
+
+    def _pad_row(self) -> PadRow:
+        """Start the scratch sequence (one token, one page) padding rows write into."""
+        cache = self.cache
+        cache.add(PAD_SEQUENCE)
+        plan = cache.begin_step({PAD_SEQUENCE: 1})
+        block = int(plan.block_table[0, 0]) if plan.block_table is not None else -1
+        return PadRow(cache.slot(PAD_SEQUENCE), block)
+
+    def applies(self, plan: StepPlan) -> bool:
+        """Whether ``plan`` runs captured: a decode step of at most the largest bucket."""
+        return plan.is_decode and plan.batch_size <= self.buckets[-1]
+
+    def run(self, plan: StepPlan, token_ids: list[int]) -> torch.Tensor:
+        """Run the decode step ``plan`` (from the cache's ``begin_step``, which mapped its pages)
+        through its bucket's graph, capturing it first if needed.
+
+        Args:
+            plan: a decode step (:meth:`applies`).
+            token_ids: the new token of each sequence, in plan order.
+
+        Returns:
+            float32 logits ``[B, vocab]`` (a view of the graph's output: read it before the next step).
+        """
+        bucket = bucket_for(plan.batch_size, self.buckets)
+        self.buffers.load(plan, token_ids, bucket, self.pad)
+        if bucket not in self._graphs:
+            self._capture(bucket, plan)
+        out = self._graphs[bucket].replay()
+        self.cache.written(plan)
+        self.stats.replays += 1
+        self.stats.padded_rows += bucket - plan.batch_size
+        return out[: plan.batch_size]
+
+    def _capture(self, bucket: int, plan: StepPlan) -> None:
+        """Record the step function of ``bucket`` (the buffers hold this step's rows)."""
+        self.cache.wait_for_mapping()  # no thread may synchronize the device during a capture
+        replay = self._replay_factory()
+        replay.capture(self._step_function(bucket, plan))
+        self._graphs[bucket] = replay
+        self.stats.captured.append(bucket)
+        log.info("vmkv engine: captured the decode step of %d sequences (%s)", bucket, type(replay).__name__)
+
+    def _step_function(self, bucket: int, plan: StepPlan) -> Callable[[], torch.Tensor]:
+        """The decode step of ``bucket`` rows as a function of the buffers alone."""
+        buffers, cache, model = self.buffers, self.cache, self.model
+        rows = buffers.device[:, :bucket]
+        logit_rows = torch.arange(bucket, device=self.device)
+        q_heads, head_dim = model.shape.num_heads, model.shape.head_dim
+        out = torch.empty(bucket, q_heads, head_dim, dtype=model.lm_head.weight.dtype, device=self.device)
+        workspace = self._workspace(bucket)
+        max_len = cache.config.max_seq_len
+        block_table = buffers.block_table[:bucket] if self.paged else None
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            # q: [b, Hq, D]; k, v: [b, Hkv, D], one new token per row
+            positions, slots = rows[StepBuffers.POSITIONS], rows[StepBuffers.SLOTS]
+            kv_lens = rows[StepBuffers.LENGTHS].to(torch.int32)
+            if block_table is None:
+                k_store, v_store = map(unguarded, cache.kv_cache(layer))  # [max_batch, max_seq_len, Hkv, D], writable
+                write_columns(k_store, v_store, k[:, :, None], v[:, :, None], slots, positions)
+                return decode_attention(q, k_store, v_store, kv_lens, slots=slots.to(torch.int32), max_kv_len=max_len,
+                                        out=out, workspace=workspace)
+            k_pool, v_pool = cache.block_pool(layer)  # [blocks, block_size, Hkv, D]
+            size = k_pool.shape[1]
+            block = block_table.gather(1, (positions // size)[:, None])[:, 0].long()
+            row = block * size + positions % size  # [b] rows of the flattened pools
+            k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, row, k)
+            v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, row, v)
+            return decode_attention(q, k_pool, v_pool, kv_lens, block_table=block_table, max_kv_len=max_len,
+                                    out=out, workspace=workspace)
+
+        def step() -> torch.Tensor:  # (``plan`` is not read: ``attend`` replaces the plan's write and attention)
+            return model(cache, plan, rows[StepBuffers.IDS], rows[StepBuffers.POSITIONS], logit_rows, attention=attend)
+
+        return step
+
+    def _workspace(self, bucket: int) -> DecodeWorkspace | None:
+        """Split-KV scratch of ``bucket`` rows (the split count is fixed by ``max_seq_len``)."""
+        config = self.cache.config
+        splits = choose_num_splits(bucket, config.num_kv_heads, config.max_seq_len, multiprocessor_count(self.device))
+        if splits == 1:
+            return None
+        return DecodeWorkspace.allocate(bucket, self.model.shape.num_heads, config.head_dim, splits, self.device)
+
+
+def _default_replay(device: torch.device) -> Callable[[], Replay]:
+    if device.type == "cuda":
+        pool = torch.cuda.graph_pool_handle()
+        return lambda: CudaGraphReplay(pool)
+    return EagerReplay

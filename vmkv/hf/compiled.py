@@ -1,0 +1,188 @@
+"""The compiled steps of a ``VirtualCache(compile=True)``: StaticCache's contract over pages.
+
+transformers compiles a forward for a cache whose ``is_compileable`` is True (on CUDA by itself,
+elsewhere with a ``compile_config``; mode ``reduce-overhead`` captures CUDA graphs). A compiled
+forward cannot map a page, build a plan or read a Python length without baking it into the
+graph, so a step is split in two:
+
+* **the eager point** (:meth:`CompiledSteps.arm`), outside the compiled region, before each
+  forward: the cache commits the step in the core (``begin_step``: pages mapped and shared pages
+  copied, so every position the step writes is in a mapped, private page) and copies the step's
+  write positions into device tensors whose addresses never change. transformers reaches it
+  through ``cache.get_mask_sizes`` when ``prepare_inputs_for_generation`` builds the step's mask
+  (eagerly, before every compiled forward); a hand-written loop calls ``cache.prepare_step(q_len)``.
+* **the compiled forward** (:meth:`CompiledSteps.update`): per layer, one custom op
+  (:func:`vmkv.kernels.capturable.write_columns`) writes the new K/V at the device positions, and
+  the layer returns ``[B, kv_heads, max_len, head_dim]`` views of the virtual tensors, whose
+  addresses never move (marked static for dynamo and CUDA graphs). Positions past a row's length
+  read the zero page (zeros, no memory) and the model's mask hides them, as StaticCache's does.
+
+Nothing in the compiled region reads a Python value that changes from step to step (the flags it
+reads are the same at every armed step), so dynamo compiles a decode step once.
+
+A compiled forward that finds no armed step (a hand-written loop that did not call
+``prepare_step``, or a compiled prefill) runs the cache's eager update at a graph break, with one
+warning: slower, never a crash.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ..core.base import KVCacheBase
+from ..core.mapping import background_safe
+from ..core.step import StepPlan, slot_slice
+from ..errors import InvalidConfig
+from ..kernels.capturable import write_columns
+from ..vmm.views import unguarded
+
+log = logging.getLogger("vmkv")
+
+
+def check_compile(compile: Any, mode: str, config: Any, style: str | None, max_seq_len: int | None) -> bool:
+    """``compile`` as a bool, once ``VirtualCache(compile=True)`` has what it needs.
+
+    Raises:
+        InvalidConfig: ``compile=True`` in paged mode, with the ``"vmkv"`` attention, without
+            ``config`` or without ``max_seq_len``.
+    """
+    if not isinstance(compile, bool):
+        raise InvalidConfig(f"compile must be True or False, got {compile!r}")
+    if not compile:
+        return False
+    if mode != "vmm":
+        raise InvalidConfig("compile=True runs the model's own attention over virtually contiguous views: VMM mode only")
+    if config is None:
+        raise InvalidConfig("compile=True needs config=model.config: the compiled forward must know the layers "
+                            "and the attention up front")
+    if style != "model":
+        raise InvalidConfig("compile=True runs the model's own attention (attn_implementation 'sdpa' or 'eager'); "
+                            "the 'vmkv' attention does not run in a compiled forward yet")
+    if max_seq_len is None:
+        raise InvalidConfig("compile=True needs max_seq_len: every compiled step attends over that many columns "
+                            "(as StaticCache over max_cache_len), so give the longest row you will generate")
+    return True
+
+
+def check_map_ahead(compile: bool, map_ahead: bool, device: torch.device) -> None:
+    """Raise ``InvalidConfig`` if pages would be mapped on a thread beside compiled steps whose
+    attention reads the zero pages past each row (CUDA: ``vmkv.core.mapping.background_safe``)."""
+    if compile and map_ahead and not background_safe(device.type, reads_past_length=True):
+        raise InvalidConfig("map_ahead maps pages on a thread while compile=True's attention reads the zero pages "
+                            "past each row, which a remap on CUDA would fault: use one or the other")
+
+
+class CompiledSteps:
+    """The device tensors and flags a compiled ``VirtualCache`` forward reads.
+
+    Args:
+        stores: per layer, the core's ``kv_cache(layer)`` K and V, ``[max_batch, max_len, kv_heads,
+            head_dim]`` views made once (:meth:`for_core`): their addresses never move. Plain
+            tensors (:func:`vmkv.vmm.views.unguarded`): the compiled write goes through them, only
+            at positions the eager point mapped for the step.
+        max_len: columns of every view a layer returns (the core's ``max_seq_len``).
+
+    Attributes:
+        armed: a step was committed at the eager point and no forward has written it yet.
+        live: the forward in progress writes the armed step (set at its first layer).
+        starts: int64 ``[]``, the first column the armed step writes (every row: a dense step).
+        slots: int64 ``[B]``, each row's slot.
+        rows: the rows of the views as a slice (rows in evenly spaced slots), or ``None``: gathered
+            through ``slots``.
+
+    Invariant: while ``armed``, every column ``starts .. starts + q_len - 1`` of every row is in a
+    mapped page the row owns alone (``begin_step`` made it so).
+    """
+
+    def __init__(self, stores: list[tuple[torch.Tensor, torch.Tensor]], max_len: int) -> None:
+        self.max_len = max_len
+        self.stores = stores
+        device = stores[0][0].device
+        self.starts = torch.zeros((), dtype=torch.int64, device=device)
+        self.slots = torch.zeros(0, dtype=torch.int64, device=device)
+        self.rows: slice | None = slice(0, 0)
+        self._slot_tuple: tuple[int, ...] = ()
+        self.armed = False
+        self.live = False
+        for k, v in self.stores:
+            torch._dynamo.mark_static_address(k)
+            torch._dynamo.mark_static_address(v)
+        torch._dynamo.mark_static_address(self.starts)
+
+    @classmethod
+    def for_core(cls, core: KVCacheBase, max_len: int) -> "CompiledSteps":
+        """The compiled steps over ``core``'s layers."""
+        return cls([tuple(map(unguarded, core.kv_cache(layer))) for layer in range(core.config.num_layers)], max_len)
+
+    def copy(self) -> "CompiledSteps":
+        """Steps of another ``VirtualCache`` over the same core (a deep copy: its own rows)."""
+        return CompiledSteps(self.stores, self.max_len)
+
+    def arm(self, plan: StepPlan) -> None:
+        """The eager point: ``plan`` (a dense step, committed; :meth:`follow` saw it) is what the
+        next forward writes."""
+        self.starts.fill_(plan.starts[0])
+        self.armed = True
+
+    def follow(self, plan: StepPlan) -> None:
+        """A dense step begins (eager): its rows' slots are the ones the views read."""
+        if plan.slots != self._slot_tuple:
+            self._set_rows(plan.slots)
+
+    def _set_rows(self, slots: tuple[int, ...]) -> None:
+        """New row slots: in place when the batch keeps its size (the tensor's address stays)."""
+        if len(slots) == self.slots.shape[0]:
+            self.slots.copy_(torch.tensor(slots, dtype=torch.int64))
+        else:
+            self.slots = torch.tensor(slots, dtype=torch.int64, device=self.slots.device)
+            torch._dynamo.mark_static_address(self.slots)
+        self.rows = slot_slice(slots)
+        self._slot_tuple = slots
+
+    def disarm(self) -> bool:
+        """Forget the armed step (its tokens are rolled back by the caller); whether one was armed."""
+        armed, self.armed = self.armed, False
+        return armed
+
+    def begin_forward(self) -> bool:
+        """At a forward's first layer: whether it writes the armed step (which it then consumes)."""
+        self.live, self.armed = self.armed, False
+        return self.live
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inside the compiled forward, an armed step: write ``k``, ``v`` (``[B, kv_heads, S,
+        head_dim]``) at the device positions and return the full-length views."""
+        k_store, v_store = self.stores[layer]
+        write_columns(k_store, v_store, k, v, self.slots, self.starts)
+        return self.views(layer)
+
+    def views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s K and V of the rows, ``[B, kv_heads, max_len, head_dim]``: views where the
+        rows' slots are evenly spaced, else gathered (a copy)."""
+        k_store, v_store = self.stores[layer]
+        if self.rows is not None:
+            return k_store[self.rows].transpose(1, 2), v_store[self.rows].transpose(1, 2)
+        return k_store.index_select(0, self.slots).transpose(1, 2), v_store.index_select(0, self.slots).transpose(1, 2)
+
+
+@torch._dynamo.disable
+def eager_update(cache: Any, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+                 args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cache.update`` run eagerly from inside a compiled forward (dynamo breaks the graph here),
+    counted in ``stats()["compile_fallbacks"]`` and said once per cache."""
+    cache.counters["compile_fallbacks"] += 1
+    if cache.counters["compile_fallbacks"] == 1:
+        why = (FALLBACK_NO_STEP if cache.is_compileable else
+               "this VirtualCache was made without compile=True, so under torch.compile it runs eagerly at "
+               "graph breaks (slower, correct); VirtualCache(compile=True, config=..., max_seq_len=...) "
+               "compiles (docs/hf.md)")
+        log.warning("vmkv.hf: %s", why)
+    return cache._eager_update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+FALLBACK_NO_STEP = ("a compiled forward ran with no step prepared at an eager point, so the cache runs eagerly "
+                    "at a graph break (slower, correct); transformers' generate() prepares each step itself, a "
+                    "hand-written loop calls cache.prepare_step(q_len) before each compiled forward")

@@ -1,0 +1,127 @@
+"""The kernels graph paths call: what a compiled step (``torch.compile``) or a captured CUDA graph
+may run over a cache's fixed virtual addresses.
+
+Two rules make a kernel usable there:
+
+* **It touches only the positions it names.** A compiled write into a VMM tensor must not be
+  widened into a copy of the whole tensor: inductor functionalizes an in-place write into a view
+  (``narrow(...).copy_``) as a full clone of the base and a copy back, and the copy back writes
+  every page of the range, the empty ones too, which are the read-only zero page (SIGSEGV on the
+  host, a fault on the GPU). :func:`write_columns` is an operator of its own
+  (``torch.ops.vmkv.write_columns``) whose schema declares what it mutates; inductor calls it in
+  place on the storage (it re-inplaces the functional form of an op whose mutated input is a
+  graph input) and cannot look inside it.
+* **Its launches depend on host ints known up front** and its lengths live on the device, so one
+  capture serves every step: :func:`decode_attention` takes the cache's lengths as a device
+  tensor and an upper bound on them as a host int.
+
+This module is the one place the graph paths (``vmkv.hf.compiled``, ``vmkv.engine.graphs``) get
+their kernels from. Eager steps take their kernel from :mod:`vmkv.kernels.registry`; a graph
+needs one that is capturable as well, which today only the Triton kernels are (elsewhere:
+SDPA over whole slots, masked).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .triton_attention import DecodeWorkspace, triton_available
+from .triton_attention import decode_attention as _triton_decode
+
+__all__ = ["DecodeWorkspace", "decode_attention", "decode_kernel_name", "write_columns"]
+
+
+_LIBRARY = torch.library.Library("vmkv", "FRAGMENT")  # noqa: TOR901 - the schema says what is mutated
+_LIBRARY.define("write_columns(Tensor(a!) k_store, Tensor(b!) v_store, Tensor k, Tensor v, Tensor slots, "
+                "Tensor starts) -> ()")
+
+
+def _write_columns(k_store: torch.Tensor, v_store: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   slots: torch.Tensor, starts: torch.Tensor) -> None:
+    # rows: [B, 1] slots, cols: [B or 1, S] positions; the pair selects [B, S] tokens of [H, D] each
+    rows, cols = slots.reshape(-1, 1), starts.reshape(-1, 1)
+    if k.shape[2] > 1:
+        cols = cols + torch.arange(k.shape[2], device=k.device)
+    torch.ops.aten.index_put_.default(k_store, [rows, cols], k.transpose(1, 2))  # [B, S, H, D]
+    torch.ops.aten.index_put_.default(v_store, [rows, cols], v.transpose(1, 2))
+
+
+# one Python kernel for every device (the dispatcher's own registration: a torch.library.custom_op
+# adds an autograd wrapper that doubles the cost of a call, and the op is never differentiated)
+_LIBRARY.impl("write_columns", _write_columns, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("vmkv::write_columns")
+def _write_columns_fake(k_store: torch.Tensor, v_store: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        slots: torch.Tensor, starts: torch.Tensor) -> None:
+    return None
+
+
+def write_columns(k_store: torch.Tensor, v_store: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  slots: torch.Tensor, starts: torch.Tensor) -> None:
+    """Write each row's new K/V at its own positions of its slot, and nothing else
+    (``torch.ops.vmkv.write_columns``: its schema names the two tensors it mutates).
+
+    Args:
+        k_store, v_store: ``[max_batch, capacity, kv_heads, head_dim]`` (any strides: a layer of
+            a VMM cache, ``cache.kv_cache(layer)``). Every position written must be in a mapped
+            page: the caller's eager point mapped it.
+        k, v: ``[B, kv_heads, S, head_dim]``, the new states in transformers' layout.
+        slots: int64 ``[B]``, the slot of each row.
+        starts: int64 ``[B]`` (or ``[]``: the same for every row), the first position each row writes.
+    """
+    torch.ops.vmkv.write_columns(k_store, v_store, k, v, slots, starts)
+
+
+def decode_kernel_name(device: torch.device) -> str:
+    """The kernel :func:`decode_attention` runs on ``device``: ``"triton"`` (CUDA, or CPU tensors
+    in Triton's interpreter) or ``"sdpa-masked"`` (CPU: SDPA over each row's whole slot, keys past
+    its length masked)."""
+    return "triton" if triton_available(device)[0] else "sdpa-masked"
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor, *,
+                     slots: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+                     scale: float | None = None, max_kv_len: int, out: torch.Tensor,
+                     workspace: DecodeWorkspace | None = None) -> torch.Tensor:
+    """Decode attention a CUDA graph can capture: one query token per row, over either addressing.
+
+    On CUDA (and CPU tensors in Triton's interpreter) the split-KV Triton kernel
+    (:func:`vmkv.kernels.triton_attention.decode_attention`) with the split count fixed by
+    ``max_kv_len``, writing into ``out``. Elsewhere (CPU without the interpreter) a masked SDPA
+    reference over each row's storage, contiguous addressing only; it reads every position up to
+    ``max_kv_len`` (the zero page past a row's length), so it is for tests and CPU runs.
+
+    Args:
+        q: ``[B, Hq, D]``; k, v: the storage (see the Triton kernel); kv_lens: int32 ``[B]``.
+        slots, block_table: exactly one (int32): contiguous or paged addressing.
+        scale: softmax scale (default ``D ** -0.5``).
+        max_kv_len: host upper bound on ``kv_lens`` (``max_seq_len``): fixes the launch shape.
+        out: ``[B, Hq, D]``, written in place and returned.
+        workspace: split-KV scratch for the Triton kernel.
+
+    Raises:
+        Unsupported: paged addressing where the Triton kernels cannot run.
+        As the Triton kernel otherwise.
+    """
+    if triton_available(q.device)[0]:
+        return _triton_decode(q, k, v, kv_lens, slots=slots, block_table=block_table, scale=scale,
+                              max_kv_len=max_kv_len, out=out, workspace=workspace)
+    if slots is None:
+        from ..errors import Unsupported
+
+        raise Unsupported("paged decode attention on CPU needs the Triton interpreter (TRITON_INTERPRET=1)")
+    return _masked_sdpa_decode(q, k, v, kv_lens, slots, scale, max_kv_len, out)
+
+
+def _masked_sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor,
+                        slots: torch.Tensor, scale: float | None, max_kv_len: int, out: torch.Tensor) -> torch.Tensor:
+    """SDPA over ``k[slots, :max_kv_len]`` with the keys at or past each row's length masked."""
+    index = slots.long()
+    keys = k.index_select(0, index)[:, :max_kv_len].transpose(1, 2)  # [B, Hkv, L, D]
+    values = v.index_select(0, index)[:, :max_kv_len].transpose(1, 2)
+    mask = torch.arange(keys.shape[2], device=q.device)[None, :] < kv_lens.long()[:, None]  # [B, L]
+    result = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, None], keys, values, attn_mask=mask[:, None, None, :], scale=scale,
+        enable_gqa=q.shape[1] != keys.shape[1])  # [B, Hq, 1, D]
+    return out.copy_(result[:, :, 0])

@@ -1,0 +1,146 @@
+"""What this machine offers the attention kernels: optional packages, torch's FlashAttention
+features, the GPU. Probed once per process and device, so the selection rule
+(:mod:`vmkv.kernels.registry`) is a pure function of these facts (tests pass made-up ones)."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..errors import BackendUnavailable
+
+OPTIONAL_PACKAGES = {"flash_attn": "flash_attn_with_kvcache", "flashinfer": "BatchDecodeWithPagedKVCacheWrapper"}
+"""Optional packages with attention kernels, and what is imported from each."""
+
+
+@functools.lru_cache(maxsize=None)
+def optional_import(module: str, attribute: str) -> tuple[Any, str | None]:
+    """Import ``module.attribute`` of an optional package, once per process.
+
+    Returns:
+        ``(object, None)``, or ``(None, why)`` when the package is missing or its import fails
+        (an installed but broken wheel, e.g. flash-attn built for another torch: the ABI
+        mismatch surfaces as an ``ImportError``/``OSError`` naming an undefined symbol).
+    """
+    if importlib.util.find_spec(module.partition(".")[0]) is None:
+        return None, f"{module} is not installed"
+    try:
+        return getattr(importlib.import_module(module), attribute), None
+    except Exception as exc:  # noqa: BLE001 -- any failure of a third-party import means "unusable"
+        return None, f"{module} is installed but importing {attribute} from it fails ({type(exc).__name__}: {exc})"
+
+
+def optional_kernel(package: str) -> Callable[..., Any]:
+    """The kernel entry point of optional ``package`` (a key of :data:`OPTIONAL_PACKAGES`).
+
+    Raises:
+        BackendUnavailable: the package is missing or its import fails (the message says which).
+    """
+    function, why = optional_import(package, OPTIONAL_PACKAGES[package])
+    if function is None:
+        raise BackendUnavailable(why)
+    return function
+
+
+def has_flash_attn() -> bool:
+    """Whether the optional ``flash-attn`` package is installed (not whether it imports: see
+    :func:`optional_import`)."""
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def torch_varlen_features() -> set[str]:
+    """Optional arguments of ``torch.nn.attention.varlen.varlen_attn`` in this torch (may be empty)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return set()
+    params = inspect.signature(varlen_attn).parameters
+    return {name for name in ("seqused_k", "block_table", "window_size", "enable_gqa") if name in params}
+
+
+def flash_varlen_has_seqused_k() -> bool:
+    """Whether this torch's ``aten::_flash_attention_forward`` takes ``seqused_k`` (torch >= 2.5)."""
+    try:
+        schema = torch.ops.aten._flash_attention_forward.default._schema
+    except (AttributeError, RuntimeError):
+        return False
+    return any(argument.name == "seqused_k" for argument in schema.arguments)
+
+
+def flash_attention_blockers(
+    on_cuda: bool, capability: tuple[int, int] | None, dtype: torch.dtype | None, head_dim: int | None
+) -> list[str]:
+    """What FlashAttention (flash-attn's kernels and torch's) needs that is missing, each as the
+    object of "needs" (``"float16 or bfloat16 (the cache holds torch.float32)"``); empty if nothing.
+
+    The one statement of its requirements: a CUDA device of compute capability 8.0 or newer,
+    float16 or bfloat16, a head_dim that is a multiple of 8 and at most 256 (``mha_varlen_fwd`` /
+    ``mha_fwd_kvcache`` checks).
+
+    Args:
+        on_cuda: whether the cache is on a usable CUDA device.
+        capability: the GPU's compute capability; ``dtype``, ``head_dim``: the cached K/V's.
+            ``None``: not checked.
+    """
+    why = []
+    if not on_cuda:
+        why.append("a CUDA device")
+    if capability is not None and capability < (8, 0):
+        why.append(f"compute capability 8.0 or newer (the GPU is {capability[0]}.{capability[1]})")
+    if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
+        why.append(f"float16 or bfloat16 (the cache holds {dtype})")
+    if head_dim is not None and (head_dim % 8 or head_dim > 256):
+        why.append(f"head_dim a multiple of 8 and <= 256 (got {head_dim})")
+    return why
+
+
+@dataclass(frozen=True)
+class MachineFacts:
+    """What the kernels need of the machine beyond the cache's shape.
+
+    Args:
+        capability: the GPU's compute capability; ``None``: no usable CUDA device.
+        missing: why each optional package of :data:`OPTIONAL_PACKAGES` cannot be used (absent:
+            it can).
+        varlen_seqused: torch's FlashAttention varlen op takes ``seqused_k``
+            (:func:`flash_varlen_has_seqused_k`).
+        varlen_features: optional arguments of ``torch.nn.attention.varlen.varlen_attn``.
+        triton_missing: why the Triton kernels cannot run on the device; ``None``: they can.
+    """
+
+    capability: tuple[int, int] | None = None
+    missing: dict[str, str] = field(default_factory=dict)
+    varlen_seqused: bool = False
+    varlen_features: frozenset[str] = frozenset()
+    triton_missing: str | None = "not probed"
+
+    @classmethod
+    def probe(cls, device: torch.device) -> "MachineFacts":
+        """The facts of ``device`` on this machine (optional packages are imported only for CUDA)."""
+        from .triton_attention import triton_available
+
+        triton_ok, triton_why = triton_available(device)
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return cls(triton_missing=None if triton_ok else triton_why)
+        missing = {name: why for name in OPTIONAL_PACKAGES if (why := optional_import(name, OPTIONAL_PACKAGES[name])[1])}
+        return cls(tuple(torch.cuda.get_device_capability(device)), missing, flash_varlen_has_seqused_k(),
+                   frozenset(torch_varlen_features()), None if triton_ok else triton_why)
+
+    @classmethod
+    def assumed_gpu(cls, capability: tuple[int, int] = (8, 0)) -> "MachineFacts":
+        """The facts of a GPU of ``capability`` with this machine's packages and torch (what
+        ``vmkv info`` describes on a machine without a GPU)."""
+        from .triton_attention import _import_triton
+
+        missing = {name: why for name in OPTIONAL_PACKAGES if (why := optional_import(name, OPTIONAL_PACKAGES[name])[1])}
+        return cls(capability, missing, flash_varlen_has_seqused_k(), frozenset(torch_varlen_features()), _import_triton())
+
+    def package_missing(self, name: str) -> str | None:
+        """Why optional package ``name`` cannot be used (``None``: it can)."""
+        return self.missing.get(name)

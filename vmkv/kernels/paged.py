@@ -1,0 +1,622 @@
+"""Attention over the paged cache: kernels that read K/V through a block table.
+
+Every kernel gets one layer's block pools and the step's plan::
+
+    k_pool, v_pool : [num_blocks, block_size, kv_heads, head_dim]
+    q              : [T, q_heads, head_dim]            packed in plan order (T = sum(q_lens))
+    plan.block_table : int32 [B, max_blocks]           pool block of each logical block, -1 = none
+
+and returns ``[T, q_heads, head_dim]``: causal within a sequence's new tokens, bottom-right
+aligned over its cached prefix (new token ``j`` of sequence ``i`` sees keys
+``0 .. starts[i] + j``), grouped-query when ``q_heads`` is a multiple of ``kv_heads``.
+
+Kernels (which one runs is :mod:`vmkv.kernels.registry`'s choice, logged, named in
+``stats()["kernel"]``):
+
+    gather_sdpa               any device  gather each sequence's blocks, then torch SDPA
+                                          (the reference: copies each sequence's whole K/V)
+    blockwise_online_softmax  any device  chunks of blocks, online softmax (flash-decoding
+                                          style); decode rows of all sequences in one batch
+    sdpa_chunked              CPU         the CPU default: torch's fused SDPA over runs of
+                                          consecutive blocks read in place and cache-sized
+                                          gathered chunks, merged by log-sum-exp
+    varlen_attn_block_table   CUDA        torch's FlashAttention varlen kernel with
+                                          ``block_table=``/``seqused_k=`` (detected; 2.13 has them)
+    flash_attn_with_kvcache   CUDA        flash-attn's kernel with ``block_table=``
+    flashinfer_decode         CUDA        FlashInfer ``BatchDecodeWithPagedKVCacheWrapper``
+                                          for decode steps only (planned once per step): the
+                                          registry pairs it with another kernel for the rest
+
+FlashAttention's paged kernels (both flash-attn and torch's copy of it) need a block size
+that is a multiple of 256 tokens and fp16/bf16; where that does not hold they are not used and
+the selection log says why.
+
+A kernel may precompute per-step metadata once (``plan``) that every layer's ``run`` then
+reuses (:class:`vmkv.kernels.base.AttentionKernel`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+import torch.nn.functional as F
+
+from ..core.step import StepPlan, causal_mask
+from ..errors import InvalidConfig
+from .base import AttentionKernel
+from .facts import optional_kernel
+
+BLOCKWISE_CHUNK_TOKENS = 128  # keys per chunk of the blockwise kernel (measured: see docs/paged.md)
+DEFAULT_CHUNK_TOKENS: int | None = None  # a cache's default: each chunked kernel's own measured value
+
+
+def _chunk_tokens(value: int | None, default: int) -> int:
+    """``value`` validated (``None``: ``default``).
+
+    Raises:
+        InvalidConfig: not a positive int.
+    """
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidConfig(f"chunk_tokens must be a positive int, got {value!r}")
+    return value
+
+
+class PagedKernel(AttentionKernel):
+    """An attention kernel over block pools (``addressing = "blocks"``)."""
+
+    addressing = "blocks"
+
+
+# ---- CPU (and any device): the naive reference ------------------------------------------------
+class GatherSDPA(PagedKernel):
+    """Gather each sequence's blocks into one contiguous K/V, then torch SDPA on it.
+
+    Simple and exact, but it copies every sequence's whole K/V once per layer. A decode row
+    under GQA runs as ``[Hkv, G, D]`` queries over ``[Hkv, L, D]`` keys (one query sees every
+    key, so no mask), which avoids SDPA's much slower ``enable_gqa`` path on CPU.
+    """
+
+    name = "gather_sdpa"
+
+    def run(self, q, k_pool, v_pool, plan, meta, scale):
+        out = torch.empty_like(q)
+        self.rows(q, k_pool, v_pool, plan, range(plan.batch_size), out, scale)
+        return out
+
+    @staticmethod
+    def rows(q, k_pool, v_pool, plan: StepPlan, indexes, out: torch.Tensor, scale: float) -> None:
+        """Attention of sequences ``indexes`` of ``plan``; writes their rows of ``out``."""
+        block = k_pool.shape[1]
+        gqa = q.shape[1] != k_pool.shape[2]
+        offsets = plan.offsets
+        masks = plan.causal_masks
+        for i in indexes:
+            n, kv_len = plan.q_lens[i], plan.kv_lens[i]
+            blocks = plan.block_table[i, : -(-kv_len // block)]
+            k_i = k_pool[blocks].flatten(0, 1)[:kv_len].transpose(0, 1)[None]  # [1, Hkv, kv_len, D]
+            v_i = v_pool[blocks].flatten(0, 1)[:kv_len].transpose(0, 1)[None]
+            if n == 1:  # [1, Hkv, G, D]: the group's queries share their KV head
+                q_i = q[offsets[i]].reshape(1, k_i.shape[1], -1, q.shape[2])
+                o_i = F.scaled_dot_product_attention(q_i, k_i, v_i, scale=scale)
+                out[offsets[i]] = o_i.reshape(q.shape[1:])
+                continue
+            q_i = q[offsets[i] : offsets[i + 1]].transpose(0, 1)[None]  # [1, Hq, n, D] (4-D: CPU SDPA's fast path)
+            mask = masks[i] if masks else causal_mask(plan.starts[i], n)
+            if mask is not None:
+                mask = mask.to(q.device)
+            o_i = F.scaled_dot_product_attention(
+                q_i, k_i, v_i, attn_mask=mask, is_causal=mask is None and n > 1, scale=scale, enable_gqa=gqa
+            )[0]
+            out[offsets[i] : offsets[i + 1]] = o_i.transpose(0, 1)
+
+
+# ---- decode: runs of consecutive blocks read in place, the rest gathered in chunks ---------------
+DEFAULT_SDPA_CHUNK_TOKENS = 256  # keys per gathered chunk (measured: benchmarks/paged_kernels.py --sweep)
+DEFAULT_MIN_RUN_TOKENS = 64  # a run of consecutive blocks this long is read in place, not gathered
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """``tokens`` keys of one decode row: pool blocks ``first ..`` read in place (a run of
+    consecutive blocks: a strided view, no copy), or, when ``first`` is -1, ``blocks`` gathered
+    into a scratch buffer. Only the row's own keys are read: the last piece stops at its length."""
+
+    first: int
+    blocks: torch.Tensor | None
+    tokens: int
+
+
+@dataclass(frozen=True)
+class _DecodeRow:
+    token: int  # packed index of the row's query
+    pieces: tuple[_Piece, ...]
+
+
+@dataclass(frozen=True)
+class _PiecesMeta:
+    rows: tuple[_DecodeRow, ...]
+    prefill: tuple[int, ...]  # plan indexes of the sequences with several new tokens
+
+
+class ChunkedSDPA(PagedKernel):
+    """Torch's fused CPU SDPA kernel over block pools.
+
+    Decode rows: a sequence's blocks split into *pieces*: runs of at least ``min_run_tokens``
+    keys in consecutive pool blocks are read in place (``pool[first : first + n]`` is an ordinary
+    strided tensor, exactly what the VMM cache gives SDPA), the other blocks are gathered,
+    ``chunk_tokens`` keys at a time, into a scratch buffer small enough to stay in the CPU
+    caches. One SDPA call per piece (``aten._scaled_dot_product_flash_attention_for_cpu``, the op
+    behind CPU SDPA, which also returns the log-sum-exp), pieces merged by their log-sum-exp
+    (order-free, exact). A sequence in one piece costs what it costs in VMM mode.
+    Prefill rows: :class:`GatherSDPA` (one gather and one SDPA call per sequence).
+
+    Why: SDPA needs K/V with uniform strides, which a block pool is not; gathering a whole
+    sequence writes and re-reads it through memory (what that costs: docs/paged.md). A fresh pool hands out consecutive blocks to a prefill, so prompts
+    are read in place; blocks a decode adds one at a time interleave between sequences and are
+    gathered. Pieces stop at each sequence's length, so nothing stale is ever read.
+
+    Args:
+        block_size: tokens per pool block.
+        chunk_tokens: keys per gathered chunk (rounded down to whole blocks, at least one);
+            ``None``: :data:`DEFAULT_SDPA_CHUNK_TOKENS`.
+        device: where the pools live (scratch buffers, reused call after call).
+        min_run_tokens: shortest run of consecutive blocks read in place (``None``:
+            :data:`DEFAULT_MIN_RUN_TOKENS`); shorter runs are gathered (a call costs more than
+            copying a few blocks).
+
+    Raises:
+        InvalidConfig: ``chunk_tokens`` or ``min_run_tokens`` is not a positive int.
+    """
+
+    name = "sdpa_chunked"
+
+    def __init__(
+        self, block_size: int, chunk_tokens: int | None = None, device: torch.device | str = "cpu",
+        min_run_tokens: int | None = None,
+    ) -> None:
+        self._block_size = block_size
+        self.chunk_tokens = _chunk_tokens(chunk_tokens, DEFAULT_SDPA_CHUNK_TOKENS)
+        self.min_run_tokens = _chunk_tokens(min_run_tokens, DEFAULT_MIN_RUN_TOKENS)
+        self._scratch = _Scratch(device)
+
+    def plan(self, plan: StepPlan, q_heads: int, scale: float) -> _PiecesMeta:
+        offsets = plan.offsets
+        rows = tuple(
+            _DecodeRow(offsets[i], self._pieces(plan.block_table[i], plan.kv_lens[i]))
+            for i, n in enumerate(plan.q_lens) if n == 1
+        )
+        return _PiecesMeta(rows, tuple(i for i, n in enumerate(plan.q_lens) if n > 1))
+
+    def _pieces(self, table_row: torch.Tensor, length: int) -> tuple[_Piece, ...]:
+        """Split a sequence's ``length`` keys into in-place runs and gathered chunks, in key order.
+
+        Every block is full but the sequence's last one, which comes last in its piece, so a
+        piece's keys are its first ``tokens`` rows."""
+        block = self._block_size
+        blocks = table_row[: -(-length // block)].tolist()
+        min_run = max(1, -(-self.min_run_tokens // block))
+        per_chunk = max(1, self.chunk_tokens // block)
+        pieces: list[_Piece] = []
+        pending: list[int] = []  # blocks waiting to be gathered, in key order
+
+        def flush(last_keys: int) -> None:  # last_keys: keys in the last pending block
+            for lo in range(0, len(pending), per_chunk):
+                part = pending[lo : lo + per_chunk]
+                keys = len(part) * block - (block - last_keys if lo + per_chunk >= len(pending) else 0)
+                pieces.append(_Piece(-1, torch.tensor(part, dtype=torch.long, device=table_row.device), keys))
+            pending.clear()
+
+        start = 0
+        while start < len(blocks):
+            end = start + 1
+            while end < len(blocks) and blocks[end] == blocks[end - 1] + 1:
+                end += 1
+            if end - start >= min_run:
+                flush(block)
+                pieces.append(_Piece(blocks[start], None, min(end * block, length) - start * block))
+            else:
+                pending.extend(blocks[start:end])
+            start = end
+        flush(length - (len(blocks) - 1) * block if pending and pending[-1] == blocks[-1] else block)
+        return tuple(pieces)
+
+    def run(self, q, k_pool, v_pool, plan, meta: _PiecesMeta, scale):
+        out = torch.empty_like(q)
+        kv_heads, dim = k_pool.shape[2], q.shape[2]
+        group = q.shape[1] // kv_heads
+        for row in meta.rows:
+            q4 = q[row.token].reshape(1, kv_heads, group, dim)  # [1, Hkv, G, D]: a group's queries share a head
+            out[row.token] = self._row(q4, k_pool, v_pool, row.pieces, scale).reshape(q.shape[1:])
+        if meta.prefill:
+            GatherSDPA.rows(q, k_pool, v_pool, plan, meta.prefill, out, scale)
+        return out
+
+    def _row(self, q4, k_pool, v_pool, pieces: tuple[_Piece, ...], scale: float) -> torch.Tensor:
+        """One decode row over its pieces: ``[1, Hkv, G, D]``."""
+        acc = lse = None
+        for piece in pieces:
+            if piece.first >= 0:  # in place: a strided view of consecutive blocks
+                n = -(-piece.tokens // self._block_size)
+                k = k_pool[piece.first : piece.first + n].flatten(0, 1)[: piece.tokens]  # [tokens, Hkv, D]
+                v = v_pool[piece.first : piece.first + n].flatten(0, 1)[: piece.tokens]
+            else:
+                k = self._scratch.gather(0, k_pool, piece.blocks)[: piece.tokens]
+                v = self._scratch.gather(1, v_pool, piece.blocks)[: piece.tokens]
+            k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hkv, tokens, D]
+            if len(pieces) == 1:
+                return F.scaled_dot_product_attention(q4, k, v, scale=scale)
+            o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q4, k, v, 0.0, False, scale=scale)
+            if acc is None:
+                acc, lse = o.float(), l
+                continue
+            merged = torch.logaddexp(lse, l)  # [1, Hkv, G]
+            acc = acc * torch.exp(lse - merged)[..., None] + o.float() * torch.exp(l - merged)[..., None]
+            lse = merged
+        return acc.to(q4.dtype)
+
+
+class _Scratch:
+    """Flat buffers reused call after call (grown on demand): a fresh multi-MiB tensor per
+    chunk costs page faults that cost more than the copy itself. While autograd records (the
+    pool was written from tensors that require grad) a gather allocates instead."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self._device = device
+        self._buffers: dict[int, torch.Tensor] = {}
+
+    def buffer(self, slot: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = self._buffers.get(slot)
+        if buf is None or buf.numel() < count or buf.dtype != dtype:
+            buf = torch.empty(count, dtype=dtype, device=self._device)
+            self._buffers[slot] = buf
+        return buf[:count]
+
+    def gather(self, slot: int, pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """``pool[blocks]`` as ``[..., n * block, Hkv, D]`` in the pool's dtype (a view of buffer ``slot``)."""
+        shape = (*blocks.shape[:-1], blocks.shape[-1] * pool.shape[1], *pool.shape[2:])
+        if torch.is_grad_enabled() and pool.requires_grad:
+            return pool.index_select(0, blocks.reshape(-1)).view(shape)
+        raw = self.buffer(slot, blocks.numel() * pool[0].numel(), pool.dtype)
+        torch.index_select(pool, 0, blocks.reshape(-1), out=raw.view(blocks.numel(), *pool.shape[1:]))
+        return raw.view(shape)
+
+
+# ---- blockwise online softmax -----------------------------------------------------------------
+@dataclass(frozen=True)
+class _Chunk:
+    """One chunk of keys for a group of rows.
+
+    ``blocks``: int64 pool blocks (never -1), ``[rows, C]`` for decode, ``[C]`` for a prefill;
+    ``valid``: bool mask of the keys each query row may see (``None``: all of them).
+    Decode: ``rows`` leading sequences of the group take part. Prefill: the first ``skip``
+    queries are skipped (the chunk is wholly in their future) and only the first ``keys`` keys
+    exist (the values of the rest are zeroed).
+    """
+
+    blocks: torch.Tensor
+    valid: torch.Tensor | None
+    rows: int = 0
+    skip: int = 0
+    keys: int = 0
+
+
+@dataclass(frozen=True)
+class _DecodeGroup:
+    tokens: torch.Tensor  # int64 [Bd]: packed index of each decode query, longest sequence first
+    chunks: tuple[_Chunk, ...]
+
+
+@dataclass(frozen=True)
+class _PrefillSeq:
+    first: int  # packed index of the sequence's first new token
+    count: int  # its new tokens
+    chunks: tuple[_Chunk, ...]
+
+
+@dataclass(frozen=True)
+class _BlockwiseMeta:
+    decode: _DecodeGroup | None
+    prefill: tuple[_PrefillSeq, ...]
+
+
+class BlockwiseOnlineSoftmax(PagedKernel):
+    """Attention one chunk of blocks at a time, merging chunks with an online softmax.
+
+    No sequence's whole K/V is ever gathered: a chunk holds ``chunk_tokens`` keys (rounded to
+    whole blocks). Decode rows (one new token) of *all* sequences run together, vectorised over
+    sequences and blocks: sorted longest first, chunk ``j`` only involves the sequences that
+    reach it. A sequence with several new tokens (prefill) runs alone, skipping query rows a
+    chunk lies entirely in the future of. Scores and accumulators are float32 for any storage
+    dtype. Keys past a sequence's length are masked and their values zeroed, so stale pool
+    contents (even inf/NaN) never reach an output.
+
+    Args:
+        block_size: tokens per pool block.
+        kv_heads: KV heads of the pool.
+        chunk_tokens: keys per chunk (rounded down to whole blocks, at least one); ``None``:
+            :data:`BLOCKWISE_CHUNK_TOKENS`.
+        device: where the pools live (for the scratch buffers reused across calls; a cache
+            calls its kernel from one thread, one layer after another).
+
+    Raises:
+        InvalidConfig: ``chunk_tokens`` is not a positive int.
+    """
+
+    name = "blockwise_online_softmax"
+
+    def __init__(
+        self, block_size: int, kv_heads: int, chunk_tokens: int | None = None, device: torch.device | str = "cpu"
+    ) -> None:
+        chunk_tokens = _chunk_tokens(chunk_tokens, BLOCKWISE_CHUNK_TOKENS)
+        self._block_size = block_size
+        self._kv_heads = kv_heads
+        self.chunk_tokens = chunk_tokens
+        self._scratch = _Scratch(device)  # buffers 0/1: K/V as stored, 2/3: as float32
+
+    # -- per step ---------------------------------------------------------------------------
+    def plan(self, plan: StepPlan, q_heads: int, scale: float) -> _BlockwiseMeta:
+        table = plan.block_table
+        block = self._block_size
+        per_chunk = max(1, self.chunk_tokens // block)  # blocks per chunk
+        offsets = plan.offsets
+        decode = [i for i, n in enumerate(plan.q_lens) if n == 1]
+        decode_group = None
+        if decode:
+            decode.sort(key=lambda i: -plan.kv_lens[i])
+            decode_group = self._decode_group(plan, table, decode, offsets, per_chunk)
+        group = q_heads // self._kv_heads
+        prefill = tuple(
+            self._prefill_seq(plan, table, i, offsets[i], per_chunk, group) for i, n in enumerate(plan.q_lens) if n > 1
+        )
+        return _BlockwiseMeta(decode_group, prefill)
+
+    def _decode_group(self, plan, table, order, offsets, per_chunk) -> _DecodeGroup:
+        device = table.device
+        block = self._block_size
+        lens = [plan.kv_lens[i] for i in order]  # non-increasing
+        rows_t = torch.tensor(order, device=device)
+        lens_t = torch.tensor(lens, device=device)
+        chunks = []
+        for first in range(0, -(-lens[0] // block), per_chunk):
+            start = first * block
+            rows = sum(1 for n in lens if n > start)
+            blocks = table[rows_t[:rows], first : first + per_chunk].long().clamp_min(0)
+            valid = None
+            if min(lens[:rows]) < start + blocks.shape[1] * block:  # some row ends inside the chunk
+                keys = torch.arange(start, start + blocks.shape[1] * block, device=device)
+                valid = keys[None, :] < lens_t[:rows, None]  # [rows, Tc]
+            chunks.append(_Chunk(blocks, valid, rows=rows))
+        tokens = torch.tensor([offsets[i] for i in order], device=device)
+        return _DecodeGroup(tokens, tuple(chunks))
+
+    def _prefill_seq(self, plan, table, i, first_token, per_chunk, group) -> _PrefillSeq:
+        device = table.device
+        block = self._block_size
+        start, n, kv_len = plan.starts[i], plan.q_lens[i], plan.kv_lens[i]
+        chunks = []
+        for first in range(0, -(-kv_len // block), per_chunk):
+            lo = first * block
+            blocks = table[i : i + 1, first : first + per_chunk].long().clamp_min(0)
+            hi = lo + blocks.shape[1] * block
+            skip = max(0, lo - start)  # query rows (positions start+r) that see no key of the chunk
+            valid = None
+            if hi - 1 > start + skip:  # the causal boundary crosses the chunk
+                keys = torch.arange(lo, hi, device=device)
+                queries = torch.arange(start + skip, start + n, device=device)
+                valid = keys[None, :] <= queries[:, None]  # [n - skip, Tc]; implies key < kv_len
+                valid = valid.repeat_interleave(group, 0)  # one row per (query, group member)
+            chunks.append(_Chunk(blocks[0], valid, skip=skip, keys=min(hi, kv_len) - lo))
+        return _PrefillSeq(first_token, n, tuple(chunks))
+
+    # -- per layer ----------------------------------------------------------------------------
+    def run(self, q, k_pool, v_pool, plan, meta: _BlockwiseMeta, scale):
+        out = torch.empty_like(q)
+        if meta.decode is not None:
+            out[meta.decode.tokens] = self._decode(q[meta.decode.tokens], k_pool, v_pool, meta.decode, scale)
+        for seq in meta.prefill:
+            span = slice(seq.first, seq.first + seq.count)
+            out[span] = self._prefill(q[span], k_pool, v_pool, seq, scale)
+        return out
+
+    def _gather(self, which: int, pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """The chunk's keys (``which`` 0) or values (1): ``[..., C * block, Hkv, D]`` float32, in
+        scratch buffers kept across calls (see :class:`_Scratch`)."""
+        raw = self._scratch.gather(which, pool, blocks)
+        if raw.dtype == torch.float32:
+            return raw
+        if torch.is_grad_enabled() and pool.requires_grad:
+            return raw.float()
+        return self._scratch.buffer(2 + which, raw.numel(), torch.float32).view(raw.shape).copy_(raw)
+
+    def _decode(self, q, k_pool, v_pool, group: _DecodeGroup, scale: float) -> torch.Tensor:
+        batch, q_heads, dim = q.shape
+        kv_heads = k_pool.shape[2]
+        g = q_heads // kv_heads
+        qf = (q.float() * scale).reshape(batch, kv_heads, g, dim).transpose(0, 1)  # [Hkv, B, G, D] (view)
+        m = torch.full((kv_heads, batch, g), -math.inf, device=q.device)  # running max  [Hkv, B, G]
+        l = torch.zeros((kv_heads, batch, g), device=q.device)  # running sum of exp     [Hkv, B, G]
+        acc = torch.zeros((kv_heads, batch, g, dim), device=q.device)  # numerator   [Hkv, B, G, D]
+        for chunk in group.chunks:
+            r = chunk.rows
+            k = self._gather(0, k_pool, chunk.blocks)  # [r, Tc, Hkv, D]
+            v = self._gather(1, v_pool, chunk.blocks)
+            if chunk.valid is not None:
+                v.masked_fill_(~chunk.valid[:, :, None, None], 0.0)  # p is 0 there, but 0 * inf is NaN
+            # per KV head, batched over sequences: k[:, :, h] is a strided matrix BLAS reads as is
+            s = torch.stack([torch.bmm(qf[h, :r], k[:, :, h].transpose(1, 2)) for h in range(kv_heads)])
+            if chunk.valid is not None:  # s: [Hkv, r, G, Tc]
+                s.masked_fill_(~chunk.valid[None, :, None, :], -math.inf)
+            p = self._merge(s, m[:, :r], l[:, :r], acc[:, :r])
+            for h in range(kv_heads):
+                acc[h, :r].baddbmm_(p[h], v[:, :, h])
+        out = (acc / l[..., None]).transpose(0, 1)  # [B, Hkv, G, D]
+        return out.reshape(batch, q_heads, dim).to(q.dtype)
+
+    def _prefill(self, q, k_pool, v_pool, seq: _PrefillSeq, scale: float) -> torch.Tensor:
+        n, q_heads, dim = q.shape
+        kv_heads = k_pool.shape[2]
+        g = q_heads // kv_heads
+        # rows = (query, group member): row r * G + j is query r, head h * G + j
+        qf = (q.float() * scale).reshape(n, kv_heads, g * dim).transpose(0, 1).reshape(kv_heads, n * g, dim)
+        m = torch.full((kv_heads, n * g), -math.inf, device=q.device)  # [Hkv, n*G]
+        l = torch.zeros((kv_heads, n * g), device=q.device)
+        acc = torch.zeros((kv_heads, n * g, dim), device=q.device)  # [Hkv, n*G, D]
+        for chunk in seq.chunks:
+            rows = slice(chunk.skip * g, None)  # skip queries the whole chunk is in the future of
+            k = self._gather(0, k_pool, chunk.blocks)  # [Tc, Hkv, D]
+            v = self._gather(1, v_pool, chunk.blocks)
+            s = torch.stack([qf[h, rows] @ k[:, h].T for h in range(kv_heads)])  # [Hkv, (n - skip)*G, Tc]
+            if chunk.valid is not None:
+                s.masked_fill_(~chunk.valid, -math.inf)  # valid: [(n - skip)*G, Tc]
+                v[chunk.keys :] = 0.0  # keys past the sequence: p is 0 there, but 0 * inf is NaN
+            p = self._merge(s, m[:, rows], l[:, rows], acc[:, rows])
+            for h in range(kv_heads):
+                acc[h, rows].addmm_(p[h], v[:, h])
+        out = (acc / l[..., None]).view(kv_heads, n, g, dim).transpose(0, 1)  # [n, Hkv, G, D]
+        return out.reshape(n, q_heads, dim).to(q.dtype)
+
+    @staticmethod
+    def _merge(s: torch.Tensor, m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+        """Fold one chunk's scores ``s [..., R, Tc]`` into the running max ``m [..., R]``, sum
+        ``l [..., R]`` and numerator ``acc [..., R, D]`` (views, updated in place); returns the
+        chunk's probabilities ``p`` (the caller adds ``p @ v`` to ``acc``).
+
+        Every row sees at least one key in its first chunk, so ``m`` is finite from then on and
+        ``exp(m_old - m_new)`` is well defined (``exp(-inf) = 0`` on the first chunk).
+        """
+        m_new = torch.maximum(m, s.amax(-1))
+        alpha = torch.exp(m - m_new)
+        p = torch.exp(s - m_new[..., None])
+        l.mul_(alpha).add_(p.sum(-1))
+        acc.mul_(alpha[..., None])
+        m.copy_(m_new)
+        return p
+
+
+# ---- CUDA kernels (need a GPU; checked against their sources, see docs/paged.md) --------------
+class VarlenBlockTable(PagedKernel):
+    """PyTorch's FlashAttention varlen kernel reading the pools through ``block_table``.
+
+    ``cu_seq_k`` holds each sequence's key count (cumulative), ``seqused_k`` the same
+    lengths; with ``block_table`` the kernel finds keys through the table, not ``cu_seq_k``
+    (``mha_varlen_fwd``: pools ``[num_blocks, block_size, Hkv, D]``, int32 table
+    ``[B, max_blocks]``, block_size % 256 == 0). Prefill steps are causal (bottom-right
+    aligned); decode steps pass no mask, which lets the kernel take its grouped-query decode
+    path (``seqlenq_ngroups_swapped``).
+    """
+
+    name = "varlen_attn_block_table"
+
+    def plan(self, plan, q_heads, scale):
+        return torch.tensor([0, *accumulate(plan.kv_lens)], dtype=torch.int32, device=plan.kv_lens_t.device)
+
+    def run(self, q, k_pool, v_pool, plan, meta, scale):
+        from torch.nn.attention.varlen import varlen_attn
+
+        q = q.contiguous()  # FlashAttention wants a unit last stride (any strided q is accepted here)
+        return varlen_attn(
+            q, k_pool, v_pool, plan.cu_q, meta, plan.max_q, plan.max_kv,
+            scale=scale, window_size=(-1, -1) if plan.is_decode else (-1, 0),
+            enable_gqa=q.shape[1] != k_pool.shape[2], seqused_k=plan.kv_lens_t, block_table=plan.block_table,
+        )
+
+
+class FlashKVCacheBlockTable(PagedKernel):
+    """flash-attn's ``flash_attn_with_kvcache`` with ``block_table=``.
+
+    Decode steps run as one batched call; steps with prefill chunks run one call per sequence
+    (its block-table row), flash-attn's causal mask being bottom-right aligned.
+    """
+
+    name = "flash_attn_with_kvcache"
+
+    def run(self, q, k_pool, v_pool, plan, meta, scale):
+        flash_attn_with_kvcache = optional_kernel("flash_attn")
+        q = q.contiguous()  # FlashAttention wants a unit last stride (any strided q is accepted here)
+        if plan.is_decode:
+            return flash_attn_with_kvcache(
+                q.unsqueeze(1), k_pool, v_pool, cache_seqlens=plan.kv_lens_t,
+                block_table=plan.block_table, softmax_scale=scale, causal=True,
+            ).squeeze(1)  # [B, 1, Hq, D] -> [B, Hq, D]
+        out = torch.empty_like(q)
+        offsets = plan.offsets
+        for i in range(plan.batch_size):
+            a, b = offsets[i], offsets[i + 1]
+            out[a:b] = flash_attn_with_kvcache(
+                q[a:b].unsqueeze(0), k_pool, v_pool, cache_seqlens=plan.kv_lens_t[i : i + 1],
+                block_table=plan.block_table[i : i + 1], softmax_scale=scale, causal=True,
+            ).squeeze(0)
+        return out
+
+
+class FlashInferDecode(PagedKernel):
+    """FlashInfer's batch decode over the paged pools (NHD layout), planned once per step;
+    decode steps only (the registry pairs it with another kernel for the rest,
+    :class:`vmkv.kernels.base.PhaseSplit`).
+
+    The plan's CSR arrays come from the block table: ``indptr`` (blocks per sequence,
+    cumulative), ``indices`` (the blocks, sequence after sequence), ``last_page_len`` (1 ..
+    block_size tokens used in each last block).
+
+    Args:
+        device: the CUDA device (for the 128 MiB workspace).
+        block_size, kv_heads, head_dim, dtype: the pool's geometry.
+
+    Raises:
+        BackendUnavailable: FlashInfer is missing or does not import.
+    """
+
+    name = "flashinfer_decode"
+
+    def __init__(self, device: torch.device, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        wrapper = optional_kernel("flashinfer")
+        workspace = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=device)
+        self._wrapper = wrapper(workspace, "NHD")
+        self._block_size, self._kv_heads, self._head_dim, self._dtype = block_size, kv_heads, head_dim, dtype
+
+    def plan(self, plan, q_heads, scale):
+        block = self._block_size
+        table = plan.block_table
+        counts = (plan.kv_lens_t.long() + block - 1) // block  # blocks per sequence  [B]
+        used = torch.arange(table.shape[1], device=table.device)[None, :] < counts[:, None]
+        indices = table[used]  # row-major: each sequence's blocks in order
+        indptr = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
+        last = (plan.kv_lens_t - (counts.to(torch.int32) - 1) * block).to(torch.int32)
+        self._wrapper.plan(
+            indptr, indices, last, q_heads, self._kv_heads, self._head_dim, block,
+            pos_encoding_mode="NONE", q_data_type=self._dtype, kv_data_type=self._dtype, sm_scale=scale,
+        )
+        return None
+
+    def run(self, q, k_pool, v_pool, plan, meta, scale):
+        return self._wrapper.run(q.contiguous(), (k_pool, v_pool))  # [B, Hq, D]
+
+
+BLOCK_KERNELS = ("gather_sdpa", "blockwise_online_softmax", "sdpa_chunked", "varlen_attn_block_table",
+                 "flash_attn_with_kvcache", "flashinfer_decode")
+"""Every blocks kernel of this module by name."""
+
+
+def block_kernel(name: str, device: torch.device, dtype: torch.dtype, kv_heads: int, head_dim: int, block_size: int,
+                 chunk_tokens: int | None = None) -> PagedKernel:
+    """A new kernel object of blocks kernel ``name`` for a pool of this geometry.
+
+    Raises:
+        KeyError: no such kernel.
+        InvalidConfig: ``chunk_tokens`` is not a positive int.
+        BackendUnavailable: an optional package the kernel calls is missing.
+    """
+    builders = {
+        "gather_sdpa": lambda: GatherSDPA(),
+        "blockwise_online_softmax": lambda: BlockwiseOnlineSoftmax(block_size, kv_heads, chunk_tokens, device),
+        "sdpa_chunked": lambda: ChunkedSDPA(block_size, chunk_tokens, device),
+        "varlen_attn_block_table": lambda: VarlenBlockTable(),
+        "flash_attn_with_kvcache": lambda: FlashKVCacheBlockTable(),
+        "flashinfer_decode": lambda: FlashInferDecode(device, block_size, kv_heads, head_dim, dtype),
+    }
+    return builders[name]()

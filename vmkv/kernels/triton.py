@@ -1,0 +1,51 @@
+"""The Triton kernels (:mod:`vmkv.kernels.triton_attention`) behind the one kernel interface:
+``"triton"``, for either addressing. Decode steps run split-KV decode; every other step runs
+the causal prefill kernel (which also takes decode rows mixed into it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..core.step import StepPlan
+from .base import AttentionKernel
+from .triton_attention import DecodeWorkspace, choose_num_splits, decode_attention, multiprocessor_count, prefill_attention
+
+
+class TritonAttention(AttentionKernel):
+    """Triton attention over slots (VMM mode) or blocks (paged mode).
+
+    :meth:`plan` sizes a decode step's split count from its longest sequence and allocates the
+    split scratch once for every layer of the step.
+
+    Args:
+        addressing: ``"slots"`` or ``"blocks"``.
+        device: where the cache lives.
+        kv_heads, head_dim: of the cache.
+    """
+
+    name = "triton"
+
+    def __init__(self, addressing: str, device: torch.device, kv_heads: int, head_dim: int) -> None:
+        self.addressing = addressing
+        self._device = device
+        self._kv_heads, self._head_dim = kv_heads, head_dim
+        self._sms = multiprocessor_count(device)
+
+    def plan(self, plan: StepPlan, q_heads: int, scale: float | None) -> tuple[int, DecodeWorkspace | None] | None:
+        """Decode steps: ``(splits, scratch or None)``; other steps: ``None``."""
+        if not plan.is_decode:
+            return None
+        splits = choose_num_splits(plan.batch_size, self._kv_heads, plan.max_kv, self._sms)
+        if splits == 1:
+            return splits, None
+        return splits, DecodeWorkspace.allocate(plan.batch_size, q_heads, self._head_dim, splits, self._device)
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan, meta: Any,
+            scale: float | None) -> torch.Tensor:
+        where = {"block_table": plan.block_table} if self.addressing == "blocks" else {"slots": plan.slots_t}
+        if meta is None:  # q: [T, Hq, D] packed
+            return prefill_attention(q, k, v, plan.cu_q, plan.kv_lens_t, scale=scale, **where)
+        splits, workspace = meta
+        return decode_attention(q, k, v, plan.kv_lens_t, scale=scale, num_splits=splits, workspace=workspace, **where)

@@ -1,0 +1,320 @@
+"""The one place that decides a VMM cache's layout and page size, from the device's facts.
+
+A page must be a whole number of the backend's granule (4 KiB on the host, usually 2 MiB on
+CUDA) and of the bytes one token takes in one piece of the layout; and on the host every page
+mapped one by one costs up to two of the mappings Linux allows a process (``vm.max_map_count``).
+Those are the device's facts (:class:`DeviceFacts`, read once per decision). Each user passes
+its own constraints on top:
+
+* the core cache's default (:func:`default_pages`): at least :data:`DEFAULT_TOKENS_PER_PAGE`
+  tokens a page, a layout from a preference list by device and dtype, within the mappings;
+* transformers' ``VirtualCache`` (:mod:`vmkv.hf.sizing`): the layout its attention reads
+  fastest, pages grown until the first batch fits the mappings;
+* vLLM's contiguous mode (:mod:`vmkv.vllm.contiguous.pages`): one vLLM block is one page in
+  every piece.
+
+:class:`~vmkv.config.KVCacheConfig` only validates what the user gave: a ``None`` layout or page
+size is resolved here when a cache opens (:func:`resolve`); ``cache.config`` holds the result.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .config import KVCacheConfig, KVShape, PageGeometry
+from .errors import InvalidConfig
+from .sizes import format_size
+
+log = logging.getLogger("vmkv")
+
+DEFAULT_TOKENS_PER_PAGE = 16
+"""The fewest tokens a default VMM page holds (vLLM's default block size). What utilization each
+page size gives on the ShareGPT-like trace: docs/benchmarks.md (``vmkv bench memory``)."""
+
+ASSUMED_CUDA_GRANULARITY = 2 << 20
+"""The granularity assumed where the CUDA driver cannot be asked (the cache then says why it
+cannot open): NVIDIA GPUs' usual ``cuMemGetAllocationGranularity``."""
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What a device allows a VMM cache's pages.
+
+    Attributes:
+        device_type: ``"cpu"`` or ``"cuda"``.
+        granularity: the backend's smallest mappable page, in bytes.
+        mapping_room: host: mappings this process may still create (``None``: unbounded, or
+            unknown); always ``None`` on CUDA.
+    """
+
+    device_type: str
+    granularity: int
+    mapping_room: int | None = None
+
+    @classmethod
+    def probe(cls, device: torch.device, *, mappings: bool = True) -> "DeviceFacts":
+        """The facts of ``device`` now (the mapping room lists ``/proc/self/maps``: pass
+        ``mappings=False`` where no decision needs it)."""
+        from .vm import granularity, mapping_room  # the backends import the config, which this module imports
+
+        try:
+            gran = granularity(device)
+        except Exception:  # noqa: BLE001 -- no CUDA driver: the cache will say so when it opens
+            gran = ASSUMED_CUDA_GRANULARITY
+        room = mapping_room() if mappings and device.type == "cpu" else None
+        return cls(device.type, gran, room)
+
+
+def device_memory(device: torch.device) -> int | None:
+    """Bytes of physical memory on ``device`` (host RAM for the CPU), or ``None`` if unknown."""
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return None
+        return torch.cuda.mem_get_info(device)[1]
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_budget_fits(config: KVCacheConfig) -> None:
+    """Refuse a ``memory_budget`` larger than the device's whole memory: such a cache would be
+    killed by the OS (or fail in the driver) long before it reported ``OutOfPages``.
+
+    Raises:
+        InvalidConfig: the budget exceeds the device's memory.
+    """
+    total = device_memory(config.device)
+    if total is not None and config.memory_budget > total:
+        raise InvalidConfig(
+            f"memory_budget {format_size(config.memory_budget)} exceeds the memory of {config.device} "
+            f"({format_size(total)} in all); lower it"
+        )
+
+
+def smallest_page(token_bytes: int, granularity: int, min_tokens: int = DEFAULT_TOKENS_PER_PAGE) -> int:
+    """The smallest page that is a multiple of ``granularity`` and of ``token_bytes`` and holds at
+    least ``min_tokens`` tokens.
+
+    Args:
+        token_bytes: bytes one token takes in one piece (:meth:`KVShape.token_bytes`).
+        granularity: the backend's smallest mappable page.
+        min_tokens: the fewest tokens the page must hold.
+    """
+    step = math.lcm(granularity, token_bytes)
+    return step * max(1, -(-min_tokens * token_bytes // step))
+
+
+def fragmented_mappings(pieces: int, pages: int) -> int:
+    """The most host mappings ``pages`` pool pages of ``pieces`` pieces each can take: each range
+    is one, and a page mapped apart from its neighbours splits its range once more."""
+    return pieces * (2 * pages + 1)
+
+
+def default_pages(shape: KVShape, dtype: torch.dtype, budget: int, facts: DeviceFacts,
+                  layout: str | None = None) -> tuple[str, int]:
+    """The core cache's default ``(layout, page_size)``: the smallest page holding at least
+    :data:`DEFAULT_TOKENS_PER_PAGE` tokens, in the first layout of the preference list whose
+    pages, even fragmented, fit the host's mapping room:
+
+    * host, float16/bfloat16: ``head_major``, ``per_layer``, ``all_layers``;
+    * host, float32: ``per_layer``, ``all_layers`` (head-major gains nothing in float32);
+    * CUDA: ``all_layers`` (with 2 MiB granules the only layout near 16-32 tokens a page).
+
+    Why this order (what CPU SDPA reads fastest, what utilization each page size gives):
+    docs/how-it-works.md, "Layouts". If no layout fits, ``all_layers`` (its pages cover
+    ``num_layers`` times fewer tokens for the same bytes, so it needs the fewest mappings),
+    its page enlarged until it fits.
+
+    Args:
+        shape: the model's K/V geometry.
+        dtype: of K and V.
+        budget: bytes of physical memory for pages.
+        facts: the device's facts.
+        layout: size pages for this layout; ``None``: choose it as above.
+    """
+    room = facts.mapping_room
+
+    def smallest(candidate: str) -> tuple[int, int]:  # (page, step) holding DEFAULT_TOKENS_PER_PAGE tokens
+        token_bytes = shape.token_bytes(candidate)
+        return smallest_page(token_bytes, facts.granularity), math.lcm(facts.granularity, token_bytes)
+
+    def fits(candidate: str, page: int) -> bool:
+        pieces = shape.pieces(candidate)
+        return room is None or fragmented_mappings(pieces, budget // (pieces * page)) <= room
+
+    if layout is None:
+        if facts.device_type != "cpu":
+            options: tuple[str, ...] = ("all_layers",)
+        elif dtype == torch.float32:
+            options = ("per_layer", "all_layers")
+        else:
+            options = ("head_major", "per_layer", "all_layers")
+        layout = next((c for c in options if fits(c, smallest(c)[0])), "all_layers")
+    page, step = smallest(layout)
+    if room is not None and not fits(layout, page):
+        pieces = shape.pieces(layout)
+        pages_that_fit = max(1, (room // pieces - 1) // 2)
+        page = max(page, -(-budget // (pieces * pages_that_fit * step)) * step)
+    return layout, page
+
+
+def resolve(config: KVCacheConfig, facts: DeviceFacts | None = None) -> KVCacheConfig:
+    """``config`` with its VMM layout and page size decided: what the user gave, else
+    :func:`default_pages` (a page size given without a layout: ``per_layer``).
+
+    Args:
+        facts: the device's facts (default: probed now, the mapping room only if a default needs it).
+    """
+    if config.layout is not None and config.page_size is not None:
+        return config
+    if config.page_size is not None:
+        return config.replace(layout="per_layer")
+    facts = facts or DeviceFacts.probe(config.device)
+    layout, page = default_pages(config.kv_shape, config.dtype, config.memory_budget, facts, config.layout)
+    return config.replace(layout=layout, page_size=page)
+
+
+def check_page_size(config: KVCacheConfig, granularity: int) -> None:
+    """Refuse a ``page_size`` that no VMM cache of ``config`` (resolved) could map. Both modes
+    call it: paged mode ignores a given page size but validates it all the same, so that a
+    setting is never accepted silently in one mode and refused in the other.
+
+    Raises:
+        InvalidConfig: the page size is not a multiple of the backend granularity or of the
+            bytes one token takes in one tensor of ``config.layout``.
+    """
+    token_bytes, page = config.tensor_token_bytes(), config.page_size
+    if page % granularity or page % token_bytes:
+        step = math.lcm(granularity, token_bytes)
+        suggestion = max(step, page // step * step)
+        raise InvalidConfig(
+            f"page_size {page} must be a multiple of the backend granularity ({granularity} B) and of "
+            f"the bytes one token takes in one {config.layout} tensor ({token_bytes} B); "
+            f"try page_size={suggestion}"
+        )
+
+
+def vmm_geometry(config: KVCacheConfig, granularity: int) -> PageGeometry:
+    """Page geometry of VMM mode for a resolved ``config``: a page is ``page_size`` bytes in each
+    virtual K/V piece (head-major: each head of each range is a piece).
+
+    Raises:
+        InvalidConfig: the page size is not a multiple of the backend granularity or of the
+            bytes one token takes in one tensor, or the budget holds no page.
+    """
+    check_page_size(config, granularity)
+    num_tensors, token_bytes = config.kv_shape.pieces(config.layout), config.tensor_token_bytes()
+    page = config.page_size
+    num_pages = config.memory_budget // (num_tensors * page)
+    if num_pages == 0:
+        raise InvalidConfig(
+            f"memory_budget {config.memory_budget} B holds no page of {num_tensors} x {page} B; "
+            "raise the budget or lower page_size"
+        )
+    return PageGeometry(page // token_bytes, num_tensors, page, num_pages)
+
+
+def check_cache_options(config: KVCacheConfig, mode: str) -> PageGeometry:
+    """Refuse what opening a ``mode`` cache of ``config`` would refuse for its options, without
+    allocating anything: the page size (both modes), the geometry, the budget against the
+    device's memory. For callers with slow work between choosing and opening (``vmkv serve``
+    loads weights: a bad option must not wait for them).
+
+    Returns:
+        The page geometry the cache will have.
+
+    Raises:
+        InvalidConfig: an unknown mode, or an option the cache would refuse.
+        BackendUnavailable: the device's backend is not available.
+    """
+    from .vm import granularity  # the backends import the config, which this module imports
+
+    if mode not in ("vmm", "paged"):
+        raise InvalidConfig(f"mode must be 'vmm' or 'paged', got {mode!r}")
+    gran = granularity(config.device)  # raises where the backend is unavailable
+    if mode == "vmm":
+        geometry = vmm_geometry(resolve(config, DeviceFacts.probe(config.device)), gran)
+    else:
+        if config.page_size is not None:
+            check_page_size(resolve(config), gran)
+        geometry = paged_geometry(config)
+    check_budget_fits(config)
+    return geometry
+
+
+def paged_geometry(config: KVCacheConfig) -> PageGeometry:
+    """Page geometry of paged mode: a page is one block of ``block_size`` tokens in every tensor.
+
+    Raises:
+        InvalidConfig: the budget holds no block, or the block table (int32, ``max_batch_size``
+            rows of ``max_seq_len / block_size`` entries, in host memory) would not fit the host.
+    """
+    piece = config.block_size * config.layer_token_bytes
+    num_tensors = 2 * config.num_layers
+    num_pages = config.memory_budget // (num_tensors * piece)
+    if num_pages == 0:
+        raise InvalidConfig(
+            f"memory_budget {config.memory_budget} B holds no block of {config.block_size} tokens "
+            f"({num_tensors * piece} B across all layers); raise the budget"
+        )
+    table_bytes = config.max_batch_size * -(-config.max_seq_len // config.block_size) * 4
+    host = device_memory(torch.device("cpu"))
+    if host is not None and table_bytes > host:
+        raise InvalidConfig(
+            f"the block table of max_batch_size={config.max_batch_size} x max_seq_len={config.max_seq_len} "
+            f"(blocks of {config.block_size} tokens) takes {format_size(table_bytes)}, more than this host's "
+            f"{format_size(host)}; lower max_seq_len or max_batch_size, or raise block_size"
+        )
+    return PageGeometry(config.block_size, num_tensors, piece, num_pages)
+
+
+def check_mappings(config: KVCacheConfig, geometry: PageGeometry, facts: DeviceFacts) -> int:
+    """How many host mappings a cache of ``config`` needs, checked against the mapping room.
+
+    Each range is one mapping; a run of mapped pages that are neighbours in the page store
+    merges into one more, and splits the range once more. Pages mapped one by one (a
+    fragmented pool) cost up to two each: if that worst case does not fit, a warning is
+    logged and a map that hits the limit raises ``OutOfMappings`` (an ``OutOfPages``), rolled
+    back. Returns the mappings promised (0 on CUDA: no such limit).
+
+    Raises:
+        InvalidConfig: not even one mapping per page fits; names a page size that does.
+    """
+    room = facts.mapping_room
+    if facts.device_type != "cpu":
+        return 0
+    tensors = geometry.num_tensors
+    typical, worst = tensors * (geometry.num_pages + 1), fragmented_mappings(tensors, geometry.num_pages)
+    if room is None or worst <= room:
+        return typical
+    step = math.lcm(facts.granularity, geometry.piece_bytes // geometry.tokens_per_page)
+    most_pages = max(1, (room // tensors - 1) // 2)
+    fits = -(-config.memory_budget // (tensors * most_pages * step)) * step
+    advice = (f"page_size={format_size(fits)} or larger fits even a fragmented pool (or use the all_layers "
+              "layout, a smaller memory_budget, or raise the limit: sysctl -w vm.max_map_count=N)")
+    if typical > room:
+        raise InvalidConfig(
+            f"page_size {format_size(config.page_size)} makes {geometry.num_pages} pages in each of {tensors} "
+            f"ranges: {typical} mappings or more, but this process may create only {room} more "
+            f"(Linux vm.max_map_count); {advice}"
+        )
+    log.warning("vmkv: %d pages in %d ranges may need up to %d mappings when fragmented, %d are left "
+                "(Linux vm.max_map_count): a step may then raise OutOfMappings; %s",
+                geometry.num_pages, tensors, worst, room, advice)
+    return typical
+
+
+def mappable_pages(pieces: int, room: int | None) -> int:
+    """Pool pages of ``pieces`` pieces whose mappings (two per page and range when fragmented)
+    fit in half of ``room`` (unbounded when ``None``)."""
+    if room is None:
+        return 1 << 62
+    return max(1, (room // 2 // pieces - 1) // 2)
+
+
