@@ -128,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
                                                host=args.host, port=args.port, log_level=args.log_level,
                                                timeout_keep_alive=KEEP_ALIVE_S))
         sock = server.config.bind_socket()  # bound now, so the line names the port --port 0 got
+        sock.listen(server.config.backlog)  # and listening: a client that reads the line waits in the backlog
         host, port = sock.getsockname()[:2]
         # printed, not logged: a client of --port 0 needs the port whatever --log-level hides
         print(f"vmkv serve: serving {name} on http://{f'[{host}]' if ':' in host else host}:{port} (kv mode "
