@@ -20,6 +20,10 @@ parameter sets cover each dimension a few times, not their full product. A GPU c
 same kernels: ``test_kernels_compile_for_sm90`` compiles them for an H100/H200 ahead of time
 (no GPU needed), which checks what the interpreter does not (types of loop-carried values,
 ``tl.dot`` shape minimums).
+
+On a machine with a CUDA GPU (and no interpreter set) the same kernel tests run in place on the
+GPU, compiled: the storage is built on the CPU, as here, and moved to the device; the reference
+stays float64 on the CPU (gpu_check's ``tests`` section runs this module so).
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ from vmkv.kernels import triton_attention as ta  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 INTERPRETED, NOT_INTERPRETED_WHY = ta.triton_available("cpu")  # whether this process runs Triton's interpreter
 CHILD = os.environ.get("VMKV_TRITON_CHILD") == "1"  # the child process of test_kernels_in_interpreter
+ON_GPU = not INTERPRETED and torch.cuda.is_available() and ta.triton_available("cuda")[0]  # compiled, in place
+DEVICE = "cuda" if ON_GPU else "cpu"  # where the kernels' inputs live
 parent_only = pytest.mark.skipif(CHILD, reason="ran in the parent process")
 
 TOLERANCE = {
@@ -63,12 +69,12 @@ TOLERANCE = {
 @pytest.fixture
 def interpreter():
     """Requested by every test that runs a kernel: skipped unless this process runs Triton's
-    interpreter (then test_kernels_in_interpreter runs it in a child process)."""
-    if not INTERPRETED:
-        pytest.skip("runs in test_kernels_in_interpreter's child process (no Triton interpreter in this one)")
+    interpreter or has a CUDA GPU (otherwise test_kernels_in_interpreter runs it in a child process)."""
+    if not (INTERPRETED or ON_GPU):
+        pytest.skip("runs in test_kernels_in_interpreter's child process (no Triton interpreter or GPU in this one)")
 
 
-@pytest.mark.skipif(INTERPRETED, reason="this process runs Triton's interpreter: the kernel tests run in place")
+@pytest.mark.skipif(INTERPRETED or ON_GPU, reason="this process runs the kernel tests in place (Triton's interpreter, or a GPU)")
 def test_kernels_in_interpreter():
     """This module's kernel tests, in a child process that sets TRITON_INTERPRET=1 before triton's
     first import (rerun them with per-test results: TRITON_INTERPRET=1 python -m pytest
@@ -135,7 +141,7 @@ def paged_storage(lens, block_size, kv_heads, head_dim, dtype, *, seed=0, fork=T
         table[i, : len(own)] = torch.tensor(own, dtype=torch.int32)
     keys = [k[own].flatten(0, 1)[:n].double() for own, n in zip(tables, lens)]
     values = [v[own].flatten(0, 1)[:n].double() for own, n in zip(tables, lens)]
-    return Storage(k, v, {"block_table": table}, keys, values)
+    return Storage(k.to(DEVICE), v.to(DEVICE), {"block_table": table.to(DEVICE)}, keys, values)
 
 
 def contiguous_storage(lens, capacity, kv_heads, head_dim, dtype, *, layout="plain", seed=0, fill=float("nan")) -> Storage:
@@ -169,7 +175,15 @@ def contiguous_storage(lens, capacity, kv_heads, head_dim, dtype, *, layout="pla
     k, v = make(), make()
     keys = [k[s, :n].double() for s, n in zip(slots.tolist(), lens)]
     values = [v[s, :n].double() for s, n in zip(slots.tolist(), lens)]
-    return Storage(k, v, {"slots": slots}, keys, values)
+    return Storage(_moved(k), _moved(v), {"slots": slots.to(DEVICE)}, keys, values)
+
+
+def _moved(view: torch.Tensor) -> torch.Tensor:
+    """``view`` on :data:`DEVICE` with its strides: its whole storage moved, then viewed alike."""
+    if DEVICE == "cpu":
+        return view
+    base = torch.empty(0, dtype=view.dtype).set_(view.untyped_storage()).to(DEVICE)
+    return base.as_strided(view.shape, view.stride(), view.storage_offset())
 
 
 def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
@@ -191,15 +205,19 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: 
 def assert_close(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
     assert torch.isfinite(out).all(), "an output element was not written (NaN poison left) or is not finite"
     atol, rtol = TOLERANCE[dtype]
-    torch.testing.assert_close(out.double(), expected, atol=atol, rtol=rtol)
+    torch.testing.assert_close(out.double().cpu(), expected, atol=atol, rtol=rtol)
+
+
+def on_device(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.to(DEVICE) for t in tensors]
 
 
 def poisoned(shape, dtype) -> torch.Tensor:
-    return torch.full(shape, float("nan"), dtype=dtype)
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
 
 
 def nan_workspace(batch, q_heads, head_dim, splits) -> ta.DecodeWorkspace:
-    ws = ta.DecodeWorkspace.allocate(batch, q_heads, head_dim, splits, "cpu")
+    ws = ta.DecodeWorkspace.allocate(batch, q_heads, head_dim, splits, DEVICE)
     ws.partial_out.fill_(float("nan"))
     ws.partial_lse.fill_(float("nan"))
     return ws
@@ -210,7 +228,7 @@ def run_decode(store: Storage, lens, q_heads, dtype, *, num_splits=None, seed=1,
     q = _randn(torch.Generator().manual_seed(seed), len(lens), q_heads, head_dim, dtype=dtype)
     splits = num_splits or ta.MAX_AUTO_SPLITS
     out = ta.decode_attention(
-        q, store.k, store.v, torch.tensor(lens, dtype=torch.int32), **store.address,
+        q.to(DEVICE), store.k, store.v, torch.tensor(lens, dtype=torch.int32, device=DEVICE), **store.address,
         num_splits=num_splits, out=poisoned(q.shape, dtype), workspace=nan_workspace(len(lens), q_heads, head_dim, splits),
     )
     if check:
@@ -225,7 +243,8 @@ def run_prefill(store: Storage, q_lens, kv_lens, q_heads, dtype, *, seed=2) -> t
     q = _randn(torch.Generator().manual_seed(seed), sum(q_lens), q_heads, head_dim, dtype=dtype)
     cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     out = ta.prefill_attention(
-        q, store.k, store.v, cu_q, torch.tensor(kv_lens, dtype=torch.int32), **store.address, out=poisoned(q.shape, dtype)
+        *on_device(q, store.k, store.v, cu_q, torch.tensor(kv_lens, dtype=torch.int32)), **store.address,
+        out=poisoned(q.shape, dtype),
     )
     scale = head_dim ** -0.5
     for i in range(len(q_lens)):
@@ -291,14 +310,14 @@ def test_steps_reuse_buffers_as_a_graph_replay_would(interpreter):
     graph replays), lengths grown in place on the device: each step is right, crossing blocks."""
     final = [2, 17, 33]
     store = paged_storage(final, 16, 1, 32, F32)
-    lens = torch.tensor([n - 2 for n in final], dtype=torch.int32)  # 0, 15, 31: two steps to go
-    q = torch.randn(3, 4, 32)
+    lens, q = on_device(torch.tensor([n - 2 for n in final], dtype=torch.int32), torch.randn(3, 4, 32))  # lens 0, 15, 31
     out = poisoned(q.shape, F32)
     ws = nan_workspace(3, 4, 32, 3)
     for step in range(3):
         ta.decode_attention(q, store.k, store.v, lens, **store.address, num_splits=3, out=out, workspace=ws)
         n = lens.tolist()
-        expected = torch.stack([reference(q[i : i + 1], store.keys[i][: n[i]], store.values[i][: n[i]], 32**-0.5)[0] for i in range(3)])
+        expected = torch.stack([reference(q[i : i + 1].cpu(), store.keys[i][: n[i]], store.values[i][: n[i]], 32**-0.5)[0]
+                                for i in range(3)])
         assert_close(out, expected, F32)
         lens += 1
 
@@ -344,11 +363,10 @@ def test_large_scores(interpreter):
     store.k.mul_(8)  # with q ~ N(0, 1) * 8 below: scores ~ N(0, 64^2 * 32 / 32)
     store.keys = [k * 8 for k in store.keys]
     q = torch.randn(3, 2, 32) * 8
-    lengths = torch.tensor(lens, dtype=torch.int32)
-    out = ta.decode_attention(q, store.k, store.v, lengths, **store.address, num_splits=3, out=poisoned(q.shape, F32))
     expected = torch.stack([reference(q[i : i + 1], store.keys[i], store.values[i], 32**-0.5)[0] for i in range(3)])
+    q, lengths, cu_q = on_device(q, torch.tensor(lens, dtype=torch.int32), torch.tensor([0, 1, 2, 3], dtype=torch.int32))
+    out = ta.decode_attention(q, store.k, store.v, lengths, **store.address, num_splits=3, out=poisoned(q.shape, F32))
     assert_close(out, expected, F32)
-    cu_q = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
     out = ta.prefill_attention(q, store.k, store.v, cu_q, lengths, **store.address, out=poisoned(q.shape, F32))
     assert_close(out, expected, F32)
 
@@ -448,9 +466,10 @@ def test_workspace_caps_default_splits(interpreter):
     lens = [200, 300]
     store = paged_storage(lens, 32, 1, 16, F32)
     q = torch.randn(2, 2, 16)
-    ws = ta.DecodeWorkspace.allocate(2, 2, 16, 2, "cpu")
+    ws = ta.DecodeWorkspace.allocate(2, 2, 16, 2, DEVICE)
     ws.partial_lse.fill_(float("nan"))
-    out = ta.decode_attention(q, store.k, store.v, torch.tensor(lens, dtype=torch.int32), **store.address, workspace=ws)
+    out = ta.decode_attention(*on_device(q, store.k, store.v, torch.tensor(lens, dtype=torch.int32)), **store.address,
+                              workspace=ws)
     assert not torch.isnan(ws.partial_lse).any(), "the default split count must be capped at the workspace's 2"
     expected = torch.stack([reference(q[i : i + 1], store.keys[i], store.values[i], 0.25)[0] for i in range(2)])
     assert_close(out, expected, F32)

@@ -57,7 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--list", action="store_true", help="list the sections with their estimates and exit")
     parser.add_argument("--kernels", nargs="+", default=kernel_registry.names("slots"), choices=kernel_registry.names("slots"),
                         help="contiguous kernels for the decode section (default: all; those that cannot run are skipped with the reason)")
-    parser.add_argument("--tests", nargs="+", default=["tests/test_cuda.py"], help="pytest paths for the tests section")
+    parser.add_argument("--tests", nargs="+", default=["tests/test_cuda.py", "tests/test_triton_kernels.py"],
+                        help="pytest paths for the tests section (default: the CUDA backend's tests and the Triton kernels', "
+                             "which run compiled on the GPU)")
     parser.add_argument("--test-timeout", type=int, default=240, help="seconds allowed for the tests section's pytest (default 240)")
     parser.add_argument("--section-timeout", type=int, default=360,
                         help="seconds one section's process may run unless it sets its own (default 360); the budget left caps it")
