@@ -96,6 +96,20 @@ def test_compiled_generate_gives_static_caches_tokens(model, how):
     cache.close()
 
 
+@pytest.mark.parametrize("layout", ["all_layers", "per_layer"])
+def test_compiled_generate_over_each_layout_gives_static_caches_tokens(model, layout):
+    """all_layers (CUDA's default) keeps every layer in one range: the compiled region takes the
+    range's storage once, not one aliasing view per layer (which CUDA graphs would refuse)."""
+    ids, mask = batch(padded=True)
+    static = generate(model, StaticCache(config=model.config, max_cache_len=MAX_LEN), ids, mask, do_sample=False)
+    cache = compiled_cache(model, layout=layout)
+    assert torch.equal(generate(model, cache, ids, mask, do_sample=False), static)
+    assert cache.stats()["compile_fallbacks"] == 0
+    bases = {id(store.base) for pair in cache._compiled.stores for store in pair}
+    assert len(bases) == (2 if layout == "all_layers" else 2 * model.config.num_hidden_layers)
+    cache.close()
+
+
 def test_beam_search_and_deep_copies_over_a_compileable_cache(model):
     """Beam search is not compiled by transformers 5.19, but the cache still runs StaticCache's
     contract (full-length views, steps prepared at the eager point) across reorders and forks."""

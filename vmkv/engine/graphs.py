@@ -38,7 +38,7 @@ import torch
 from ..core.base import KVCacheBase
 from ..core.step import StepPlan
 from ..errors import InvalidConfig, Unsupported
-from ..kernels.capturable import DecodeWorkspace, decode_attention, decode_kernel_name, write_columns
+from ..kernels.capturable import DecodeWorkspace, decode_attention, decode_kernel_name, stores_of, write_columns
 from ..kernels.triton_attention import SUPPORTED_HEAD_DIMS, choose_num_splits, multiprocessor_count, triton_available
 from ..vmm.views import unguarded
 from .llama import LlamaForCausalLM
@@ -92,14 +92,22 @@ class Replay(Protocol):
 
 class CudaGraphReplay:
     """A ``torch.cuda.CUDAGraph`` of the step (warm-up run on a side stream first, as torch
-    requires), in a memory pool shared by every bucket of an engine."""
+    requires), in a memory pool shared by every bucket of an engine.
+
+    It keeps the step function, and so every tensor the step closes over (its output and split
+    buffers, the logit rows), for as long as the graph: a graph replays raw addresses, and a
+    tensor freed after the capture would hand its memory to others while the graph still reads
+    and writes it (on an H200 a freed index tensor became an out-of-bounds gather at replay).
+    """
 
     def __init__(self, pool: object) -> None:
         self._pool = pool
         self._graph: torch.cuda.CUDAGraph | None = None
         self._out: torch.Tensor | None = None
+        self._step: Callable[[], torch.Tensor] | None = None
 
     def capture(self, step: Callable[[], torch.Tensor]) -> torch.Tensor:
+        self._step = step  # the graph's inputs live as long as the graph (class docstring)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -273,16 +281,18 @@ class DecodeGraphs:
         workspace = self._workspace(bucket)
         max_len = cache.config.max_seq_len
         block_table = buffers.block_table[:bucket] if self.paged else None
+        stores = None if self.paged else stores_of([tuple(map(unguarded, cache.kv_cache(layer)))
+                                                    for layer in range(cache.config.num_layers)])
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             # q: [b, Hq, D]; k, v: [b, Hkv, D], one new token per row
             positions, slots = rows[StepBuffers.POSITIONS], rows[StepBuffers.SLOTS]
             kv_lens = rows[StepBuffers.LENGTHS].to(torch.int32)
             if block_table is None:
-                k_store, v_store = map(unguarded, cache.kv_cache(layer))  # [max_batch, max_seq_len, Hkv, D], writable
+                k_store, v_store = stores[layer]  # [max_batch, max_seq_len, Hkv, D], writable
                 write_columns(k_store, v_store, k[:, :, None], v[:, :, None], slots, positions)
-                return decode_attention(q, k_store, v_store, kv_lens, slots=slots.to(torch.int32), max_kv_len=max_len,
-                                        out=out, workspace=workspace)
+                return decode_attention(q, k_store.view(), v_store.view(), kv_lens, slots=slots.to(torch.int32),
+                                        max_kv_len=max_len, out=out, workspace=workspace)
             k_pool, v_pool = cache.block_pool(layer)  # [blocks, block_size, Hkv, D]
             size = k_pool.shape[1]
             block = block_table.gather(1, (positions // size)[:, None])[:, 0].long()

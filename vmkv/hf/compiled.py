@@ -36,7 +36,7 @@ from ..core.base import KVCacheBase
 from ..core.mapping import background_safe
 from ..core.step import StepPlan, slot_slice
 from ..errors import InvalidConfig
-from ..kernels.capturable import write_columns
+from ..kernels.capturable import Store, stores_of, write_columns
 from ..vmm.views import unguarded
 
 log = logging.getLogger("vmkv")
@@ -80,9 +80,10 @@ class CompiledSteps:
 
     Args:
         stores: per layer, the core's ``kv_cache(layer)`` K and V, ``[max_batch, max_len, kv_heads,
-            head_dim]`` views made once (:meth:`for_core`): their addresses never move. Plain
-            tensors (:func:`vmkv.vmm.views.unguarded`): the compiled write goes through them, only
-            at positions the eager point mapped for the step.
+            head_dim]``, as :class:`~vmkv.kernels.capturable.Store` s made once (:meth:`for_core`):
+            their addresses never move. The compiled region's inputs are the stores' bases (one
+            per storage, marked static); the compiled write goes through them, only at positions
+            the eager point mapped for the step.
         max_len: columns of every view a layer returns (the core's ``max_seq_len``).
 
     Attributes:
@@ -97,25 +98,25 @@ class CompiledSteps:
     mapped page the row owns alone (``begin_step`` made it so).
     """
 
-    def __init__(self, stores: list[tuple[torch.Tensor, torch.Tensor]], max_len: int) -> None:
+    def __init__(self, stores: list[tuple[Store, Store]], max_len: int) -> None:
         self.max_len = max_len
         self.stores = stores
-        device = stores[0][0].device
+        device = stores[0][0].base.device
         self.starts = torch.zeros((), dtype=torch.int64, device=device)
         self.slots = torch.zeros(0, dtype=torch.int64, device=device)
         self.rows: slice | None = slice(0, 0)
         self._slot_tuple: tuple[int, ...] = ()
         self.armed = False
         self.live = False
-        for k, v in self.stores:
-            torch._dynamo.mark_static_address(k)
-            torch._dynamo.mark_static_address(v)
+        for base in {id(store.base): store.base for pair in stores for store in pair}.values():
+            torch._dynamo.mark_static_address(base)
         torch._dynamo.mark_static_address(self.starts)
 
     @classmethod
     def for_core(cls, core: KVCacheBase, max_len: int) -> "CompiledSteps":
         """The compiled steps over ``core``'s layers."""
-        return cls([tuple(map(unguarded, core.kv_cache(layer))) for layer in range(core.config.num_layers)], max_len)
+        views = [tuple(map(unguarded, core.kv_cache(layer))) for layer in range(core.config.num_layers)]
+        return cls(stores_of(views), max_len)
 
     def copy(self) -> "CompiledSteps":
         """Steps of another ``VirtualCache`` over the same core (a deep copy: its own rows)."""
@@ -162,7 +163,7 @@ class CompiledSteps:
     def views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``layer``'s K and V of the rows, ``[B, kv_heads, max_len, head_dim]``: views where the
         rows' slots are evenly spaced, else gathered (a copy)."""
-        k_store, v_store = self.stores[layer]
+        k_store, v_store = (store.view() for store in self.stores[layer])
         if self.rows is not None:
             return k_store[self.rows].transpose(1, 2), v_store[self.rows].transpose(1, 2)
         return k_store.index_select(0, self.slots).transpose(1, 2), v_store.index_select(0, self.slots).transpose(1, 2)

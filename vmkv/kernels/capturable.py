@@ -8,9 +8,10 @@ Two rules make a kernel usable there:
   (``narrow(...).copy_``) as a full clone of the base and a copy back, and the copy back writes
   every page of the range, the empty ones too, which are the read-only zero page (SIGSEGV on the
   host, a fault on the GPU). :func:`write_columns` is an operator of its own
-  (``torch.ops.vmkv.write_columns``) whose schema declares what it mutates; inductor calls it in
-  place on the storage (it re-inplaces the functional form of an op whose mutated input is a
-  graph input) and cannot look inside it.
+  (``torch.ops.vmkv.write_columns``) whose schema declares what it mutates: the tensor over the
+  layer's whole storage (:class:`Store`), a graph input of its own that no other input aliases,
+  so inductor calls it in place (it re-inplaces the functional form of an op whose mutated input
+  is a graph input), cannot look inside it, and CUDA graphs accept the mutation.
 * **Its launches depend on host ints known up front** and its lengths live on the device, so one
   capture serves every step: :func:`decode_attention` takes the cache's lengths as a device
   tensor and an upper bound on them as a host int.
@@ -23,21 +24,26 @@ SDPA over whole slots, masked).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .triton_attention import DecodeWorkspace, triton_available
 from .triton_attention import decode_attention as _triton_decode
 
-__all__ = ["DecodeWorkspace", "decode_attention", "decode_kernel_name", "write_columns"]
+__all__ = ["DecodeWorkspace", "Store", "decode_attention", "decode_kernel_name", "stores_of", "write_columns"]
 
 
 _LIBRARY = torch.library.Library("vmkv", "FRAGMENT")  # noqa: TOR901 - the schema says what is mutated
-_LIBRARY.define("write_columns(Tensor(a!) k_store, Tensor(b!) v_store, Tensor k, Tensor v, Tensor slots, "
-                "Tensor starts) -> ()")
+_LIBRARY.define("write_columns(Tensor(a!) k_base, Tensor(b!) v_base, Tensor k, Tensor v, Tensor slots, Tensor starts, "
+                "SymInt[] size, SymInt[] k_stride, SymInt k_offset, SymInt[] v_stride, SymInt v_offset) -> ()")
 
 
-def _write_columns(k_store: torch.Tensor, v_store: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   slots: torch.Tensor, starts: torch.Tensor) -> None:
+def _write_columns(k_base: torch.Tensor, v_base: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                   starts: torch.Tensor, size: list[int], k_stride: list[int], k_offset: int, v_stride: list[int],
+                   v_offset: int) -> None:
+    k_store = k_base.as_strided(size, k_stride, k_offset)  # [max_batch, capacity, kv_heads, head_dim]
+    v_store = v_base.as_strided(size, v_stride, v_offset)
     # rows: [B, 1] slots, cols: [B or 1, S] positions; the pair selects [B, S] tokens of [H, D] each
     rows, cols = slots.reshape(-1, 1), starts.reshape(-1, 1)
     if k.shape[2] > 1:
@@ -52,25 +58,64 @@ _LIBRARY.impl("write_columns", _write_columns, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("vmkv::write_columns")
-def _write_columns_fake(k_store: torch.Tensor, v_store: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        slots: torch.Tensor, starts: torch.Tensor) -> None:
+def _write_columns_fake(k_base: torch.Tensor, v_base: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                        starts: torch.Tensor, size: list[int], k_stride: list[int], k_offset: int, v_stride: list[int],
+                        v_offset: int) -> None:
     return None
 
 
-def write_columns(k_store: torch.Tensor, v_store: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  slots: torch.Tensor, starts: torch.Tensor) -> None:
+@dataclass(frozen=True)
+class Store:
+    """One layer's K or V as a graph path sees it: ``base``, a 1-D tensor over the whole storage
+    the layer lives in, and the layer's ``[max_batch, capacity, kv_heads, head_dim]`` view of it.
+
+    A compiled region takes ``base`` as its input and mutates it, not the layer's view: the views
+    of an all-layers range share one storage, and a compiled region whose mutated inputs alias
+    each other gets them merged into a synthetic base, which CUDA graphs refuse to capture
+    (inductor: "skipping cudagraphs due to mutated inputs"). Made by :func:`stores_of`.
+    """
+
+    base: torch.Tensor
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    def view(self) -> torch.Tensor:
+        """The layer's view (inside a compiled region: a view of the input ``base``)."""
+        return self.base.as_strided(self.size, self.stride, self.offset)
+
+
+def stores_of(views: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[Store, Store]]:
+    """Per layer, its K and V views (plain tensors) as :class:`Store` s, one ``base`` per storage."""
+    bases: dict[int, torch.Tensor] = {}
+
+    def store(view: torch.Tensor) -> Store:
+        storage = view.untyped_storage()
+        base = bases.get(storage.data_ptr())
+        if base is None:
+            base = bases[storage.data_ptr()] = torch.empty(0, dtype=view.dtype, device=view.device).set_(storage)
+        return Store(base, tuple(view.shape), tuple(view.stride()), view.storage_offset())
+
+    return [(store(k), store(v)) for k, v in views]
+
+
+def write_columns(k_store: Store, v_store: Store, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                  starts: torch.Tensor) -> None:
     """Write each row's new K/V at its own positions of its slot, and nothing else
-    (``torch.ops.vmkv.write_columns``: its schema names the two tensors it mutates).
+    (``torch.ops.vmkv.write_columns``: its schema names the two storages it mutates).
 
     Args:
-        k_store, v_store: ``[max_batch, capacity, kv_heads, head_dim]`` (any strides: a layer of
-            a VMM cache, ``cache.kv_cache(layer)``). Every position written must be in a mapped
-            page: the caller's eager point mapped it.
+        k_store, v_store: a layer's K and V (:func:`stores_of` of ``cache.kv_cache(layer)``, any
+            strides). Every position written must be in a mapped page: the caller's eager point
+            mapped it.
         k, v: ``[B, kv_heads, S, head_dim]``, the new states in transformers' layout.
         slots: int64 ``[B]``, the slot of each row.
         starts: int64 ``[B]`` (or ``[]``: the same for every row), the first position each row writes.
     """
-    torch.ops.vmkv.write_columns(k_store, v_store, k, v, slots, starts)
+    if k_store.size != v_store.size:
+        raise ValueError(f"K and V views differ in shape: {k_store.size} vs {v_store.size}")
+    torch.ops.vmkv.write_columns(k_store.base, v_store.base, k, v, slots, starts, list(k_store.size),
+                                 list(k_store.stride), k_store.offset, list(v_store.stride), v_store.offset)
 
 
 def decode_kernel_name(device: torch.device) -> str:
