@@ -29,6 +29,7 @@ def test_every_measured_order_names_registered_kernels_with_its_provenance():
         device_type, addressing = key.split("/")
         assert device_type in ("cpu", "cuda") and addressing in ADDRESSINGS
         assert entry["kernels"] and set(entry["kernels"]) <= set(registry.names(addressing)), key
+        assert set(entry.get("decode", entry["kernels"])) == set(entry["kernels"]), key  # a reordering, no new names
         assert set(entry.get("provisional", ())) <= set(entry["kernels"]), key
         assert all(entry[field] for field in ("machine", "command", "date", "result")), key
     rule = data["batch_rule"]["cpu"]
@@ -51,6 +52,19 @@ def test_a_decode_only_kernel_is_paired_with_the_next_one_for_other_steps():
     choice = registry.choose(registry.KernelSpec("blocks", CUDA, torch.float16, 2, 128, 16), flashinfer)
     assert (choice.decode, choice.other, choice.name) == ("flashinfer_decode", "gather_sdpa", "flashinfer_decode+gather_sdpa")
     assert "flashinfer_decode placed by reasoning, not yet measured" in choice.reason
+
+
+def test_an_order_may_rank_decode_steps_apart():
+    """cuda/slots ranks Triton's split-KV decode first for decode steps (measured on an H200) and
+    keeps FlashAttention's varlen kernel for prefill; without Triton both phases take the varlen one."""
+    h200 = MachineFacts((9, 0), {"flash_attn": "absent", "flashinfer": "absent"}, True, frozenset(), None)
+    spec = registry.KernelSpec("slots", CUDA, torch.float16, 8, 128)
+    choice = registry.choose(spec, h200)
+    assert (choice.decode, choice.other, choice.name) == ("triton", "varlen_attn_seqused", "triton+varlen_attn_seqused")
+    assert measured.order("cuda", "slots").decode[0] == "triton" and "triton" not in choice.provisional
+    no_triton = MachineFacts((9, 0), {"flash_attn": "absent", "flashinfer": "absent"}, True, frozenset(), "absent (test)")
+    assert registry.choose(spec, no_triton).name == "varlen_attn_seqused"
+    assert measured.order("cpu", "slots").decode == measured.order("cpu", "slots").kernels  # no "decode": the same order
 
 
 def test_forcing_a_kernel_by_name_in_either_mode():

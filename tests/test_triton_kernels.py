@@ -414,10 +414,12 @@ def test_prefill_head_dim_256(interpreter):
 
 # ---- host side: splits, graph friendliness, probe ----------------------------------------------
 def test_choose_num_splits():
-    assert ta.choose_num_splits(32, 8, 2048, 132) == 3  # 256 programs -> 768 for 528 wanted
-    assert ta.choose_num_splits(256, 8, 2048, 132) == 1  # enough programs already
-    assert ta.choose_num_splits(1, 8, 1 << 20, 132) == ta.MAX_AUTO_SPLITS  # 66 wanted, capped
-    assert ta.choose_num_splits(1, 1, 300, 132) == 2  # no split under MIN_KEYS_PER_SPLIT keys
+    assert ta.choose_num_splits(32, 8, 8192, 132) == 1  # 256 programs for 132 SMs: enough already
+    assert ta.choose_num_splits(8, 8, 8192, 132) == 3  # 64 programs -> 192 for 132 wanted
+    assert ta.choose_num_splits(1, 8, 8192, 132) == 4  # 17 wanted, no split under MIN_KEYS_PER_SPLIT keys
+    assert ta.choose_num_splits(8, 8, 2048, 132) == 1  # too few keys to split
+    assert ta.choose_num_splits(1, 1, 1 << 20, 132) == ta.MAX_AUTO_SPLITS  # 132 wanted, capped
+    assert ta.choose_num_splits(1, 1, 5000, 132) == 3
     assert ta.choose_num_splits(4, 2, 0, 132) == 1
     assert ta.choose_num_splits(0, 8, 4096, 132) >= 1
 
@@ -446,25 +448,25 @@ def test_host_side_reads_no_device_value(monkeypatch):
     monkeypatch.setattr(ta, "_require", lambda device: recorder)
     meta = dict(device="meta")
     q = torch.empty(6, 8, 64, dtype=F16, **meta)
-    pool = torch.empty(40, 16, 2, 64, dtype=F16, **meta)
+    pool = torch.empty(40, 16, 1, 64, dtype=F16, **meta)  # one KV head: 6 programs, fewer than the SMs, so splits
     lens = torch.empty(6, dtype=torch.int32, **meta)
-    table = torch.empty(6, 100, dtype=torch.int32, **meta)  # up to 1,600 keys
-    ta.decode_attention(q, pool, pool, lens, block_table=table, max_kv_len=1000)
+    table = torch.empty(6, 400, dtype=torch.int32, **meta)  # up to 6,400 keys
+    ta.decode_attention(q, pool, pool, lens, block_table=table, max_kv_len=5000)
     ta.decode_attention(q, pool, pool, lens, block_table=table, num_splits=1)
     ta.prefill_attention(q, pool, pool, torch.empty(3, dtype=torch.int32, **meta), lens[:2], block_table=table[:2])
     names = [(name, grid) for name, grid, _, _ in recorder.launches]
-    splits = ta.choose_num_splits(6, 2, 1000, ta.CPU_STAND_IN_SMS)
+    splits = ta.choose_num_splits(6, 1, 5000, ta.CPU_STAND_IN_SMS)
     assert splits > 1
     assert names == [
-        ("_decode_split_kernel", (6, 2, splits)), ("_decode_merge_kernel", (6, 2)),
-        ("_decode_split_kernel", (6, 2, 1)),
-        ("_prefill_kernel", (6 // 16 + 2, 2)),
+        ("_decode_split_kernel", (6, 1, splits)), ("_decode_merge_kernel", (6, 1)),
+        ("_decode_split_kernel", (6, 1, 1)),
+        ("_prefill_kernel", (6 // 16 + 2, 1)),
     ]
 
 
 def test_workspace_caps_default_splits(interpreter):
-    lens = [200, 300]
-    store = paged_storage(lens, 32, 1, 16, F32)
+    lens = [2200, 6300]  # long enough for the rule to split (it would take 4)
+    store = paged_storage(lens, 256, 1, 16, F32)
     q = torch.randn(2, 2, 16)
     ws = ta.DecodeWorkspace.allocate(2, 2, 16, 2, DEVICE)
     ws.partial_lse.fill_(float("nan"))

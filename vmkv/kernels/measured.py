@@ -23,21 +23,27 @@ class Order:
     """The preference order of kernels for one device type and addressing, and where it comes from.
 
     Attributes:
-        kernels: names, preferred first (the first that can run is chosen, per phase).
+        kernels: names, preferred first: the first that can run is chosen for prefill and mixed
+            steps (a decode-only kernel is passed over there), and for decode steps unless
+            ``decode`` orders them.
         provisional: names placed by reasoning, not yet measured on that device.
         source: ``"machine; command; date: result"`` for ``vmkv info`` and the logs.
+        decode: the order for decode steps (the entry's ``"decode"``, else ``kernels``): a kernel
+            measured faster at decode than at prefill is placed here alone.
     """
 
     kernels: tuple[str, ...]
     provisional: frozenset[str]
     source: str
+    decode: tuple[str, ...]
 
 
 def order(device_type: str, addressing: str) -> Order:
     """The order for ``device_type`` (``"cpu"``, ``"cuda"``) and ``addressing`` (``"slots"``, ``"blocks"``)."""
     entry = _data()["order"][f"{device_type}/{addressing}"]
     source = f"{entry['machine']}; {entry['command']}; {entry['date']}: {entry['result']}"
-    return Order(tuple(entry["kernels"]), frozenset(entry.get("provisional", ())), source)
+    kernels = tuple(entry["kernels"])
+    return Order(kernels, frozenset(entry.get("provisional", ())), source, tuple(entry.get("decode", kernels)))
 
 
 def batch_rule_constants(device_type: str = "cpu") -> dict[str, float]:

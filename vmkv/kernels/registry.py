@@ -5,8 +5,10 @@ A kernel has a name, the addressings it reads (``"slots"``: VMM mode's contiguou
 what it needs (:func:`unavailable`). The rule (:func:`choose`): for the cache's device type and
 addressing, walk the measured order (``vmkv/kernels/measured.json``: which kernel is fastest,
 measured where, by what command, when) and take, for decode steps and for the other steps, the
-first kernel that can run. When the two differ (FlashInfer decodes only), the cache gets both
-(:class:`~vmkv.kernels.base.PhaseSplit`, named ``decode+other``). A kernel the order places
+first kernel that can run (an order may rank decode steps apart: on an H200, Triton's split-KV
+decode over slots beats torch's FlashAttention, whose prefill is kept). When the two differ
+(FlashInfer decodes only), the cache gets both (:class:`~vmkv.kernels.base.PhaseSplit`, named
+``decode+other``). A kernel the order places
 without a measurement on that device (``provisional``) says so in the choice's reason.
 
 Which kernel a cache runs is logged once and shown in ``stats()["kernel"]``; ``vmkv info`` shows
@@ -195,30 +197,32 @@ class Choice:
 
 
 def choose(spec: KernelSpec, facts: MachineFacts | None = None) -> Choice:
-    """The rule: for decode steps and for other steps, the first kernel of the measured order of
-    ``spec``'s device type and addressing that can run (:func:`unavailable`).
+    """The rule: for decode steps, the first kernel of the measured decode order of ``spec``'s
+    device type and addressing that can run (:func:`unavailable`); for every other step, the first
+    of its order that can run and is not decode-only.
 
     Raises:
         BackendUnavailable: no kernel of the order can run (the message says why each cannot).
     """
     facts = facts if facts is not None else MachineFacts.probe(spec.device)
     measured = order(spec.device.type, spec.addressing)
-    skipped: list[str] = []
-    decode = other = None
-    for name in measured.kernels:
-        reason = unavailable(name, spec, facts)
-        if reason is not None:
-            if decode is None or other is None:
-                skipped.append(reason)
-            continue
-        decode = decode or name
-        if not KERNELS[name].decode_only:
-            other = name
-            break
+    skipped: dict[str, str] = {}  # kernels preferred to a chosen one: why each cannot run
+
+    def first(names: tuple[str, ...], decode_steps: bool) -> str | None:
+        for name in names:
+            if not decode_steps and KERNELS[name].decode_only:
+                continue
+            reason = unavailable(name, spec, facts)
+            if reason is None:
+                return name
+            skipped.setdefault(name, reason)
+        return None
+
+    decode, other = first(measured.decode, True), first(measured.kernels, False)
     if decode is None or other is None:
-        raise BackendUnavailable(f"no attention kernel for {spec.addressing} on {spec.device}: {'; '.join(skipped)}")
+        raise BackendUnavailable(f"no attention kernel for {spec.addressing} on {spec.device}: {'; '.join(skipped.values())}")
     chosen = (decode,) if decode == other else (decode, other)
-    return Choice("+".join(chosen), decode, other, tuple(skipped), measured.source,
+    return Choice("+".join(chosen), decode, other, tuple(skipped.values()), measured.source,
                   tuple(name for name in chosen if name in measured.provisional))
 
 

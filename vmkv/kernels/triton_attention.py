@@ -89,9 +89,11 @@ from ..errors import BackendUnavailable, InvalidDevice, InvalidDtype, InvalidInp
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# choose_num_splits: starting values from reasoning about H100/H200-class GPUs, to be measured there
-PROGRAMS_PER_SM = 4  # decode programs wanted per multiprocessor (several resident ones hide memory latency)
-MIN_KEYS_PER_SPLIT = 256  # no split shorter: its fixed cost (q, a float32 partial output, the merge) stays small next to its reads
+# choose_num_splits, measured on an H200 (torch 2.11, triton 3.6; docs/gpu.md, "The split rule"): fp16, 8 KV heads of
+# 128, each call timed alone. At 2,048 keys one split is fastest from 4 sequences up (0.07-0.13 ms; any split adds
+# ~0.05 ms: the merge launch); at 8,192 keys splits pay below 32 sequences (1 sequence 0.18 -> 0.12-0.14 ms).
+PROGRAMS_PER_SM = 1  # decode programs wanted per multiprocessor (one wave: each SM holds several programs at once)
+MIN_KEYS_PER_SPLIT = 2048  # no split shorter: it does not pay for its float32 partial output and the merge launch
 MAX_AUTO_SPLITS = 64  # the most splits choose_num_splits picks
 MAX_NUM_SPLITS = 65535  # the most a caller may force (a CUDA grid's third dimension)
 CPU_STAND_IN_SMS = 8  # "multiprocessors" of the CPU interpreter: any fixed number keeps CPU runs reproducible
@@ -206,7 +208,7 @@ def choose_num_splits(batch_size: int, kv_heads: int, max_kv_len: int, num_sms: 
     The rule: the fewest splits that give ``PROGRAMS_PER_SM * num_sms`` programs, but no split
     of the longest sequence shorter than ``MIN_KEYS_PER_SPLIT`` keys (a short split does not pay
     for its partial output and merge), and at most ``MAX_AUTO_SPLITS``; at least 1. These
-    constants are starting points for H100/H200-class GPUs, to be measured there.
+    constants were measured on an H200 (see their comments).
 
     Only host ints go in, so a captured CUDA graph keeps its launch shape: pass an upper bound
     on the lengths (e.g. ``max_seq_len``) as ``max_kv_len``; the kernel then divides each
