@@ -176,7 +176,8 @@ def test_gpu_check_isolates_a_crashing_section_and_fails_the_run(tmp_path, monke
     def command(name, args, seconds):
         seen.append(json.loads((tmp_path / "gpu_check.json").read_text())["sections"] if seen else {})
         if name == "decode":
-            return [sys.executable, "-c", "import os; print('about to crash', flush=True); os.abort()"]
+            return [sys.executable, "-c", "import os; print('RuntimeError: the cause'); "
+                    "print('frame\\n' * 1000 + 'about to crash', flush=True); os.abort()"]
         return passing(name, args, seconds)
 
     monkeypatch.setattr(runner, "worker_command", command)
@@ -186,6 +187,7 @@ def test_gpu_check_isolates_a_crashing_section_and_fails_the_run(tmp_path, monke
     assert [report["sections"][s]["status"] for s in ("environment", "decode", "map_unmap")] == ["passed", "failed", "passed"]
     crash = report["sections"]["decode"]
     assert "killed by SIGABRT" in crash["error"] and "about to crash" in crash["output_tail"]
+    assert crash["first_errors"] == ["RuntimeError: the cause"] and "the cause" not in crash["output_tail"]  # frames pushed it out
     assert list(seen[2]) == ["environment", "decode"]  # written before the third section started
     assert "1 FAILED: decode (the section's process killed by SIGABRT" in capsys.readouterr().out.strip().splitlines()[-1]
     timed_out = runner.collect([sys.executable, "-c", "import time; time.sleep(30)"], tmp_path / "never.json", timeout=0.5)

@@ -3,7 +3,8 @@ side by side in one process (issue 29's measurements).
 
 * **Translation alone**: vmkv's Triton decode kernel reading VMM mode's slots and the same kernel
   reading paged mode's block tables (blocks of 16 and 256 tokens), on the same K/V: nothing but
-  the addressing differs.
+  the addressing differs. Every candidate is the kernel object called on its cache's storage and
+  plan (the same host path for all; ``cache.attention``'s input checks are left out alike).
 * **The bandwidth limit**: each decode kernel's K/V bytes read per second, as a share of the
   device's read bandwidth measured in the same run (``torch.sum`` over a buffer larger than the
   caches).
@@ -50,44 +51,49 @@ def read_bandwidth_gbps(device: torch.device, nbytes: int, repeats: int) -> floa
     return nbytes / timings.median("sum") / 1e9
 
 
-def _paged_cache(device: torch.device, shape: Shape, block: int, kernel: str | None) -> vmkv.PagedKVCache:
+def _paged_cache(device: torch.device, shape: Shape, block: int) -> vmkv.PagedKVCache:
     itemsize = torch.empty((), dtype=getattr(torch, shape.dtype)).element_size()
     blocks = shape.batch * -(-shape.seq_len // block) + shape.batch
     config = decode_config(device, shape, block_size=block, memory_budget=2 * blocks * block * shape.kv_heads * shape.head_dim * itemsize)
-    return vmkv.PagedKVCache(config, kernel=kernel)
+    return vmkv.PagedKVCache(config)
+
+
+def _kernel_call(name: str, spec: kernel_registry.KernelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 plan: vmkv.StepPlan) -> Callable[[], torch.Tensor] | str:
+    """A decode call of kernel ``name`` on ``k``, ``v`` with ``plan``, or why it cannot run here."""
+    why = kernel_registry.unavailable(name, spec)
+    if why is not None:
+        return f"kernel {name} cannot run here: {why}"
+    kernel, scale = kernel_registry.build(name, spec), spec.head_dim ** -0.5
+    return lambda: kernel(q, k, v, plan, scale)
 
 
 def _candidates(device: torch.device, shape: Shape, data, opened: list
                 ) -> tuple[dict[str, Callable[[], torch.Tensor]], dict[str, str], vmkv.StepPlan]:
-    """The decode calls to time: ``vmm:<selected>``, ``slots:triton``, ``blocks<B>:triton`` and
-    ``blocks<B>:<each other paged kernel>``; what could not run, with why; the VMM cache's plan
-    (the VMM cache is ``opened[0]``)."""
+    """The decode calls to time: ``vmm:<the decode kernel a VMM cache selects>``, ``slots:triton``
+    and ``blocks<B>:<each paged kernel>``; what could not run, with why; the VMM cache's plan (the
+    VMM cache is ``opened[0]``). Every candidate is a kernel object called on its cache's own
+    storage and plan, so every one has the same host path (the caches' input checks, which
+    ``cache.attention`` adds, are left out alike)."""
     vmm = vmkv.open_cache(decode_config(device, shape))
     opened.append(vmm)
     plan = fill(vmm, data, shape)
-    fns: dict[str, Callable[[], torch.Tensor]] = {f"vmm:{vmm.kernel}": lambda: vmm.attention(0, data.q, plan)}
-    skipped: dict[str, str] = {}
+    k, v = map(unguarded, vmm.kv_cache(0))
     spec = kernel_registry.KernelSpec("slots", device, vmm.config.dtype, shape.kv_heads, shape.head_dim)
-    why = kernel_registry.unavailable("triton", spec)
-    if why is None:
-        triton = kernel_registry.build("triton", spec)
-        k, v = map(unguarded, vmm.kv_cache(0))
-        fns["slots:triton"] = lambda: triton(data.q, k, v, plan, None)
-    else:
-        skipped["slots:triton"] = why
+    calls = {f"vmm:{kernel_registry.choose(spec).decode}": None, "slots:triton": None}
     for block in BLOCK_SIZES:
         if block > shape.seq_len:
             continue
+        cache = _paged_cache(device, shape, block)
+        opened.append(cache)
+        paged_plan, pools = fill(cache, data, shape), cache.block_pool(0)
+        block_spec = replace(spec, addressing="blocks", block_size=block)
         for name in kernel_registry.names("blocks"):
-            label = f"blocks{block}:{name}"
-            try:
-                cache = _paged_cache(device, shape, block, name)
-            except (vmkv.BackendUnavailable, vmkv.InvalidConfig) as exc:
-                skipped[label] = str(exc)
-                continue
-            opened.append(cache)
-            paged_plan = fill(cache, data, shape)
-            fns[label] = lambda cache=cache, paged_plan=paged_plan: cache.attention(0, data.q, paged_plan)
+            calls[f"blocks{block}:{name}"] = _kernel_call(name, block_spec, data.q, *pools, paged_plan)
+    for label in ("slots:triton", next(iter(calls))):
+        calls[label] = _kernel_call(label.partition(":")[2], spec, data.q, k, v, plan)
+    fns = {label: call for label, call in calls.items() if callable(call)}
+    skipped = {label: why for label, why in calls.items() if isinstance(why, str)}
     return fns, skipped, plan
 
 
@@ -129,7 +135,7 @@ def paged_vs_vmm_section(device: torch.device, shape: Shape) -> dict[str, Any]:
                        "max_abs_err_vs_fp32_reference": errors[name]} for name, ms in times.items()}
         splits = _split_sweep(device, shape, data, vmm, plan)
         result = {"shape": asdict(shape), "read_bandwidth_GBps": bandwidth, "kv_bytes_read": kv_bytes,
-                  "vmm_kernel": vmm.kernel, "candidates": rows, "skipped": skipped, "splits": splits,
+                  "vmm_kernel": vmm.kernel.partition("+")[0], "candidates": rows, "skipped": skipped, "splits": splits,
                   "tolerance": tolerance, "failures": failures}
         result["ratios"] = ratios(result)
         result["verdicts"] = verdicts(result)
@@ -172,10 +178,10 @@ def verdicts(result: dict[str, Any]) -> list[str]:
 
 
 def proposed_orders(result: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """The CUDA orders of ``measured.json``, each kernel placed by this run's time (kernels not
-    measured here keep their place after the measured ones), to review and commit. Paged
-    kernels are ranked at the largest block size measured, where every paged kernel can run
-    (FlashAttention's need 256-token blocks)."""
+    """The CUDA decode orders of ``measured.json`` (each entry's ``"decode"``), each kernel placed
+    by this run's time (kernels not measured here keep their place after the measured ones), to
+    review and commit. Paged kernels are ranked at the largest block size measured, where every
+    paged kernel can run (FlashAttention's need 256-token blocks)."""
     if device.type != "cuda":
         return {}
     name = torch.cuda.get_device_name(device)
@@ -191,10 +197,10 @@ def proposed_orders(result: dict[str, Any], device: torch.device) -> dict[str, A
             timed["blocks"][kernel] = row["ms"]
     orders = {}
     for addressing, kernels in timed.items():
-        current = measured.order("cuda", addressing).kernels
+        current = measured.order("cuda", addressing).decode
         ranked = sorted(kernels, key=kernels.get)
         orders[f"cuda/{addressing}"] = {
-            "kernels": ranked + [k for k in current if k not in ranked],
+            "decode": ranked + [k for k in current if k not in ranked],
             "machine": f"{name}, torch {torch.__version__}", "command": "python benchmarks/gpu_check.py",
             "date": today, "result": ", ".join(f"{k} {kernels[k]:.4f} ms" for k in ranked),
         }

@@ -132,7 +132,24 @@ def collect(cmd: list[str], result: Path, timeout: float) -> dict[str, Any]:
     if done.returncode == 0 and result.exists():
         return {**json.loads(result.read_text()), "seconds": seconds}
     return {"status": "failed", "error": f"the section's process {done.ended} before reporting", "seconds": seconds,
-            "output_tail": done.output[-3000:]}
+            "first_errors": first_errors(done.output), "output_tail": done.output[-3000:]}
+
+
+ERROR_MARKS = ("Error", "error:", "Assertion", "Traceback", "what():")
+"""What marks a line worth keeping from a crashed section's output (a C++ abort ends with a long
+stack of frames that pushes the cause out of the tail)."""
+
+
+def first_errors(output: str, lines: int = 12) -> list[str]:
+    """The first ``lines`` lines of ``output`` that say what went wrong (:data:`ERROR_MARKS`),
+    each line once (a device assertion repeats itself for every GPU thread)."""
+    found: list[str] = []
+    for line in output.splitlines():
+        if any(mark in line for mark in ERROR_MARKS) and line not in found:
+            found.append(line[:300])
+            if len(found) == lines:
+                break
+    return found
 
 
 # ---- the parent ------------------------------------------------------------------------------
