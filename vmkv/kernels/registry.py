@@ -8,8 +8,8 @@ measured where, by what command, when) and take, for decode steps and for the ot
 first kernel that can run (an order may rank decode steps apart: on an H200, Triton's split-KV
 decode over slots beats torch's FlashAttention, whose prefill is kept). When the two differ
 (FlashInfer decodes only), the cache gets both (:class:`~vmkv.kernels.base.PhaseSplit`, named
-``decode+other``). A kernel the order places
-without a measurement on that device (``provisional``) says so in the choice's reason.
+``decode+other``). A kernel the order places without a measurement on that device
+(``provisional``) says so in the choice's reason.
 
 Which kernel a cache runs is logged once and shown in ``stats()["kernel"]``; ``vmkv info`` shows
 the choice for this machine and for a GPU it lacks (:func:`describe`).
