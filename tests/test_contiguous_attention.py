@@ -13,7 +13,7 @@ from helpers import KVMirror, dense_attention, small_config
 
 import vmkv
 from vmkv.kernels import contiguous as attention
-from vmkv.kernels import facts, registry
+from vmkv.kernels import facts, registry, triton_attention
 from vmkv.kernels.contiguous import DEFAULT_BATCH_RULE, BatchRule, SdpaDecodeKernel, plan_decode_batch, slot_kernel
 from vmkv.kernels.facts import MachineFacts
 
@@ -267,6 +267,7 @@ def test_a_broken_flash_attn_is_reported_not_selected(broken_flash_attn, monkeyp
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(registry, "_LOGGED", set())
+    monkeypatch.setattr(triton_attention, "triton_available", lambda device=None: (False, "no triton (test)"))  # no GPU to build it
     with caplog.at_level(logging.INFO, logger="vmkv"):
         kernel = registry.make_kernel(registry.KernelSpec("slots", torch.device("cuda", 0), torch.bfloat16, 8, 128))
     assert kernel.name != "flash_attn_with_kvcache"
@@ -290,13 +291,14 @@ def test_flash_attention_requirements_are_stated_once_for_both_modes():
         assert need in registry.unavailable("flash_attn_with_kvcache", slots, machine)
         assert need in registry.unavailable("flash_attn_with_kvcache", blocks, machine)
     choice = registry.choose(registry.KernelSpec("slots", cuda, torch.float16, 8, 128), sm90)
-    assert (choice.name, choice.skipped) == ("flash_attn_with_kvcache", ())
+    assert (choice.name, choice.skipped) == ("flash_attn_with_kvcache", ("triton needs triton usable here (not here)",))
     no_flash = MachineFacts((9, 0), {"flash_attn": "flash_attn is not installed"}, varlen_seqused=False,
                             triton_missing="triton is not installed")
     choice = registry.choose(registry.KernelSpec("slots", cuda, torch.float16, 8, 128), no_flash)
     assert choice.name == "sdpa_per_sequence"
-    assert "flash_attn is not installed" in choice.skipped[0] and "seqused_k" in choice.skipped[1]
-    assert "triton is not installed" in choice.skipped[2]
+    assert len(choice.skipped) == 3  # each kernel preferred to it, once, in the decode order: triton first
+    assert "triton is not installed" in choice.skipped[0] and "flash_attn is not installed" in choice.skipped[1]
+    assert "seqused_k" in choice.skipped[2]
 
 
 def test_vmkv_info_reports_the_selector_s_choice(monkeypatch):
