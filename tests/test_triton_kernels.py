@@ -67,7 +67,7 @@ TOLERANCE = {
 
 
 @pytest.fixture
-def interpreter():
+def kernels_run_here():
     """Requested by every test that runs a kernel: skipped unless this process runs Triton's
     interpreter or has a CUDA GPU (otherwise test_kernels_in_interpreter runs it in a child process)."""
     if not (INTERPRETED or ON_GPU):
@@ -268,7 +268,7 @@ F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
         (256, 8, 128, BF16),
     ],
 )
-def test_decode_paged(interpreter, block_size, group, head_dim, dtype):
+def test_decode_paged(kernels_run_here, block_size, group, head_dim, dtype):
     """Lengths 0, 1, a block, a block + 1, and more; sequence 1 a fork sharing sequence 0's
     blocks; the default split count."""
     lens = [block_size + 1, block_size, 0, 1, 2 * block_size + 5]
@@ -283,7 +283,7 @@ def test_decode_paged(interpreter, block_size, group, head_dim, dtype):
     "layout, group, head_dim, dtype",
     [("plain", 4, 64, F32), ("all_layers", 8, 128, BF16), ("head_major", 1, 32, F16), ("head_major", 4, 64, F32)],
 )
-def test_decode_contiguous(interpreter, layout, group, head_dim, dtype):
+def test_decode_contiguous(kernels_run_here, layout, group, head_dim, dtype):
     """Slots of strided views (one layer of an all-layers tensor, a head-major range
     transposed), lengths 0 .. capacity, forced splits."""
     lens, capacity = [0, 1, 64, 65, 150], 150
@@ -293,7 +293,7 @@ def test_decode_contiguous(interpreter, layout, group, head_dim, dtype):
 
 
 @pytest.mark.parametrize("addressing", ["paged", "contiguous"])
-def test_split_counts_agree(interpreter, addressing):
+def test_split_counts_agree(kernels_run_here, addressing):
     """1..5 splits, and far more splits than blocks (empty splits), give the same output."""
     lens = [1, 16, 17, 100]
     if addressing == "paged":
@@ -305,7 +305,7 @@ def test_split_counts_agree(interpreter, addressing):
         torch.testing.assert_close(out, outs[0], atol=2e-6, rtol=2e-6)
 
 
-def test_steps_reuse_buffers_as_a_graph_replay_would(interpreter):
+def test_steps_reuse_buffers_as_a_graph_replay_would(kernels_run_here):
     """The same q, out, workspace, lengths tensor and split count every step (what a captured
     graph replays), lengths grown in place on the device: each step is right, crossing blocks."""
     final = [2, 17, 33]
@@ -322,7 +322,7 @@ def test_steps_reuse_buffers_as_a_graph_replay_would(interpreter):
         lens += 1
 
 
-def test_decode_all_empty_with_splits(interpreter):
+def test_decode_all_empty_with_splits(kernels_run_here):
     """Every sequence without keys, several splits: the merge sees only empty splits -> zeros."""
     lens = [0, 0]
     store = paged_storage(lens, 16, 1, 16, F32, fork=False)
@@ -331,7 +331,7 @@ def test_decode_all_empty_with_splits(interpreter):
 
 
 @pytest.mark.parametrize("addressing", ["paged", "contiguous"])
-def test_reads_past_length_do_not_matter(interpreter, addressing):
+def test_reads_past_length_do_not_matter(kernels_run_here, addressing):
     """The same sequences over storage whose unaddressed elements are NaN or random numbers:
     bit-identical outputs (nothing past a length is read into the result)."""
     lens = [3, 20, 33]
@@ -346,7 +346,7 @@ def test_reads_past_length_do_not_matter(interpreter, addressing):
     assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
 
 
-def test_odd_block_size_and_group(interpreter):
+def test_odd_block_size_and_group(kernels_run_here):
     """A block size that does not hold whole key tiles and is no power of two (each key looks its
     block up), and a group of 3 query heads per KV head (padded rows)."""
     lens = [0, 24, 49, 100]
@@ -355,7 +355,7 @@ def test_odd_block_size_and_group(interpreter):
     run_prefill(store, [1, 24, 10, 37], lens, 6, F32)
 
 
-def test_large_scores(interpreter):
+def test_large_scores(kernels_run_here):
     """Scores in the hundreds (softmax all but one-hot): the running max keeps every exp2 finite,
     across tiles and across splits."""
     lens = [5, 70, 130]
@@ -389,7 +389,7 @@ SCENARIOS = {
         (16, 1, 32, F32, "chunked"),
     ],
 )
-def test_prefill_paged(interpreter, block_size, group, head_dim, dtype, scenario):
+def test_prefill_paged(kernels_run_here, block_size, group, head_dim, dtype, scenario):
     q_lens, kv_lens = SCENARIOS[scenario]
     store = paged_storage(kv_lens, block_size, 2, head_dim, dtype)
     run_prefill(store, q_lens, kv_lens, 2 * group, dtype)
@@ -399,13 +399,13 @@ def test_prefill_paged(interpreter, block_size, group, head_dim, dtype, scenario
     "layout, group, head_dim, dtype, scenario",
     [("plain", 4, 32, F32, "no_prefix"), ("all_layers", 8, 64, BF16, "chunked"), ("head_major", 1, 128, F16, "long_chunk")],
 )
-def test_prefill_contiguous(interpreter, layout, group, head_dim, dtype, scenario):
+def test_prefill_contiguous(kernels_run_here, layout, group, head_dim, dtype, scenario):
     q_lens, kv_lens = SCENARIOS[scenario]
     store = contiguous_storage(kv_lens, max(kv_lens) + 7, 2, head_dim, dtype, layout=layout)
     run_prefill(store, q_lens, kv_lens, 2 * group, dtype)
 
 
-def test_prefill_head_dim_256(interpreter):
+def test_prefill_head_dim_256(kernels_run_here):
     lens = [3, 40]
     store = paged_storage(lens, 32, 1, 256, F16)
     run_prefill(store, [3, 9], lens, 2, F16)
@@ -464,7 +464,7 @@ def test_host_side_reads_no_device_value(monkeypatch):
     ]
 
 
-def test_workspace_caps_default_splits(interpreter):
+def test_workspace_caps_default_splits(kernels_run_here):
     lens = [2200, 6300]  # long enough for the rule to split (it would take 4)
     store = paged_storage(lens, 256, 1, 16, F32)
     q = torch.randn(2, 2, 16)

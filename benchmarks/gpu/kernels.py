@@ -68,6 +68,12 @@ def _kernel_call(name: str, spec: kernel_registry.KernelSpec, q: torch.Tensor, k
     return lambda: kernel(q, k, v, plan, scale)
 
 
+def decode_kernel(cache: vmkv.KVCacheBase) -> str:
+    """The kernel ``cache`` runs decode steps with (its kernel's name is ``decode+other`` when the
+    phases differ)."""
+    return cache.kernel.partition("+")[0]
+
+
 def _candidates(device: torch.device, shape: Shape, data, opened: list
                 ) -> tuple[dict[str, Callable[[], torch.Tensor]], dict[str, str], vmkv.StepPlan]:
     """The decode calls to time: ``vmm:<the decode kernel a VMM cache selects>``, ``slots:triton``
@@ -80,7 +86,8 @@ def _candidates(device: torch.device, shape: Shape, data, opened: list
     plan = fill(vmm, data, shape)
     k, v = map(unguarded, vmm.kv_cache(0))
     spec = kernel_registry.KernelSpec("slots", device, vmm.config.dtype, shape.kv_heads, shape.head_dim)
-    calls = {f"vmm:{kernel_registry.choose(spec).decode}": None, "slots:triton": None}
+    calls = {label: _kernel_call(label.partition(":")[2], spec, data.q, k, v, plan)
+             for label in (f"vmm:{decode_kernel(vmm)}", "slots:triton")}
     for block in BLOCK_SIZES:
         if block > shape.seq_len:
             continue
@@ -90,8 +97,6 @@ def _candidates(device: torch.device, shape: Shape, data, opened: list
         block_spec = replace(spec, addressing="blocks", block_size=block)
         for name in kernel_registry.names("blocks"):
             calls[f"blocks{block}:{name}"] = _kernel_call(name, block_spec, data.q, *pools, paged_plan)
-    for label in ("slots:triton", next(iter(calls))):
-        calls[label] = _kernel_call(label.partition(":")[2], spec, data.q, k, v, plan)
     fns = {label: call for label, call in calls.items() if callable(call)}
     skipped = {label: why for label, why in calls.items() if isinstance(why, str)}
     return fns, skipped, plan
@@ -135,7 +140,7 @@ def paged_vs_vmm_section(device: torch.device, shape: Shape) -> dict[str, Any]:
                        "max_abs_err_vs_fp32_reference": errors[name]} for name, ms in times.items()}
         splits = _split_sweep(device, shape, data, vmm, plan)
         result = {"shape": asdict(shape), "read_bandwidth_GBps": bandwidth, "kv_bytes_read": kv_bytes,
-                  "vmm_kernel": vmm.kernel.partition("+")[0], "candidates": rows, "skipped": skipped, "splits": splits,
+                  "vmm_kernel": decode_kernel(vmm), "candidates": rows, "skipped": skipped, "splits": splits,
                   "tolerance": tolerance, "failures": failures}
         result["ratios"] = ratios(result)
         result["verdicts"] = verdicts(result)
