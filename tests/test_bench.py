@@ -1223,3 +1223,18 @@ def test_decode_names_the_winner_of_a_kernel_read_through_both_addressings():
     (verdict,) = decode._addressing_verdicts(point, timings, "all_layers", "B=2, 128 tokens", 0.02)
     assert verdict.key == "decode.triton.slots_vs_blocks" and verdict.winner.startswith("slots, 1.30x")
     assert verdict.note == "vmm:per_layer:triton vs paged:triton"
+
+
+def test_triton_splits_sweeps_and_judges_the_rule_in_the_interpreter():
+    """The split sweep behind choose_num_splits runs (in Triton's interpreter here: the code path,
+    not a measurement), ends with its verdict, and without the interpreter says why, exit 2."""
+    command = [sys.executable, "-m", "benchmarks.triton_splits", "--device", "cpu", "--smoke"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    interpreted = subprocess.run(command, cwd=ROOT, env={**env, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
+    assert interpreted.returncode == 0, interpreted.stderr[-2000:]
+    lines = interpreted.stdout.strip().splitlines()
+    assert len(lines) == 3 and all("fastest" in line and "the rule 1" in line for line in lines[:2])
+    assert lines[-1].startswith("verdict: the split rule is within 10% of the fastest count at ") and "not a GPU measurement" in lines[-1]
+    plain = subprocess.run(command, cwd=ROOT, env={k: v for k, v in env.items() if k != "TRITON_INTERPRET"},
+                           capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 2 and "TRITON_INTERPRET=1" in plain.stdout

@@ -89,9 +89,10 @@ from ..errors import BackendUnavailable, InvalidDevice, InvalidDtype, InvalidInp
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# choose_num_splits, measured on an H200 (torch 2.11, triton 3.6; docs/gpu.md, "The split rule"): fp16, 8 KV heads of
-# 128, each call timed alone. At 2,048 keys one split is fastest from 4 sequences up (0.07-0.13 ms; any split adds
-# ~0.05 ms: the merge launch); at 8,192 keys splits pay below 32 sequences (1 sequence 0.18 -> 0.12-0.14 ms).
+# choose_num_splits, measured on an H200 (torch 2.11, triton 3.6; python -m benchmarks.triton_splits; docs/gpu.md,
+# "The split rule"): fp16, 8 KV heads of 128, each call timed alone. At 2,048 keys one split is fastest from 4
+# sequences up (0.07-0.13 ms; any split adds ~0.05 ms: the merge launch); at 8,192 keys splits pay below 32 sequences
+# (1 sequence 0.18 -> 0.12-0.14 ms).
 PROGRAMS_PER_SM = 1  # decode programs wanted per multiprocessor (one wave: each SM holds several programs at once)
 MIN_KEYS_PER_SPLIT = 2048  # no split shorter: it does not pay for its float32 partial output and the merge launch
 MAX_AUTO_SPLITS = 64  # the most splits choose_num_splits picks
