@@ -90,6 +90,7 @@ def test_gpu_check_cpu_dry_run_of_the_cuda_graph_sections(tmp_path):
     partial = json.loads((tmp_path / "hf_compiled.partial.json").read_text())  # what a run killed at its limit keeps
     assert partial["ratios"] == compiled["ratios"] and "ragged" in partial
     assert compiled["logit_errors"]["vmm+compile"] < 1e-4
+    assert set(compiled["profile"]) == {"static", "vmm+compile"} and compiled["profile"]["vmm+compile"]["self_cpu_ms"]
     assert "alone" not in entries["hf_compiled"] and "StaticCache" in entries["hf_compiled"]["headline"]
 
 

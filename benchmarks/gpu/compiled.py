@@ -14,6 +14,8 @@ the same length (``min_new_tokens``); each cache once untimed (it compiles), the
   against the real tokens' (target <= 1.05x). With the model's own attention every column is
   stored, padding included, so the byte target needs the ``"vmkv"`` attention under compile
   (not built yet): reported as measured.
+* **profile**: one generate() of StaticCache and of compiled VirtualCache under ``torch.profiler``
+  (the ops with the most host and device time): where the dense gap between them lies.
 * **logits**: bfloat16 random models tie often, so tokens are not compared; the logits of each
   cache teacher-forced along StaticCache's tokens (a logits processor forces them;
   ``output_logits`` returns the model's own) are compared with DynamicCache's: compiled
@@ -201,6 +203,8 @@ def hf_compiled_section(device: torch.device, smoke: bool, out: Path | None = No
         "paged_vs_vmm": _speed_ratio(result["dense"], "paged+vmkv", "vmm+vmkv"),
     }
     keep()
+    result["profile"] = {name: profile(model, name, dense, compile_config) for name in ("static", "vmm+compile")}
+    keep()
     errors = result["logit_errors"] = logit_errors(model, dense, compile_config)
     if errors["vmm+compile"] > max(LOGIT_FACTOR * errors["static"], LOGIT_FLOOR):
         result["failures"].append(f"compiled VirtualCache's logits differ from DynamicCache's by {errors['vmm+compile']:.2e} "
@@ -215,6 +219,31 @@ def hf_compiled_section(device: torch.device, smoke: bool, out: Path | None = No
     ratios["ragged_bytes_vs_tokens"] = result["ragged"]["vmm+compile"]["kv_bytes"] / result["ragged_real_token_bytes"]
     keep()
     return result
+
+
+PROFILE_TOP = 8  # rows of each profile table
+
+
+def profile(model: torch.nn.Module, name: str, work: Work, compile_config: Any) -> dict[str, Any]:
+    """Where one (already compiled) generate() of ``work`` with cache ``name`` spends its time,
+    by ``torch.profiler``: the ops with the most device time and the most host time (self, ms),
+    so that a gap between two caches shows on which side of the graph replays it lies."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if work.ids.device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        _generate(model, name, work, compile_config)
+        _sync(work.ids.device)
+    events = prof.key_averages()
+
+    def top(key: str) -> dict[str, float]:
+        rows = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:PROFILE_TOP]
+        return {e.key[:80]: round(getattr(e, key) / 1e3, 3) for e in rows if getattr(e, key) > 0}
+
+    device_key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    return {"self_cpu_ms": top("self_cpu_time_total"), "self_device_ms": top(device_key) if len(activities) > 1 else {},
+            "cpu_ms_total": round(sum(e.self_cpu_time_total for e in events) / 1e3, 3)}
 
 
 def _speed_ratio(timed: dict[str, Any], ours: str, theirs: str) -> float:
