@@ -16,8 +16,8 @@ import torch
 from .errors import InvalidInput
 
 
-def as_int(value: Any, name: str, minimum: int = 0) -> int:
-    """``value`` as an int ``>= minimum``.
+def as_int(value: Any, name: str, minimum: int | None = 0) -> int:
+    """``value`` as an int ``>= minimum`` (any int with ``minimum=None``).
 
     Raises:
         InvalidInput: not an integer (bools and floats are not), or below ``minimum``.
@@ -28,7 +28,7 @@ def as_int(value: Any, name: str, minimum: int = 0) -> int:
         number = operator.index(value)
     except TypeError:
         raise InvalidInput(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
-    if number < minimum:
+    if minimum is not None and number < minimum:
         raise InvalidInput(f"{name} must be >= {minimum}, got {number}")
     return number
 

@@ -143,6 +143,8 @@ def _check_cache_fits(loaded: LoadedModel, cache: KVCacheBase) -> None:
 def _decode_graphs(loaded: LoadedModel, cache: KVCacheBase, wanted: bool | None) -> DecodeGraphs | None:
     """The engine's captured decode steps: ``wanted`` ``True`` (raise where they cannot run),
     ``False``, or ``None`` (on CUDA where they can run; elsewhere, or with one warning, none)."""
+    if wanted is False:
+        return None
     if wanted is None:
         if torch.device(cache.config.device).type != "cuda":
             return None
@@ -150,7 +152,7 @@ def _decode_graphs(loaded: LoadedModel, cache: KVCacheBase, wanted: bool | None)
         if why is not None:
             log.warning("vmkv engine: decode steps run without CUDA graphs: %s", why)
             return None
-    return DecodeGraphs(loaded.model, cache) if wanted or wanted is None else None
+    return DecodeGraphs(loaded.model, cache)
 
 
 class Engine:

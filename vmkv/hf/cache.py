@@ -9,7 +9,6 @@ writes and attends with that plan. Row operations (beams, forks, deep copies) ar
 from __future__ import annotations
 
 import logging
-import operator
 import weakref
 from collections import Counter
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from ..core.base import KVCacheBase
 from ..core.step import StepPlan, slot_slice
 from ..errors import CacheClosed, InvalidConfig, InvalidInput, InvalidShape, NoFreeSlot, Unsupported
 from ..sizes import parse_size
-from ..validate import as_layer
+from ..validate import as_int, as_layer
 from .attention import ATTN_IMPLEMENTATION, HANDOFF
 from .compat import Cache, CacheLayerMixin, attention_kwargs
 from .compiled import CompiledSteps, check_compile, check_map_ahead, eager_update
@@ -436,10 +435,7 @@ class VirtualCache(RowPolicy, Cache):
             InvalidInput: not an int, a positive value (transformers' legacy absolute form is not
                 supported) or more columns than stored.
         """
-        if isinstance(tokens_to_remove, (bool, float, torch.Tensor)) or not hasattr(tokens_to_remove, "__index__"):
-            raise InvalidInput(f"crop takes an int (a negative number of tokens to remove), got "
-                               f"{type(tokens_to_remove).__name__} {tokens_to_remove!r}")
-        tokens_to_remove = operator.index(tokens_to_remove)
+        tokens_to_remove = as_int(tokens_to_remove, "crop's tokens_to_remove (a negative number)", minimum=None)
         if tokens_to_remove > 0:
             raise InvalidInput("crop takes a negative number of tokens to remove")
         keep = self.get_seq_length() + tokens_to_remove

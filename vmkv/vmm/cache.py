@@ -168,13 +168,12 @@ class VirtualKVCache(KVCacheBase):
         """Copy validated ``k``, ``v`` ``[T, kv_heads, head_dim]`` to their rows of ``layer`` (the
         plain rows: ``layer_storage`` hands out read-only ones)."""
         k_rows, v_rows = self._rows[layer]
-        if self.config.layout != "head_major":
-            k_rows.index_copy_(0, plan.write_rows, k)
-            v_rows.index_copy_(0, plan.write_rows, v)
-            return
-        rows = self._head_major_rows(plan)  # [T * H]
-        k_rows.index_copy_(0, rows, k.reshape(-1, self.config.head_dim))
-        v_rows.index_copy_(0, rows, v.reshape(-1, self.config.head_dim))
+        rows = plan.write_rows
+        if self.config.layout == "head_major":  # a row per (token, head): [T * H, D]
+            rows = self._head_major_rows(plan)
+            k, v = k.reshape(-1, self.config.head_dim), v.reshape(-1, self.config.head_dim)
+        k_rows.index_copy_(0, rows, k)
+        v_rows.index_copy_(0, rows, v)
 
     @exclusive
     def write_batch(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
