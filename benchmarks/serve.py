@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from vmkv.engine import Engine, EngineConfig, RequestOutput, SamplingParams
+from vmkv.server.cli import GRAPHS
 
 from . import common
 
@@ -91,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate-repeats", type=int, default=None, help="runs per mode and rate of the open-loop "
                         "experiment (default: --repeats; no verdict rests on them)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads during the run (tiny model: 1 is fastest)")
-    parser.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
+    parser.add_argument("--cuda-graphs", default="auto", choices=list(GRAPHS),
                         help="capture the engines' decode steps as CUDA graphs (auto: on a CUDA device; off: compare)")
 
 
@@ -117,7 +118,7 @@ def _engine_config(mode: str, args: argparse.Namespace, budget: str, max_num_seq
     return EngineConfig(
         kv_mode=mode, memory_budget=budget, page_size=page_size, block_size=args.block_size,
         max_num_seqs=max_num_seqs, max_seq_len=1024, device=args.device, seed=args.seed,
-        cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs],
+        cuda_graphs=GRAPHS[args.cuda_graphs],
     )
 
 

@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--max-num-batched-tokens", type=_positive, default=512, help="tokens one step feeds at most "
                        "(default: %(default)s)")
     cache.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off (default: on)")
-    cache.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
+    cache.add_argument("--cuda-graphs", default="auto", choices=list(GRAPHS),
                        help="capture decode steps as CUDA graphs, one per batch-size bucket (auto: on a CUDA device; "
                        "takes one more cache slot and page, for padding rows) (default: %(default)s)")
     cache.add_argument("--map-ahead", action="store_true", help="VMM: map the next step's pages on a background "
