@@ -85,12 +85,15 @@ def test_gpu_check_cpu_dry_run_of_the_cuda_graph_sections(tmp_path):
     assert graphs["outputs"]["vmm"]["max_rel_diff"] < 1e-4 and graphs["outputs"]["vmm"]["pages_mapped_while_decoding"] > 0
     assert "paged" in graphs["skipped"] and graphs["speed"]["vmm"]["captured"] == [3]
     compiled = entries["hf_compiled"]["result"]
-    assert set(compiled["dense"]) == {"dynamic", "static", "vmm", "vmm+vmkv", "paged+vmkv", "vmm+compile"}
+    assert set(compiled["dense"]) == {"dynamic", "static", "vmm", "vmm+vmkv", "paged+vmkv", "vmm+compile", "vmm+compile+vmkv"}
     assert set(compiled["ratios"]) >= set(compiled["targets"])
     partial = json.loads((tmp_path / "hf_compiled.partial.json").read_text())  # what a run killed at its limit keeps
     assert partial["ratios"] == compiled["ratios"] and "ragged" in partial
-    assert compiled["logit_errors"]["vmm+compile"] < 1e-4
-    assert set(compiled["profile"]) == {"static", "vmm+compile"} and compiled["profile"]["vmm+compile"]["self_cpu_ms"]
+    assert compiled["logit_errors"]["vmm+compile"] < 1e-4 and compiled["logit_errors"]["vmm+compile+vmkv"] < 1e-4
+    # the ragged rows of the "vmkv" attention hold their real tokens only (a page each, at most, beyond)
+    assert compiled["ragged"]["vmm+compile+vmkv"]["kv_bytes"] < compiled["ragged"]["vmm+compile"]["kv_bytes"]
+    assert set(compiled["profile"]) == {"static", "vmm+compile", "vmm+compile+vmkv"}
+    assert compiled["profile"]["vmm+compile+vmkv"]["self_cpu_ms"]
     assert "alone" not in entries["hf_compiled"] and "StaticCache" in entries["hf_compiled"]["headline"]
 
 

@@ -152,10 +152,12 @@ def test_no_graph_break_inside_the_cache(model):
     cache.close()
 
 
-def test_no_recompilation_over_512_decode_steps():
+@pytest.mark.parametrize("attention", ["sdpa", "vmkv"])
+def test_no_recompilation_over_512_decode_steps(attention):
     torch.manual_seed(0)
     small = default_hf_model(num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=2,
                              num_key_value_heads=1).eval()
+    small.set_attn_implementation(attention)
     cache = vhf.VirtualCache("vmm", config=small.config, max_seq_len=600, page_size=PAGE, compile=True)
     tokens = prefill(small, cache, torch.randint(0, 256, (2, 8)))
     forward = torch.compile(small.forward, mode="default")
@@ -202,8 +204,7 @@ def test_compile_needs_what_it_runs_on(model):
         vhf.VirtualCache("vmm", config=model.config, compile=True)
     with pytest.raises(InvalidConfig, match="True or False"):
         vhf.VirtualCache("vmm", config=model.config, max_seq_len=64, compile="yes")
-    with pytest.raises(InvalidConfig, match="own attention"):
-        vhf.VirtualCache("vmm", config=vmkv_config, max_seq_len=64, compile=True)
+    assert vhf.VirtualCache("vmm", config=vmkv_config, max_seq_len=64, compile=True).is_compileable
     eager = vhf.VirtualCache("vmm", config=model.config)
     assert not eager.is_compileable
     with pytest.raises(InvalidConfig, match="prepare_step"):
@@ -253,6 +254,117 @@ def test_a_step_prepared_but_not_run_is_rolled_back_by_row_operations(model):
     cache.crop(-2)
     assert [cache.core.seq_len(s) for s in cache.rows] == [PROMPT - 2] * 2
     cache.close()
+
+
+# ---- the "vmkv" attention under compile: rows of their own lengths --------------------------------
+@pytest.fixture(scope="module")
+def vmkv_model() -> torch.nn.Module:
+    """The ``model`` fixture's weights with ``attn_implementation="vmkv"``."""
+    torch.manual_seed(0)
+    model = default_hf_model(num_hidden_layers=2).eval()
+    model.set_attn_implementation("vmkv")
+    return model
+
+
+@pytest.mark.parametrize("how", ["greedy", "sampling"])
+def test_compiled_vmkv_attention_decodes_ragged_rows_as_the_eager_cache(model, vmkv_model, how):
+    """Left-padded prompts: the eager prefill drops the padding, then every compiled decode step
+    writes each row at its own position and reads each row's own length. The tokens are
+    StaticCache's (which stores and reads the padding), the bytes only the real tokens'."""
+    ids, mask = batch(padded=True)
+    options = dict(do_sample=True, top_k=20, seed=7) if how == "sampling" else dict(do_sample=False)
+    static = generate(model, StaticCache(config=model.config, max_cache_len=MAX_LEN), ids, mask, **options)
+    eager = generate(vmkv_model, vhf.VirtualCache("vmm", config=vmkv_model.config, page_size=PAGE), ids, mask, **options)
+    cache = compiled_cache(vmkv_model)
+    assert torch.equal(generate(vmkv_model, cache, ids, mask, **options), eager)
+    assert torch.equal(eager, static)
+    stats = cache.stats()
+    assert stats["attention_style"] == "vmkv" and stats["compiled_steps"] == NEW - 1 and stats["compile_fallbacks"] == 0
+    real = int(mask.sum()) + 2 * (NEW - 1)  # the padding is not stored
+    assert stats["tokens"] == real and [cache.core.seq_len(s) for s in cache.rows] == [PROMPT + NEW - 1, 5 + NEW - 1]
+    assert stats["bytes_in_use"] <= stats["token_bytes"] + 2 * stats["page_bytes"]
+    cache.close()
+
+
+def test_no_graph_break_inside_the_cache_or_the_vmkv_attention(vmkv_model):
+    cache = compiled_cache(vmkv_model)
+    ids, mask = batch(padded=True)
+    with torch.no_grad():
+        tokens = vmkv_model(ids, attention_mask=mask, use_cache=True, **{CACHE: cache}).logits[:, -1:].argmax(-1)
+        explained = torch._dynamo.explain(vmkv_model.forward)(**decode_inputs(vmkv_model, cache, tokens, PROMPT))
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+    assert cache.stats()["compile_fallbacks"] == 0 and [cache.core.seq_len(s) for s in cache.rows] == [PROMPT + 1, 6]
+    cache.close()
+
+
+def test_a_compiled_vmkv_forward_with_no_prepared_step_falls_back_to_the_eager_attention(vmkv_model):
+    ids = batch(padded=False)[0]
+    reference, cache = compiled_cache(vmkv_model), compiled_cache(vmkv_model)
+    forward = torch.compile(vmkv_model.forward, mode="default")
+    tokens = ref_tokens = prefill(vmkv_model, cache, ids)
+    prefill(vmkv_model, reference, ids)
+    with torch.no_grad():
+        for step in range(3):
+            position = PROMPT + step
+            tokens = forward(**decode_inputs(vmkv_model, cache, tokens, position, prepare=False)).logits[:, -1:].argmax(-1)
+            ref_tokens = vmkv_model(**decode_inputs(vmkv_model, reference, ref_tokens, position)).logits[:, -1:].argmax(-1)
+            assert torch.equal(tokens, ref_tokens)
+    assert cache.stats()["compile_fallbacks"] > 0 and cache.stats()["compiled_steps"] == 0
+    cache.close()
+    reference.close()
+
+
+def test_a_compiled_vmkv_step_decodes_one_token_per_row(vmkv_model):
+    cache = compiled_cache(vmkv_model)
+    prefill(vmkv_model, cache, batch(padded=False)[0])
+    before = cache.core.state()
+    with pytest.raises(InvalidInput, match="one token per row"):
+        cache.prepare_step(2)
+    assert cache.core.state() == before and cache.stats()["compiled_steps"] == 0
+    cache.get_mask_sizes(2)  # generate() continuing with a prompt: no step prepared, the forward runs eagerly
+    assert cache.core.state() == before
+    cache.close()
+
+
+TRITON_DECODE = textwrap.dedent("""
+    import torch
+    from transformers import CompileConfig
+    import vmkv.hf
+    from vmkv.kernels.capturable import decode_kernel_name
+    from vmkv.models import PAD, default_hf_model
+    assert decode_kernel_name(torch.device("cpu")) == "triton", "the interpreter does not run here"
+    torch.manual_seed(0)
+    model = default_hf_model(num_hidden_layers=2).eval()
+    model.set_attn_implementation("vmkv")
+    ids = torch.randint(0, 256, (3, 9))
+    mask = torch.ones_like(ids)
+    ids[1, :4], mask[1, :4] = PAD, 0
+    ids[2, :7], mask[2, :7] = PAD, 0
+    config = CompileConfig(mode="default")
+    config._compile_all_devices = True
+    def generate(cache):
+        return model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=PAD,
+                              compile_config=config, past_key_values=cache)
+    eager = generate(vmkv.hf.VirtualCache("vmm", config=model.config, max_seq_len=21))
+    cache = vmkv.hf.VirtualCache("vmm", config=model.config, max_seq_len=21, compile=True)
+    compiled = generate(cache)
+    stats = cache.stats()
+    assert stats["compiled_steps"] == 11 and stats["compile_fallbacks"] == 0, stats
+    print("SAME" if torch.equal(eager, compiled) else f"DIFFERENT {eager.tolist()} {compiled.tolist()}")
+""")
+
+
+def test_compiled_vmkv_attention_runs_the_triton_decode_kernel_in_the_interpreter(tmp_path):
+    """The GPU's path on the host: the compiled decode step calls the Triton kernel (Triton's
+    interpreter, a child process: ``TRITON_INTERPRET=1`` before triton's first import) through
+    ``torch.ops.vmkv.decode_store``, and gives the eager cache's tokens."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", TRITON_DECODE], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    assert done.stdout.strip().splitlines()[-1] == "SAME"
 
 
 SEGFAULT_REPRO = textwrap.dedent("""

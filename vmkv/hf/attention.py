@@ -85,6 +85,26 @@ class _Handoff(threading.local):
 HANDOFF = _Handoff()
 
 
+class _CompiledStep:
+    """The ragged compiled step of the ``"vmkv"`` attention (``vmkv.hf.compiled.CompiledSteps``).
+
+    Under dynamo the attention cannot take the thread-local note (``HANDOFF``), so the eager point
+    of a ``VirtualCache(compile=True)`` leaves its steps here; the attention runs them while they
+    are ``live`` (from the forward's first ``update`` to its last layer). dynamo guards on which
+    steps these are: a cache of its own compiles once more.
+    """
+
+    steps: Any = None
+
+    def release(self, steps: Any) -> None:
+        """Forget ``steps`` if they are the ones here (their cache was reset or closed)."""
+        if self.steps is steps:
+            self.steps = None
+
+
+COMPILED_STEP = _CompiledStep()
+
+
 # ---- the registered attention -----------------------------------------------------------------
 def vmkv_attention_mask(
     batch_size: int,
@@ -98,9 +118,12 @@ def vmkv_attention_mask(
 ) -> torch.Tensor | None:
     """The mask the ``"vmkv"`` attention gets: the 2D padding mask ``[B, kv_length]`` or ``None``.
 
-    Causality is the kernel's job; only padding is the model's information to pass on.
+    Causality is the kernel's job; only padding is the model's information to pass on. A compiled
+    step (prepared at its eager point) gets ``None``: its rows hold no padding and the kernel
+    reads each row's own length, so the compiled forward's inputs keep their shapes.
     """
-    if attention_mask is None:
+    steps = COMPILED_STEP.steps
+    if attention_mask is None or (steps is not None and steps.armed):
         return None
     attention_mask = attention_mask[:, -kv_length:].to(torch.bool)
     return None if bool(attention_mask.all()) else attention_mask
@@ -156,6 +179,9 @@ def vmkv_attention_forward(
         vmkv_cache: set by ``VirtualCache.update`` in the attention kwargs (transformers 5.24);
             otherwise found through the note ``update`` leaves for this layer.
 
+    Inside a compiled forward the step a ``VirtualCache(compile=True)`` prepared runs its decode
+    kernel (:data:`COMPILED_STEP`); without one, this runs eagerly at a graph break.
+
     Returns:
         ``([B, S, q_heads, head_dim], None)``; padding positions give zeros.
 
@@ -163,23 +189,45 @@ def vmkv_attention_forward(
         InvalidConfig: a feature the kernel lacks was asked for (dropout, softcap, sliding
             window), or the model changes K between ``cache.update`` and its attention.
     """
+    if torch.compiler.is_compiling():
+        steps = COMPILED_STEP.steps
+        if steps is not None and steps.live:  # a prepared step of a VirtualCache(compile=True)
+            _refuse_what_the_kernels_lack(module, kwargs, dropout)
+            return steps.attend(module.layer_idx, query, scaling), None
+        return _eager_attention_at_graph_break(module, query, key, value, attention_mask, scaling, dropout,
+                                               vmkv_cache, **kwargs)
+    return _eager_attention(module, query, key, value, attention_mask, scaling, dropout, vmkv_cache, **kwargs)
+
+
+def _eager_attention(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, scaling: float | None, dropout: float,
+    vmkv_cache: "AttendingCache | None", **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """:func:`vmkv_attention_forward` outside a compiled step: the cache that handed ``key`` over
+    attends, or the stock kernel runs."""
     handed = HANDOFF.take(module, key)
     cache = vmkv_cache if vmkv_cache is not None else handed
-    if dropout:
-        raise InvalidConfig("the vmkv attention has no dropout; call model.eval()")
-    _refuse_what_the_kernels_lack(module, kwargs)
+    _refuse_what_the_kernels_lack(module, kwargs, dropout)
     if cache is None or cache.attention_style == "model":
         return _stock_attention(module, query, key, value, attention_mask, scaling, **kwargs)
     return cache.attend(module, query, key, value, attention_mask, scaling), None
+
+
+# a compiled forward with no prepared step: the eager attention at a graph break (the cache's
+# update fell back the same way, vmkv.hf.compiled.eager_update, and said so)
+_eager_attention_at_graph_break = torch._dynamo.disable(_eager_attention)
 
 
 # attention kwargs the "vmkv" kernels have no counterpart for -> what a user calls them
 _UNSUPPORTED_KWARGS = {"softcap": "soft-capping", "sliding_window": "a sliding window", "s_aux": "attention sinks"}
 
 
-def _refuse_what_the_kernels_lack(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+def _refuse_what_the_kernels_lack(module: torch.nn.Module, kwargs: dict[str, Any], dropout: float) -> None:
     """Raise ``InvalidConfig`` naming the feature and the way out (:data:`WAY_OUT`) if the layer
-    asks for soft-capping, a sliding window or attention sinks."""
+    asks for dropout, soft-capping, a sliding window or attention sinks."""
+    if dropout:
+        raise InvalidConfig("the vmkv attention has no dropout; call model.eval()")
     found = [what for name, what in _UNSUPPORTED_KWARGS.items() if kwargs.get(name) is not None]
     if getattr(module, "sliding_window", None) is not None and "a sliding window" not in found:
         found.append("a sliding window")

@@ -22,7 +22,7 @@ from ..core.step import StepPlan, slot_slice
 from ..errors import CacheClosed, InvalidConfig, InvalidInput, InvalidShape, NoFreeSlot, Unsupported
 from ..sizes import parse_size
 from ..validate import as_int, as_layer
-from .attention import ATTN_IMPLEMENTATION, HANDOFF
+from .attention import ATTN_IMPLEMENTATION, COMPILED_STEP, HANDOFF
 from .compat import Cache, CacheLayerMixin, attention_kwargs
 from .compiled import CompiledSteps, check_compile, check_map_ahead, eager_update
 from .rows import RowPolicy, SharedCore
@@ -165,12 +165,14 @@ class VirtualCache(RowPolicy, Cache):
             default: beam search frees rows every step and that memory should return to the pool.
         map_ahead: VMM: map the next page on a background thread.
         compile: run under transformers' compiled generation (``is_compileable``; see
-            ``vmkv.hf.compiled`` and docs/hf.md): StaticCache's contract over pages. Each layer
-            returns ``[B, kv_heads, max_seq_len, head_dim]`` views (the model's mask hides what
-            is past each row's length, which reads zeros and holds no memory), and each step's
-            pages are mapped at an eager point before the compiled forward. Needs VMM mode, the
-            model's own attention, ``config`` and ``max_seq_len`` (attention reads that many
-            columns, as StaticCache reads ``max_cache_len``).
+            ``vmkv.hf.compiled`` and docs/hf.md): StaticCache's contract over pages. Each step's
+            pages are mapped at an eager point before the compiled forward. With the model's
+            attention each layer returns ``[B, kv_heads, max_seq_len, head_dim]`` views (the
+            model's mask hides what is past each row's length, which reads zeros and holds no
+            memory); with the ``"vmkv"`` attention rows hold no padding and a compiled decode
+            step reads each row's own length. Needs VMM mode, ``config`` and ``max_seq_len``
+            (the most columns a row reaches; the model's attention reads that many, as
+            StaticCache reads ``max_cache_len``).
 
     Raises:
         InvalidConfig: unknown mode or layout, a page size that is no size, paged mode with a
@@ -214,7 +216,7 @@ class VirtualCache(RowPolicy, Cache):
             self._config_style = "vmkv" if text._attn_implementation == ATTN_IMPLEMENTATION else "model"
         self.attention_style: str | None = self._config_style  # "model" | "vmkv"; None until known
         self._require_style_fits_mode()
-        self._compile = check_compile(compile, mode, config, self._config_style, max_seq_len)
+        self._compile = check_compile(compile, mode, config, max_seq_len)
         self._compiled: CompiledSteps | None = None  # compile=True: made with the rows' core
         self._shared: SharedCore | None = None
         self._closed = False
@@ -280,11 +282,12 @@ class VirtualCache(RowPolicy, Cache):
         and point the compiled forward's device positions at them. transformers' ``generate()``
         does it through :meth:`get_mask_sizes`; call it yourself before each compiled forward of a
         hand-written loop. A no-op while a step is already prepared, or before the first forward
-        (which opens the rows eagerly).
+        (which opens the rows eagerly). With the ``"vmkv"`` attention a compiled step decodes one
+        token per row (``q_len=1``); run longer forwards eagerly.
 
         Raises:
             InvalidConfig: the cache was not made with ``compile=True``.
-            InvalidInput: ``q_len`` is not a positive int.
+            InvalidInput: ``q_len`` is not a positive int, or not 1 with the ``"vmkv"`` attention.
             CacheClosed, SequenceTooLong, OutOfPages: from the core cache (nothing changed).
         """
         if not self._compile:
@@ -292,6 +295,9 @@ class VirtualCache(RowPolicy, Cache):
                                 "runs eagerly and needs none")
         if isinstance(q_len, bool) or not isinstance(q_len, int) or q_len < 1:
             raise InvalidInput(f"q_len must be a positive int, got {q_len!r}")
+        if q_len != 1 and self.attention_style == ATTN_IMPLEMENTATION:
+            raise InvalidInput(f"a compiled step of the 'vmkv' attention decodes one token per row, got q_len={q_len}; "
+                               "run a forward of several tokens eagerly (it drops its padding)")
         self._arm(q_len)
 
     @property
@@ -459,6 +465,7 @@ class VirtualCache(RowPolicy, Cache):
         """
         if self._compiled is not None:
             self._compiled.disarm()
+            COMPILED_STEP.release(self._compiled)
         if self._shared is not None:
             self._shared.reap()
             for seq_id in self._rows:
@@ -471,6 +478,7 @@ class VirtualCache(RowPolicy, Cache):
         """Free this cache's rows and release the memory once no deep copy uses it; unusable afterwards."""
         shared, rows = self._shared, self._rows
         self._shared, self._closed = None, True
+        COMPILED_STEP.release(self._compiled)
         self._rows, self._dropped, self._pending, self._step = [], [], [], None
         if shared is None:
             return
@@ -566,7 +574,8 @@ class VirtualCache(RowPolicy, Cache):
         if self._shared is None:
             self._shared = SharedCore(*open_core(self.mode, self._options, like, num_layers, self.attention_style))
         if self._compile and self._compiled is None:
-            self._compiled = CompiledSteps.for_core(self._shared.core, self._options.max_seq_len)
+            self._compiled = CompiledSteps.for_core(self._shared.core, self._options.max_seq_len,
+                                                    ragged=self.attention_style == ATTN_IMPLEMENTATION)
         self._shared.reap()
         core = self.core
         batch = like.shape[0]
@@ -612,7 +621,7 @@ class VirtualCache(RowPolicy, Cache):
     def _start_forward(self, batch: int) -> None:
         """The first layer of a forward; its plan is built lazily (the columns count once it exists),
         unless a step was prepared at the eager point (``compile=True``): the forward writes that one."""
-        if self._compiled is not None and self._compiled.begin_forward():
+        if self._compiled is not None and self._compiled.disarm():  # eager: writes the prepared step
             return
         if self._shared is not None:
             self._shared.reap()
@@ -626,15 +635,23 @@ class VirtualCache(RowPolicy, Cache):
         self._step = None
 
     def _arm(self, q_len: int) -> None:
-        """The eager point of a compiled step (see :meth:`prepare_step`)."""
+        """The eager point of a compiled step (see :meth:`prepare_step`). A ragged cache (the
+        ``"vmkv"`` attention) compiles decode steps only: a forward of several new tokens over kept
+        rows (generate() continuing a conversation) runs eagerly, dropping its padding."""
         if self._closed:
             raise CacheClosed("this VirtualCache was closed; make a new one")
         compiled = self._compiled
-        if compiled is None or compiled.armed or not self._rows:
+        if compiled is None or compiled.armed or not self._rows or (compiled.ragged and q_len != 1):
             return
         self._shared.reap()
-        self._step = self._begin_dense_step(q_len)
-        compiled.arm(self._step.plan)
+        columns = self._columns
+        if compiled.ragged:
+            self._step = self._begin_ragged_step(None, len(self._rows), q_len)
+            compiled.follow(self._step.plan)
+            COMPILED_STEP.steps = compiled  # how the "vmkv" attention finds the step under dynamo
+        else:
+            self._step = self._begin_dense_step(q_len)
+        compiled.arm(self._step.plan, columns)
         self.counters["compiled_steps"] += 1
 
     def _disarm(self) -> None:

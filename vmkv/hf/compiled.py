@@ -12,10 +12,15 @@ graph, so a step is split in two:
   through ``cache.get_mask_sizes`` when ``prepare_inputs_for_generation`` builds the step's mask
   (eagerly, before every compiled forward); a hand-written loop calls ``cache.prepare_step(q_len)``.
 * **the compiled forward** (:meth:`CompiledSteps.update`): per layer, one custom op
-  (:func:`vmkv.kernels.capturable.write_columns`) writes the new K/V at the device positions, and
-  the layer returns ``[B, kv_heads, max_len, head_dim]`` views of the virtual tensors, whose
-  addresses never move (marked static for dynamo and CUDA graphs). Positions past a row's length
-  read the zero page (zeros, no memory) and the model's mask hides them, as StaticCache's does.
+  (:func:`vmkv.kernels.capturable.write_columns`) writes the new K/V at the device positions.
+  With the model's attention the layer returns ``[B, kv_heads, max_len, head_dim]`` views of the
+  virtual tensors, whose addresses never move (marked static for dynamo and CUDA graphs).
+  Positions past a row's length read the zero page (zeros, no memory) and the model's mask hides
+  them, as StaticCache's does. With the ``"vmkv"`` attention the rows are ragged (the eager
+  prefill dropped their padding): each row writes at its own position and the attention
+  (:meth:`CompiledSteps.attend`) runs the capturable decode kernel over each row's own length
+  (``torch.ops.vmkv.decode_store``), finding the steps through
+  ``vmkv.hf.attention.COMPILED_STEP``.
 
 Nothing in the compiled region reads a Python value that changes from step to step (the flags it
 reads are the same at every armed step), so dynamo compiles a decode step once.
@@ -36,31 +41,28 @@ from ..core.base import KVCacheBase
 from ..core.mapping import background_safe
 from ..core.step import StepPlan, slot_slice
 from ..errors import InvalidConfig
-from ..kernels.capturable import Store, stores_of, write_columns
+from ..kernels.capturable import Store, decode_store, stores_of, write_columns
 from ..vmm.views import unguarded
 
 log = logging.getLogger("vmkv")
 
 
-def check_compile(compile: Any, mode: str, config: Any, style: str | None, max_seq_len: int | None) -> bool:
+def check_compile(compile: Any, mode: str, config: Any, max_seq_len: int | None) -> bool:
     """``compile`` as a bool, once ``VirtualCache(compile=True)`` has what it needs.
 
     Raises:
-        InvalidConfig: ``compile=True`` in paged mode, with the ``"vmkv"`` attention, without
-            ``config`` or without ``max_seq_len``.
+        InvalidConfig: ``compile=True`` in paged mode, without ``config`` or without ``max_seq_len``.
     """
     if not isinstance(compile, bool):
         raise InvalidConfig(f"compile must be True or False, got {compile!r}")
     if not compile:
         return False
     if mode != "vmm":
-        raise InvalidConfig("compile=True runs the model's own attention over virtually contiguous views: VMM mode only")
+        raise InvalidConfig("compile=True writes and reads virtually contiguous tensors at device positions: "
+                            "VMM mode only")
     if config is None:
         raise InvalidConfig("compile=True needs config=model.config: the compiled forward must know the layers "
                             "and the attention up front")
-    if style != "model":
-        raise InvalidConfig("compile=True runs the model's own attention (attn_implementation 'sdpa' or 'eager'); "
-                            "the 'vmkv' attention does not run in a compiled forward yet")
     if max_seq_len is None:
         raise InvalidConfig("compile=True needs max_seq_len: every compiled step attends over that many columns "
                             "(as StaticCache over max_cache_len), so give the longest row you will generate")
@@ -85,25 +87,35 @@ class CompiledSteps:
             per storage, marked static); the compiled write goes through them, only at positions
             the eager point mapped for the step.
         max_len: columns of every view a layer returns (the core's ``max_seq_len``).
+        ragged: the ``"vmkv"`` attention's steps: rows hold only their real tokens (padding was
+            dropped at the eager prefill), so each row writes at its own position and the
+            attention reads each row's own length (:meth:`attend`); else dense steps of the
+            model's attention over full-length views (:meth:`views`).
 
     Attributes:
         armed: a step was committed at the eager point and no forward has written it yet.
-        live: the forward in progress writes the armed step (set at its first layer).
-        starts: int64 ``[]``, the first column the armed step writes (every row: a dense step).
-        slots: int64 ``[B]``, each row's slot.
+        live: the forward in progress writes the armed step (set at its first layer; a ragged
+            forward clears it at its last layer's attention).
+        starts: int64 ``[]``, columns before the armed step as transformers counts them (padding
+            included); a dense step writes every row there.
+        positions: ragged: int64 ``[B]``, the column each row's new token goes to.
+        kv_lens: ragged: int32 ``[B]``, each row's tokens once the step is written.
+        slots: int64 ``[B]`` (``slots32``: int32, the kernel's), each row's slot.
         rows: the rows of the views as a slice (rows in evenly spaced slots), or ``None``: gathered
             through ``slots``.
 
-    Invariant: while ``armed``, every column ``starts .. starts + q_len - 1`` of every row is in a
-    mapped page the row owns alone (``begin_step`` made it so).
+    Invariant: while ``armed``, every column the step writes (dense: ``starts .. starts + q_len -
+    1`` of every row; ragged: ``positions[b]`` of row ``b``) is in a mapped page the row owns
+    alone (``begin_step`` made it so).
     """
 
-    def __init__(self, stores: list[tuple[Store, Store]], max_len: int) -> None:
+    def __init__(self, stores: list[tuple[Store, Store]], max_len: int, ragged: bool = False) -> None:
         self.max_len = max_len
         self.stores = stores
+        self.ragged = ragged
         device = stores[0][0].base.device
         self.starts = torch.zeros((), dtype=torch.int64, device=device)
-        self.slots = torch.zeros(0, dtype=torch.int64, device=device)
+        self.slots = self.slots32 = self.positions = self.kv_lens = torch.zeros(0, dtype=torch.int64, device=device)
         self.rows: slice | None = slice(0, 0)
         self._slot_tuple: tuple[int, ...] = ()
         self.armed = False
@@ -113,39 +125,49 @@ class CompiledSteps:
         torch._dynamo.mark_static_address(self.starts)
 
     @classmethod
-    def for_core(cls, core: KVCacheBase, max_len: int) -> "CompiledSteps":
+    def for_core(cls, core: KVCacheBase, max_len: int, ragged: bool = False) -> "CompiledSteps":
         """The compiled steps over ``core``'s layers."""
         views = [tuple(map(unguarded, core.kv_cache(layer))) for layer in range(core.config.num_layers)]
-        return cls(stores_of(views), max_len)
+        return cls(stores_of(views), max_len, ragged)
 
     def copy(self) -> "CompiledSteps":
         """Steps of another ``VirtualCache`` over the same core (a deep copy: its own rows)."""
-        return CompiledSteps(self.stores, self.max_len)
+        return CompiledSteps(self.stores, self.max_len, self.ragged)
 
-    def arm(self, plan: StepPlan) -> None:
-        """The eager point: ``plan`` (a dense step, committed; :meth:`follow` saw it) is what the
-        next forward writes."""
-        self.starts.fill_(plan.starts[0])
+    def arm(self, plan: StepPlan, columns: int) -> None:
+        """The eager point: ``plan`` (committed; :meth:`follow` saw it) is what the next forward
+        writes, after ``columns`` columns (transformers' count)."""
+        self.starts.fill_(columns)
+        if self.ragged:
+            self.kv_lens.copy_(plan.kv_lens_t)
+            self.positions.copy_(self.kv_lens).sub_(1)  # ragged steps decode one token per row
         self.armed = True
 
     def follow(self, plan: StepPlan) -> None:
-        """A dense step begins (eager): its rows' slots are the ones the views read."""
+        """A step begins (eager): its rows' slots are the ones the forward reads."""
         if plan.slots != self._slot_tuple:
             self._set_rows(plan.slots)
 
     def _set_rows(self, slots: tuple[int, ...]) -> None:
-        """New row slots: in place when the batch keeps its size (the tensor's address stays)."""
+        """New row slots: in place when the batch keeps its size (the tensors' addresses stay)."""
         if len(slots) == self.slots.shape[0]:
             self.slots.copy_(torch.tensor(slots, dtype=torch.int64))
+            self.slots32.copy_(self.slots)
         else:
-            self.slots = torch.tensor(slots, dtype=torch.int64, device=self.slots.device)
-            torch._dynamo.mark_static_address(self.slots)
+            device = self.slots.device
+            self.slots = torch.tensor(slots, dtype=torch.int64, device=device)
+            self.slots32 = self.slots.to(torch.int32)
+            self.positions = torch.zeros(len(slots), dtype=torch.int64, device=device)
+            self.kv_lens = torch.zeros(len(slots), dtype=torch.int32, device=device)
+            for tensor in (self.slots, self.slots32, self.positions, self.kv_lens):
+                torch._dynamo.mark_static_address(tensor)
         self.rows = slot_slice(slots)
         self._slot_tuple = slots
 
     def disarm(self) -> bool:
-        """Forget the armed step (its tokens are rolled back by the caller); whether one was armed."""
-        armed, self.armed = self.armed, False
+        """Forget the armed step, not live either; whether one was armed. An eager forward takes
+        the step this way (it writes it eagerly); elsewhere the caller rolls its tokens back."""
+        armed, self.armed, self.live = self.armed, False, False
         return armed
 
     def begin_forward(self) -> bool:
@@ -155,10 +177,11 @@ class CompiledSteps:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Inside the compiled forward, an armed step: write ``k``, ``v`` (``[B, kv_heads, S,
-        head_dim]``) at the device positions and return the full-length views."""
+        head_dim]``) at the device positions. Returns the full-length views (dense), or ``k``, ``v``
+        unchanged (ragged: :meth:`attend` reads the stores)."""
         k_store, v_store = self.stores[layer]
-        write_columns(k_store, v_store, k, v, self.slots, self.starts)
-        return self.views(layer)
+        write_columns(k_store, v_store, k, v, self.slots, self.positions if self.ragged else self.starts)
+        return (k, v) if self.ragged else self.views(layer)
 
     def views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``layer``'s K and V of the rows, ``[B, kv_heads, max_len, head_dim]``: views where the
@@ -167,6 +190,17 @@ class CompiledSteps:
         if self.rows is not None:
             return k_store[self.rows].transpose(1, 2), v_store[self.rows].transpose(1, 2)
         return k_store.index_select(0, self.slots).transpose(1, 2), v_store.index_select(0, self.slots).transpose(1, 2)
+
+    def attend(self, layer: int, query: torch.Tensor, scale: float | None) -> torch.Tensor:
+        """Inside the compiled forward of a ragged step, after :meth:`update` of ``layer``: each
+        row's new token attends over that row's own tokens (``kv_lens``), ``query: [B, Hq, 1, D]``
+        -> ``[B, 1, Hq, D]``. The last layer ends the step (``live`` off)."""
+        k_store, v_store = self.stores[layer]
+        scale = query.shape[-1] ** -0.5 if scale is None else scale
+        out = decode_store(query[:, :, 0], k_store, v_store, self.kv_lens, self.slots32, scale, self.max_len)
+        if layer == len(self.stores) - 1:
+            self.live = False
+        return out.unsqueeze(1)
 
 
 @torch._dynamo.disable

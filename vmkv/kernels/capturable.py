@@ -14,7 +14,8 @@ Two rules make a kernel usable there:
   is a graph input), cannot look inside it, and CUDA graphs accept the mutation.
 * **Its launches depend on host ints known up front** and its lengths live on the device, so one
   capture serves every step: :func:`decode_attention` takes the cache's lengths as a device
-  tensor and an upper bound on them as a host int.
+  tensor and an upper bound on them as a host int; :func:`decode_store` is the same kernel as an
+  operator (``torch.ops.vmkv.decode_store``) a compiled region calls without tracing into it.
 
 This module is the one place the graph paths (``vmkv.hf.compiled``, ``vmkv.engine.graphs``) get
 their kernels from. Eager steps take their kernel from :mod:`vmkv.kernels.registry`; a graph
@@ -31,12 +32,16 @@ import torch
 from .triton_attention import DecodeWorkspace, triton_available
 from .triton_attention import decode_attention as _triton_decode
 
-__all__ = ["DecodeWorkspace", "Store", "decode_attention", "decode_kernel_name", "stores_of", "write_columns"]
+__all__ = ["DecodeWorkspace", "Store", "decode_attention", "decode_kernel_name", "decode_store", "stores_of",
+           "write_columns"]
 
 
 _LIBRARY = torch.library.Library("vmkv", "FRAGMENT")  # noqa: TOR901 - the schema says what is mutated
 _LIBRARY.define("write_columns(Tensor(a!) k_base, Tensor(b!) v_base, Tensor k, Tensor v, Tensor slots, Tensor starts, "
                 "SymInt[] size, SymInt[] k_stride, SymInt k_offset, SymInt[] v_stride, SymInt v_offset) -> ()")
+_LIBRARY.define("decode_store(Tensor q, Tensor k_base, Tensor v_base, Tensor kv_lens, Tensor slots, SymInt[] size, "
+                "SymInt[] k_stride, SymInt k_offset, SymInt[] v_stride, SymInt v_offset, float scale, "
+                "int max_kv_len) -> Tensor")
 
 
 def _write_columns(k_base: torch.Tensor, v_base: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
@@ -62,6 +67,25 @@ def _write_columns_fake(k_base: torch.Tensor, v_base: torch.Tensor, k: torch.Ten
                         starts: torch.Tensor, size: list[int], k_stride: list[int], k_offset: int, v_stride: list[int],
                         v_offset: int) -> None:
     return None
+
+
+def _decode_store(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor, kv_lens: torch.Tensor,
+                  slots: torch.Tensor, size: list[int], k_stride: list[int], k_offset: int, v_stride: list[int],
+                  v_offset: int, scale: float, max_kv_len: int) -> torch.Tensor:
+    k_store = k_base.as_strided(size, k_stride, k_offset)  # [max_batch, capacity, kv_heads, head_dim]
+    v_store = v_base.as_strided(size, v_stride, v_offset)
+    return decode_attention(q, k_store, v_store, kv_lens, slots=slots, scale=scale, max_kv_len=max_kv_len,
+                            out=torch.empty_like(q))
+
+
+_LIBRARY.impl("decode_store", _decode_store, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("vmkv::decode_store")
+def _decode_store_fake(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor, kv_lens: torch.Tensor,
+                       slots: torch.Tensor, size: list[int], k_stride: list[int], k_offset: int, v_stride: list[int],
+                       v_offset: int, scale: float, max_kv_len: int) -> torch.Tensor:
+    return torch.empty_like(q)
 
 
 @dataclass(frozen=True)
@@ -116,6 +140,28 @@ def write_columns(k_store: Store, v_store: Store, k: torch.Tensor, v: torch.Tens
         raise ValueError(f"K and V views differ in shape: {k_store.size} vs {v_store.size}")
     torch.ops.vmkv.write_columns(k_store.base, v_store.base, k, v, slots, starts, list(k_store.size),
                                  list(k_store.stride), k_store.offset, list(v_store.stride), v_store.offset)
+
+
+def decode_store(q: torch.Tensor, k_store: Store, v_store: Store, kv_lens: torch.Tensor, slots: torch.Tensor,
+                 scale: float, max_kv_len: int) -> torch.Tensor:
+    """Decode attention over one layer's stores, as an operator a compiled region calls as a
+    whole (``torch.ops.vmkv.decode_store``: dynamo does not trace into the kernel's launch logic,
+    and inductor cannot widen its reads): :func:`decode_attention` with contiguous addressing.
+
+    Args:
+        q: ``[B, Hq, D]``, one query token per row.
+        k_store, v_store: the layer's K and V (:func:`stores_of`), ``[max_batch, capacity, Hkv, D]``.
+        kv_lens: int32 ``[B]`` on the device, keys per row (the new token's included).
+        slots: int32 ``[B]`` on the device, each row's slot.
+        scale: softmax scale.
+        max_kv_len: host upper bound on ``kv_lens`` (fixes the launch).
+
+    Returns:
+        ``[B, Hq, D]``, a new tensor.
+    """
+    return torch.ops.vmkv.decode_store(q, k_store.base, v_store.base, kv_lens, slots, list(k_store.size),
+                                       list(k_store.stride), k_store.offset, list(v_store.stride), v_store.offset,
+                                       float(scale), int(max_kv_len))
 
 
 def decode_kernel_name(device: torch.device) -> str:
