@@ -49,7 +49,7 @@ SECTIONS: tuple[Section, ...] = (
             "the engine's decode steps as CUDA graphs: logits against eager across page boundaries, speed-up at 32 sequences"),
     Section("bench", 200, lambda ctx: bench.bench_section(ctx.device, ctx.out, ctx.smoke, ctx.seconds_left() - 10),
             bench.bench_headline, "the main job: python -m vmkv.cli bench --device cuda (its GPU preset)", timeout_s=240),
-    Section("hf_compiled", 120, lambda ctx: compiled.hf_compiled_section(ctx.device, ctx.smoke, ctx.out, ctx.seconds_left), compiled.hf_compiled_headline,
+    Section("hf_compiled", 240, lambda ctx: compiled.hf_compiled_section(ctx.device, ctx.smoke, ctx.out, ctx.seconds_left), compiled.hf_compiled_headline,
             "generate() compiled over VirtualCache(compile=True) vs StaticCache: dense, ragged, teacher-forced logits",
             timeout_s=420, alone=True),
     Section("vllm", 150, lambda ctx: vllm_engine.vllm_section(ctx.device, ctx.out), vllm_engine.vllm_headline,
