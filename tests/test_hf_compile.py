@@ -51,6 +51,15 @@ def model() -> torch.nn.Module:
     return default_hf_model(num_hidden_layers=2).eval()
 
 
+@pytest.fixture(scope="module")
+def vmkv_model() -> torch.nn.Module:
+    """The ``model`` fixture's weights with ``attn_implementation="vmkv"``."""
+    torch.manual_seed(0)
+    model = default_hf_model(num_hidden_layers=2).eval()
+    model.set_attn_implementation("vmkv")
+    return model
+
+
 def compiled_cache(model: torch.nn.Module, **options) -> vhf.VirtualCache:
     return vhf.VirtualCache("vmm", config=model.config, max_seq_len=MAX_LEN, page_size=PAGE, compile=True, **options)
 
@@ -110,15 +119,19 @@ def test_compiled_generate_over_each_layout_gives_static_caches_tokens(model, la
     cache.close()
 
 
-def test_beam_search_and_deep_copies_over_a_compileable_cache(model):
+@pytest.mark.parametrize("attention", ["sdpa", "vmkv"])
+def test_beam_search_and_deep_copies_over_a_compileable_cache(request, model, attention):
     """Beam search is not compiled by transformers 5.19, but the cache still runs StaticCache's
-    contract (full-length views, steps prepared at the eager point) across reorders and forks."""
-    ids, mask = batch(padded=False)
+    contract (steps prepared at the eager point; full-length views, or ragged rows with the
+    "vmkv" attention) across reorders and forks."""
+    ids, mask = batch(padded=attention == "vmkv")
     options = dict(do_sample=False, num_beams=3, max_new_tokens=10, pad_token_id=PAD)
     static = model.generate(ids, attention_mask=mask, **{CACHE: StaticCache(config=model.config, max_cache_len=MAX_LEN)}, **options)
-    cache = vhf.VirtualCache("vmm", config=model.config, max_seq_len=MAX_LEN, page_size=PAGE, compile=True,
+    ours = request.getfixturevalue("vmkv_model") if attention == "vmkv" else model
+    cache = vhf.VirtualCache("vmm", config=ours.config, max_seq_len=MAX_LEN, page_size=PAGE, compile=True,
                              max_batch_size=16)
-    assert torch.equal(model.generate(ids, attention_mask=mask, **{CACHE: cache}, **options), static)
+    assert torch.equal(ours.generate(ids, attention_mask=mask, **{CACHE: cache}, **options), static)
+    assert cache.stats()["compiled_steps"] == 9 and cache.stats()["compile_fallbacks"] == 0
     cache.close()
 
 
@@ -257,15 +270,6 @@ def test_a_step_prepared_but_not_run_is_rolled_back_by_row_operations(model):
 
 
 # ---- the "vmkv" attention under compile: rows of their own lengths --------------------------------
-@pytest.fixture(scope="module")
-def vmkv_model() -> torch.nn.Module:
-    """The ``model`` fixture's weights with ``attn_implementation="vmkv"``."""
-    torch.manual_seed(0)
-    model = default_hf_model(num_hidden_layers=2).eval()
-    model.set_attn_implementation("vmkv")
-    return model
-
-
 @pytest.mark.parametrize("how", ["greedy", "sampling"])
 def test_compiled_vmkv_attention_decodes_ragged_rows_as_the_eager_cache(model, vmkv_model, how):
     """Left-padded prompts: the eager prefill drops the padding, then every compiled decode step
@@ -313,6 +317,22 @@ def test_a_compiled_vmkv_forward_with_no_prepared_step_falls_back_to_the_eager_a
     assert cache.stats()["compile_fallbacks"] > 0 and cache.stats()["compiled_steps"] == 0
     cache.close()
     reference.close()
+
+
+def test_a_prepared_step_left_unrun_does_not_hide_another_caches_padding(vmkv_model):
+    """The "vmkv" mask function returns no mask for a prepared compiled step; the mask of a
+    forward over another cache is that cache's, even while the first one's step waits."""
+    ids, mask = batch(padded=True)
+    waiting = compiled_cache(vmkv_model)
+    prefill(vmkv_model, waiting, ids)
+    waiting.prepare_step(1)
+    with torch.no_grad():
+        eager = vhf.VirtualCache("vmm", config=vmkv_model.config, page_size=PAGE)
+        logits = vmkv_model(ids, attention_mask=mask, use_cache=True, **{CACHE: eager}).logits
+        reference = vmkv_model(ids, attention_mask=mask, use_cache=True, **{CACHE: vhf.VirtualCache("vmm")}).logits
+    assert torch.equal(logits, reference)
+    assert [eager.core.seq_len(s) for s in eager.rows] == [PROMPT, 5]  # the padding was seen, and dropped
+    waiting.close()
 
 
 def test_a_compiled_vmkv_step_decodes_one_token_per_row(vmkv_model):

@@ -260,9 +260,9 @@ class VirtualCache(RowPolicy, Cache):
         """``(kv_length, kv_offset)``: the returned K/V hold exactly ``columns + query_length`` tokens,
         or with ``compile=True`` always ``max_seq_len`` (and, called eagerly, this is the step's
         eager point: :meth:`prepare_step`)."""
+        if not torch.compiler.is_compiling():
+            self._before_mask(query_length)
         if self._compile:
-            if not torch.compiler.is_compiling():
-                self._arm(query_length)
             return self._options.max_seq_len, 0
         return self.get_seq_length() + query_length, 0
 
@@ -633,6 +633,15 @@ class VirtualCache(RowPolicy, Cache):
                 "batch_select_indices or batch_repeat_interleave to change rows"
             )
         self._step = None
+
+    def _before_mask(self, q_len: int) -> None:
+        """Eager, before the model makes the mask of a forward of ``q_len`` tokens over this cache:
+        the eager point of a compiled step (:meth:`_arm`), and the note that tells the ``"vmkv"``
+        mask function whether this mask is for a prepared ragged step (``COMPILED_STEP``)."""
+        if self._compile:
+            self._arm(q_len)
+        compiled = self._compiled
+        COMPILED_STEP.steps = compiled if compiled is not None and compiled.ragged and compiled.armed else None
 
     def _arm(self, q_len: int) -> None:
         """The eager point of a compiled step (see :meth:`prepare_step`). A ragged cache (the
