@@ -87,6 +87,7 @@ def test_gpu_check_cpu_dry_run_of_the_cuda_graph_sections(tmp_path):
     compiled = entries["hf_compiled"]["result"]
     assert set(compiled["dense"]) == {"dynamic", "static", "vmm", "vmm+vmkv", "paged+vmkv", "vmm+compile", "vmm+compile+vmkv"}
     assert set(compiled["ratios"]) >= set(compiled["targets"])
+    assert all(row["cudagraph_skips"] == 0 for row in compiled["dense"].values())  # reported (a CPU asks for no CUDA graphs)
     partial = json.loads((tmp_path / "hf_compiled.partial.json").read_text())  # what a run killed at its limit keeps
     assert partial["ratios"] == compiled["ratios"] and "ragged" in partial
     assert compiled["logit_errors"]["vmm+compile"] < 1e-4 and compiled["logit_errors"]["vmm+compile+vmkv"] < 1e-4

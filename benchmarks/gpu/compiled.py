@@ -115,10 +115,16 @@ def _kv_bytes(cache: Any, out: Any) -> int:
 
 
 def _time(model: torch.nn.Module, names: list[str], work: Work, compile_config: Any, rounds: int) -> dict[str, Any]:
-    """Per cache: median seconds, tokens/s and KV bytes, after one untimed (compiling) run."""
+    """Per cache: median seconds, tokens/s and KV bytes, after one untimed (compiling) run, and
+    how many compiled graphs inductor ran without CUDA graphs in that run (``cudagraph_skips``:
+    on a GPU, a compiled cache at eager speed; its log says why)."""
+    from torch._dynamo.utils import counters
+
     found: dict[str, Any] = {}
     for name in names:
+        skips = counters["inductor"]["cudagraph_skips"]
         _generate(model, name, work, compile_config)
+        skips = counters["inductor"]["cudagraph_skips"] - skips
         seconds = []
         for _ in range(rounds):
             _sync(work.ids.device)
@@ -128,7 +134,7 @@ def _time(model: torch.nn.Module, names: list[str], work: Work, compile_config: 
             seconds.append(time.perf_counter() - began)
         median = statistics.median(seconds)
         found[name] = {"seconds": median, "tokens_per_s": work.ids.shape[0] * work.new / median,
-                       "kv_bytes": _kv_bytes(cache, out)}
+                       "kv_bytes": _kv_bytes(cache, out), "cudagraph_skips": skips}
         if hasattr(cache, "close"):
             cache.close()
     return found
@@ -279,6 +285,8 @@ def hf_compiled_headline(result: dict[str, Any]) -> str:
     ratios = result["ratios"]
     ragged = (f"ragged {ratios['ragged_vs_static']:.2f}x (>= 1.2) at {ratios['ragged_bytes_vs_tokens']:.2f}x the tokens' "
               "bytes (<= 1.05)") if "ragged_vs_static" in ratios else "ragged not run"
+    skipped = [name for name, row in result["dense"].items() if row["cudagraph_skips"]]
+    graphs = f"; ran without CUDA graphs: {', '.join(skipped)}" if skipped else ""
     return (f"compiled VirtualCache {ratios['dense_vs_static']:.2f}x StaticCache (target >= 1.0; SDPA "
             f"{ratios['dense_vmm+compile_vs_static']:.2f}x, vmkv {ratios['dense_vmm+compile+vmkv_vs_static']:.2f}x), "
-            f"{ragged}; paged {ratios['paged_vs_vmm']:.2f}x vmm (>= 0.9)")
+            f"{ragged}; paged {ratios['paged_vs_vmm']:.2f}x vmm (>= 0.9){graphs}")
