@@ -23,6 +23,7 @@ Caches::
                  over pages (vmkv.hf.compiled); one untimed warm-up run compiles before the rounds
     vmm+compile+vmkv  the same with attn_implementation="vmkv": each compiled decode step reads
                  each row's own length with the cache's capturable decode kernel
+    paged+compile+vmkv  VirtualCache("paged", compile=True): the same over block tables
     bound        the least work a cache can do (greedy points only): K/V preallocated contiguous
                  [B, H, prompt + new tokens, D] per layer, one copy per tensor a step, views of
                  the stored length returned, no pages and no checks; not a cache to use, the
@@ -67,14 +68,15 @@ NAME = "generate"
 DESCRIPTION = "transformers generate(): VirtualCache (vmm, paged) vs DynamicCache/StaticCache tokens/s and KV bytes"
 
 CACHES = ("dynamic", "static", "vmm", "vmm+vmkv", "paged+vmkv", "bound", "static+compile", "vmm+compile",
-          "vmm+compile+vmkv")
+          "vmm+compile+vmkv", "paged+compile+vmkv")
 DEFAULT_CACHES = CACHES[:6]  # the +compile caches compile for each shape (seconds on a CPU, tens on a GPU): asked for
 LONG_POINT = (512, 2048, 8)  # prompt tokens, new tokens, batch: issue 16's long point
 TARGETS = {"main": 1.0, "long": 1.2, "static": 1.0}  # VirtualCache speed / the other cache's
 # per compiled VirtualCache: its speed / the other cache's (issue 28): compiling must not slow the eager
 # cache of the same attention down, and must keep up with the same compile over StaticCache
 COMPILE_TARGETS = {"vmm+compile": {"vmm": 0.95, "static+compile": 1.0},
-                   "vmm+compile+vmkv": {"vmm+vmkv": 0.95, "static+compile": 1.0}}
+                   "vmm+compile+vmkv": {"vmm+vmkv": 0.95, "static+compile": 1.0},
+                   "paged+compile+vmkv": {"paged+vmkv": 0.95, "static+compile": 1.0}}
 UPDATE_SHARE_TARGET = 0.05  # most of a decode step update() may take
 MODELS: dict[str, dict[str, Any]] = {
     "small": {},  # vmkv.models.DEFAULT_MODEL as it is
@@ -185,7 +187,7 @@ def _make_cache(name: str, model: torch.nn.Module, args: argparse.Namespace, max
     if name in ("static", "static+compile"):
         return StaticCache(config=model.config, max_cache_len=args.static_len or total)
     if name in COMPILE_TARGETS:
-        return vmkv.hf.VirtualCache("vmm", config=model.config, compile=True, max_batch_size=max_batch,
+        return vmkv.hf.VirtualCache(name.split("+")[0], config=model.config, compile=True, max_batch_size=max_batch,
                                     max_seq_len=args.static_len or total)
     return vmkv.hf.VirtualCache(name.split("+")[0], max_batch_size=max_batch, max_seq_len=total + 1)
 
@@ -557,13 +559,14 @@ def _compile_verdicts(result: dict[str, Any], model: str, case: list[dict[str, A
     for ours, targets in COMPILE_TARGETS.items():
         if ours not in timings.samples:
             continue
-        attention = "vmkv" if ours.endswith("+vmkv") else ""
+        mode, *rest = ours.replace("+compile", "").split("+")  # "vmm" | "paged", then the attention if "vmkv"
+        which = "" if ours == "vmm+compile" else "_" + ours.replace("+compile", "").replace("+", "_")
         for base, target in targets.items():
             if base not in timings.samples:
                 continue
-            key = f"generate.{model}.{label}compiled{'_' + attention if attention else ''}_vs_{base.replace('+', '_')}"
-            question = (f"generate() tokens/s, {where}: VirtualCache(compile=True)"
-                        f"{' with the vmkv attention' if attention else ''} vs {base}")
+            key = f"generate.{model}.{label}compiled{which}_vs_{base.replace('+', '_')}"
+            question = (f"generate() tokens/s, {where}: VirtualCache({mode!r}, compile=True)"
+                        f"{' with the vmkv attention' if rest else ''} vs {base}")
             why = _wrong(case, [ours, base], failed)
             ratio = timings.ratio(base, ours)
             out.append(common.unreliable(key, question, why) if why else common.ratio_verdict(

@@ -314,7 +314,7 @@ def test_generate_compile_verdicts_of_the_vmkv_attention_compare_it_with_its_eag
     times = result["samples"]["small/greedy/b2/4"]
     times["vmm+vmkv"], times["vmm+compile+vmkv"], times["static+compile"] = [1.0, 1.1, 1.2], [0.5, 0.55, 0.6], [1.0, 1.1, 1.2]
     verdicts = {v.key: v for v in generate.verdicts(result)}
-    eager, static = verdicts["generate.small.compiled_vmkv_vs_vmm_vmkv"], verdicts["generate.small.compiled_vmkv_vs_static_compile"]
+    eager, static = verdicts["generate.small.compiled_vmm_vmkv_vs_vmm_vmkv"], verdicts["generate.small.compiled_vmm_vmkv_vs_static_compile"]
     assert eager.agrees and static.agrees and eager.side == "vmm+compile+vmkv" and eager.reference == "target >= 0.95x"
     assert "generate.small.compiled_vs_vmm" not in verdicts  # no vmm+compile in this run
 
@@ -784,18 +784,20 @@ def test_model_benchmarks_smoke(name, tmp_path):
         assert all(r["tok_per_cpu_s"] > 0 for r in result["rows"])
 
 
-def test_generate_smoke_of_both_compiled_caches(tmp_path):
-    """The two VirtualCache(compile=True) caches (the model's SDPA, the "vmkv" attention) run
-    under generate()'s compile with DynamicCache's tokens, and get their verdicts."""
+def test_generate_smoke_of_the_compiled_caches(tmp_path):
+    """The three VirtualCache(compile=True) caches (VMM with the model's SDPA or the "vmkv"
+    attention, paged) run under generate()'s compile with DynamicCache's tokens, and get their
+    verdicts."""
     pytest.importorskip("transformers")
     from benchmarks import generate
 
-    args = _args(generate, tmp_path, ["--caches", "dynamic", "vmm+vmkv", "vmm+compile", "vmm+compile+vmkv", "--beam-width", "0"])
-    result = generate.run(args)
-    assert {r["cache"] for r in result["rows"]} == {"dynamic", "vmm+vmkv", "vmm+compile", "vmm+compile+vmkv"}
+    caches = ["dynamic", "vmm", "vmm+vmkv", "paged+vmkv", "vmm+compile", "vmm+compile+vmkv", "paged+compile+vmkv"]
+    result = generate.run(_args(generate, tmp_path, ["--caches", *caches, "--beam-width", "0"]))
+    assert {r["cache"] for r in result["rows"]} == set(caches)
     assert all(r["same_tokens_as_dynamic"] for r in result["rows"]) and not result["summary"].get("failed")
     keys = {v.key for v in generate.verdicts(result)}
-    assert {"generate.small.compiled_vmkv_vs_vmm_vmkv"} <= keys
+    assert {"generate.small.compiled_vs_vmm", "generate.small.compiled_vmm_vmkv_vs_vmm_vmkv",
+            "generate.small.compiled_paged_vmkv_vs_paged_vmkv"} <= keys
 
 
 def test_serve_capacity_is_the_same_experiment_in_every_preset():

@@ -59,12 +59,14 @@ def outputs(e: Engine, params: list[SamplingParams]) -> list[list[list[int]]]:
     return [done[i] for i in ids]
 
 
-def test_graph_engine_gives_the_eager_engines_tokens():
+@pytest.mark.parametrize("mode", ["vmm", "paged"])
+def test_graph_engine_gives_the_eager_engines_tokens(mode):
     """Greedy and sampled requests of different lengths (the batch shrinks through the buckets),
-    a request with n=2 (a fork), and a repeated prompt (a prefix-cache hit)."""
+    a request with n=2 (a fork), and a repeated prompt (a prefix-cache hit); paged mode's step
+    reads its blocks through the persistent block table."""
     params = [SamplingParams(max_tokens=n, temperature=t, seed=5, n=k, ignore_eos=True)
               for n, t, k in ((20, 0.0, 1), (14, 0.8, 1), (9, 0.0, 2), (5, 0.0, 1), (2, 1.0, 1))]
-    eager, graphed = engine("vmm", False), engine("vmm", True)
+    eager, graphed = engine(mode, False), engine(mode, True)
     want, got = outputs(eager, params), outputs(graphed, params)
     assert got == want
     stats = graphed.stats()["engine"]["cuda_graphs"]
@@ -95,8 +97,6 @@ def test_graphs_are_off_on_a_cpu_unless_asked_and_refused_where_they_cannot_run(
     assert e.graphs is None and e.cache.config.max_batch_size == 8
     e.close()
     assert EngineConfig(cuda_graphs=True, max_num_seqs=8).cache_config().max_batch_size == 9  # the padding slot
-    with pytest.raises(Unsupported, match="Triton"):  # paged mode's captured decode needs the Triton kernels
-        engine("paged", True)
     loaded = load_model(None)
     cache = vmkv.open_cache(cache_config_for(loaded.model, max_batch_size=1, memory_budget="4MiB", page_size="4KiB",
                                              max_seq_len=64))

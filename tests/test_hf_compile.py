@@ -60,8 +60,8 @@ def vmkv_model() -> torch.nn.Module:
     return model
 
 
-def compiled_cache(model: torch.nn.Module, **options) -> vhf.VirtualCache:
-    return vhf.VirtualCache("vmm", config=model.config, max_seq_len=MAX_LEN, page_size=PAGE, compile=True, **options)
+def compiled_cache(model: torch.nn.Module, mode: str = "vmm", **options) -> vhf.VirtualCache:
+    return vhf.VirtualCache(mode, config=model.config, max_seq_len=MAX_LEN, page_size=PAGE, compile=True, **options)
 
 
 def batch(padded: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,8 +209,9 @@ def test_a_compiled_forward_with_no_prepared_step_falls_back_once(model, caplog)
 def test_compile_needs_what_it_runs_on(model):
     vmkv_config = default_hf_model(num_hidden_layers=1).config
     vmkv_config._attn_implementation = "vmkv"
-    with pytest.raises(InvalidConfig, match="VMM mode"):
-        vhf.VirtualCache("paged", config=vmkv_config, max_seq_len=64, compile=True)
+    with pytest.raises(InvalidConfig, match="paged mode needs the model loaded with attn_implementation='vmkv'"):
+        vhf.VirtualCache("paged", config=model.config, max_seq_len=64, compile=True)
+    assert vhf.VirtualCache("paged", config=vmkv_config, max_seq_len=64, compile=True).is_compileable
     with pytest.raises(InvalidConfig, match="config=model.config"):
         vhf.VirtualCache("vmm", max_seq_len=64, compile=True)
     with pytest.raises(InvalidConfig, match="max_seq_len"):
@@ -270,16 +271,17 @@ def test_a_step_prepared_but_not_run_is_rolled_back_by_row_operations(model):
 
 
 # ---- the "vmkv" attention under compile: rows of their own lengths --------------------------------
-@pytest.mark.parametrize("how", ["greedy", "sampling"])
-def test_compiled_vmkv_attention_decodes_ragged_rows_as_the_eager_cache(model, vmkv_model, how):
+@pytest.mark.parametrize("mode,how", [("vmm", "greedy"), ("vmm", "sampling"), ("paged", "greedy")])
+def test_compiled_vmkv_attention_decodes_ragged_rows_as_the_eager_cache(model, vmkv_model, mode, how):
     """Left-padded prompts: the eager prefill drops the padding, then every compiled decode step
-    writes each row at its own position and reads each row's own length. The tokens are
-    StaticCache's (which stores and reads the padding), the bytes only the real tokens'."""
+    writes each row at its own position (paged: its row of the block pool) and reads each row's
+    own length (paged: through the block table). The tokens are StaticCache's (which stores and
+    reads the padding), the bytes only the real tokens'."""
     ids, mask = batch(padded=True)
     options = dict(do_sample=True, top_k=20, seed=7) if how == "sampling" else dict(do_sample=False)
     static = generate(model, StaticCache(config=model.config, max_cache_len=MAX_LEN), ids, mask, **options)
-    eager = generate(vmkv_model, vhf.VirtualCache("vmm", config=vmkv_model.config, page_size=PAGE), ids, mask, **options)
-    cache = compiled_cache(vmkv_model)
+    eager = generate(vmkv_model, vhf.VirtualCache(mode, config=vmkv_model.config, page_size=PAGE), ids, mask, **options)
+    cache = compiled_cache(vmkv_model, mode)
     assert torch.equal(generate(vmkv_model, cache, ids, mask, **options), eager)
     assert torch.equal(eager, static)
     stats = cache.stats()
@@ -290,8 +292,9 @@ def test_compiled_vmkv_attention_decodes_ragged_rows_as_the_eager_cache(model, v
     cache.close()
 
 
-def test_no_graph_break_inside_the_cache_or_the_vmkv_attention(vmkv_model):
-    cache = compiled_cache(vmkv_model)
+@pytest.mark.parametrize("mode", ["vmm", "paged"])
+def test_no_graph_break_inside_the_cache_or_the_vmkv_attention(vmkv_model, mode):
+    cache = compiled_cache(vmkv_model, mode)
     ids, mask = batch(padded=True)
     with torch.no_grad():
         tokens = vmkv_model(ids, attention_mask=mask, use_cache=True, **{CACHE: cache}).logits[:, -1:].argmax(-1)
@@ -366,25 +369,27 @@ TRITON_DECODE = textwrap.dedent("""
     def generate(cache):
         return model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=PAD,
                               compile_config=config, past_key_values=cache)
-    eager = generate(vmkv.hf.VirtualCache("vmm", config=model.config, max_seq_len=21))
-    cache = vmkv.hf.VirtualCache("vmm", config=model.config, max_seq_len=21, compile=True)
-    compiled = generate(cache)
-    stats = cache.stats()
-    assert stats["compiled_steps"] == 11 and stats["compile_fallbacks"] == 0, stats
-    print("SAME" if torch.equal(eager, compiled) else f"DIFFERENT {eager.tolist()} {compiled.tolist()}")
+    for mode in ("vmm", "paged"):
+        eager = generate(vmkv.hf.VirtualCache(mode, config=model.config, max_seq_len=21))
+        cache = vmkv.hf.VirtualCache(mode, config=model.config, max_seq_len=21, compile=True, block_size=4)
+        compiled = generate(cache)
+        stats = cache.stats()
+        assert stats["compiled_steps"] == 11 and stats["compile_fallbacks"] == 0, stats
+        print(mode, "SAME" if torch.equal(eager, compiled) else f"DIFFERENT {eager.tolist()} {compiled.tolist()}")
 """)
 
 
 def test_compiled_vmkv_attention_runs_the_triton_decode_kernel_in_the_interpreter(tmp_path):
     """The GPU's path on the host: the compiled decode step calls the Triton kernel (Triton's
     interpreter, a child process: ``TRITON_INTERPRET=1`` before triton's first import) through
-    ``torch.ops.vmkv.decode_store``, and gives the eager cache's tokens."""
+    ``torch.ops.vmkv.decode_store``, over slots and over block tables (blocks of 4 tokens: rows
+    cross blocks while decoding), and gives the eager cache's tokens."""
     pytest.importorskip("triton")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", TRITON_DECODE], capture_output=True, text=True, env=env,
                           cwd=tmp_path, timeout=600)
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
-    assert done.stdout.strip().splitlines()[-1] == "SAME"
+    assert done.stdout.strip().splitlines()[-2:] == ["vmm SAME", "paged SAME"]
 
 
 SEGFAULT_REPRO = textwrap.dedent("""

@@ -58,7 +58,7 @@ def unsupported(cache: KVCacheBase) -> str | None:
     kernel = decode_kernel_name(torch.device(config.device))
     if kernel == "triton" and config.head_dim not in SUPPORTED_HEAD_DIMS:
         return f"head_dim {config.head_dim} is not one the Triton decode kernel supports ({SUPPORTED_HEAD_DIMS})"
-    if kernel != "triton" and (cache.mode == "paged" or torch.device(config.device).type == "cuda"):
+    if kernel != "triton" and torch.device(config.device).type == "cuda":
         return f"the captured decode step needs the Triton kernels here: {triton_available(config.device)[1]}"
     return None
 

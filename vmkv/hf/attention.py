@@ -86,7 +86,7 @@ HANDOFF = _Handoff()
 
 
 class _CompiledStep:
-    """The ragged compiled step of the ``"vmkv"`` attention (``vmkv.hf.compiled.CompiledSteps``).
+    """The ragged compiled step of the ``"vmkv"`` attention (``vmkv.hf.compiled.RaggedSteps``).
 
     Under dynamo the attention cannot take the thread-local note (``HANDOFF``), so the eager point
     of a ``VirtualCache(compile=True)`` leaves its steps here; the attention runs them while they

@@ -24,7 +24,7 @@ from ..sizes import parse_size
 from ..validate import as_int, as_layer
 from .attention import ATTN_IMPLEMENTATION, COMPILED_STEP, HANDOFF
 from .compat import Cache, CacheLayerMixin, attention_kwargs
-from .compiled import CompiledSteps, check_compile, check_map_ahead, eager_update
+from .compiled import CompiledSteps, check_compile, check_map_ahead, compiled_steps, eager_update
 from .rows import RowPolicy, SharedCore
 from .sizing import CacheOptions, open_core
 
@@ -170,9 +170,9 @@ class VirtualCache(RowPolicy, Cache):
             attention each layer returns ``[B, kv_heads, max_seq_len, head_dim]`` views (the
             model's mask hides what is past each row's length, which reads zeros and holds no
             memory); with the ``"vmkv"`` attention rows hold no padding and a compiled decode
-            step reads each row's own length. Needs VMM mode, ``config`` and ``max_seq_len``
-            (the most columns a row reaches; the model's attention reads that many, as
-            StaticCache reads ``max_cache_len``).
+            step reads each row's own length (paged mode: through the block table). Needs
+            ``config`` and ``max_seq_len`` (the most columns a row reaches; the model's attention
+            reads that many, as StaticCache reads ``max_cache_len``).
 
     Raises:
         InvalidConfig: unknown mode or layout, a page size that is no size, paged mode with a
@@ -216,7 +216,7 @@ class VirtualCache(RowPolicy, Cache):
             self._config_style = "vmkv" if text._attn_implementation == ATTN_IMPLEMENTATION else "model"
         self.attention_style: str | None = self._config_style  # "model" | "vmkv"; None until known
         self._require_style_fits_mode()
-        self._compile = check_compile(compile, mode, config, max_seq_len)
+        self._compile = check_compile(compile, config, max_seq_len)
         self._compiled: CompiledSteps | None = None  # compile=True: made with the rows' core
         self._shared: SharedCore | None = None
         self._closed = False
@@ -574,8 +574,8 @@ class VirtualCache(RowPolicy, Cache):
         if self._shared is None:
             self._shared = SharedCore(*open_core(self.mode, self._options, like, num_layers, self.attention_style))
         if self._compile and self._compiled is None:
-            self._compiled = CompiledSteps.for_core(self._shared.core, self._options.max_seq_len,
-                                                    ragged=self.attention_style == ATTN_IMPLEMENTATION)
+            self._compiled = compiled_steps(self._shared.core, self._options.max_seq_len,
+                                            ragged=self.attention_style == ATTN_IMPLEMENTATION, paged=self.mode == "paged")
         self._shared.reap()
         core = self.core
         batch = like.shape[0]

@@ -18,9 +18,10 @@ graph, so a step is split in two:
   Positions past a row's length read the zero page (zeros, no memory) and the model's mask hides
   them, as StaticCache's does. With the ``"vmkv"`` attention the rows are ragged (the eager
   prefill dropped their padding): each row writes at its own position and the attention
-  (:meth:`CompiledSteps.attend`) runs the capturable decode kernel over each row's own length
+  (:meth:`RaggedSteps.attend`) runs the capturable decode kernel over each row's own length
   (``torch.ops.vmkv.decode_store``), finding the steps through
-  ``vmkv.hf.attention.COMPILED_STEP``.
+  ``vmkv.hf.attention.COMPILED_STEP``; in paged mode (:class:`PagedSteps`) the positions are
+  rows of the block pools and the kernel reads a block table.
 
 Nothing in the compiled region reads a Python value that changes from step to step (the flags it
 reads are the same at every armed step), so dynamo compiles a decode step once.
@@ -47,19 +48,16 @@ from ..vmm.views import unguarded
 log = logging.getLogger("vmkv")
 
 
-def check_compile(compile: Any, mode: str, config: Any, max_seq_len: int | None) -> bool:
+def check_compile(compile: Any, config: Any, max_seq_len: int | None) -> bool:
     """``compile`` as a bool, once ``VirtualCache(compile=True)`` has what it needs.
 
     Raises:
-        InvalidConfig: ``compile=True`` in paged mode, without ``config`` or without ``max_seq_len``.
+        InvalidConfig: ``compile=True`` without ``config`` or without ``max_seq_len``.
     """
     if not isinstance(compile, bool):
         raise InvalidConfig(f"compile must be True or False, got {compile!r}")
     if not compile:
         return False
-    if mode != "vmm":
-        raise InvalidConfig("compile=True writes and reads virtually contiguous tensors at device positions: "
-                            "VMM mode only")
     if config is None:
         raise InvalidConfig("compile=True needs config=model.config: the compiled forward must know the layers "
                             "and the attention up front")
@@ -78,70 +76,67 @@ def check_map_ahead(compile: bool, map_ahead: bool, device: torch.device) -> Non
 
 
 class CompiledSteps:
-    """The device tensors and flags a compiled ``VirtualCache`` forward reads.
+    """The device tensors and flags a compiled ``VirtualCache`` forward reads: the model's own
+    attention over full-length views (dense steps). :class:`RaggedSteps` and :class:`PagedSteps`
+    are the ``"vmkv"`` attention's; :func:`compiled_steps` makes the one a cache needs.
 
     Args:
-        stores: per layer, the core's ``kv_cache(layer)`` K and V, ``[max_batch, max_len, kv_heads,
-            head_dim]``, as :class:`~vmkv.kernels.capturable.Store` s made once (:meth:`for_core`):
-            their addresses never move. The compiled region's inputs are the stores' bases (one
-            per storage, marked static); the compiled write goes through them, only at positions
-            the eager point mapped for the step.
-        max_len: columns of every view a layer returns (the core's ``max_seq_len``).
-        ragged: the ``"vmkv"`` attention's steps: rows hold only their real tokens (padding was
-            dropped at the eager prefill), so each row writes at its own position and the
-            attention reads each row's own length (:meth:`attend`); else dense steps of the
-            model's attention over full-length views (:meth:`views`).
+        stores: per layer, the core's K and V (VMM: ``kv_cache(layer)``, ``[max_batch, max_len,
+            kv_heads, head_dim]``; paged: ``block_pool(layer)``) as
+            :class:`~vmkv.kernels.capturable.Store` s made once: their addresses never move. The
+            compiled region's inputs are the stores' bases (one per storage, marked static); the
+            compiled write goes through them, only at positions the eager point mapped for the step.
+        max_len: the most columns a row reaches (the core's ``max_seq_len``): what dense views
+            span, and the bound the decode kernel's launch is fixed by.
 
     Attributes:
         armed: a step was committed at the eager point and no forward has written it yet.
-        live: the forward in progress writes the armed step (set at its first layer; a ragged
-            forward clears it at its last layer's attention).
+        live: the forward in progress writes the armed step (set at its first layer).
         starts: int64 ``[]``, columns before the armed step as transformers counts them (padding
             included); a dense step writes every row there.
-        positions: ragged: int64 ``[B]``, the column each row's new token goes to.
-        kv_lens: ragged: int32 ``[B]``, each row's tokens once the step is written.
-        slots: int64 ``[B]`` (``slots32``: int32, the kernel's), each row's slot.
+        slots: int64 ``[B]``, each row's slot.
         rows: the rows of the views as a slice (rows in evenly spaced slots), or ``None``: gathered
             through ``slots``.
 
-    Invariant: while ``armed``, every column the step writes (dense: ``starts .. starts + q_len -
-    1`` of every row; ragged: ``positions[b]`` of row ``b``) is in a mapped page the row owns
-    alone (``begin_step`` made it so).
+    Invariant: while ``armed``, every position the step writes (dense: columns ``starts ..
+    starts + q_len - 1`` of every row) is in a mapped page the row owns alone (``begin_step``
+    made it so).
     """
 
-    def __init__(self, stores: list[tuple[Store, Store]], max_len: int, ragged: bool = False) -> None:
+    ragged = False  # rows of their own lengths ("vmkv" attention), or every row as long as the step's columns
+
+    def __init__(self, stores: list[tuple[Store, Store]], max_len: int) -> None:
         self.max_len = max_len
         self.stores = stores
-        self.ragged = ragged
-        device = stores[0][0].base.device
-        self.starts = torch.zeros((), dtype=torch.int64, device=device)
-        self.slots = self.slots32 = self.positions = self.kv_lens = torch.zeros(0, dtype=torch.int64, device=device)
+        self.device = stores[0][0].base.device
+        self.starts = self._static(torch.zeros((), dtype=torch.int64))
+        self.slots = torch.zeros(0, dtype=torch.int64, device=self.device)
         self.rows: slice | None = slice(0, 0)
         self._slot_tuple: tuple[int, ...] = ()
         self.armed = False
         self.live = False
         for base in {id(store.base): store.base for pair in stores for store in pair}.values():
             torch._dynamo.mark_static_address(base)
-        torch._dynamo.mark_static_address(self.starts)
-
-    @classmethod
-    def for_core(cls, core: KVCacheBase, max_len: int, ragged: bool = False) -> "CompiledSteps":
-        """The compiled steps over ``core``'s layers."""
-        views = [tuple(map(unguarded, core.kv_cache(layer))) for layer in range(core.config.num_layers)]
-        return cls(stores_of(views), max_len, ragged)
 
     def copy(self) -> "CompiledSteps":
         """Steps of another ``VirtualCache`` over the same core (a deep copy: its own rows)."""
-        return CompiledSteps(self.stores, self.max_len, self.ragged)
+        return type(self)(self.stores, self.max_len)
+
+    def _static(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` on the device, its address marked static: the eager point writes it in place."""
+        tensor = tensor.to(self.device)
+        torch._dynamo.mark_static_address(tensor)
+        return tensor
 
     def arm(self, plan: StepPlan, columns: int) -> None:
         """The eager point: ``plan`` (committed; :meth:`follow` saw it) is what the next forward
         writes, after ``columns`` columns (transformers' count)."""
         self.starts.fill_(columns)
-        if self.ragged:
-            self.kv_lens.copy_(plan.kv_lens_t)
-            self.positions.copy_(self.kv_lens).sub_(1)  # ragged steps decode one token per row
+        self._load(plan)
         self.armed = True
+
+    def _load(self, plan: StepPlan) -> None:
+        """The armed step's per-row device inputs beyond ``starts`` (dense steps have none)."""
 
     def follow(self, plan: StepPlan) -> None:
         """A step begins (eager): its rows' slots are the ones the forward reads."""
@@ -152,17 +147,14 @@ class CompiledSteps:
         """New row slots: in place when the batch keeps its size (the tensors' addresses stay)."""
         if len(slots) == self.slots.shape[0]:
             self.slots.copy_(torch.tensor(slots, dtype=torch.int64))
-            self.slots32.copy_(self.slots)
         else:
-            device = self.slots.device
-            self.slots = torch.tensor(slots, dtype=torch.int64, device=device)
-            self.slots32 = self.slots.to(torch.int32)
-            self.positions = torch.zeros(len(slots), dtype=torch.int64, device=device)
-            self.kv_lens = torch.zeros(len(slots), dtype=torch.int32, device=device)
-            for tensor in (self.slots, self.slots32, self.positions, self.kv_lens):
-                torch._dynamo.mark_static_address(tensor)
+            self.slots = self._static(torch.tensor(slots, dtype=torch.int64))
+            self._resize(len(slots))
         self.rows = slot_slice(slots)
         self._slot_tuple = slots
+
+    def _resize(self, batch: int) -> None:
+        """New per-row device inputs for a batch of ``batch`` rows (dense steps have none)."""
 
     def disarm(self) -> bool:
         """Forget the armed step, not live either; whether one was armed. An eager forward takes
@@ -177,11 +169,10 @@ class CompiledSteps:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Inside the compiled forward, an armed step: write ``k``, ``v`` (``[B, kv_heads, S,
-        head_dim]``) at the device positions. Returns the full-length views (dense), or ``k``, ``v``
-        unchanged (ragged: :meth:`attend` reads the stores)."""
+        head_dim]``) at the device positions and return the full-length views."""
         k_store, v_store = self.stores[layer]
-        write_columns(k_store, v_store, k, v, self.slots, self.positions if self.ragged else self.starts)
-        return (k, v) if self.ragged else self.views(layer)
+        write_columns(k_store, v_store, k, v, self.slots, self.starts)
+        return self.views(layer)
 
     def views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``layer``'s K and V of the rows, ``[B, kv_heads, max_len, head_dim]``: views where the
@@ -191,16 +182,103 @@ class CompiledSteps:
             return k_store[self.rows].transpose(1, 2), v_store[self.rows].transpose(1, 2)
         return k_store.index_select(0, self.slots).transpose(1, 2), v_store.index_select(0, self.slots).transpose(1, 2)
 
-    def attend(self, layer: int, query: torch.Tensor, scale: float | None) -> torch.Tensor:
-        """Inside the compiled forward of a ragged step, after :meth:`update` of ``layer``: each
-        row's new token attends over that row's own tokens (``kv_lens``), ``query: [B, Hq, 1, D]``
-        -> ``[B, 1, Hq, D]``. The last layer ends the step (``live`` off)."""
+
+class RaggedSteps(CompiledSteps):
+    """Compiled decode steps of the ``"vmkv"`` attention over slots (VMM mode). The rows hold only
+    their real tokens (the eager prefill dropped the padding), so each row writes its one new
+    token at its own position and :meth:`attend` reads each row's own length.
+
+    Attributes (beyond :class:`CompiledSteps`'):
+        positions: int64 ``[B]``, where each row's new token goes (here: its column).
+        kv_lens: int32 ``[B]``, each row's tokens once the step is written.
+        slots32: int32 ``[B]``, ``slots`` as the kernel reads them.
+
+    Invariant: while ``armed``, ``positions[b]`` is in a mapped page row ``b`` owns alone.
+    """
+
+    ragged = True
+
+    def __init__(self, stores: list[tuple[Store, Store]], max_len: int) -> None:
+        super().__init__(stores, max_len)
+        self.positions = self.kv_lens = self.slots32 = torch.zeros(0, dtype=torch.int64, device=self.device)
+
+    def _resize(self, batch: int) -> None:
+        self.positions = self._static(torch.zeros(batch, dtype=torch.int64))
+        self.kv_lens = self._static(torch.zeros(batch, dtype=torch.int32))
+        self.slots32 = self._static(torch.zeros(batch, dtype=torch.int32))
+
+    def _set_rows(self, slots: tuple[int, ...]) -> None:
+        super()._set_rows(slots)
+        self.slots32.copy_(self.slots)
+
+    def _load(self, plan: StepPlan) -> None:
+        self.kv_lens.copy_(plan.kv_lens_t)
+        self.positions.copy_(self.kv_lens).sub_(1)  # a ragged step decodes one token per row
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``k``, ``v`` (``[B, kv_heads, 1, head_dim]``) at each row's position; returns them
+        unchanged (:meth:`attend` reads the stores)."""
         k_store, v_store = self.stores[layer]
+        write_columns(k_store, v_store, k, v, self.slots, self.positions)
+        return k, v
+
+    def attend(self, layer: int, query: torch.Tensor, scale: float | None) -> torch.Tensor:
+        """After :meth:`update` of ``layer``: each row's new token attends over that row's own
+        tokens, ``query: [B, Hq, 1, D]`` -> ``[B, 1, Hq, D]``. The last layer ends the step
+        (``live`` off)."""
         scale = query.shape[-1] ** -0.5 if scale is None else scale
-        out = decode_store(query[:, :, 0], k_store, v_store, self.kv_lens, self.slots32, scale, self.max_len)
+        out = self._decode(layer, query[:, :, 0], scale)
         if layer == len(self.stores) - 1:
             self.live = False
         return out.unsqueeze(1)
+
+    def _decode(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        k_store, v_store = self.stores[layer]
+        return decode_store(q, k_store, v_store, self.kv_lens, scale, self.max_len, slots=self.slots32)
+
+
+class PagedSteps(RaggedSteps):
+    """:class:`RaggedSteps` over block pools (paged mode): ``positions`` are each new token's row
+    of the flattened pool (the plan's ``write_rows``), and the kernel finds each row's blocks in
+    ``block_table``, int32 ``[B, blocks a row of max_len tokens spans]``, copied from the plan's
+    at the eager point (entries past a row's length are never read)."""
+
+    def __init__(self, stores: list[tuple[Store, Store]], max_len: int) -> None:
+        super().__init__(stores, max_len)
+        self.token_rows = [(k.token_rows(), v.token_rows()) for k, v in stores]  # [1, blocks * size, H, D]
+        block_size = stores[0][0].size[1]
+        self.table_width = -(-max_len // block_size)
+        self.block_table = torch.zeros(0, self.table_width, dtype=torch.int32, device=self.device)
+        self.zero_slots = self.slots
+
+    def _resize(self, batch: int) -> None:
+        super()._resize(batch)
+        self.block_table = self._static(torch.zeros(batch, self.table_width, dtype=torch.int32))
+        self.zero_slots = self._static(torch.zeros(batch, dtype=torch.int64))  # the one "slot" of token_rows
+
+    def _load(self, plan: StepPlan) -> None:
+        self.kv_lens.copy_(plan.kv_lens_t)
+        self.positions.copy_(plan.write_rows)
+        self.block_table[:, : plan.block_table.shape[1]].copy_(plan.block_table)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k_rows, v_rows = self.token_rows[layer]
+        write_columns(k_rows, v_rows, k, v, self.zero_slots, self.positions)
+        return k, v
+
+    def _decode(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        k_store, v_store = self.stores[layer]
+        return decode_store(q, k_store, v_store, self.kv_lens, scale, self.max_len, block_table=self.block_table)
+
+
+def compiled_steps(core: KVCacheBase, max_len: int, ragged: bool, paged: bool) -> CompiledSteps:
+    """The compiled steps over ``core``'s layers: :class:`PagedSteps` (``paged``),
+    :class:`RaggedSteps` (``ragged``: the ``"vmkv"`` attention) or dense :class:`CompiledSteps`."""
+    layers = range(core.config.num_layers)
+    if paged:
+        return PagedSteps(stores_of([core.block_pool(layer) for layer in layers]), max_len)
+    views = [tuple(map(unguarded, core.kv_cache(layer))) for layer in layers]
+    return (RaggedSteps if ragged else CompiledSteps)(stores_of(views), max_len)
 
 
 @torch._dynamo.disable

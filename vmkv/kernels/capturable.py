@@ -39,9 +39,9 @@ __all__ = ["DecodeWorkspace", "Store", "decode_attention", "decode_kernel_name",
 _LIBRARY = torch.library.Library("vmkv", "FRAGMENT")  # noqa: TOR901 - the schema says what is mutated
 _LIBRARY.define("write_columns(Tensor(a!) k_base, Tensor(b!) v_base, Tensor k, Tensor v, Tensor slots, Tensor starts, "
                 "SymInt[] size, SymInt[] k_stride, SymInt k_offset, SymInt[] v_stride, SymInt v_offset) -> ()")
-_LIBRARY.define("decode_store(Tensor q, Tensor k_base, Tensor v_base, Tensor kv_lens, Tensor slots, SymInt[] size, "
-                "SymInt[] k_stride, SymInt k_offset, SymInt[] v_stride, SymInt v_offset, float scale, "
-                "int max_kv_len) -> Tensor")
+_LIBRARY.define("decode_store(Tensor q, Tensor k_base, Tensor v_base, Tensor kv_lens, Tensor? slots, "
+                "Tensor? block_table, SymInt[] size, SymInt[] k_stride, SymInt k_offset, SymInt[] v_stride, "
+                "SymInt v_offset, float scale, int max_kv_len) -> Tensor")
 
 
 def _write_columns(k_base: torch.Tensor, v_base: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
@@ -70,12 +70,12 @@ def _write_columns_fake(k_base: torch.Tensor, v_base: torch.Tensor, k: torch.Ten
 
 
 def _decode_store(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor, kv_lens: torch.Tensor,
-                  slots: torch.Tensor, size: list[int], k_stride: list[int], k_offset: int, v_stride: list[int],
-                  v_offset: int, scale: float, max_kv_len: int) -> torch.Tensor:
-    k_store = k_base.as_strided(size, k_stride, k_offset)  # [max_batch, capacity, kv_heads, head_dim]
+                  slots: torch.Tensor | None, block_table: torch.Tensor | None, size: list[int], k_stride: list[int],
+                  k_offset: int, v_stride: list[int], v_offset: int, scale: float, max_kv_len: int) -> torch.Tensor:
+    k_store = k_base.as_strided(size, k_stride, k_offset)  # slots: [max_batch, capacity, Hkv, D]; blocks: [N, size, Hkv, D]
     v_store = v_base.as_strided(size, v_stride, v_offset)
-    return decode_attention(q, k_store, v_store, kv_lens, slots=slots, scale=scale, max_kv_len=max_kv_len,
-                            out=torch.empty_like(q))
+    return decode_attention(q, k_store, v_store, kv_lens, slots=slots, block_table=block_table, scale=scale,
+                            max_kv_len=max_kv_len, out=torch.empty_like(q))
 
 
 _LIBRARY.impl("decode_store", _decode_store, "CompositeExplicitAutograd")
@@ -83,8 +83,8 @@ _LIBRARY.impl("decode_store", _decode_store, "CompositeExplicitAutograd")
 
 @torch.library.register_fake("vmkv::decode_store")
 def _decode_store_fake(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor, kv_lens: torch.Tensor,
-                       slots: torch.Tensor, size: list[int], k_stride: list[int], k_offset: int, v_stride: list[int],
-                       v_offset: int, scale: float, max_kv_len: int) -> torch.Tensor:
+                       slots: torch.Tensor | None, block_table: torch.Tensor | None, size: list[int], k_stride: list[int],
+                       k_offset: int, v_stride: list[int], v_offset: int, scale: float, max_kv_len: int) -> torch.Tensor:
     return torch.empty_like(q)
 
 
@@ -107,6 +107,20 @@ class Store:
     def view(self) -> torch.Tensor:
         """The layer's view (inside a compiled region: a view of the input ``base``)."""
         return self.base.as_strided(self.size, self.stride, self.offset)
+
+    def token_rows(self) -> "Store":
+        """A block pool ``[blocks, block_size, H, D]`` as ``[1, blocks * block_size, H, D]``: one
+        slot whose positions are the pool's token rows (what :func:`write_columns` writes paged
+        mode through).
+
+        Raises:
+            ValueError: the pool's blocks are not back to back (no one stride spans them).
+        """
+        blocks, size, *rest = self.size
+        block_stride, row_stride, *rest_strides = self.stride
+        if block_stride != size * row_stride:
+            raise ValueError(f"blocks of {size} rows of stride {row_stride} are {block_stride} apart, not back to back")
+        return Store(self.base, (1, blocks * size, *rest), (blocks * block_stride, row_stride, *rest_strides), self.offset)
 
 
 def stores_of(views: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[Store, Store]]:
@@ -142,32 +156,34 @@ def write_columns(k_store: Store, v_store: Store, k: torch.Tensor, v: torch.Tens
                                  list(k_store.stride), k_store.offset, list(v_store.stride), v_store.offset)
 
 
-def decode_store(q: torch.Tensor, k_store: Store, v_store: Store, kv_lens: torch.Tensor, slots: torch.Tensor,
-                 scale: float, max_kv_len: int) -> torch.Tensor:
+def decode_store(q: torch.Tensor, k_store: Store, v_store: Store, kv_lens: torch.Tensor, scale: float,
+                 max_kv_len: int, *, slots: torch.Tensor | None = None,
+                 block_table: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention over one layer's stores, as an operator a compiled region calls as a
     whole (``torch.ops.vmkv.decode_store``: dynamo does not trace into the kernel's launch logic,
-    and inductor cannot widen its reads): :func:`decode_attention` with contiguous addressing.
+    and inductor cannot widen its reads): :func:`decode_attention` over either addressing.
 
     Args:
         q: ``[B, Hq, D]``, one query token per row.
-        k_store, v_store: the layer's K and V (:func:`stores_of`), ``[max_batch, capacity, Hkv, D]``.
+        k_store, v_store: the layer's K and V (:func:`stores_of`): ``[max_batch, capacity, Hkv, D]``
+            with ``slots``, block pools ``[blocks, block_size, Hkv, D]`` with ``block_table``.
         kv_lens: int32 ``[B]`` on the device, keys per row (the new token's included).
-        slots: int32 ``[B]`` on the device, each row's slot.
         scale: softmax scale.
         max_kv_len: host upper bound on ``kv_lens`` (fixes the launch).
+        slots, block_table: exactly one, int32 on the device: each row's slot, or its blocks.
 
     Returns:
         ``[B, Hq, D]``, a new tensor.
     """
-    return torch.ops.vmkv.decode_store(q, k_store.base, v_store.base, kv_lens, slots, list(k_store.size),
+    return torch.ops.vmkv.decode_store(q, k_store.base, v_store.base, kv_lens, slots, block_table, list(k_store.size),
                                        list(k_store.stride), k_store.offset, list(v_store.stride), v_store.offset,
                                        float(scale), int(max_kv_len))
 
 
 def decode_kernel_name(device: torch.device) -> str:
     """The kernel :func:`decode_attention` runs on ``device``: ``"triton"`` (CUDA, or CPU tensors
-    in Triton's interpreter) or ``"sdpa-masked"`` (CPU: SDPA over each row's whole slot, keys past
-    its length masked)."""
+    in Triton's interpreter) or ``"sdpa-masked"`` (CPU: SDPA over each row's whole slot or blocks,
+    keys past its length masked)."""
     return "triton" if triton_available(device)[0] else "sdpa-masked"
 
 
@@ -180,8 +196,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens:
     On CUDA (and CPU tensors in Triton's interpreter) the split-KV Triton kernel
     (:func:`vmkv.kernels.triton_attention.decode_attention`) with the split count fixed by
     ``max_kv_len``, writing into ``out``. Elsewhere (CPU without the interpreter) a masked SDPA
-    reference over each row's storage, contiguous addressing only; it reads every position up to
-    ``max_kv_len`` (the zero page past a row's length), so it is for tests and CPU runs.
+    reference over each row's storage (its slot, or its blocks gathered); it reads every position
+    up to ``max_kv_len`` (past a row's length: the zero page, or whatever blocks hold), so it is
+    for tests and CPU runs.
 
     Args:
         q: ``[B, Hq, D]``; k, v: the storage (see the Triton kernel); kv_lens: int32 ``[B]``.
@@ -192,25 +209,26 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens:
         workspace: split-KV scratch for the Triton kernel.
 
     Raises:
-        Unsupported: paged addressing where the Triton kernels cannot run.
-        As the Triton kernel otherwise.
+        As the Triton kernel (on CUDA or in the interpreter).
     """
     if triton_available(q.device)[0]:
         return _triton_decode(q, k, v, kv_lens, slots=slots, block_table=block_table, scale=scale,
                               max_kv_len=max_kv_len, out=out, workspace=workspace)
-    if slots is None:
-        from ..errors import Unsupported
-
-        raise Unsupported("paged decode attention on CPU needs the Triton interpreter (TRITON_INTERPRET=1)")
-    return _masked_sdpa_decode(q, k, v, kv_lens, slots, scale, max_kv_len, out)
+    return _masked_sdpa_decode(q, k, v, kv_lens, slots, block_table, scale, max_kv_len, out)
 
 
 def _masked_sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor,
-                        slots: torch.Tensor, scale: float | None, max_kv_len: int, out: torch.Tensor) -> torch.Tensor:
-    """SDPA over ``k[slots, :max_kv_len]`` with the keys at or past each row's length masked."""
-    index = slots.long()
-    keys = k.index_select(0, index)[:, :max_kv_len].transpose(1, 2)  # [B, Hkv, L, D]
-    values = v.index_select(0, index)[:, :max_kv_len].transpose(1, 2)
+                        slots: torch.Tensor | None, block_table: torch.Tensor | None, scale: float | None,
+                        max_kv_len: int, out: torch.Tensor) -> torch.Tensor:
+    """SDPA over each row's first ``max_kv_len`` keys (its slot, or its blocks in table order)
+    with the keys at or past its length masked."""
+    if block_table is None:
+        keys, values = k.index_select(0, slots.long()), v.index_select(0, slots.long())  # [B, capacity, Hkv, D]
+    else:  # entries past a row's blocks may be -1 (no block): any block does, those keys are masked
+        blocks = block_table.long().clamp(min=0)
+        keys, values = k[blocks].flatten(1, 2), v[blocks].flatten(1, 2)  # [B, blocks * block_size, Hkv, D]
+    keys = keys[:, :max_kv_len].transpose(1, 2)  # [B, Hkv, L, D]
+    values = values[:, :max_kv_len].transpose(1, 2)
     mask = torch.arange(keys.shape[2], device=q.device)[None, :] < kv_lens.long()[:, None]  # [B, L]
     result = torch.nn.functional.scaled_dot_product_attention(
         q[:, :, None], keys, values, attn_mask=mask[:, None, None, :], scale=scale,
