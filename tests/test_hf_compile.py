@@ -119,8 +119,8 @@ def test_compiled_generate_over_each_layout_gives_static_caches_tokens(model, la
     cache.close()
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "vmkv"])
-def test_beam_search_and_deep_copies_over_a_compileable_cache(request, model, attention):
+@pytest.mark.parametrize("mode,attention", [("vmm", "sdpa"), ("vmm", "vmkv"), ("paged", "vmkv")])
+def test_beam_search_and_deep_copies_over_a_compileable_cache(request, model, mode, attention):
     """Beam search is not compiled by transformers 5.19, but the cache still runs StaticCache's
     contract (steps prepared at the eager point; full-length views, or ragged rows with the
     "vmkv" attention) across reorders and forks."""
@@ -128,7 +128,7 @@ def test_beam_search_and_deep_copies_over_a_compileable_cache(request, model, at
     options = dict(do_sample=False, num_beams=3, max_new_tokens=10, pad_token_id=PAD)
     static = model.generate(ids, attention_mask=mask, **{CACHE: StaticCache(config=model.config, max_cache_len=MAX_LEN)}, **options)
     ours = request.getfixturevalue("vmkv_model") if attention == "vmkv" else model
-    cache = vhf.VirtualCache("vmm", config=ours.config, max_seq_len=MAX_LEN, page_size=PAGE, compile=True,
+    cache = vhf.VirtualCache(mode, config=ours.config, max_seq_len=MAX_LEN, page_size=PAGE, compile=True,
                              max_batch_size=16)
     assert torch.equal(ours.generate(ids, attention_mask=mask, **{CACHE: cache}, **options), static)
     assert cache.stats()["compiled_steps"] == 9 and cache.stats()["compile_fallbacks"] == 0
