@@ -350,6 +350,37 @@ def test_a_compiled_vmkv_step_decodes_one_token_per_row(vmkv_model):
     cache.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU with the CUDA driver: there generate() "
+                    "compiles a compileable cache by itself, with CUDA graphs (mode reduce-overhead)")
+@pytest.mark.parametrize("mode,attention", [("vmm", "sdpa"), ("vmm", "vmkv"), ("paged", "vmkv")])
+def test_cuda_graphs_over_a_compiled_cache_give_the_eager_caches_tokens_across_pages(mode, attention):
+    """On a GPU: generate() compiles the decode step itself (inductor + CUDA graphs); float32, the
+    embedded model (1,024 tokens a 2 MiB all-layers page), prompts of 1,010 and 1,000 tokens
+    decoding 24 more: the VMM rows cross a page while graphs replay (mapped at the eager point,
+    between replays). Tokens and logits are the eager cache's, and no graph ran without CUDA graphs."""
+    torch.manual_seed(0)
+    model = default_hf_model(device="cuda").eval()
+    model.set_attn_implementation(attention)
+    ids = torch.randint(1, 256, (2, 1010), device="cuda")
+    mask = torch.ones_like(ids)
+    ids[1, :10], mask[1, :10] = PAD, 0
+    options = dict(attention_mask=mask, max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=PAD,
+                   output_logits=True, return_dict_in_generate=True)
+    eager = model.generate(ids, **{CACHE: vhf.VirtualCache(mode, config=model.config)}, **options)
+    cache = vhf.VirtualCache(mode, config=model.config, max_seq_len=1034, compile=True)
+    skips = counters["inductor"]["cudagraph_skips"]
+    graphed = model.generate(ids, **{CACHE: cache}, **options)
+    assert counters["inductor"]["cudagraph_skips"] == skips, "a compiled graph ran without CUDA graphs"
+    stats = cache.stats()
+    assert stats["compiled_steps"] == 23 and stats["compile_fallbacks"] == 0
+    assert mode == "paged" or stats["layout"] == "all_layers"
+    logits, reference = torch.stack(graphed.logits), torch.stack(eager.logits)
+    assert float((logits - reference).abs().max()) <= 1e-3 * float(reference.abs().max())
+    assert torch.equal(graphed.sequences, eager.sequences)
+    cache.close()
+
+
 TRITON_DECODE = textwrap.dedent("""
     import torch
     from transformers import CompileConfig
