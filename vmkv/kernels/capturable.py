@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import InvalidInput
 from .triton_attention import DecodeWorkspace, triton_available
 from .triton_attention import decode_attention as _triton_decode
 
@@ -209,8 +210,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens:
         workspace: split-KV scratch for the Triton kernel.
 
     Raises:
-        As the Triton kernel (on CUDA or in the interpreter).
+        InvalidInput: both or neither of ``slots`` and ``block_table``.
+        As the Triton kernel otherwise (on CUDA or in the interpreter).
     """
+    if (slots is None) == (block_table is None):
+        raise InvalidInput("give exactly one of slots (contiguous addressing) and block_table (paged)")
     if triton_available(q.device)[0]:
         return _triton_decode(q, k, v, kv_lens, slots=slots, block_table=block_table, scale=scale,
                               max_kv_len=max_kv_len, out=out, workspace=workspace)
