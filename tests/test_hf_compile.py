@@ -185,12 +185,13 @@ def test_no_recompilation_over_512_decode_steps(attention):
     cache.close()
 
 
-def test_a_compiled_forward_with_no_prepared_step_falls_back_once(model, caplog):
+@pytest.mark.parametrize("attention", ["sdpa", "vmkv"])
+def test_a_compiled_forward_with_no_prepared_step_falls_back_once(request, attention, caplog):
     """A hand-written loop that forgets ``prepare_step``: the cache runs eagerly at a graph
-    break, warns once, and the tokens are those of the eager cache."""
+    break (the "vmkv" attention too), warns once, and the tokens are those of the eager cache."""
+    model = request.getfixturevalue("vmkv_model" if attention == "vmkv" else "model")
     ids = batch(padded=False)[0]
-    reference = compiled_cache(model)
-    cache = compiled_cache(model)
+    reference, cache = compiled_cache(model), compiled_cache(model)
     forward = torch.compile(model.forward, mode="default")
     tokens = ref_tokens = prefill(model, cache, ids)
     prefill(model, reference, ids)
@@ -200,7 +201,7 @@ def test_a_compiled_forward_with_no_prepared_step_falls_back_once(model, caplog)
             tokens = forward(**decode_inputs(model, cache, tokens, position, prepare=False)).logits[:, -1:].argmax(-1)
             ref_tokens = model(**decode_inputs(model, reference, ref_tokens, position)).logits[:, -1:].argmax(-1)
             assert torch.equal(tokens, ref_tokens)
-    assert cache.stats()["compile_fallbacks"] > 0
+    assert cache.stats()["compile_fallbacks"] > 0 and cache.stats()["compiled_steps"] == 0
     assert sum("no step prepared" in record.getMessage() for record in caplog.records) == 1
     cache.close()
     reference.close()
@@ -303,23 +304,6 @@ def test_no_graph_break_inside_the_cache_or_the_vmkv_attention(vmkv_model, mode)
     assert explained.graph_count == 1
     assert cache.stats()["compile_fallbacks"] == 0 and [cache.core.seq_len(s) for s in cache.rows] == [PROMPT + 1, 6]
     cache.close()
-
-
-def test_a_compiled_vmkv_forward_with_no_prepared_step_falls_back_to_the_eager_attention(vmkv_model):
-    ids = batch(padded=False)[0]
-    reference, cache = compiled_cache(vmkv_model), compiled_cache(vmkv_model)
-    forward = torch.compile(vmkv_model.forward, mode="default")
-    tokens = ref_tokens = prefill(vmkv_model, cache, ids)
-    prefill(vmkv_model, reference, ids)
-    with torch.no_grad():
-        for step in range(3):
-            position = PROMPT + step
-            tokens = forward(**decode_inputs(vmkv_model, cache, tokens, position, prepare=False)).logits[:, -1:].argmax(-1)
-            ref_tokens = vmkv_model(**decode_inputs(vmkv_model, reference, ref_tokens, position)).logits[:, -1:].argmax(-1)
-            assert torch.equal(tokens, ref_tokens)
-    assert cache.stats()["compile_fallbacks"] > 0 and cache.stats()["compiled_steps"] == 0
-    cache.close()
-    reference.close()
 
 
 def test_a_prepared_step_left_unrun_does_not_hide_another_caches_padding(vmkv_model):
