@@ -99,6 +99,40 @@ def test_gpu_check_cpu_dry_run_of_the_cuda_graph_sections(tmp_path):
     assert "alone" not in entries["hf_compiled"] and "StaticCache" in entries["hf_compiled"]["headline"]
 
 
+def test_hf_compiled_keeps_measuring_when_one_cache_raises(monkeypatch):
+    """One device run measures every cache: a compiled cache that raises (here, made to) gets its
+    error in each part and the section's failures, the others' numbers and ratios stay."""
+    from types import SimpleNamespace
+
+    from benchmarks.gpu import compiled
+
+    config = SimpleNamespace(head_dim=8, hidden_size=16, num_attention_heads=2, num_hidden_layers=1, num_key_value_heads=1)
+    work = compiled._work([4, 2], 3, torch.device("cpu"))
+    monkeypatch.setattr(compiled, "_setup", lambda device, smoke: (SimpleNamespace(config=config, dtype=torch.float32),
+                                                                    None, work, work, 1))
+    speeds = {"static": 100.0, "vmm+compile": 80.0, "paged+vmkv": 45.0, "vmm+vmkv": 50.0}
+
+    def time_one(model, name, work, compile_config, rounds):
+        if name == "vmm+compile+vmkv":
+            raise RuntimeError("capture failed")
+        return {"seconds": 1.0, "tokens_per_s": speeds.get(name, 10.0), "kv_bytes": 64, "cudagraph_skips": 0}
+
+    monkeypatch.setattr(compiled, "_time_one", time_one)
+    monkeypatch.setattr(compiled, "logit_errors", lambda *args: {"static": 1e-3, "vmm+compile": 1e-3,
+                                                                 "vmm+compile+vmkv": "RuntimeError: capture failed"})
+    monkeypatch.setattr(compiled, "profile", lambda model, name, work, config: {"cpu_ms_total": 1.0})
+    result = compiled.hf_compiled_section(torch.device("cpu"), smoke=True)
+    assert [f.split(":")[0] for f in result["failures"]] == [
+        "vmm+compile+vmkv raised in the dense part", "vmm+compile+vmkv raised in the logits part",
+        "vmm+compile+vmkv raised in the ragged part"]
+    ratios = result["ratios"]
+    assert ratios["dense_vs_static"] == ratios["dense_vmm+compile_vs_static"] == 0.8 and ratios["paged_vs_vmm"] == 0.9
+    assert ratios["dense_vmm+compile+vmkv_vs_static"] is None and ratios["ragged_bytes_vs_tokens"] is None
+    assert set(result["profile"]) == {"static", "vmm+compile"}
+    headline = compiled.hf_compiled_headline(result)
+    assert "0.80x StaticCache" in headline and "vmkv n/a" in headline and "ragged n/a" in headline
+
+
 # ---- the registry and the budget --------------------------------------------------------------
 def test_gpu_check_registry_fits_the_budget_with_room_for_more():
     """Unique names, a stated estimate and a line of text each; what a default run does without

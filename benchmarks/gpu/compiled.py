@@ -117,27 +117,37 @@ def _kv_bytes(cache: Any, out: Any) -> int:
 def _time(model: torch.nn.Module, names: list[str], work: Work, compile_config: Any, rounds: int) -> dict[str, Any]:
     """Per cache: median seconds, tokens/s and KV bytes, after one untimed (compiling) run, and
     how many compiled graphs inductor ran without CUDA graphs in that run (``cudagraph_skips``:
-    on a GPU, a compiled cache at eager speed; its log says why)."""
-    from torch._dynamo.utils import counters
-
+    on a GPU, a compiled cache at eager speed; its log says why). A cache that raises gets
+    ``{"error": ...}`` and the others still run (one device run measures them all)."""
     found: dict[str, Any] = {}
     for name in names:
-        skips = counters["inductor"]["cudagraph_skips"]
-        _generate(model, name, work, compile_config)
-        skips = counters["inductor"]["cudagraph_skips"] - skips
-        seconds = []
-        for _ in range(rounds):
-            _sync(work.ids.device)
-            began = time.perf_counter()
-            cache, out = _generate(model, name, work, compile_config, return_dict_in_generate=True)
-            _sync(work.ids.device)
-            seconds.append(time.perf_counter() - began)
-        median = statistics.median(seconds)
-        found[name] = {"seconds": median, "tokens_per_s": work.ids.shape[0] * work.new / median,
-                       "kv_bytes": _kv_bytes(cache, out), "cudagraph_skips": skips}
-        if hasattr(cache, "close"):
-            cache.close()
+        try:
+            found[name] = _time_one(model, name, work, compile_config, rounds)
+        except Exception as exc:  # noqa: BLE001 - recorded; the section fails on it (hf_compiled_section)
+            found[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
     return found
+
+
+def _time_one(model: torch.nn.Module, name: str, work: Work, compile_config: Any, rounds: int) -> dict[str, Any]:
+    """One cache's row of :func:`_time`."""
+    from torch._dynamo.utils import counters
+
+    skips = counters["inductor"]["cudagraph_skips"]
+    _generate(model, name, work, compile_config)
+    skips = counters["inductor"]["cudagraph_skips"] - skips
+    seconds = []
+    for _ in range(rounds):
+        _sync(work.ids.device)
+        began = time.perf_counter()
+        cache, out = _generate(model, name, work, compile_config, return_dict_in_generate=True)
+        _sync(work.ids.device)
+        seconds.append(time.perf_counter() - began)
+    median = statistics.median(seconds)
+    row = {"seconds": median, "tokens_per_s": work.ids.shape[0] * work.new / median,
+           "kv_bytes": _kv_bytes(cache, out), "cudagraph_skips": skips}
+    if hasattr(cache, "close"):
+        cache.close()
+    return row
 
 
 def _teacher_forced_logits(model: torch.nn.Module, name: str, work: Work, compile_config: Any,
@@ -160,13 +170,22 @@ def _teacher_forced_logits(model: torch.nn.Module, name: str, work: Work, compil
 
 def logit_errors(model: torch.nn.Module, work: Work, compile_config: Any) -> dict[str, float]:
     """max |logits - DynamicCache's| / max |DynamicCache's| of StaticCache and each compiled
-    VirtualCache, teacher-forced along StaticCache's tokens."""
+    VirtualCache, teacher-forced along StaticCache's tokens (a compiled VirtualCache that raises:
+    its error, as text)."""
     _, static_out = _generate(model, "static", work, compile_config)
     forced = static_out[:, work.ids.shape[1]:]
     reference = _teacher_forced_logits(model, "dynamic", work, compile_config, forced)
     scale = float(reference.abs().max())
-    return {name: float((_teacher_forced_logits(model, name, work, compile_config, forced) - reference).abs().max()) / scale
-            for name in ("static", *COMPILED)}
+    errors: dict[str, Any] = {}
+    for name in ("static", *COMPILED):
+        try:
+            logits = _teacher_forced_logits(model, name, work, compile_config, forced)
+            errors[name] = float((logits - reference).abs().max()) / scale
+        except Exception as exc:  # noqa: BLE001 - recorded; the section fails on it
+            if name == "static":
+                raise
+            errors[name] = f"{type(exc).__name__}: {exc}"[:500]
+    return errors
 
 
 def _sync(device: torch.device) -> None:
@@ -215,8 +234,10 @@ def hf_compiled_section(device: torch.device, smoke: bool, out: Path | None = No
 
     result["dense"] = _time(model, ["dynamic", "static", "vmm", "vmm+vmkv", "paged+vmkv", *COMPILED], dense,
                             compile_config, rounds)
+    _fail_on_errors(result, "dense")
     ratios = result["ratios"] = {
-        "dense_vs_static": max(_speed_ratio(result["dense"], name, "static") for name in COMPILED),
+        "dense_vs_static": max((r for r in (_speed_ratio(result["dense"], name, "static") for name in COMPILED)
+                                if r is not None), default=None),
         **{f"dense_{name}_vs_static": _speed_ratio(result["dense"], name, "static") for name in COMPILED},
         "dense_vs_dynamic": _speed_ratio(result["dense"], "vmm+compile", "dynamic"),
         "paged_vs_vmm": _speed_ratio(result["dense"], "paged+vmkv", "vmm+vmkv"),
@@ -224,20 +245,24 @@ def hf_compiled_section(device: torch.device, smoke: bool, out: Path | None = No
     keep()
     errors = result["logit_errors"] = logit_errors(model, dense, compile_config)
     for name in COMPILED:
-        if errors[name] > max(LOGIT_FACTOR * errors["static"], LOGIT_FLOOR):
+        if isinstance(errors[name], str):
+            result["failures"].append(f"{name} raised in the logits part: {errors[name]}")
+        elif errors[name] > max(LOGIT_FACTOR * errors["static"], LOGIT_FLOOR):
             result["failures"].append(f"{name}'s logits differ from DynamicCache's by {errors[name]:.2e} of the "
                                       f"largest, StaticCache's by {errors['static']:.2e}")
     keep()
     if enough("ragged", RAGGED_NEEDS_S):
         result["ragged"] = _time(model, ["static", *COMPILED], ragged, compile_config, rounds)
+        _fail_on_errors(result, "ragged")
         result["ragged_real_token_bytes"] = ragged.real_tokens() * _token_bytes(model)
         ratios["ragged_vs_static"] = _speed_ratio(result["ragged"], "vmm+compile+vmkv", "static")
         ratios["ragged_vmm+compile_vs_static"] = _speed_ratio(result["ragged"], "vmm+compile", "static")
-        ratios["ragged_bytes_vs_tokens"] = (result["ragged"]["vmm+compile+vmkv"]["kv_bytes"]
-                                            / result["ragged_real_token_bytes"])
+        held = result["ragged"]["vmm+compile+vmkv"].get("kv_bytes")
+        ratios["ragged_bytes_vs_tokens"] = None if held is None else held / result["ragged_real_token_bytes"]
         keep()
     if enough("profile", PROFILE_NEEDS_S):
-        result["profile"] = {name: profile(model, name, dense, compile_config) for name in ("static", *COMPILED)}
+        result["profile"] = {name: profile(model, name, dense, compile_config) for name in ("static", *COMPILED)
+                             if "error" not in result["dense"][name]}
         keep()
     return result
 
@@ -267,8 +292,16 @@ def profile(model: torch.nn.Module, name: str, work: Work, compile_config: Any) 
             "cpu_ms_total": round(sum(e.self_cpu_time_total for e in events) / 1e3, 3)}
 
 
-def _speed_ratio(timed: dict[str, Any], ours: str, theirs: str) -> float:
-    """Tokens/s of cache ``ours`` over cache ``theirs``."""
+def _fail_on_errors(result: dict[str, Any], part: str) -> None:
+    """A failure for each cache of ``result[part]`` that raised."""
+    result["failures"] += [f"{name} raised in the {part} part: {row['error']}"
+                           for name, row in result[part].items() if "error" in row]
+
+
+def _speed_ratio(timed: dict[str, Any], ours: str, theirs: str) -> float | None:
+    """Tokens/s of cache ``ours`` over cache ``theirs``; ``None`` if either raised."""
+    if "error" in timed[ours] or "error" in timed[theirs]:
+        return None
     return timed[ours]["tokens_per_s"] / timed[theirs]["tokens_per_s"]
 
 
@@ -282,11 +315,11 @@ def _token_bytes(model: torch.nn.Module) -> int:
 def hf_compiled_headline(result: dict[str, Any]) -> str:
     """Compiled VirtualCache against StaticCache, dense (each attention) and ragged (or why not),
     the ragged bytes, paged vs vmm."""
-    ratios = result["ratios"]
-    ragged = (f"ragged {ratios['ragged_vs_static']:.2f}x (>= 1.2) at {ratios['ragged_bytes_vs_tokens']:.2f}x the tokens' "
+    ratios = {name: "n/a" if value is None else f"{value:.2f}x" for name, value in result["ratios"].items()}
+    ragged = (f"ragged {ratios['ragged_vs_static']} (>= 1.2) at {ratios['ragged_bytes_vs_tokens']} the tokens' "
               "bytes (<= 1.05)") if "ragged_vs_static" in ratios else "ragged not run"
-    skipped = [name for name, row in result["dense"].items() if row["cudagraph_skips"]]
+    skipped = [name for name, row in result["dense"].items() if row.get("cudagraph_skips")]
     graphs = f"; ran without CUDA graphs: {', '.join(skipped)}" if skipped else ""
-    return (f"compiled VirtualCache {ratios['dense_vs_static']:.2f}x StaticCache (target >= 1.0; SDPA "
-            f"{ratios['dense_vmm+compile_vs_static']:.2f}x, vmkv {ratios['dense_vmm+compile+vmkv_vs_static']:.2f}x), "
-            f"{ragged}; paged {ratios['paged_vs_vmm']:.2f}x vmm (>= 0.9){graphs}")
+    return (f"compiled VirtualCache {ratios['dense_vs_static']} StaticCache (target >= 1.0; SDPA "
+            f"{ratios['dense_vmm+compile_vs_static']}, vmkv {ratios['dense_vmm+compile+vmkv_vs_static']}), "
+            f"{ragged}; paged {ratios['paged_vs_vmm']} vmm (>= 0.9){graphs}")
