@@ -114,18 +114,19 @@ def _kv_bytes(cache: Any, out: Any) -> int:
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
 
 
-def _time(model: torch.nn.Module, names: list[str], work: Work, compile_config: Any, rounds: int) -> dict[str, Any]:
-    """Per cache: median seconds, tokens/s and KV bytes, after one untimed (compiling) run, and
-    how many compiled graphs inductor ran without CUDA graphs in that run (``cudagraph_skips``:
-    on a GPU, a compiled cache at eager speed; its log says why). A cache that raises gets
-    ``{"error": ...}`` and the others still run (one device run measures them all)."""
-    found: dict[str, Any] = {}
+def _time(model: torch.nn.Module, names: list[str], work: Work, compile_config: Any, rounds: int,
+          found: dict[str, Any], keep: Callable[[], None]) -> None:
+    """Per cache, into ``found`` (``keep()`` after each, so that a process a device fault kills
+    keeps the caches before): median seconds, tokens/s and KV bytes, after one untimed
+    (compiling) run, and how many compiled graphs inductor ran without CUDA graphs in that run
+    (``cudagraph_skips``: on a GPU, a compiled cache at eager speed; its log says why). A cache
+    that raises gets ``{"error": ...}`` and the others still run (one device run measures all)."""
     for name in names:
         try:
             found[name] = _time_one(model, name, work, compile_config, rounds)
         except Exception as exc:  # noqa: BLE001 - recorded; the section fails on it (hf_compiled_section)
             found[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
-    return found
+        keep()
 
 
 def _time_one(model: torch.nn.Module, name: str, work: Work, compile_config: Any, rounds: int) -> dict[str, Any]:
@@ -214,7 +215,8 @@ def hf_compiled_section(device: torch.device, smoke: bool, out: Path | None = No
                         seconds_left: Callable[[], float] = lambda: float("inf")) -> dict[str, Any]:
     """The parts of the module docstring: dense, logits, then ragged and profile when enough
     seconds are left (else skipped, with the reason). What has finished is written to
-    ``out/hf_compiled.partial.json`` after each part, so a run killed at its time limit keeps it.
+    ``out/hf_compiled.partial.json`` after each cache and part, so a run killed at its time limit
+    (or by a device fault) keeps it.
     Fails when a cache raises or a compiled VirtualCache's logits are further from DynamicCache's
     than ``LOGIT_FACTOR`` times StaticCache's."""
     model, compile_config, dense, ragged, rounds = _setup(device, smoke)
@@ -232,8 +234,9 @@ def hf_compiled_section(device: torch.device, smoke: bool, out: Path | None = No
         result[part] = {"skipped": f"{seconds_left():.0f} s left of the section's limit, {part} needs ~{need_s} s"}
         return False
 
-    result["dense"] = _time(model, ["dynamic", "static", "vmm", "vmm+vmkv", "paged+vmkv", *COMPILED], dense,
-                            compile_config, rounds)
+    result["dense"] = {}
+    _time(model, ["dynamic", "static", "vmm", "vmm+vmkv", "paged+vmkv", *COMPILED], dense, compile_config, rounds,
+          result["dense"], keep)
     _fail_on_errors(result, "dense")
     ratios = result["ratios"] = {
         "dense_vs_static": max((r for r in (_speed_ratio(result["dense"], name, "static") for name in COMPILED)
@@ -252,7 +255,8 @@ def hf_compiled_section(device: torch.device, smoke: bool, out: Path | None = No
                                       f"largest, StaticCache's by {errors['static']:.2e}")
     keep()
     if enough("ragged", RAGGED_NEEDS_S):
-        result["ragged"] = _time(model, ["static", *COMPILED], ragged, compile_config, rounds)
+        result["ragged"] = {}
+        _time(model, ["static", *COMPILED], ragged, compile_config, rounds, result["ragged"], keep)
         _fail_on_errors(result, "ragged")
         result["ragged_real_token_bytes"] = ragged.real_tokens() * _token_bytes(model)
         ratios["ragged_vs_static"] = _speed_ratio(result["ragged"], "vmm+compile+vmkv", "static")
