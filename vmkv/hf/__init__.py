@@ -30,7 +30,9 @@ Where things live (one concept per module):
 ``vmkv.hf.compiled``
     ``VirtualCache(compile=True)`` under transformers' compiled generation: the step committed at
     an eager point (``get_mask_sizes`` / ``prepare_step``), the compiled forward's writes through
-    device positions, full-length views of the fixed virtual tensors.
+    device positions; full-length views of the fixed virtual tensors for the model's attention,
+    each row's own length through the capturable decode kernel for the ``"vmkv"`` attention
+    (slots in VMM mode, a block table in paged mode).
 ``vmkv.hf.rows``
     the row policy: batch rows as sequence ids; beams (``reorder_cache``), ``batch_*``, deep
     copies as ``free`` + ``fork`` (copy-on-write, no K/V copied).
