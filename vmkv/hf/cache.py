@@ -261,7 +261,7 @@ class VirtualCache(RowPolicy, Cache):
         or with ``compile=True`` always ``max_seq_len`` (and, called eagerly, this is the step's
         eager point: :meth:`prepare_step`)."""
         if not torch.compiler.is_compiling():
-            self._before_mask(query_length)
+            self._eager_point(query_length)
         if self._compile:
             return self._options.max_seq_len, 0
         return self.get_seq_length() + query_length, 0
@@ -298,7 +298,7 @@ class VirtualCache(RowPolicy, Cache):
         if q_len != 1 and self.attention_style == ATTN_IMPLEMENTATION:
             raise InvalidInput(f"a compiled step of the 'vmkv' attention decodes one token per row, got q_len={q_len}; "
                                "run a forward of several tokens eagerly (it drops its padding)")
-        self._arm(q_len)
+        self._eager_point(q_len)
 
     @property
     def is_initialized(self) -> bool:
@@ -634,10 +634,10 @@ class VirtualCache(RowPolicy, Cache):
             )
         self._step = None
 
-    def _before_mask(self, q_len: int) -> None:
-        """Eager, before the model makes the mask of a forward of ``q_len`` tokens over this cache:
-        the eager point of a compiled step (:meth:`_arm`), and the note that tells the ``"vmkv"``
-        mask function whether this mask is for a prepared ragged step (``COMPILED_STEP``)."""
+    def _eager_point(self, q_len: int) -> None:
+        """Eager, before a forward of ``q_len`` tokens over this cache (and before the model makes
+        its mask): a compiled step is committed (:meth:`_arm`), and ``COMPILED_STEP`` says whether
+        the forward is a prepared ragged step (the ``"vmkv"`` mask and attention read it)."""
         if self._compile:
             self._arm(q_len)
         compiled = self._compiled
@@ -657,7 +657,6 @@ class VirtualCache(RowPolicy, Cache):
         if compiled.ragged:
             self._step = self._begin_ragged_step(None, len(self._rows), q_len)
             compiled.follow(self._step.plan)
-            COMPILED_STEP.steps = compiled  # how the "vmkv" attention finds the step under dynamo
         else:
             self._step = self._begin_dense_step(q_len)
         compiled.arm(self._step.plan, columns)
