@@ -1,5 +1,5 @@
-"""Property-based test: random add / step / fork / free / truncate / reserve / trim against a model,
-with backend failures injected into random calls.
+"""Property-based test: random add / step / fork / free / truncate / reserve / trim / cancelled
+steps against a model, with backend failures injected into random calls.
 
 After every step: every page's reference count equals its owners, no page is both free and in
 use (``cache.check()``), and every sequence reads back exactly the K/V of the tokens it holds.
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import vmkv
-from vmkv.errors import BackendError, NoFreeSlot, OutOfPages
+from vmkv.errors import BackendError, NoFreeSlot, OutOfPages, StalePlan
 
 TPP = 8  # 2 heads x 64 floats = 512 B a token: 4 KiB pages / blocks of 8 hold 8 tokens
 CONFIG = dict(
@@ -101,6 +101,30 @@ class CacheMachine(RuleBasedStateMachine):
             batch = {s: [data.draw(st.integers(0, 9))] for s in ids if len(self.tokens[s]) < CONFIG["max_seq_len"]}
             if len(batch) < len(ids) or not self._step(batch):
                 return
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), layers=st.integers(0, 2))
+    def cancelled_step(self, data, layers):
+        """An undoable step (a compiled step's eager point), some layers written, then cancelled:
+        the cache is exactly as before it (lengths, token ids, pages, copies, mappings)."""
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.tokens)), min_size=1, max_size=4, unique=True))
+        batch = {s: data.draw(st.lists(st.integers(0, 9), min_size=1, max_size=min(6, CONFIG["max_seq_len"] - len(self.tokens[s]))))
+                 for s in ids if len(self.tokens[s]) < CONFIG["max_seq_len"]}
+        if not batch:
+            return
+        before = self.cache.state()
+        try:
+            plan = self.cache.begin_step(batch, undoable=True)
+        except OutOfPages:
+            assert self.cache.state() == before
+            return
+        for layer in range(layers):
+            kv = torch.randn(plan.num_tokens, 2, 64)
+            self.cache.write(layer, kv, kv, plan)
+        self.cache.cancel_step(plan)
+        assert self.cache.state() == before, "a cancelled step changed the cache"
+        with pytest.raises(StalePlan):
+            self.cache.cancel_step(plan)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())

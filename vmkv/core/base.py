@@ -33,12 +33,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Mapping
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from ..config import KVCacheConfig, PageGeometry
-from ..errors import ConcurrentUse, DuplicateSequence, InvalidInput, SequenceTooLong
+from ..errors import ConcurrentUse, DuplicateSequence, InvalidInput, SequenceTooLong, StalePlan
 from ..ledger import SharedBudget
 from ..validate import as_int, as_token_ids, check_seq_id
 from .budget import CacheBudget, PageMemory
@@ -96,6 +96,7 @@ class KVCacheBase(ABC):
         self.addressing: Addressing | None = None  # set by _open, once the mode's storage exists
         self._own: PageOwnership | None = None
         self._ahead: MapAhead | None = None
+        self._undo: tuple[StepPlan, list, int] | None = None  # the last undoable step: (plan, journal, generation)
 
     def _open(self, addressing: Addressing) -> None:
         """The mode's storage exists: pages can now be owned (the last step of a mode's ``__init__``
@@ -313,13 +314,15 @@ class KVCacheBase(ABC):
 
     # ---- a step ----------------------------------------------------------------------------
     @exclusive
-    def begin_step(self, batch: Mapping[SeqId, int | Sequence[int]]) -> StepPlan:
+    def begin_step(self, batch: Mapping[SeqId, int | Sequence[int]], *, undoable: bool = False) -> StepPlan:
         """Make room for a step's new tokens and build the metadata every layer will use.
 
         Args:
             batch: for each sequence of the step, the number of new tokens, or their token ids
                 (ids let full pages enter the prefix cache). Prefill chunks and single decode
                 tokens mix freely.
+            undoable: keep what it takes to undo the step exactly (:meth:`cancel_step`): what an
+                eager point does that commits a step before the forward that writes it runs.
 
         Returns:
             The :class:`StepPlan` to pass to ``write`` and ``attention`` for every layer. Any
@@ -330,6 +333,23 @@ class KVCacheBase(ABC):
             OutOfMappings) if the OS refused a mapping: the call was rolled back.
         """
         self._join_ahead()
+        if undoable:
+            journal: list = []
+            with self.guard.atomic(keep=journal):
+                self.guard.log(self._bookkeeping_undo(batch))  # first logged: reverted last
+                plan, seqs = self._take_step(batch, undoable)
+            self._undo = (plan, journal, self.guard.generation)
+        else:
+            plan, seqs = self._take_step(batch, undoable)
+        if self.budget is not None:  # after the commit: a step that fails changes nothing
+            self.budget.boundary()
+        if self._ahead is not None:
+            self._ahead.start(zip(seqs, plan.q_lens), self.tokens_per_page, self.max_pages_per_seq)
+        return plan
+
+    def _take_step(self, batch: Mapping[SeqId, int | Sequence[int]], undoable: bool) -> tuple[StepPlan, list[LiveSequence]]:
+        """``begin_step``'s work: the plan (the decode fast path's, or a mapped one) and its
+        sequences, committed."""
         plan, steps = self._fast.next_plan(batch, self._version, self._parse_batch)
         fast = plan is not None
         copies = 0
@@ -347,18 +367,52 @@ class KVCacheBase(ABC):
             steps = steps or self._parse_batch(batch)
             with self.guard.atomic():
                 self._finish_last_step()
-                plan, copies = self._map_step(steps)
+                plan, copies = self._map_step(steps, undoable)
             self._commit_step(steps)
             seqs = [seq for seq, _, _ in steps]
         self.counters["cow_copies"] += copies
         self._layers_written = set()
         self._version += 1
         self._fast.commit(plan, seqs, fast)
-        if self.budget is not None:  # after the commit: a step that fails changes nothing
-            self.budget.boundary()
-        if self._ahead is not None:
-            self._ahead.start(zip(seqs, plan.q_lens), self.tokens_per_page, self.max_pages_per_seq)
-        return plan
+        return plan, seqs
+
+    def _bookkeeping_undo(self, batch: Mapping[SeqId, Any]) -> Callable[[], None]:
+        """How to restore what ``begin_step`` changes beyond the journaled pages and mappings:
+        lengths, token ids and hashes past each length, totals, the last step, the fast path."""
+        seqs = [self._seqs[seq_id] for seq_id in batch if seq_id in self._seqs] if isinstance(batch, Mapping) else []
+        kept = [(seq, seq.length, seq.tokens[seq.length:], seq.hashes[seq.length // self.tokens_per_page:]) for seq in seqs]
+        totals = (self._tokens, list(self._last_step), set(self._layers_written), self._version, Counter(self.counters),
+                  self._fast.state())
+
+        def undo() -> None:
+            for seq, length, tokens, hashes in kept:
+                seq.length = length
+                seq.tokens[length:] = tokens
+                seq.hashes[length // self.tokens_per_page:] = hashes
+            self._tokens, self._last_step, self._layers_written, self._version, counters, fast = totals
+            self.counters.clear()  # in place: collaborators count into the same Counter
+            self.counters.update(counters)
+            self._fast.restore(fast)
+
+        return undo
+
+    @exclusive
+    def cancel_step(self, plan: StepPlan) -> None:
+        """Undo the step ``plan`` made (``begin_step(..., undoable=True)``): lengths, token ids,
+        pages, copies and mappings as before it; what was written for it is forgotten. Pages
+        mapped ahead since (``map_ahead``) stay.
+
+        Raises:
+            StalePlan: ``plan`` is not the last undoable step, or a call changed the cache since
+                (nothing is undone: ``truncate`` still forgets the tokens).
+            BackendError: the OS refused to restore a mapping (the cache is then broken).
+        """
+        self._join_ahead()
+        undo = self._undo
+        if undo is None or undo[0] is not plan or plan.version != self._version or undo[2] != self.guard.generation:
+            raise StalePlan("this step cannot be cancelled: it is not the last undoable step, or the cache changed since")
+        self._undo = None
+        self.guard.revert(undo[1])
 
     @exclusive
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> None:
@@ -600,11 +654,11 @@ class KVCacheBase(ABC):
         return seq
 
     # ---- steps -----------------------------------------------------------------------------
-    def _map_step(self, steps: list[Step]) -> tuple[StepPlan, int]:
-        """Copy shared pages written into, map the pages the step needs, and build its plan
-        (journaled, inside the caller's ``atomic``; nothing is committed). Returns the plan and
-        the number of pages copied."""
-        copies, grows = plan_pages(steps, self.pool, self.tokens_per_page)
+    def _map_step(self, steps: list[Step], undoable: bool) -> tuple[StepPlan, int]:
+        """Copy shared pages written into (``undoable``: prefix-cached ones too), map the pages
+        the step needs, and build its plan (journaled, inside the caller's ``atomic``; nothing is
+        committed). Returns the plan and the number of pages copied."""
+        copies, grows = plan_pages(steps, self.pool, self.tokens_per_page, keep_cached=undoable)
         self._own.make_room(sum(len(c) for c in copies) + sum(grows))
         for (seq, _, _), copy_at, grow in zip(steps, copies, grows):
             self._own.copy_on_write(seq, copy_at)

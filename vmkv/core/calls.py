@@ -71,6 +71,8 @@ class CallGuard:
         broken: why a rollback failed (every guarded call raises ``BackendError``), else ``None``.
         serving: a shared budget's watcher holds the lock for a moment; a caller that finds it
             there waits (:data:`LEDGER_WAIT_S`) instead of raising ``ConcurrentUse``.
+        generation: counts :meth:`atomic` blocks; a journal kept from one block may be reverted
+            while no other has run.
     """
 
     def __init__(self, pool: PagePool) -> None:
@@ -79,6 +81,7 @@ class CallGuard:
         self.closed = False
         self.broken: str | None = None
         self.serving = False
+        self.generation = 0
         self.pid = os.getpid()
         self._pool = pool
         _GUARDS.add(self)
@@ -116,30 +119,52 @@ class CallGuard:
         )
 
     @contextmanager
-    def atomic(self) -> Iterator[None]:
+    def atomic(self, keep: list[Undo] | None = None) -> Iterator[None]:
         """Journal every change made inside the block; on an exception revert them all, newest first.
+        A block inside another joins it (the outer one reverts both).
+
+        Args:
+            keep: on success, the block's undo functions are appended here, so that the caller may
+                revert the whole block later (:meth:`revert`) while :attr:`generation` says no
+                other block ran since.
 
         Raises:
             BackendError: reverting failed too (the cache is then marked broken).
         """
+        if self.journal is not None:
+            yield
+            return
         journal: list[Undo] = []
         self.journal = self._pool.journal = journal
+        self.generation += 1
         try:
             yield
         except BaseException as exc:
             self.journal = self._pool.journal = None
-            try:
-                while journal:
-                    journal.pop()()
-            except Exception as undo_exc:
-                self.broken = (
-                    f"the cache could not undo a failed call ({exc}) because reverting failed too ({undo_exc}); "
-                    "its state is unknown: close() it and open a new one"
-                )
-                raise BackendError(self.broken) from undo_exc
+            self.revert(journal, exc)
             raise
+        else:
+            if keep is not None:
+                keep.extend(journal)
         finally:
             self.journal = self._pool.journal = None
+
+    def revert(self, journal: list[Undo], cause: BaseException | None = None) -> None:
+        """Run ``journal``'s undo functions newest first (emptying it).
+
+        Raises:
+            BackendError: an undo failed (the cache is then marked broken).
+        """
+        try:
+            while journal:
+                journal.pop()()
+        except Exception as undo_exc:
+            why = f"a failed call ({cause})" if cause is not None else "a cancelled step"
+            self.broken = (
+                f"the cache could not undo {why} because reverting failed too ({undo_exc}); "
+                "its state is unknown: close() it and open a new one"
+            )
+            raise BackendError(self.broken) from undo_exc
 
 
 _GUARDS: "weakref.WeakSet[CallGuard]" = weakref.WeakSet()

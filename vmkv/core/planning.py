@@ -21,11 +21,13 @@ from .sequence import LiveSequence
 from .step import StepPlan
 
 
-def plan_pages(steps: list[Step], pool: PagePool, tokens_per_page: int) -> tuple[list[list[int]], list[int]]:
+def plan_pages(steps: list[Step], pool: PagePool, tokens_per_page: int,
+               keep_cached: bool = False) -> tuple[list[list[int]], list[int]]:
     """For each step: the page indexes to copy before writing, and how many pages to add.
 
     Simulates the reference drops of earlier copies, so two sequences writing into the same
-    shared page cost one copy, not two.
+    shared page cost one copy, not two. ``keep_cached``: a page in the prefix index is copied too
+    rather than written (an undoable step must leave it as it was: ``KVCacheBase.cancel_step``).
     """
     dropped: Counter[int] = Counter()
     copies, grows = [], []
@@ -35,7 +37,7 @@ def plan_pages(steps: list[Step], pool: PagePool, tokens_per_page: int) -> tuple
         copy_at = []
         for index in range(first, min(end, len(seq.pages))):
             page = seq.pages[index]
-            if pool.refcount(page) - dropped[page] > 1:
+            if pool.refcount(page) - dropped[page] > 1 or (keep_cached and pool.page_hash(page) is not None):
                 dropped[page] += 1
                 copy_at.append(index)
         copies.append(copy_at)
@@ -65,6 +67,13 @@ class DecodeFastPath:
             self._room -= 1
         else:
             self._room = self._room_in_pages(seqs) if plan.is_decode else 0
+
+    def state(self) -> tuple:
+        """What :meth:`restore` takes back (a cancelled step: ``KVCacheBase.cancel_step``)."""
+        return self.plan, self.seqs, self._room
+
+    def restore(self, state: tuple) -> None:
+        self.plan, self.seqs, self._room = state
 
     def next_plan(self, batch: Any, version: int, parse: Callable[[Any], list[Step]]) -> tuple[StepPlan | None, list[Step] | None]:
         """``(plan, steps)``: the last plan one token further, or ``(None, steps)`` where the fast
