@@ -38,7 +38,7 @@ def test_masked_reference_reads_slots_and_block_tables_alike():
     slots = torch.tensor([2, 1, 0], dtype=torch.int32)
     for row, n in enumerate(LENS):
         k_slots[2 - row, :n], v_slots[2 - row, :n] = keys[row], values[row]
-    got = decode_attention(q, k_slots, v_slots, kv_lens, slots=slots, max_kv_len=16, out=torch.empty_like(q))
+    got = decode_attention(q, k_slots, v_slots, kv_lens, kernel="sdpa_masked", slots=slots, max_kv_len=16, out=torch.empty_like(q))
     torch.testing.assert_close(got, want)
     # blocks: each row's tokens in blocks scattered over a pool of noise; -1 past a row's blocks
     k_pool, v_pool = torch.randn(12, BLOCK, HKV, D, generator=gen), torch.randn(12, BLOCK, HKV, D, generator=gen)
@@ -51,7 +51,7 @@ def test_masked_reference_reads_slots_and_block_tables_alike():
             taken = min(BLOCK, n - page * BLOCK)
             k_pool[block, :taken] = keys[row][page * BLOCK : page * BLOCK + taken]
             v_pool[block, :taken] = values[row][page * BLOCK : page * BLOCK + taken]
-    got = decode_attention(q, k_pool, v_pool, kv_lens, block_table=table, max_kv_len=16, out=torch.empty_like(q))
+    got = decode_attention(q, k_pool, v_pool, kv_lens, kernel="sdpa_masked", block_table=table, max_kv_len=16, out=torch.empty_like(q))
     torch.testing.assert_close(got, want)
 
 
@@ -60,7 +60,7 @@ def test_decode_needs_exactly_one_addressing():
     lens, index = torch.ones(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
     for addressing in ({}, {"slots": index, "block_table": index[:, None]}):
         with pytest.raises(InvalidInput, match="exactly one"):
-            decode_attention(q, k, k, lens, max_kv_len=4, out=torch.empty_like(q), **addressing)
+            decode_attention(q, k, k, lens, kernel="sdpa_masked", max_kv_len=4, out=torch.empty_like(q), **addressing)
 
 
 def test_a_pools_token_rows_take_a_paged_write_and_nothing_else():

@@ -284,6 +284,8 @@ class CudaMirror(KVMirror):
             k_view, v_view = self.cache.kv_cache(layer)
             spec = registry.KernelSpec("slots", dev, cfg.dtype, cfg.num_kv_heads, cfg.head_dim)
             for name in registry.names("slots"):
+                if registry.KERNELS[name].decode_only and not plan.is_decode:
+                    continue  # (the cache pairs it with another kernel for these steps)
                 if registry.unavailable(name, spec) is None:
                     outs[name] = registry.build(name, spec)(q.to(dev), k_view, v_view, plan, None).cpu()
             offset = 0

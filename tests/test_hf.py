@@ -464,7 +464,7 @@ def test_vmm_update_returns_zero_copy_views_of_exact_length(models):
     keys, values = cache.update(k_new, k_new.clone(), 0)  # a new step of one token per row
     k_all, _ = cache.core.kv_cache(0)
     assert keys.shape == (3, 2, ids.shape[1] + 1, 16)
-    assert keys.data_ptr() == k_all[cache.core.slot(cache._rows[0])].data_ptr()  # a view, not a copy
+    assert keys.data_ptr() == k_all[cache.core.slot(cache.rows[0])].data_ptr()  # a view, not a copy
     torch.testing.assert_close(keys[:, :, -1:], k_new)
     dense = DynamicCache()
     use_attention(model, "sdpa")
@@ -484,7 +484,7 @@ def test_cache_built_from_config_knows_its_attention(models, mode):
 
 
 def _kv_rows(cache: vhf.VirtualCache, layer: int) -> list[torch.Tensor]:
-    return [cache.core.kv(seq_id, layer)[0] for seq_id in cache._rows]  # each [len, H, D]
+    return [cache.core.kv(seq_id, layer)[0] for seq_id in cache.rows]  # each [len, H, D]
 
 
 @pytest.mark.parametrize("setup", SETUPS)
@@ -520,7 +520,7 @@ def test_row_operations_follow_dynamic_cache(models, setup):
         getattr(dense, op)(arg)
         getattr(cache, op)(arg)
         check()
-    pages = [cache.core.pages(seq_id) for seq_id in cache._rows]
+    pages = [cache.core.pages(seq_id) for seq_id in cache.rows]
     assert pages[1] == pages[2]  # both continue old row 0: shared pages, nothing copied
     assert cache.stats()["cow_copies"] == 0
 
@@ -530,10 +530,10 @@ def test_crop_of_padded_rows_keeps_their_real_tokens(models):
     ids, mask = prompts(padded=True)
     cache = vhf.VirtualCache("vmm", **PAGE)
     model(ids, attention_mask=mask, **{CACHE: cache}, use_cache=True)
-    assert [cache.core.seq_len(s) for s in cache._rows] == [11, 6, 9]  # padding is not stored
+    assert [cache.core.seq_len(s) for s in cache.rows] == [11, 6, 9]  # padding is not stored
     cache.crop(-2)
     assert cache.get_seq_length() == 9
-    assert [cache.core.seq_len(s) for s in cache._rows] == [9, 4, 7]
+    assert [cache.core.seq_len(s) for s in cache.rows] == [9, 4, 7]
 
 
 def test_beam_search_shares_pages(models):
@@ -563,6 +563,26 @@ def test_model_attention_gathers_after_a_reorder_and_says_so(models):
 
 
 # ---- errors -----------------------------------------------------------------------------------
+def test_models_whose_cache_is_not_kv_are_refused_naming_the_feature():
+    """Issue 37 (and 36): DeepSeek-V3's latent KV (multi-head latent attention) and hybrid models'
+    linear-attention layers are refused when the cache is made, never with an internal error; a
+    latent KV met without a config is refused at the first update, naming it."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3NextConfig
+
+    mla = DeepseekV3Config(vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16,
+                           q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4,
+                           num_experts_per_tok=2, first_k_dense_replace=1)
+    with pytest.raises(InvalidConfig, match="latent KV"):
+        vhf.VirtualCache(config=mla)
+    cache = vhf.VirtualCache()
+    with pytest.raises(InvalidConfig, match="latent KV"):
+        DeepseekV3ForCausalLM(mla).eval()(torch.randint(0, 64, (1, 5)), **{CACHE: cache}, use_cache=True)
+    assert cache.core is None and cache.get_seq_length() == 0  # refused before anything was stored
+    with pytest.raises(InvalidConfig, match="linear_attention"):
+        vhf.VirtualCache(config=Qwen3NextConfig(num_hidden_layers=4))
+
+
 def test_errors_are_typed(models):
     model = use_attention(models["llama"], "sdpa")
     with pytest.raises(InvalidConfig):
@@ -572,15 +592,15 @@ def test_errors_are_typed(models):
     ids, mask = prompts(padded=False)
     cache = vhf.VirtualCache("vmm", max_batch_size=2, **PAGE)
     model(ids, **{CACHE: cache}, use_cache=True)
-    with pytest.raises(InvalidShape):
-        model(ids.repeat(2, 1)[:, :1], **{CACHE: cache}, use_cache=True)
+    with pytest.raises(InvalidShape, match=r"cache\.reset\(\) \(or a new VirtualCache\) to start another batch"):
+        model(ids.repeat(2, 1)[:, :1], **{CACHE: cache}, use_cache=True)  # issue 37: the error says what to do
     with pytest.raises(NoFreeSlot):
         cache.batch_repeat_interleave(3)
     with pytest.raises(InvalidInput):
         cache.crop(2)
     with pytest.raises(InvalidInput):
         cache.reorder_cache(torch.tensor([4]))
-    assert cache.get_seq_length() == ids.shape[1] and len(cache._rows) == 1  # failed calls changed nothing
+    assert cache.get_seq_length() == ids.shape[1] and len(cache.rows) == 1  # failed calls changed nothing
     short = vhf.VirtualCache("vmm", max_seq_len=12, **PAGE)
     model(ids, **{CACHE: short}, use_cache=True)
     with pytest.raises(SequenceTooLong):

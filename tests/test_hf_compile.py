@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,16 @@ def compile_config() -> CompileConfig:
     config = CompileConfig(mode="default")
     config._compile_all_devices = True
     return config
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo(request):
+    """Each test starts with no compiled code (counts of compiled steps and graphs depend on it:
+    dynamo stops compiling a function it recompiled too often, and transformers' deprecation
+    wrapper is one function for every forward). Tests marked ``dynamo_state`` run on whatever
+    earlier tests left: that is what they check."""
+    if request.node.get_closest_marker("dynamo_state") is None:
+        torch._dynamo.reset()
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +125,7 @@ def test_compiled_generate_over_each_layout_gives_static_caches_tokens(model, la
     cache = compiled_cache(model, layout=layout)
     assert torch.equal(generate(model, cache, ids, mask, do_sample=False), static)
     assert cache.stats()["compile_fallbacks"] == 0
-    bases = {id(store.base) for pair in cache._compiled.stores for store in pair}
+    bases = {id(store.base) for pair in cache._compiled.static.stores for store in pair}
     assert len(bases) == (2 if layout == "all_layers" else 2 * model.config.num_hidden_layers)
     cache.close()
 
@@ -131,7 +142,8 @@ def test_beam_search_and_deep_copies_over_a_compileable_cache(request, model, mo
     cache = vhf.VirtualCache(mode, config=ours.config, max_seq_len=MAX_LEN, page_size=PAGE, compile=True,
                              max_batch_size=16)
     assert torch.equal(ours.generate(ids, attention_mask=mask, **{CACHE: cache}, **options), static)
-    assert cache.stats()["compiled_steps"] == 9 and cache.stats()["compile_fallbacks"] == 0
+    stats = cache.stats()  # prepared at the eager point, written by the eager forwards of beam search
+    assert stats["eager_steps"] == 9 and stats["compiled_steps"] == 0 and stats["compile_fallbacks"] == 0
     cache.close()
 
 
@@ -334,6 +346,150 @@ def test_a_compiled_vmkv_step_decodes_one_token_per_row(vmkv_model):
     cache.close()
 
 
+# ---- the step travels with its call: no state shared between caches, threads or compiled graphs ----
+def eager_tokens(model, mode: str, ids, mask, page_size: str | None = PAGE) -> torch.Tensor:
+    return generate(model, vhf.VirtualCache(mode, config=model.config, page_size=page_size), ids, mask, do_sample=False)
+
+
+@pytest.mark.dynamo_state
+def test_compiled_generate_after_other_compiled_code_gives_the_eager_caches_tokens(model, vmkv_model):
+    """Issue 35: a compiled hand-written loop without prepare_step (graph breaks), then compiled
+    generate() of another model over compiled caches of both modes, then of another cache of the
+    same model: every run gives the eager cache's tokens, with torch._dynamo never reset (dynamo
+    may stop compiling functions it recompiled too often: those forwards then run eagerly, which
+    stats() says)."""
+    ids, mask = batch(padded=True)
+    loop = compiled_cache(model)
+    forward = torch.compile(model.forward, mode="default")
+    tokens = prefill(model, loop, batch(padded=False)[0])
+    with torch.no_grad():
+        for step in range(3):
+            tokens = forward(**decode_inputs(model, loop, tokens, PROMPT + step, prepare=False)).logits[:, -1:].argmax(-1)
+    loop.close()
+    for mode in ("vmm", "paged", "vmm", "paged"):  # the second round: another cache, the same compiled code
+        cache = compiled_cache(vmkv_model, mode)
+        assert torch.equal(generate(vmkv_model, cache, ids, mask, do_sample=False), eager_tokens(vmkv_model, mode, ids, mask))
+        stats = cache.stats()
+        assert stats["compiled_steps"] + stats["eager_steps"] == NEW - 1
+        cache.close()
+    cache = compiled_cache(model)  # and the first model again, after the other's compiled steps
+    assert torch.equal(generate(model, cache, ids, mask, do_sample=False), eager_tokens(model, "vmm", ids, mask))
+
+
+def test_a_step_prepared_for_another_cache_changes_nothing_here(vmkv_model):
+    """prepare_step(A); prepare_step(B); forward(A): A's forward runs A's step, B's waits (and
+    runs next), each over its own rows; left-padded rows keep their padding out."""
+    ids, mask = batch(padded=True)
+    caches = [compiled_cache(vmkv_model), compiled_cache(vmkv_model, "paged")]
+    reference = vhf.VirtualCache("vmm", config=vmkv_model.config, page_size=PAGE)
+    forward = torch.compile(vmkv_model.forward, mode="default")
+    with torch.no_grad():
+        firsts = [vmkv_model(ids, attention_mask=mask, use_cache=True, **{CACHE: c}).logits[:, -1:].argmax(-1)
+                  for c in (*caches, reference)]
+        tokens = firsts
+        for step in range(4):
+            position = torch.tensor([[PROMPT + step], [5 + step]])
+            for cache in caches:
+                cache.prepare_step(1)
+            full = torch.cat([mask, torch.ones(2, step + 1, dtype=mask.dtype)], 1)
+            outs = []
+            for cache, token in zip((*caches, reference), tokens):
+                run = forward if cache is not reference else vmkv_model
+                outs.append(run(input_ids=token, attention_mask=full, position_ids=position, use_cache=True,
+                                **{CACHE: cache}).logits[:, -1])
+            torch.testing.assert_close(outs[0], outs[2], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(outs[1], outs[2], atol=1e-4, rtol=1e-4)
+            tokens = [out.argmax(-1, keepdim=True) for out in outs]
+    for cache in caches:
+        assert cache.stats()["compiled_steps"] == 4 and cache.stats()["compile_fallbacks"] == 0
+        assert [cache.core.seq_len(s) for s in cache.rows] == [PROMPT + 4, 5 + 4]  # the padding is not stored
+
+
+def test_threads_with_their_own_models_and_caches_give_their_solo_tokens(model, vmkv_model):
+    """Issue 35: thread A generates a left-padded batch with the "vmkv" attention over a
+    DynamicCache (the assistant model's path: the stock kernel with the padding mask) and eagerly
+    over a VirtualCache; thread B generates compiled over VirtualCache(compile=True), both
+    attentions. Each gives what it gives alone, every time."""
+    from transformers import DynamicCache
+
+    ids, mask = batch(padded=True)
+    jobs = {
+        "dynamic": lambda: generate(vmkv_model, DynamicCache(config=vmkv_model.config), ids, mask, do_sample=False),
+        "eager": lambda: eager_tokens(vmkv_model, "vmm", ids, mask),
+        "compiled": lambda: generate(vmkv_model, compiled_cache(vmkv_model), ids, mask, do_sample=False),
+        "compiled_sdpa": lambda: generate(model, compiled_cache(model), ids, mask, do_sample=False),
+    }
+    solo = {name: job() for name, job in jobs.items()}
+    assert torch.equal(solo["dynamic"], solo["eager"]) and torch.equal(solo["compiled"], solo["eager"])
+    results: dict[str, list] = {name: [] for name in jobs}
+    errors: list[BaseException] = []
+
+    def run(names: list[str], rounds: int) -> None:
+        try:
+            for _ in range(rounds):
+                for name in names:
+                    results[name].append(jobs[name]())
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(["dynamic", "eager"], 6)),
+               threading.Thread(target=run, args=(["compiled", "compiled_sdpa"], 3))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    for name, outs in results.items():
+        assert outs and all(torch.equal(out, solo[name]) for out in outs), name
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "vmkv"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_refused_forward_changes_nothing(request, attention, compiled):
+    """Issue 35: a cache holding one row, given a batch of two: InvalidShape, as the eager cache
+    says, and length, pages and the next forward's logits are as if it never happened (the step
+    the eager point prepared is cancelled, not committed)."""
+    from transformers import DynamicCache
+
+    from vmkv.errors import InvalidShape
+
+    model = request.getfixturevalue("vmkv_model" if attention == "vmkv" else "model")
+    ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(5))
+    cache, reference = compiled_cache(model), DynamicCache(config=model.config)
+    with torch.no_grad():
+        for c in (cache, reference):
+            model(ids, use_cache=True, **{CACHE: c})
+        before = (cache.core.state(), cache.get_seq_length())
+        run = torch.compile(model.forward, mode="default") if compiled else model
+        if compiled:
+            cache.prepare_step(1)
+        with pytest.raises(InvalidShape):
+            run(input_ids=torch.zeros(2, 1 if compiled else 8, dtype=torch.long), use_cache=True, **{CACHE: cache})
+        assert (cache.core.state(), cache.get_seq_length()) == before
+        nxt = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(6))
+        ours = model(nxt, use_cache=True, **{CACHE: cache}).logits
+        want = model(nxt, use_cache=True, **{CACHE: reference}).logits
+    torch.testing.assert_close(ours, want, atol=1e-5, rtol=1e-5)
+    assert cache.get_seq_length() == 24
+
+
+@pytest.mark.parametrize("head_dim", [80, 96])
+@pytest.mark.parametrize("mode,attention", [("vmm", "sdpa"), ("vmm", "vmkv"), ("paged", "vmkv")])
+def test_head_dims_the_triton_kernel_lacks_generate_compiled(head_dim, mode, attention):
+    """Issue 35: Phi-3's 96 (and 80): the compiled step's kernel is chosen when the cache's storage
+    is made, by the registry's rule (head dim, dtype, device), never met mid-generation."""
+    torch.manual_seed(0)
+    model = default_hf_model(num_hidden_layers=2, hidden_size=2 * head_dim, num_attention_heads=2,
+                             num_key_value_heads=1, head_dim=head_dim).eval()
+    model.set_attn_implementation(attention)
+    ids, mask = batch(padded=True)
+    cache = vhf.VirtualCache(mode, config=model.config, max_seq_len=MAX_LEN, compile=True)
+    assert torch.equal(generate(model, cache, ids, mask, do_sample=False), eager_tokens(model, mode, ids, mask, None))
+    assert cache._compiled.static.kernel == "sdpa_masked"  # (Triton's interpreter is off here; on a GPU it would refuse too)
+    stats = cache.stats()
+    assert stats["compiled_steps"] == NEW - 1 and stats["compile_fallbacks"] == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU with the CUDA driver: there generate() "
                     "compiles a compileable cache by itself, with CUDA graphs (mode reduce-overhead)")
@@ -369,9 +525,7 @@ TRITON_DECODE = textwrap.dedent("""
     import torch
     from transformers import CompileConfig
     import vmkv.hf
-    from vmkv.kernels.capturable import decode_kernel_name
     from vmkv.models import PAD, default_hf_model
-    assert decode_kernel_name(torch.device("cpu")) == "triton", "the interpreter does not run here"
     torch.manual_seed(0)
     model = default_hf_model(num_hidden_layers=2).eval()
     model.set_attn_implementation("vmkv")
@@ -388,9 +542,21 @@ TRITON_DECODE = textwrap.dedent("""
         eager = generate(vmkv.hf.VirtualCache(mode, config=model.config, max_seq_len=21))
         cache = vmkv.hf.VirtualCache(mode, config=model.config, max_seq_len=21, compile=True, block_size=4)
         compiled = generate(cache)
+        assert cache._compiled.static.kernel == "triton", "the interpreter does not run here"
         stats = cache.stats()
         assert stats["compiled_steps"] == 11 and stats["compile_fallbacks"] == 0, stats
         print(mode, "SAME" if torch.equal(eager, compiled) else f"DIFFERENT {eager.tolist()} {compiled.tolist()}")
+    # a head dim the Triton kernels lack (Phi-3's 96): the rule picks another capturable kernel up front
+    torch.manual_seed(0)
+    model = default_hf_model(num_hidden_layers=2, hidden_size=192, num_attention_heads=2, num_key_value_heads=1,
+                             head_dim=96).eval()
+    model.set_attn_implementation("vmkv")
+    eager = generate(vmkv.hf.VirtualCache("vmm", config=model.config, max_seq_len=21))
+    cache = vmkv.hf.VirtualCache("vmm", config=model.config, max_seq_len=21, compile=True)
+    compiled = generate(cache)
+    assert cache._compiled.static.kernel == "sdpa_masked", cache._compiled.static.choice
+    assert cache.stats()["compiled_steps"] == 11, cache.stats()
+    print("head_dim 96", "SAME" if torch.equal(eager, compiled) else "DIFFERENT")
 """)
 
 
@@ -398,13 +564,14 @@ def test_compiled_vmkv_attention_runs_the_triton_decode_kernel_in_the_interprete
     """The GPU's path on the host: the compiled decode step calls the Triton kernel (Triton's
     interpreter, a child process: ``TRITON_INTERPRET=1`` before triton's first import) through
     ``torch.ops.vmkv.decode_store``, over slots and over block tables (blocks of 4 tokens: rows
-    cross blocks while decoding), and gives the eager cache's tokens."""
+    cross blocks while decoding), and gives the eager cache's tokens; a head dim Triton lacks
+    (96) gets the masked SDPA kernel when the cache is made, not an error mid-generation."""
     pytest.importorskip("triton")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", TRITON_DECODE], capture_output=True, text=True, env=env,
                           cwd=tmp_path, timeout=600)
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
-    assert done.stdout.strip().splitlines()[-2:] == ["vmm SAME", "paged SAME"]
+    assert done.stdout.strip().splitlines()[-3:] == ["vmm SAME", "paged SAME", "head_dim 96 SAME"]
 
 
 SEGFAULT_REPRO = textwrap.dedent("""

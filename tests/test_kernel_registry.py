@@ -47,6 +47,46 @@ def test_every_addressing_on_every_device_has_a_kernel_that_runs_anywhere():
             assert registry.unavailable(choice.name, spec, nothing) is None
 
 
+def test_captured_steps_choose_by_the_same_needs_as_eager_ones():
+    """The rule for compiled and captured decode steps (issue 35): Triton where it runs for this
+    head dim, dtype and device, else the masked SDPA kernel, with the reason; never a kernel that
+    would refuse the step mid-generation."""
+    gpu = MachineFacts((9, 0), {"flash_attn": "absent", "flashinfer": "absent"}, True, frozenset(), None)
+    for addressing in ADDRESSINGS:
+        spec = registry.KernelSpec(addressing, CUDA, torch.bfloat16, 8, 128)
+        assert registry.choose_capturable(spec, gpu).decode == "triton"
+        for head_dim in (80, 96):  # Phi-3's 96: not a Triton head dim
+            choice = registry.choose_capturable(registry.KernelSpec(addressing, CUDA, torch.bfloat16, 8, head_dim), gpu)
+            assert choice.decode == "sdpa_masked" and f"got {head_dim}" in choice.reason
+        no_triton = MachineFacts(triton_missing="triton is not importable")
+        spec = registry.KernelSpec(addressing, torch.device("cpu"), torch.float32, 2, 64)
+        assert registry.choose_capturable(spec, no_triton).decode == "sdpa_masked"
+    assert [name for name, entry in registry.KERNELS.items() if entry.capturable] == ["triton", "sdpa_masked"]
+
+
+def test_the_masked_decode_kernel_matches_the_cache_kernel_on_decode_steps():
+    """``sdpa_masked`` is a registry kernel like any other: forced on an eager cache (paired with
+    the rule's kernel for prefill), it gives the same outputs on decode steps, in both modes."""
+    for mode in ("vmm", "paged"):
+        outs = []
+        for kernel in (None, "sdpa_masked"):
+            cache = vmkv.open_cache(small_config(), mode=mode, kernel=kernel)
+            gen = torch.Generator().manual_seed(1)
+            cache.add("a"), cache.add("b")
+            out = None
+            for batch in ({"a": 9, "b": 3}, {"a": 1, "b": 1}, {"a": 1, "b": 1}):
+                plan = cache.begin_step(batch)
+                for layer in range(cache.config.num_layers):
+                    kv = torch.randn(plan.num_tokens, cache.config.num_kv_heads, cache.config.head_dim, generator=gen)
+                    cache.write(layer, kv, kv, plan)
+                    q = torch.randn(plan.num_tokens, 2 * cache.config.num_kv_heads, cache.config.head_dim, generator=gen)
+                    out = cache.attention(layer, q, plan)
+            outs.append(out)
+            assert kernel is None or cache.kernel.startswith("sdpa_masked+")
+            cache.close()
+        torch.testing.assert_close(outs[0], outs[1])
+
+
 def test_a_decode_only_kernel_is_paired_with_the_next_one_for_other_steps():
     flashinfer = MachineFacts((9, 0), {"flash_attn": "absent"}, True, frozenset(), "absent")
     choice = registry.choose(registry.KernelSpec("blocks", CUDA, torch.float16, 2, 128, 16), flashinfer)

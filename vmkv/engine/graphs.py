@@ -4,18 +4,19 @@ A decode step (every sequence adds one token) is a few hundred small kernel laun
 their launch overhead, not the arithmetic, sets the speed of a small batch. A CUDA graph
 records them once and replays them with one launch. It may replay only what never changes, so:
 
-* **fixed addresses**: the model reads its inputs from persistent device buffers
-  (:class:`StepBuffers`: token ids, positions, slots, lengths; paged mode's block table at a fixed
-  width) that each step fills before the replay (one host-to-device copy, plus the block table
-  copied on the device). The K/V storage never moves: VMM mode's virtual ranges, paged mode's
-  pools.
+* **fixed addresses**: the model reads its inputs from persistent device buffers, the token ids
+  and the cache's :class:`~vmkv.kernels.static_step.StaticStep` (positions, slots, lengths; paged
+  mode's block table at a fixed width), which each step fills before the replay (one
+  host-to-device copy for each, plus the block table copied on the device). The K/V storage never
+  moves: VMM mode's virtual ranges, paged mode's pools.
 * **fixed shapes**: a graph per *bucket* of batch sizes (1, 2, 4, 8, 16, 24, 32, ...); a batch of
   ``B`` sequences runs the smallest bucket ``b >= B``, its ``b - B`` padding rows pointed at a
   scratch sequence of its own (one slot, one page): they write there and attend over its one
   token, touching no real sequence.
-* **lengths on the device**: attention is :func:`vmkv.kernels.capturable.decode_attention` (the
-  split-KV Triton kernel over slots or a block table, its launch fixed by ``max_seq_len``), which
-  reads each sequence's length from the device and nothing past it.
+* **lengths on the device**: each layer writes and attends through the static step (the one
+  write and the one decode entry, with the capturable kernel the registry chose: Triton's split-KV
+  kernel over slots or a block table where it runs, its launch fixed by ``max_seq_len``), which
+  reads each sequence's length from the device.
 * **no page mapped inside**: the engine's ``begin_step`` (the eager point, before each replay)
   maps and copies on write every page the step writes; the graph only writes rows the step
   owns. Prefill and mixed steps run eagerly.
@@ -38,9 +39,9 @@ import torch
 from ..core.base import KVCacheBase
 from ..core.step import StepPlan
 from ..errors import InvalidConfig, Unsupported
-from ..kernels.capturable import DecodeWorkspace, decode_attention, decode_kernel_name, stores_of, write_columns
-from ..kernels.triton_attention import SUPPORTED_HEAD_DIMS, choose_num_splits, multiprocessor_count, triton_available
-from ..vmm.views import unguarded
+from ..kernels.capturable import DecodeWorkspace
+from ..kernels.static_step import PadRow, StaticStep
+from ..kernels.triton_attention import choose_num_splits, multiprocessor_count
 from .llama import LlamaForCausalLM
 
 log = logging.getLogger("vmkv.engine")
@@ -51,15 +52,10 @@ SLOTS_TAKEN = 1  # cache slots the graphs take (the scratch sequence's)
 
 
 def unsupported(cache: KVCacheBase) -> str | None:
-    """Why decode steps over ``cache`` cannot be captured, or ``None`` if they can."""
-    config = cache.config
-    if config.max_batch_size <= SLOTS_TAKEN:
+    """Why decode steps over ``cache`` cannot be captured, or ``None`` if they can (the decode
+    kernel is the registry's capturable choice, which always finds one)."""
+    if cache.config.max_batch_size <= SLOTS_TAKEN:
         return f"captured decode steps need a cache of at least {SLOTS_TAKEN + 1} slots (one holds padding rows)"
-    kernel = decode_kernel_name(torch.device(config.device))
-    if kernel == "triton" and config.head_dim not in SUPPORTED_HEAD_DIMS:
-        return f"head_dim {config.head_dim} is not one the Triton decode kernel supports ({SUPPORTED_HEAD_DIMS})"
-    if kernel != "triton" and torch.device(config.device).type == "cuda":
-        return f"the captured decode step needs the Triton kernels here: {triton_available(config.device)[1]}"
     return None
 
 
@@ -139,47 +135,6 @@ class EagerReplay:
 
 
 @dataclass
-class PadRow:
-    """Where padding rows of a bucket point: the scratch sequence's first token."""
-
-    slot: int
-    block: int  # paged mode: its block (VMM: unused)
-
-
-class StepBuffers:
-    """Persistent device inputs of the captured decode steps, for up to ``rows`` sequences.
-
-    ``host`` (int64 ``[4, rows]``: token ids, positions, slots, lengths) is filled on the host
-    and copied to ``device`` in one transfer; the graphs read ``device`` (and paged mode's
-    ``block_table``, int32 ``[rows, max_blocks]``, filled on the device from the plan's).
-    """
-
-    IDS, POSITIONS, SLOTS, LENGTHS = range(4)
-
-    def __init__(self, rows: int, max_blocks: int | None, device: torch.device) -> None:
-        pinned = device.type == "cuda"
-        self.host = torch.zeros(4, rows, dtype=torch.int64, pin_memory=pinned)
-        self.device = torch.zeros(4, rows, dtype=torch.int64, device=device)
-        self.block_table = None if max_blocks is None else torch.zeros(rows, max_blocks, dtype=torch.int32, device=device)
-
-    def load(self, plan: StepPlan, token_ids: list[int], bucket: int, pad: PadRow) -> None:
-        """Fill rows ``0 .. bucket - 1``: the plan's sequences, then padding rows (``pad``'s first
-        token: position 0, length 1)."""
-        batch = plan.batch_size
-        rows = self.host[:, :bucket]
-        rows[self.IDS, :batch] = torch.tensor(token_ids)
-        rows[self.POSITIONS, :batch] = torch.tensor(plan.starts)
-        rows[self.SLOTS, :batch] = torch.tensor(plan.slots)
-        rows[self.LENGTHS, :batch] = torch.tensor(plan.kv_lens)
-        rows[:, batch:] = torch.tensor([[0], [0], [pad.slot], [1]])
-        self.device[:, :bucket].copy_(rows, non_blocking=True)
-        if self.block_table is not None:
-            width = plan.block_table.shape[1]
-            self.block_table[:batch, :width].copy_(plan.block_table)
-            self.block_table[batch:bucket, 0] = pad.block
-
-
-@dataclass
 class GraphStats:
     """What the engine's graphs did (``Engine.stats()["engine"]["cuda_graphs"]``)."""
 
@@ -221,10 +176,9 @@ class DecodeGraphs:
         if self.buckets[-1] > slots:
             raise InvalidConfig(f"the largest graph bucket ({self.buckets[-1]}) needs {self.buckets[-1] + SLOTS_TAKEN} "
                                 f"slots (one for padding rows), the cache has {config.max_batch_size}")
-        self.paged = cache.mode == "paged"
         self.pad = self._pad_row()
-        max_blocks = cache.pages_for(config.max_seq_len) if self.paged else None
-        self.buffers = StepBuffers(self.buckets[-1], max_blocks, self.device)
+        self.step = StaticStep(cache, self.buckets[-1], config.max_seq_len)
+        self.ids = torch.zeros(self.buckets[-1], dtype=torch.int64, device=self.device)  # each row's new token
         self._replay_factory = replay or _default_replay(self.device)
         self._graphs: dict[int, Replay] = {}
         self.stats = GraphStats()
@@ -234,7 +188,7 @@ class DecodeGraphs:
         cache = self.cache
         cache.add(PAD_SEQUENCE)
         plan = cache.begin_step({PAD_SEQUENCE: 1})
-        block = int(plan.block_table[0, 0]) if plan.block_table is not None else -1
+        block = int(plan.block_table[0, 0]) if plan.block_table is not None else 0
         return PadRow(cache.slot(PAD_SEQUENCE), block)
 
     def applies(self, plan: StepPlan) -> bool:
@@ -253,7 +207,8 @@ class DecodeGraphs:
             float32 logits ``[B, vocab]`` (a view of the graph's output: read it before the next step).
         """
         bucket = bucket_for(plan.batch_size, self.buckets)
-        self.buffers.load(plan, token_ids, bucket, self.pad)
+        self.step.load(plan, bucket, self.pad)
+        self.ids[: plan.batch_size].copy_(torch.tensor(token_ids), non_blocking=True)
         if bucket not in self._graphs:
             self._capture(bucket, plan)
         out = self._graphs[bucket].replay()
@@ -269,47 +224,34 @@ class DecodeGraphs:
         replay.capture(self._step_function(bucket, plan))
         self._graphs[bucket] = replay
         self.stats.captured.append(bucket)
-        log.info("vmkv engine: captured the decode step of %d sequences (%s)", bucket, type(replay).__name__)
+        log.info("vmkv engine: captured the decode step of %d sequences (%s, %s decode)", bucket, type(replay).__name__,
+                 self.step.kernel)
 
     def _step_function(self, bucket: int, plan: StepPlan) -> Callable[[], torch.Tensor]:
         """The decode step of ``bucket`` rows as a function of the buffers alone."""
-        buffers, cache, model = self.buffers, self.cache, self.model
-        rows = buffers.device[:, :bucket]
+        step, cache, model = self.step, self.cache, self.model
+        ids, positions = self.ids[:bucket], step.columns[:bucket]
         logit_rows = torch.arange(bucket, device=self.device)
-        q_heads, head_dim = model.shape.num_heads, model.shape.head_dim
-        out = torch.empty(bucket, q_heads, head_dim, dtype=model.lm_head.weight.dtype, device=self.device)
+        out = torch.empty(bucket, model.shape.num_heads, model.shape.head_dim, dtype=model.lm_head.weight.dtype,
+                          device=self.device)
         workspace = self._workspace(bucket)
-        max_len = cache.config.max_seq_len
-        block_table = buffers.block_table[:bucket] if self.paged else None
-        stores = None if self.paged else stores_of([tuple(map(unguarded, cache.kv_cache(layer)))
-                                                    for layer in range(cache.config.num_layers)])
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             # q: [b, Hq, D]; k, v: [b, Hkv, D], one new token per row
-            positions, slots = rows[StepBuffers.POSITIONS], rows[StepBuffers.SLOTS]
-            kv_lens = rows[StepBuffers.LENGTHS].to(torch.int32)
-            if block_table is None:
-                k_store, v_store = stores[layer]  # [max_batch, max_seq_len, Hkv, D], writable
-                write_columns(k_store, v_store, k[:, :, None], v[:, :, None], slots, positions)
-                return decode_attention(q, k_store.view(), v_store.view(), kv_lens, slots=slots.to(torch.int32),
-                                        max_kv_len=max_len, out=out, workspace=workspace)
-            k_pool, v_pool = cache.block_pool(layer)  # [blocks, block_size, Hkv, D]
-            size = k_pool.shape[1]
-            block = block_table.gather(1, (positions // size)[:, None])[:, 0].long()
-            row = block * size + positions % size  # [b] rows of the flattened pools
-            k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, row, k)
-            v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, row, v)
-            return decode_attention(q, k_pool, v_pool, kv_lens, block_table=block_table, max_kv_len=max_len,
-                                    out=out, workspace=workspace)
+            step.write(layer, k[:, :, None], v[:, :, None])
+            return step.attend(layer, q, None, out=out, workspace=workspace)
 
-        def step() -> torch.Tensor:  # (``plan`` is not read: ``attend`` replaces the plan's write and attention)
-            return model(cache, plan, rows[StepBuffers.IDS], rows[StepBuffers.POSITIONS], logit_rows, attention=attend)
+        def run() -> torch.Tensor:  # (``plan`` is not read: ``attend`` replaces the plan's write and attention)
+            return model(cache, plan, ids, positions, logit_rows, attention=attend)
 
-        return step
+        return run
 
     def _workspace(self, bucket: int) -> DecodeWorkspace | None:
-        """Split-KV scratch of ``bucket`` rows (the split count is fixed by ``max_seq_len``)."""
+        """The Triton kernel's split-KV scratch for ``bucket`` rows (the split count is fixed by
+        ``max_seq_len``), or ``None``: one split, or another kernel."""
         config = self.cache.config
+        if self.step.kernel != "triton":
+            return None
         splits = choose_num_splits(bucket, config.num_kv_heads, config.max_seq_len, multiprocessor_count(self.device))
         if splits == 1:
             return None

@@ -1,12 +1,19 @@
 """The ``"vmkv"`` attention: ``attn_implementation="vmkv"``, its mask, and how it finds its cache.
 
-How the attention finds its cache: transformers 5.24 passes the attention kwargs to
-``Cache.update`` (``update(k, v, layer, kwargs=...)``), so ``update`` leaves itself there; 5.19
-and models such as GPT-NeoX do not. So ``update`` also leaves a per-thread note
-(:data:`HANDOFF`: this cache, this layer, weak references to the K it returned); the attention of
-the same layer takes it back if it received that very tensor. When no ``VirtualCache`` handed
-the K over (a ``DynamicCache``: generate()'s assistant model, say), the attention runs the stock
-SDPA kernel instead.
+How the attention finds its cache and step, always from its own call:
+
+* **compiled**: a ``VirtualCache(compile=True)``'s ``update`` puts its prepared step in the
+  attention kwargs transformers passes it (``update(k, v, layer, kwargs=...)``, transformers >=
+  5.24), and transformers passes that same dict to this layer's attention: ``vmkv_step=``.
+  Nothing process-wide or thread-wide is read, so a graph dynamo compiled for one cache reads the
+  step of the cache of the call it runs (the step's tensors are graph inputs).
+* **eager**: ``update`` leaves ``vmkv_cache=`` in the same kwargs; where a model does not pass
+  them (transformers 5.19, GPT-NeoX) it leaves a per-thread note instead (:data:`HANDOFF`: this
+  cache, this layer, weak references to the K it returned), which the attention of the same
+  layer takes back only if it received that very tensor.
+
+When no ``VirtualCache`` handed the K over (a ``DynamicCache``: generate()'s assistant model,
+say), the attention runs the stock SDPA kernel instead, with the causal and padding mask.
 
 The cache side is the :class:`AttendingCache` protocol (``attention_style`` and ``attend``): this
 module does not import the cache, the cache imports it.
@@ -85,26 +92,6 @@ class _Handoff(threading.local):
 HANDOFF = _Handoff()
 
 
-class _CompiledStep:
-    """The ragged compiled step of the ``"vmkv"`` attention (``vmkv.hf.compiled.RaggedSteps``).
-
-    Under dynamo the attention cannot take the thread-local note (``HANDOFF``), so the eager point
-    of a ``VirtualCache(compile=True)`` leaves its steps here; the attention runs them while they
-    are ``live`` (from the forward's first ``update`` to its last layer). dynamo guards on which
-    steps these are: a cache of its own compiles once more.
-    """
-
-    steps: Any = None
-
-    def release(self, steps: Any) -> None:
-        """Forget ``steps`` if they are the ones here (their cache was reset or closed)."""
-        if self.steps is steps:
-            self.steps = None
-
-
-COMPILED_STEP = _CompiledStep()
-
-
 # ---- the registered attention -----------------------------------------------------------------
 def vmkv_attention_mask(
     batch_size: int,
@@ -116,17 +103,23 @@ def vmkv_attention_mask(
     attention_mask: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> torch.Tensor | None:
-    """The mask the ``"vmkv"`` attention gets: the 2D padding mask ``[B, kv_length]`` or ``None``.
+    """The mask the ``"vmkv"`` attention gets: the 2D padding mask ``[B, kv_length]`` (True: a real
+    token), right-aligned to ``kv_length``, or ``None`` without one.
 
-    Causality is the kernel's job; only padding is the model's information to pass on. A compiled
-    step (prepared at its eager point) gets ``None``: its rows hold no padding and the kernel
-    reads each row's own length, so the compiled forward's inputs keep their shapes.
+    Causality is the kernel's job; only padding is the model's information to pass on. A pure
+    function of its arguments: a mask wider than ``kv_length`` keeps its last columns, a narrower
+    one (a compiled cache's ``kv_length`` is its ``max_seq_len``) is padded on the left with
+    False (no token there), so a compiled forward's mask keeps its shape from step to step. Eager,
+    an all-True mask is ``None``.
     """
-    steps = COMPILED_STEP.steps
-    if attention_mask is None or (steps is not None and steps.armed):
+    if attention_mask is None:
         return None
-    attention_mask = attention_mask[:, -kv_length:].to(torch.bool)
-    return None if bool(attention_mask.all()) else attention_mask
+    mask = attention_mask[:, -kv_length:].to(torch.bool)
+    if mask.shape[1] < kv_length:
+        mask = torch.nn.functional.pad(mask, (kv_length - mask.shape[1], 0), value=False)
+    if not torch.compiler.is_compiling() and bool(mask.all()):
+        return None
+    return mask
 
 
 def causal_padding_mask(
@@ -161,6 +154,7 @@ def vmkv_attention_forward(
     scaling: float | None = None,
     dropout: float = 0.0,
     vmkv_cache: "AttendingCache | None" = None,
+    vmkv_step: Any = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """``attn_implementation="vmkv"``: write the step into the cache and run the cache's kernel.
@@ -178,9 +172,9 @@ def vmkv_attention_forward(
         scaling: softmax scale.
         vmkv_cache: set by ``VirtualCache.update`` in the attention kwargs (transformers 5.24);
             otherwise found through the note ``update`` leaves for this layer.
-
-    Inside a compiled forward the step a ``VirtualCache(compile=True)`` prepared runs its decode
-    kernel (:data:`COMPILED_STEP`); without one, this runs eagerly at a graph break.
+        vmkv_step: set by a ``VirtualCache(compile=True)``'s ``update`` inside a compiled forward:
+            its prepared step, which decodes each row over its own length. A compiled forward
+            without one runs this eagerly at a graph break.
 
     Returns:
         ``([B, S, q_heads, head_dim], None)``; padding positions give zeros.
@@ -189,11 +183,10 @@ def vmkv_attention_forward(
         InvalidConfig: a feature the kernel lacks was asked for (dropout, softcap, sliding
             window), or the model changes K between ``cache.update`` and its attention.
     """
+    if vmkv_step is not None:
+        _refuse_what_the_kernels_lack(module, kwargs, dropout)
+        return vmkv_step.attend(module.layer_idx, query, scaling), None
     if torch.compiler.is_compiling():
-        steps = COMPILED_STEP.steps
-        if steps is not None and steps.live:  # a prepared step of a VirtualCache(compile=True)
-            _refuse_what_the_kernels_lack(module, kwargs, dropout)
-            return steps.attend(module.layer_idx, query, scaling), None
         return _eager_attention_at_graph_break(module, query, key, value, attention_mask, scaling, dropout,
                                                vmkv_cache, **kwargs)
     return _eager_attention(module, query, key, value, attention_mask, scaling, dropout, vmkv_cache, **kwargs)
@@ -216,7 +209,7 @@ def _eager_attention(
 
 # a compiled forward with no prepared step: the eager attention at a graph break (the cache's
 # update fell back the same way, vmkv.hf.compiled.eager_update, and said so)
-_eager_attention_at_graph_break = torch._dynamo.disable(_eager_attention)
+_eager_attention_at_graph_break = torch.compiler.disable(_eager_attention)
 
 
 # attention kwargs the "vmkv" kernels have no counterpart for -> what a user calls them

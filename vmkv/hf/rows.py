@@ -1,28 +1,28 @@
-"""The row policy of a ``VirtualCache``: batch rows as sequence ids, and what beams, forks and deep copies do to them.
+"""The rows of a ``VirtualCache``: batch rows as sequence ids, and what beams, forks and deep copies do to them.
 
-Batch row ``i`` of the model is sequence ``cache._rows[i]`` of the core cache. Beam search's
-``reorder_cache`` and ``batch_repeat_interleave`` / ``batch_select_indices`` become ``free`` +
-``fork`` (or a *retarget*, see :meth:`RowPolicy._remap_rows`) of sequence ids, so a beam that
-continues another shares its pages (copy-on-write) instead of copying K/V; ``copy.deepcopy``
-forks every row into the same core cache (:class:`SharedCore`).
-
-:class:`RowPolicy` is a mixin of ``VirtualCache``: it reads and writes the cache's ``_rows``,
-``_dropped``, ``_shared``, ``_pending``, ``_step``, ``_compiled`` and ``counters``, and calls its
-``_disarm``, ``_flush_pending``, ``reset`` and ``_make_layers``.
+Batch row ``i`` of the model is sequence ``table.seq_ids[i]`` of the core cache
+(:class:`RowTable`). Beam search's ``reorder_cache`` and ``batch_repeat_interleave`` /
+``batch_select_indices`` become ``free`` + ``fork`` (or a *retarget*, see
+:meth:`RowTable.remap`) of sequence ids, so a beam that continues another shares its pages
+(copy-on-write) instead of copying K/V; ``copy.deepcopy`` forks every row into the same core
+cache (:class:`SharedCore`).
 """
 
 from __future__ import annotations
 
-import copy
 import itertools
-from collections import deque
-from typing import Any
+import logging
+from collections import Counter, deque
 
 import torch
 
 from ..core.base import KVCacheBase
-from ..errors import InvalidInput, NoFreeSlot
+from ..core.step import slot_slice
+from ..errors import InvalidInput, InvalidShape, NoFreeSlot
+from ..validate import as_layer
 from .sizing import Choice
+
+log = logging.getLogger("vmkv")
 
 
 class SharedCore:
@@ -52,6 +52,30 @@ class SharedCore:
     def new_id(self) -> int:
         return next(self._ids)
 
+    def check_geometry(self, like: torch.Tensor, num_layers: int | None) -> None:
+        """Raise ``InvalidShape`` unless the core stores K/V shaped like ``like`` (``[B, H, S, D]``)."""
+        config = self.core.config
+        _, heads, _, head_dim = like.shape
+        want = dict(num_layers=num_layers or config.num_layers, num_kv_heads=heads, head_dim=head_dim,
+                    dtype=like.dtype, device=like.device)
+        have = {name: getattr(config, name) for name in want}
+        if want != have:
+            raise InvalidShape(f"this cache holds K/V with {have} but the model gives {want}; "
+                               "a reset cache keeps its geometry: use a new VirtualCache for another model")
+
+    def leave(self, rows: list[int]) -> None:
+        """A user closes: free its ``rows``, or close the core if it was the last user."""
+        if self.users == 1:  # the last user: closing the core drops every row at once
+            self.users = 0
+            self.core.close()
+            return
+        try:
+            self.reap()
+            for seq_id in rows:
+                self.core.free(seq_id)
+        finally:
+            self.users -= 1
+
     def retire(self, rows: list[int]) -> None:
         """A user is gone without ``close()``: free ``rows`` later; close the core if it was the last."""
         self._orphans.extend(rows)
@@ -65,71 +89,45 @@ class SharedCore:
             self.core.free(self._orphans.popleft())
 
 
-class RowPolicy:
-    """Row operations of a ``VirtualCache`` (see the module docstring)."""
+class RowTable:
+    """The batch rows of one ``VirtualCache`` over a :class:`SharedCore`.
 
-    # ---- batch rows (beam search, parallel sampling) -------------------------------------------
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Row ``i`` continues old row ``beam_idx[i]``: free unused rows, fork repeated ones (no copy)."""
-        self._remap_rows(self._as_index_list(beam_idx))
+    Attributes:
+        seq_ids: the core's sequence id of each batch row (empty before the first forward).
+        dropped: per row, the columns not stored (the ``"vmkv"`` attention drops padding).
+        columns: tokens per row as transformers counts them (padding included), committed.
+        counters: ``row_forks``, ``row_frees``, ``row_retargets``, ``materialised_kv``.
+    """
 
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        """Each row becomes ``repeats`` consecutive rows sharing its pages (``fork``)."""
-        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-            raise InvalidInput(f"repeats must be a positive int, got {repeats!r}")
-        self._remap_rows([row for row in range(self._num_rows()) for _ in range(repeats)])
+    def __init__(self, counters: Counter[str]) -> None:
+        self.seq_ids: list[int] = []
+        self.dropped: list[list[int]] = []
+        self.columns = 0
+        self.counters = counters
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep only rows ``indices`` (in that order); the others are freed."""
-        self._remap_rows(self._as_index_list(indices))
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> "RowPolicy":
-        """A cache with the same rows, columns and style whose rows are forks of this cache's rows.
-
-        Both share the core cache (and its page pool): no K/V is copied, and the first write of
-        either into a shared page copies that page only (copy-on-write). transformers' prompt
-        reuse (prefill once, ``copy.deepcopy`` per question) costs one fork per row.
+    def open(self, shared: SharedCore, batch: int) -> None:
+        """Start a row per batch row.
 
         Raises:
-            NoFreeSlot: the copy's rows do not fit the free slots (raise ``max_batch_size``).
+            NoFreeSlot: more rows than free slots (nothing changed).
         """
-        self._disarm()
-        self._flush_pending()
-        clone = type(self).__new__(type(self))
-        memo[id(self)] = clone
-        own = {"layers", "_shared", "_rows", "_step", "_pending", "_compiled"}
-        for name, value in self.__dict__.items():
-            if name not in own:
-                setattr(clone, name, copy.deepcopy(value, memo))
-        clone._step, clone._pending, clone._last_layer = None, [], -1
-        clone.layers = []
-        clone.layers = clone._make_layers(len(self.layers))
-        clone._shared, clone._rows = None, []
-        clone._compiled = self._compiled.copy() if self._compiled is not None else None
-        if self._shared is None:
-            return clone
-        self._shared.reap()
-        core = self._shared.core
-        if len(core) + len(self._rows) > core.config.max_batch_size:
-            raise NoFreeSlot(f"a copy of {len(self._rows)} rows needs as many free slots; "
-                             f"{core.config.max_batch_size - len(core)} of max_batch_size="
-                             f"{core.config.max_batch_size} are free")
-        self._shared.users += 1
-        clone._shared = self._shared
-        for seq_id in self._rows:
-            new_id = self._shared.new_id()
-            core.fork(seq_id, new_id)
-            clone._rows.append(new_id)
-        return clone
+        core = shared.core
+        free = core.config.max_batch_size - len(core)
+        if batch > free:
+            raise NoFreeSlot(f"a batch of {batch} rows does not fit the {free} free slots "
+                             f"(max_batch_size={core.config.max_batch_size}); raise it")
+        self.seq_ids = []
+        for _ in range(batch):
+            seq_id = shared.new_id()
+            core.add(seq_id)
+            self.seq_ids.append(seq_id)
+        self.dropped = [[] for _ in range(batch)]
 
-    # ---- internals: rows -----------------------------------------------------------------------
-    def _num_rows(self) -> int:
-        if self._pending:
-            return self._pending[0][0].shape[0]
-        return len(self._rows)
+    def clear(self) -> None:
+        self.seq_ids, self.dropped, self.columns = [], [], 0
 
-    def _as_index_list(self, index: torch.Tensor | list[int]) -> list[int]:
-        """``index`` (a tensor or a sequence of row indexes) as a list of ints.
+    def index_list(self, index: torch.Tensor | list[int], rows: int) -> list[int]:
+        """``index`` (a tensor or a sequence of row indexes into ``rows`` rows) as a list of ints.
 
         Raises:
             InvalidInput: neither, or an index that is not an int (a bool is not) in ``0 .. rows - 1``.
@@ -140,12 +138,76 @@ class RowPolicy:
             raise InvalidInput(f"row indexes must be a tensor or a sequence of ints, got {type(index).__name__}")
         else:
             values = list(index)
-        rows = self._num_rows()
         if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < rows for i in values):
             raise InvalidInput(f"row indexes must be ints in 0..{rows - 1}, got {values}")
         return values
 
-    def _remap_rows(self, sources: list[int]) -> None:
+    def crop(self, core: KVCacheBase, keep: int) -> None:
+        """Keep the first ``keep`` columns of every row (``truncate``)."""
+        for row, seq_id in enumerate(self.seq_ids):
+            self.dropped[row] = [c for c in self.dropped[row] if c < keep]
+            core.truncate(seq_id, keep - len(self.dropped[row]))
+        self.columns = keep
+
+    # ---- reading back (cache.layers[i].keys / .values) -----------------------------------------
+    def states(self, shared: SharedCore, layer: int, part: int) -> torch.Tensor:
+        """``layer``'s keys (``part=0``) or values (``part=1``) as ``[B, kv_heads, columns, head_dim]``:
+        a zero-copy view where the stored K/V have that layout (VMM mode, every column stored,
+        rows in slots of arithmetic order), else a copy (:meth:`_materialise`).
+
+        Raises:
+            InvalidInput: no such layer.
+        """
+        core = shared.core
+        if core.mode == "vmm" and not any(self.dropped):
+            rows = slot_slice([core.slot(seq_id) for seq_id in self.seq_ids])
+            if rows is not None:
+                return shared.dense_views(as_layer(layer, core.config.num_layers))[part][rows, :, : self.columns]
+        return self._materialise(core, layer, part)
+
+    def _materialise(self, core: KVCacheBase, layer: int, part: int) -> torch.Tensor:
+        """A new ``[B, kv_heads, columns, head_dim]`` tensor of ``layer``'s K or V, row by row
+        (``core.kv``), the columns no row stores (padding, "vmkv" attention) left zero."""
+        self.counters["materialised_kv"] += 1
+        if self.counters["materialised_kv"] == 1:
+            log.info("vmkv.hf: cache.layers[i].keys/.values have no zero-copy view here (%s mode, %s); "
+                     "they are materialised copies", core.mode, "padding not stored" if any(self.dropped) else
+                     "rows out of slot order" if core.mode == "vmm" else "K/V in blocks")
+        rows = [core.kv(seq_id, layer)[part] for seq_id in self.seq_ids]  # each [stored, H, D]
+        _, heads, dim = rows[0].shape
+        out = rows[0].new_zeros(len(rows), heads, self.columns, dim)
+        for row, states in enumerate(rows):
+            dropped = self.dropped[row]
+            if not dropped:
+                out[row, :, : states.shape[0]] = states.transpose(0, 1)
+                continue
+            gone = set(dropped)
+            columns = torch.tensor([c for c in range(self.columns) if c not in gone], device=out.device)
+            out[row, :, columns] = states.transpose(0, 1)
+        return out
+
+    # ---- row operations ------------------------------------------------------------------------
+    def fork_all(self, shared: SharedCore, counters: Counter[str]) -> "RowTable":
+        """A table whose rows are forks of these (a deep copy of the cache, counting into
+        ``counters``; no K/V copied).
+
+        Raises:
+            NoFreeSlot: the forks do not fit the free slots (nothing changed).
+        """
+        core = shared.core
+        if len(core) + len(self.seq_ids) > core.config.max_batch_size:
+            raise NoFreeSlot(f"a copy of {len(self.seq_ids)} rows needs as many free slots; "
+                             f"{core.config.max_batch_size - len(core)} of max_batch_size="
+                             f"{core.config.max_batch_size} are free")
+        clone = RowTable(counters)
+        clone.dropped, clone.columns = [list(d) for d in self.dropped], self.columns
+        for seq_id in self.seq_ids:
+            new_id = shared.new_id()
+            core.fork(seq_id, new_id)
+            clone.seq_ids.append(new_id)
+        return clone
+
+    def remap(self, shared: SharedCore, sources: list[int]) -> None:
         """New row ``i`` continues old row ``sources[i]``.
 
         Each old row is taken over by one new row that continues it (preferring the same index:
@@ -161,21 +223,18 @@ class RowPolicy:
         The new rows must fit the slots left by the rows of deep copies sharing the core; that
         is checked before anything changes. Forks made before a failing core call (out of pages
         or mappings) are freed again; should the failure come after an unused row was already
-        freed or retargeted (its old tokens are gone), every row is freed and the error says so.
+        freed or retargeted (its old tokens are gone), every row is freed (the table is then
+        empty) and the error says so.
 
         Raises:
             NoFreeSlot: the new rows do not fit the slots the other users of the core leave
                 (nothing changed).
         """
-        self._disarm()
-        self._flush_pending()
-        self._step = None
-        if not self._rows:
+        if not self.seq_ids:
             return
-        self._shared.reap()
-        core = self.core
+        core = shared.core
         limit = core.config.max_batch_size
-        free = limit - (len(core) - len(self._rows))  # slots this cache may fill: others keep theirs
+        free = limit - (len(core) - len(self.seq_ids))  # slots this cache may fill: others keep theirs
         if len(sources) > free:
             raise NoFreeSlot(f"{len(sources)} rows need as many slots; {free} of max_batch_size={limit} are "
                              f"not held by deep copies of this cache; raise it or close the copies")
@@ -183,78 +242,83 @@ class RowPolicy:
         for new, old in enumerate(sources):
             if old not in taker or new == old:
                 taker[old] = new
-        unused = [old for old in range(len(self._rows)) if old not in taker]
+        unused = [old for old in range(len(self.seq_ids)) if old not in taker]
         rows, dropped, forks, spare = [], [], [], len(unused)
         try:
             for new, old in enumerate(sources):
                 if taker[old] == new:
-                    rows.append(self._rows[old])
+                    rows.append(self.seq_ids[old])
                 else:
-                    rows.append(self._copy_row(old, unused, forks))
-                dropped.append(list(self._dropped[old]))
+                    rows.append(self._copy_row(shared, old, unused, forks))
+                dropped.append(list(self.dropped[old]))
         except BaseException as exc:
-            self._undo_copies(forks, len(unused) < spare, exc)
+            self._undo_copies(core, forks, len(unused) < spare, exc)
             raise
         for old in unused:
-            core.free(self._rows[old])
+            core.free(self.seq_ids[old])
             self.counters["row_frees"] += 1
-        self._rows, self._dropped = rows, dropped
+        self.seq_ids, self.dropped = rows, dropped
 
-    def _undo_copies(self, forks: list[int], lost_rows: bool, exc: BaseException) -> None:
+    def _undo_copies(self, core: KVCacheBase, forks: list[int], lost_rows: bool, exc: BaseException) -> None:
         """A row operation failed: free its ``forks``; if unused rows were already freed or
         retargeted (``lost_rows``), the old rows cannot come back: free them all too."""
         for seq_id in forks:
-            self.core.free(seq_id)
+            core.free(seq_id)
         if lost_rows:
-            self._rows = [seq_id for seq_id in self._rows if seq_id in self.core]
-            self.reset()
+            for seq_id in self.seq_ids:
+                if seq_id in core:
+                    core.free(seq_id)
+            self.clear()
             exc.add_note("vmkv.hf: rows freed or rewritten before this failure cannot be restored, "
                          "so every row of this cache was freed: prefill again")
 
-    def _copy_row(self, source: int, unused: list[int], forks: list[int]) -> int:
+    def _copy_row(self, shared: SharedCore, source: int, unused: list[int], forks: list[int]) -> int:
         """A sequence holding row ``source``'s tokens: a retargeted unused row, else a fork
         (whose id is appended to ``forks``). Used rows are removed from ``unused``."""
-        src_id = self._rows[source]
-        if self.mode == "vmm":
-            src_pages = self.core.pages(src_id)
-            best, shared = None, -1
+        core = shared.core
+        src_id = self.seq_ids[source]
+        if core.mode == "vmm":
+            src_pages = core.pages(src_id)
+            best, shared_pages = None, -1
             for old in unused:
-                pages = self.core.pages(self._rows[old])
+                pages = core.pages(self.seq_ids[old])
                 same = next((n for n, (a, b) in enumerate(zip(pages, src_pages)) if a != b), min(len(pages), len(src_pages)))
-                if same > shared:
-                    best, shared = old, same
-            if best is not None and self._can_retarget(self._rows[best], src_id, shared):
+                if same > shared_pages:
+                    best, shared_pages = old, same
+            if best is not None and self._can_retarget(core, self.seq_ids[best], src_id, shared_pages):
                 unused.remove(best)  # before the row changes: a failure must know it is gone
-                self._retarget(self._rows[best], src_id, shared)
-                return self._rows[best]
-        seq_id = self._shared.new_id()
-        if len(self.core) >= self.core.config.max_batch_size and unused:  # make a slot first
-            self.core.free(self._rows[unused.pop()])
+                self._retarget(core, self.seq_ids[best], src_id, shared_pages)
+                return self.seq_ids[best]
+        seq_id = shared.new_id()
+        if len(core) >= core.config.max_batch_size and unused:  # make a slot first
+            core.free(self.seq_ids[unused.pop()])
             self.counters["row_frees"] += 1
-        self.core.fork(src_id, seq_id)
+        core.fork(src_id, seq_id)
         forks.append(seq_id)
         self.counters["row_forks"] += 1
         return seq_id
 
-    def _retarget_keep(self, seq_id: int, src_id: int, shared_pages: int) -> int:
+    @staticmethod
+    def _retarget_keep(core: KVCacheBase, seq_id: int, src_id: int, shared_pages: int) -> int:
         """Tokens ``seq_id`` keeps when it becomes a copy of ``src_id`` (they share ``shared_pages``)."""
-        return min(shared_pages * self.core.tokens_per_page, self.core.seq_len(src_id), self.core.seq_len(seq_id))
+        return min(shared_pages * core.tokens_per_page, core.seq_len(src_id), core.seq_len(seq_id))
 
-    def _can_retarget(self, seq_id: int, src_id: int, shared_pages: int) -> bool:
+    def _can_retarget(self, core: KVCacheBase, seq_id: int, src_id: int, shared_pages: int) -> bool:
         """Whether ``seq_id`` shares every full page of ``src_id`` (else copying a page would take
         memory a fork shares)."""
-        tpp = self.core.tokens_per_page
-        return self._retarget_keep(seq_id, src_id, shared_pages) >= self.core.seq_len(src_id) // tpp * tpp
+        tpp = core.tokens_per_page
+        return self._retarget_keep(core, seq_id, src_id, shared_pages) >= core.seq_len(src_id) // tpp * tpp
 
-    def _retarget(self, seq_id: int, src_id: int, shared_pages: int) -> None:
+    def _retarget(self, core: KVCacheBase, seq_id: int, src_id: int, shared_pages: int) -> None:
         """Make ``seq_id`` (for which ``_can_retarget`` holds) a copy of ``src_id`` whose first
         ``shared_pages`` pages it already shares: truncate it and write the source's last tokens."""
-        length = self.core.seq_len(src_id)
-        keep = self._retarget_keep(seq_id, src_id, shared_pages)
-        self.core.truncate(seq_id, keep)
+        length = core.seq_len(src_id)
+        keep = self._retarget_keep(core, seq_id, src_id, shared_pages)
+        core.truncate(seq_id, keep)
         if length > keep:
-            plan = self.core.begin_step({seq_id: length - keep})
-            for layer in range(self.core.config.num_layers):
-                k, v = self.core.kv(src_id, layer)  # [length, H, D], views of the same storage:
-                self.core.write(layer, k[keep:].clone(), v[keep:].clone(), plan)  # torch refuses aliasing
+            plan = core.begin_step({seq_id: length - keep})
+            for layer in range(core.config.num_layers):
+                k, v = core.kv(src_id, layer)  # [length, H, D], views of the same storage:
+                core.write(layer, k[keep:].clone(), v[keep:].clone(), plan)  # torch refuses aliasing
         self.counters["row_retargets"] += 1
+

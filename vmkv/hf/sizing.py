@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..config import KVCacheConfig
 from ..core.base import KVCacheBase
+from ..errors import InvalidConfig
 from ..sizing import DeviceFacts, default_pages, mappable_pages, smallest_page
 
 log = logging.getLogger("vmkv")
@@ -19,6 +21,25 @@ log = logging.getLogger("vmkv")
 DEFAULT_MAX_SEQ_LEN = 8192
 MIN_TOKENS_PER_PAGE = 64
 MAX_HEAD_MAJOR_TOKENS = 1024  # the largest head-major page the default grows to before it takes per_layer
+
+
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+"""The ``config.layer_types`` a ``VirtualCache`` holds K/V for (transformers' names)."""
+
+
+def check_model(text_config: Any) -> None:
+    """Raise ``InvalidConfig`` naming the feature when a model's cache is not K/V a ``VirtualCache``
+    holds: a latent KV cache (multi-head latent attention: DeepSeek-V2/V3, Kimi), or layers
+    without per-token K/V (linear attention, Mamba/conv states, indexers, shared-KV layers)."""
+    if getattr(text_config, "kv_lora_rank", None):
+        raise InvalidConfig(f"{type(text_config).__name__} caches a latent KV (multi-head latent attention, "
+                            "kv_lora_rank): keys and values of different shapes, which a VirtualCache does not hold; "
+                            "use transformers' DynamicCache")
+    other = sorted(set(getattr(text_config, "layer_types", None) or ()) - set(ATTENTION_LAYER_TYPES))
+    if other:
+        raise InvalidConfig(f"{type(text_config).__name__} has layers of type {', '.join(other)}: a VirtualCache holds "
+                            f"the K/V of {', '.join(ATTENTION_LAYER_TYPES)} layers only, not linear-attention, Mamba or "
+                            "conv states, indexer caches or shared-KV layers; use transformers' own cache")
 
 
 def default_page_size(token_bytes: int, granularity: int, min_tokens: int = MIN_TOKENS_PER_PAGE) -> int:

@@ -13,14 +13,15 @@ Two rules make a kernel usable there:
   so inductor calls it in place (it re-inplaces the functional form of an op whose mutated input
   is a graph input), cannot look inside it, and CUDA graphs accept the mutation.
 * **Its launches depend on host ints known up front** and its lengths live on the device, so one
-  capture serves every step: :func:`decode_attention` takes the cache's lengths as a device
-  tensor and an upper bound on them as a host int; :func:`decode_store` is the same kernel as an
+  capture serves every step: :func:`decode_attention`, the one decode entry point of every path
+  (eager Triton steps, compiled steps, captured graphs), takes the cache's lengths as a device
+  tensor and an upper bound on them as a host int; :func:`decode_store` is the same call as an
   operator (``torch.ops.vmkv.decode_store``) a compiled region calls without tracing into it.
 
-This module is the one place the graph paths (``vmkv.hf.compiled``, ``vmkv.engine.graphs``) get
-their kernels from. Eager steps take their kernel from :mod:`vmkv.kernels.registry`; a graph
-needs one that is capturable as well, which today only the Triton kernels are (elsewhere:
-SDPA over whole slots, masked).
+Which decode kernel a graph runs is the registry's capturable choice
+(:func:`vmkv.kernels.registry.choose_capturable`: Triton where it runs, else ``"sdpa_masked"``,
+SDPA over each row's whole slot or blocks with the keys past its length masked), made once when
+the step's buffers are (:mod:`vmkv.kernels.static_step`), never per call.
 """
 
 from __future__ import annotations
@@ -29,12 +30,16 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.step import StepPlan
 from ..errors import InvalidInput
-from .triton_attention import DecodeWorkspace, triton_available
+from .base import AttentionKernel
+from .triton_attention import DecodeWorkspace
 from .triton_attention import decode_attention as _triton_decode
 
-__all__ = ["DecodeWorkspace", "Store", "decode_attention", "decode_kernel_name", "decode_store", "stores_of",
-           "write_columns"]
+__all__ = ["DecodeWorkspace", "MaskedDecode", "Store", "decode_attention", "decode_store", "stores_of", "write_columns"]
+
+DECODE_KERNELS = ("triton", "sdpa_masked")
+"""The kernels :func:`decode_attention` runs (the registry's capturable ones)."""
 
 
 _LIBRARY = torch.library.Library("vmkv", "FRAGMENT")  # noqa: TOR901 - the schema says what is mutated
@@ -42,7 +47,7 @@ _LIBRARY.define("write_columns(Tensor(a!) k_base, Tensor(b!) v_base, Tensor k, T
                 "SymInt[] size, SymInt[] k_stride, SymInt k_offset, SymInt[] v_stride, SymInt v_offset) -> ()")
 _LIBRARY.define("decode_store(Tensor q, Tensor k_base, Tensor v_base, Tensor kv_lens, Tensor? slots, "
                 "Tensor? block_table, SymInt[] size, SymInt[] k_stride, SymInt k_offset, SymInt[] v_stride, "
-                "SymInt v_offset, float scale, int max_kv_len) -> Tensor")
+                "SymInt v_offset, float scale, int max_kv_len, str kernel) -> Tensor")
 
 
 def _write_columns(k_base: torch.Tensor, v_base: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
@@ -72,11 +77,12 @@ def _write_columns_fake(k_base: torch.Tensor, v_base: torch.Tensor, k: torch.Ten
 
 def _decode_store(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor, kv_lens: torch.Tensor,
                   slots: torch.Tensor | None, block_table: torch.Tensor | None, size: list[int], k_stride: list[int],
-                  k_offset: int, v_stride: list[int], v_offset: int, scale: float, max_kv_len: int) -> torch.Tensor:
+                  k_offset: int, v_stride: list[int], v_offset: int, scale: float, max_kv_len: int,
+                  kernel: str) -> torch.Tensor:
     k_store = k_base.as_strided(size, k_stride, k_offset)  # slots: [max_batch, capacity, Hkv, D]; blocks: [N, size, Hkv, D]
     v_store = v_base.as_strided(size, v_stride, v_offset)
-    return decode_attention(q, k_store, v_store, kv_lens, slots=slots, block_table=block_table, scale=scale,
-                            max_kv_len=max_kv_len, out=torch.empty_like(q))
+    return decode_attention(q, k_store, v_store, kv_lens, kernel=kernel, slots=slots, block_table=block_table,
+                            scale=scale, max_kv_len=max_kv_len)
 
 
 _LIBRARY.impl("decode_store", _decode_store, "CompositeExplicitAutograd")
@@ -85,7 +91,8 @@ _LIBRARY.impl("decode_store", _decode_store, "CompositeExplicitAutograd")
 @torch.library.register_fake("vmkv::decode_store")
 def _decode_store_fake(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor, kv_lens: torch.Tensor,
                        slots: torch.Tensor | None, block_table: torch.Tensor | None, size: list[int], k_stride: list[int],
-                       k_offset: int, v_stride: list[int], v_offset: int, scale: float, max_kv_len: int) -> torch.Tensor:
+                       k_offset: int, v_stride: list[int], v_offset: int, scale: float, max_kv_len: int,
+                       kernel: str) -> torch.Tensor:
     return torch.empty_like(q)
 
 
@@ -158,74 +165,70 @@ def write_columns(k_store: Store, v_store: Store, k: torch.Tensor, v: torch.Tens
 
 
 def decode_store(q: torch.Tensor, k_store: Store, v_store: Store, kv_lens: torch.Tensor, scale: float,
-                 max_kv_len: int, *, slots: torch.Tensor | None = None,
+                 max_kv_len: int, kernel: str, *, slots: torch.Tensor | None = None,
                  block_table: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode attention over one layer's stores, as an operator a compiled region calls as a
-    whole (``torch.ops.vmkv.decode_store``: dynamo does not trace into the kernel's launch logic,
-    and inductor cannot widen its reads): :func:`decode_attention` over either addressing.
+    """:func:`decode_attention` over one layer's stores as an operator a compiled region calls as
+    a whole (``torch.ops.vmkv.decode_store``: dynamo does not trace into the kernel's launch
+    logic, and inductor cannot widen its reads).
 
     Args:
         q: ``[B, Hq, D]``, one query token per row.
         k_store, v_store: the layer's K and V (:func:`stores_of`): ``[max_batch, capacity, Hkv, D]``
             with ``slots``, block pools ``[blocks, block_size, Hkv, D]`` with ``block_table``.
-        kv_lens: int32 ``[B]`` on the device, keys per row (the new token's included).
-        scale: softmax scale.
-        max_kv_len: host upper bound on ``kv_lens`` (fixes the launch).
-        slots, block_table: exactly one, int32 on the device: each row's slot, or its blocks.
+        kv_lens, scale, max_kv_len, kernel, slots, block_table: as :func:`decode_attention`.
 
     Returns:
         ``[B, Hq, D]``, a new tensor.
     """
     return torch.ops.vmkv.decode_store(q, k_store.base, v_store.base, kv_lens, slots, block_table, list(k_store.size),
                                        list(k_store.stride), k_store.offset, list(v_store.stride), v_store.offset,
-                                       float(scale), int(max_kv_len))
+                                       float(scale), int(max_kv_len), kernel)
 
 
-def decode_kernel_name(device: torch.device) -> str:
-    """The kernel :func:`decode_attention` runs on ``device``: ``"triton"`` (CUDA, or CPU tensors
-    in Triton's interpreter) or ``"sdpa-masked"`` (CPU: SDPA over each row's whole slot or blocks,
-    keys past its length masked)."""
-    return "triton" if triton_available(device)[0] else "sdpa-masked"
-
-
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor, *,
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor, *, kernel: str,
                      slots: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-                     scale: float | None = None, max_kv_len: int, out: torch.Tensor,
-                     workspace: DecodeWorkspace | None = None) -> torch.Tensor:
-    """Decode attention a CUDA graph can capture: one query token per row, over either addressing.
+                     scale: float | None = None, max_kv_len: int, num_splits: int | None = None,
+                     out: torch.Tensor | None = None, workspace: DecodeWorkspace | None = None) -> torch.Tensor:
+    """Decode attention, one query token per row, over either addressing: the one entry point of
+    every decode path, and one a CUDA graph can capture.
 
-    On CUDA (and CPU tensors in Triton's interpreter) the split-KV Triton kernel
-    (:func:`vmkv.kernels.triton_attention.decode_attention`) with the split count fixed by
-    ``max_kv_len``, writing into ``out``. Elsewhere (CPU without the interpreter) a masked SDPA
-    reference over each row's storage (its slot, or its blocks gathered); it reads every position
-    up to ``max_kv_len`` (past a row's length: the zero page, or whatever blocks hold), so it is
-    for tests and CPU runs.
+    ``kernel`` ``"triton"``: the split-KV Triton kernel
+    (:func:`vmkv.kernels.triton_attention.decode_attention`; CUDA, or CPU tensors in Triton's
+    interpreter), its split count fixed by ``max_kv_len`` unless ``num_splits`` is given.
+    ``"sdpa_masked"``: SDPA over each row's first ``max_kv_len`` keys (its slot, or its blocks in
+    table order) with the keys at or past its length masked; any device, it reads every position
+    up to ``max_kv_len`` (past a row's length: the zero page, or whatever blocks hold).
 
     Args:
-        q: ``[B, Hq, D]``; k, v: the storage (see the Triton kernel); kv_lens: int32 ``[B]``.
+        q: ``[B, Hq, D]``; k, v: the storage (slots: ``[max_batch, capacity, Hkv, D]``, blocks:
+            ``[blocks, block_size, Hkv, D]``); kv_lens: int32 ``[B]``, keys per row.
+        kernel: one of :data:`DECODE_KERNELS` (the caller's choice, made once).
         slots, block_table: exactly one (int32): contiguous or paged addressing.
         scale: softmax scale (default ``D ** -0.5``).
         max_kv_len: host upper bound on ``kv_lens`` (``max_seq_len``): fixes the launch shape.
-        out: ``[B, Hq, D]``, written in place and returned.
-        workspace: split-KV scratch for the Triton kernel.
+        num_splits, workspace: the Triton kernel's split count and split scratch.
+        out: ``[B, Hq, D]``, written in place and returned (default: a new tensor).
 
     Raises:
-        InvalidInput: both or neither of ``slots`` and ``block_table``.
-        As the Triton kernel otherwise (on CUDA or in the interpreter).
+        InvalidInput: both or neither of ``slots`` and ``block_table``, or an unknown ``kernel``.
+        As the Triton kernel otherwise.
     """
     if (slots is None) == (block_table is None):
         raise InvalidInput("give exactly one of slots (contiguous addressing) and block_table (paged)")
-    if triton_available(q.device)[0]:
+    if kernel == "triton":
         return _triton_decode(q, k, v, kv_lens, slots=slots, block_table=block_table, scale=scale,
-                              max_kv_len=max_kv_len, out=out, workspace=workspace)
-    return _masked_sdpa_decode(q, k, v, kv_lens, slots, block_table, scale, max_kv_len, out)
+                              max_kv_len=max_kv_len, num_splits=num_splits, out=out, workspace=workspace)
+    if kernel != "sdpa_masked":
+        raise InvalidInput(f"kernel must be one of {', '.join(DECODE_KERNELS)}, got {kernel!r}")
+    result = _masked_sdpa_decode(q, k, v, kv_lens, slots, block_table, scale, max_kv_len)
+    return result if out is None else out.copy_(result)
 
 
 def _masked_sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor,
                         slots: torch.Tensor | None, block_table: torch.Tensor | None, scale: float | None,
-                        max_kv_len: int, out: torch.Tensor) -> torch.Tensor:
+                        max_kv_len: int) -> torch.Tensor:
     """SDPA over each row's first ``max_kv_len`` keys (its slot, or its blocks in table order)
-    with the keys at or past its length masked."""
+    with the keys at or past its length masked; ``[B, Hq, D]``."""
     if block_table is None:
         keys, values = k.index_select(0, slots.long()), v.index_select(0, slots.long())  # [B, capacity, Hkv, D]
     else:  # entries past a row's blocks may be -1 (no block): any block does, those keys are masked
@@ -237,4 +240,19 @@ def _masked_sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_le
     result = torch.nn.functional.scaled_dot_product_attention(
         q[:, :, None], keys, values, attn_mask=mask[:, None, None, :], scale=scale,
         enable_gqa=q.shape[1] != keys.shape[1])  # [B, Hq, 1, D]
-    return out.copy_(result[:, :, 0])
+    return result[:, :, 0]
+
+
+class MaskedDecode(AttentionKernel):
+    """``"sdpa_masked"`` as a registry kernel (decode steps only): what a graph runs where Triton
+    cannot, forced by name for an eager cache to compare it."""
+
+    name = "sdpa_masked"
+
+    def __init__(self, addressing: str) -> None:
+        self.addressing = addressing
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan, meta: object,
+            scale: float | None) -> torch.Tensor:
+        where = {"block_table": plan.block_table} if self.addressing == "blocks" else {"slots": plan.slots_t}
+        return decode_attention(q, k, v, plan.kv_lens_t, kernel=self.name, scale=scale, max_kv_len=plan.max_kv, **where)

@@ -25,6 +25,7 @@ import torch
 
 from ..errors import BackendUnavailable, InvalidConfig
 from .base import ADDRESSINGS, AttentionKernel, PhaseSplit
+from .capturable import MaskedDecode
 from .contiguous import SLOT_KERNELS, slot_kernel
 from .facts import MachineFacts, flash_attention_blockers
 from .measured import order
@@ -116,6 +117,9 @@ class KernelEntry:
         name: its name (the same name may read both addressings: flash-attn, Triton).
         addressings: the addressings it reads.
         decode_only: it runs decode steps only (the rule pairs it with another kernel).
+        capturable: a compiled step or a captured CUDA graph may run it: its launches depend on
+            host values fixed up front and it reads lengths from the device
+            (:func:`vmkv.kernels.capturable.decode_attention`; :func:`choose_capturable`).
         needs: why it cannot run for a spec on a machine (``[]``: it can), each as the object
             of "needs".
     """
@@ -124,6 +128,7 @@ class KernelEntry:
     addressings: frozenset[str]
     needs: Callable[[KernelSpec, MachineFacts], list[str]]
     decode_only: bool = False
+    capturable: bool = False
 
 
 SLOTS, BLOCKS, BOTH = frozenset({"slots"}), frozenset({"blocks"}), frozenset(ADDRESSINGS)
@@ -132,7 +137,7 @@ KERNELS: dict[str, KernelEntry] = {entry.name: entry for entry in (
     KernelEntry("varlen_attn_seqused", SLOTS, _flash(None)),
     KernelEntry("varlen_attn_block_table", BLOCKS, _flash(None, paged_feature="block_table")),
     KernelEntry("flashinfer_decode", BLOCKS, _flashinfer, decode_only=True),
-    KernelEntry("triton", BOTH, _triton),
+    KernelEntry("triton", BOTH, _triton, capturable=True),
     KernelEntry("sdpa_adaptive", SLOTS, _cpu_only("sdpa_adaptive")),
     KernelEntry("gemm_adaptive", SLOTS, _float32_cpu),
     KernelEntry("sdpa_batched", SLOTS, _cpu_only("sdpa_batched")),
@@ -141,10 +146,16 @@ KERNELS: dict[str, KernelEntry] = {entry.name: entry for entry in (
     KernelEntry("sdpa_chunked", BLOCKS, _cpu_only("sdpa_chunked")),
     KernelEntry("blockwise_online_softmax", BLOCKS, _anywhere),
     KernelEntry("gather_sdpa", BLOCKS, _anywhere),
+    KernelEntry("sdpa_masked", BOTH, _anywhere, decode_only=True, capturable=True),
 )}
 """Every kernel, by name. Which of them a cache runs is :func:`choose`'s answer."""
-assert {name for name, e in KERNELS.items() if "slots" in e.addressings} - {"triton"} == set(SLOT_KERNELS)
-assert {name for name, e in KERNELS.items() if "blocks" in e.addressings} - {"triton"} == set(BLOCK_KERNELS)
+assert {name for name, e in KERNELS.items() if "slots" in e.addressings} - {"triton", "sdpa_masked"} == set(SLOT_KERNELS)
+assert {name for name, e in KERNELS.items() if "blocks" in e.addressings} - {"triton", "sdpa_masked"} == set(BLOCK_KERNELS)
+
+CAPTURE_ORDER = ("triton", "sdpa_masked")
+"""The capturable decode kernels, fastest first: Triton's split-KV decode (measured on an H200,
+``measured.json``), then masked SDPA over whole slots or blocks (runs anywhere, reads
+``max_seq_len`` keys a row)."""
 
 
 def names(addressing: str) -> list[str]:
@@ -226,10 +237,26 @@ def choose(spec: KernelSpec, facts: MachineFacts | None = None) -> Choice:
                   tuple(name for name in chosen if name in measured.provisional))
 
 
+def choose_capturable(spec: KernelSpec, facts: MachineFacts | None = None) -> Choice:
+    """The rule for compiled and captured decode steps: the first kernel of :data:`CAPTURE_ORDER`
+    that can run for ``spec`` (the same needs as for eager steps: head dim, dtype, device). Made
+    when a step's buffers are, so a step never meets a kernel that refuses it mid-generation."""
+    facts = facts if facts is not None else MachineFacts.probe(spec.device)
+    skipped = []
+    for name in CAPTURE_ORDER:
+        reason = unavailable(name, spec, facts)
+        if reason is None:
+            return Choice(name, name, name, tuple(skipped), "vmkv.kernels.registry.CAPTURE_ORDER", ())
+        skipped.append(reason)
+    raise BackendUnavailable(f"no capturable decode kernel for {spec.addressing} on {spec.device}: {'; '.join(skipped)}")
+
+
 def build(name: str, spec: KernelSpec) -> AttentionKernel:
     """A new kernel object of ``name`` for ``spec`` (no availability check: see :func:`unavailable`)."""
     if name == "triton":
         return TritonAttention(spec.addressing, spec.device, spec.kv_heads, spec.head_dim)
+    if name == "sdpa_masked":
+        return MaskedDecode(spec.addressing)
     if spec.addressing == "slots":
         return slot_kernel(name)
     return block_kernel(name, spec.device, spec.dtype, spec.kv_heads, spec.head_dim, spec.block_size, spec.chunk_tokens)

@@ -10,7 +10,8 @@ import torch
 
 from ..core.step import StepPlan
 from .base import AttentionKernel
-from .triton_attention import DecodeWorkspace, choose_num_splits, decode_attention, multiprocessor_count, prefill_attention
+from .capturable import decode_attention
+from .triton_attention import DecodeWorkspace, choose_num_splits, multiprocessor_count, prefill_attention
 
 
 class TritonAttention(AttentionKernel):
@@ -48,4 +49,5 @@ class TritonAttention(AttentionKernel):
         if meta is None:  # q: [T, Hq, D] packed
             return prefill_attention(q, k, v, plan.cu_q, plan.kv_lens_t, scale=scale, **where)
         splits, workspace = meta
-        return decode_attention(q, k, v, plan.kv_lens_t, scale=scale, num_splits=splits, workspace=workspace, **where)
+        return decode_attention(q, k, v, plan.kv_lens_t, kernel=self.name, scale=scale, max_kv_len=plan.max_kv,
+                                num_splits=splits, workspace=workspace, **where)

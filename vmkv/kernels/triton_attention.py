@@ -119,6 +119,11 @@ def _interpreted(fn: Any) -> bool:
     return isinstance(fn, InterpretedFunction)
 
 
+def _interpret_requested() -> bool:
+    """Whether ``TRITON_INTERPRET`` asks for Triton's interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
 def _interpreter_state() -> str | None:
     """Whether CPU tensors can run here: ``None`` if Triton's interpreter runs our kernels, else
     why not.
@@ -138,7 +143,7 @@ def _interpreter_state() -> str | None:
     module = sys.modules.get(_KERNELS_MODULE)
     if module is not None and not _interpreted(module._decode_split_kernel):
         return "the Triton kernels were defined (first used) without TRITON_INTERPRET=1: they run compiled, for CUDA tensors only"
-    if module is None and os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes"):
+    if module is None and not _interpret_requested():
         return "TRITON_INTERPRET=1 was unset after triton's import: the kernels, defined on first use, would run compiled"
     return None
 
@@ -155,10 +160,13 @@ def triton_available(device: torch.device | str | None = None) -> tuple[bool, st
         interpreter (``TRITON_INTERPRET=1`` must be set before triton's first import in the
         process, see :func:`_interpreter_state`); or another device type.
     """
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cpu" and "triton" not in sys.modules and not _interpret_requested():
+        return False, ("Triton runs kernels on CPU tensors only in its interpreter: set TRITON_INTERPRET=1 before "
+                       "triton's first import in the process")  # (known without importing triton)
     why = _import_triton()
     if why is not None:
         return False, why
-    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             return False, "no CUDA device (torch.cuda.is_available() is False)"

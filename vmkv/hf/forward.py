@@ -1,0 +1,154 @@
+"""How an eager forward stores its K/V, per attention style (``VirtualCache.attention_style``).
+
+``"model"`` (:class:`DenseWrites`, the model's own attention: ``sdpa``, ``eager``...; VMM mode)
+    every batch row stores every column (padding included, as ``DynamicCache``); ``update``
+    writes in place and returns zero-copy views ``[B, kv_heads, length, head_dim]`` of the
+    virtual tensors (``compile=True``: ``max_seq_len`` long, as the compiled forward's).
+``"vmkv"`` (:class:`RaggedWrites`, ``attn_implementation="vmkv"``; both modes)
+    each row stores only its real tokens (padding columns are dropped: they cost no memory); the
+    registered attention packs them, writes them with ``core.write`` and runs the cache's own
+    kernel ``core.attention(layer, q, plan)``. Nothing is materialised.
+
+Each begins a step per forward (at its first layer) with ``core.begin_step``; a compiled cache's
+prepared step (``vmkv.hf.compiled``) is a step begun at the eager point instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from ..core.base import KVCacheBase
+from ..core.step import StepPlan, slot_slice
+from ..errors import InvalidInput
+from .compiled import CompiledStep
+from .rows import RowTable
+
+log = logging.getLogger("vmkv")
+
+
+@dataclass(slots=True)
+class Forward:
+    """One forward's step: the core plan and, where padding is dropped, the kept tokens."""
+
+    plan: StepPlan
+    keep: torch.Tensor | None = None  # int64 [T]: rows of the flattened [B * S] new tokens that are stored
+    gathered: bool = False  # "model" style: rows not in evenly spaced slots, so write_batch returns copies
+
+    @classmethod
+    def dense(cls, plan: StepPlan) -> "Forward":
+        return cls(plan, gathered=slot_slice(plan.slots) is None)
+
+
+def note_peak(core: KVCacheBase, counters: Counter[str]) -> None:
+    """After a step began: ``counters["peak_bytes"]``, the most pool bytes in use so far."""
+    counters["peak_bytes"] = max(counters["peak_bytes"], core.pool.num_in_use * core.geometry.page_bytes)
+
+
+def pack(states: torch.Tensor) -> torch.Tensor:
+    """``[B, H, S, D]`` -> contiguous ``[B * S, H, D]`` (row after row: the plan's packing order)."""
+    batch, heads, q_len, dim = states.shape
+    if q_len == 1:  # decode: no transpose needed (one reshape, a view of a contiguous tensor)
+        return states.reshape(batch, heads, dim).contiguous()
+    return states.transpose(1, 2).reshape(batch * q_len, heads, dim).contiguous()
+
+
+class DenseWrites:
+    """The ``"model"`` style: every row stores all ``S`` new columns; the model attends over views."""
+
+    name = "model"
+
+    def __init__(self, table: RowTable, counters: Counter[str]) -> None:
+        self.table, self.counters = table, counters
+
+    def begin(self, core: KVCacheBase, q_len: int, compiled: CompiledStep | None) -> Forward:
+        """A step of ``q_len`` new columns for every row (loaded into a compiled cache's static
+        step: its views are the ones the model reads)."""
+        plan = core.begin_step(dict.fromkeys(self.table.seq_ids, q_len))
+        self.table.columns += q_len
+        if compiled is not None:
+            compiled.static.load(plan)
+        note_peak(core, self.counters)
+        return Forward.dense(plan)
+
+    def write(self, core: KVCacheBase, layer: int, k: torch.Tensor, v: torch.Tensor, forward: Forward,
+              compiled: CompiledStep | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``k``, ``v`` ``[B, H, S, D]`` and return ``[B, H, columns, D]`` views of the virtual
+        tensors (a copy where the rows' slots are not evenly spaced, after a beam reorder);
+        ``compiled``: ``[B, H, max_seq_len, D]``, as the compiled forward's (the model's mask is
+        that long)."""
+        keys, values = core.write_batch(layer, k, v, forward.plan)
+        if compiled is not None:
+            if compiled.live:
+                compiled.finish(layer, "eager")
+            return compiled.static.views(layer, k.shape[0])
+        if forward.gathered:
+            self.counters["gathered_views"] += 1
+            if self.counters["gathered_views"] == 1:
+                log.info("vmkv.hf: rows are not in consecutive slots (beam reorder); views are gathered (a copy). "
+                         "attn_implementation='vmkv' avoids this")
+        return keys, values
+
+
+class RaggedWrites:
+    """The ``"vmkv"`` style: each row stores only its real new columns; the attention writes them."""
+
+    name = "vmkv"
+
+    def __init__(self, table: RowTable, counters: Counter[str]) -> None:
+        self.table, self.counters = table, counters
+
+    def begin(self, core: KVCacheBase, mask: torch.Tensor | None, batch: int, q_len: int) -> Forward:
+        """A step of each row's real columns among the last ``q_len`` (``mask``: the 2D padding
+        mask, True for real tokens; ``None``: all real).
+
+        Raises:
+            InvalidInput: a 4D mask, or every row of the step is padding.
+        """
+        real = None
+        if mask is not None:
+            if mask.dim() != 2:
+                raise InvalidInput("the vmkv attention takes a 2D padding mask; 4D masks are not supported")
+            real = mask[:, -q_len:].to(torch.bool)
+            if bool(real.all()):
+                real = None
+        counts = [q_len] * batch if real is None else real.sum(1).tolist()
+        batch_plan = {seq_id: n for seq_id, n in zip(self.table.seq_ids, counts) if n > 0}
+        if not batch_plan:
+            raise InvalidInput("every row of this step is padding")
+        plan = core.begin_step(batch_plan)
+        columns = self.table.columns
+        if real is not None:
+            for row, flags in enumerate(real.tolist()):
+                self.table.dropped[row].extend(columns + j for j, ok in enumerate(flags) if not ok)
+        self.table.columns += q_len
+        note_peak(core, self.counters)
+        keep = None if real is None else real.reshape(-1).nonzero().squeeze(1).to(mask.device)
+        return Forward(plan, keep)
+
+    @staticmethod
+    def attend(core: KVCacheBase, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               forward: Forward, scaling: float | None, compiled: CompiledStep | None) -> torch.Tensor:
+        """Write the real new tokens of one layer and run the cache's kernel (a compiled cache's
+        prepared step, taken by this eager forward, is done after its last layer).
+
+        Shapes: ``query: [B, Hq, S, D]``, ``key, value: [B, Hkv, S, D]``; returns ``[B, S, Hq, D]``
+        (padding positions: zeros).
+        """
+        batch, q_heads, q_len, dim = query.shape
+        q, k, v = pack(query), pack(key), pack(value)
+        keep = forward.keep
+        if keep is not None:
+            q, k, v = q.index_select(0, keep), k.index_select(0, keep), v.index_select(0, keep)
+        core.write(layer, k, v, forward.plan)
+        out = core.attention(layer, q, forward.plan, scale=scaling)  # [T, Hq, D]
+        if keep is not None:
+            full = out.new_zeros(batch * q_len, q_heads, dim)
+            full[keep] = out
+            out = full
+        if compiled is not None and compiled.live:
+            compiled.finish(layer, "eager")
+        return out.view(batch, q_len, q_heads, dim)

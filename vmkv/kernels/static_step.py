@@ -1,0 +1,178 @@
+"""The one static step: the fixed-address inputs of a decode step that a compiled forward or a
+captured CUDA graph reads, and the one write and the one decode it runs over a cache's storage.
+
+A compiled or captured step cannot build a plan, map a page or read a Python length without
+baking it in. So the step's varying inputs live in device tensors whose addresses never change
+(:class:`StaticStep`), filled from the cache's :class:`~vmkv.core.step.StepPlan` at an eager
+point before each run (:meth:`StaticStep.load`), and the step runs over them alone:
+
+* **write** (:meth:`StaticStep.write`): each row's new K/V at its own position
+  (:func:`~vmkv.kernels.capturable.write_columns`): its slot and column (``"slots"``, VMM mode),
+  or its row of the flattened block pool (``"blocks"``, paged mode);
+* **attend** (:meth:`StaticStep.attend`): each row's new token over that row's own keys
+  (:func:`~vmkv.kernels.capturable.decode_attention`), with the capturable kernel the registry
+  chose when the step was made (:func:`~vmkv.kernels.registry.choose_capturable`).
+
+Shapes, ``b`` rows of this step (at most ``capacity``)::
+
+    columns   int64 [capacity]          each row's first new position in its sequence
+    slots     int64 [capacity]          slots: each row's slot; blocks: 0 (the pool's token rows)
+    write_at  int64 [capacity]          where write_columns puts the row's token: its column (slots)
+                                        or its pool row (blocks)
+    kv_lens   int32 [capacity]          keys of each row once the step is written
+    table     int32 [capacity, width]   slots: each row's slot ([:, 0]); blocks: its block table
+
+Users: ``vmkv.hf.compiled`` (transformers' compiled generation) and ``vmkv.engine.graphs`` (the
+engine's CUDA graphs). Each cache's steps are its own: nothing here is shared between caches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..core.base import KVCacheBase
+from ..core.step import StepPlan, slot_slice
+from ..vmm.views import unguarded
+from .capturable import DecodeWorkspace, decode_attention, decode_store, stores_of, write_columns
+from .registry import KernelSpec, choose_capturable
+
+
+@dataclass(frozen=True)
+class PadRow:
+    """Where rows beyond a step's batch point (a captured bucket's padding): a scratch sequence's
+    first token, in ``slot`` (and ``block``, paged mode)."""
+
+    slot: int
+    block: int
+
+
+class StaticStep:
+    """The fixed-address device inputs of one cache's compiled or captured decode steps.
+
+    Args:
+        cache: the core cache whose storage the step writes and reads (either mode).
+        capacity: the most rows a step has.
+        max_len: the most keys a row reaches (``max_seq_len``): fixes the decode launch.
+
+    Attributes:
+        addressing: ``"slots"`` (VMM) or ``"blocks"`` (paged).
+        kernel: the capturable decode kernel (:func:`~vmkv.kernels.registry.choose_capturable`).
+        stores: per layer, the K and V :class:`~vmkv.kernels.capturable.Store` the decode reads.
+
+    Invariant: after :meth:`load` of a plan from ``cache.begin_step``, every position the step
+    writes is in a mapped page its row owns alone (``begin_step`` made it so).
+    """
+
+    def __init__(self, cache: KVCacheBase, capacity: int, max_len: int) -> None:
+        config = cache.config
+        self.device = torch.device(config.device)
+        self.capacity, self.max_len = capacity, max_len
+        self.addressing = "blocks" if cache.mode == "paged" else "slots"
+        spec = KernelSpec(self.addressing, self.device, config.dtype, config.num_kv_heads, config.head_dim)
+        self.choice = choose_capturable(spec)
+        self.kernel = self.choice.decode
+        layers = range(config.num_layers)
+        if self.addressing == "blocks":
+            self.stores = stores_of([cache.block_pool(layer) for layer in layers])  # [blocks, size, H, D]
+            self._targets = [(k.token_rows(), v.token_rows()) for k, v in self.stores]  # [1, blocks * size, H, D]
+            width = -(-max_len // cache.tokens_per_page)
+        else:
+            self.stores = stores_of([tuple(map(unguarded, cache.kv_cache(layer))) for layer in layers])
+            self._targets = self.stores
+            width = 1
+        self._host = torch.zeros(4, capacity, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self._rows = torch.zeros(4, capacity, dtype=torch.int64, device=self.device)  # COLUMNS, SLOTS, WRITE_AT, KV_LENS
+        self.kv_lens = torch.zeros(capacity, dtype=torch.int32, device=self.device)
+        self.table = torch.zeros(capacity, width, dtype=torch.int32, device=self.device)
+        self.rows: slice | None = slice(0, 0)  # the slots of the last plan as a slice, if evenly spaced
+        for tensor in (self._rows, self.kv_lens, self.table, *{id(s.base): s.base for p in self.stores for s in p}.values()):
+            torch._dynamo.mark_static_address(tensor, guard=False)  # inputs of every graph over this cache
+
+    COLUMNS, SLOTS, WRITE_AT, KV_LENS = range(4)
+
+    @property
+    def columns(self) -> torch.Tensor:
+        """int64 ``[capacity]``: each row's first new position in its sequence (the model's positions)."""
+        return self._rows[self.COLUMNS]
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """int64 ``[capacity]``: each row's slot (paged mode: 0, the pool's token rows)."""
+        return self._rows[self.SLOTS]
+
+    @property
+    def write_at(self) -> torch.Tensor:
+        """int64 ``[capacity]``: where each row's token goes: its column (slots) or pool row (blocks)."""
+        return self._rows[self.WRITE_AT]
+
+    # ---- the eager point -----------------------------------------------------------------------
+    def load(self, plan: StepPlan, rows: int | None = None, pad: PadRow | None = None) -> None:
+        """Fill rows ``0 .. plan.batch_size - 1`` from ``plan`` (committed by ``begin_step``), and
+        rows up to ``rows`` (a captured bucket) from ``pad``: position 0, one key, writing into
+        the scratch sequence's first token. One host-to-device copy, plus the block table's.
+
+        Raises:
+            ValueError: more rows than ``capacity``, or padding rows without ``pad``.
+        """
+        batch, rows = plan.batch_size, rows or plan.batch_size
+        if rows > self.capacity or (rows > batch and pad is None):
+            raise ValueError(f"{rows} rows (batch {batch}) for a step of capacity {self.capacity}, pad={pad}")
+        host = self._host[:, :rows]
+        host[0, :batch] = torch.tensor(plan.starts)
+        host[1, :batch] = torch.tensor(plan.slots) if self.addressing == "slots" else 0
+        host[3, :batch] = torch.tensor(plan.kv_lens)
+        if rows > batch:
+            host[:, batch:] = torch.tensor([[0], [pad.slot if self.addressing == "slots" else 0], [0], [1]])
+        if self.addressing == "slots":
+            host[2, :rows] = host[0, :rows]
+        elif rows > batch:
+            host[2, batch:] = pad.block * self.table_block_size
+        self._rows[:, :rows].copy_(host, non_blocking=True)
+        self.kv_lens[:rows].copy_(self._rows[self.KV_LENS, :rows])
+        if self.addressing == "blocks":
+            self.write_at[:batch].copy_(plan.write_rows)  # decode: one token, one pool row per row
+            self.table[:batch, : plan.block_table.shape[1]].copy_(plan.block_table)
+            self.table[batch:rows, 0] = pad.block if rows > batch else 0
+        else:
+            self.table[:rows, 0].copy_(self.slots[:rows])
+        self.rows = slot_slice(plan.slots) if rows == batch else None
+
+    @property
+    def table_block_size(self) -> int:
+        """Paged mode: tokens of a block (the pool's second dimension)."""
+        return self.stores[0][0].size[1]
+
+    # ---- inside the graph -------------------------------------------------------------------------
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``k``, ``v`` ``[b, Hkv, S, D]`` (transformers' layout; ``S`` > 1 only over slots:
+        the row's next ``S`` columns) at each row's position."""
+        b = k.shape[0]
+        k_store, v_store = self._targets[layer]
+        write_columns(k_store, v_store, k, v, self.slots[:b], self.write_at[:b])
+
+    def attend(self, layer: int, q: torch.Tensor, scale: float | None, *, out: torch.Tensor | None = None,
+               workspace: DecodeWorkspace | None = None) -> torch.Tensor:
+        """After :meth:`write` of ``layer``: each row's new token over that row's keys,
+        ``q: [b, Hq, D]`` -> ``[b, Hq, D]`` (``scale`` ``None``: ``D ** -0.5``). Inside a compiled region through the operator
+        (``torch.ops.vmkv.decode_store``), else directly (a captured graph: into ``out``, with
+        the split scratch ``workspace``)."""
+        b = q.shape[0]
+        k_store, v_store = self.stores[layer]
+        where = {"block_table": self.table[:b]} if self.addressing == "blocks" else {"slots": self.table[:b, 0]}
+        if torch.compiler.is_compiling():
+            scale = q.shape[-1] ** -0.5 if scale is None else scale
+            return decode_store(q, k_store, v_store, self.kv_lens[:b], scale, self.max_len, self.kernel, **where)
+        return decode_attention(q, k_store.view(), v_store.view(), self.kv_lens[:b], kernel=self.kernel, scale=scale,
+                                max_kv_len=self.max_len, out=out, workspace=workspace, **where)
+
+    def views(self, layer: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots: ``layer``'s K and V of the step's ``b`` rows, ``[b, Hkv, max_len, D]`` (what the
+        model's own attention reads; past each row's length: zeros, which its mask hides): views
+        where the rows' slots are evenly spaced, else gathered (a copy)."""
+        k_store, v_store = (store.view()[:, : self.max_len] for store in self.stores[layer])
+        if self.rows is not None:
+            return k_store[self.rows].transpose(1, 2), v_store[self.rows].transpose(1, 2)
+        slots = self.slots[:b]
+        return k_store.index_select(0, slots).transpose(1, 2), v_store.index_select(0, slots).transpose(1, 2)
