@@ -1,4 +1,4 @@
-"""The host-wide KV ledger (vmkv/ledger.py) and caches sharing one budget (the shared_budget setting).
+"""The host-wide KV ledger (vmkv/ledger/) and caches sharing one budget (the shared_budget setting).
 
 Processes: tests/ledger_member.py owns one VMM cache per process; the resident bytes of every
 member's page store are sampled from outside (``fstat`` of ``/proc/PID/fd/MEMFD``: the kernel's
@@ -195,7 +195,7 @@ def test_corrupt_or_foreign_files_are_refused_untouched(name, damage):
         with Ledger(name, BUDGET) as ledger:
             member = ledger.join("m", PAGE)
             member.take(4)
-            ledger._write(member.slot if damage == "overdrawn" else 5, held=2 * BUDGET if damage == "overdrawn" else PAGE)
+            ledger.record.write(member.slot if damage == "overdrawn" else 5, held=2 * BUDGET if damage == "overdrawn" else PAGE)
     before = Path(path).read_bytes()
     with pytest.raises(LedgerCorrupt):
         Ledger(name, BUDGET)
@@ -805,13 +805,13 @@ def test_liveness_rests_on_the_members_lock_not_on_its_pid(name):
         with Ledger(name, None) as ledger:
             with ledger.locked():
                 for slot in slots:
-                    ledger._write(slot, pid=gone.pid, ns=pid_namespace() + 1)
+                    ledger.record.write(slot, pid=gone.pid, ns=pid_namespace() + 1)
             assert ledger.reap() == 0 and all(m.alive for m in ledger.members())
             holders[1].kill()
             holders[1].wait()
             assert ledger.reap() == 10 * PAGE  # its lock went with it
             with ledger.locked():
-                ledger._write(slots[0], ns=pid_namespace())
+                ledger.record.write(slots[0], ns=pid_namespace())
             assert ledger.reap() == 40 * PAGE and ledger.members() == []  # here its pid decides
     finally:
         for holder in holders:
@@ -949,7 +949,7 @@ def test_threads_sharing_one_handle_take_turns(name):
         def watch() -> None:  # its watcher: a request comes and goes, then it reads (and clears) it
             with ledger.locked() as slots:
                 asker._ask(slots, PAGE)
-                ledger._write(asker.slot, want=0)
+                ledger.record.write(asker.slot, want=0)
             owner.asked()
 
         threads = [threading.Thread(target=run, args=(job,)) for job in (own, watch)]
@@ -975,11 +975,11 @@ def test_the_watcher_outlives_a_ledger_it_cannot_read(name, caplog):
         ledger_member.run_burst(cache, 2, 128, seed=7)
         slot = cache.budget.member.slot
         with ledger.locked():
-            ledger._write(slot, request=PAGE)
-            ledger._write(slot, held=2 * BUDGET)  # damaged: more than the budget
+            ledger.record.write(slot, request=PAGE)
+            ledger.record.write(slot, held=2 * BUDGET)  # damaged: more than the budget
         deadline = time.monotonic() + 5
         while "giving pages back" not in caplog.text:
             assert time.monotonic() < deadline
             time.sleep(0.02)
         assert "LedgerCorrupt" in caplog.text and cache.budget.share._watcher.is_alive()
-        ledger._write(slot, held=cache.budget.member.held * PAGE, request=0)  # repaired: the cache closes
+        ledger.record.write(slot, held=cache.budget.member.held * PAGE, request=0)  # repaired: the cache closes

@@ -625,19 +625,19 @@ def test_the_engine_seats_watcher_outlives_a_ledger_it_cannot_read(monkeypatch, 
         seat.attach(SimpleNamespace(mapped_pages=2, limit_changed=lambda: None))  # starts the watcher
         with Ledger(ledger_name, None) as ledger:
             with ledger.locked():  # the asker waits for a page this seat is asked for ...
-                ledger._write(asker.slot, want=page)
-                ledger._write(seat.member.slot, request=page)
-                ledger._write(seat.member.slot, held=2 * 64 * 1024)  # ... and the seat's record is damaged
+                ledger.record.write(asker.slot, want=page)
+                ledger.record.write(seat.member.slot, request=page)
+                ledger.record.write(seat.member.slot, held=2 * 64 * 1024)  # ... and the seat's record is damaged
             deadline = time.monotonic() + 5
             while "watching ledger" not in caplog.text:
                 assert time.monotonic() < deadline, "the watcher logged nothing"
                 time.sleep(0.02)
             assert "LedgerCorrupt" in caplog.text and seat._watcher.is_alive() and not woken.is_set()
-            ledger._write(seat.member.slot, held=2 * page)  # repaired (the lock refuses it damaged); the request stands
+            ledger.record.write(seat.member.slot, held=2 * page)  # repaired (the lock refuses it damaged); the request stands
             assert woken.wait(5), "the watcher did not wake the engine once the ledger read again"
             with ledger.locked():
-                ledger._write(asker.slot, want=0)
-                ledger._write(seat.member.slot, request=0)
+                ledger.record.write(asker.slot, want=0)
+                ledger.record.write(seat.member.slot, request=0)
     finally:
         seat.close()
         asker.leave()

@@ -76,7 +76,7 @@ class Server(Protocol):
         """Give pages back if the cache is idle."""
 
 
-class BudgetShare:
+class CacheShare:
     """One cache's seat in a ledger: its member handle, batch size and watcher thread.
 
     Args:

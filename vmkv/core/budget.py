@@ -20,7 +20,7 @@ from typing import Callable, Protocol
 
 from ..errors import OutOfPages
 from ..ledger import SharedBudget
-from ..share import BudgetShare
+from ..share import CacheShare
 from .calls import CallGuard
 from .pages import PagePool
 from .slots import Drop, SlotTable
@@ -71,7 +71,7 @@ class CacheBudget:
                  before_serving: Callable[[], None], counters: Counter[str]) -> None:
         self.pool, self.slots, self.memory, self.guard = pool, slots, memory, guard
         self._drop, self._before_serving, self._counters = drop, before_serving, counters
-        self.share = BudgetShare(self, spec, page_bytes, num_pages * page_bytes)
+        self.share = CacheShare(self, spec, page_bytes, num_pages * page_bytes)
         self.member = self.share.member
 
     # ---- taking grants ---------------------------------------------------------------------
