@@ -597,6 +597,7 @@ def test_a_stopped_server_leaves_its_ledger_and_says_so_in_one_line(signum):
     ("paged", "--page-size", "3KiB", "page_size 3072 must be a multiple"),
     ("vmm", "--memory-budget", "-5MiB", "memory_budget must be >= 0"),
     ("vmm", "--page-size", "6KiB", "try page_size="),
+    ("vmm", "--cuda-graphs", "on", "--cuda-graphs on needs a CUDA device"),  # issue 37 item 3: no silent stand-in
 ])
 def test_serve_refuses_a_bad_cache_option_before_it_loads_the_weights(monkeypatch, capsys, mode, option, value, message):
     from vmkv.engine import engine as engine_module

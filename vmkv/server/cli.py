@@ -68,7 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off (default: on)")
     cache.add_argument("--cuda-graphs", default="auto", choices=list(GRAPHS),
                        help="capture decode steps as CUDA graphs, one per batch-size bucket (auto: on a CUDA device; "
-                       "takes one more cache slot and page, for padding rows) (default: %(default)s)")
+                       "on: refused without one; takes one more cache slot and page, for padding rows) "
+                       "(default: %(default)s)")
     cache.add_argument("--map-ahead", action="store_true", help="VMM: map the next step's pages on a background "
                        "thread while the step runs (default: off)")
     cache.add_argument("--shared-budget", default=None, help="VMM: share one host-wide KV budget with other "
@@ -132,6 +133,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.protect_metrics and not args.api_key:
         print("vmkv serve: --protect-metrics needs --api-key (or $VMKV_API_KEY)", file=sys.stderr)
+        return 2
+    if args.cuda_graphs == "on" and torch.device(args.device).type != "cuda":
+        print(f"vmkv serve: --cuda-graphs on needs a CUDA device (--device cuda): on {args.device} no graph can be "
+              "captured (auto captures them where they can be)", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads is not None:
