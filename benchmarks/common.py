@@ -161,8 +161,9 @@ class Spread:
 
     @property
     def crosses_one(self) -> bool:
-        """Whether the range includes 1.0 (a ratio that could go either way)."""
-        return self.low <= 1.0 <= self.high
+        """Whether the range has rounds on both sides of 1.0 (a ratio that could go either way;
+        one that only reaches 1.0 does not cross it)."""
+        return self.low < 1.0 < self.high
 
     def scaled(self, factor: float) -> "Spread":
         """The same spread multiplied by ``factor`` (> 0)."""
@@ -406,7 +407,8 @@ class Verdict:
         better, worse: a ratio verdict's two sides (``value`` > 1: ``better`` ahead); the table
             states the ratio's direction with them (``"paged ahead by 1.25x"``).
         relation: how the measurement sits against ``reference`` when it does not agree
-            (``"above"``: beyond a published "up to"); the table shows it instead of "no".
+            (``"above"``: beyond a published "up to"), or why a target is neither met nor missed
+            (``"not resolved"``, ``"not judged"``); the table shows it instead of "no" or "".
     """
 
     key: str
@@ -510,24 +512,51 @@ def _ratio_side(ratio: Spread, better: str, worse: str, tie_margin: float) -> tu
     leader, margin = (better, ratio.value) if ratio.value >= 1.0 else (worse, 1.0 / ratio.value)
     if ratio.samples:
         above, below, p = sign_test(ratio.samples)
-        both_sides, ahead = bool(above and below), above if leader == better else below
-        rounds = f"{ahead} of {len(ratio.samples)} rounds"
+        rounds = f"{above if leader == better else below} of {len(ratio.samples)} rounds"
     else:  # a spread built without its rounds: its kept range stands for them
-        p, both_sides, rounds = 1.0, ratio.crosses_one, f"{ratio.kept or ratio.runs} kept rounds"
+        p, rounds = 1.0, f"{ratio.kept or ratio.runs} kept rounds"
     clear = ratio.low > band[1] or ratio.high < band[0]  # every kept round beyond the noise band
     if band[0] < ratio.value < band[1] or not (p < SIGN_TEST_ALPHA or clear):
-        if both_sides:
+        if ratio.crosses_one and p >= SIGN_TEST_ALPHA:  # the kept rounds (the spread shown) fall on both sides
             return "tie (spread crosses 1.0)", "tie"
         why = f"by under {100 * tie_margin:.0f} %" if band[0] <= ratio.value <= band[1] else "too few rounds for a sign test"
         return f"tie ({leader} ahead in {rounds}, {why})", "tie"
     return f"{leader}, {number_text(margin)} ({rounds})", leader
 
 
+def target_status(ratio: Spread, target: float, spread: str = "rounds' spread") -> str:
+    """Whether ``ratio`` (> 1: ours better) meets the target ``>= target``, on the evidence a
+    verdict needs to name a side, drawn against the target instead of 1.0 (no tie band: the
+    target is the line). "met": the median is at or above it and so is every kept round, or a
+    sign test of the rounds against it says so (:data:`SIGN_TEST_ALPHA`); "missed": the same
+    below; else "not resolved (the median meets it, the rounds' spread crosses it)" (``spread``
+    names the range: "interval" for a bootstrap one). A deterministic ratio is met or missed on
+    its value, a single timed run is "not judged (1 run)" as its verdict is. Against a target of
+    1.0 this is the verdict's own judgement: met where it names the better side, missed where the
+    worse, not resolved where its spread crosses 1.0."""
+    if ratio.deterministic:
+        return "met" if ratio.value >= target else "missed"
+    if ratio.runs < 2:
+        return "not judged (1 run)"
+    p = sign_test([sample / target for sample in ratio.samples])[2] if ratio.samples else 1.0
+    if ratio.value >= target and (ratio.low >= target or p < SIGN_TEST_ALPHA):
+        return "met"
+    if ratio.value < target and (ratio.high < target or p < SIGN_TEST_ALPHA):
+        return "missed"
+    return f"not resolved (the median {'meets' if ratio.value >= target else 'misses'} it, the {spread} crosses it)"
+
+
 def ratio_verdict(
     key: str, question: str, ratio: Spread, better: str, worse: str, *,
     reference: str = "", agrees: bool | None = None, note: str = "", tie_margin: float = TIE_MARGIN,
+    target: float | None = None,
 ) -> Verdict:
     """A verdict on ``ratio`` = how many times ``better`` beats ``worse`` (> 1: ``better`` wins).
+
+    With ``target``, the line is also judged against ``>= target`` (:func:`target_status`):
+    ``reference`` defaults to ``"target >= {target}x"``, ``agrees`` is ``True`` when it is met,
+    ``False`` when missed, else ``None`` with ``relation`` saying why ("not resolved", "not
+    judged"): one judgement per line, never a tie that "meets" a target of 1.0.
 
     Judged on the paired rounds (each round ran both sides): a side is named, with the median
     margin and how many rounds it led, when the median lies beyond the tie band
@@ -549,10 +578,16 @@ def ratio_verdict(
             winner, side = f"tie (within {100 * tie_margin:.0f} %)", "tie"
     else:
         winner, side = _ratio_side(ratio, better, worse, tie_margin)
+    relation = ""
+    if target is not None:
+        status = target_status(ratio, target)
+        reference = reference or f"target >= {target}x"
+        agrees = {"met": True, "missed": False}.get(status)
+        relation = "" if agrees is not None else status.split(" (")[0]
     return Verdict(
         key=key, question=question, result=number_text(ratio.value), spread=spread_text(ratio), winner=winner, side=side,
         reference=reference, agrees=agrees, value=ratio.value, low=ratio.low, high=ratio.high, note=note,
-        better=better, worse=worse,
+        better=better, worse=worse, relation=relation,
     )
 
 

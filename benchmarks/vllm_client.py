@@ -20,7 +20,7 @@ also gives the pooled ratios (all rounds' tokens over all their seconds; mean TT
 the ratio of the two engines' medians over the rounds with its 90 % bootstrap interval
 (:func:`medians`: robust to the rounds that stall, in either engine), and says of each target
 whether it is met, missed, or not resolved by the rounds' spread and by that interval
-(:func:`target_status`).
+(:func:`benchmarks.common.target_status`).
 """
 
 from __future__ import annotations
@@ -157,8 +157,8 @@ def _row(rate: str, round_: int, engine: str, prompts: int, out: dict[str, Any])
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per rate (key: the rows' ``rate``): the per-round ratios vmkv / stock of output tokens/s and
     stock / vmkv of mean TTFT, the pooled ratios (:func:`pooled`), whether every request was served
-    with the same token count and text, whether each target is met (:func:`target_status`), and a
-    verdict line saying all of it."""
+    with the same token count and text, whether each target is met
+    (:func:`benchmarks.common.target_status`), and a verdict line saying all of it."""
     out: dict[str, Any] = {}
     for rate in dict.fromkeys(r["rate"] for r in rows):
         by = {(r["round"], r["engine"]): r for r in rows if r["rate"] == rate}
@@ -170,11 +170,11 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         identical = all(r["texts_identical"] for r in mine)
         t, f = common.Spread.of(throughput), common.Spread.of(ttft)
         pooled_throughput, pooled_ttft = pooled([r for r in rows if r["rate"] == rate])
-        throughput_target = target_status(t, THROUGHPUT_TARGET)
-        ttft_target = target_status(f, 1 / TTFT_TARGET)
+        throughput_target = common.target_status(t, THROUGHPUT_TARGET)
+        ttft_target = common.target_status(f, 1 / TTFT_TARGET)
         mt, mf = medians(by, rounds)
-        medians_throughput_target = target_status(mt, THROUGHPUT_TARGET, "interval")
-        medians_ttft_target = target_status(mf, 1 / TTFT_TARGET, "interval")
+        medians_throughput_target = common.target_status(mt, THROUGHPUT_TARGET, "interval")
+        medians_ttft_target = common.target_status(mf, 1 / TTFT_TARGET, "interval")
         out[rate] = {
             "throughput_ratios_vmkv_over_stock": throughput, "ttft_ratios_stock_over_vmkv": ttft,
             "pooled_throughput_vmkv_over_stock": pooled_throughput, "pooled_ttft_vmkv_over_stock": pooled_ttft,
@@ -224,18 +224,6 @@ def medians(by: dict[tuple[int, str], dict[str, Any]], rounds: list[int]) -> tup
             common.ratio_of_medians(values("stock", "mean_ttft_ms"), values("vmkv", "mean_ttft_ms"), confidence=CONFIDENCE))
 
 
-def target_status(ratio: common.Spread, target: float, spread: str = "rounds' spread") -> str:
-    """Whether ``ratio`` (> 1: vmkv better) meets ``target``: "met" when the whole kept range (or
-    interval) is at or above it, "missed" when it is all below, otherwise "not resolved" with the
-    side of the median (the ``spread`` is wider than the distance to the target)."""
-    if ratio.low >= target:
-        return "met"
-    if ratio.high < target:
-        return "missed"
-    side = "meets" if ratio.value >= target else "misses"
-    return f"not resolved (the median {side} it, the {spread} crosses it)"
-
-
 def _range_words(spread: common.Spread) -> str:
     return "range" if spread.kept == spread.runs else f"range of the middle {spread.kept}"
 
@@ -255,12 +243,11 @@ def verdicts(client: dict[str, Any]) -> list[common.Verdict]:
         ttft = common.Spread.of(s["ttft_ratios_stock_over_vmkv"])
         out.append(common.ratio_verdict(
             f"vllm.client_{key}.throughput", f"vLLM's client at rate {key}: output tokens/s, vmkv over stock",
-            throughput, "vmkv", "stock", reference=f"target >= {THROUGHPUT_TARGET}",
-            agrees=throughput.value >= THROUGHPUT_TARGET, note=note))
+            throughput, "vmkv", "stock", target=THROUGHPUT_TARGET, note=note))
         out.append(common.ratio_verdict(
             f"vllm.client_{key}.ttft", f"vLLM's client at rate {key}: mean TTFT, stock over vmkv (> 1: vmkv faster)",
             ttft, "vmkv", "stock", reference=f"target >= {1 / TTFT_TARGET:.2f} (vmkv within 10 %)",
-            agrees=ttft.value >= 1 / TTFT_TARGET, note=note))
+            target=1 / TTFT_TARGET, note=note))
     return out
 
 

@@ -350,6 +350,53 @@ def test_vmkv_ledger_prints_members_and_a_verdict(name, capsys):
     assert main(["ledger", name]) == 1 and "no ledger named" in capsys.readouterr().err
 
 
+AT_EXIT = {  # what keeps a member's cache referenced until the interpreter exits, so it is never finalized
+    "a daemon thread": """
+cache = ledger_member.open_member(NAME + ":4MiB")
+ledger_member.run_burst(cache, 2, 128, seed=3)
+threading.Thread(target=lambda held=cache: time.sleep(600), daemon=True).start()
+""",
+    "an engine loop left open": """
+from vmkv.engine import Engine, EngineConfig, EngineLoop, SamplingParams
+engine = Engine.from_config(EngineConfig(memory_budget="1MiB", page_size="4KiB", max_num_seqs=2, max_seq_len=256,
+                                         shared_budget=NAME + ":4MiB"))
+engine.generate([[1, 2, 3, 4, 5, 6, 7, 8, 9] * 4], SamplingParams(max_tokens=4, temperature=0))
+loop = EngineLoop(engine)  # its daemon thread holds the engine
+""",
+    "an engine loop busy at exit": """
+from vmkv.engine import Engine, EngineConfig, EngineLoop, SamplingParams
+engine = Engine.from_config(EngineConfig(memory_budget="1MiB", page_size="4KiB", max_num_seqs=2, max_seq_len=256,
+                                         shared_budget=NAME + ":4MiB"))
+loop = EngineLoop(engine)
+started = threading.Event()
+loop.submit([1, 2, 3, 4, 5, 6, 7, 8, 9] * 4, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True),
+            lambda output: started.set())
+assert started.wait(60)  # it steps on: the interpreter exits in the middle of a request
+""",
+}
+
+
+@pytest.mark.parametrize("holder", list(AT_EXIT))
+def test_a_cache_open_at_interpreter_exit_closes_and_leaves_the_ledger(name, holder):
+    """Issue 37 item 1: a member's cache still referenced when the interpreter exits (so its
+    finalizer never runs) closes then and leaves the ledger: no dead member holding its bytes,
+    and the last member's file goes."""
+    script = "\n".join([
+        "import sys, threading, time",
+        "from vmkv.ledger import Ledger",
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})",
+        "import ledger_member",
+        f"NAME = {name!r}",
+        AT_EXIT[holder],
+        "with Ledger(NAME, None) as seen:",
+        "    assert seen.members()[0].held > 0  # the member holds bytes as the interpreter exits",
+    ])
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    assert not os.path.exists(ledger_path(name)), "\n".join(vmkv.ledger.report(name))
+
+
 def test_engines_share_a_budget_with_unchanged_outputs_and_export_gauges(name):
     from vmkv.engine import Engine, EngineConfig, SamplingParams
     from vmkv.server import metrics

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import threading
 import time
@@ -552,10 +553,51 @@ def test_serve_on_port_0_prints_the_url_it_listens_on_at_any_log_level():
         process.wait(timeout=30)
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=lambda signum: signum.name)
+def test_a_stopped_server_leaves_its_ledger_and_says_so_in_one_line(signum):
+    """Issue 37 items 1-2: ``vmkv serve --shared-budget`` stopped by SIGTERM or Ctrl-C closes its
+    cache (uvicorn raises the signal again once it has stopped: it used to kill the process
+    before the cache closed, leaving a dead member holding its bytes), and says so in one line,
+    never a traceback. The server was the ledger's only member, so its file goes too."""
+    import subprocess
+    import sys
+
+    from vmkv.ledger import Ledger, ledger_path
+
+    name = f"test-serve-{os.getpid()}-{signum.name}"
+    command = [sys.executable, "-m", "vmkv.server.cli", "--port", "0", "--memory-budget", "8MiB", "--max-num-seqs",
+               "2", "--log-level", "warning", "--shared-budget", f"{name}:64MiB,member=serve"]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = threading.Timer(120, process.kill)  # no line by then: the server is killed, stderr ends, the test fails
+    deadline.start()
+    try:
+        url = next((found.group(1) for line in process.stderr
+                    if (found := re.search(r"serving \S+ on (http://\S+) ", line))), None)
+        assert url is not None
+        reply = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 4}, timeout=60)
+        assert reply.status_code == 200
+        with Ledger(name, None) as ledger:
+            [member] = ledger.members()
+        assert member.name == "serve" and member.alive and member.held > 0  # its pages stay cached: held
+        process.send_signal(signum)
+        assert process.wait(timeout=60) == 0
+        lines = process.stderr.read().splitlines()
+        assert lines == [f"vmkv serve: stopped by {signum.name}"]  # one line, no traceback
+        assert not os.path.exists(ledger_path(name))  # the last member left: nothing held, no dead member
+    finally:
+        deadline.cancel()
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+        if os.path.exists(ledger_path(name)):
+            os.unlink(ledger_path(name))
+
+
 @pytest.mark.parametrize("mode, option, value, message", [
     ("paged", "--page-size", "3KiB", "page_size 3072 must be a multiple"),
     ("vmm", "--memory-budget", "-5MiB", "memory_budget must be >= 0"),
     ("vmm", "--page-size", "6KiB", "try page_size="),
+    ("vmm", "--cuda-graphs", "on", "--cuda-graphs on needs a CUDA device"),  # issue 37 item 3: no silent stand-in
 ])
 def test_serve_refuses_a_bad_cache_option_before_it_loads_the_weights(monkeypatch, capsys, mode, option, value, message):
     from vmkv.engine import engine as engine_module

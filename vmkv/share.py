@@ -5,10 +5,14 @@ What the cache does with its grants is :mod:`vmkv.core.budget`; the watcher poll
 ``request`` field (a lock-free read) and, when asked, calls the budget's ``serve()``, which gives
 pages back whenever no call is running (after a ``begin_step`` too: an idle member's last call is
 often one). Giving back touches only pages no live sequence holds, so it never invalidates a plan.
+
+A cache with a seat closes at interpreter exit if it is still open then (:func:`close_at_exit`),
+so a process that ends cleanly never leaves a dead member behind.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
@@ -32,6 +36,35 @@ FAILED_WAIT_S = 1.0
 BATCH_DIVISOR = 64
 """A member takes grants in batches of ``1/BATCH_DIVISOR`` of the budget (1 to 64 pages), so
 the ledger's lock is taken about once a batch, not once a page."""
+
+
+class Closable(Protocol):
+    """What :func:`close_at_exit` closes (a cache)."""
+
+    def close(self) -> None:
+        """Release the memory, then leave the ledger."""
+
+
+_OPEN_AT_EXIT: "weakref.WeakSet[Closable]" = weakref.WeakSet()
+
+
+def close_at_exit(cache: Closable) -> None:
+    """Close ``cache`` when the interpreter exits, if it is still open then. A dropped cache
+    leaves the ledger in its finalizer, but one referenced to the end (by a daemon thread, say
+    an engine loop's) is never finalized: its member would stay, dead, holding its bytes until a
+    reap, and the ledger's file would outlive its last member. Held weakly: a dropped cache goes."""
+    _OPEN_AT_EXIT.add(cache)
+
+
+@atexit.register  # at import: exit handlers run last registered first, so this one follows those of its users
+def _close_open() -> None:
+    """The exit handler of :func:`close_at_exit`: close every cache still open."""
+    for cache in list(_OPEN_AT_EXIT):
+        try:
+            cache.close()
+        except Exception as exc:  # noqa: BLE001 -- one cache that cannot close (a thread inside it) spares the others
+            log.warning("vmkv: a cache could not close at exit (%s: %s); its ledger seat stays until a reap",
+                        type(exc).__name__, exc)
 
 
 def join(spec: SharedBudget, label: str, page_bytes: int, ceiling: int) -> tuple[Ledger, Member]:

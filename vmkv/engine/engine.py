@@ -219,7 +219,7 @@ class Engine:
         cache = open_cache(cache_config, mode=config.kv_mode)  # after the weights: a GPU store takes what they leave
         try:
             return cls(loaded, cache, scheduler, config.seed, cuda_graphs=config.cuda_graphs)
-        except Exception:
+        except BaseException:  # Ctrl-C included: the cache leaves a shared budget's ledger
             cache.close()
             raise
 

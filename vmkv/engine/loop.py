@@ -18,6 +18,7 @@ by two threads at once (vmkv's thread contract: overlapping cache calls raise ``
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 from collections import deque
@@ -48,6 +49,7 @@ class EngineLoop:
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="vmkv-engine", daemon=True)
         self._thread.start()
+        atexit.register(self.close)  # a loop left open stops between steps at exit, and closes its engine
 
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """Token ids of ``prompt`` if the engine would accept it with ``params`` (else raises as ``add_request``)."""
@@ -88,7 +90,9 @@ class EngineLoop:
             return fn(self.engine)
 
     def close(self) -> None:
-        """Stop the thread, abort what is left and close the engine."""
+        """Stop the thread, abort what is left and close the engine (at interpreter exit if not before:
+        the thread holds the engine, so neither would be finalized, and its cache stays open). Idempotent."""
+        atexit.unregister(self.close)
         with self._lock:
             self._closing = True
             self._wake.notify()

@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 
 
 def _port(text: str) -> int:
@@ -66,7 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off (default: on)")
     cache.add_argument("--cuda-graphs", default="auto", choices=list(GRAPHS),
                        help="capture decode steps as CUDA graphs, one per batch-size bucket (auto: on a CUDA device; "
-                       "takes one more cache slot and page, for padding rows) (default: %(default)s)")
+                       "on: refused without one; takes one more cache slot and page, for padding rows) "
+                       "(default: %(default)s)")
     cache.add_argument("--map-ahead", action="store_true", help="VMM: map the next step's pages on a background "
                        "thread while the step runs (default: off)")
     cache.add_argument("--shared-budget", default=None, help="VMM: share one host-wide KV budget with other "
@@ -87,14 +90,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="(default: %(default)s)")
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _stop(signum: int, frame: object) -> None:
+    """SIGINT or SIGTERM outside uvicorn's own handling (while the model loads, or raised again by
+    uvicorn once it has shut down): unwind, so ``run`` closes the engine, whose cache leaves a
+    shared budget's ledger (left to its default, SIGTERM would end the process before that)."""
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def run(args: argparse.Namespace) -> int:
-    """Open the cache (a bad cache option fails before the weights load), load the model, bind
-    the socket (a line on stderr names its real port at any ``--log-level``: ``--port 0`` gets one
-    from the OS), serve until interrupted.
+    """Serve until SIGINT (Ctrl-C) or SIGTERM; then the engine closes (its cache leaves a shared
+    budget's ledger) and one line on stderr says the server stopped, without a traceback.
 
     Returns:
-        0 after a clean shutdown, 2 on a configuration error.
+        0 after a clean shutdown (a signal included), 2 on a configuration error.
     """
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        return _serve(args)
+    previous = {signum: signal.signal(signum, _stop) for signum in STOP_SIGNALS}
+    try:
+        return _serve(args)
+    except KeyboardInterrupt as exc:
+        print(f"vmkv serve: stopped by {exc.args[0] if exc.args else 'SIGINT'}", file=sys.stderr)
+        return 0
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """Open the cache (a bad cache option fails before the weights load), load the model, bind
+    the socket (a line on stderr names its real port at any ``--log-level``: ``--port 0`` gets one
+    from the OS), serve until uvicorn stops; the engine closes whatever ends it."""
     import torch
     import uvicorn
 
@@ -104,6 +133,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.protect_metrics and not args.api_key:
         print("vmkv serve: --protect-metrics needs --api-key (or $VMKV_API_KEY)", file=sys.stderr)
+        return 2
+    if args.cuda_graphs == "on" and torch.device(args.device).type != "cuda":
+        print(f"vmkv serve: --cuda-graphs on needs a CUDA device (--device cuda): on {args.device} no graph can be "
+              "captured (auto captures them where they can be)", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads is not None:
