@@ -40,6 +40,7 @@ import torch
 from ..config import KVCacheConfig, PageGeometry
 from ..errors import ConcurrentUse, DuplicateSequence, InvalidInput, SequenceTooLong, StalePlan
 from ..ledger import SharedBudget
+from ..share import close_at_exit
 from ..validate import as_int, as_token_ids, check_seq_id
 from .budget import CacheBudget, PageMemory
 from .calls import CallGuard, exclusive, weak_method
@@ -107,11 +108,13 @@ class KVCacheBase(ABC):
             self._ahead = MapAhead(self._own.grow_one, self._own.covered, self.counters)
 
     def _join_budget(self, spec: SharedBudget, memory: PageMemory) -> CacheBudget:
-        """Take a seat in the host-wide ledger ``spec`` names, counting ``memory``'s pages."""
+        """Take a seat in the host-wide ledger ``spec`` names, counting ``memory``'s pages; a cache
+        still open at interpreter exit closes then, leaving the ledger (``share.close_at_exit``)."""
         self.budget = self._own.budget = CacheBudget(
             spec, self.geometry.page_bytes, self.geometry.num_pages, pool=self.pool, slots=self.slots, memory=memory,
             guard=self.guard, drop=self._own.drop, before_serving=weak_method(self._join_ahead),
             counters=self.counters)
+        close_at_exit(self)
         return self.budget
 
     # ---- hooks a mode implements ---------------------------------------------------------

@@ -51,7 +51,6 @@ from ..core.sequence import SeqId
 from ..core.step import StepPlan, slot_slice
 from ..errors import InvalidInput
 from ..kernels.registry import KernelSpec, make_kernel
-from ..share import close_at_exit
 from ..sizing import DeviceFacts, check_budget_fits, resolve, vmm_geometry
 from ..validate import as_layer, as_scale
 from .ranges import SlotRanges
@@ -109,7 +108,6 @@ class VirtualKVCache(KVCacheBase):
             self._k, self._v = ranges.k, ranges.v
             if config.shared_budget is not None:
                 ranges.budget = self._join_budget(config.shared_budget, ranges.memory)
-                close_at_exit(self)  # a cache still open at exit leaves the ledger too
             # each layer's K/V flattened to rows once: ``view`` (never a silent copy); token rows
             # [B * S, heads, dim], or head-major (slot, head, position) rows [B * H * S, dim]
             if config.layout == "head_major":
