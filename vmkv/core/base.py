@@ -658,14 +658,18 @@ class KVCacheBase(ABC):
 
     # ---- steps -----------------------------------------------------------------------------
     def _map_step(self, steps: list[Step], undoable: bool) -> tuple[StepPlan, int]:
-        """Copy shared pages written into (``undoable``: prefix-cached ones too), map the pages
-        the step needs, and build its plan (journaled, inside the caller's ``atomic``; nothing is
-        committed). Returns the plan and the number of pages copied."""
-        copies, grows = plan_pages(steps, self.pool, self.tokens_per_page, keep_cached=undoable)
-        self._own.make_room(sum(len(c) for c in copies) + sum(grows))
+        """Copy shared pages written into, map the pages the step needs, and build its plan
+        (journaled, inside the caller's ``atomic``; nothing is committed). Returns the plan and
+        the number of pages copied. ``undoable``: no page another owner or the prefix cache can
+        see is written, evicted or reused in the step (``cancel_step`` gives them back as they were)."""
+        copies, grows = plan_pages(steps, self.pool, self.tokens_per_page, undoable=undoable)
+        count = sum(len(c) for c in copies) + sum(grows)
+        self._own.make_room(count, keep_cached=undoable)
+        # undoable: every new page taken before any is let go, so none the step frees is written again
+        fresh = iter(self.pool.allocate(count)) if undoable else None
         for (seq, _, _), copy_at, grow in zip(steps, copies, grows):
-            self._own.copy_on_write(seq, copy_at)
-            self._own.grow(seq, grow)
+            self._own.copy_on_write(seq, copy_at, fresh)
+            self._own.grow(seq, grow, fresh)
         plan = self._build_plan([s for s, _, _ in steps], [c for _, c, _ in steps])  # may fail: before the commit
         return plan, sum(len(c) for c in copies)
 

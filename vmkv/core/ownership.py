@@ -8,7 +8,7 @@ writes a block-table entry); this module decides which page, with what reference
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Iterator, Protocol
 
 import torch
 
@@ -87,9 +87,10 @@ class PageOwnership:
                 self.pool.decref(old)
         return head + spare[len(head) :]
 
-    def make_room(self, count: int) -> None:
-        """Ensure ``pool.allocate(count)`` will succeed, taking spare pages back from freed slots,
-        and, in a shared budget, that the ledger granted the memory it will back.
+    def make_room(self, count: int, keep_cached: bool = False) -> None:
+        """Ensure ``pool.allocate(count)`` will succeed, taking spare pages back from freed slots
+        (and, unless ``keep_cached``, counting on evicting cached pages), and, in a shared budget,
+        that the ledger granted the memory it will back.
 
         Raises:
             OutOfPages: even with every spare page and cached page there is not enough, or the
@@ -98,7 +99,7 @@ class PageOwnership:
         short = count - self.pool.num_free
         if short > 0:
             spare = self.slots.idle_spare()
-            if count > self.pool.num_free + self.pool.num_cached + spare:
+            if count > self.pool.num_free + (0 if keep_cached else self.pool.num_cached) + spare:
                 raise OutOfPages(
                     f"need {count} pages; {self.pool.num_free} free, {self.pool.num_cached} cached, {spare} "
                     f"spare ({self.pool.num_pages} in all); free sequences or raise memory_budget"
@@ -107,18 +108,20 @@ class PageOwnership:
         if self.budget is not None:
             self.budget.cover(count)
 
-    def grow(self, seq: LiveSequence, count: int) -> None:
-        """Append ``count`` new pages to ``seq`` (room made first: :meth:`make_room`)."""
-        for page in self.pool.allocate(count):
+    def grow(self, seq: LiveSequence, count: int, fresh: Iterator[int] | None = None) -> None:
+        """Append ``count`` new pages to ``seq`` (room made first: :meth:`make_room`), taken from
+        ``fresh`` if given (pages allocated earlier)."""
+        for page in self.pool.allocate(count) if fresh is None else [next(fresh) for _ in range(count)]:
             self.addressing.attach(seq.slot, len(seq.pages), page, None, 0)
             seq.pages.append(page)
             self.guard.log(seq.pages.pop)
 
-    def copy_on_write(self, seq: LiveSequence, indexes: list[int]) -> None:
-        """Give ``seq`` private copies of the shared pages at ``indexes`` (only stored tokens are copied)."""
+    def copy_on_write(self, seq: LiveSequence, indexes: list[int], fresh: Iterator[int] | None = None) -> None:
+        """Give ``seq`` private copies of the shared pages at ``indexes`` (only stored tokens are
+        copied), taken from ``fresh`` if given."""
         for index in indexes:
             old = seq.pages[index]
-            (page,) = self.pool.allocate(1)
+            page = self.pool.allocate(1)[0] if fresh is None else next(fresh)
             keep = min(self.tokens_per_page, max(0, seq.length - index * self.tokens_per_page))
             self.addressing.attach(seq.slot, index, page, old, keep)
             self.pool.decref(old)

@@ -22,12 +22,13 @@ from .step import StepPlan
 
 
 def plan_pages(steps: list[Step], pool: PagePool, tokens_per_page: int,
-               keep_cached: bool = False) -> tuple[list[list[int]], list[int]]:
+               undoable: bool = False) -> tuple[list[list[int]], list[int]]:
     """For each step: the page indexes to copy before writing, and how many pages to add.
 
     Simulates the reference drops of earlier copies, so two sequences writing into the same
-    shared page cost one copy, not two. ``keep_cached``: a page in the prefix index is copied too
-    rather than written (an undoable step must leave it as it was: ``KVCacheBase.cancel_step``).
+    shared page cost one copy, not two. ``undoable``: every page another owner or the prefix
+    index can see is copied rather than written, so that cancelling the step
+    (``KVCacheBase.cancel_step``) gives them back unchanged.
     """
     dropped: Counter[int] = Counter()
     copies, grows = [], []
@@ -37,7 +38,8 @@ def plan_pages(steps: list[Step], pool: PagePool, tokens_per_page: int,
         copy_at = []
         for index in range(first, min(end, len(seq.pages))):
             page = seq.pages[index]
-            if pool.refcount(page) - dropped[page] > 1 or (keep_cached and pool.page_hash(page) is not None):
+            shared = pool.refcount(page) > 1 if undoable else pool.refcount(page) - dropped[page] > 1
+            if shared or (undoable and pool.page_hash(page) is not None):
                 dropped[page] += 1
                 copy_at.append(index)
         copies.append(copy_at)
