@@ -120,15 +120,12 @@ class StaticStep:
         if rows > self.capacity or (rows > batch and pad is None):
             raise ValueError(f"{rows} rows (batch {batch}) for a step of capacity {self.capacity}, pad={pad}")
         host = self._host[:, :rows]
-        host[0, :batch] = torch.tensor(plan.starts)
-        host[1, :batch] = torch.tensor(plan.slots) if self.addressing == "slots" else 0
-        host[3, :batch] = torch.tensor(plan.kv_lens)
+        slots = plan.slots if self.addressing == "slots" else (0,) * batch
+        host[:, :batch] = torch.tensor((plan.starts, slots, plan.starts, plan.kv_lens))  # write_at: the column (slots)
         if rows > batch:
-            host[:, batch:] = torch.tensor([[0], [pad.slot if self.addressing == "slots" else 0], [0], [1]])
-        if self.addressing == "slots":
-            host[2, :rows] = host[0, :rows]
-        elif rows > batch:
-            host[2, batch:] = pad.block * self.table_block_size
+            pad_slot = pad.slot if self.addressing == "slots" else 0
+            pad_at = 0 if self.addressing == "slots" else pad.block * self.table_block_size
+            host[:, batch:] = torch.tensor([[0], [pad_slot], [pad_at], [1]])
         self._rows[:, :rows].copy_(host, non_blocking=True)
         self.kv_lens[:rows].copy_(self._rows[self.KV_LENS, :rows])
         if self.addressing == "blocks":
