@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import vmkv
-from vmkv.errors import BackendError, NoFreeSlot, OutOfPages, StalePlan
+from vmkv.errors import BackendError, InvalidInput, NoFreeSlot, OutOfPages, StalePlan
 
 TPP = 8  # 2 heads x 64 floats = 512 B a token: 4 KiB pages / blocks of 8 hold 8 tokens
 CONFIG = dict(
@@ -230,6 +230,47 @@ LONG = settings(max_examples=1200, stateful_step_count=12, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow])
 
 
+class WindowMachine(CacheMachine):
+    """The same rules over a cache whose layers share a sliding window (issue 36): pages wholly
+    behind it are released at each step's start; the window's tokens read back exactly, the
+    released ones as zeros; a truncate past the slack is refused, changing nothing."""
+
+    window = dict(layer_windows=(11, 11), window_slack=3)
+
+    def __init__(self) -> None:
+        RuleBasedStateMachine.__init__(self)
+        self.cache = vmkv.open_cache(vmkv.KVCacheConfig(**CONFIG, **self.window), mode=self.mode)
+        self.faults = instrument(self.cache)
+        self.tokens, self.next_id = {}, 0
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def truncate(self, data):
+        seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        length = data.draw(st.integers(0, len(self.tokens[seq_id])))
+        before = self.cache.state()
+        try:
+            self.cache.truncate(seq_id, length)
+        except InvalidInput:
+            assert self.cache.state() == before and length < len(self.tokens[seq_id])
+            return
+        del self.tokens[seq_id][length:]
+
+    @invariant()
+    def pages_and_contents_are_consistent(self):
+        self.cache.check()
+        assert self.cache.stats()["tokens"] == sum(len(t) for t in self.tokens.values())
+        for seq_id, toks in self.tokens.items():
+            assert self.cache.seq_len(seq_id) == len(toks)
+            pages = self.cache.pages(seq_id)[: -(-len(toks) // TPP)]  # those of its tokens (reserve maps more)
+            gone = pages.count(-1) * TPP  # positions of released pages
+            assert len(toks) - gone <= 11 + 3 + 20 + TPP, "a row holds more than its window, slack, a step and a page"
+            for layer in range(CONFIG["num_layers"]):
+                k, _ = self.cache.kv(seq_id, layer)
+                want = kv_of(toks, 0, layer)
+                assert torch.equal(k[gone:], want[gone:]) and not k[:gone].any(), f"sequence {seq_id} layer {layer}"
+
+
 class VmmMachine(CacheMachine):
     mode = "vmm"
 
@@ -240,6 +281,12 @@ class PagedMachine(CacheMachine):
 
 TestVmmStateMachine = SETTINGS(VmmMachine).TestCase
 TestPagedStateMachine = SETTINGS(PagedMachine).TestCase
+TestVmmWindowStateMachine = SETTINGS(type("VmmWindowMachine", (WindowMachine,), {"mode": "vmm"})).TestCase
+TestPagedWindowStateMachine = SETTINGS(type("PagedWindowMachine", (WindowMachine,), {"mode": "paged"})).TestCase
+TestWindowStateMachineLong = pytest.mark.slow(type("WindowMachineLong", (WindowMachine,), {"mode": "vmm"}).TestCase)
+TestWindowStateMachineLong.settings = LONG
+TestPagedWindowStateMachineLong = pytest.mark.slow(type("PagedWindowMachineLong", (WindowMachine,), {"mode": "paged"}).TestCase)
+TestPagedWindowStateMachineLong.settings = LONG
 TestVmmStateMachineLong = pytest.mark.slow(type("VmmMachineLong", (CacheMachine,), {"mode": "vmm"}).TestCase)
 TestVmmStateMachineLong.settings = LONG
 TestPagedStateMachineLong = pytest.mark.slow(type("PagedMachineLong", (CacheMachine,), {"mode": "paged"}).TestCase)

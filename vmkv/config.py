@@ -174,6 +174,14 @@ class KVCacheConfig:
             a page with memory only once the ledger granted it, gives idle pages back when
             others need them, and ``memory_budget`` is only its own ceiling (on CUDA the
             backend then creates pages per grant and releases them, instead of all at open).
+        layer_windows: per layer, its sliding window in tokens (a query at position p sees keys
+            p - window + 1 .. p), 0 for full attention; ``None``: every layer full. A cache
+            whose layers share one window releases each sequence's pages wholly behind it
+            (VMM: unmapped, the zero page reads there; paged: blocks back to the pool);
+            ``vmkv.open_cache`` gives layers of different windows a cache each
+            (:mod:`vmkv.core.groups`).
+        window_slack: tokens kept behind the window (``crop`` and speculative decoding roll
+            back within it); ``None``: one page.
     """
 
     num_layers: int
@@ -191,6 +199,8 @@ class KVCacheConfig:
     deferred_reclaim: bool = True
     map_ahead: bool = False
     shared_budget: SharedBudget | str | None = None
+    layer_windows: tuple[int, ...] | None = None
+    window_slack: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "max_batch_size", "max_seq_len", "block_size"):
@@ -214,6 +224,22 @@ class KVCacheConfig:
         for name in ("prefix_caching", "deferred_reclaim", "map_ahead"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidConfig(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.layer_windows is not None:
+            windows = tuple(self.layer_windows) if isinstance(self.layer_windows, (list, tuple)) else None
+            if windows is None or len(windows) != self.num_layers or not all(
+                    isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in windows):
+                raise InvalidConfig(f"layer_windows must give each of the {self.num_layers} layers a window >= 0 "
+                                    f"(0: full attention), got {self.layer_windows!r}")
+            object.__setattr__(self, "layer_windows", windows)
+        if self.window_slack is not None and (isinstance(self.window_slack, bool) or not isinstance(self.window_slack, int)
+                                              or self.window_slack < 0):
+            raise InvalidConfig(f"window_slack must be an int >= 0 or None (one page), got {self.window_slack!r}")
+
+    @property
+    def window(self) -> int | None:
+        """The sliding window every layer shares (0: full attention), or ``None`` if they differ."""
+        windows = set(self.layer_windows or (0,))
+        return windows.pop() if len(windows) == 1 else None
 
     @property
     def element_size(self) -> int:

@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..config import KVCacheConfig, PageGeometry
-from ..errors import ConcurrentUse, DuplicateSequence, InvalidInput, SequenceTooLong, StalePlan
+from ..errors import ConcurrentUse, DuplicateSequence, InvalidConfig, InvalidInput, SequenceTooLong, StalePlan
 from ..ledger import SharedBudget
 from ..share import close_at_exit
 from ..validate import as_int, as_token_ids, check_seq_id
@@ -50,9 +50,10 @@ from .ownership import Addressing, PageOwnership
 from .pages import PagePool
 from .planning import DecodeFastPath, plan_pages
 from .prefix import PrefixIndex
-from .sequence import LiveSequence, SeqId
+from .sequence import RELEASED, LiveSequence, SeqId
 from .slots import SlotTable
 from .step import StepPlan, make_plan
+from .window import SlidingWindow
 
 
 class KVCacheBase(ABC):
@@ -82,8 +83,15 @@ class KVCacheBase(ABC):
         self.pool = PagePool(geometry.num_pages)
         self.guard = CallGuard(self.pool)
         self.slots = SlotTable(config.max_batch_size, self.guard.log)
-        self.prefix = PrefixIndex(self.pool, self.tokens_per_page, config.prefix_caching, self.guard.log)
-        self._fast = DecodeFastPath(self.tokens_per_page, config.max_seq_len)
+        if config.window is None:
+            raise InvalidConfig("a core cache's layers share one window; vmkv.open_cache gives layers of different "
+                                "windows a cache each (vmkv.core.groups)")
+        slack = self.tokens_per_page if config.window_slack is None else config.window_slack
+        self.window = SlidingWindow(config.window, slack, self.tokens_per_page) if config.window else None
+        # a windowed cache forgets old pages: no prompt could find them again
+        self.prefix = PrefixIndex(self.pool, self.tokens_per_page, config.prefix_caching and self.window is None,
+                                  self.guard.log)
+        self._fast = DecodeFastPath(self.tokens_per_page, config.max_seq_len, self.window)
         self._seqs: dict[SeqId, LiveSequence] = {}
         self._keep_spare = config.deferred_reclaim and self.mode == "vmm"
         self._tokens = 0  # sum of the live sequences' lengths (stats() is O(1))
@@ -209,11 +217,11 @@ class KVCacheBase(ABC):
         slot = self.slots.pick(0)
         with self.guard.atomic():
             self._finish_last_step()
-            for page in src.pages:
+            for page in src.pages[src.released:]:
                 self.pool.incref(page)
             pages = self._own.adopt_slot(slot, list(src.pages))
         seq = self._start_sequence(dst_id, slot, pages, src.length, list(src.tokens))
-        seq.reserved, seq.hashes = src.reserved, list(src.hashes)
+        seq.reserved, seq.hashes, seq.released = src.reserved, list(src.hashes), src.released
         self.counters["forks"] += 1
         return slot
 
@@ -232,7 +240,7 @@ class KVCacheBase(ABC):
             self._finish_last_step()  # first: its full pages stay in the prefix cache
             keep = 0
             if self._keep_spare:
-                while keep < len(seq.pages) and self._own.is_private(seq.pages[keep]):
+                while keep < len(seq.pages) and not seq.released and self._own.is_private(seq.pages[keep]):
                     keep += 1
             self._own.drop_from(seq, keep)
         self.slots.vacate(seq.slot, seq.pages[:keep])
@@ -274,6 +282,8 @@ class KVCacheBase(ABC):
         length = as_int(length, "truncate length")
         if length > seq.length:
             raise InvalidInput(f"truncate length must be in 0..{seq.length}, got {length}")
+        if self.window is not None:
+            self.window.check_truncate(seq, length)
         with self.guard.atomic():
             self._finish_last_step()
         self._tokens -= seq.length - length
@@ -368,9 +378,11 @@ class KVCacheBase(ABC):
             self._tokens += len(seqs)
         else:
             steps = steps or self._parse_batch(batch)
+            released = sum(self.window.count_behind(seq) for seq, _, _ in steps) if self.window else 0
             with self.guard.atomic():
                 self._finish_last_step()
                 plan, copies = self._map_step(steps, undoable)
+            self.counters["window_releases"] += released
             self._commit_step(steps)
             seqs = [seq for seq, _, _ in steps]
         self.counters["cow_copies"] += copies
@@ -558,7 +570,8 @@ class KVCacheBase(ABC):
         self.pool.check()
         owners: Counter[int] = Counter()
         for seq in self._seqs.values():
-            owners.update(seq.pages)
+            owners.update(seq.pages[seq.released:])
+            assert all(page == RELEASED for page in seq.pages[:seq.released]), f"{seq.seq_id!r}: a released page is held"
             assert seq.length <= len(seq.pages) * self.tokens_per_page, f"{seq.seq_id!r} outgrew its pages"
             assert seq.slot not in self.slots.free and not self.slots.spare[seq.slot]
         assert len(self.slots.free) + len(self._seqs) == self.slots.count, "a slot is both free and held"
@@ -573,7 +586,7 @@ class KVCacheBase(ABC):
         """Everything that defines the cache's bookkeeping, as comparable values: a failed call
         leaves it equal (tests compare it before and after)."""
         seqs = tuple(
-            (s.seq_id, s.slot, tuple(s.pages), s.length, s.reserved, tuple(s.tokens), tuple(s.hashes))
+            (s.seq_id, s.slot, tuple(s.pages), s.length, s.reserved, tuple(s.tokens), tuple(s.hashes), s.released)
             for s in self._seqs.values()
         )
         spare, free = self.slots.state()
@@ -660,13 +673,23 @@ class KVCacheBase(ABC):
     def _map_step(self, steps: list[Step], undoable: bool) -> tuple[StepPlan, int]:
         """Copy shared pages written into, map the pages the step needs, and build its plan
         (journaled, inside the caller's ``atomic``; nothing is committed). Returns the plan and
-        the number of pages copied. ``undoable``: no page another owner or the prefix cache can
-        see is written, evicted or reused in the step (``cancel_step`` gives them back as they were)."""
+        the number of pages copied. A sliding window's pages wholly behind it are released first.
+        ``undoable``: no page another owner or the prefix cache can see is written, evicted or
+        reused in the step (``cancel_step`` gives them back as they were)."""
         copies, grows = plan_pages(steps, self.pool, self.tokens_per_page, undoable=undoable)
         count = sum(len(c) for c in copies) + sum(grows)
-        self._own.make_room(count, keep_cached=undoable)
-        # undoable: every new page taken before any is let go, so none the step frees is written again
-        fresh = iter(self.pool.allocate(count)) if undoable else None
+        behind = Counter(page for seq, _, _ in steps for page in self.window.behind(seq)) if self.window else Counter()
+        # the pages behind each window go first and the step may take them, unless it is undoable
+        freed = 0 if undoable else sum(self.pool.refcount(page) == n for page, n in behind.items())
+        self._own.check_room(count, undoable, freed)
+        fresh = None
+        if undoable:  # every new page taken before any is let go, so none the step frees is written again
+            self._own.make_room(count, keep_cached=True)
+            fresh = iter(self.pool.allocate(count))
+        for seq, _, _ in steps if behind else ():
+            self.window.release(seq, self._own)
+        if not undoable:
+            self._own.make_room(count)
         for (seq, _, _), copy_at, grow in zip(steps, copies, grows):
             self._own.copy_on_write(seq, copy_at, fresh)
             self._own.grow(seq, grow, fresh)

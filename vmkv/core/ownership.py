@@ -15,7 +15,7 @@ import torch
 from ..errors import OutOfPages
 from .calls import CallGuard
 from .pages import PagePool
-from .sequence import LiveSequence
+from .sequence import RELEASED, LiveSequence
 from .slots import SlotTable
 
 if TYPE_CHECKING:
@@ -82,10 +82,25 @@ class PageOwnership:
         spare = self.slots.spare[slot]
         for index, page in enumerate(head):
             old = spare[index] if index < len(spare) else None
+            if page == RELEASED:  # behind a sliding window (a fork's): nothing there
+                if old is not None:
+                    self.drop(slot, index, old)
+                continue
             self.addressing.attach(slot, index, page, old, 0)
             if old is not None:
                 self.pool.decref(old)
         return head + spare[len(head) :]
+
+    def check_room(self, count: int, keep_cached: bool = False, freed: int = 0) -> None:
+        """Raise ``OutOfPages`` (changing nothing) unless :meth:`make_room` can find ``count``
+        pages once ``freed`` more are free: free, spare pages of freed slots, and, unless
+        ``keep_cached``, cached pages to evict."""
+        spare = self.slots.idle_spare() if count > self.pool.num_free + freed else 0
+        if count > self.pool.num_free + freed + (0 if keep_cached else self.pool.num_cached) + spare:
+            raise OutOfPages(
+                f"need {count} pages; {self.pool.num_free + freed} free, {self.pool.num_cached} cached, {spare} "
+                f"spare ({self.pool.num_pages} in all); free sequences or raise memory_budget"
+            )
 
     def make_room(self, count: int, keep_cached: bool = False) -> None:
         """Ensure ``pool.allocate(count)`` will succeed, taking spare pages back from freed slots
@@ -93,17 +108,12 @@ class PageOwnership:
         that the ledger granted the memory it will back.
 
         Raises:
-            OutOfPages: even with every spare page and cached page there is not enough, or the
-                shared budget did not free up in time.
+            OutOfPages: even with every spare page and cached page there is not enough
+                (:meth:`check_room`), or the shared budget did not free up in time.
         """
+        self.check_room(count, keep_cached)
         short = count - self.pool.num_free
         if short > 0:
-            spare = self.slots.idle_spare()
-            if count > self.pool.num_free + (0 if keep_cached else self.pool.num_cached) + spare:
-                raise OutOfPages(
-                    f"need {count} pages; {self.pool.num_free} free, {self.pool.num_cached} cached, {spare} "
-                    f"spare ({self.pool.num_pages} in all); free sequences or raise memory_budget"
-                )
             self.slots.drain(short, self.drop)
         if self.budget is not None:
             self.budget.cover(count)
@@ -141,5 +151,5 @@ class PageOwnership:
     def drop_from(self, seq: LiveSequence, keep: int) -> None:
         """Drop the pages of ``seq`` past its first ``keep``, last first (the caller then shortens
         ``seq.pages``: the list itself is not journaled)."""
-        for index in range(len(seq.pages) - 1, keep - 1, -1):
+        for index in range(len(seq.pages) - 1, max(keep, seq.released) - 1, -1):
             self.drop(seq.slot, index, seq.pages[index])

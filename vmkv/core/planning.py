@@ -19,6 +19,7 @@ from .checks import Step
 from .pages import PagePool
 from .sequence import LiveSequence
 from .step import StepPlan
+from .window import SlidingWindow
 
 
 def plan_pages(steps: list[Step], pool: PagePool, tokens_per_page: int,
@@ -53,11 +54,14 @@ class DecodeFastPath:
     Args:
         tokens_per_page: tokens of one page.
         max_seq_len: the longest a sequence may grow.
+        window: the cache's sliding window, if any: a step that must release a page takes the
+            full path.
     """
 
-    def __init__(self, tokens_per_page: int, max_seq_len: int) -> None:
+    def __init__(self, tokens_per_page: int, max_seq_len: int, window: SlidingWindow | None = None) -> None:
         self.tokens_per_page = tokens_per_page
         self.max_seq_len = max_seq_len
+        self.window = window
         self.plan: StepPlan | None = None  # the last committed plan
         self.seqs: list[LiveSequence] = []  # its sequences, in its order
         self._room = 0  # decode steps the fast path may still take
@@ -104,4 +108,7 @@ class DecodeFastPath:
         """Decode steps (one token per sequence) that still fit, for every one of ``seqs``, in the
         page holding its last token and within ``max_seq_len`` (0 when one is at a page boundary)."""
         tpp, limit = self.tokens_per_page, self.max_seq_len
-        return min(min((tpp - seq.length % tpp) % tpp, limit - seq.length) for seq in seqs)
+        room = min(min((tpp - seq.length % tpp) % tpp, limit - seq.length) for seq in seqs)
+        if self.window is not None:
+            room = min(room, min(self.window.steps_before_release(seq) for seq in seqs))
+        return room

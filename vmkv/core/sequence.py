@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from typing import Hashable
 
 SeqId = Hashable
+RELEASED = -1
+"""A logical page a sliding window left behind: no pool page (VMM: the zero page; paged: no block)."""
 
 
 @dataclass
@@ -14,7 +16,8 @@ class LiveSequence:
 
     Invariants (checked by ``KVCacheBase.check``): ``pages[i]`` holds its tokens
     ``i * tpp .. (i + 1) * tpp - 1`` (``tpp``: tokens per page) and each holds one pool reference
-    for it; ``length <= len(pages) * tpp``; ``hashes[i]`` is the prefix hash of full page ``i``
+    for it, but for the first ``released`` entries, :data:`RELEASED` (wholly behind a sliding
+    window: no page, no reference); ``length <= len(pages) * tpp``; ``hashes[i]`` is the prefix hash of full page ``i``
     (a prefix of ``pages``); ``tokens`` are the ids of positions ``0 .. len(tokens) - 1``, known
     only as far as the caller gave them.
     """
@@ -26,3 +29,4 @@ class LiveSequence:
     reserved: int = 0  # tokens reserve() guaranteed room for
     tokens: list[int] = field(default_factory=list)  # known token ids of positions 0..len-1
     hashes: list[bytes] = field(default_factory=list)  # chained hash of each full page, in order
+    released: int = 0  # leading logical pages a sliding window released

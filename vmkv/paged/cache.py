@@ -16,7 +16,7 @@ import torch
 from ..config import KVCacheConfig, as_config
 from ..core.base import KVCacheBase
 from ..core.calls import exclusive
-from ..core.sequence import SeqId
+from ..core.sequence import RELEASED, SeqId
 from ..core.step import StepPlan
 from ..errors import BackendUnavailable, InvalidConfig
 from ..kernels.base import AttentionKernel
@@ -105,7 +105,8 @@ class PagedKVCache(KVCacheBase):
     def kv(self, seq_id: SeqId, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The stored K and V of one sequence in one layer, each ``[length, kv_heads, head_dim]``.
 
-        Paged storage is not contiguous per sequence, so this gathers its blocks (a copy).
+        Paged storage is not contiguous per sequence, so this gathers its blocks (a copy); the
+        blocks a sliding window released read zeros, as VMM mode's zero page does.
 
         Raises:
             UnknownSequence, InvalidInput.
@@ -113,8 +114,9 @@ class PagedKVCache(KVCacheBase):
         seq = self._get(seq_id)
         layer = as_layer(layer, self.config.num_layers)
         blocks = torch.tensor(seq.pages[: self.pages_for(seq.length)], dtype=torch.long, device=self.config.device)
-        k = self._k[layer][blocks].flatten(0, 1)[: seq.length]
-        v = self._v[layer][blocks].flatten(0, 1)[: seq.length]
+        held = (blocks != RELEASED)[:, None, None, None]  # [blocks, 1, 1, 1]
+        k, v = (torch.where(held, pool[blocks.clamp(min=0)], 0).flatten(0, 1)[: seq.length]
+                for pool in (self._k[layer], self._v[layer]))
         return k, v
 
     @exclusive
