@@ -125,7 +125,7 @@ def test_compiled_generate_over_each_layout_gives_static_caches_tokens(model, la
     cache = compiled_cache(model, layout=layout)
     assert torch.equal(generate(model, cache, ids, mask, do_sample=False), static)
     assert cache.stats()["compile_fallbacks"] == 0
-    bases = {id(store.base) for pair in cache._compiled.static.stores for store in pair}
+    bases = {id(store.base) for part in cache._compiled.static.parts for pair in part.stores for store in pair}
     assert len(bases) == (2 if layout == "all_layers" else 2 * model.config.num_hidden_layers)
     cache.close()
 
@@ -554,7 +554,7 @@ TRITON_DECODE = textwrap.dedent("""
     eager = generate(vmkv.hf.VirtualCache("vmm", config=model.config, max_seq_len=21))
     cache = vmkv.hf.VirtualCache("vmm", config=model.config, max_seq_len=21, compile=True)
     compiled = generate(cache)
-    assert cache._compiled.static.kernel == "sdpa_masked", cache._compiled.static.choice
+    assert cache._compiled.static.kernel == "sdpa_masked", cache._compiled.static.parts[0].choice
     assert cache.stats()["compiled_steps"] == 11, cache.stats()
     print("head_dim 96", "SAME" if torch.equal(eager, compiled) else "DIFFERENT")
 """)

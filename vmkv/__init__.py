@@ -10,8 +10,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import errors, sizing  # noqa: F401 - vmkv.sizing, the page decisions (public)
-from .config import KVCacheConfig
+from .config import KVCacheConfig, as_config
 from .core.base import KVCacheBase
+from .core.groups import GroupedPlan, LayerGroups
 from .core.step import StepPlan
 from .errors import *  # noqa: F403 - every typed error, as listed in errors.__all__
 from .errors import InvalidConfig
@@ -39,16 +40,27 @@ def open_cache(config: KVCacheConfig | Mapping[str, Any], mode: str = "vmm", *, 
             KVCacheConfig nor a mapping of its fields, or whose values are invalid.
         BackendUnavailable: the forced kernel (or the device's backend) cannot run here.
     """
-    if mode == "vmm":
-        return VirtualKVCache(config, kernel=kernel)
-    if mode == "paged":
-        return PagedKVCache(config, kernel=kernel)
-    raise InvalidConfig(f"mode must be 'vmm' or 'paged', got {mode!r}")
+    if mode not in ("vmm", "paged"):
+        raise InvalidConfig(f"mode must be 'vmm' or 'paged', got {mode!r}")
+    config = as_config(config)
+    if config.window is None:  # layers of different windows: a cache of each (vmkv.core.groups)
+        groups = []
+        try:
+            for layers, sub in sizing.layer_groups(config):
+                groups.append((layers, open_cache(sub, mode, kernel=kernel)))
+        except BaseException:
+            for _, core in groups:
+                core.close()
+            raise
+        return LayerGroups(config, groups)
+    return (VirtualKVCache if mode == "vmm" else PagedKVCache)(config, kernel=kernel)
 
 
 __all__ = [
     "KVCacheBase",
     "KVCacheConfig",
+    "LayerGroups",
+    "GroupedPlan",
     "VirtualKVCache",
     "PagedKVCache",
     "StepPlan",

@@ -182,6 +182,9 @@ class KVCacheConfig:
             (:mod:`vmkv.core.groups`).
         window_slack: tokens kept behind the window (``crop`` and speculative decoding roll
             back within it); ``None``: one page.
+        max_step_tokens: the most tokens one step adds to a sequence (a prefill chunk): what a
+            windowed layer must hold beyond its window while the step runs, which sizes its share
+            of ``memory_budget``; ``None``: ``max_seq_len`` (a whole prompt in one step).
     """
 
     num_layers: int
@@ -201,6 +204,7 @@ class KVCacheConfig:
     shared_budget: SharedBudget | str | None = None
     layer_windows: tuple[int, ...] | None = None
     window_slack: int | None = None
+    max_step_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "max_batch_size", "max_seq_len", "block_size"):
@@ -234,6 +238,9 @@ class KVCacheConfig:
         if self.window_slack is not None and (isinstance(self.window_slack, bool) or not isinstance(self.window_slack, int)
                                               or self.window_slack < 0):
             raise InvalidConfig(f"window_slack must be an int >= 0 or None (one page), got {self.window_slack!r}")
+        if self.max_step_tokens is not None and (isinstance(self.max_step_tokens, bool)
+                                                 or not isinstance(self.max_step_tokens, int) or self.max_step_tokens < 1):
+            raise InvalidConfig(f"max_step_tokens must be a positive int or None (max_seq_len), got {self.max_step_tokens!r}")
 
     @property
     def window(self) -> int | None:

@@ -318,3 +318,38 @@ def mappable_pages(pieces: int, room: int | None) -> int:
     return max(1, (room // 2 // pieces - 1) // 2)
 
 
+def layer_groups(config: KVCacheConfig, facts: DeviceFacts | None = None) -> list[tuple[list[int], KVCacheConfig]]:
+    """How a model whose layers have different windows (``config.layer_windows``) shares a cache:
+    a core cache per window (:mod:`vmkv.core.groups`), as ``(layers, config)`` pairs in the order
+    of their first layer. ``memory_budget`` is split by what each group holds at most per row: a
+    full layer ``max_seq_len`` tokens, a windowed one its window and slack, the longest step
+    (``max_step_tokens``) and a page at each end, so each group's pages run out together.
+
+    Raises:
+        InvalidConfig: a shared budget (each group would be a member of its own: not supported).
+    """
+    if config.shared_budget is not None:
+        raise InvalidConfig("shared_budget with layers of different windows is not supported: "
+                            "give every layer the same window, or leave the shared budget out")
+    by_window: dict[int, list[int]] = {}
+    for layer, window in enumerate(config.layer_windows):
+        by_window.setdefault(window, []).append(layer)
+    groups, needs = [], []
+    for window, layers in by_window.items():
+        sub = config.replace(num_layers=len(layers), layer_windows=(window,) * len(layers))
+        tpp = _tokens_per_page(sub, facts)
+        slack = tpp if config.window_slack is None else config.window_slack
+        step = config.max_step_tokens or config.max_seq_len
+        span = config.max_seq_len if not window else min(config.max_seq_len, window + slack + step + 2 * tpp)
+        groups.append((layers, sub))
+        needs.append(span * sub.bytes_per_token)
+    return [(layers, sub.replace(memory_budget=config.memory_budget * need // sum(needs)))
+            for (layers, sub), need in zip(groups, needs)]
+
+
+def _tokens_per_page(config: KVCacheConfig, facts: DeviceFacts | None) -> int:
+    """Tokens of the larger of ``config``'s VMM page (resolved) and its paged block: what a
+    windowed group keeps at each end of a row, for the budget split of either mode."""
+    resolved = resolve(config, facts)
+    return max(resolved.page_size // resolved.tensor_token_bytes(), config.block_size)
+

@@ -154,7 +154,7 @@ class KVCacheBase(ABC):
 
     # ---- starting and ending sequences ---------------------------------------------------
     @exclusive
-    def add(self, seq_id: SeqId, token_ids: Sequence[int] | None = None) -> int:
+    def add(self, seq_id: SeqId, token_ids: Sequence[int] | None = None, *, slot: int | None = None) -> int:
         """Start a sequence in a free slot, reusing cached pages of its prompt.
 
         Args:
@@ -163,6 +163,8 @@ class KVCacheBase(ABC):
                 whole pages already cached is linked in (no copy, no new page) and counts as
                 stored: ``seq_len(seq_id)`` then says how many tokens the caller may skip. At
                 least one token is always left to compute.
+            slot: take this free slot (a sequence of a cache of layer groups takes the same slot
+                in each group: :mod:`vmkv.core.groups`); default: the best fit.
 
         Returns:
             The slot (batch row) the sequence occupies.
@@ -178,11 +180,11 @@ class KVCacheBase(ABC):
         tokens = [] if token_ids is None else as_token_ids(token_ids)
         if len(tokens) > self.config.max_seq_len:
             raise SequenceTooLong(f"prompt of {len(tokens)} tokens exceeds max_seq_len={self.config.max_seq_len}")
-        self.slots.require_free(seq_id)
+        self.slots.require_free(seq_id, slot)
         with self.guard.atomic():
             self._finish_last_step()
             hits = self.prefix.match(tokens)
-            slot = self.slots.pick(self.pages_for(len(tokens)) if tokens else None)
+            slot = self.slots.pick(self.pages_for(len(tokens)) if tokens else None, slot)
             for page, _ in hits:
                 self.pool.incref(page)
             pages = self._own.adopt_slot(slot, [page for page, _ in hits])
@@ -195,11 +197,12 @@ class KVCacheBase(ABC):
         return slot
 
     @exclusive
-    def fork(self, src_id: SeqId, dst_id: SeqId) -> int:
+    def fork(self, src_id: SeqId, dst_id: SeqId, *, slot: int | None = None) -> int:
         """Start ``dst_id`` as a copy of ``src_id`` that shares all of its pages (no copy).
 
         The first write of either sequence into a shared page copies that page (copy-on-write),
-        so neither ever sees the other's new tokens. Forking allocates no page.
+        so neither ever sees the other's new tokens. Forking allocates no page. ``slot``: as
+        :meth:`add`'s.
 
         Returns:
             The slot of ``dst_id``.
@@ -213,8 +216,8 @@ class KVCacheBase(ABC):
         check_seq_id(dst_id)
         if dst_id in self._seqs:
             raise DuplicateSequence(f"cannot fork into {dst_id!r}: it already exists")
-        self.slots.require_free(dst_id)
-        slot = self.slots.pick(0)
+        self.slots.require_free(dst_id, slot)
+        slot = self.slots.pick(0, slot)
         with self.guard.atomic():
             self._finish_last_step()
             for page in src.pages[src.released:]:
@@ -536,7 +539,7 @@ class KVCacheBase(ABC):
         1.0 when sharing stores one page for several sequences."""
         page_bytes = self.geometry.page_bytes
         token_bytes = self._tokens * self.config.bytes_per_token
-        bytes_in_use = self.pool.num_in_use * page_bytes
+        bytes_in_use = self.bytes_in_use
         return {
             "mode": self.mode,
             "kernel": self.kernel,
@@ -560,7 +563,14 @@ class KVCacheBase(ABC):
             "forks": self.counters["forks"],
             "evictions": self.pool.evictions,
             "map_ahead_errors": self.counters["map_ahead_errors"],
+            "window": self.config.window,
+            "window_releases": self.counters["window_releases"],
         }
+
+    @property
+    def bytes_in_use(self) -> int:
+        """Bytes of the pool pages in use."""
+        return self.pool.num_in_use * self.geometry.page_bytes
 
     @exclusive
     def check(self) -> None:

@@ -38,19 +38,22 @@ class SlotTable:
         self.spare: dict[int, list[int]] = {slot: [] for slot in range(count)}
         self._log = log
 
-    def require_free(self, seq_id: object) -> None:
-        """Raise ``NoFreeSlot`` unless a slot is free for a new sequence ``seq_id``."""
+    def require_free(self, seq_id: object, slot: int | None = None) -> None:
+        """Raise ``NoFreeSlot`` unless a slot (``slot`` itself, if given) is free for a new sequence ``seq_id``."""
+        if slot is not None and slot not in self.free:
+            raise NoFreeSlot(f"slot {slot} is not free for {seq_id!r}")
         if not self.free:
             raise NoFreeSlot(
                 f"all {self.count} slots are in use; free a sequence before adding {seq_id!r} or raise max_batch_size"
             )
 
-    def pick(self, want_pages: int | None) -> int:
-        """A free slot for a new sequence, reusing the spare pages it keeps mapped.
-
-        With ``want_pages`` known: best fit, the fewest spare pages that still cover it, else the
-        most. With ``None`` (size unknown): the most spare pages.
+    def pick(self, want_pages: int | None, slot: int | None = None) -> int:
+        """A free slot for a new sequence, reusing the spare pages it keeps mapped: ``slot`` if
+        given (free: :meth:`require_free`), else with ``want_pages`` known the best fit, the
+        fewest spare pages that still cover it, else the most; with ``None`` the most.
         """
+        if slot is not None:
+            return slot
 
         def fit(slot: int) -> tuple[int, int, int]:
             spare = len(self.spare[slot])

@@ -187,9 +187,7 @@ class DecodeGraphs:
         """Start the scratch sequence (one token, one page) padding rows write into."""
         cache = self.cache
         cache.add(PAD_SEQUENCE)
-        plan = cache.begin_step({PAD_SEQUENCE: 1})
-        block = int(plan.block_table[0, 0]) if plan.block_table is not None else 0
-        return PadRow(cache.slot(PAD_SEQUENCE), block)
+        return PadRow.of(cache, cache.begin_step({PAD_SEQUENCE: 1}))
 
     def applies(self, plan: StepPlan) -> bool:
         """Whether ``plan`` runs captured: a decode step of at most the largest bucket."""

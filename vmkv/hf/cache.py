@@ -16,10 +16,8 @@ from typing import Any
 
 import torch
 
-from ..config import LAYOUTS
 from ..core.base import KVCacheBase
 from ..errors import CacheClosed, InvalidConfig, InvalidInput, InvalidShape, Unsupported
-from ..sizes import parse_size
 from ..validate import as_int
 from .attention import ATTN_IMPLEMENTATION, HANDOFF
 from .compat import Cache, attention_kwargs
@@ -33,11 +31,13 @@ from .compiled import (
 from .forward import DenseWrites, Forward, RaggedWrites, note_peak, pack
 from .layer import VirtualLayer
 from .rows import RowTable, SharedCore
-from .sizing import CacheOptions, check_model, open_core
+from .sizing import CacheOptions, ModelFacts, open_core
 
 log = logging.getLogger("vmkv")
 
 MODES = ("vmm", "paged")
+STATS = ("peak_bytes", "gathered_views", "materialised_kv", "row_forks", "row_frees", "row_retargets", "compiled_steps",
+         "eager_steps", "compile_fallbacks")  # the adapter's counters stats() reports (docs/hf.md)
 _NO_LINEAR_ATTENTION = "a VirtualCache holds attention K/V only; linear-attention (Mamba-style) states are not supported"
 
 
@@ -57,23 +57,16 @@ class VirtualCache(Cache):
         mode: ``"vmm"`` (virtually contiguous tensors, stock kernels) or ``"paged"`` (block
             tables; needs ``attn_implementation="vmkv"``).
         config: the model config (optional): the layer count and attention style up front.
-        max_batch_size: slots (rows alive at once, beams and deep copies included); default ``max(8, 4 * batch)``.
-        max_seq_len: longest row in tokens; default 8192.
-        memory_budget: bytes of physical pages (int or "1GiB"); default: every slot full (on
-            CUDA, where pages are allocated up front, at most half the free GPU memory).
-        page_size, layout: VMM page per K/V piece and layout (``"per_layer"``, ``"all_layers"``,
-            ``"head_major"``); default: ``vmkv.hf.sizing.choose_layout`` (``stats()`` says why).
-        block_size: paged mode tokens per block.
-        deferred_reclaim: VMM: freed rows keep their pages mapped for the next sequence.
-        map_ahead: VMM: map the next page on a background thread.
-        compile: transformers' compiled generation over pages (``is_compileable``,
-            ``vmkv.hf.compiled``, docs/hf.md); needs ``config`` and ``max_seq_len``.
+        max_batch_size, max_seq_len, memory_budget, page_size, layout, block_size,
+            deferred_reclaim, map_ahead: the core cache's (docs/hf.md, "Sizing").
+        compile: transformers' compiled generation over pages (``vmkv.hf.compiled``); needs
+            ``config`` and ``max_seq_len``.
 
     Raises:
-        InvalidConfig: unknown mode or layout, a page size that is no size, paged mode with a
-            config whose attention is not "vmkv", or ``compile=True`` without what it needs.
+        InvalidConfig: a bad option, paged mode with the model's own attention, a model whose
+            cache is not K/V, or ``compile=True`` without what it needs.
 
-    Threads: one thread at a time per cache; caches of other threads are independent (docs/hf.md).
+    Threads: one thread at a time per cache; caches of other threads are independent.
     """
 
     def __init__(
@@ -84,28 +77,16 @@ class VirtualCache(Cache):
     ) -> None:
         if mode not in MODES:
             raise InvalidConfig(f"mode must be 'vmm' or 'paged', got {mode!r}")
-        if layout is not None and layout not in LAYOUTS:
-            raise InvalidConfig(f"layout must be one of {', '.join(LAYOUTS)} or None (chosen), got {layout!r}")
         super().__init__(layers=[])
         self.mode = mode
-        self._options = CacheOptions(
-            max_batch_size=max_batch_size, max_seq_len=max_seq_len, memory_budget=memory_budget,
-            page_size=None if page_size is None else parse_size(page_size, name="page_size"),
-            layout=layout, block_size=block_size, deferred_reclaim=deferred_reclaim, map_ahead=map_ahead,
-        )
-        self._num_layers: int | None = None
-        self._config_style: str | None = None  # the style the config says; None: learnt per use
-        if config is not None:
-            text = config.get_text_config(decoder=True)
-            check_model(text)
-            self._num_layers = text.num_hidden_layers
-            self._config_style = "vmkv" if text._attn_implementation == ATTN_IMPLEMENTATION else "model"
-        self.attention_style: str | None = self._config_style  # "model" | "vmkv"; None until known
+        self._options = CacheOptions(max_batch_size, max_seq_len, memory_budget, page_size, layout, block_size,
+                                     deferred_reclaim, map_ahead)
+        self._model = ModelFacts.of(config)
+        self.attention_style: str | None = self._model.style  # "model" | "vmkv"; None until known
         self._require_style_fits_mode()
         self._compile = check_compile(compile, config, max_seq_len)
         self.counters: Counter[str] = Counter()
-        self._table = RowTable(self.counters)
-        self._dense, self._ragged = DenseWrites(self._table, self.counters), RaggedWrites(self._table, self.counters)
+        self._use(RowTable(self.counters))
         self._shared: SharedCore | None = None
         self._compiled: CompiledStep | None = None  # compile=True: made with the core
         self._closed = False
@@ -140,10 +121,8 @@ class VirtualCache(Cache):
         return self._table.columns + done + (self._pending[0][0].shape[2] if self._pending else 0)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        """``(kv_length, kv_offset)``: the returned K/V hold exactly ``columns + query_length``
-        tokens, or with ``compile=True`` always ``max_seq_len``. Called eagerly with
-        ``compile=True``, it is also the step's eager point (:meth:`prepare_step`, which
-        transformers' generate() does not call itself)."""
+        """``(kv_length, kv_offset)``: ``columns + query_length``, or ``max_seq_len`` with
+        ``compile=True``, where an eager call is also the step's eager point (:meth:`prepare_step`)."""
         if self._compile and not torch.compiler.is_compiling():
             self._prepare(query_length, explicit=False)
         if self._compile:
@@ -168,12 +147,10 @@ class VirtualCache(Cache):
         return self._num_rows() if self.is_initialized else -1
 
     def prepare_step(self, q_len: int = 1) -> None:
-        """The eager point of a compiled step (``compile=True``), before each compiled forward:
-        begin the next ``q_len`` columns of every row in the core, undoably, and load their
-        positions into the compiled forward's device tensors. Committed once a forward wrote
-        every layer; cancelled (as if it never began) if the next call finds it untaken or its
-        forward failed. ``generate()`` reaches it through :meth:`get_mask_sizes`. A no-op while
-        the same step waits, or before the first forward. ``"vmkv"`` attention: ``q_len=1``.
+        """The eager point of a compiled step, before each compiled forward: the next ``q_len``
+        columns of every row begun undoably and loaded into the static step; committed once a
+        forward wrote every layer, else cancelled at the next call. ``generate()`` reaches it
+        through :meth:`get_mask_sizes`. A no-op while the same step waits, or before the first forward.
 
         Raises:
             InvalidConfig: the cache was not made with ``compile=True``.
@@ -214,17 +191,13 @@ class VirtualCache(Cache):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store a layer's new K/V (``[B, kv_heads, S, head_dim]``) and return what attention reads:
-        ``"model"`` style, zero-copy views ``[B, kv_heads, columns, head_dim]`` of every stored
-        token (``compile=True``: ``max_seq_len`` columns); ``"vmkv"`` style, the new states (its
-        attention writes them). Inside a compiled forward a prepared step writes through device
-        positions; anything else runs eagerly at a graph break, with one warning.
+        """Store a layer's new K/V ``[B, kv_heads, S, head_dim]``; return views of every stored token
+        (``"model"`` style; ``compile=True``: ``max_seq_len`` long) or the new states (``"vmkv"``:
+        its attention writes them). Compiled: a prepared step, else eagerly at a graph break.
 
         Raises:
-            InvalidShape: the batch changed without ``reorder_cache``/``batch_*`` (a prepared step
-                it does not fit is cancelled first), or a reset cache gets K/V of another shape.
-            InvalidConfig: paged mode with the model's own attention.
-            CacheClosed, SequenceTooLong, OutOfPages, NoFreeSlot.
+            InvalidShape (a changed batch; a prepared step it does not fit is cancelled first),
+            InvalidConfig, CacheClosed, SequenceTooLong, OutOfPages, NoFreeSlot.
         """
         if torch.compiler.is_compiling():
             if self._compiled is None:
@@ -236,10 +209,9 @@ class VirtualCache(Cache):
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``update`` outside a compiled region (see :meth:`update`)."""
-        forward = self._forward
-        if forward is not None and forward.gathered is False and self._compiled is None and self.attention_style == "model" \
+        forward = self._forward  # "model" style, a later layer of this forward: the lean path of a decode step
+        if forward is not None and not forward.gathered and self._compiled is None and self.attention_style == "model" \
                 and self._last_layer < layer_idx < len(self.layers):
-            # "model" style, a later layer of this forward: the lean path of a decode step
             self._last_layer = layer_idx
             return self._shared.core.write_batch(layer_idx, key_states, value_states, forward.plan)
         if self._closed:
@@ -265,7 +237,7 @@ class VirtualCache(Cache):
             self._pending.append((key_states, value_states))
             return key_states, value_states
         if not self._table.seq_ids:
-            self._open_rows(key_states, self._num_layers)
+            self._open_rows(key_states, self._model.num_layers)
         if self._forward is None:
             self._forward = self._dense.begin(self.core, key_states.shape[2], self._compiled)
         return self._dense.write(self.core, layer_idx, key_states, value_states, self._forward, self._compiled)
@@ -283,19 +255,14 @@ class VirtualCache(Cache):
             self._pending = []
         layer = module.layer_idx
         if not self._table.seq_ids:
-            self._open_rows(key, self._num_layers or module.config.num_hidden_layers)
+            self._open_rows(key, self._model.num_layers or module.config.num_hidden_layers)
         if self._forward is None:
             self._forward = self._ragged.begin(self.core, mask, query.shape[0], query.shape[2])
         return self._ragged.attend(self.core, layer, query, key, value, self._forward, scaling, self._compiled)
 
     def layer_states(self, layer: int, part: int) -> torch.Tensor | None:
-        """``layer``'s keys (``part=0``) or values (``part=1``) as ``[B, kv_heads, columns, head_dim]``
-        (``RowTable.states``: a view where the layout allows, else a copy); ``None`` before the
-        first forward.
-
-        Raises:
-            InvalidInput: no such layer.
-        """
+        """``layer``'s keys (``part=0``) or values as ``[B, kv_heads, columns, head_dim]``
+        (``RowTable.states``), ``None`` before the first forward; ``InvalidInput``: no such layer."""
         if self._pending:
             return self._pending[layer][part] if layer < len(self._pending) else None
         if not self._table.seq_ids:
@@ -305,11 +272,8 @@ class VirtualCache(Cache):
 
     # ---- changing the rows -------------------------------------------------------------------
     def crop(self, tokens_to_remove: int) -> None:
-        """Forget the last ``-tokens_to_remove`` columns of every row (``truncate``; 0 is a no-op).
-
-        Raises:
-            InvalidInput: not an int, positive (the legacy absolute form), or more than stored.
-        """
+        """Forget the last ``-tokens_to_remove`` columns of every row (0: a no-op); ``InvalidInput``:
+        not an int, positive (the legacy absolute form), or more than stored."""
         tokens_to_remove = as_int(tokens_to_remove, "crop's tokens_to_remove (a negative number)", minimum=None)
         if tokens_to_remove > 0:
             raise InvalidInput("crop takes a negative number of tokens to remove")
@@ -346,9 +310,7 @@ class VirtualCache(Cache):
             raise
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "VirtualCache":
-        """A cache with the same rows, columns and style whose rows are forks of this cache's rows:
-        both share the core cache (no K/V copied; the first write of either into a shared page
-        copies that page). transformers' prompt reuse costs one fork per row.
+        """A cache whose rows are forks of this one's (the core shared, no K/V copied).
 
         Raises:
             NoFreeSlot: the copy's rows do not fit the free slots (raise ``max_batch_size``).
@@ -360,8 +322,7 @@ class VirtualCache(Cache):
         clone.counters = Counter(self.counters)
         clone.layers = [VirtualLayer(clone, i) for i in range(len(self.layers))]
         clone._shared, clone._compiled, clone._forward, clone._last_layer = None, None, None, -1
-        clone._table = RowTable(clone.counters) if self._shared is None else self._table.fork_all(self._shared, clone.counters)
-        clone._dense, clone._ragged = DenseWrites(clone._table, clone.counters), RaggedWrites(clone._table, clone.counters)
+        clone._use(RowTable(clone.counters) if self._shared is None else self._table.fork_all(self._shared, clone.counters))
         if self._shared is None:
             return clone
         self._shared.users += 1
@@ -370,18 +331,18 @@ class VirtualCache(Cache):
         return clone
 
     def reset(self) -> None:
-        """Free every row (the pages go back to the pool); the next forward starts new rows. The
-        core stays open with its geometry: the next use must have the same KV heads, head size,
-        dtype and device (any batch size up to ``max_batch_size``)."""
+        """Free every row; the next forward starts new rows in the core, which keeps its geometry
+        (the same KV heads, head size, dtype and device; any batch up to ``max_batch_size``)."""
         if self._compiled is not None:
-            self._compiled.settle()  # its rows are freed: nothing to commit or cancel
+            self._settle(cancel_unwritten=False)
+            self._compiled.settle()  # a step still waiting: its rows are freed below
         if self._shared is not None:
             self._shared.reap()
             for seq_id in self._table.seq_ids:
                 self.core.free(seq_id)
         self._table.clear()
         self._pending, self._forward, self._last_layer = [], None, -1
-        self.attention_style = self._config_style
+        self.attention_style = self._model.style
 
     def close(self) -> None:
         """Free this cache's rows and release the memory once no deep copy uses it; unusable afterwards."""
@@ -393,13 +354,12 @@ class VirtualCache(Cache):
             shared.leave(rows)
 
     def __del__(self) -> None:
-        shared = getattr(self, "_shared", None)
-        if shared is not None:
-            self._shared = None
-            try:
+        shared, self._shared = getattr(self, "_shared", None), None
+        try:
+            if shared is not None:
                 shared.retire(self._table.seq_ids)
-            except Exception:  # noqa: BLE001 - interpreter shutdown: modules may be gone already
-                pass
+        except Exception:  # noqa: BLE001 - interpreter shutdown: modules may be gone already
+            pass
 
     # ---- what a VirtualCache does not do -------------------------------------------------------
     offload = prefetch = _refusal("a VirtualCache does not offload: its pages live in the vmkv pool on the model's device")
@@ -413,12 +373,9 @@ class VirtualCache(Cache):
         self._settle(cancel_unwritten=False)
         stats = self.core.stats() if self.core is not None else {"mode": self.mode}
         choice = self._shared.choice if self._shared is not None else None
-        stats.update(layout=choice.layout if choice else None, layout_reason=choice.reason if choice else None,
-                     rows=len(self._table.seq_ids), columns=self.get_seq_length(), attention_style=self.attention_style)
-        for name in ("peak_bytes", "gathered_views", "materialised_kv", "row_forks", "row_frees", "row_retargets",
-                     "compiled_steps", "eager_steps", "compile_fallbacks"):
-            stats[name] = self.counters[name]
-        return stats
+        stats.update({name: self.counters[name] for name in STATS})
+        return {**stats, "layout": choice.layout if choice else None, "layout_reason": choice.reason if choice else None,
+                "rows": len(self._table.seq_ids), "columns": self.get_seq_length(), "attention_style": self.attention_style}
 
     def __repr__(self) -> str:
         return f"VirtualCache(mode={self.mode!r}, rows={len(self._table.seq_ids)}, columns={self.get_seq_length()})"
@@ -431,17 +388,16 @@ class VirtualCache(Cache):
                 "stock kernels read contiguous K/V, which paged mode does not have"
             )
 
+    def _use(self, table: RowTable) -> None:
+        self._table, self._dense, self._ragged = table, DenseWrites(table, self.counters), RaggedWrites(table, self.counters)
+
     def _num_rows(self) -> int:
         return self._pending[0][0].shape[0] if self._pending else len(self._table.seq_ids)
 
     def _open_rows(self, like: torch.Tensor, num_layers: int | None) -> None:
         """Start a row per batch row of ``like`` (``[B, kv_heads, S, head_dim]``), opening the core
-        (and the compiled step, whose kernel is chosen then) if needed.
-
-        Raises:
-            InvalidShape (another geometry than a reset core's), NoFreeSlot, InvalidConfig
-            (``compile=True`` with ``map_ahead`` on CUDA).
-        """
+        (and the compiled step, whose kernel is chosen then) if needed; raises InvalidShape (another
+        geometry than a reset core's), NoFreeSlot, InvalidConfig (``map_ahead`` on CUDA)."""
         check_map_ahead(self._compile, self._options.map_ahead, like.device)
         if self._shared is None:
             self._shared = SharedCore(*open_core(self.mode, self._options, like, num_layers, self.attention_style))
@@ -464,9 +420,8 @@ class VirtualCache(Cache):
             self.core.write(layer, pack(k), pack(v), forward.plan)
 
     def _before_row_change(self) -> None:
-        """Before ``crop``, a row operation or a deep copy: the compiled step settled (a waiting or
-        failed one cancelled), the first forward's K/V written, dropped copies' rows freed, no
-        plan in flight."""
+        """Before ``crop``, a row operation or a deep copy: the compiled step settled, the first
+        forward's K/V written, dropped copies' rows freed, no plan in flight."""
         self._settle()
         self._flush_pending()
         if self._shared is not None:

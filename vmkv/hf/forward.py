@@ -45,7 +45,7 @@ class Forward:
 
 def note_peak(core: KVCacheBase, counters: Counter[str]) -> None:
     """After a step began: ``counters["peak_bytes"]``, the most pool bytes in use so far."""
-    counters["peak_bytes"] = max(counters["peak_bytes"], core.pool.num_in_use * core.geometry.page_bytes)
+    counters["peak_bytes"] = max(counters["peak_bytes"], core.bytes_in_use)
 
 
 def pack(states: torch.Tensor) -> torch.Tensor:

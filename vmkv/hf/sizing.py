@@ -11,9 +11,10 @@ from typing import Any
 
 import torch
 
-from ..config import KVCacheConfig
+from ..config import LAYOUTS, KVCacheConfig
 from ..core.base import KVCacheBase
 from ..errors import InvalidConfig
+from ..sizes import parse_size
 from ..sizing import DeviceFacts, default_pages, mappable_pages, smallest_page
 
 log = logging.getLogger("vmkv")
@@ -55,11 +56,39 @@ class CacheOptions:
     max_batch_size: int | None = None
     max_seq_len: int | None = None
     memory_budget: int | str | None = None
-    page_size: int | str | None = None
+    page_size: int | None = None
     layout: str | None = None
     block_size: int = 16
     deferred_reclaim: bool = False
     map_ahead: bool = False
+
+    def __post_init__(self) -> None:
+        """Raise ``InvalidConfig`` for a layout that is none or a page size that is no size."""
+        if self.layout is not None and self.layout not in LAYOUTS:
+            raise InvalidConfig(f"layout must be one of {', '.join(LAYOUTS)} or None (chosen), got {self.layout!r}")
+        if self.page_size is not None:
+            object.__setattr__(self, "page_size", parse_size(self.page_size, name="page_size"))
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a ``VirtualCache`` knows of its model up front: nothing without a config."""
+
+    num_layers: int | None = None
+    style: str | None = None  # the attention style the config says: "vmkv" or "model"
+
+    @classmethod
+    def of(cls, config: Any) -> "ModelFacts":
+        """The facts of ``config`` (``None``: learnt at the first forward).
+
+        Raises:
+            InvalidConfig: a model whose cache is not K/V a ``VirtualCache`` holds (:func:`check_model`).
+        """
+        if config is None:
+            return cls()
+        text = config.get_text_config(decoder=True)
+        check_model(text)
+        return cls(text.num_hidden_layers, "vmkv" if text._attn_implementation == "vmkv" else "model")
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,9 @@ point before each run (:meth:`StaticStep.load`), and the step runs over them alo
   (:func:`~vmkv.kernels.capturable.decode_attention`), with the capturable kernel the registry
   chose when the step was made (:func:`~vmkv.kernels.registry.choose_capturable`).
 
-Shapes, ``b`` rows of this step (at most ``capacity``)::
+A cache of layer groups (:mod:`vmkv.core.groups`: layers of different windows) has a part per
+group: its own positions and block table, its own kernel. Shapes of a part, ``b`` rows of this
+step (at most ``capacity``)::
 
     columns   int64 [capacity]          each row's first new position in its sequence
     slots     int64 [capacity]          slots: each row's slot; blocks: 0 (the pool's token rows)
@@ -29,10 +31,10 @@ engine's CUDA graphs). Each cache's steps are its own: nothing here is shared be
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from ..core.base import KVCacheBase
 from ..core.step import StepPlan, slot_slice
 from ..vmm.views import unguarded
 from .capturable import DecodeWorkspace, decode_attention, decode_store, stores_of, write_columns
@@ -42,76 +44,113 @@ from .registry import KernelSpec, choose_capturable
 @dataclass(frozen=True)
 class PadRow:
     """Where rows beyond a step's batch point (a captured bucket's padding): a scratch sequence's
-    first token, in ``slot`` (and ``block``, paged mode)."""
+    first token, in ``slot`` (and, paged mode, each group's ``blocks``)."""
 
     slot: int
-    block: int
+    blocks: tuple[int, ...]
+
+    @classmethod
+    def of(cls, cache: Any, plan: Any) -> "PadRow":
+        """The scratch sequence of ``plan`` (a step of one token, its only sequence)."""
+        plans = getattr(plan, "plans", (plan,))
+        return cls(int(plan.slots[0]), tuple(int(p.block_table[0, 0]) if p.block_table is not None else 0 for p in plans))
+
+
+class _Part:
+    """The static step over one core cache (one layer group): its stores, positions, table, kernel."""
+
+    COLUMNS, SLOTS, WRITE_AT, KV_LENS = range(4)
+
+    def __init__(self, core: Any, capacity: int, max_len: int) -> None:
+        config = core.config
+        self.device = torch.device(config.device)
+        self.addressing = "blocks" if core.mode == "paged" else "slots"
+        spec = KernelSpec(self.addressing, self.device, config.dtype, config.num_kv_heads, config.head_dim)
+        self.choice = choose_capturable(spec)
+        self.kernel = self.choice.decode
+        self.window = config.window or 0
+        layers = range(config.num_layers)
+        if self.addressing == "blocks":
+            self.stores = stores_of([core.block_pool(layer) for layer in layers])  # [blocks, size, H, D]
+            self.targets = [(k.token_rows(), v.token_rows()) for k, v in self.stores]  # [1, blocks * size, H, D]
+            width = -(-max_len // core.tokens_per_page)
+        else:
+            self.stores = stores_of([tuple(map(unguarded, core.kv_cache(layer))) for layer in layers])
+            self.targets = self.stores
+            width = 1
+        self.host = torch.zeros(4, capacity, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self.rows = torch.zeros(4, capacity, dtype=torch.int64, device=self.device)  # COLUMNS, SLOTS, WRITE_AT, KV_LENS
+        self.kv_lens = torch.zeros(capacity, dtype=torch.int32, device=self.device)
+        self.table = torch.zeros(capacity, width, dtype=torch.int32, device=self.device)
+        for tensor in (self.rows, self.kv_lens, self.table, *{id(s.base): s.base for p in self.stores for s in p}.values()):
+            torch._dynamo.mark_static_address(tensor, guard=False)  # inputs of every graph over this cache
+
+    def load(self, plan: StepPlan, rows: int, pad: PadRow | None, group: int) -> None:
+        batch = plan.batch_size
+        host = self.host[:, :rows]
+        slots = plan.slots if self.addressing == "slots" else (0,) * batch
+        host[:, :batch] = torch.tensor((plan.starts, slots, plan.starts, plan.kv_lens))  # write_at: the column (slots)
+        if rows > batch:
+            pad_slot = pad.slot if self.addressing == "slots" else 0
+            pad_at = 0 if self.addressing == "slots" else pad.blocks[group] * self.stores[0][0].size[1]
+            host[:, batch:] = torch.tensor([[0], [pad_slot], [pad_at], [1]])
+        self.rows[:, :rows].copy_(host, non_blocking=True)
+        self.kv_lens[:rows].copy_(self.rows[self.KV_LENS, :rows])
+        if self.addressing == "blocks":
+            self.rows[self.WRITE_AT, :batch].copy_(plan.write_rows)  # decode: one token, one pool row per row
+            self.table[:batch, : plan.block_table.shape[1]].copy_(plan.block_table)
+            self.table[batch:rows, 0] = pad.blocks[group] if rows > batch else 0
+        else:
+            self.table[:rows, 0].copy_(self.rows[self.SLOTS, :rows])
 
 
 class StaticStep:
     """The fixed-address device inputs of one cache's compiled or captured decode steps.
 
     Args:
-        cache: the core cache whose storage the step writes and reads (either mode).
+        cache: the cache whose storage the step writes and reads (either mode; a
+            :class:`~vmkv.core.groups.LayerGroups` too: a part per group).
         capacity: the most rows a step has.
         max_len: the most keys a row reaches (``max_seq_len``): fixes the decode launch.
 
     Attributes:
         addressing: ``"slots"`` (VMM) or ``"blocks"`` (paged).
-        kernel: the capturable decode kernel (:func:`~vmkv.kernels.registry.choose_capturable`).
-        stores: per layer, the K and V :class:`~vmkv.kernels.capturable.Store` the decode reads.
+        kernel: the capturable decode kernel (each group's, joined by ``+``).
+        rows: the slots of the last plan as a slice where evenly spaced, else ``None``.
 
     Invariant: after :meth:`load` of a plan from ``cache.begin_step``, every position the step
     writes is in a mapped page its row owns alone (``begin_step`` made it so).
     """
 
-    def __init__(self, cache: KVCacheBase, capacity: int, max_len: int) -> None:
-        config = cache.config
-        self.device = torch.device(config.device)
+    def __init__(self, cache: Any, capacity: int, max_len: int) -> None:
+        groups = getattr(cache, "groups", [cache])
+        layers = getattr(cache, "layers", [list(range(cache.config.num_layers))])
+        self.device = torch.device(cache.config.device)
         self.capacity, self.max_len = capacity, max_len
-        self.addressing = "blocks" if cache.mode == "paged" else "slots"
-        spec = KernelSpec(self.addressing, self.device, config.dtype, config.num_kv_heads, config.head_dim)
-        self.choice = choose_capturable(spec)
-        self.kernel = self.choice.decode
-        layers = range(config.num_layers)
-        if self.addressing == "blocks":
-            self.stores = stores_of([cache.block_pool(layer) for layer in layers])  # [blocks, size, H, D]
-            self._targets = [(k.token_rows(), v.token_rows()) for k, v in self.stores]  # [1, blocks * size, H, D]
-            width = -(-max_len // cache.tokens_per_page)
-        else:
-            self.stores = stores_of([tuple(map(unguarded, cache.kv_cache(layer))) for layer in layers])
-            self._targets = self.stores
-            width = 1
-        self._host = torch.zeros(4, capacity, dtype=torch.int64, pin_memory=self.device.type == "cuda")
-        self._rows = torch.zeros(4, capacity, dtype=torch.int64, device=self.device)  # COLUMNS, SLOTS, WRITE_AT, KV_LENS
-        self.kv_lens = torch.zeros(capacity, dtype=torch.int32, device=self.device)
-        self.table = torch.zeros(capacity, width, dtype=torch.int32, device=self.device)
-        self.rows: slice | None = slice(0, 0)  # the slots of the last plan as a slice, if evenly spaced
-        for tensor in (self._rows, self.kv_lens, self.table, *{id(s.base): s.base for p in self.stores for s in p}.values()):
-            torch._dynamo.mark_static_address(tensor, guard=False)  # inputs of every graph over this cache
-
-    COLUMNS, SLOTS, WRITE_AT, KV_LENS = range(4)
+        self.parts = [_Part(core, capacity, max_len) for core in groups]
+        self.addressing = self.parts[0].addressing
+        self.kernel = "+".join(dict.fromkeys(part.kernel for part in self.parts))
+        self._where = [None] * cache.config.num_layers  # layer -> (part, its index there)
+        for part, group_layers in zip(self.parts, layers):
+            for local, layer in enumerate(group_layers):
+                self._where[layer] = (part, local)
+        self.rows: slice | None = slice(0, 0)
 
     @property
     def columns(self) -> torch.Tensor:
         """int64 ``[capacity]``: each row's first new position in its sequence (the model's positions)."""
-        return self._rows[self.COLUMNS]
+        return self.parts[0].rows[_Part.COLUMNS]
 
     @property
     def slots(self) -> torch.Tensor:
-        """int64 ``[capacity]``: each row's slot (paged mode: 0, the pool's token rows)."""
-        return self._rows[self.SLOTS]
-
-    @property
-    def write_at(self) -> torch.Tensor:
-        """int64 ``[capacity]``: where each row's token goes: its column (slots) or pool row (blocks)."""
-        return self._rows[self.WRITE_AT]
+        """int64 ``[capacity]``: each row's slot (paged mode: 0, the pools' token rows)."""
+        return self.parts[0].rows[_Part.SLOTS]
 
     # ---- the eager point -----------------------------------------------------------------------
     def load(self, plan: StepPlan, rows: int | None = None, pad: PadRow | None = None) -> None:
-        """Fill rows ``0 .. plan.batch_size - 1`` from ``plan`` (committed by ``begin_step``), and
-        rows up to ``rows`` (a captured bucket) from ``pad``: position 0, one key, writing into
-        the scratch sequence's first token. One host-to-device copy, plus the block table's.
+        """Fill rows ``0 .. plan.batch_size - 1`` from ``plan`` (committed by ``begin_step``; a
+        grouped plan: each group's into its part), and rows up to ``rows`` (a captured bucket)
+        from ``pad``: position 0, one key, writing into the scratch sequence's first token.
 
         Raises:
             ValueError: more rows than ``capacity``, or padding rows without ``pad``.
@@ -119,57 +158,42 @@ class StaticStep:
         batch, rows = plan.batch_size, rows or plan.batch_size
         if rows > self.capacity or (rows > batch and pad is None):
             raise ValueError(f"{rows} rows (batch {batch}) for a step of capacity {self.capacity}, pad={pad}")
-        host = self._host[:, :rows]
-        slots = plan.slots if self.addressing == "slots" else (0,) * batch
-        host[:, :batch] = torch.tensor((plan.starts, slots, plan.starts, plan.kv_lens))  # write_at: the column (slots)
-        if rows > batch:
-            pad_slot = pad.slot if self.addressing == "slots" else 0
-            pad_at = 0 if self.addressing == "slots" else pad.block * self.table_block_size
-            host[:, batch:] = torch.tensor([[0], [pad_slot], [pad_at], [1]])
-        self._rows[:, :rows].copy_(host, non_blocking=True)
-        self.kv_lens[:rows].copy_(self._rows[self.KV_LENS, :rows])
-        if self.addressing == "blocks":
-            self.write_at[:batch].copy_(plan.write_rows)  # decode: one token, one pool row per row
-            self.table[:batch, : plan.block_table.shape[1]].copy_(plan.block_table)
-            self.table[batch:rows, 0] = pad.block if rows > batch else 0
-        else:
-            self.table[:rows, 0].copy_(self.slots[:rows])
+        for group, (part, group_plan) in enumerate(zip(self.parts, getattr(plan, "plans", (plan,)))):
+            part.load(group_plan, rows, pad, group)
         self.rows = slot_slice(plan.slots) if rows == batch else None
-
-    @property
-    def table_block_size(self) -> int:
-        """Paged mode: tokens of a block (the pool's second dimension)."""
-        return self.stores[0][0].size[1]
 
     # ---- inside the graph -------------------------------------------------------------------------
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write ``k``, ``v`` ``[b, Hkv, S, D]`` (transformers' layout; ``S`` > 1 only over slots:
         the row's next ``S`` columns) at each row's position."""
+        part, local = self._where[layer]
         b = k.shape[0]
-        k_store, v_store = self._targets[layer]
-        write_columns(k_store, v_store, k, v, self.slots[:b], self.write_at[:b])
+        k_store, v_store = part.targets[local]
+        write_columns(k_store, v_store, k, v, part.rows[_Part.SLOTS, :b], part.rows[_Part.WRITE_AT, :b])
 
     def attend(self, layer: int, q: torch.Tensor, scale: float | None, *, out: torch.Tensor | None = None,
                workspace: DecodeWorkspace | None = None) -> torch.Tensor:
-        """After :meth:`write` of ``layer``: each row's new token over that row's keys,
-        ``q: [b, Hq, D]`` -> ``[b, Hq, D]`` (``scale`` ``None``: ``D ** -0.5``). Inside a compiled region through the operator
-        (``torch.ops.vmkv.decode_store``), else directly (a captured graph: into ``out``, with
-        the split scratch ``workspace``)."""
+        """After :meth:`write` of ``layer``: each row's new token over that row's keys (its
+        group's window), ``q: [b, Hq, D]`` -> ``[b, Hq, D]`` (``scale`` ``None``: ``D ** -0.5``).
+        Inside a compiled region through the operator (``torch.ops.vmkv.decode_store``), else
+        directly (a captured graph: into ``out``, with the split scratch ``workspace``)."""
+        part, local = self._where[layer]
         b = q.shape[0]
-        k_store, v_store = self.stores[layer]
-        where = {"block_table": self.table[:b]} if self.addressing == "blocks" else {"slots": self.table[:b, 0]}
+        k_store, v_store = part.stores[local]
+        where = {"block_table": part.table[:b]} if part.addressing == "blocks" else {"slots": part.table[:b, 0]}
         if torch.compiler.is_compiling():
             scale = q.shape[-1] ** -0.5 if scale is None else scale
-            return decode_store(q, k_store, v_store, self.kv_lens[:b], scale, self.max_len, self.kernel, **where)
-        return decode_attention(q, k_store.view(), v_store.view(), self.kv_lens[:b], kernel=self.kernel, scale=scale,
+            return decode_store(q, k_store, v_store, part.kv_lens[:b], scale, self.max_len, part.kernel, **where)
+        return decode_attention(q, k_store.view(), v_store.view(), part.kv_lens[:b], kernel=part.kernel, scale=scale,
                                 max_kv_len=self.max_len, out=out, workspace=workspace, **where)
 
     def views(self, layer: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots: ``layer``'s K and V of the step's ``b`` rows, ``[b, Hkv, max_len, D]`` (what the
-        model's own attention reads; past each row's length: zeros, which its mask hides): views
-        where the rows' slots are evenly spaced, else gathered (a copy)."""
-        k_store, v_store = (store.view()[:, : self.max_len] for store in self.stores[layer])
+        model's own attention reads; past each row's length, and behind a window: zeros, which
+        its mask hides): views where the rows' slots are evenly spaced, else gathered (a copy)."""
+        part, local = self._where[layer]
+        k_store, v_store = (store.view()[:, : self.max_len] for store in part.stores[local])
         if self.rows is not None:
             return k_store[self.rows].transpose(1, 2), v_store[self.rows].transpose(1, 2)
-        slots = self.slots[:b]
+        slots = part.rows[_Part.SLOTS, :b]
         return k_store.index_select(0, slots).transpose(1, 2), v_store.index_select(0, slots).transpose(1, 2)
