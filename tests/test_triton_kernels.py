@@ -637,7 +637,8 @@ def test_kernels_compile_for_sm90():
         spec.loader.exec_module(K)  # the kernels' module alone (it imports only triton)
 
         def compile_(fn, dtype, **constexprs):
-            types = {"Q": dtype, "K": dtype, "V": dtype, "OUT": dtype, "PART_OUT": "*fp32", "PART_LSE": "*fp32", "qk_scale": "fp32"}
+            types = {"Q": dtype, "K": dtype, "V": dtype, "OUT": dtype, "PART_OUT": "*fp32", "PART_LSE": "*fp32", "SINKS": "*fp32",
+                     "qk_scale": "fp32", "softcap_in": "fp32", "softcap_out": "fp32"}
             if constexprs.pop("one_split", False):
                 constexprs["num_splits"] = 1  # how triton compiles an int argument equal to 1
             for name in ("KV_LENS", "BLOCK_TABLE", "SLOTS", "CU_Q"):
@@ -646,22 +647,27 @@ def test_kernels_compile_for_sm90():
             src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
             triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
 
-        variants = [  # (kernel, dtype, dot precision, paged, block size, head_dim, group, splits)
-            ("decode", "*fp16", "tf32", True, 16, 128, 4, 3),  # a tile spans blocks: per-key lookups
-            ("decode", "*fp32", "ieee", False, 1, 256, 8, 1),  # contiguous, one split: writes out itself
-            ("prefill", "*bf16", "tf32", True, 256, 64, 1, 0),  # one block-table entry per tile
-            ("prefill", "*fp16", "tf32", True, 24, 32, 32, 0),  # odd block size, a group of 32
-            ("merge", "*bf16", "", False, 0, 128, 4, 3),
+        variants = [  # (kernel, dtype, dot precision, paged, block size, head_dim, group, splits, soft-cap, sinks)
+            ("decode", "*fp16", "tf32", True, 16, 128, 4, 3, False, False),  # a tile spans blocks: per-key lookups
+            ("decode", "*fp32", "ieee", False, 1, 256, 8, 1, False, False),  # contiguous, one split: writes out itself
+            ("decode", "*bf16", "tf32", True, 64, 64, 8, 1, True, True),  # soft-cap, sinks in pass 1
+            ("decode", "*fp16", "tf32", False, 1, 128, 4, 4, True, True),  # sinks left to the merge
+            ("prefill", "*bf16", "tf32", True, 256, 64, 1, 0, False, False),  # one block-table entry per tile
+            ("prefill", "*fp16", "tf32", True, 24, 32, 32, 0, False, False),  # odd block size, a group of 32
+            ("prefill", "*bf16", "tf32", True, 16, 128, 4, 0, True, True),
+            ("merge", "*bf16", "", False, 0, 128, 4, 3, False, False),
+            ("merge", "*fp16", "", False, 0, 64, 8, 3, False, True),
         ]
-        for kernel, dtype, prec, paged, page, dim, group, splits in variants:
+        for kernel, dtype, prec, paged, page, dim, group, splits, softcap, sinks in variants:
             block_n = max(16, min(64, 16384 // (dim * (4 if dtype == "*fp32" else 2))))  # as triton_attention._block_n
-            common = dict(GROUP=group, HEAD_DIM=dim, BLOCK_N=block_n, PAGED=paged, PAGE_SIZE=page, DOT_PRECISION=prec, EMULATE_BF16=False)
+            common = dict(GROUP=group, HEAD_DIM=dim, BLOCK_N=block_n, PAGED=paged, PAGE_SIZE=page, DOT_PRECISION=prec,
+                          EMULATE_BF16=False, SOFTCAP=softcap, HAS_SINKS=sinks)
             if kernel == "decode":
                 compile_(K._decode_split_kernel, dtype, BLOCK_G=max(16, group), one_split=splits == 1, **common)
             elif kernel == "prefill":
                 compile_(K._prefill_kernel, dtype, BLOCK_M=max(64, group), BLOCK_Q=max(64, group) // group, **common)
             else:
-                compile_(K._decode_merge_kernel, dtype, GROUP=group, BLOCK_G=group, HEAD_DIM=dim)
+                compile_(K._decode_merge_kernel, dtype, GROUP=group, BLOCK_G=group, HEAD_DIM=dim, HAS_SINKS=sinks)
         print("OK")
         """
     )
