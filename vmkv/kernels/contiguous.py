@@ -301,6 +301,7 @@ class SdpaDecodeKernel(AttentionKernel):
     """
 
     addressing = "slots"
+    features = ALL_FEATURES
 
     def __init__(self, name: str, rule: BatchRule | None, gemm: bool = False) -> None:
         self.name = name
@@ -484,11 +485,11 @@ SLOT_KERNELS: dict[str, frozenset[str]] = {
     "flash_attn_with_kvcache": frozenset({"window", "softcap"}),
     # aten::_flash_attention_forward's window_size_left/right (GPU only: not run here); no soft-cap, no sinks
     "varlen_attn_seqused": frozenset({"window"}),
-    "sdpa_adaptive": ALL_FEATURES,
-    "gemm_adaptive": ALL_FEATURES,
-    "sdpa_batched": ALL_FEATURES,
-    "gemm_batched": ALL_FEATURES,
-    "sdpa_per_sequence": ALL_FEATURES,
+    "sdpa_adaptive": SdpaDecodeKernel.features,
+    "gemm_adaptive": SdpaDecodeKernel.features,
+    "sdpa_batched": SdpaDecodeKernel.features,
+    "gemm_batched": SdpaDecodeKernel.features,
+    "sdpa_per_sequence": ALL_FEATURES,  # a window as slices and masks; explicit scores for soft-caps and sinks
 }
 """Every slots kernel of this module by name, with the variant features it supports (what the
 registry declares for it)."""
@@ -512,5 +513,5 @@ def slot_kernel(name: str) -> AttentionKernel:
         "sdpa_per_sequence": lambda: Stateless(name, sdpa_per_sequence),
     }
     kernel = builders[name]()
-    kernel.features = features  # what the registry declares for it
+    kernel.features = features  # what the registry declares for it (a Stateless kernel's own)
     return kernel
