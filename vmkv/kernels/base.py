@@ -174,7 +174,7 @@ class AttentionKernel(ABC):
         if variant is not PLAIN:
             missing = variant.features - self.features
             if missing:
-                raise Unsupported(f"attention kernel {self.name} has no {describe_features(missing)}")
+                raise Unsupported(f"attention kernel {self.name} does not support {describe_features(missing)}")
             variant.check(q.shape[1], q.device)
         memo = self._memo
         if memo is None or memo[0] is not plan:
