@@ -772,6 +772,11 @@ def test_kernels_compile_for_sm90():
                 compile_(K._prefill_kernel, dtype, BLOCK_M=max(64, group), BLOCK_Q=max(64, group) // group, **common)
             else:
                 compile_(K._decode_merge_kernel, dtype, GROUP=group, BLOCK_G=group, HEAD_DIM=dim, HAS_SINKS=sinks)
+        # a window of 1 is an int equal to 1, which triton compiles as a constant
+        common = dict(GROUP=4, HEAD_DIM=64, BLOCK_N=64, PAGED=True, PAGE_SIZE=64, DOT_PRECISION="tf32", EMULATE_BF16=False,
+                      SOFTCAP=True, HAS_SINKS=True, window=1)
+        compile_(K._decode_split_kernel, "*fp16", BLOCK_G=16, one_split=True, **common)
+        compile_(K._prefill_kernel, "*fp16", BLOCK_M=64, BLOCK_Q=16, **common)
         print("OK")
         """
     )
