@@ -31,7 +31,7 @@ import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Iterable
+from typing import Any, Iterable, overload
 
 import torch
 
@@ -126,7 +126,15 @@ PLAIN = Variant()
 """No window, no soft-capping, no sinks: plain causal attention."""
 
 
-def first_key(position: Any, window: int) -> Any:
+@overload
+def first_key(position: int, window: int) -> int: ...
+
+
+@overload
+def first_key(position: torch.Tensor, window: int) -> torch.Tensor: ...
+
+
+def first_key(position: int | torch.Tensor, window: int) -> int | torch.Tensor:
     """The first key a query at ``position`` sees: ``position - window + 1``, at least 0; 0
     without a window (``window == 0``). ``position``: an int, or an integer tensor (then
     elementwise). The one statement of the window for every torch kernel."""
