@@ -4,6 +4,7 @@ fixtures only)."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -40,19 +41,128 @@ def small_config(**overrides) -> vmkv.KVCacheConfig:
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
-    """Reference attention in float64 with plain torch ops.
+    """Reference attention in float64 with plain torch ops, in ``q``'s dtype.
 
     q: [n, Hq, D] queries at positions start..start+n-1; k, v: [start+n, Hkv, D]. Returns [n, Hq, D].
+    """
+    return variant_attention(q, k, v, start).to(q.dtype)
+
+
+def variant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, *, scale: float | None = None,
+                      window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference attention in float64, applying a variant as transformers does: scores scaled, then
+    soft-capped (Gemma 2's ``eager_attention_forward``: ``/ softcap``, ``tanh``, ``* softcap``),
+    then masked causal and sliding (``masking_utils``: ``kv_idx <= q_idx`` and
+    ``kv_idx > q_idx - sliding_window``), then, with sinks, GPT-OSS's ``eager_attention_forward``:
+    each head's sink logit concatenated as one more column, the row max subtracted, a softmax, the
+    sink column dropped.
+
+    q: [n, Hq, D] queries at positions start..start+n-1; k, v: [start+n, Hkv, D]; sinks: [Hq].
+    Returns [n, Hq, D] float64.
     """
     n, hq, d = q.shape
     group = hq // k.shape[1]
     q64, k64, v64 = (t.double() for t in (q, k, v))
     k64 = k64.repeat_interleave(group, dim=1)  # [S, Hq, D]
     v64 = v64.repeat_interleave(group, dim=1)
-    scores = torch.einsum("nhd,shd->hns", q64, k64) / math.sqrt(d)  # [Hq, n, S]
-    allowed = torch.arange(k.shape[0])[None, :] <= (start + torch.arange(n))[:, None]  # [n, S]
+    scores = torch.einsum("nhd,shd->hns", q64, k64)  # [Hq, n, S]
+    scores = scores / math.sqrt(d) if scale is None else scores * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    kv_idx, q_idx = torch.arange(k.shape[0])[None, :], (start + torch.arange(n))[:, None]
+    allowed = kv_idx <= q_idx  # [n, S]
+    if window:
+        allowed &= kv_idx > q_idx - window
     scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("hns,shd->nhd", scores.softmax(-1), v64).to(q.dtype)
+    if sinks is None:
+        probs = scores.softmax(-1)
+    else:
+        combined = torch.cat([scores, sinks.double().view(hq, 1, 1).expand(hq, n, 1)], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = combined.softmax(-1)[..., :-1]
+    return torch.einsum("hns,shd->nhd", probs, v64)
+
+
+@dataclass
+class VariantStep:
+    """One step of several sequences whose K/V are held both ways, for kernels under a variant.
+
+    ``plan`` has both addressings: slot ``plan.slots[i]`` of ``k_slots``/``v_slots``
+    (``[B + 2, capacity, Hkv, D]``) and row ``i`` of ``plan.block_table`` into ``k_pool``/``v_pool``
+    (``[blocks, block_size, Hkv, D]``). What the window released (see :func:`variant_step`) holds
+    ``before_window`` in the slots, and NaN in pool blocks no table names, their entries -1.
+    ``keys``/``values``: each sequence's true K/V (float64, every position).
+    """
+
+    plan: object
+    k_slots: torch.Tensor
+    v_slots: torch.Tensor
+    k_pool: torch.Tensor
+    v_pool: torch.Tensor
+    keys: list
+    values: list
+
+    def reference(self, q: torch.Tensor, i: int, **variant) -> torch.Tensor:
+        """:func:`variant_attention` of sequence ``i``'s rows of the packed ``q``."""
+        plan = self.plan
+        rows = q[plan.offsets[i] : plan.offsets[i + 1]]
+        return variant_attention(rows, self.keys[i], self.values[i], plan.starts[i], **variant)
+
+
+def variant_step(starts: list[int], q_lens: list[int], *, window: int, kv_heads: int = 2, head_dim: int = 16,
+                 block_size: int = 4, dtype: torch.dtype = torch.float32, seed: int = 0,
+                 before_window: float = float("nan"), head_major: bool = False) -> VariantStep:
+    """Random K/V of sequences that held ``starts`` tokens and add ``q_lens`` this step, as a
+    sliding-window cache would hold them: memory before the window of a sequence's earliest query
+    of the step (position ``starts[i]``, first key ``starts[i] - window + 1``) is released.
+
+    Slots (VMM mode): shuffled slots of ``[B + 2, capacity, Hkv, D]`` (``head_major``: a
+    ``[B + 2, Hkv, capacity, D]`` range transposed); positions before the window hold
+    ``before_window`` (zeros: an unmapped page; NaN: garbage that must not leak), positions past a
+    length stale random numbers. Block pools (paged mode): the first sequence's blocks in one run
+    from block 0 (read in place), the others scattered; blocks wholly before the window are
+    released (table entry -1, the block NaN); the pool's last block is NaN and unaddressed (a
+    ``-1`` used as an index would read it); entries past a sequence's blocks are -1.
+    """
+    from vmkv.core.step import make_plan
+
+    gen = torch.Generator().manual_seed(seed)
+    lens = [s + n for s, n in zip(starts, q_lens)]
+    capacity = max(lens) + 3
+    batch = len(lens)
+    keys = [torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype) for n in lens]
+    values = [torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype) for n in lens]
+    firsts = [max(0, s - window + 1) if window else 0 for s in starts]  # first key of each earliest query
+
+    slots = torch.randperm(batch + 2, generator=gen)[:batch].tolist()
+    shape = (batch + 2, kv_heads, capacity, head_dim) if head_major else (batch + 2, capacity, kv_heads, head_dim)
+    k_slots, v_slots = (torch.randn(*shape, generator=gen).to(dtype) for _ in range(2))  # stale data
+    if head_major:
+        k_slots, v_slots = k_slots.transpose(1, 2), v_slots.transpose(1, 2)
+    for slot, k, v, first in zip(slots, keys, values, firsts):
+        k_slots[slot, : k.shape[0]], v_slots[slot, : v.shape[0]] = k, v
+        k_slots[slot, :first], v_slots[slot, :first] = before_window, before_window
+
+    need = [-(-n // block_size) for n in lens]
+    num_blocks = sum(need) + 1
+    free = [b for b in torch.randperm(num_blocks - 1, generator=gen).tolist() if b >= need[0]]
+    k_pool = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_pool = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    k_pool[-1], v_pool[-1] = float("nan"), float("nan")
+    table = torch.full((batch, max(need) + 1), -1, dtype=torch.int32)
+    for i, (k, v, first) in enumerate(zip(keys, values, firsts)):
+        own = list(range(need[0])) if i == 0 else [free.pop() for _ in range(need[i])]
+        for j, block in enumerate(own):
+            rows = slice(j * block_size, (j + 1) * block_size)
+            taken = k[rows].shape[0]
+            if (j + 1) * block_size <= first:  # wholly before the window: released
+                k_pool[block], v_pool[block] = float("nan"), float("nan")
+                continue
+            table[i, j] = block
+            k_pool[block, :taken], v_pool[block, :taken] = k[rows], v[rows]
+    plan = make_plan(tuple(range(batch)), slots, starts, q_lens, device=torch.device("cpu"),
+                     write_rows=torch.zeros(sum(q_lens), dtype=torch.long), block_table=table)
+    return VariantStep(plan, k_slots, v_slots, k_pool, v_pool, [k.double() for k in keys], [v.double() for v in values])
 
 
 class KVMirror:

@@ -1,6 +1,7 @@
 """The contiguous (VMM) CPU kernels against a float64 dense reference: batched decode over runs of
 slots (dummy rows, out-of-order packing, mixed prefill), stale data past a sequence's length,
-the batched/per-sequence rule, and kernel selection with a broken optional package."""
+variants (windows, soft-caps, sinks) with the memory before a window unmapped, the
+batched/per-sequence rule, and kernel selection with a broken optional package."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import sys
 
 import pytest
 import torch
-from helpers import KVMirror, dense_attention, small_config
+from helpers import KVMirror, dense_attention, small_config, variant_step
 
 import vmkv
 from vmkv.kernels import contiguous as attention
 from vmkv.kernels import facts, registry, triton_attention
+from vmkv.kernels.base import PLAIN, Variant
+from vmkv.kernels.capturable import MaskedDecode
 from vmkv.kernels.contiguous import DEFAULT_BATCH_RULE, BatchRule, SdpaDecodeKernel, plan_decode_batch, slot_kernel
 from vmkv.kernels.facts import MachineFacts
 
@@ -139,6 +142,78 @@ def test_rows_past_every_mapped_page_read_zeros_and_are_masked(layout):
         driver.step({0: 1, 1: 1, 2: 1, 3: 1}, kernels=["sdpa_batched", "gemm_batched"])
     finally:
         cache.close()
+
+
+VARIANTS = [  # (window, softcap, sinks)
+    (1, 0.0, False),  # a query sees only itself
+    (3, 0.0, False),
+    (8, 2.0, False),
+    (5, 0.0, True),
+    (1000, 3.0, True),  # longer than every sequence
+    (0, 4.0, False),  # soft-cap alone
+    (0, 0.0, True),  # sinks alone
+]
+VARIANT_STEPS = {  # name: (starts, q_lens)
+    "decode": ([10, 4, 20, 7, 0], [1, 1, 1, 1, 1]),
+    "mixed": ([10, 0, 20, 7, 13], [1, 6, 1, 9, 1]),  # decode rows, a prompt, chunks over a cached prefix
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_major", [False, True])  # head-major slots: the GEMM kernels' batched path
+@pytest.mark.parametrize("window, softcap, sinks", VARIANTS)
+def test_every_cpu_kernel_applies_a_variant_as_transformers_does(dtype, head_major, window, softcap, sinks):
+    """Every CPU slots kernel (and ``sdpa_masked`` on decode steps) under a window, a soft-cap and
+    sinks, GQA, decode and mixed steps, against the float64 reference; positions before each
+    window read zeros (an unmapped page) or NaN (which must not leak)."""
+    sink_logits = torch.randn(4, generator=torch.Generator().manual_seed(7)) * 2 if sinks else None
+    variant = Variant(window, softcap, sink_logits)
+    for name, (starts, q_lens) in VARIANT_STEPS.items():
+        step = variant_step(starts, q_lens, window=window, dtype=dtype, head_major=head_major,
+                            before_window=0.0 if head_major else float("nan"), seed=window)
+        q = torch.randn(step.plan.num_tokens, 4, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
+        kernels = {kernel: slot_kernel(kernel) for kernel in CPU_KERNELS if dtype == torch.float32 or kernel not in FLOAT32_ONLY}
+        if step.plan.is_decode:
+            kernels["sdpa_masked"] = MaskedDecode("slots")
+        for kernel_name, kernel in kernels.items():
+            out = kernel(q, step.k_slots, step.v_slots, step.plan, None, variant)
+            assert torch.isfinite(out).all(), f"{kernel_name}: memory before a window reached the output"
+            for i in range(step.plan.batch_size):
+                want = step.reference(q, i, window=window, softcap=softcap, sinks=sink_logits)
+                got = out[step.plan.offsets[i] : step.plan.offsets[i + 1]].double()
+                tol = 1e-5 if dtype == torch.float32 else 2e-2
+                torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=lambda m, k=kernel_name, s=name: f"{k}, {s}: {m}")
+
+
+def test_a_batched_decode_reads_from_the_earliest_window_start():
+    """The run of slots is read from the earliest first key of the rows' windows, each row's mask
+    holding its own window and length; without a window, from key 0 as before."""
+    step = variant_step([10, 4, 20, 7], [1, 1, 1, 1], window=6, before_window=0.0)
+    plan = step.plan
+    batch = plan_decode_batch(plan, [0, 1, 2, 3], None, window=6)
+    assert (batch.first_key, batch.max_kv) == (0, 21)  # the row of 5 keys reads from key 0
+    rows = batch.mask[:, 0, 0] if batch.at is None else batch.mask[batch.at, 0, 0]  # [B, max_kv - first_key]
+    for i, n in enumerate(plan.kv_lens):
+        assert rows[i].nonzero().flatten().tolist() == list(range(max(0, n - 6), n))
+    batch = plan_decode_batch(plan, [0, 2], None, window=6)
+    assert batch.first_key == 5 and batch.mask.shape[-1] == 16  # keys 5 .. 20: nothing before both windows
+    assert plan_decode_batch(plan, [0, 2], None).first_key == 0
+
+
+def test_plans_are_made_once_per_step_and_window():
+    """Layers alternating a sliding window and full attention (Gemma, GPT-OSS) plan once per
+    step for each window, and reuse the plans layer after layer."""
+    step = variant_step([10, 4, 20], [1, 1, 1], window=4, before_window=0.0)
+    kernel = SdpaDecodeKernel("test", None)
+    planned = []
+    kernel.plan = lambda plan, q_heads, scale, variant, real=kernel.plan: planned.append(variant.window) or real(
+        plan, q_heads, scale, variant)
+    sinks = [torch.randn(4) for _ in range(3)]
+    q = torch.randn(3, 4, 16)
+    for layer in range(6):
+        variant = Variant(4, 0.0, sinks[layer // 2]) if layer % 2 else PLAIN  # other sinks: the same plan
+        kernel(q, step.k_slots, step.v_slots, step.plan, None, variant)
+    assert planned == [0, 4]
 
 
 def _plan(cache: vmkv.VirtualKVCache, lengths: dict) -> vmkv.StepPlan:

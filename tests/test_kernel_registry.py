@@ -1,5 +1,7 @@
-"""The one kernel registry of both modes: its measured orders, the rule, forcing a kernel, and
-the Triton kernel read through each cache's own addressing (interpreter mode, in a child process)."""
+"""The one kernel registry of both modes: its measured orders, the rule, forcing a kernel, the
+variant features each kernel supports and the rule around those it lacks, and the Triton kernel
+read through each cache's own addressing, plain and under variants (interpreter mode, in a child
+process)."""
 
 from __future__ import annotations
 
@@ -12,12 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import small_config
+from helpers import small_config, variant_step
 
 import vmkv
+from vmkv.errors import InvalidDevice, InvalidDtype, InvalidInput, InvalidShape, Unsupported
 from vmkv.kernels import measured, registry
-from vmkv.kernels.base import ADDRESSINGS, PhaseSplit
+from vmkv.kernels.base import ADDRESSINGS, ALL_FEATURES, PLAIN, PhaseSplit, Variant, first_key
 from vmkv.kernels.facts import MachineFacts
+from vmkv.kernels.paged import FlashInferDecode
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA = torch.device("cuda", 0)
@@ -175,5 +179,153 @@ def test_the_triton_kernel_reads_both_addressings_through_the_caches():
     (Triton's interpreter: a child process, ``TRITON_INTERPRET=1`` before triton's first import)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     result = subprocess.run([sys.executable, "-c", TRITON_THROUGH_CACHES], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout[-3000:] + result.stderr[-3000:]
+
+
+# ---- variants: what each kernel supports, and the rule around what it lacks ----------------------
+CPU = torch.device("cpu")
+VARLEN = frozenset({"block_table", "seqused_k", "window_size", "enable_gqa"})
+
+
+def test_a_variant_is_validated_and_names_its_features():
+    sinks = torch.zeros(4)
+    variant = Variant(window=8, softcap=30, sinks=sinks)
+    assert variant.features == ALL_FEATURES and PLAIN.features == frozenset() and Variant(window=3).features == {"window"}
+    assert (variant.window, variant.softcap) == (8, 30.0) and isinstance(variant.softcap, float)
+    assert variant == Variant(8, 30.0, sinks) and hash(variant) == hash(Variant(8, 30.0, sinks))
+    assert variant != Variant(8, 30.0, torch.zeros(4)) and Variant() == PLAIN  # sinks compare by identity
+    for bad, error in [({"window": -1}, InvalidInput), ({"window": True}, InvalidInput), ({"window": 2.5}, InvalidInput),
+                       ({"softcap": -1.0}, InvalidInput), ({"softcap": float("inf")}, InvalidInput),
+                       ({"sinks": [0.0]}, InvalidInput), ({"sinks": torch.zeros(4, dtype=torch.bfloat16)}, InvalidDtype),
+                       ({"sinks": torch.zeros(2, 2)}, InvalidShape)]:
+        with pytest.raises(error):
+            Variant(**bad)
+    with pytest.raises(InvalidShape, match="one logit per query head"):
+        variant.check(8, CPU)
+    with pytest.raises(InvalidDevice):
+        variant.check(4, torch.device("meta"))
+    assert [first_key(p, 4) for p in (0, 2, 3, 10)] == [0, 0, 0, 7] and first_key(10, 0) == 0
+    assert first_key(torch.tensor([10, 2]), 4).tolist() == [7, 0] and first_key(torch.tensor([10]), 0).tolist() == [0]
+
+
+def test_every_kernel_declares_the_features_its_code_implements():
+    """The registry's features are the kernel objects' own (which refuse the others), and every
+    kernel has a window: even the GPU-only ones, from their APIs (FlashAttention's window_size,
+    FlashInfer's window_left)."""
+    for name, entry in registry.KERNELS.items():
+        assert entry.features <= ALL_FEATURES and "window" in entry.features, name
+        for addressing in entry.addressings:
+            spec = registry.KernelSpec(addressing, CPU, torch.float32, 2, 16, 16 if addressing == "blocks" else None)
+            built = FlashInferDecode if name == "flashinfer_decode" else registry.build(name, spec)  # (needs flashinfer)
+            assert built.features == entry.features, (name, addressing)
+    assert not {name for name, e in registry.KERNELS.items() if "sinks" in e.features} & {
+        "flash_attn_with_kvcache", "varlen_attn_seqused", "varlen_attn_block_table", "flashinfer_decode"}
+
+
+def test_the_last_kernel_of_every_order_and_the_capturable_fallback_have_every_feature():
+    """A cache whose layers use a window, soft-capping and sinks always gets a kernel, eager and
+    captured, on any machine."""
+    nothing = MachineFacts((9, 0), {"flash_attn": "absent", "flashinfer": "absent"}, False, frozenset(), "absent")
+    for device in (CPU, CUDA):
+        for addressing in ADDRESSINGS:
+            spec = registry.KernelSpec(addressing, device, torch.float32, 2, 16, 16 if addressing == "blocks" else None,
+                                       features=ALL_FEATURES)
+            assert registry.KERNELS[measured.order(device.type, addressing).kernels[-1]].features == ALL_FEATURES
+            assert registry.unavailable(registry.choose(spec, nothing).name, spec, nothing) is None
+            assert registry.choose_capturable(spec, nothing).decode == "sdpa_masked"
+
+
+def test_the_rule_passes_over_kernels_that_lack_a_feature():
+    """On a GPU with every package: a window keeps FlashInfer and flash-attn (both have one),
+    sinks send decode and prefill to Triton, each skipped kernel saying which feature it lacks;
+    torch's varlen kernel over slots needs its op's window argument for a window."""
+    gpu = MachineFacts((9, 0), {}, True, VARLEN, None, varlen_window=True)
+    blocks = dict(addressing="blocks", device=CUDA, dtype=torch.bfloat16, kv_heads=8, head_dim=128, block_size=256)
+    for features, want in [((), "flashinfer_decode+flash_attn_with_kvcache"),
+                           ({"window", "softcap"}, "flashinfer_decode+flash_attn_with_kvcache"),
+                           ({"window", "sinks"}, "triton")]:
+        choice = registry.choose(registry.KernelSpec(**blocks, features=frozenset(features)), gpu)
+        assert choice.name == want, features
+    assert "flashinfer_decode needs attention sinks, which it lacks" in choice.reason
+    assert "varlen_attn_block_table needs attention sinks, which it lacks" in choice.reason
+    slots = dict(addressing="slots", device=CUDA, dtype=torch.float16, kv_heads=8, head_dim=128)
+    no_flash_attn = MachineFacts((9, 0), {"flash_attn": "absent", "flashinfer": "absent"}, True, VARLEN, None, varlen_window=True)
+    choice = registry.choose(registry.KernelSpec(**slots, features=frozenset({"softcap"})), no_flash_attn)
+    assert (choice.decode, choice.other) == ("triton", "triton") and "varlen_attn_seqused needs soft-capping" in choice.reason
+    old_torch = MachineFacts((9, 0), {"flash_attn": "absent", "flashinfer": "absent"}, True, VARLEN, "absent (test)")
+    choice = registry.choose(registry.KernelSpec(**slots, features=frozenset({"window"})), old_torch)
+    assert choice.name == "sdpa_per_sequence" and "window_size_left" in choice.reason
+    assert registry.choose(registry.KernelSpec(**slots), old_torch).name == "varlen_attn_seqused"  # plain layers: as before
+    with pytest.raises(vmkv.InvalidConfig, match="unknown attention features"):
+        registry.KernelSpec(**slots, features=frozenset({"alibi"}))
+
+
+def test_a_kernel_refuses_a_variant_it_lacks(monkeypatch):
+    """Called with a feature it lacks, a kernel raises before running; forced by name for a cache
+    whose layers use one, the registry says which."""
+    from helpers import register_kernel
+
+    from vmkv.kernels.contiguous import Stateless, slot_kernel
+
+    plain = Stateless("plain", lambda q, k, v, plan, scale: torch.zeros_like(q))
+    assert plain.features == frozenset()
+    step = variant_step([5, 3], [1, 1], window=2, before_window=0.0)
+    q = torch.randn(2, 4, 16)
+    assert plain(q, step.k_slots, step.v_slots, step.plan, None).shape == q.shape  # plain: as before
+    with pytest.raises(Unsupported, match="plain does not support a sliding window and attention sinks"):
+        plain(q, step.k_slots, step.v_slots, step.plan, None, Variant(2, 0.0, torch.zeros(4)))
+    split = PhaseSplit(slot_kernel("sdpa_batched"), slot_kernel("varlen_attn_seqused"))
+    assert split.features == {"window"}
+    with pytest.raises(InvalidShape):  # sinks that do not fit q: refused before running
+        slot_kernel("sdpa_batched")(q, step.k_slots, step.v_slots, step.plan, None, Variant(sinks=torch.zeros(3)))
+    register_kernel(monkeypatch, "test_plain", lambda q, k, v, plan, scale: torch.zeros_like(q))
+    spec = registry.KernelSpec("slots", CPU, torch.float32, 2, 16, features=frozenset({"softcap"}))
+    assert "test_plain needs soft-capping, which it lacks" == registry.unavailable("test_plain", spec)
+    with pytest.raises(vmkv.BackendUnavailable, match="needs soft-capping, which it lacks"):
+        registry.make_kernel(spec, forced="test_plain")
+
+
+TRITON_VARIANTS_THROUGH_CACHES = textwrap.dedent('''
+    import torch, vmkv
+    from helpers import small_config
+    from vmkv.kernels import registry
+    from vmkv.kernels.base import Variant
+
+    sinks = torch.randn(4)
+    variants = [Variant(window=7, sinks=sinks), Variant(window=20, softcap=3.0)]  # one per layer
+    for mode, cls in (("vmm", vmkv.VirtualKVCache), ("paged", vmkv.PagedKVCache)):
+        with cls(small_config(block_size=16)) as cache:
+            spec = registry.KernelSpec("blocks" if mode == "paged" else "slots", cache.config.device, cache.config.dtype,
+                                       2, 16, 16 if mode == "paged" else None, features=frozenset({"window", "softcap", "sinks"}))
+            triton, cpu = registry.build("triton", spec), registry.build(registry.choose(spec).other, spec)
+            gen = torch.Generator().manual_seed(0)
+            for seq in ("a", "b", "c"):
+                cache.add(seq)
+            cache.fork("a", "a2")
+            for batch in ({"a": 19, "b": 5, "c": 33, "a2": 1}, {"a": 1, "b": 1, "c": 1, "a2": 1},
+                          {"a": 1, "b": 16, "c": 1, "a2": 2}, {"a": 1, "b": 1, "c": 1, "a2": 1}):
+                total = sum(batch.values())
+                plan = cache.begin_step(batch)
+                for layer, variant in enumerate(variants):
+                    k, v = (torch.randn(total, 2, 16, generator=gen) for _ in range(2))
+                    q = torch.randn(total, 4, 16, generator=gen)
+                    cache.write(layer, k, v, plan)
+                    storage = cache.block_pool(layer) if mode == "paged" else cache.kv_cache(layer)
+                    got, want = (kernel(q, *storage, plan, None, variant) for kernel in (triton, cpu))
+                    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    print("ok")
+''')
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None,
+                    reason="triton is not installed (it is in the test extra on Linux x86_64)")
+def test_the_triton_kernel_applies_variants_over_both_caches_storage():
+    """The registry's Triton kernel over a VMM cache's slots and a paged cache's pools, one
+    variant per layer (a window with sinks, a window with a soft-cap): the same outputs as each
+    mode's CPU kernel, over prefill, decode, chunked prefill and forks (Triton's interpreter: a
+    child process)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    result = subprocess.run([sys.executable, "-c", TRITON_VARIANTS_THROUGH_CACHES], cwd=ROOT, env=env, capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout[-3000:] + result.stderr[-3000:]

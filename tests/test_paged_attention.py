@@ -1,17 +1,21 @@
-"""Paged attention kernels against a dense reference (plain torch), against each other, and the
-kernel selection rule. CUDA kernels run only on a GPU (skipped here with the reason)."""
+"""Paged attention kernels against a dense reference (plain torch), against each other, under
+variants (windows, soft-caps, sinks) with the blocks before a window released, and the kernel
+selection rule. CUDA kernels run only on a GPU (skipped here with the reason)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 
 import pytest
 import torch
-from helpers import KVMirror, dense_attention, small_config
+from helpers import KVMirror, dense_attention, small_config, variant_step
 
 import vmkv
 from vmkv.kernels import registry
+from vmkv.kernels.base import Variant
+from vmkv.kernels.capturable import MaskedDecode
 from vmkv.kernels.facts import MachineFacts
 from vmkv.kernels.paged import BlockwiseOnlineSoftmax, ChunkedSDPA, GatherSDPA
 from vmkv.paged import PagedKVCache
@@ -134,6 +138,81 @@ def test_fragmented_pools_match_dense_reference(kernel):
             mirror.assert_stored(seq_id)
     finally:
         cache.close()
+
+
+VARIANTS = [  # (window, softcap, sinks)
+    (1, 0.0, False),  # a query sees only itself
+    (3, 0.0, True),
+    (4, 2.0, False),  # one block
+    (9, 0.0, True),
+    (1000, 3.0, True),  # longer than every sequence
+    (0, 4.0, False),  # soft-cap alone
+    (0, 0.0, True),  # sinks alone
+]
+VARIANT_STEPS = {  # name: (starts, q_lens)
+    "decode": ([10, 4, 20, 7, 0, 33], [1, 1, 1, 1, 1, 1]),
+    "mixed": ([10, 0, 20, 7, 13], [1, 6, 1, 9, 1]),  # decode rows, a prompt, chunks over a cached prefix
+}
+
+
+def block_kernels(plan) -> dict:
+    """Every CPU blocks kernel, small chunks (several per sequence), and sdpa_masked on decode steps."""
+    kernels = {"gather_sdpa": GatherSDPA(), "blockwise_online_softmax": BlockwiseOnlineSoftmax(4, 2, 8),
+               "sdpa_chunked": ChunkedSDPA(4, 8, min_run_tokens=8)}  # sequence 0's blocks: a run, read in place
+    if plan.is_decode:
+        kernels["sdpa_masked"] = MaskedDecode("blocks")
+    return kernels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window, softcap, sinks", VARIANTS)
+def test_every_cpu_kernel_applies_a_variant_as_transformers_does(dtype, window, softcap, sinks):
+    """Every CPU blocks kernel under a window, a soft-cap and sinks, GQA, decode and mixed
+    steps, against the float64 reference; the blocks wholly before each sequence's window are
+    released (table entry -1, the block NaN), so following one would poison the output."""
+    sink_logits = torch.randn(4, generator=torch.Generator().manual_seed(7)) * 2 if sinks else None
+    variant = Variant(window, softcap, sink_logits)
+    for name, (starts, q_lens) in VARIANT_STEPS.items():
+        step = variant_step(starts, q_lens, window=window, dtype=dtype, seed=window)
+        q = torch.randn(step.plan.num_tokens, 4, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
+        for kernel_name, kernel in block_kernels(step.plan).items():
+            out = kernel(q, step.k_pool, step.v_pool, step.plan, None, variant)
+            assert torch.isfinite(out).all(), f"{kernel_name}: a released block reached the output"
+            for i in range(step.plan.batch_size):
+                want = step.reference(q, i, window=window, softcap=softcap, sinks=sink_logits)
+                got = out[step.plan.offsets[i] : step.plan.offsets[i + 1]].double()
+                tol = 1e-5 if dtype == torch.float32 else 2e-2
+                torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=lambda m, k=kernel_name, s=name: f"{k}, {s}: {m}")
+
+
+@pytest.mark.parametrize("q_lens", [[1, 1, 1, 1, 1, 1], [1, 6, 1, 9, 3, 1]])
+def test_released_table_entries_are_never_followed(q_lens):
+    """Entries of blocks wholly before a window, set to an id no pool has (indexing with it
+    raises) instead of -1: every kernel gives the same outputs, so none reads them."""
+    step = variant_step([10, 4, 20, 7, 13, 33], q_lens, window=5)
+    variant = Variant(5)
+    q = torch.randn(step.plan.num_tokens, 4, 16)
+    table = step.plan.block_table
+    released = table.clone()
+    for i, start in enumerate(step.plan.starts):
+        released[i, : max(0, start - 5 + 1) // 4] = 10**6  # the blocks wholly before the first key
+    assert (released == 10**6).any()
+    plan = dataclasses.replace(step.plan, block_table=released)
+    for (name, kernel), again in zip(block_kernels(step.plan).items(), block_kernels(plan).values()):
+        want = kernel(q, step.k_pool, step.v_pool, step.plan, None, variant)
+        torch.testing.assert_close(again(q, step.k_pool, step.v_pool, plan, None, variant), want, atol=0, rtol=0,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_sdpa_chunked_pieces_start_at_the_window():
+    """A decode row's pieces start at the block holding its window's first key, the first piece
+    skipping its rows before that key; the entries before that block are never read."""
+    kernel = ChunkedSDPA(block_size=4, chunk_tokens=8, min_run_tokens=8)
+    row = torch.tensor([-1, -1, 12, 13, 14, 3, 7, 20, -1], dtype=torch.int32)
+    pieces = kernel._pieces(row, 31, lo=10)  # keys 10 .. 30: blocks 2 .. 7, key 10 is row 2 of block 12
+    got = [(p.first, None if p.blocks is None else p.blocks.tolist(), p.skip, p.tokens) for p in pieces]
+    assert got == [(12, None, 2, 12), (-1, [3, 7], 0, 8), (-1, [20], 0, 3)]
+    assert sum(p.tokens - p.skip for p in pieces) == 31 - 10
 
 
 def test_sdpa_chunked_reads_runs_in_place_and_gathers_the_rest():

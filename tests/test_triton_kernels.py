@@ -13,7 +13,10 @@ this module in a child process with the variable set, failing with the child's r
 Every run writes into an output poisoned with NaN (and, with splits, a NaN-poisoned workspace),
 so an element left unwritten fails; every storage element no sequence addresses (the rest of a
 last block or slot, unused blocks and slots, the other layers of an all-layers tensor) is NaN,
-so a read past a sequence's length that reached the result fails too.
+so a read past a sequence's length that reached the result fails too. Under a variant (window,
+soft-cap, sinks) the storage is :func:`helpers.variant_step`'s: the memory before each window
+released (block-table entries -1, those blocks NaN, the pool's last block NaN for a -1 used as
+an index), checked against the float64 reference that applies the variant as transformers does.
 
 The interpreter runs each program in Python, one at a time, so shapes are small and the
 parameter sets cover each dimension a few times, not their full product. A GPU compiles the
@@ -38,6 +41,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import variant_step
 
 pytest.importorskip("triton", reason="triton is not installed (it is in the test extra on Linux x86_64): the Triton kernels' tests need it")
 
@@ -412,6 +416,93 @@ def test_prefill_head_dim_256(kernels_run_here):
     run_decode(store, lens, 2, F16, num_splits=2)
 
 
+# ---- variants: window, soft-cap, sinks ---------------------------------------------------------
+def run_variant(step, q_heads, dtype, *, window=0, softcap=0.0, sinks=None, num_splits=None, seed=3):
+    """The Triton kernel of the step's phase (decode if every sequence adds one token, else
+    prefill) over both addressings of ``step`` (:func:`helpers.variant_step`: the window's memory
+    released, block-table entries -1 and the blocks NaN), checked against the float64 reference
+    of the variant. Returns the two outputs (slots, blocks)."""
+    plan = step.plan
+    q = _randn(torch.Generator().manual_seed(seed), plan.num_tokens, q_heads, step.k_pool.shape[3], dtype=dtype)
+    variant = dict(window=window, softcap=softcap, sinks=None if sinks is None else sinks.to(DEVICE))
+    lens = plan.kv_lens_t.to(DEVICE)
+    outs = []
+    for k, v, where in ((step.k_slots, step.v_slots, {"slots": plan.slots_t.to(DEVICE)}),
+                        (step.k_pool, step.v_pool, {"block_table": plan.block_table.to(DEVICE)})):
+        k, v = _moved(k), _moved(v)
+        if plan.is_decode:
+            ws = nan_workspace(plan.batch_size, q_heads, q.shape[2], num_splits or ta.MAX_AUTO_SPLITS)
+            out = ta.decode_attention(q.to(DEVICE), k, v, lens, num_splits=num_splits, out=poisoned(q.shape, dtype),
+                                      workspace=ws, **variant, **where)
+        else:
+            out = ta.prefill_attention(q.to(DEVICE), k, v, plan.cu_q.to(DEVICE), lens, out=poisoned(q.shape, dtype),
+                                       **variant, **where)
+        for i in range(plan.batch_size):
+            rows = slice(plan.offsets[i], plan.offsets[i + 1])
+            want = step.reference(q, i, window=window, softcap=softcap, sinks=sinks)
+            assert_close(out[rows], want, dtype)
+        outs.append(out)
+    return outs
+
+
+VARIANT_DECODE = [  # (starts, block_size, head_dim, group, dtype, window, softcap, sinks, splits)
+    ([40, 3, 70, 17], 16, 32, 4, F32, 5, 0.0, False, 1),  # windows inside a block; per-key block lookups
+    ([40, 3, 70, 17], 16, 32, 4, F32, 17, 0.0, True, 3),  # a block and one key; sinks merged across splits
+    ([40, 3, 70, 17], 16, 16, 1, F16, 1, 2.0, True, 1),  # window 1: a query sees only itself
+    ([200, 64, 150], 64, 16, 2, F32, 70, 3.0, True, 2),  # one table entry per tile: whole blocks released
+    ([200, 64, 150], 64, 64, 4, BF16, 130, 0.0, False, None),  # the default split count for the window
+    ([20, 5, 9], 16, 32, 2, F32, 1000, 5.0, True, 4),  # a window longer than every sequence
+    ([20, 5, 9], 16, 32, 8, F32, 0, 5.0, True, 2),  # no window: soft-cap and sinks alone
+]
+
+
+@pytest.mark.parametrize("starts, block_size, head_dim, group, dtype, window, softcap, sinks, splits", VARIANT_DECODE)
+def test_decode_variants(kernels_run_here, starts, block_size, head_dim, group, dtype, window, softcap, sinks, splits):
+    """Split-KV decode under a variant, slots and block tables: the window's blocks released
+    (entries -1, blocks NaN), one and several splits, GQA."""
+    step = variant_step(starts, [1] * len(starts), window=window, block_size=block_size, head_dim=head_dim, dtype=dtype)
+    sink_logits = torch.randn(2 * group, generator=torch.Generator().manual_seed(5)) * 2 if sinks else None
+    run_variant(step, 2 * group, dtype, window=window, softcap=softcap, sinks=sink_logits, num_splits=splits)
+
+
+VARIANT_PREFILL = [  # (starts, q_lens, block_size, head_dim, group, dtype, window, softcap, sinks)
+    ([40, 0, 70, 17], [1, 30, 1, 5], 16, 32, 4, F32, 5, 0.0, True),  # mixed: decode rows, a prompt, a chunk
+    ([40, 0, 33], [1, 70, 2], 24, 32, 2, F16, 17, 3.0, False),  # odd block size, a prompt longer than the window
+    ([200, 64, 150], [1, 70, 9], 64, 16, 1, F32, 70, 0.0, True),  # whole blocks released before a chunk
+    ([8, 0], [20, 9], 16, 16, 8, BF16, 1, 2.0, True),  # window 1
+    ([8, 0], [20, 9], 16, 16, 2, F32, 1000, 0.0, False),  # a window longer than every sequence
+]
+
+
+@pytest.mark.parametrize("starts, q_lens, block_size, head_dim, group, dtype, window, softcap, sinks", VARIANT_PREFILL)
+def test_prefill_variants(kernels_run_here, starts, q_lens, block_size, head_dim, group, dtype, window, softcap, sinks):
+    """Chunked prefill under a variant, slots and block tables, a cached prefix partly released."""
+    step = variant_step(starts, q_lens, window=window, block_size=block_size, head_dim=head_dim, dtype=dtype)
+    sink_logits = torch.randn(2 * group, generator=torch.Generator().manual_seed(5)) * 2 if sinks else None
+    run_variant(step, 2 * group, dtype, window=window, softcap=softcap, sinks=sink_logits)
+
+
+def test_memory_before_a_window_is_never_read(kernels_run_here):
+    """The same step over storage whose released memory holds NaN or zeros (what an unmapped VMM
+    page reads): bit-identical outputs, decode and prefill (nothing before the window reaches
+    the result, and no -1 entry is followed)."""
+    outs = []
+    for fill in (float("nan"), 0.0):
+        decode = variant_step([40, 3, 70], [1, 1, 1], window=9, block_size=16, before_window=fill)
+        prefill = variant_step([40, 3, 70], [1, 20, 6], window=9, block_size=16, before_window=fill)
+        outs += run_variant(decode, 4, F32, window=9, num_splits=2) + run_variant(prefill, 4, F32, window=9)
+    assert all(torch.equal(a, b) for a, b in zip(outs[:4], outs[4:]))
+
+
+def test_split_counts_agree_under_a_window(kernels_run_here):
+    """1..5 splits and far more splits than the window's tiles give the same output."""
+    step = variant_step([100, 30, 7], [1, 1, 1], window=20, block_size=16, head_dim=16)
+    sinks = torch.randn(4)
+    outs = [run_variant(step, 4, F32, window=20, softcap=4.0, sinks=sinks, num_splits=n)[1] for n in (1, 2, 5, 40)]
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], atol=2e-6, rtol=2e-6)
+
+
 # ---- host side: splits, graph friendliness, probe ----------------------------------------------
 def test_choose_num_splits():
     assert ta.choose_num_splits(32, 8, 8192, 132) == 1  # 256 programs for 132 SMs: enough already
@@ -575,6 +666,15 @@ DECODE_ERRORS = [
     (InvalidShape, _bad(num_splits=4, workspace=ta.DecodeWorkspace.allocate(2, 4, 32, 2, "cpu"))),  # too few splits
     (InvalidShape, _bad(num_splits=2, workspace=ta.DecodeWorkspace.allocate(1, 4, 32, 2, "cpu"))),  # too few rows
     (InvalidInput, _bad(q=[[1.0]])),
+    (InvalidInput, _bad(window=-1)),
+    (InvalidInput, _bad(window=2.0)),
+    (InvalidInput, _bad(softcap=-1.0)),
+    (InvalidInput, _bad(softcap=float("inf"))),
+    (InvalidInput, _bad(sinks=[0.0] * 4)),
+    (InvalidDtype, _bad(sinks=torch.zeros(4, dtype=F16))),
+    (InvalidShape, _bad(sinks=torch.zeros(3))),  # one logit per query head: 4
+    (InvalidDevice, _bad(sinks=torch.zeros(4, device="meta"))),
+    (InvalidInput, _bad(sinks=torch.zeros(8)[::2])),  # not unit-strided
 ]
 
 
@@ -618,6 +718,10 @@ def test_prefill_errors(no_launch):
         ta.prefill_attention(**{**args, "cu_q": torch.tensor([0, 1, 2], dtype=I32, device="meta")})
     with pytest.raises(Unsupported):
         ta.prefill_attention(**{**args, "q": torch.randn(2, 4, 8), "k": torch.randn(6, 16, 2, 8), "v": torch.randn(6, 16, 2, 8)})
+    with pytest.raises(InvalidInput):
+        ta.prefill_attention(**{**args, "window": -2})
+    with pytest.raises(InvalidShape):
+        ta.prefill_attention(**{**args, "sinks": torch.zeros(2)})
 
 
 # ---- the GPU build ------------------------------------------------------------------------------
@@ -637,7 +741,8 @@ def test_kernels_compile_for_sm90():
         spec.loader.exec_module(K)  # the kernels' module alone (it imports only triton)
 
         def compile_(fn, dtype, **constexprs):
-            types = {"Q": dtype, "K": dtype, "V": dtype, "OUT": dtype, "PART_OUT": "*fp32", "PART_LSE": "*fp32", "qk_scale": "fp32"}
+            types = {"Q": dtype, "K": dtype, "V": dtype, "OUT": dtype, "PART_OUT": "*fp32", "PART_LSE": "*fp32", "SINKS": "*fp32",
+                     "qk_scale": "fp32", "softcap_in": "fp32", "softcap_out": "fp32"}
             if constexprs.pop("one_split", False):
                 constexprs["num_splits"] = 1  # how triton compiles an int argument equal to 1
             for name in ("KV_LENS", "BLOCK_TABLE", "SLOTS", "CU_Q"):
@@ -646,22 +751,32 @@ def test_kernels_compile_for_sm90():
             src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
             triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
 
-        variants = [  # (kernel, dtype, dot precision, paged, block size, head_dim, group, splits)
-            ("decode", "*fp16", "tf32", True, 16, 128, 4, 3),  # a tile spans blocks: per-key lookups
-            ("decode", "*fp32", "ieee", False, 1, 256, 8, 1),  # contiguous, one split: writes out itself
-            ("prefill", "*bf16", "tf32", True, 256, 64, 1, 0),  # one block-table entry per tile
-            ("prefill", "*fp16", "tf32", True, 24, 32, 32, 0),  # odd block size, a group of 32
-            ("merge", "*bf16", "", False, 0, 128, 4, 3),
+        variants = [  # (kernel, dtype, dot precision, paged, block size, head_dim, group, splits, soft-cap, sinks)
+            ("decode", "*fp16", "tf32", True, 16, 128, 4, 3, False, False),  # a tile spans blocks: per-key lookups
+            ("decode", "*fp32", "ieee", False, 1, 256, 8, 1, False, False),  # contiguous, one split: writes out itself
+            ("decode", "*bf16", "tf32", True, 64, 64, 8, 1, True, True),  # soft-cap, sinks in pass 1
+            ("decode", "*fp16", "tf32", False, 1, 128, 4, 4, True, True),  # sinks left to the merge
+            ("prefill", "*bf16", "tf32", True, 256, 64, 1, 0, False, False),  # one block-table entry per tile
+            ("prefill", "*fp16", "tf32", True, 24, 32, 32, 0, False, False),  # odd block size, a group of 32
+            ("prefill", "*bf16", "tf32", True, 16, 128, 4, 0, True, True),
+            ("merge", "*bf16", "", False, 0, 128, 4, 3, False, False),
+            ("merge", "*fp16", "", False, 0, 64, 8, 3, False, True),
         ]
-        for kernel, dtype, prec, paged, page, dim, group, splits in variants:
+        for kernel, dtype, prec, paged, page, dim, group, splits, softcap, sinks in variants:
             block_n = max(16, min(64, 16384 // (dim * (4 if dtype == "*fp32" else 2))))  # as triton_attention._block_n
-            common = dict(GROUP=group, HEAD_DIM=dim, BLOCK_N=block_n, PAGED=paged, PAGE_SIZE=page, DOT_PRECISION=prec, EMULATE_BF16=False)
+            common = dict(GROUP=group, HEAD_DIM=dim, BLOCK_N=block_n, PAGED=paged, PAGE_SIZE=page, DOT_PRECISION=prec,
+                          EMULATE_BF16=False, SOFTCAP=softcap, HAS_SINKS=sinks)
             if kernel == "decode":
                 compile_(K._decode_split_kernel, dtype, BLOCK_G=max(16, group), one_split=splits == 1, **common)
             elif kernel == "prefill":
                 compile_(K._prefill_kernel, dtype, BLOCK_M=max(64, group), BLOCK_Q=max(64, group) // group, **common)
             else:
-                compile_(K._decode_merge_kernel, dtype, GROUP=group, BLOCK_G=group, HEAD_DIM=dim)
+                compile_(K._decode_merge_kernel, dtype, GROUP=group, BLOCK_G=group, HEAD_DIM=dim, HAS_SINKS=sinks)
+        # a window of 1 is an int equal to 1, which triton compiles as a constant
+        common = dict(GROUP=4, HEAD_DIM=64, BLOCK_N=64, PAGED=True, PAGE_SIZE=64, DOT_PRECISION="tf32", EMULATE_BF16=False,
+                      SOFTCAP=True, HAS_SINKS=True, window=1)
+        compile_(K._decode_split_kernel, "*fp16", BLOCK_G=16, one_split=True, **common)
+        compile_(K._prefill_kernel, "*fp16", BLOCK_M=64, BLOCK_Q=16, **common)
         print("OK")
         """
     )

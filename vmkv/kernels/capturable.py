@@ -21,7 +21,9 @@ Two rules make a kernel usable there:
 Which decode kernel a graph runs is the registry's capturable choice
 (:func:`vmkv.kernels.registry.choose_capturable`: Triton where it runs, else ``"sdpa_masked"``,
 SDPA over each row's whole slot or blocks with the keys past its length masked), made once when
-the step's buffers are (:mod:`vmkv.kernels.static_step`), never per call.
+the step's buffers are (:mod:`vmkv.kernels.static_step`), never per call. Both take a layer's
+variant (``window``, ``softcap``, ``sinks``: host numbers fixed per layer, and a device tensor),
+so a captured step of a sliding-window layer reads only its window.
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ import torch
 
 from ..core.step import StepPlan
 from ..errors import InvalidInput
-from .base import AttentionKernel
+from .base import ALL_FEATURES, PLAIN, AttentionKernel, Variant, first_key
 from .triton_attention import DecodeWorkspace
 from .triton_attention import decode_attention as _triton_decode
+from .variants import explicit_attention, needs_scores
 
 __all__ = ["DecodeWorkspace", "MaskedDecode", "Store", "decode_attention", "decode_store", "stores_of", "write_columns"]
 
@@ -47,7 +50,8 @@ _LIBRARY.define("write_columns(Tensor(a!) k_base, Tensor(b!) v_base, Tensor k, T
                 "SymInt[] size, SymInt[] k_stride, SymInt k_offset, SymInt[] v_stride, SymInt v_offset) -> ()")
 _LIBRARY.define("decode_store(Tensor q, Tensor k_base, Tensor v_base, Tensor kv_lens, Tensor? slots, "
                 "Tensor? block_table, SymInt[] size, SymInt[] k_stride, SymInt k_offset, SymInt[] v_stride, "
-                "SymInt v_offset, float scale, int max_kv_len, str kernel) -> Tensor")
+                "SymInt v_offset, float scale, int max_kv_len, str kernel, int window=0, float softcap=0.0, "
+                "Tensor? sinks=None) -> Tensor")
 
 
 def _write_columns(k_base: torch.Tensor, v_base: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
@@ -78,11 +82,11 @@ def _write_columns_fake(k_base: torch.Tensor, v_base: torch.Tensor, k: torch.Ten
 def _decode_store(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor, kv_lens: torch.Tensor,
                   slots: torch.Tensor | None, block_table: torch.Tensor | None, size: list[int], k_stride: list[int],
                   k_offset: int, v_stride: list[int], v_offset: int, scale: float, max_kv_len: int,
-                  kernel: str) -> torch.Tensor:
+                  kernel: str, window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     k_store = k_base.as_strided(size, k_stride, k_offset)  # slots: [max_batch, capacity, Hkv, D]; blocks: [N, size, Hkv, D]
     v_store = v_base.as_strided(size, v_stride, v_offset)
     return decode_attention(q, k_store, v_store, kv_lens, kernel=kernel, slots=slots, block_table=block_table,
-                            scale=scale, max_kv_len=max_kv_len)
+                            scale=scale, max_kv_len=max_kv_len, window=window, softcap=softcap, sinks=sinks)
 
 
 _LIBRARY.impl("decode_store", _decode_store, "CompositeExplicitAutograd")
@@ -92,7 +96,7 @@ _LIBRARY.impl("decode_store", _decode_store, "CompositeExplicitAutograd")
 def _decode_store_fake(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor, kv_lens: torch.Tensor,
                        slots: torch.Tensor | None, block_table: torch.Tensor | None, size: list[int], k_stride: list[int],
                        k_offset: int, v_stride: list[int], v_offset: int, scale: float, max_kv_len: int,
-                       kernel: str) -> torch.Tensor:
+                       kernel: str, window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     return torch.empty_like(q)
 
 
@@ -166,7 +170,8 @@ def write_columns(k_store: Store, v_store: Store, k: torch.Tensor, v: torch.Tens
 
 def decode_store(q: torch.Tensor, k_store: Store, v_store: Store, kv_lens: torch.Tensor, scale: float,
                  max_kv_len: int, kernel: str, *, slots: torch.Tensor | None = None,
-                 block_table: torch.Tensor | None = None) -> torch.Tensor:
+                 block_table: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`decode_attention` over one layer's stores as an operator a compiled region calls as
     a whole (``torch.ops.vmkv.decode_store``: dynamo does not trace into the kernel's launch
     logic, and inductor cannot widen its reads).
@@ -175,29 +180,32 @@ def decode_store(q: torch.Tensor, k_store: Store, v_store: Store, kv_lens: torch
         q: ``[B, Hq, D]``, one query token per row.
         k_store, v_store: the layer's K and V (:func:`stores_of`): ``[max_batch, capacity, Hkv, D]``
             with ``slots``, block pools ``[blocks, block_size, Hkv, D]`` with ``block_table``.
-        kv_lens, scale, max_kv_len, kernel, slots, block_table: as :func:`decode_attention`.
+        kv_lens, scale, max_kv_len, kernel, slots, block_table, window, softcap, sinks: as
+            :func:`decode_attention` (``window`` and ``softcap`` are host numbers the graph
+            keeps, ``sinks`` one of its tensors).
 
     Returns:
         ``[B, Hq, D]``, a new tensor.
     """
     return torch.ops.vmkv.decode_store(q, k_store.base, v_store.base, kv_lens, slots, block_table, list(k_store.size),
                                        list(k_store.stride), k_store.offset, list(v_store.stride), v_store.offset,
-                                       float(scale), int(max_kv_len), kernel)
+                                       float(scale), int(max_kv_len), kernel, int(window), float(softcap), sinks)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor, *, kernel: str,
                      slots: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
                      scale: float | None = None, max_kv_len: int, num_splits: int | None = None,
-                     out: torch.Tensor | None = None, workspace: DecodeWorkspace | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, workspace: DecodeWorkspace | None = None,
+                     window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention, one query token per row, over either addressing: the one entry point of
     every decode path, and one a CUDA graph can capture.
 
     ``kernel`` ``"triton"``: the split-KV Triton kernel
     (:func:`vmkv.kernels.triton_attention.decode_attention`; CUDA, or CPU tensors in Triton's
-    interpreter), its split count fixed by ``max_kv_len`` unless ``num_splits`` is given.
-    ``"sdpa_masked"``: SDPA over each row's first ``max_kv_len`` keys (its slot, or its blocks in
-    table order) with the keys at or past its length masked; any device, it reads every position
-    up to ``max_kv_len`` (past a row's length: the zero page, or whatever blocks hold).
+    interpreter), its split count fixed by ``max_kv_len`` (and the window) unless ``num_splits``
+    is given. ``"sdpa_masked"``: SDPA over a fixed number of keys per row (its slot, or its blocks
+    in table order) with the keys it does not see masked (:func:`_masked_sdpa_decode`); any
+    device, and explicit float32 scores where the variant has soft-capping or sinks.
 
     Args:
         q: ``[B, Hq, D]``; k, v: the storage (slots: ``[max_batch, capacity, Hkv, D]``, blocks:
@@ -208,39 +216,88 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens:
         max_kv_len: host upper bound on ``kv_lens`` (``max_seq_len``): fixes the launch shape.
         num_splits, workspace: the Triton kernel's split count and split scratch.
         out: ``[B, Hq, D]``, written in place and returned (default: a new tensor).
+        window, softcap, sinks: the layer's :class:`~vmkv.kernels.base.Variant` (sinks: float32
+            ``[Hq]`` on ``q``'s device); defaults: plain attention.
 
     Raises:
         InvalidInput: both or neither of ``slots`` and ``block_table``, or an unknown ``kernel``.
+        InvalidInput, InvalidDtype, InvalidShape, InvalidDevice: a bad window, soft-cap or sinks.
         As the Triton kernel otherwise.
     """
     if (slots is None) == (block_table is None):
         raise InvalidInput("give exactly one of slots (contiguous addressing) and block_table (paged)")
     if kernel == "triton":
         return _triton_decode(q, k, v, kv_lens, slots=slots, block_table=block_table, scale=scale,
-                              max_kv_len=max_kv_len, num_splits=num_splits, out=out, workspace=workspace)
+                              max_kv_len=max_kv_len, num_splits=num_splits, out=out, workspace=workspace,
+                              window=window, softcap=softcap, sinks=sinks)
     if kernel != "sdpa_masked":
         raise InvalidInput(f"kernel must be one of {', '.join(DECODE_KERNELS)}, got {kernel!r}")
-    result = _masked_sdpa_decode(q, k, v, kv_lens, slots, block_table, scale, max_kv_len)
+    variant = Variant(window, softcap, sinks)
+    variant.check(q.shape[1], q.device)
+    result = _masked_sdpa_decode(q, k, v, kv_lens, slots, block_table, scale, max_kv_len, variant)
     return result if out is None else out.copy_(result)
 
 
 def _masked_sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor,
                         slots: torch.Tensor | None, block_table: torch.Tensor | None, scale: float | None,
-                        max_kv_len: int) -> torch.Tensor:
-    """SDPA over each row's first ``max_kv_len`` keys (its slot, or its blocks in table order)
-    with the keys at or past its length masked; ``[B, Hq, D]``."""
-    if block_table is None:
-        keys, values = k.index_select(0, slots.long()), v.index_select(0, slots.long())  # [B, capacity, Hkv, D]
-    else:  # entries past a row's blocks may be -1 (no block): any block does, those keys are masked
-        blocks = block_table.long().clamp(min=0)
-        keys, values = k[blocks].flatten(1, 2), v[blocks].flatten(1, 2)  # [B, blocks * block_size, Hkv, D]
-    keys = keys[:, :max_kv_len].transpose(1, 2)  # [B, Hkv, L, D]
-    values = values[:, :max_kv_len].transpose(1, 2)
-    mask = torch.arange(keys.shape[2], device=q.device)[None, :] < kv_lens.long()[:, None]  # [B, L]
+                        max_kv_len: int, variant: Variant = PLAIN) -> torch.Tensor:
+    """SDPA (explicit scores for soft-capping or sinks) over a fixed number of keys per row with
+    the keys it does not see masked; ``[B, Hq, D]``.
+
+    Without a window: each row's first ``max_kv_len`` keys (its slot, or its blocks in table
+    order; past its length: the zero page, or whatever blocks hold), those at or past its length
+    masked. With one: only the keys a window can reach (:func:`_window_keys`).
+    """
+    if variant.window:
+        keys, values, valid = _window_keys(k, v, kv_lens, slots, block_table, max_kv_len, variant.window)
+    else:
+        if block_table is None:
+            keys, values = k.index_select(0, slots.long()), v.index_select(0, slots.long())  # [B, capacity, Hkv, D]
+        else:  # entries past a row's blocks may be -1 (no block): any block does, those keys are masked
+            blocks = block_table.long().clamp(min=0)
+            keys, values = k[blocks].flatten(1, 2), v[blocks].flatten(1, 2)  # [B, blocks * block_size, Hkv, D]
+        keys, values = keys[:, :max_kv_len], values[:, :max_kv_len]  # [B, L, Hkv, D]
+        valid = torch.arange(keys.shape[1], device=q.device)[None, :] < kv_lens.long()[:, None]  # [B, L]
+    if variant.features:  # keys a row does not see: zeros, so nothing non-finite there reaches it
+        keys = keys.masked_fill(~valid[:, :, None, None], 0.0)
+        values = values.masked_fill(~valid[:, :, None, None], 0.0)
+    keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, L, D]
+    if needs_scores(variant):
+        batch, q_heads, dim = q.shape
+        q5 = q.reshape(batch, keys.shape[1], q_heads // keys.shape[1], 1, dim)  # [B, Hkv, G, 1, D]
+        out = explicit_attention(q5, keys, values, dim ** -0.5 if scale is None else scale, variant,
+                                 valid[:, None, None, None, :])
+        return out.reshape(batch, q_heads, dim)
     result = torch.nn.functional.scaled_dot_product_attention(
-        q[:, :, None], keys, values, attn_mask=mask[:, None, None, :], scale=scale,
+        q[:, :, None], keys, values, attn_mask=valid[:, None, None, :], scale=scale,
         enable_gqa=q.shape[1] != keys.shape[1])  # [B, Hq, 1, D]
     return result[:, :, 0]
+
+
+def _window_keys(k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor, slots: torch.Tensor | None,
+                 block_table: torch.Tensor | None, max_kv_len: int,
+                 window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The keys a decode row's window can reach, a fixed number per row (graph-capturable):
+    ``(keys, values, valid)``, ``[B, L, Hkv, D]`` twice and bool ``[B, L]`` (True: in the row's
+    window and before its length). Slots: the ``min(window, max_kv_len)`` positions from the
+    window's first key. Block tables: the blocks a window of that many keys can touch, from the
+    one holding its first key, so no entry of a block wholly before the window is read (past the
+    row's blocks, entries may be -1: block 0 stands in, its keys masked)."""
+    lens = kv_lens.long()
+    first = first_key(lens - 1, window)  # [B]: each row's first key (its query is at kv_len - 1)
+    if block_table is None:
+        positions = first[:, None] + torch.arange(min(window, max_kv_len), device=lens.device)  # [B, L]
+        rows, columns = slots.long()[:, None], positions.clamp_max(k.shape[1] - 1)
+        keys, values = k[rows, columns], v[rows, columns]
+    else:
+        block, width = k.shape[1], block_table.shape[1]
+        count = min(width, -(-(window - 1) // block) + 1)  # blocks `window` keys can touch
+        cols = first[:, None] // block + torch.arange(count, device=lens.device)  # [B, count]
+        blocks = block_table.gather(1, cols.clamp_max(width - 1)).long().clamp_min(0)
+        keys, values = k[blocks].flatten(1, 2), v[blocks].flatten(1, 2)  # [B, count * block, Hkv, D]
+        positions = (cols[:, :, None] * block + torch.arange(block, device=lens.device)).flatten(1)
+    valid = (positions >= first[:, None]) & (positions < lens[:, None])
+    return keys, values, valid
 
 
 class MaskedDecode(AttentionKernel):
@@ -248,11 +305,13 @@ class MaskedDecode(AttentionKernel):
     cannot, forced by name for an eager cache to compare it."""
 
     name = "sdpa_masked"
+    features = ALL_FEATURES
 
     def __init__(self, addressing: str) -> None:
         self.addressing = addressing
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan, meta: object,
-            scale: float | None) -> torch.Tensor:
+            scale: float | None, variant: Variant = PLAIN) -> torch.Tensor:
         where = {"block_table": plan.block_table} if self.addressing == "blocks" else {"slots": plan.slots_t}
-        return decode_attention(q, k, v, plan.kv_lens_t, kernel=self.name, scale=scale, max_kv_len=plan.max_kv, **where)
+        return decode_attention(q, k, v, plan.kv_lens_t, kernel=self.name, scale=scale, max_kv_len=plan.max_kv,
+                                window=variant.window, softcap=variant.softcap, sinks=variant.sinks, **where)

@@ -21,6 +21,12 @@ The kernels (which one runs is :mod:`vmkv.kernels.registry`'s choice, named in `
     sdpa_per_sequence         any   torch SDPA on each sequence's exact-length slice
 
 The two FlashAttention kernels need what :func:`vmkv.kernels.facts.flash_attention_blockers` lists.
+
+Variants (:data:`SLOT_KERNELS` says which kernel has which): the CPU kernels read each sequence's
+keys from the first one its earliest query's window reaches (:func:`vmkv.kernels.base.first_key`),
+so positions before a window, which may read zeros, are never read; a window inside the slice is
+an SDPA mask; soft-capping and sinks take explicit scores (:mod:`vmkv.kernels.variants`). The
+FlashAttention kernels pass the window (and flash-attn the soft-cap) to the kernel.
 """
 
 from __future__ import annotations
@@ -32,92 +38,65 @@ from typing import Callable, Iterable
 import torch
 import torch.nn.functional as F
 
-from ..core.step import StepPlan, causal_mask
+from ..core.step import StepPlan
 from ..errors import InvalidShape
-from .base import AttentionKernel
-from .facts import optional_kernel
+from .base import ALL_FEATURES, PLAIN, AttentionKernel, Variant, first_key
+from .facts import flash_attn_variant, flash_window_left, optional_kernel
 from .measured import batch_rule_constants
+from .variants import attend_sequence, explicit_attention, needs_scores, sequence_mask
 
 log = logging.getLogger("vmkv")
-
-Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, StepPlan, "float | None"], torch.Tensor]
 
 
 def _sdpa_rows(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan, scale: float | None,
-    indexes: Iterable[int], out: torch.Tensor,
+    indexes: Iterable[int], out: torch.Tensor, variant: Variant = PLAIN,
 ) -> None:
-    """SDPA of sequences ``indexes`` of ``plan``, one call each, on its exact-length K/V slice;
-    writes their rows of ``out``.
-
-    Inputs are given SDPA as 4-D ``[1, heads, tokens, D]`` tensors: on the CPU, 3-D inputs take a
-    slower path (about 3x for prefill). A single query token under grouped-query attention runs
-    as ``[1, Hkv, group, D]`` queries against the ``Hkv`` heads (query head ``h`` reads KV head
-    ``h // group``), which reads each KV head once instead of ``group`` times.
-    """
-    q_heads, kv_heads = q.shape[1], k_cache.shape[2]
+    """Sequences ``indexes`` of ``plan``, one call each (:func:`~vmkv.kernels.variants.attend_sequence`)
+    on its K/V slice from the first key its earliest query's window reaches to its length;
+    writes their rows of ``out``."""
     offsets = plan.offsets
-    masks = plan.causal_masks
     for i in indexes:
-        slot, n, kv_len = plan.slots[i], plan.q_lens[i], plan.kv_lens[i]
-        k_i = k_cache[slot, :kv_len].transpose(0, 1)[None]  # [1, Hkv, kv_len, D], a strided view
-        v_i = v_cache[slot, :kv_len].transpose(0, 1)[None]
+        slot, kv_len = plan.slots[i], plan.kv_lens[i]
+        lo = first_key(plan.starts[i], variant.window)
+        k_i = k_cache[slot, lo:kv_len].transpose(0, 1)[None]  # [1, Hkv, kv_len - lo, D], a strided view
+        v_i = v_cache[slot, lo:kv_len].transpose(0, 1)[None]
         rows = slice(offsets[i], offsets[i + 1])
-        if n == 1:  # decode: no mask; the query heads of one KV head act as its queries
-            q_i = q[rows].reshape(1, kv_heads, q_heads // kv_heads, -1)  # [1, Hkv, group, D]
-            out[rows] = F.scaled_dot_product_attention(q_i, k_i, v_i, scale=scale).reshape(1, q_heads, -1)
-            continue
-        mask = masks[i] if masks else causal_mask(plan.starts[i], n)
-        if mask is not None:
-            mask = mask.to(q.device)
-        o_i = F.scaled_dot_product_attention(
-            q[rows].transpose(0, 1)[None], k_i, v_i,  # q: [1, Hq, n, D]
-            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=q_heads != kv_heads,
-        )
-        out[rows] = o_i[0].transpose(0, 1)
+        mask = sequence_mask(plan, i, lo, variant.window, q.device)
+        out[rows] = attend_sequence(q[rows], k_i, v_i, scale, variant, mask)
 
 
-def sdpa_per_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan, scale: float | None) -> torch.Tensor:
-    """Stock ``scaled_dot_product_attention`` on each sequence's exact-length K/V slice, one call
-    per sequence (reads nothing past any sequence's length).
+def sdpa_per_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan, scale: float | None,
+                      variant: Variant = PLAIN) -> torch.Tensor:
+    """Stock ``scaled_dot_product_attention`` on each sequence's exact K/V slice (from its
+    window's first key to its length), one call per sequence; explicit scores where the variant
+    has soft-capping or sinks. Reads nothing past any sequence's length or before its window.
 
     Shapes: ``q: [T, Hq, D]``, ``k_cache, v_cache: [B, S, Hkv, D]``; returns ``[T, Hq, D]``.
     """
     out = torch.empty_like(q)
-    _sdpa_rows(q, k_cache, v_cache, plan, scale, range(plan.batch_size), out)
+    _sdpa_rows(q, k_cache, v_cache, plan, scale, range(plan.batch_size), out, variant)
     return out
-
-
-def _gqa_gemm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias: torch.Tensor | None) -> torch.Tensor:
-    """``softmax(q @ k^T * scale + bias) @ v`` as two GEMMs over the leading (batch) dims.
-
-    Shapes: ``q: [..., G, D]`` (the ``G`` query heads of one KV head as its queries), ``k, v:
-    [..., L, D]`` (any strides with a unit last one; each KV head is read once, never repeated),
-    ``bias``: additive, broadcastable to ``[..., G, L]`` (``-inf``: key masked), or ``None``.
-    Returns ``[..., G, D]``.
-    """
-    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
-    if bias is not None:
-        scores.add_(bias)
-    return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
 def _gemm_decode_rows(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan, scale: float | None,
-    indexes: Iterable[int], out: torch.Tensor,
+    indexes: Iterable[int], out: torch.Tensor, variant: Variant = PLAIN,
 ) -> None:
-    """Decode rows (one new token each) of sequences ``indexes``, two GEMMs each on the sequence's
-    exact-length K/V slice (nothing past its length is read); writes their rows of ``out``."""
+    """Decode rows (one new token each) of sequences ``indexes``, two GEMMs each
+    (:func:`~vmkv.kernels.variants.explicit_attention`) on the sequence's exact K/V slice (from
+    its window's first key to its length); writes their rows of ``out``."""
     q_heads, dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[2]
     scale = dim ** -0.5 if scale is None else scale
     offsets = plan.offsets
     for i in indexes:
         slot, kv_len, row = plan.slots[i], plan.kv_lens[i], offsets[i]
-        k_i = k_cache[slot, :kv_len].transpose(0, 1)  # [Hkv, kv_len, D], a strided view
-        v_i = v_cache[slot, :kv_len].transpose(0, 1)
-        q_i = q[row].reshape(kv_heads, q_heads // kv_heads, dim)
-        out[row] = _gqa_gemm(q_i, k_i, v_i, scale, None).reshape(q_heads, dim)
+        lo = first_key(kv_len - 1, variant.window)
+        k_i = k_cache[slot, lo:kv_len].transpose(0, 1)  # [Hkv, kv_len - lo, D], a strided view
+        v_i = v_cache[slot, lo:kv_len].transpose(0, 1)
+        q_i = q[row].reshape(kv_heads, q_heads // kv_heads, 1, dim)  # [Hkv, G, 1, D]
+        out[row] = explicit_attention(q_i, k_i, v_i, scale, variant, None).reshape(q_heads, dim)
 
 
 def heads_merge(cache: torch.Tensor) -> bool:
@@ -167,10 +146,10 @@ docs/benchmarks.md)."""
 class DecodeBatch:
     """How one step's decode rows run as one SDPA call over a run of consecutive slots.
 
-    The call reads ``k_cache[first_slot : first_slot + span, :max_kv]``: every slot of the run,
-    ``max_kv`` tokens each, through the zero-page-backed range (nothing there faults). Slots of
-    the run that hold no decode row of the step are *dummy* rows: zero queries whose outputs are
-    dropped (rows of SDPA never mix, so whatever they read cannot reach a real row).
+    The call reads ``k_cache[first_slot : first_slot + span, first_key : max_kv]``: every slot of
+    the run, the same keys of each, through the zero-page-backed range (nothing there faults).
+    Slots of the run that hold no decode row of the step are *dummy* rows: zero queries whose
+    outputs are dropped (rows of SDPA never mix, so whatever they read cannot reach a real row).
 
     Attributes:
         seqs: plan index of each decode row, in the order of ``rows``/``at``.
@@ -179,11 +158,14 @@ class DecodeBatch:
         at: int64 ``[Bd]`` each decode query's row in the run (``slot - first_slot``); ``None``:
             row ``i`` of the run is packed row ``i`` (no gather, no scatter).
         first_slot, span: the run of slots read.
-        max_kv: keys read per slot (the longest decode row's length).
-        mask: bool ``[span, 1, 1, max_kv]``, True = attend: key ``j`` of row ``r`` counts iff
-            ``j < kv_len(r)`` (dummy rows: every key), so stale-but-finite data past a
-            sequence's length inside its last page (and the zeros past its pages) gets
-            probability exactly 0; ``None`` when every real row is ``max_kv`` long.
+        first_key: the first key read in every slot: the earliest first key of the rows' windows
+            (0 without a window).
+        max_kv: one past the last key read (the longest decode row's length).
+        mask: bool ``[span, 1, 1, max_kv - first_key]``, True = attend: key ``first_key + j`` of
+            row ``r`` counts iff it lies in the row's window and ``first_key + j < kv_len(r)``
+            (dummy rows: every key), so stale-but-finite data past a sequence's length inside its
+            last page (and the zeros past its pages, or before its window) gets probability
+            exactly 0; ``None`` when every real row reads every key of the run.
         batched: the rule's choice: True = one batched call, False = one call per sequence.
     """
 
@@ -192,23 +174,27 @@ class DecodeBatch:
     at: torch.Tensor | None
     first_slot: int
     span: int
+    first_key: int
     max_kv: int
     mask: torch.Tensor | None
     batched: bool
 
 
-def plan_decode_batch(plan: StepPlan, decode: list[int], rule: "BatchRule | None") -> DecodeBatch:
+def plan_decode_batch(plan: StepPlan, decode: list[int], rule: "BatchRule | None", window: int = 0) -> DecodeBatch:
     """The batched call for sequences ``decode`` of ``plan`` (their indexes; one new token each).
 
     Args:
         plan: the step.
         decode: indexes into the plan of the sequences with one new token (non-empty).
-        rule: decides batched vs per-sequence from the step's shape; ``None``: always batched.
+        rule: decides batched vs per-sequence from the step's shape (the keys each call would
+            read); ``None``: always batched.
+        window: the layers' sliding window (0: none).
     """
     slots = [plan.slots[i] for i in decode]
     lens = [plan.kv_lens[i] for i in decode]
-    first, span, max_kv = min(slots), max(slots) - min(slots) + 1, max(lens)
-    batched = rule is None or rule.batched(span, max_kv, lens)
+    firsts = [first_key(n - 1, window) for n in lens]  # each row's first key: its query is at n - 1
+    first, span, max_kv, lo = min(slots), max(slots) - min(slots) + 1, max(lens), min(firsts)
+    batched = rule is None or rule.batched(span, max_kv - lo, [n - f for n, f in zip(lens, firsts)])
     device = plan.kv_lens_t.device
     offsets = plan.offsets
     packed = [offsets[i] for i in decode]
@@ -216,11 +202,15 @@ def plan_decode_batch(plan: StepPlan, decode: list[int], rule: "BatchRule | None
     rows = None if identity else torch.tensor(packed, device=device)
     at = None if identity else torch.tensor([s - first for s in slots], device=device)
     mask = None
-    if min(lens) < max_kv and batched:
+    if batched and (min(lens) < max_kv or max(firsts) > lo):
+        at_run = torch.tensor(slots) - first
         run_lens = torch.full((span,), max_kv, dtype=torch.long)  # dummy rows: any key (finite or not)
-        run_lens[torch.tensor(slots) - first] = torch.tensor(lens)
-        mask = (torch.arange(max_kv)[None, :] < run_lens[:, None]).to(device)[:, None, None, :]
-    return DecodeBatch(tuple(decode), rows, at, first, span, max_kv, mask, batched)
+        run_lens[at_run] = torch.tensor(lens)
+        run_firsts = torch.full((span,), lo, dtype=torch.long)
+        run_firsts[at_run] = torch.tensor(firsts)
+        keys = torch.arange(lo, max_kv)
+        mask = ((keys[None, :] < run_lens[:, None]) & (keys[None, :] >= run_firsts[:, None])).to(device)[:, None, None, :]
+    return DecodeBatch(tuple(decode), rows, at, first, span, lo, max_kv, mask, batched)
 
 
 def _decode_run(
@@ -229,15 +219,15 @@ def _decode_run(
     """The operands of a batched decode call over the batch's run of slots: ``(q_run, k, v)``.
 
     Shapes: ``q: [Bd, Hq, D]`` the decode rows (packed order); ``q_run: [span, Hkv, G, D]`` (the
-    ``G`` query heads of a KV head as its queries; dummy rows zero), ``k, v: [span, Hkv, max_kv, D]``
-    strided views of the slots, never copied.
+    ``G`` query heads of a KV head as its queries; dummy rows zero), ``k, v: [span, Hkv, L, D]``
+    (``L = max_kv - first_key``) strided views of the slots, never copied.
     """
     q_heads, dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[2]
     group = q_heads // kv_heads
     run = slice(batch.first_slot, batch.first_slot + batch.span)
-    k = k_cache[run, : batch.max_kv].transpose(1, 2)  # [span, Hkv, max_kv, D], a view
-    v = v_cache[run, : batch.max_kv].transpose(1, 2)
+    k = k_cache[run, batch.first_key : batch.max_kv].transpose(1, 2)  # [span, Hkv, L, D], a view
+    v = v_cache[run, batch.first_key : batch.max_kv].transpose(1, 2)
     if batch.at is None:
         return q.reshape(batch.span, kv_heads, group, dim), k, v
     q_run = q.new_zeros(batch.span, kv_heads, group, dim)  # dummy rows: zero queries
@@ -254,10 +244,11 @@ def _decode_rows(out: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
 def sdpa_decode_batched(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch, scale: float | None
 ) -> torch.Tensor:
-    """One SDPA call for every decode row of a step (see :class:`DecodeBatch`).
+    """One SDPA call for every decode row of a step (see :class:`DecodeBatch`; its mask holds the
+    lengths and windows).
 
     Under GQA the ``group`` query heads of a KV head act as its ``group`` queries
-    (``[span, Hkv, group, D]`` against ``[span, Hkv, max_kv, D]``): each KV head is read once.
+    (``[span, Hkv, group, D]`` against ``[span, Hkv, L, D]``): each KV head is read once.
     K/V are strided views of the slots (``[B, S, Hkv, D]`` transposed), never copied.
 
     Shapes: ``q: [Bd, Hq, D]`` the decode rows (packed order); returns ``[Bd, Hq, D]``.
@@ -268,21 +259,21 @@ def sdpa_decode_batched(
 
 
 def gemm_decode_batched(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch, scale: float | None
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch, scale: float | None,
+    variant: Variant = PLAIN,
 ) -> torch.Tensor:
     """The decode rows of a step as two batched GEMMs over their run of slots (see
-    :class:`DecodeBatch`): scores ``[span, Hkv, G, max_kv]`` = the ``G`` query heads of each KV
-    head against its keys (no repeat of K/V), the length mask added as ``-inf``, softmax, times
-    V. K/V are strided views of the slots; with head-major slots (:func:`heads_merge`) the GEMMs
-    run on them without a copy.
+    :class:`DecodeBatch`; :func:`~vmkv.kernels.variants.explicit_attention`): scores
+    ``[span, Hkv, G, L]`` = the ``G`` query heads of each KV head against its keys (no repeat of
+    K/V), soft-capped, masked, a softmax (with sinks), times V. K/V are strided views of the
+    slots; with head-major slots (:func:`heads_merge`) the GEMMs run on them without a copy.
 
     Shapes: ``q: [Bd, Hq, D]`` the decode rows (packed order); returns ``[Bd, Hq, D]``.
     """
     q_run, k, v = _decode_run(q, k_cache, v_cache, batch)
-    bias = None
-    if batch.mask is not None:  # [span, 1, 1, max_kv], True = attend
-        bias = torch.zeros(batch.mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~batch.mask, float("-inf"))
-    return _decode_rows(_gqa_gemm(q_run, k, v, q.shape[2] ** -0.5 if scale is None else scale, bias), batch)
+    allowed = None if batch.mask is None else batch.mask[..., None, :]  # [span, 1, 1, 1, L]
+    out = explicit_attention(q_run[..., None, :], k, v, q.shape[2] ** -0.5 if scale is None else scale, variant, allowed)
+    return _decode_rows(out[..., 0, :], batch)
 
 
 class SdpaDecodeKernel(AttentionKernel):
@@ -299,46 +290,60 @@ class SdpaDecodeKernel(AttentionKernel):
             benchmarks.vllm_slot_layouts``). The batched GEMM is taken only where the slot and
             head axes fold without a copy (:func:`heads_merge`); prefill rows stay SDPA.
 
-    :meth:`plan` computes the step's :class:`DecodeBatch` once; every layer's :meth:`run` reuses it.
+    A variant with soft-capping or sinks, which SDPA cannot express, runs every kernel's decode
+    rows as the GEMMs run them (and its prefill rows with explicit scores).
+
+    :meth:`plan` computes the step's :class:`DecodeBatch` once per window; every layer's
+    :meth:`run` reuses it.
 
     Shapes: ``q: [T, Hq, D]``, ``k_cache, v_cache: [B, S, Hkv, D]`` (any strides with a unit
     last one); returns ``[T, Hq, D]``.
     """
 
     addressing = "slots"
+    features = ALL_FEATURES
 
     def __init__(self, name: str, rule: BatchRule | None, gemm: bool = False) -> None:
         self.name = name
         self.rule = rule
         self.gemm = gemm
 
-    def plan(self, plan: StepPlan, q_heads: int = 0, scale: float | None = None) -> DecodeBatch | None:
+    def plan(self, plan: StepPlan, q_heads: int = 0, scale: float | None = None,
+             variant: Variant = PLAIN) -> DecodeBatch | None:
         """The batched call of ``plan``'s decode rows (``None``: the step has none)."""
         decode = [i for i, n in enumerate(plan.q_lens) if n == 1]
-        return plan_decode_batch(plan, decode, self.rule) if decode else None
+        return plan_decode_batch(plan, decode, self.rule, variant.window) if decode else None
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan,
-            batch: DecodeBatch | None, scale: float | None) -> torch.Tensor:
-        batched = batch is not None and batch.batched and (not self.gemm or heads_merge(k_cache) and heads_merge(v_cache))
-        if not batched and not self.gemm:
-            return sdpa_per_sequence(q, k_cache, v_cache, plan, scale)
-        decode_batched = gemm_decode_batched if self.gemm else sdpa_decode_batched
+            batch: DecodeBatch | None, scale: float | None, variant: Variant = PLAIN) -> torch.Tensor:
+        gemm = self.gemm or needs_scores(variant)
+        batched = batch is not None and batch.batched and (not gemm or heads_merge(k_cache) and heads_merge(v_cache))
+        if not batched and not gemm:
+            return sdpa_per_sequence(q, k_cache, v_cache, plan, scale, variant)
         if batched and batch.rows is None:  # a pure decode step over a run of slots, in slot order
-            out = decode_batched(q, k_cache, v_cache, batch, scale)
+            out = self._decode_batched(q, k_cache, v_cache, batch, scale, variant, gemm)
         else:
             out = torch.empty_like(q)
             if batched:
-                out[batch.rows] = decode_batched(q[batch.rows], k_cache, v_cache, batch, scale)
+                out[batch.rows] = self._decode_batched(q[batch.rows], k_cache, v_cache, batch, scale, variant, gemm)
             elif batch is not None:  # gemm, one sequence at a time
-                _gemm_decode_rows(q, k_cache, v_cache, plan, scale, batch.seqs, out)
+                _gemm_decode_rows(q, k_cache, v_cache, plan, scale, batch.seqs, out, variant)
             prefill = [i for i, n in enumerate(plan.q_lens) if n > 1]
-            _sdpa_rows(q, k_cache, v_cache, plan, scale, prefill, out)
+            _sdpa_rows(q, k_cache, v_cache, plan, scale, prefill, out, variant)
         if batched:
-            self._redo_non_finite(q, k_cache, v_cache, plan, scale, batch, out)
+            self._redo_non_finite(q, k_cache, v_cache, plan, scale, batch, out, variant)
         return out
 
     @staticmethod
-    def _redo_non_finite(q, k_cache, v_cache, plan: StepPlan, scale: float | None, batch: DecodeBatch, out: torch.Tensor) -> None:
+    def _decode_batched(q, k_cache, v_cache, batch: DecodeBatch, scale: float | None, variant: Variant,
+                        gemm: bool) -> torch.Tensor:
+        if gemm:
+            return gemm_decode_batched(q, k_cache, v_cache, batch, scale, variant)
+        return sdpa_decode_batched(q, k_cache, v_cache, batch, scale)
+
+    @staticmethod
+    def _redo_non_finite(q, k_cache, v_cache, plan: StepPlan, scale: float | None, batch: DecodeBatch, out: torch.Tensor,
+                         variant: Variant) -> None:
         """Recompute, one call per sequence on its exact slice, the decode rows the batched call
         made non-finite. A mask gives stale keys probability 0, but stale data that is itself
         inf/NaN (written by an earlier sequence of the page) still poisons the row (``-inf + inf``,
@@ -347,10 +352,11 @@ class SdpaDecodeKernel(AttentionKernel):
         if bool(torch.isfinite(decode.sum())):  # one reduction: a finite sum means every entry is finite
             return
         bad = (~torch.isfinite(decode).flatten(1).all(1)).nonzero().flatten().tolist()
-        _sdpa_rows(q, k_cache, v_cache, plan, scale, [batch.seqs[i] for i in bad], out)
+        _sdpa_rows(q, k_cache, v_cache, plan, scale, [batch.seqs[i] for i in bad], out, variant)
 
 
-def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan, scale: float | None) -> torch.Tensor:
+def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan, scale: float | None,
+                  variant: Variant = PLAIN) -> torch.Tensor:
     """flash-attn's ``flash_attn_with_kvcache`` on the slot-indexed virtual tensors.
 
     Semantics (flash-attn ``flash_attn_interface.flash_attn_with_kvcache`` docstring and
@@ -362,16 +368,19 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     new tokens sees keys ``0 .. kv_len - n + j``: the cached prefix plus causal new tokens.
 
     Decode steps run as one batched call. Steps with prefill chunks (``seqlen_q`` must be
-    equal across the batch) run one call per sequence on its own slot.
+    equal across the batch) run one call per sequence on its own slot. A window and a soft-cap go
+    to the kernel (:func:`~vmkv.kernels.facts.flash_attn_variant`), which reads no key before a
+    query's window (reasoned from flash-attn's sources, not run here: GPU only).
 
     Shapes: ``q: [T, Hq, D]``, ``k_cache, v_cache: [B_max, S, Hkv, D]``; returns ``[T, Hq, D]``.
     """
     flash_attn_with_kvcache = optional_kernel("flash_attn")
     q = q.contiguous()  # FlashAttention wants a unit last stride (any strided q is accepted here)
+    extra = flash_attn_variant(variant.window, variant.softcap)
     if plan.is_decode:
         out = flash_attn_with_kvcache(
             q.unsqueeze(1), k_cache, v_cache,
-            cache_seqlens=plan.kv_lens_t, cache_batch_idx=plan.slots_t, softmax_scale=scale, causal=True,
+            cache_seqlens=plan.kv_lens_t, cache_batch_idx=plan.slots_t, softmax_scale=scale, causal=True, **extra,
         )  # [B, 1, Hq, D]
         return out.squeeze(1)
     out = torch.empty_like(q)
@@ -380,7 +389,7 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         a, b = offsets[i], offsets[i + 1]
         out[a:b] = flash_attn_with_kvcache(
             q[a:b].unsqueeze(0), k_cache[slot : slot + 1], v_cache[slot : slot + 1],
-            cache_seqlens=plan.kv_lens_t[i : i + 1], softmax_scale=scale, causal=True,
+            cache_seqlens=plan.kv_lens_t[i : i + 1], softmax_scale=scale, causal=True, **extra,
         ).squeeze(0)
     return out
 
@@ -406,7 +415,8 @@ def _slot_rows(cache: torch.Tensor) -> tuple[torch.Tensor, int]:
     return cache.as_strided(shape, (row_stride, *cache.stride()[2:])), rows_per_slot
 
 
-def varlen_seqused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan, scale: float | None) -> torch.Tensor:
+def varlen_seqused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan, scale: float | None,
+                   variant: Variant = PLAIN) -> torch.Tensor:
     """PyTorch's FlashAttention varlen kernel reading each slot's valid prefix (``seqused_k``).
 
     Calls ``torch.ops.aten._flash_attention_forward``, the op behind
@@ -425,7 +435,10 @@ def varlen_seqused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
     Masking: prefill steps pass ``is_causal`` (bottom-right aligned, so the cached prefix is
     visible); decode steps pass no mask (one query sees all its keys), which also enables the
-    kernel's grouped-query decode path (``seqlenq_ngroups_swapped``) and split-KV.
+    kernel's grouped-query decode path (``seqlenq_ngroups_swapped``) and split-KV. A window is
+    ``window_size_left = window - 1, window_size_right = 0`` (local attention, bottom-right
+    aligned; it turns the grouped-query decode path off): keys before a query's window are not
+    read (reasoned from ``flash_api.cpp`` and the kernel's ``n_block_min``, not run here).
 
     Shapes: ``q: [T, Hq, D]``, ``k_cache, v_cache: [B_max, S, Hkv, D]``; returns ``[T, Hq, D]``.
     """
@@ -434,9 +447,10 @@ def varlen_seqused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     v_rows, _ = _slot_rows(v_cache)
     starts = plan.slots_t * rows_per_slot  # int32 [B]: first row of each sequence, plan order
     cu_k = torch.cat([starts, starts.new_full((1,), k_rows.shape[0])])  # last entry unused (seqused_k)
+    window = {"window_size_left": flash_window_left(variant.window), "window_size_right": 0} if variant.window else {}
     out, *_ = torch.ops.aten._flash_attention_forward(
         q, k_rows, v_rows, plan.cu_q, cu_k, plan.max_q, plan.max_kv, 0.0, not plan.is_decode, False,
-        scale=scale, seqused_k=plan.kv_lens_t,
+        scale=scale, seqused_k=plan.kv_lens_t, **window,
     )
     return out
 
@@ -444,7 +458,10 @@ def varlen_seqused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
 
 class Stateless(AttentionKernel):
-    """A slots kernel with no per-step metadata: ``function(q, k_cache, v_cache, plan, scale)``.
+    """A slots kernel with no per-step metadata: ``function(q, k_cache, v_cache, plan, scale,
+    variant)``, or, while it declares no variant feature (``features``, set by its builder:
+    :func:`slot_kernel`), ``function(q, k_cache, v_cache, plan, scale)`` (its variant is then always
+    plain: :meth:`AttentionKernel.__call__` refuses others).
 
     Args:
         name: the name it is registered under.
@@ -457,8 +474,25 @@ class Stateless(AttentionKernel):
         self.name = name
         self._function = function
 
-    def run(self, q, k, v, plan, meta, scale):
-        return self._function(q, k, v, plan, scale)
+    def run(self, q, k, v, plan, meta, scale, variant=PLAIN):
+        if not self.features:
+            return self._function(q, k, v, plan, scale)
+        return self._function(q, k, v, plan, scale, variant)
+
+
+SLOT_KERNELS: dict[str, frozenset[str]] = {
+    # flash-attn's window_size and softcap (GPU only: from its signature and sources, not run here)
+    "flash_attn_with_kvcache": frozenset({"window", "softcap"}),
+    # aten::_flash_attention_forward's window_size_left/right (GPU only: not run here); no soft-cap, no sinks
+    "varlen_attn_seqused": frozenset({"window"}),
+    "sdpa_adaptive": SdpaDecodeKernel.features,
+    "gemm_adaptive": SdpaDecodeKernel.features,
+    "sdpa_batched": SdpaDecodeKernel.features,
+    "gemm_batched": SdpaDecodeKernel.features,
+    "sdpa_per_sequence": ALL_FEATURES,  # a window as slices and masks; explicit scores for soft-caps and sinks
+}
+"""Every slots kernel of this module by name, with the variant features it supports (what the
+registry declares for it)."""
 
 
 def slot_kernel(name: str) -> AttentionKernel:
@@ -468,6 +502,7 @@ def slot_kernel(name: str) -> AttentionKernel:
         KeyError: no such kernel.
     """
     rule = DEFAULT_BATCH_RULE
+    features = SLOT_KERNELS[name]
     builders: dict[str, Callable[[], AttentionKernel]] = {
         "flash_attn_with_kvcache": lambda: Stateless(name, flash_kvcache),
         "varlen_attn_seqused": lambda: Stateless(name, varlen_seqused),
@@ -477,9 +512,6 @@ def slot_kernel(name: str) -> AttentionKernel:
         "gemm_batched": lambda: SdpaDecodeKernel(name, None, gemm=True),
         "sdpa_per_sequence": lambda: Stateless(name, sdpa_per_sequence),
     }
-    return builders[name]()
-
-
-SLOT_KERNELS = ("flash_attn_with_kvcache", "varlen_attn_seqused", "sdpa_adaptive", "gemm_adaptive", "sdpa_batched",
-                "gemm_batched", "sdpa_per_sequence")
-"""Every slots kernel of this module by name."""
+    kernel = builders[name]()
+    kernel.features = features  # what the registry declares for it (a Stateless kernel's own)
+    return kernel

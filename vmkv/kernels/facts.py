@@ -73,6 +73,35 @@ def flash_varlen_has_seqused_k() -> bool:
     return any(argument.name == "seqused_k" for argument in schema.arguments)
 
 
+def flash_varlen_has_window() -> bool:
+    """Whether this torch's ``aten::_flash_attention_forward`` takes ``window_size_left`` (a
+    sliding window)."""
+    try:
+        schema = torch.ops.aten._flash_attention_forward.default._schema
+    except (AttributeError, RuntimeError):
+        return False
+    return any(argument.name == "window_size_left" for argument in schema.arguments)
+
+
+def flash_window_left(window: int) -> int:
+    """FlashAttention's left window size for transformers' sliding ``window``: a query at ``i``
+    sees keys ``i - left .. i`` (inclusive, bottom-right aligned: flash-attn's docstring;
+    transformers' flash path passes ``sliding_window - 1``), so ``window - 1``; -1 without one."""
+    return window - 1 if window > 0 else -1
+
+
+def flash_attn_variant(window: int, softcap: float) -> dict[str, Any]:
+    """flash-attn's ``flash_attn_with_kvcache`` keyword arguments for a window and a soft-cap:
+    ``window_size=(window - 1, 0)`` (flash-attn >= 2.3), ``softcap=`` (>= 2.6); none for a plain
+    layer, whose call stays what it was (older flash-attn releases run it). Not run here (GPU only)."""
+    extra: dict[str, Any] = {}
+    if window > 0:
+        extra["window_size"] = (flash_window_left(window), 0)
+    if softcap > 0:
+        extra["softcap"] = softcap
+    return extra
+
+
 def flash_attention_blockers(
     on_cuda: bool, capability: tuple[int, int] | None, dtype: torch.dtype | None, head_dim: int | None
 ) -> list[str]:
@@ -112,6 +141,8 @@ class MachineFacts:
             (:func:`flash_varlen_has_seqused_k`).
         varlen_features: optional arguments of ``torch.nn.attention.varlen.varlen_attn``.
         triton_missing: why the Triton kernels cannot run on the device; ``None``: they can.
+        varlen_window: torch's FlashAttention varlen op takes a window
+            (:func:`flash_varlen_has_window`).
     """
 
     capability: tuple[int, int] | None = None
@@ -119,6 +150,7 @@ class MachineFacts:
     varlen_seqused: bool = False
     varlen_features: frozenset[str] = frozenset()
     triton_missing: str | None = "not probed"
+    varlen_window: bool = False
 
     @classmethod
     def probe(cls, device: torch.device) -> "MachineFacts":
@@ -130,7 +162,7 @@ class MachineFacts:
             return cls(triton_missing=None if triton_ok else triton_why)
         missing = {name: why for name in OPTIONAL_PACKAGES if (why := optional_import(name, OPTIONAL_PACKAGES[name])[1])}
         return cls(tuple(torch.cuda.get_device_capability(device)), missing, flash_varlen_has_seqused_k(),
-                   frozenset(torch_varlen_features()), None if triton_ok else triton_why)
+                   frozenset(torch_varlen_features()), None if triton_ok else triton_why, flash_varlen_has_window())
 
     @classmethod
     def assumed_gpu(cls, capability: tuple[int, int] = (8, 0)) -> "MachineFacts":
@@ -139,7 +171,8 @@ class MachineFacts:
         from .triton_attention import _import_triton
 
         missing = {name: why for name in OPTIONAL_PACKAGES if (why := optional_import(name, OPTIONAL_PACKAGES[name])[1])}
-        return cls(capability, missing, flash_varlen_has_seqused_k(), frozenset(torch_varlen_features()), _import_triton())
+        return cls(capability, missing, flash_varlen_has_seqused_k(), frozenset(torch_varlen_features()), _import_triton(),
+                   flash_varlen_has_window())
 
     def package_missing(self, name: str) -> str | None:
         """Why optional package ``name`` cannot be used (``None``: it can)."""

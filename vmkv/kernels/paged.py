@@ -31,6 +31,14 @@ FlashAttention's paged kernels (both flash-attn and torch's copy of it) need a b
 that is a multiple of 256 tokens and fp16/bf16; where that does not hold they are not used and
 the selection log says why.
 
+Variants (each kernel's ``features``): with a window, the entries of blocks wholly before the
+window of a sequence's earliest query of the step may be ``-1`` (released blocks); the CPU
+kernels start each sequence at the block holding the first key its window reaches and never read
+an entry before it, the CUDA kernels get the window as an argument (reasoned, not run here).
+Soft-capping and sinks: explicit float32 scores (:mod:`vmkv.kernels.variants`) where SDPA cannot
+express them; sinks join a log-sum-exp merge as the share of the mass the keys keep
+(:func:`~vmkv.kernels.variants.sink_weight`).
+
 A kernel may precompute per-step metadata once (``plan``) that every layer's ``run`` then
 reuses (:class:`vmkv.kernels.base.AttentionKernel`).
 """
@@ -38,16 +46,18 @@ reuses (:class:`vmkv.kernels.base.AttentionKernel`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import accumulate
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ..core.step import StepPlan, causal_mask
+from ..core.step import StepPlan
 from ..errors import InvalidConfig
-from .base import AttentionKernel
-from .facts import optional_kernel
+from .base import ALL_FEATURES, PLAIN, AttentionKernel, Variant, first_key
+from .facts import flash_attn_variant, flash_window_left, optional_kernel
+from .variants import attend_sequence, needs_scores, sequence_mask, sink_weight, soft_cap
 
 BLOCKWISE_CHUNK_TOKENS = 128  # keys per chunk of the blockwise kernel (measured: see docs/paged.md)
 DEFAULT_CHUNK_TOKENS: int | None = None  # a cache's default: each chunked kernel's own measured value
@@ -76,43 +86,38 @@ class PagedKernel(AttentionKernel):
 class GatherSDPA(PagedKernel):
     """Gather each sequence's blocks into one contiguous K/V, then torch SDPA on it.
 
-    Simple and exact, but it copies every sequence's whole K/V once per layer. A decode row
-    under GQA runs as ``[Hkv, G, D]`` queries over ``[Hkv, L, D]`` keys (one query sees every
-    key, so no mask), which avoids SDPA's much slower ``enable_gqa`` path on CPU.
+    Simple and exact, but it copies every sequence's whole K/V (its window's) once per layer.
+    A decode row under GQA runs as ``[Hkv, G, D]`` queries over ``[Hkv, L, D]`` keys (one query
+    sees every key, so no mask), which avoids SDPA's much slower ``enable_gqa`` path on CPU.
     """
 
     name = "gather_sdpa"
+    features = ALL_FEATURES
 
-    def run(self, q, k_pool, v_pool, plan, meta, scale):
+    def run(self, q, k_pool, v_pool, plan, meta, scale, variant=PLAIN):
         out = torch.empty_like(q)
-        self.rows(q, k_pool, v_pool, plan, range(plan.batch_size), out, scale)
+        self.rows(q, k_pool, v_pool, plan, range(plan.batch_size), out, scale, variant)
         return out
 
     @staticmethod
-    def rows(q, k_pool, v_pool, plan: StepPlan, indexes, out: torch.Tensor, scale: float) -> None:
-        """Attention of sequences ``indexes`` of ``plan``; writes their rows of ``out``."""
+    def rows(q, k_pool, v_pool, plan: StepPlan, indexes, out: torch.Tensor, scale: float | None,
+             variant: Variant = PLAIN) -> None:
+        """Attention of sequences ``indexes`` of ``plan``; writes their rows of ``out``. A sequence
+        gathers its blocks from the one holding the first key its earliest query's window reaches
+        (the entries before it are never read) to its length
+        (:func:`~vmkv.kernels.variants.attend_sequence`)."""
         block = k_pool.shape[1]
-        gqa = q.shape[1] != k_pool.shape[2]
         offsets = plan.offsets
-        masks = plan.causal_masks
         for i in indexes:
-            n, kv_len = plan.q_lens[i], plan.kv_lens[i]
-            blocks = plan.block_table[i, : -(-kv_len // block)]
-            k_i = k_pool[blocks].flatten(0, 1)[:kv_len].transpose(0, 1)[None]  # [1, Hkv, kv_len, D]
-            v_i = v_pool[blocks].flatten(0, 1)[:kv_len].transpose(0, 1)[None]
-            if n == 1:  # [1, Hkv, G, D]: the group's queries share their KV head
-                q_i = q[offsets[i]].reshape(1, k_i.shape[1], -1, q.shape[2])
-                o_i = F.scaled_dot_product_attention(q_i, k_i, v_i, scale=scale)
-                out[offsets[i]] = o_i.reshape(q.shape[1:])
-                continue
-            q_i = q[offsets[i] : offsets[i + 1]].transpose(0, 1)[None]  # [1, Hq, n, D] (4-D: CPU SDPA's fast path)
-            mask = masks[i] if masks else causal_mask(plan.starts[i], n)
-            if mask is not None:
-                mask = mask.to(q.device)
-            o_i = F.scaled_dot_product_attention(
-                q_i, k_i, v_i, attn_mask=mask, is_causal=mask is None and n > 1, scale=scale, enable_gqa=gqa
-            )[0]
-            out[offsets[i] : offsets[i + 1]] = o_i.transpose(0, 1)
+            kv_len = plan.kv_lens[i]
+            lo = first_key(plan.starts[i], variant.window)
+            first = lo // block  # the first block read
+            blocks = plan.block_table[i, first : -(-kv_len // block)]
+            keys = slice(lo - first * block, kv_len - first * block)
+            k_i = k_pool[blocks].flatten(0, 1)[keys].transpose(0, 1)[None]  # [1, Hkv, kv_len - lo, D]
+            v_i = v_pool[blocks].flatten(0, 1)[keys].transpose(0, 1)[None]
+            rows = slice(offsets[i], offsets[i + 1])
+            out[rows] = attend_sequence(q[rows], k_i, v_i, scale, variant, sequence_mask(plan, i, lo, variant.window, q.device))
 
 
 # ---- decode: runs of consecutive blocks read in place, the rest gathered in chunks ---------------
@@ -122,13 +127,15 @@ DEFAULT_MIN_RUN_TOKENS = 64  # a run of consecutive blocks this long is read in 
 
 @dataclass(frozen=True)
 class _Piece:
-    """``tokens`` keys of one decode row: pool blocks ``first ..`` read in place (a run of
-    consecutive blocks: a strided view, no copy), or, when ``first`` is -1, ``blocks`` gathered
-    into a scratch buffer. Only the row's own keys are read: the last piece stops at its length."""
+    """Keys of one decode row, rows ``skip .. tokens - 1`` of pool blocks ``first ..`` read in
+    place (a run of consecutive blocks: a strided view, no copy), or, when ``first`` is -1, of
+    ``blocks`` gathered into a scratch buffer. Only the row's own keys are read: the last piece
+    stops at its length, and the first skips its rows before the row's window (``skip``)."""
 
     first: int
     blocks: torch.Tensor | None
     tokens: int
+    skip: int = 0
 
 
 @dataclass(frozen=True)
@@ -174,6 +181,7 @@ class ChunkedSDPA(PagedKernel):
     """
 
     name = "sdpa_chunked"
+    features = ALL_FEATURES
 
     def __init__(
         self, block_size: int, chunk_tokens: int | None = None, device: torch.device | str = "cpu",
@@ -184,21 +192,25 @@ class ChunkedSDPA(PagedKernel):
         self.min_run_tokens = _chunk_tokens(min_run_tokens, DEFAULT_MIN_RUN_TOKENS)
         self._scratch = _Scratch(device)
 
-    def plan(self, plan: StepPlan, q_heads: int, scale: float) -> _PiecesMeta:
+    def plan(self, plan: StepPlan, q_heads: int, scale: float | None, variant: Variant = PLAIN) -> _PiecesMeta:
         offsets = plan.offsets
         rows = tuple(
-            _DecodeRow(offsets[i], self._pieces(plan.block_table[i], plan.kv_lens[i]))
-            for i, n in enumerate(plan.q_lens) if n == 1
+            _DecodeRow(offsets[i], self._pieces(plan.block_table[i], n_kv, first_key(n_kv - 1, variant.window)))
+            for i, (n, n_kv) in enumerate(zip(plan.q_lens, plan.kv_lens)) if n == 1
         )
         return _PiecesMeta(rows, tuple(i for i, n in enumerate(plan.q_lens) if n > 1))
 
-    def _pieces(self, table_row: torch.Tensor, length: int) -> tuple[_Piece, ...]:
-        """Split a sequence's ``length`` keys into in-place runs and gathered chunks, in key order.
+    def _pieces(self, table_row: torch.Tensor, length: int, lo: int = 0) -> tuple[_Piece, ...]:
+        """Split a sequence's keys ``lo .. length - 1`` into in-place runs and gathered chunks, in
+        key order. Blocks before the one holding key ``lo`` are never read (their entries may be -1).
 
         Every block is full but the sequence's last one, which comes last in its piece, so a
-        piece's keys are its first ``tokens`` rows."""
+        piece's keys are its rows ``skip .. tokens - 1`` (``skip``: the first piece's rows before
+        ``lo``)."""
         block = self._block_size
-        blocks = table_row[: -(-length // block)].tolist()
+        first = lo // block  # the first block read; below, positions count from its first row
+        blocks = table_row[first : -(-length // block)].tolist()
+        length -= first * block
         min_run = max(1, -(-self.min_run_tokens // block))
         per_chunk = max(1, self.chunk_tokens // block)
         pieces: list[_Piece] = []
@@ -223,41 +235,58 @@ class ChunkedSDPA(PagedKernel):
                 pending.extend(blocks[start:end])
             start = end
         flush(length - (len(blocks) - 1) * block if pending and pending[-1] == blocks[-1] else block)
+        if lo % block:
+            pieces[0] = replace(pieces[0], skip=lo % block)
         return tuple(pieces)
 
-    def run(self, q, k_pool, v_pool, plan, meta: _PiecesMeta, scale):
+    def run(self, q, k_pool, v_pool, plan, meta: _PiecesMeta, scale, variant=PLAIN):
         out = torch.empty_like(q)
         kv_heads, dim = k_pool.shape[2], q.shape[2]
         group = q.shape[1] // kv_heads
         for row in meta.rows:
             q4 = q[row.token].reshape(1, kv_heads, group, dim)  # [1, Hkv, G, D]: a group's queries share a head
-            out[row.token] = self._row(q4, k_pool, v_pool, row.pieces, scale).reshape(q.shape[1:])
+            out[row.token] = self._row(q4, k_pool, v_pool, row.pieces, scale, variant).reshape(q.shape[1:])
         if meta.prefill:
-            GatherSDPA.rows(q, k_pool, v_pool, plan, meta.prefill, out, scale)
+            GatherSDPA.rows(q, k_pool, v_pool, plan, meta.prefill, out, scale, variant)
         return out
 
-    def _row(self, q4, k_pool, v_pool, pieces: tuple[_Piece, ...], scale: float) -> torch.Tensor:
-        """One decode row over its pieces: ``[1, Hkv, G, D]``."""
+    def _row(self, q4, k_pool, v_pool, pieces: tuple[_Piece, ...], scale: float | None, variant: Variant) -> torch.Tensor:
+        """One decode row over its pieces: ``[1, Hkv, G, D]``. Sinks scale the merged output by
+        the share of the mass the keys keep."""
         acc = lse = None
         for piece in pieces:
             if piece.first >= 0:  # in place: a strided view of consecutive blocks
                 n = -(-piece.tokens // self._block_size)
-                k = k_pool[piece.first : piece.first + n].flatten(0, 1)[: piece.tokens]  # [tokens, Hkv, D]
-                v = v_pool[piece.first : piece.first + n].flatten(0, 1)[: piece.tokens]
+                k = k_pool[piece.first : piece.first + n].flatten(0, 1)[piece.skip : piece.tokens]  # [keys, Hkv, D]
+                v = v_pool[piece.first : piece.first + n].flatten(0, 1)[piece.skip : piece.tokens]
             else:
-                k = self._scratch.gather(0, k_pool, piece.blocks)[: piece.tokens]
-                v = self._scratch.gather(1, v_pool, piece.blocks)[: piece.tokens]
-            k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hkv, tokens, D]
-            if len(pieces) == 1:
+                k = self._scratch.gather(0, k_pool, piece.blocks)[piece.skip : piece.tokens]
+                v = self._scratch.gather(1, v_pool, piece.blocks)[piece.skip : piece.tokens]
+            k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hkv, keys, D]
+            if len(pieces) == 1 and not needs_scores(variant):
                 return F.scaled_dot_product_attention(q4, k, v, scale=scale)
-            o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q4, k, v, 0.0, False, scale=scale)
+            o, l = self._piece(q4, k, v, scale, variant.softcap)
             if acc is None:
                 acc, lse = o.float(), l
                 continue
             merged = torch.logaddexp(lse, l)  # [1, Hkv, G]
             acc = acc * torch.exp(lse - merged)[..., None] + o.float() * torch.exp(l - merged)[..., None]
             lse = merged
+        if variant.sinks is not None:
+            acc = acc * sink_weight(lse, variant.sinks.view(lse.shape))[..., None]
         return acc.to(q4.dtype)
+
+    @staticmethod
+    def _piece(q4: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
+               softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """One piece's output normalised over its keys and their log-sum-exp, ``([1, Hkv, G, D],
+        [1, Hkv, G])``: CPU SDPA's op, or, with soft-capping (which SDPA lacks), float32 scores."""
+        if softcap == 0:
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q4, k, v, 0.0, False, scale=scale)
+        scale = q4.shape[-1] ** -0.5 if scale is None else scale
+        scores = soft_cap(torch.matmul(q4.float(), k.float().transpose(-1, -2)) * scale, softcap)  # [1, Hkv, G, keys]
+        lse = torch.logsumexp(scores, dim=-1)
+        return torch.matmul(torch.exp(scores - lse[..., None]), v.float()), lse
 
 
 class _Scratch:
@@ -293,21 +322,23 @@ class _Chunk:
 
     ``blocks``: int64 pool blocks (never -1), ``[rows, C]`` for decode, ``[C]`` for a prefill;
     ``valid``: bool mask of the keys each query row may see (``None``: all of them).
-    Decode: ``rows`` leading sequences of the group take part. Prefill: the first ``skip``
-    queries are skipped (the chunk is wholly in their future) and only the first ``keys`` keys
-    exist (the values of the rest are zeroed).
+    Decode: ``rows`` leading sequences of the group take part, each from its own first block.
+    Prefill: only queries ``skip .. stop - 1`` take part (the chunk is wholly in the future of the
+    ones before and wholly before the window of the ones after), and only the first ``keys``
+    keys exist (the values of the rest are zeroed).
     """
 
     blocks: torch.Tensor
     valid: torch.Tensor | None
     rows: int = 0
     skip: int = 0
+    stop: int = 0
     keys: int = 0
 
 
 @dataclass(frozen=True)
 class _DecodeGroup:
-    tokens: torch.Tensor  # int64 [Bd]: packed index of each decode query, longest sequence first
+    tokens: torch.Tensor  # int64 [Bd]: packed index of each decode query, most blocks read first
     chunks: tuple[_Chunk, ...]
 
 
@@ -329,11 +360,14 @@ class BlockwiseOnlineSoftmax(PagedKernel):
 
     No sequence's whole K/V is ever gathered: a chunk holds ``chunk_tokens`` keys (rounded to
     whole blocks). Decode rows (one new token) of *all* sequences run together, vectorised over
-    sequences and blocks: sorted longest first, chunk ``j`` only involves the sequences that
-    reach it. A sequence with several new tokens (prefill) runs alone, skipping query rows a
-    chunk lies entirely in the future of. Scores and accumulators are float32 for any storage
-    dtype. Keys past a sequence's length are masked and their values zeroed, so stale pool
-    contents (even inf/NaN) never reach an output.
+    sequences and blocks: each row's chunks start at the block holding its window's first key,
+    rows sorted by the blocks they read, most first, so chunk ``j`` only involves the rows that
+    reach it. A sequence with several new tokens (prefill) runs alone from the block holding its
+    earliest query's first key, skipping query rows a chunk lies entirely in the future of or
+    before the window of. Scores and accumulators are float32 for any storage dtype; a soft-cap
+    applies to the scores, sinks to the final sums. Keys past a sequence's length are masked and
+    their values zeroed, so stale pool contents (even inf/NaN) never reach an output; table
+    entries before a row's first block are never read.
 
     Args:
         block_size: tokens per pool block.
@@ -348,6 +382,7 @@ class BlockwiseOnlineSoftmax(PagedKernel):
     """
 
     name = "blockwise_online_softmax"
+    features = ALL_FEATURES
 
     def __init__(
         self, block_size: int, kv_heads: int, chunk_tokens: int | None = None, device: torch.device | str = "cpu"
@@ -359,68 +394,77 @@ class BlockwiseOnlineSoftmax(PagedKernel):
         self._scratch = _Scratch(device)  # buffers 0/1: K/V as stored, 2/3: as float32
 
     # -- per step ---------------------------------------------------------------------------
-    def plan(self, plan: StepPlan, q_heads: int, scale: float) -> _BlockwiseMeta:
+    def plan(self, plan: StepPlan, q_heads: int, scale: float | None, variant: Variant = PLAIN) -> _BlockwiseMeta:
         table = plan.block_table
-        block = self._block_size
-        per_chunk = max(1, self.chunk_tokens // block)  # blocks per chunk
+        per_chunk = max(1, self.chunk_tokens // self._block_size)  # blocks per chunk
         offsets = plan.offsets
         decode = [i for i, n in enumerate(plan.q_lens) if n == 1]
-        decode_group = None
-        if decode:
-            decode.sort(key=lambda i: -plan.kv_lens[i])
-            decode_group = self._decode_group(plan, table, decode, offsets, per_chunk)
+        decode_group = self._decode_group(plan, table, decode, offsets, per_chunk, variant.window) if decode else None
         group = q_heads // self._kv_heads
         prefill = tuple(
-            self._prefill_seq(plan, table, i, offsets[i], per_chunk, group) for i, n in enumerate(plan.q_lens) if n > 1
+            self._prefill_seq(plan, table, i, offsets[i], per_chunk, group, variant.window)
+            for i, n in enumerate(plan.q_lens) if n > 1
         )
         return _BlockwiseMeta(decode_group, prefill)
 
-    def _decode_group(self, plan, table, order, offsets, per_chunk) -> _DecodeGroup:
+    def _decode_group(self, plan, table, decode, offsets, per_chunk, window) -> _DecodeGroup:
         device = table.device
         block = self._block_size
-        lens = [plan.kv_lens[i] for i in order]  # non-increasing
+        firsts = {i: first_key(plan.kv_lens[i] - 1, window) for i in decode}  # each row's first key
+        counts = {i: -(-plan.kv_lens[i] // block) - firsts[i] // block for i in decode}  # blocks each row reads
+        order = sorted(decode, key=lambda i: (-counts[i], -plan.kv_lens[i]))  # most blocks first
+        lens = [plan.kv_lens[i] for i in order]
+        row_firsts = [firsts[i] for i in order]
+        first_blocks = [f // block for f in row_firsts]
         rows_t = torch.tensor(order, device=device)
         lens_t = torch.tensor(lens, device=device)
+        firsts_t = torch.tensor(row_firsts, device=device)
+        starts_t = torch.tensor(first_blocks, device=device)
+        width = table.shape[1]
         chunks = []
-        for first in range(0, -(-lens[0] // block), per_chunk):
-            start = first * block
-            rows = sum(1 for n in lens if n > start)
-            blocks = table[rows_t[:rows], first : first + per_chunk].long().clamp_min(0)
+        for c in range(0, counts[order[0]], per_chunk):  # c: the chunk's first block, counted from each row's first
+            rows = sum(1 for i in order if counts[i] > c)
+            cols = min(per_chunk, width - min(first_blocks[:rows]) - c)
+            index = (starts_t[:rows, None] + c + torch.arange(cols, device=device)).clamp_max(width - 1)
+            blocks = table[rows_t[:rows, None], index].long().clamp_min(0)  # [rows, cols]
             valid = None
-            if min(lens[:rows]) < start + blocks.shape[1] * block:  # some row ends inside the chunk
-                keys = torch.arange(start, start + blocks.shape[1] * block, device=device)
-                valid = keys[None, :] < lens_t[:rows, None]  # [rows, Tc]
+            if any(n < (b + c + cols) * block or f > (b + c) * block  # a row ends, or its window starts, inside
+                   for n, f, b in zip(lens[:rows], row_firsts[:rows], first_blocks[:rows])):
+                keys = (starts_t[:rows, None] + c) * block + torch.arange(cols * block, device=device)  # [rows, Tc]
+                valid = (keys < lens_t[:rows, None]) & (keys >= firsts_t[:rows, None])
             chunks.append(_Chunk(blocks, valid, rows=rows))
         tokens = torch.tensor([offsets[i] for i in order], device=device)
         return _DecodeGroup(tokens, tuple(chunks))
 
-    def _prefill_seq(self, plan, table, i, first_token, per_chunk, group) -> _PrefillSeq:
+    def _prefill_seq(self, plan, table, i, first_token, per_chunk, group, window) -> _PrefillSeq:
         device = table.device
         block = self._block_size
         start, n, kv_len = plan.starts[i], plan.q_lens[i], plan.kv_lens[i]
         chunks = []
-        for first in range(0, -(-kv_len // block), per_chunk):
+        for first in range(first_key(start, window) // block, -(-kv_len // block), per_chunk):
             lo = first * block
             blocks = table[i : i + 1, first : first + per_chunk].long().clamp_min(0)
             hi = lo + blocks.shape[1] * block
-            skip = max(0, lo - start)  # query rows (positions start+r) that see no key of the chunk
+            skip = max(0, lo - start)  # query rows (positions start+r) that see no key of the chunk: before it
+            stop = min(n, hi + window - 1 - start) if window else n  # from here on: every key before their window
             valid = None
-            if hi - 1 > start + skip:  # the causal boundary crosses the chunk
+            if hi - 1 > start + skip or first_key(start + stop - 1, window) > lo:  # the causal or a window boundary crosses
                 keys = torch.arange(lo, hi, device=device)
-                queries = torch.arange(start + skip, start + n, device=device)
-                valid = keys[None, :] <= queries[:, None]  # [n - skip, Tc]; implies key < kv_len
-                valid = valid.repeat_interleave(group, 0)  # one row per (query, group member)
-            chunks.append(_Chunk(blocks[0], valid, skip=skip, keys=min(hi, kv_len) - lo))
+                queries = torch.arange(start + skip, start + stop, device=device)
+                valid = (keys[None, :] <= queries[:, None]) & (keys[None, :] >= first_key(queries, window)[:, None])
+                valid = valid.repeat_interleave(group, 0)  # [(stop - skip) * G, Tc]: one row per (query, group member)
+            chunks.append(_Chunk(blocks[0], valid, skip=skip, stop=stop, keys=min(hi, kv_len) - lo))
         return _PrefillSeq(first_token, n, tuple(chunks))
 
     # -- per layer ----------------------------------------------------------------------------
-    def run(self, q, k_pool, v_pool, plan, meta: _BlockwiseMeta, scale):
+    def run(self, q, k_pool, v_pool, plan, meta: _BlockwiseMeta, scale, variant=PLAIN):
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
         out = torch.empty_like(q)
         if meta.decode is not None:
-            out[meta.decode.tokens] = self._decode(q[meta.decode.tokens], k_pool, v_pool, meta.decode, scale)
+            out[meta.decode.tokens] = self._decode(q[meta.decode.tokens], k_pool, v_pool, meta.decode, scale, variant)
         for seq in meta.prefill:
             span = slice(seq.first, seq.first + seq.count)
-            out[span] = self._prefill(q[span], k_pool, v_pool, seq, scale)
+            out[span] = self._prefill(q[span], k_pool, v_pool, seq, scale, variant)
         return out
 
     def _gather(self, which: int, pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -433,7 +477,7 @@ class BlockwiseOnlineSoftmax(PagedKernel):
             return raw.float()
         return self._scratch.buffer(2 + which, raw.numel(), torch.float32).view(raw.shape).copy_(raw)
 
-    def _decode(self, q, k_pool, v_pool, group: _DecodeGroup, scale: float) -> torch.Tensor:
+    def _decode(self, q, k_pool, v_pool, group: _DecodeGroup, scale: float, variant: Variant) -> torch.Tensor:
         batch, q_heads, dim = q.shape
         kv_heads = k_pool.shape[2]
         g = q_heads // kv_heads
@@ -449,15 +493,18 @@ class BlockwiseOnlineSoftmax(PagedKernel):
                 v.masked_fill_(~chunk.valid[:, :, None, None], 0.0)  # p is 0 there, but 0 * inf is NaN
             # per KV head, batched over sequences: k[:, :, h] is a strided matrix BLAS reads as is
             s = torch.stack([torch.bmm(qf[h, :r], k[:, :, h].transpose(1, 2)) for h in range(kv_heads)])
+            s = soft_cap(s, variant.softcap)
             if chunk.valid is not None:  # s: [Hkv, r, G, Tc]
                 s.masked_fill_(~chunk.valid[None, :, None, :], -math.inf)
             p = self._merge(s, m[:, :r], l[:, :r], acc[:, :r])
             for h in range(kv_heads):
                 acc[h, :r].baddbmm_(p[h], v[:, :, h])
-        out = (acc / l[..., None]).transpose(0, 1)  # [B, Hkv, G, D]
-        return out.reshape(batch, q_heads, dim).to(q.dtype)
+        out = acc / l[..., None]  # [Hkv, B, G, D]
+        if variant.sinks is not None:
+            out = out * sink_weight(m + torch.log(l), variant.sinks.view(kv_heads, 1, g))[..., None]
+        return out.transpose(0, 1).reshape(batch, q_heads, dim).to(q.dtype)
 
-    def _prefill(self, q, k_pool, v_pool, seq: _PrefillSeq, scale: float) -> torch.Tensor:
+    def _prefill(self, q, k_pool, v_pool, seq: _PrefillSeq, scale: float, variant: Variant) -> torch.Tensor:
         n, q_heads, dim = q.shape
         kv_heads = k_pool.shape[2]
         g = q_heads // kv_heads
@@ -467,18 +514,22 @@ class BlockwiseOnlineSoftmax(PagedKernel):
         l = torch.zeros((kv_heads, n * g), device=q.device)
         acc = torch.zeros((kv_heads, n * g, dim), device=q.device)  # [Hkv, n*G, D]
         for chunk in seq.chunks:
-            rows = slice(chunk.skip * g, None)  # skip queries the whole chunk is in the future of
+            rows = slice(chunk.skip * g, chunk.stop * g)  # the queries that see a key of the chunk
             k = self._gather(0, k_pool, chunk.blocks)  # [Tc, Hkv, D]
             v = self._gather(1, v_pool, chunk.blocks)
-            s = torch.stack([qf[h, rows] @ k[:, h].T for h in range(kv_heads)])  # [Hkv, (n - skip)*G, Tc]
+            s = torch.stack([qf[h, rows] @ k[:, h].T for h in range(kv_heads)])  # [Hkv, (stop - skip)*G, Tc]
+            s = soft_cap(s, variant.softcap)
             if chunk.valid is not None:
-                s.masked_fill_(~chunk.valid, -math.inf)  # valid: [(n - skip)*G, Tc]
+                s.masked_fill_(~chunk.valid, -math.inf)  # valid: [(stop - skip)*G, Tc]
                 v[chunk.keys :] = 0.0  # keys past the sequence: p is 0 there, but 0 * inf is NaN
             p = self._merge(s, m[:, rows], l[:, rows], acc[:, rows])
             for h in range(kv_heads):
                 acc[h, rows].addmm_(p[h], v[:, h])
-        out = (acc / l[..., None]).view(kv_heads, n, g, dim).transpose(0, 1)  # [n, Hkv, G, D]
-        return out.reshape(n, q_heads, dim).to(q.dtype)
+        out = acc / l[..., None]  # [Hkv, n*G, D]
+        if variant.sinks is not None:
+            sinks = variant.sinks.view(kv_heads, 1, g).expand(kv_heads, n, g).reshape(kv_heads, n * g)
+            out = out * sink_weight(m + torch.log(l), sinks)[..., None]
+        return out.view(kv_heads, n, g, dim).transpose(0, 1).reshape(n, q_heads, dim).to(q.dtype)  # via [n, Hkv, G, D]
 
     @staticmethod
     def _merge(s: torch.Tensor, m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
@@ -507,21 +558,29 @@ class VarlenBlockTable(PagedKernel):
     (``mha_varlen_fwd``: pools ``[num_blocks, block_size, Hkv, D]``, int32 table
     ``[B, max_blocks]``, block_size % 256 == 0). Prefill steps are causal (bottom-right
     aligned); decode steps pass no mask, which lets the kernel take its grouped-query decode
-    path (``seqlenq_ngroups_swapped``).
+    path (``seqlenq_ngroups_swapped``). A window is ``window_size=(window - 1, 0)`` for every
+    step (local attention, bottom-right aligned), whose first key block bounds the blocks the
+    kernel visits, so no table entry before the window is read (reasoned from FlashAttention's
+    ``n_block_min``, not run here: GPU only). No soft-cap, no sinks (``varlen_attn`` has neither).
     """
 
     name = "varlen_attn_block_table"
+    features = frozenset({"window"})
 
-    def plan(self, plan, q_heads, scale):
+    def plan(self, plan, q_heads, scale, variant=PLAIN):
         return torch.tensor([0, *accumulate(plan.kv_lens)], dtype=torch.int32, device=plan.kv_lens_t.device)
 
-    def run(self, q, k_pool, v_pool, plan, meta, scale):
+    def run(self, q, k_pool, v_pool, plan, meta, scale, variant=PLAIN):
         from torch.nn.attention.varlen import varlen_attn
 
         q = q.contiguous()  # FlashAttention wants a unit last stride (any strided q is accepted here)
+        if variant.window:
+            window_size = (flash_window_left(variant.window), 0)
+        else:
+            window_size = (-1, -1) if plan.is_decode else (-1, 0)
         return varlen_attn(
             q, k_pool, v_pool, plan.cu_q, meta, plan.max_q, plan.max_kv,
-            scale=scale, window_size=(-1, -1) if plan.is_decode else (-1, 0),
+            scale=scale, window_size=window_size,
             enable_gqa=q.shape[1] != k_pool.shape[2], seqused_k=plan.kv_lens_t, block_table=plan.block_table,
         )
 
@@ -530,18 +589,23 @@ class FlashKVCacheBlockTable(PagedKernel):
     """flash-attn's ``flash_attn_with_kvcache`` with ``block_table=``.
 
     Decode steps run as one batched call; steps with prefill chunks run one call per sequence
-    (its block-table row), flash-attn's causal mask being bottom-right aligned.
+    (its block-table row), flash-attn's causal mask being bottom-right aligned. A window and a
+    soft-cap go to the kernel (:func:`~vmkv.kernels.facts.flash_attn_variant`); with a window it
+    visits no key block before a query's window, so entries there are not read (reasoned from
+    flash-attn's sources, not run here: GPU only). No sinks (flash-attn 2 has none).
     """
 
     name = "flash_attn_with_kvcache"
+    features = frozenset({"window", "softcap"})
 
-    def run(self, q, k_pool, v_pool, plan, meta, scale):
+    def run(self, q, k_pool, v_pool, plan, meta, scale, variant=PLAIN):
         flash_attn_with_kvcache = optional_kernel("flash_attn")
         q = q.contiguous()  # FlashAttention wants a unit last stride (any strided q is accepted here)
+        extra = flash_attn_variant(variant.window, variant.softcap)
         if plan.is_decode:
             return flash_attn_with_kvcache(
                 q.unsqueeze(1), k_pool, v_pool, cache_seqlens=plan.kv_lens_t,
-                block_table=plan.block_table, softmax_scale=scale, causal=True,
+                block_table=plan.block_table, softmax_scale=scale, causal=True, **extra,
             ).squeeze(1)  # [B, 1, Hq, D] -> [B, Hq, D]
         out = torch.empty_like(q)
         offsets = plan.offsets
@@ -549,7 +613,7 @@ class FlashKVCacheBlockTable(PagedKernel):
             a, b = offsets[i], offsets[i + 1]
             out[a:b] = flash_attn_with_kvcache(
                 q[a:b].unsqueeze(0), k_pool, v_pool, cache_seqlens=plan.kv_lens_t[i : i + 1],
-                block_table=plan.block_table[i : i + 1], softmax_scale=scale, causal=True,
+                block_table=plan.block_table[i : i + 1], softmax_scale=scale, causal=True, **extra,
             ).squeeze(0)
         return out
 
@@ -560,8 +624,15 @@ class FlashInferDecode(PagedKernel):
     :class:`vmkv.kernels.base.PhaseSplit`).
 
     The plan's CSR arrays come from the block table: ``indptr`` (blocks per sequence,
-    cumulative), ``indices`` (the blocks, sequence after sequence), ``last_page_len`` (1 ..
-    block_size tokens used in each last block).
+    cumulative), ``indices`` (the blocks, sequence after sequence, from the one holding the first
+    key of its window: entries before it are never read), ``last_page_len`` (1 .. block_size
+    tokens used in each last block). A window is ``window_left=window - 1`` (FlashInfer's left
+    window is inclusive; positions count from the first block handed over, which the window is
+    relative to anyway), a soft-cap ``logits_soft_cap=``: both fixed at ``plan`` time, so each
+    (window, soft-cap) of a cache's layers has its own wrapper, planned once per step; the
+    wrappers share one float workspace (runs are sequential on one stream, as vLLM's wrappers
+    share theirs). No sinks (this wrapper has none). Reasoned from FlashInfer's ``decode.py``,
+    not run here (GPU only).
 
     Args:
         device: the CUDA device (for the 128 MiB workspace).
@@ -572,34 +643,50 @@ class FlashInferDecode(PagedKernel):
     """
 
     name = "flashinfer_decode"
+    features = frozenset({"window", "softcap"})
 
     def __init__(self, device: torch.device, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
-        wrapper = optional_kernel("flashinfer")
-        workspace = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=device)
-        self._wrapper = wrapper(workspace, "NHD")
+        self._wrapper_class = optional_kernel("flashinfer")
+        self._workspace = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=device)
+        self._wrappers: dict[tuple[int, float], Any] = {}
         self._block_size, self._kv_heads, self._head_dim, self._dtype = block_size, kv_heads, head_dim, dtype
 
-    def plan(self, plan, q_heads, scale):
+    def plan(self, plan, q_heads, scale, variant=PLAIN):
+        """The wrapper of this window and soft-cap, planned for the step."""
+        key = (variant.window, variant.softcap)
+        wrapper = self._wrappers.get(key)
+        if wrapper is None:
+            wrapper = self._wrappers[key] = self._wrapper_class(self._workspace, "NHD")
         block = self._block_size
         table = plan.block_table
-        counts = (plan.kv_lens_t.long() + block - 1) // block  # blocks per sequence  [B]
-        used = torch.arange(table.shape[1], device=table.device)[None, :] < counts[:, None]
-        indices = table[used]  # row-major: each sequence's blocks in order
-        indptr = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
-        last = (plan.kv_lens_t - (counts.to(torch.int32) - 1) * block).to(torch.int32)
-        self._wrapper.plan(
+        lens = plan.kv_lens_t.long()
+        ends = (lens + block - 1) // block  # one past each sequence's last block  [B]
+        firsts = first_key(lens - 1, variant.window) // block  # each sequence's first block read  [B]
+        columns = torch.arange(table.shape[1], device=table.device)[None, :]
+        indices = table[(columns >= firsts[:, None]) & (columns < ends[:, None])]  # row-major: each sequence's blocks in order
+        indptr = torch.cat([ends.new_zeros(1), (ends - firsts).cumsum(0)]).to(torch.int32)
+        last = (plan.kv_lens_t - (ends.to(torch.int32) - 1) * block).to(torch.int32)
+        extra: dict[str, Any] = {}
+        if variant.window:
+            extra["window_left"] = flash_window_left(variant.window)
+        if variant.softcap:
+            extra["logits_soft_cap"] = variant.softcap
+        wrapper.plan(
             indptr, indices, last, q_heads, self._kv_heads, self._head_dim, block,
-            pos_encoding_mode="NONE", q_data_type=self._dtype, kv_data_type=self._dtype, sm_scale=scale,
+            pos_encoding_mode="NONE", q_data_type=self._dtype, kv_data_type=self._dtype, sm_scale=scale, **extra,
         )
-        return None
+        return wrapper
 
-    def run(self, q, k_pool, v_pool, plan, meta, scale):
-        return self._wrapper.run(q.contiguous(), (k_pool, v_pool))  # [B, Hq, D]
+    def run(self, q, k_pool, v_pool, plan, meta, scale, variant=PLAIN):
+        return meta.run(q.contiguous(), (k_pool, v_pool))  # [B, Hq, D]
 
 
-BLOCK_KERNELS = ("gather_sdpa", "blockwise_online_softmax", "sdpa_chunked", "varlen_attn_block_table",
-                 "flash_attn_with_kvcache", "flashinfer_decode")
-"""Every blocks kernel of this module by name."""
+BLOCK_KERNELS: dict[str, frozenset[str]] = {
+    kernel.name: kernel.features
+    for kernel in (GatherSDPA, BlockwiseOnlineSoftmax, ChunkedSDPA, VarlenBlockTable, FlashKVCacheBlockTable, FlashInferDecode)
+}
+"""Every blocks kernel of this module by name, with the variant features it supports (its class's:
+what the registry declares for it)."""
 
 
 def block_kernel(name: str, device: torch.device, dtype: torch.dtype, kv_heads: int, head_dim: int, block_size: int,

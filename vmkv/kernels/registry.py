@@ -11,6 +11,11 @@ decode over slots beats torch's FlashAttention, whose prefill is kept). When the
 ``decode+other``). A kernel the order places without a measurement on that device
 (``provisional``) says so in the choice's reason.
 
+A kernel also declares the variant features it supports (a sliding window, soft-capping,
+attention sinks: :class:`~vmkv.kernels.base.Variant`); a cache whose layers use one
+(``KernelSpec.features``) passes over the kernels that lack it, and the last kernel of every
+order, like ``sdpa_masked`` for captured steps, has them all.
+
 Which kernel a cache runs is logged once and shown in ``stats()["kernel"]``; ``vmkv info`` shows
 the choice for this machine and for a GPU it lacks (:func:`describe`).
 """
@@ -24,7 +29,7 @@ from typing import Callable
 import torch
 
 from ..errors import BackendUnavailable, InvalidConfig
-from .base import ADDRESSINGS, AttentionKernel, PhaseSplit
+from .base import ADDRESSINGS, FEATURES, AttentionKernel, PhaseSplit, describe_features
 from .capturable import MaskedDecode
 from .contiguous import SLOT_KERNELS, slot_kernel
 from .facts import MachineFacts, flash_attention_blockers
@@ -41,7 +46,11 @@ class KernelSpec:
     """What a kernel is asked to read: the cache's addressing, device and K/V geometry.
 
     ``block_size`` is paged mode's (``None`` for slots); ``chunk_tokens`` tunes the chunked CPU
-    paged kernels (``None``: their measured default).
+    paged kernels (``None``: their measured default); ``features``: the variant features the
+    cache's layers use (keys of :data:`~vmkv.kernels.base.FEATURES`), which the kernel must have.
+
+    Raises:
+        InvalidConfig: ``features`` names an unknown feature.
     """
 
     addressing: str
@@ -51,6 +60,13 @@ class KernelSpec:
     head_dim: int
     block_size: int | None = None
     chunk_tokens: int | None = None
+    features: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        unknown = set(self.features) - set(FEATURES)
+        if unknown:
+            raise InvalidConfig(f"unknown attention features {sorted(unknown)}; known: {', '.join(FEATURES)}")
+        object.__setattr__(self, "features", frozenset(self.features))
 
 
 def _cpu_only(name: str) -> Callable[[KernelSpec, MachineFacts], list[str]]:
@@ -68,7 +84,8 @@ def _float32_cpu(spec: KernelSpec, facts: MachineFacts) -> list[str]:
 
 def _flash(package: str | None, paged_feature: str | None = None) -> Callable[[KernelSpec, MachineFacts], list[str]]:
     """FlashAttention's needs (:func:`flash_attention_blockers`), 256-token blocks when paged, and
-    flash-attn importable (``package``) or torch's varlen op with the features it takes."""
+    flash-attn importable (``package``) or torch's varlen op with the features it takes (a
+    window, for a cache whose layers have one)."""
 
     def needs(spec: KernelSpec, facts: MachineFacts) -> list[str]:
         why = flash_attention_blockers(spec.device.type == "cuda" and facts.capability is not None, facts.capability,
@@ -81,6 +98,8 @@ def _flash(package: str | None, paged_feature: str | None = None) -> Callable[[K
             return [f"{package} installed and importable ({facts.package_missing(package)})"]
         if spec.addressing == "slots" and package is None and not facts.varlen_seqused:
             return [f"torch's FlashAttention varlen op with seqused_k (torch {torch.__version__} has none)"]
+        if spec.addressing == "slots" and package is None and "window" in spec.features and not facts.varlen_window:
+            return [f"torch's FlashAttention varlen op with window_size_left (torch {torch.__version__} has none)"]
         if paged_feature and not {"block_table", "seqused_k", "window_size", "enable_gqa"} <= facts.varlen_features:
             return [f"torch's varlen_attn with block_table and seqused_k (torch {torch.__version__} has no such)"]
         return []
@@ -122,6 +141,9 @@ class KernelEntry:
             (:func:`vmkv.kernels.capturable.decode_attention`; :func:`choose_capturable`).
         needs: why it cannot run for a spec on a machine (``[]``: it can), each as the object
             of "needs".
+        features: the variant features it supports (keys of :data:`~vmkv.kernels.base.FEATURES`),
+            as its module declares them (:data:`~vmkv.kernels.contiguous.SLOT_KERNELS`,
+            :data:`~vmkv.kernels.paged.BLOCK_KERNELS`, the kernel classes).
     """
 
     name: str
@@ -129,24 +151,36 @@ class KernelEntry:
     needs: Callable[[KernelSpec, MachineFacts], list[str]]
     decode_only: bool = False
     capturable: bool = False
+    features: frozenset[str] = frozenset()
+
+
+_DECLARED = {**BLOCK_KERNELS, **SLOT_KERNELS, TritonAttention.name: TritonAttention.features,
+             MaskedDecode.name: MaskedDecode.features}
+"""The variant features of every kernel, as the modules that implement them declare them."""
+assert SLOT_KERNELS["flash_attn_with_kvcache"] == BLOCK_KERNELS["flash_attn_with_kvcache"]
+
+
+def _entry(name: str, addressings: frozenset[str], needs: Callable[[KernelSpec, MachineFacts], list[str]],
+           decode_only: bool = False, capturable: bool = False) -> KernelEntry:
+    return KernelEntry(name, addressings, needs, decode_only, capturable, _DECLARED[name])
 
 
 SLOTS, BLOCKS, BOTH = frozenset({"slots"}), frozenset({"blocks"}), frozenset(ADDRESSINGS)
 KERNELS: dict[str, KernelEntry] = {entry.name: entry for entry in (
-    KernelEntry("flash_attn_with_kvcache", BOTH, _flash("flash_attn")),
-    KernelEntry("varlen_attn_seqused", SLOTS, _flash(None)),
-    KernelEntry("varlen_attn_block_table", BLOCKS, _flash(None, paged_feature="block_table")),
-    KernelEntry("flashinfer_decode", BLOCKS, _flashinfer, decode_only=True),
-    KernelEntry("triton", BOTH, _triton, capturable=True),
-    KernelEntry("sdpa_adaptive", SLOTS, _cpu_only("sdpa_adaptive")),
-    KernelEntry("gemm_adaptive", SLOTS, _float32_cpu),
-    KernelEntry("sdpa_batched", SLOTS, _cpu_only("sdpa_batched")),
-    KernelEntry("gemm_batched", SLOTS, _float32_cpu),
-    KernelEntry("sdpa_per_sequence", SLOTS, _anywhere),
-    KernelEntry("sdpa_chunked", BLOCKS, _cpu_only("sdpa_chunked")),
-    KernelEntry("blockwise_online_softmax", BLOCKS, _anywhere),
-    KernelEntry("gather_sdpa", BLOCKS, _anywhere),
-    KernelEntry("sdpa_masked", BOTH, _anywhere, decode_only=True, capturable=True),
+    _entry("flash_attn_with_kvcache", BOTH, _flash("flash_attn")),
+    _entry("varlen_attn_seqused", SLOTS, _flash(None)),
+    _entry("varlen_attn_block_table", BLOCKS, _flash(None, paged_feature="block_table")),
+    _entry("flashinfer_decode", BLOCKS, _flashinfer, decode_only=True),
+    _entry("triton", BOTH, _triton, capturable=True),
+    _entry("sdpa_adaptive", SLOTS, _cpu_only("sdpa_adaptive")),
+    _entry("gemm_adaptive", SLOTS, _float32_cpu),
+    _entry("sdpa_batched", SLOTS, _cpu_only("sdpa_batched")),
+    _entry("gemm_batched", SLOTS, _float32_cpu),
+    _entry("sdpa_per_sequence", SLOTS, _anywhere),
+    _entry("sdpa_chunked", BLOCKS, _cpu_only("sdpa_chunked")),
+    _entry("blockwise_online_softmax", BLOCKS, _anywhere),
+    _entry("gather_sdpa", BLOCKS, _anywhere),
+    _entry("sdpa_masked", BOTH, _anywhere, decode_only=True, capturable=True),
 )}
 """Every kernel, by name. Which of them a cache runs is :func:`choose`'s answer."""
 assert {name for name, e in KERNELS.items() if "slots" in e.addressings} - {"triton", "sdpa_masked"} == set(SLOT_KERNELS)
@@ -175,7 +209,9 @@ def unavailable(name: str, spec: KernelSpec, facts: MachineFacts | None = None) 
         return f"unknown kernel {name!r}; known: {', '.join(names(spec.addressing))}"
     if spec.addressing not in entry.addressings:
         return f"{name} does not read {spec.addressing} (it reads {', '.join(sorted(entry.addressings))})"
-    why = entry.needs(spec, facts if facts is not None else MachineFacts.probe(spec.device))
+    lacking = spec.features - entry.features
+    why = [f"{describe_features(lacking)}, which it lacks"] if lacking else []
+    why += entry.needs(spec, facts if facts is not None else MachineFacts.probe(spec.device))
     return f"{name} needs {'; '.join(why)}" if why else None
 
 
@@ -239,8 +275,9 @@ def choose(spec: KernelSpec, facts: MachineFacts | None = None) -> Choice:
 
 def choose_capturable(spec: KernelSpec, facts: MachineFacts | None = None) -> Choice:
     """The rule for compiled and captured decode steps: the first kernel of :data:`CAPTURE_ORDER`
-    that can run for ``spec`` (the same needs as for eager steps: head dim, dtype, device). Made
-    when a step's buffers are, so a step never meets a kernel that refuses it mid-generation."""
+    that can run for ``spec`` (the same needs as for eager steps: head dim, dtype, device, variant
+    features). Made when a step's buffers are, so a step never meets a kernel that refuses it
+    mid-generation."""
     facts = facts if facts is not None else MachineFacts.probe(spec.device)
     skipped = []
     for name in CAPTURE_ORDER:

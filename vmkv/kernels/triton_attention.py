@@ -60,6 +60,16 @@ before capturing a CUDA graph (run one eager step first).
 
 A sequence with no key (``kv_lens[i] == 0``) gets a decode output of zeros.
 
+Variants (:class:`~vmkv.kernels.base.Variant`: ``window``, ``softcap``, ``sinks`` keyword
+arguments of both calls). A window is a key range per query: each program starts at the key tile
+holding its earliest query's first key, so tiles wholly before the window are never loaded, and
+keys before that first key are masked out of every load, the block-table lookup included: an
+entry of a block wholly before the window of the sequence's earliest query is never read (it may
+be ``-1``). Decode's splits divide the window's keys, not the whole sequence, and the default
+split count counts only them. A soft-cap applies to the scores; sinks join the softmax (pass 1
+with one split, the merge with several; prefill in its one pass). The window is a runtime
+argument (one compiled kernel serves every window), soft-capping and sinks compile apart.
+
 Supported: head dims 16, 32, 64, 128, 256; float16, bfloat16, float32 (accumulation always in
 float32; float32 dots in full IEEE precision, not TF32); GQA with ``Hq`` any multiple of
 ``Hkv``; any block size (blocks that hold whole key tiles, e.g. powers of two >= 64, take one
@@ -85,6 +95,7 @@ from typing import Any
 import torch
 
 from ..errors import BackendUnavailable, InvalidDevice, InvalidDtype, InvalidInput, InvalidShape, Unsupported
+from .base import Variant
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -396,6 +407,29 @@ def _scale(scale: Any, head_dim: int) -> float:
     return float(scale)
 
 
+def _variant(window: Any, softcap: Any, sinks: Any, geo: _Geometry, device: torch.device) -> Variant:
+    """The validated variant of a call.
+
+    Raises:
+        InvalidInput, InvalidDtype, InvalidShape, InvalidDevice: as :class:`~vmkv.kernels.base.Variant`
+            and :meth:`~vmkv.kernels.base.Variant.check`; sinks must also be contiguous.
+    """
+    variant = Variant(window, softcap, sinks)
+    variant.check(geo.q_heads, device)
+    if sinks is not None and geo.q_heads > 1 and sinks.stride(0) != 1:
+        raise InvalidInput(f"sinks must have a unit stride, got {sinks.stride(0)}")
+    return variant
+
+
+def _variant_args(variant: Variant, sm_scale: float, q: torch.Tensor) -> tuple[tuple[Any, ...], dict[str, bool]]:
+    """The kernels' variant arguments: ``(SINKS, window, softcap_in, softcap_out)`` and the
+    constexprs ``SOFTCAP``, ``HAS_SINKS`` (a pointer stands in for absent sinks: never read)."""
+    softcap = variant.softcap
+    runtime = (q if variant.sinks is None else variant.sinks, variant.window,
+               sm_scale / softcap if softcap else 0.0, softcap * math.log2(math.e))
+    return runtime, {"SOFTCAP": softcap > 0, "HAS_SINKS": variant.sinks is not None}
+
+
 # ---- launch shapes ------------------------------------------------------------------------------
 def _block_n(head_dim: int, dtype: torch.dtype) -> int:
     """Keys per tile: as many as keep one K tile at 16 KiB (64 keys of 256 bytes: head_dim 128
@@ -441,6 +475,9 @@ def decode_attention(
     max_kv_len: int | None = None,
     out: torch.Tensor | None = None,
     workspace: DecodeWorkspace | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention, one query token per sequence, split-KV; one launch for the batch (two
     with more than one split).
@@ -463,6 +500,8 @@ def decode_attention(
             new tensor.
         workspace: scratch for more than one split (:class:`DecodeWorkspace`, at least ``B``
             rows, ``Hq`` heads, ``D``, and ``num_splits`` splits); default: allocated here.
+        window, softcap, sinks: the layer's :class:`~vmkv.kernels.base.Variant` (sinks: float32
+            ``[Hq]`` on the device, unit stride); defaults: plain attention.
 
     Returns:
         ``out``: ``[B, Hq, D]``, query head ``h`` attending over KV head ``h // (Hq / Hkv)``.
@@ -474,7 +513,7 @@ def decode_attention(
             dtypes differ, index tensors not int32, a workspace not float32.
         InvalidDevice: tensors on different devices.
         InvalidInput: a non-unit last stride, both or neither of ``block_table``/``slots``, a
-            bad ``num_splits``/``max_kv_len``/``scale``.
+            bad ``num_splits``/``max_kv_len``/``scale``/``window``/``softcap``/``sinks``.
         Unsupported: a head dim outside ``SUPPORTED_HEAD_DIMS``.
         BackendUnavailable: triton or a device to run it on is missing (the message says which).
     """
@@ -482,12 +521,16 @@ def decode_attention(
     batch = q.shape[0] if q.dim() == 3 else 0
     geo = _check(q, k, v, kv_lens, block_table, slots, out, batch)
     sm_scale = _scale(scale, geo.head_dim)
+    variant = _variant(window, softcap, sinks, geo, q.device)
+    block_n = _block_n(geo.head_dim, q.dtype)
     if max_kv_len is not None and (isinstance(max_kv_len, bool) or not isinstance(max_kv_len, numbers.Integral) or max_kv_len < 0):
         raise InvalidInput(f"max_kv_len must be a non-negative int or None, got {max_kv_len!r}")
     if workspace is not None and not isinstance(workspace, DecodeWorkspace):
         raise InvalidInput(f"workspace must be a DecodeWorkspace, got {type(workspace).__name__}")
     if num_splits is None:
         bound = geo.max_keys if max_kv_len is None else min(int(max_kv_len), geo.max_keys)
+        if variant.window:  # a query reads its window's keys, from the tile holding the first
+            bound = min(bound, variant.window + block_n - 1)
         num_splits = choose_num_splits(batch, geo.kv_heads, bound, multiprocessor_count(q.device))
         if workspace is not None:
             num_splits = min(num_splits, workspace.max_splits)
@@ -511,10 +554,10 @@ def decode_attention(
     else:
         part_out, part_lse = out, out  # not read: pass 1 writes out itself
 
-    block_n = _block_n(geo.head_dim, q.dtype)
+    runtime, constexprs = _variant_args(variant, sm_scale, q)
     kernels._decode_split_kernel[(batch, geo.kv_heads, num_splits)](
-        q, k, v, kv_lens, geo.table, geo.table, out, part_out, part_lse,
-        sm_scale * math.log2(math.e), geo.max_keys, num_splits,
+        q, k, v, kv_lens, geo.table, geo.table, out, part_out, part_lse, runtime[0],
+        sm_scale * math.log2(math.e), geo.max_keys, num_splits, *runtime[1:],
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -524,16 +567,17 @@ def decode_attention(
         part_lse.stride(0), part_lse.stride(1),
         GROUP=geo.group, BLOCK_G=max(16, _next_pow2(geo.group)), HEAD_DIM=geo.head_dim, BLOCK_N=block_n,
         PAGED=geo.paged, PAGE_SIZE=geo.page_size, DOT_PRECISION=_dot_precision(q.dtype),
-        EMULATE_BF16=q.dtype == torch.bfloat16 and _interpreted(kernels._decode_split_kernel),
+        EMULATE_BF16=q.dtype == torch.bfloat16 and _interpreted(kernels._decode_split_kernel), **constexprs,
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
     if num_splits > 1:
         kernels._decode_merge_kernel[(batch, geo.kv_heads)](
-            part_out, part_lse, out, num_splits,
+            part_out, part_lse, out, runtime[0], num_splits,
             part_out.stride(0), part_out.stride(1), part_out.stride(2),
             part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1),
-            GROUP=geo.group, BLOCK_G=_next_pow2(geo.group), HEAD_DIM=geo.head_dim, num_warps=_MERGE_WARPS,
+            GROUP=geo.group, BLOCK_G=_next_pow2(geo.group), HEAD_DIM=geo.head_dim, HAS_SINKS=constexprs["HAS_SINKS"],
+            num_warps=_MERGE_WARPS,
         )
     return out
 
@@ -572,13 +616,16 @@ def prefill_attention(
     slots: torch.Tensor | None = None,
     scale: float | None = None,
     out: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over their sequences' keys, the cached prefix
     included (prefill, chunked prefill, decode rows mixed in); one launch for the batch.
 
     Query ``j`` of sequence ``i`` sits at position ``kv_lens[i] - q_len_i + j`` and sees keys
-    ``0 ..`` that position (bottom-right aligned causal). The new tokens' K/V must already be in
-    the storage.
+    ``0 ..`` that position (bottom-right aligned causal), from its window's first key with a
+    window. The new tokens' K/V must already be in the storage.
 
     Args:
         q: ``[T, Hq, D]``, each sequence's new tokens in turn (any strides, unit last).
@@ -587,7 +634,7 @@ def prefill_attention(
             ``cu_q[i] .. cu_q[i + 1] - 1`` of ``q`` (``cu_q[0] == 0``, ``cu_q[B] == T``, a
             sequence may have none).
         kv_lens: int32 ``[B]`` on the device, keys per sequence, at least its new tokens.
-        block_table, slots, scale: as :func:`decode_attention`.
+        block_table, slots, scale, window, softcap, sinks: as :func:`decode_attention`.
         out: ``[T, Hq, D]`` of ``q``'s dtype to write into; default a new tensor.
 
     Returns:
@@ -603,6 +650,7 @@ def prefill_attention(
     geo = _check(q, k, v, kv_lens, block_table, slots, out, batch)
     _index_vector("cu_q", cu_q, batch + 1, q.device)
     sm_scale = _scale(scale, geo.head_dim)
+    variant = _variant(window, softcap, sinks, geo, q.device)
 
     kernels = _require(q.device)
     if out is None:
@@ -612,9 +660,10 @@ def prefill_attention(
     block_m = _prefill_block_m(geo.group, geo.head_dim, q.dtype)
     block_q = block_m // geo.group  # query tokens per program
     grid = (q.shape[0] // block_q + batch, geo.kv_heads)
+    runtime, constexprs = _variant_args(variant, sm_scale, q)
     kernels._prefill_kernel[grid](
-        q, k, v, cu_q, kv_lens, geo.table, geo.table, out,
-        sm_scale * math.log2(math.e), geo.max_keys, batch,
+        q, k, v, cu_q, kv_lens, geo.table, geo.table, out, runtime[0],
+        sm_scale * math.log2(math.e), geo.max_keys, batch, *runtime[1:],
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -622,7 +671,7 @@ def prefill_attention(
         out.stride(0), out.stride(1),
         GROUP=geo.group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=geo.head_dim, BLOCK_N=_block_n(geo.head_dim, q.dtype),
         PAGED=geo.paged, PAGE_SIZE=geo.page_size, DOT_PRECISION=_dot_precision(q.dtype),
-        EMULATE_BF16=q.dtype == torch.bfloat16 and _interpreted(kernels._decode_split_kernel),
+        EMULATE_BF16=q.dtype == torch.bfloat16 and _interpreted(kernels._decode_split_kernel), **constexprs,
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
     return out

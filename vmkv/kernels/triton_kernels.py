@@ -19,6 +19,14 @@ Conventions of every kernel here:
 * A key at or past its sequence's length is never loaded: every load of K/V is masked by it, and
   lengths are first clamped to what the storage holds (``max_keys``), so not even a wrong length
   reads outside the storage.
+* Variants: ``window`` (a runtime int, 0: none) makes each query's keys start at ``position -
+  window + 1``; a program's key tiles start at the tile holding its earliest query's first key
+  (tiles stay aligned to ``BLOCK_N``), and keys before that first key are masked out of every
+  load, the block-table lookup included, so no entry of a block wholly before the window is
+  read. ``SOFTCAP`` (constexpr) caps the scores (``softcap_out * tanh(dot * softcap_in)``, in
+  place of ``dot * qk_scale``); ``HAS_SINKS`` (constexpr) starts the softmax with each query
+  head's sink logit as if it were one more key of value zero (pass 1 with one split, else the
+  merge). A plain layer compiles neither.
 """
 
 from __future__ import annotations
@@ -75,6 +83,28 @@ def _sequence_rows(seq, SLOTS, BLOCK_TABLE, stride_bt, stride_k0, stride_v0, PAG
     return k_row, v_row, bt_row
 
 
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # scores are kept in base 2
+
+
+@triton.jit
+def _window_first(position, window):
+    """The first key a query at ``position`` sees (``position - window + 1``, at least 0); 0
+    without a window (``window == 0``): :func:`vmkv.kernels.base.first_key` on the device."""
+    return tl.where(window > 0, tl.maximum(position - window + 1, 0), 0)
+
+
+@triton.jit
+def _scores(dot, qk_scale, softcap_in, softcap_out, SOFTCAP: tl.constexpr):
+    """Base-2 scores from ``q . k``: ``dot * qk_scale``, or soft-capped,
+    ``softcap_out * tanh(dot * softcap_in)`` with ``softcap_in = scale / softcap`` and
+    ``softcap_out = softcap * log2(e)`` (tanh from exp2: exact to float32 rounding, saturating
+    to +-1 for large arguments)."""
+    if SOFTCAP:
+        return softcap_out * (1.0 - 2.0 / (tl.exp2(dot * (2.0 * LOG2E * softcap_in)) + 1.0))
+    else:
+        return dot * qk_scale
+
+
 @triton.jit
 def _dot(a, b, DOT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr):
     """``tl.dot(a, b)``, accumulated in float32. ``EMULATE_BF16`` is set only for bfloat16 in
@@ -89,8 +119,8 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr):
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K, V, KV_LENS, BLOCK_TABLE, SLOTS, OUT, PART_OUT, PART_LSE,
-    qk_scale, max_keys, num_splits,
+    Q, K, V, KV_LENS, BLOCK_TABLE, SLOTS, OUT, PART_OUT, PART_LSE, SINKS,
+    qk_scale, max_keys, num_splits, window, softcap_in, softcap_out,
     stride_qb, stride_qh,
     stride_k0, stride_k1, stride_kh,
     stride_v0, stride_v1, stride_vh,
@@ -100,15 +130,17 @@ def _decode_split_kernel(
     stride_lb, stride_lh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
+    EMULATE_BF16: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """Pass 1 of decode. Program ``(seq, kv_head, split)``: the ``GROUP`` query heads of KV head
     ``kv_head`` (one ``[BLOCK_G, D]`` tile, rows past ``GROUP`` are zero padding for ``tl.dot``)
     against split ``split`` of the sequence's keys, by online softmax.
 
-    The split's keys: ``kv_len`` cut into ``num_splits`` equal ranges rounded up to whole tiles,
-    computed here from the device length (so the grid never depends on it). A split that starts
-    at or past ``kv_len`` runs no iteration and stores lse = -inf and zeros.
+    The split's keys: the sequence's keys from the tile holding its window's first key ``lo``
+    (the query is at ``kv_len - 1``) to ``kv_len``, cut into ``num_splits`` equal ranges rounded
+    up to whole tiles, computed here from the device length (so the grid never depends on it);
+    keys before ``lo`` are masked out. A split that starts at or past ``kv_len`` runs no
+    iteration and stores lse = -inf and zeros.
 
     Stores, with one split, the normalised output straight into ``OUT`` (zeros for a sequence
     without keys); otherwise this split's normalised partial output (float32) and its base-2
@@ -119,8 +151,10 @@ def _decode_split_kernel(
     split = tl.program_id(2)
 
     kv_len = tl.minimum(tl.load(KV_LENS + seq), max_keys)
-    keys_per_split = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * keys_per_split
+    lo = _window_first(kv_len - 1, window)  # the query's first key
+    first = lo // BLOCK_N * BLOCK_N  # the tile holding it: tiles stay aligned (a block holds whole tiles)
+    keys_per_split = tl.cdiv(tl.cdiv(kv_len - first, num_splits), BLOCK_N) * BLOCK_N
+    start = first + split * keys_per_split
     end = tl.minimum(start + keys_per_split, kv_len)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -138,17 +172,22 @@ def _decode_split_kernel(
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of the scores, per query head
     l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score - m_i)
+    if HAS_SINKS:
+        if num_splits == 1:  # the sink is one more key of value 0 (with splits: the merge's)
+            m_i = tl.load(SINKS + heads, mask=g_mask, other=0.0) * LOG2E
+            l_i = l_i + 1.0
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)  # running sum of exp2(score - m_i) * v
     for tile_start in range(start, end, BLOCK_N):
-        valid = tile_start + offs_n < end
+        pos = tile_start + offs_n
+        valid = (pos >= lo) & (pos < end)
         k_off, v_off = _kv_offsets(
             tile_start, offs_n, valid, k_row, v_row, bt_row, stride_k0, stride_k1, stride_v0, stride_v1,
             PAGED, PAGE_SIZE, BLOCK_N,
         )
         k = tl.load(K_head + k_off[None, :] + offs_d[:, None], mask=valid[None, :], other=0.0)  # [D, BLOCK_N]
-        s = _dot(q, k, DOT_PRECISION, EMULATE_BF16) * qk_scale  # [BLOCK_G, BLOCK_N]
+        s = _scores(_dot(q, k, DOT_PRECISION, EMULATE_BF16), qk_scale, softcap_in, softcap_out, SOFTCAP)  # [BLOCK_G, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the tile's first key is valid
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile visited holds a valid key (lo, or its first)
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -169,16 +208,18 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    PART_OUT, PART_LSE, OUT, num_splits,
+    PART_OUT, PART_LSE, OUT, SINKS, num_splits,
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
     stride_ob, stride_oh,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """Pass 2 of decode. Program ``(seq, kv_head)``, the same query heads as pass 1: per query
     head, ``out = sum_s w_s * o_s / sum_s w_s`` with ``w_s = exp2(lse_s - max_s lse_s)``,
     computed in one pass over the splits with a running max (as pass 1 does over keys). An empty
-    split (lse = -inf) weighs 0; a sequence whose splits are all empty (no key) gets zeros.
+    split (lse = -inf) weighs 0; a sequence whose splits are all empty (no key) gets zeros. A
+    sink is one more split of output 0 and lse the sink logit (in base 2): it weighs in the
+    denominator only.
     """
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -191,6 +232,9 @@ def _decode_merge_kernel(
     part_ptrs = PART_OUT + seq * stride_pb + heads[:, None] * stride_ph + offs_d[None, :]  # [BLOCK_G, D]
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of the splits' lse
     total = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(lse - m_i)
+    if HAS_SINKS:
+        m_i = tl.load(SINKS + heads, mask=g_mask, other=0.0) * LOG2E
+        total = total + 1.0
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     for s in range(num_splits):
         lse = tl.load(lse_ptrs + s, mask=g_mask, other=float("-inf"))
@@ -226,8 +270,8 @@ def _find_sequence(CU_Q, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _prefill_kernel(
-    Q, K, V, CU_Q, KV_LENS, BLOCK_TABLE, SLOTS, OUT,
-    qk_scale, max_keys, num_seqs,
+    Q, K, V, CU_Q, KV_LENS, BLOCK_TABLE, SLOTS, OUT, SINKS,
+    qk_scale, max_keys, num_seqs, window, softcap_in, softcap_out,
     stride_qt, stride_qh,
     stride_k0, stride_k1, stride_kh,
     stride_v0, stride_v1, stride_vh,
@@ -235,15 +279,17 @@ def _prefill_kernel(
     stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
+    EMULATE_BF16: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """Causal prefill over the cached prefix. Program ``(tile, kv_head)``: ``BLOCK_Q`` query
     tokens of one sequence times the ``GROUP`` query heads of ``kv_head``, as ``BLOCK_M`` rows
     (row ``r``: token ``r // GROUP``, head ``r % GROUP``; rows past ``BLOCK_Q * GROUP`` are
     padding), so each K/V tile is read once for the whole group.
 
-    Query ``j`` of a sequence sits at position ``kv_len - q_len + j`` and sees keys ``0 ..`` that
-    position; the program visits key tiles up to its last query's position.
+    Query ``j`` of a sequence sits at position ``kv_len - q_len + j`` and sees keys from its
+    window's first key to that position; the program visits key tiles from the one holding its
+    earliest query's first key ``lo`` up to its last query's position, keys before ``lo`` masked
+    out of every load.
     """
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -264,6 +310,8 @@ def _prefill_kernel(
     heads = kv_head * GROUP + offs_m % GROUP
     row_ok = (offs_m // GROUP < BLOCK_Q) & (token < q_len)
     q_pos = prefix + token  # the last key each row sees
+    q_first = _window_first(q_pos, window)  # the first key each row sees
+    lo = _window_first(prefix + first, window)  # the first key the tile's earliest query sees
     rows = (q_begin + token).to(tl.int64)  # packed index of each row's token
 
     # q: [BLOCK_M, D]
@@ -274,18 +322,22 @@ def _prefill_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:  # the sink is one more key of value 0
+        m_i = tl.load(SINKS + heads) * LOG2E
+        l_i = l_i + 1.0
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     end = tl.minimum(kv_len, prefix + first + BLOCK_Q)  # past the tile's last query position
-    for tile_start in range(0, end, BLOCK_N):
+    for tile_start in range(lo // BLOCK_N * BLOCK_N, end, BLOCK_N):
         pos = tile_start + offs_n
-        valid = pos < end
+        valid = (pos >= lo) & (pos < end)
         k_off, v_off = _kv_offsets(
             tile_start, offs_n, valid, k_row, v_row, bt_row, stride_k0, stride_k1, stride_v0, stride_v1,
             PAGED, PAGE_SIZE, BLOCK_N,
         )
         k = tl.load(K_head + k_off[None, :] + offs_d[:, None], mask=valid[None, :], other=0.0)  # [D, BLOCK_N]
-        s = _dot(q, k, DOT_PRECISION, EMULATE_BF16) * qk_scale  # [BLOCK_M, BLOCK_N]
-        s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        s = _scores(_dot(q, k, DOT_PRECISION, EMULATE_BF16), qk_scale, softcap_in, softcap_out, SOFTCAP)  # [BLOCK_M, BLOCK_N]
+        in_window = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] >= q_first[:, None])
+        s = tl.where(valid[None, :] & in_window, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible key yet stays 0
         alpha = tl.exp2(m_i - m_safe)
