@@ -182,6 +182,9 @@ class KVCacheConfig:
             (:mod:`vmkv.core.groups`).
         window_slack: tokens kept behind the window (``crop`` and speculative decoding roll
             back within it); ``None``: one page.
+        attention_features: what the layers' attention adds beyond a window: ``"softcap"``
+            (logit soft-capping, Gemma 2), ``"sinks"`` (attention sinks, GPT-OSS); the kernels
+            chosen must have them (:mod:`vmkv.kernels.registry`).
         max_step_tokens: the most tokens one step adds to a sequence (a prefill chunk): what a
             windowed layer must hold beyond its window while the step runs, which sizes its share
             of ``memory_budget``; ``None``: ``max_seq_len`` (a whole prompt in one step).
@@ -205,6 +208,7 @@ class KVCacheConfig:
     layer_windows: tuple[int, ...] | None = None
     window_slack: int | None = None
     max_step_tokens: int | None = None
+    attention_features: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "max_batch_size", "max_seq_len", "block_size"):
@@ -238,9 +242,19 @@ class KVCacheConfig:
         if self.window_slack is not None and (isinstance(self.window_slack, bool) or not isinstance(self.window_slack, int)
                                               or self.window_slack < 0):
             raise InvalidConfig(f"window_slack must be an int >= 0 or None (one page), got {self.window_slack!r}")
+        features = tuple(self.attention_features) if isinstance(self.attention_features, (list, tuple, frozenset, set)) else None
+        if features is None or not set(features) <= {"softcap", "sinks"}:
+            raise InvalidConfig(f"attention_features must name 'softcap' and/or 'sinks', got {self.attention_features!r}")
+        object.__setattr__(self, "attention_features", tuple(sorted(set(features))))
         if self.max_step_tokens is not None and (isinstance(self.max_step_tokens, bool)
                                                  or not isinstance(self.max_step_tokens, int) or self.max_step_tokens < 1):
             raise InvalidConfig(f"max_step_tokens must be a positive int or None (max_seq_len), got {self.max_step_tokens!r}")
+
+    @property
+    def features(self) -> frozenset[str]:
+        """The attention features every kernel of a cache of these layers needs: a window (if
+        any layer has one), and ``attention_features``."""
+        return frozenset(self.attention_features) | ({"window"} if any(self.layer_windows or ()) else set())
 
     @property
     def window(self) -> int | None:

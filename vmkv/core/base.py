@@ -39,6 +39,7 @@ import torch
 
 from ..config import KVCacheConfig, PageGeometry
 from ..errors import ConcurrentUse, DuplicateSequence, InvalidConfig, InvalidInput, SequenceTooLong, StalePlan
+from ..kernels.base import Variant
 from ..ledger import SharedBudget
 from ..share import close_at_exit
 from ..validate import as_int, as_token_ids, check_seq_id
@@ -106,6 +107,11 @@ class KVCacheBase(ABC):
         self._own: PageOwnership | None = None
         self._ahead: MapAhead | None = None
         self._undo: tuple[StepPlan, list, int] | None = None  # the last undoable step: (plan, journal, generation)
+        self.variant = Variant(window=config.window or 0)  # what the kernel applies, unless a call adds more
+
+    def _variant(self, softcap: float, sinks: torch.Tensor | None) -> Variant:
+        """The kernel's variant for a call: the cache's window, with the call's soft-cap and sinks."""
+        return self.variant if not softcap and sinks is None else Variant(self.variant.window, softcap, sinks)
 
     def _open(self, addressing: Addressing) -> None:
         """The mode's storage exists: pages can now be owned (the last step of a mode's ``__init__``
@@ -133,11 +139,14 @@ class KVCacheBase(ABC):
         read-only views; paged: the pools themselves (write only through ``write``)."""
 
     @abstractmethod
-    def attention(self, layer: int, q: torch.Tensor, plan: StepPlan, *, scale: float | None = None) -> torch.Tensor:
+    def attention(self, layer: int, q: torch.Tensor, plan: StepPlan, *, scale: float | None = None,
+                  softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of the step's queries ``q: [T, q_heads, head_dim]`` over each sequence's cache.
 
         Returns ``[T, q_heads, head_dim]``: causal within the new tokens, full over the cached
-        prefix, grouped-query when ``q_heads`` is a multiple of ``num_kv_heads``.
+        prefix (a windowed cache: over its window), grouped-query when ``q_heads`` is a multiple
+        of ``num_kv_heads``; ``softcap`` and ``sinks`` as :class:`~vmkv.kernels.base.Variant`'s
+        (the cache's ``attention_features`` must name them).
 
         Raises:
             StalePlan, InvalidShape, InvalidDtype, InvalidDevice, InvalidInput (also: ``layer`` not

@@ -65,7 +65,8 @@ class _Part:
         config = core.config
         self.device = torch.device(config.device)
         self.addressing = "blocks" if core.mode == "paged" else "slots"
-        spec = KernelSpec(self.addressing, self.device, config.dtype, config.num_kv_heads, config.head_dim)
+        spec = KernelSpec(self.addressing, self.device, config.dtype, config.num_kv_heads, config.head_dim,
+                          features=config.features)
         self.choice = choose_capturable(spec)
         self.kernel = self.choice.decode
         self.window = config.window or 0
@@ -171,21 +172,24 @@ class StaticStep:
         k_store, v_store = part.targets[local]
         write_columns(k_store, v_store, k, v, part.rows[_Part.SLOTS, :b], part.rows[_Part.WRITE_AT, :b])
 
-    def attend(self, layer: int, q: torch.Tensor, scale: float | None, *, out: torch.Tensor | None = None,
+    def attend(self, layer: int, q: torch.Tensor, scale: float | None, *, softcap: float = 0.0,
+               sinks: torch.Tensor | None = None, out: torch.Tensor | None = None,
                workspace: DecodeWorkspace | None = None) -> torch.Tensor:
         """After :meth:`write` of ``layer``: each row's new token over that row's keys (its
-        group's window), ``q: [b, Hq, D]`` -> ``[b, Hq, D]`` (``scale`` ``None``: ``D ** -0.5``).
-        Inside a compiled region through the operator (``torch.ops.vmkv.decode_store``), else
-        directly (a captured graph: into ``out``, with the split scratch ``workspace``)."""
+        group's window; ``softcap``, ``sinks`` as :class:`~vmkv.kernels.base.Variant`'s),
+        ``q: [b, Hq, D]`` -> ``[b, Hq, D]`` (``scale`` ``None``: ``D ** -0.5``). Inside a compiled
+        region through the operator (``torch.ops.vmkv.decode_store``), else directly (a captured
+        graph: into ``out``, with the split scratch ``workspace``)."""
         part, local = self._where[layer]
         b = q.shape[0]
         k_store, v_store = part.stores[local]
         where = {"block_table": part.table[:b]} if part.addressing == "blocks" else {"slots": part.table[:b, 0]}
+        variant = dict(window=part.window, softcap=softcap, sinks=sinks)
         if torch.compiler.is_compiling():
             scale = q.shape[-1] ** -0.5 if scale is None else scale
-            return decode_store(q, k_store, v_store, part.kv_lens[:b], scale, self.max_len, part.kernel, **where)
+            return decode_store(q, k_store, v_store, part.kv_lens[:b], scale, self.max_len, part.kernel, **where, **variant)
         return decode_attention(q, k_store.view(), v_store.view(), part.kv_lens[:b], kernel=part.kernel, scale=scale,
-                                max_kv_len=self.max_len, out=out, workspace=workspace, **where)
+                                max_kv_len=self.max_len, out=out, workspace=workspace, **where, **variant)
 
     def views(self, layer: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots: ``layer``'s K and V of the step's ``b`` rows, ``[b, Hkv, max_len, D]`` (what the

@@ -72,7 +72,8 @@ class PagedKVCache(KVCacheBase):
             check_page_size(resolve(config), granularity(config.device))
         block, heads, dim = config.block_size, config.num_kv_heads, config.head_dim
         self._kernel: AttentionKernel = make_kernel(
-            KernelSpec("blocks", config.device, config.dtype, heads, dim, block, chunk_tokens), forced=kernel
+            KernelSpec("blocks", config.device, config.dtype, heads, dim, block, chunk_tokens, features=config.features),
+            forced=kernel
         )
         self.kernel = self._kernel.name
         super().__init__(config, geometry)
@@ -120,7 +121,8 @@ class PagedKVCache(KVCacheBase):
         return k, v
 
     @exclusive
-    def attention(self, layer: int, q: torch.Tensor, plan: StepPlan, *, scale: float | None = None) -> torch.Tensor:
+    def attention(self, layer: int, q: torch.Tensor, plan: StepPlan, *, scale: float | None = None,
+                  softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """See :meth:`vmkv.core.base.KVCacheBase.attention`; runs ``stats()["kernel"]``.
 
         Raises:
@@ -131,7 +133,7 @@ class PagedKVCache(KVCacheBase):
         self._require_written(layer)
         self._check_query(q, plan)
         scale = as_scale(scale, self.config.head_dim)
-        return self._kernel(q, self._k[layer], self._v[layer], plan, scale)
+        return self._kernel(q, self._k[layer], self._v[layer], plan, scale, self._variant(softcap, sinks))
 
     # ---- memory ----------------------------------------------------------------------------
     def stats(self) -> dict:

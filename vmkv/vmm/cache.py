@@ -93,7 +93,8 @@ class VirtualKVCache(KVCacheBase):
         config = resolve(as_config(config), facts)
         geometry = vmm_geometry(config, facts.granularity)
         check_budget_fits(config)
-        self._kernel = make_kernel(KernelSpec("slots", config.device, config.dtype, config.num_kv_heads, config.head_dim),
+        self._kernel = make_kernel(KernelSpec("slots", config.device, config.dtype, config.num_kv_heads, config.head_dim,
+                                              features=config.features),
                                    forced=kernel)
         self.kernel = self._kernel.name
         super().__init__(config, geometry)
@@ -260,11 +261,13 @@ class VirtualKVCache(KVCacheBase):
         return rows
 
     @exclusive
-    def attention(self, layer: int, q: torch.Tensor, plan: StepPlan, *, scale: float | None = None) -> torch.Tensor:
+    def attention(self, layer: int, q: torch.Tensor, plan: StepPlan, *, scale: float | None = None,
+                  softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         layer = self._check_plan(plan, layer)
         self._require_written(layer)
         self._check_query(q, plan)
-        return self._kernel(q, self._k[layer], self._v[layer], plan, as_scale(scale, self.config.head_dim))
+        return self._kernel(q, self._k[layer], self._v[layer], plan, as_scale(scale, self.config.head_dim),
+                            self._variant(softcap, sinks))
 
     def _piece(self, page: int, tensor: int) -> int:
         """The backend page that range ``tensor`` maps for pool page ``page``."""
