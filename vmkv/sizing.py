@@ -323,7 +323,7 @@ def layer_groups(config: KVCacheConfig, facts: DeviceFacts | None = None) -> lis
     a core cache per window (:mod:`vmkv.core.groups`), as ``(layers, config)`` pairs in the order
     of their first layer. ``memory_budget`` is split by what each group holds at most per row: a
     full layer ``max_seq_len`` tokens, a windowed one its window and slack, the longest step
-    (``max_step_tokens``) and a page at each end, so each group's pages run out together.
+    (``max_step_tokens``) and three pages, so each group's pages run out together.
 
     Raises:
         InvalidConfig: a shared budget (each group would be a member of its own: not supported).
@@ -340,7 +340,8 @@ def layer_groups(config: KVCacheConfig, facts: DeviceFacts | None = None) -> lis
         tpp = _tokens_per_page(sub, facts)
         slack = tpp if config.window_slack is None else config.window_slack
         step = config.max_step_tokens or config.max_seq_len
-        span = config.max_seq_len if not window else min(config.max_seq_len, window + slack + step + 2 * tpp)
+        # a partly filled page at each end, and one more taken before any is let go (an undoable step)
+        span = config.max_seq_len if not window else min(config.max_seq_len, window + slack + step + 3 * tpp)
         groups.append((layers, sub))
         needs.append(span * sub.bytes_per_token)
     return [(layers, sub.replace(memory_budget=config.memory_budget * need // sum(needs)))
