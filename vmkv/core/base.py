@@ -290,12 +290,7 @@ class KVCacheBase(ABC):
             UnknownSequence, InvalidInput (length negative or beyond the sequence).
         """
         self._join_ahead()
-        seq = self._get(seq_id)
-        length = as_int(length, "truncate length")
-        if length > seq.length:
-            raise InvalidInput(f"truncate length must be in 0..{seq.length}, got {length}")
-        if self.window is not None:
-            self.window.check_truncate(seq, length)
+        seq, length = self._truncation(seq_id, length)
         with self.guard.atomic():
             self._finish_last_step()
         self._tokens -= seq.length - length
@@ -303,6 +298,20 @@ class KVCacheBase(ABC):
         del seq.tokens[length:]
         del seq.hashes[length // self.tokens_per_page :]
         self._version += 1
+
+    def check_truncate(self, seq_id: SeqId, length: int) -> None:
+        """Raise what :meth:`truncate` would raise for these arguments, changing nothing (a caller
+        truncating several sequences checks them all first)."""
+        self._truncation(seq_id, length)
+
+    def _truncation(self, seq_id: SeqId, length: int) -> tuple[LiveSequence, int]:
+        seq = self._get(seq_id)
+        length = as_int(length, "truncate length")
+        if length > seq.length:
+            raise InvalidInput(f"truncate length must be in 0..{seq.length}, got {length}")
+        if self.window is not None:
+            self.window.check_truncate(seq, length)
+        return seq, length
 
     @exclusive
     def trim(self, keep_cached: bool = False) -> int:

@@ -99,9 +99,14 @@ class LayerGroups:
             core.free(seq_id)
 
     def truncate(self, seq_id: SeqId, length: int) -> None:
-        """``KVCacheBase.truncate`` in every group; the windowed groups, which may refuse, first."""
-        for core in sorted(self.groups, key=lambda core: core.window is None):
+        """``KVCacheBase.truncate`` in every group, once every group would take it."""
+        self.check_truncate(seq_id, length)
+        for core in self.groups:
             core.truncate(seq_id, length)
+
+    def check_truncate(self, seq_id: SeqId, length: int) -> None:
+        for core in self.groups:
+            core.check_truncate(seq_id, length)
 
     def reserve(self, seq_id: SeqId, num_tokens: int) -> None:
         for core in self.groups:

@@ -25,11 +25,13 @@ import functools
 import logging
 import threading
 import weakref
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from ..errors import InvalidConfig
+from ..kernels.base import Variant
+from ..kernels.variants import explicit_attention
 from .compat import AttentionInterface, AttentionMaskInterface
 
 log = logging.getLogger("vmkv")
@@ -48,7 +50,7 @@ class AttendingCache(Protocol):
     views; ``None``: not known before the first forward."""
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
+               mask: torch.Tensor | None, scaling: float | None, variant: "LayerVariant") -> torch.Tensor:
         """Write one layer's new K/V and attend: ``query: [B, Hq, S, D]`` -> ``[B, S, Hq, D]``."""
 
 
@@ -123,23 +125,28 @@ def vmkv_attention_mask(
 
 
 def causal_padding_mask(
-    padding: torch.Tensor | None, q_len: int, kv_len: int, device: torch.device
+    padding: torch.Tensor | None, q_len: int, kv_len: int, device: torch.device, window: int = 0,
 ) -> torch.Tensor | None:
     """The boolean SDPA mask ``[B or 1, 1, q_len, kv_len]`` for queries that are the last ``q_len`` of ``kv_len``.
 
     Args:
         padding: ``[B, kv_len]`` True for real tokens, or ``None`` (no padding).
+        window: a sliding window (0: none): a query sees the keys ``window - 1`` before it and itself.
 
     Returns:
-        ``None`` when SDPA's own ``is_causal`` gives the same answer (no padding and the queries
-        are all the tokens, or a single query). Query rows that may attend to nothing (padding
-        queries of a left-padded row) attend to everything instead: their outputs are meaningless
-        either way, and a fully masked row would give NaN.
+        ``None`` when SDPA's own ``is_causal`` gives the same answer (no padding or window, and
+        the queries are all the tokens, or a single query). Query rows that may attend to nothing
+        (padding queries of a left-padded row) attend to everything instead: their outputs are
+        meaningless either way, and a fully masked row would give NaN.
     """
-    if padding is None and (q_len == 1 or q_len == kv_len):
+    if padding is None and not window and (q_len == 1 or q_len == kv_len):
         return None
     positions = torch.arange(kv_len, device=device)
-    mask = (positions[None, :] <= positions[kv_len - q_len :, None])[None, None]  # [1, 1, q, kv]
+    queries = positions[kv_len - q_len :, None]
+    mask = positions[None, :] <= queries
+    if window:
+        mask = mask & (positions[None, :] > queries - window)
+    mask = mask[None, None]  # [1, 1, q, kv]
     if padding is not None:
         mask = mask & padding.to(device=device, dtype=torch.bool)[:, None, None, :]
     return mask | ~mask.any(-1, keepdim=True)
@@ -179,32 +186,60 @@ def vmkv_attention_forward(
     Returns:
         ``([B, S, q_heads, head_dim], None)``; padding positions give zeros.
 
+    The layer's sliding window, soft-capping and attention sinks (``sliding_window``, ``softcap``,
+    ``s_aux``, as the models pass them) apply in every path: the cache's kernels have them.
+
     Raises:
-        InvalidConfig: a feature the kernel lacks was asked for (dropout, softcap, sliding
-            window), or the model changes K between ``cache.update`` and its attention.
+        InvalidConfig: dropout, chunked attention, or a sliding window the cache was not made
+            for (made without ``config=``); or the model changes K between ``cache.update`` and
+            its attention.
     """
+    variant = _variant_of(module, kwargs, dropout)
     if vmkv_step is not None:
-        _refuse_what_the_kernels_lack(module, kwargs, dropout)
-        return vmkv_step.attend(module.layer_idx, query, scaling), None
+        return vmkv_step.attend(module.layer_idx, query, scaling, variant), None
     if torch.compiler.is_compiling():
-        return _eager_attention_at_graph_break(module, query, key, value, attention_mask, scaling, dropout,
+        return _eager_attention_at_graph_break(module, query, key, value, attention_mask, scaling, variant,
                                                vmkv_cache, **kwargs)
-    return _eager_attention(module, query, key, value, attention_mask, scaling, dropout, vmkv_cache, **kwargs)
+    return _eager_attention(module, query, key, value, attention_mask, scaling, variant, vmkv_cache, **kwargs)
+
+
+class LayerVariant(NamedTuple):
+    """What a layer's attention adds to causal attention, as its model passes it."""
+
+    window: int  # sliding window (0: none)
+    softcap: float  # logit soft-capping (0: none)
+    sinks: torch.Tensor | None  # attention sinks, float32 [q_heads]
+
+
+def _variant_of(module: torch.nn.Module, kwargs: dict[str, Any], dropout: float) -> LayerVariant:
+    """The layer's window, soft-cap and sinks from the attention's kwargs (and the module).
+
+    Raises:
+        InvalidConfig: dropout, or chunked attention (Llama 4), which the kernels do not have.
+    """
+    if dropout:
+        raise InvalidConfig("the vmkv attention has no dropout; call model.eval()")
+    if getattr(module, "attention_chunk_size", None) or getattr(getattr(module, "config", None), "attention_chunk_size", None):
+        raise InvalidConfig(f"{type(module).__name__} uses chunked attention, which the vmkv attention's kernels do not "
+                            f"have; {WAY_OUT}")
+    window = kwargs.pop("sliding_window", None) or getattr(module, "sliding_window", None) or 0
+    sinks = kwargs.pop("s_aux", None)
+    return LayerVariant(int(window), float(kwargs.pop("softcap", None) or 0.0),
+                        None if sinks is None else sinks.detach().float())
 
 
 def _eager_attention(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    attention_mask: torch.Tensor | None, scaling: float | None, dropout: float,
+    attention_mask: torch.Tensor | None, scaling: float | None, variant: LayerVariant,
     vmkv_cache: "AttendingCache | None", **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """:func:`vmkv_attention_forward` outside a compiled step: the cache that handed ``key`` over
     attends, or the stock kernel runs."""
     handed = HANDOFF.take(module, key)
     cache = vmkv_cache if vmkv_cache is not None else handed
-    _refuse_what_the_kernels_lack(module, kwargs, dropout)
     if cache is None or cache.attention_style == "model":
-        return _stock_attention(module, query, key, value, attention_mask, scaling, **kwargs)
-    return cache.attend(module, query, key, value, attention_mask, scaling), None
+        return _stock_attention(module, query, key, value, attention_mask, scaling, variant, **kwargs)
+    return cache.attend(module, query, key, value, attention_mask, scaling, variant), None
 
 
 # a compiled forward with no prepared step: the eager attention at a graph break (the cache's
@@ -212,34 +247,28 @@ def _eager_attention(
 _eager_attention_at_graph_break = torch.compiler.disable(_eager_attention)
 
 
-# attention kwargs the "vmkv" kernels have no counterpart for -> what a user calls them
-_UNSUPPORTED_KWARGS = {"softcap": "soft-capping", "sliding_window": "a sliding window", "s_aux": "attention sinks"}
-
-
-def _refuse_what_the_kernels_lack(module: torch.nn.Module, kwargs: dict[str, Any], dropout: float) -> None:
-    """Raise ``InvalidConfig`` naming the feature and the way out (:data:`WAY_OUT`) if the layer
-    asks for dropout, soft-capping, a sliding window or attention sinks."""
-    if dropout:
-        raise InvalidConfig("the vmkv attention has no dropout; call model.eval()")
-    found = [what for name, what in _UNSUPPORTED_KWARGS.items() if kwargs.get(name) is not None]
-    if getattr(module, "sliding_window", None) is not None and "a sliding window" not in found:
-        found.append("a sliding window")
-    if found:
-        raise InvalidConfig(f"{type(module).__name__} uses {' and '.join(found)}, which the vmkv attention's "
-                            f"kernels do not have; {WAY_OUT}")
-
-
 def _stock_attention(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    padding: torch.Tensor | None, scaling: float | None, **kwargs: Any,
+    padding: torch.Tensor | None, scaling: float | None, variant: LayerVariant, **kwargs: Any,
 ) -> tuple[torch.Tensor, Any]:
-    """transformers' SDPA attention over K/V that already hold every token (``[B, H, L, D]``)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+    """Attention over K/V that already hold every token (``[B, H, L, D]``): transformers' SDPA,
+    or with a window, soft-cap or sinks the same explicitly (``vmkv.kernels.variants``)."""
     _log_stock_kernel()
-    mask = causal_padding_mask(padding, query.shape[2], key.shape[2], query.device)
-    kwargs.pop("is_causal", None)
-    return sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scaling, **kwargs)
+    batch, q_heads, q_len, dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    if variant == LayerVariant(0, 0.0, None):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        mask = causal_padding_mask(padding, q_len, kv_len, query.device)
+        kwargs.pop("is_causal", None)
+        return sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scaling, **kwargs)
+    allowed = causal_padding_mask(padding, q_len, kv_len, query.device, variant.window)
+    group = q_heads // kv_heads
+    q = query.view(batch, kv_heads, group, q_len, dim)
+    allowed = None if allowed is None else allowed[:, :, None]  # [B or 1, 1, 1, q, L]
+    out = explicit_attention(q, key, value, dim ** -0.5 if scaling is None else scaling,
+                             Variant(0, variant.softcap, variant.sinks), allowed)  # [B, Hkv, G, q, D]
+    return out.reshape(batch, q_heads, q_len, dim).transpose(1, 2), None
 
 
 @functools.cache

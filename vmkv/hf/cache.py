@@ -19,7 +19,7 @@ import torch
 from ..core.base import KVCacheBase
 from ..errors import CacheClosed, InvalidConfig, InvalidInput, InvalidShape, Unsupported
 from ..validate import as_int
-from .attention import ATTN_IMPLEMENTATION, HANDOFF
+from .attention import ATTN_IMPLEMENTATION, HANDOFF, LayerVariant
 from .compat import Cache, attention_kwargs
 from .compiled import (
     FALLBACK_NOT_COMPILEABLE,
@@ -58,7 +58,8 @@ class VirtualCache(Cache):
             tables; needs ``attn_implementation="vmkv"``).
         config: the model config (optional): the layer count and attention style up front.
         max_batch_size, max_seq_len, memory_budget, page_size, layout, block_size,
-            deferred_reclaim, map_ahead: the core cache's (docs/hf.md, "Sizing").
+            deferred_reclaim, map_ahead, window_slack: the core cache's (docs/hf.md, "Sizing"; a
+            sliding-window layer keeps ``window_slack`` tokens behind its window for ``crop``).
         compile: transformers' compiled generation over pages (``vmkv.hf.compiled``); needs
             ``config`` and ``max_seq_len``.
 
@@ -73,14 +74,14 @@ class VirtualCache(Cache):
         self, mode: str = "vmm", *, config: Any = None, max_batch_size: int | None = None,
         max_seq_len: int | None = None, memory_budget: int | str | None = None, page_size: int | str | None = None,
         layout: str | None = None, block_size: int = 16, deferred_reclaim: bool = False, map_ahead: bool = False,
-        compile: bool = False,
+        window_slack: int | None = None, compile: bool = False,
     ) -> None:
         if mode not in MODES:
             raise InvalidConfig(f"mode must be 'vmm' or 'paged', got {mode!r}")
         super().__init__(layers=[])
         self.mode = mode
         self._options = CacheOptions(max_batch_size, max_seq_len, memory_budget, page_size, layout, block_size,
-                                     deferred_reclaim, map_ahead)
+                                     deferred_reclaim, map_ahead, window_slack)
         self._model = ModelFacts.of(config)
         self.attention_style: str | None = self._model.style  # "model" | "vmkv"; None until known
         self._require_style_fits_mode()
@@ -93,6 +94,8 @@ class VirtualCache(Cache):
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # first forward, style unknown
         self._forward: Forward | None = None  # the eager forward in progress
         self._last_layer = -1
+        if self._model.num_layers:  # each layer's face up front: transformers reads is_sliding before a forward
+            self.layers = [VirtualLayer(self, i) for i in range(self._model.num_layers)]
 
     @property
     def core(self) -> KVCacheBase | None:
@@ -127,7 +130,9 @@ class VirtualCache(Cache):
             self._prepare(query_length, explicit=False)
         if self._compile:
             return self._options.max_seq_len, 0
-        return self.get_seq_length() + query_length, 0
+        past, window = self.get_seq_length(), self._model.window(layer_idx)
+        offset = max(past - window + 1, 0) if window and self.attention_style == "model" else 0  # its window's views
+        return past + query_length - offset, offset
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         """-1: no fixed length (the cache grows page by page); with ``compile=True`` ``max_seq_len``."""
@@ -211,7 +216,7 @@ class VirtualCache(Cache):
         """``update`` outside a compiled region (see :meth:`update`)."""
         forward = self._forward  # "model" style, a later layer of this forward: the lean path of a decode step
         if forward is not None and not forward.gathered and self._compiled is None and self.attention_style == "model" \
-                and self._last_layer < layer_idx < len(self.layers):
+                and self._model.windows is None and self._last_layer < layer_idx < len(self.layers):
             self._last_layer = layer_idx
             return self._shared.core.write_batch(layer_idx, key_states, value_states, forward.plan)
         if self._closed:
@@ -240,25 +245,36 @@ class VirtualCache(Cache):
             self._open_rows(key_states, self._model.num_layers)
         if self._forward is None:
             self._forward = self._dense.begin(self.core, key_states.shape[2], self._compiled)
-        return self._dense.write(self.core, layer_idx, key_states, value_states, self._forward, self._compiled)
+        return self._dense.write(self.core, layer_idx, key_states, value_states, self._forward, self._compiled,
+                                 self._model.window(layer_idx))
 
     def attend(
         self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-        mask: torch.Tensor | None, scaling: float | None,
+        mask: torch.Tensor | None, scaling: float | None, variant: LayerVariant,
     ) -> torch.Tensor:
-        """"vmkv" style, one layer eagerly: write the real new tokens and run the cache's kernel.
+        """"vmkv" style, one layer eagerly: write the real new tokens and run the cache's kernel
+        (the layer's window, soft-cap and sinks: ``variant``).
 
         Shapes: ``query: [B, Hq, S, D]``, ``key, value: [B, Hkv, S, D]``; returns ``[B, S, Hq, D]``.
+
+        Raises:
+            InvalidConfig: the layer's window is not the one the cache holds it with (a cache
+                made without ``config=``, which knows no window).
         """
         if self.attention_style is None:  # first forward without a config: the attention tells us
             self.attention_style = "vmkv"
             self._pending = []
         layer = module.layer_idx
+        if variant.window != self._model.window(layer):
+            raise InvalidConfig(f"layer {layer} attends over a sliding window of {variant.window} tokens, but this "
+                                f"VirtualCache holds it with a window of {self._model.window(layer)}: make the cache with "
+                                "config=model.config, which says each layer's window")
         if not self._table.seq_ids:
-            self._open_rows(key, self._model.num_layers or module.config.num_hidden_layers)
+            features = ("softcap",) * bool(variant.softcap) + ("sinks",) * (variant.sinks is not None)
+            self._open_rows(key, self._model.num_layers or module.config.num_hidden_layers, features)
         if self._forward is None:
-            self._forward = self._ragged.begin(self.core, mask, query.shape[0], query.shape[2])
-        return self._ragged.attend(self.core, layer, query, key, value, self._forward, scaling, self._compiled)
+            self._forward = self._ragged.begin(self.core, mask, query.shape[0], query.shape[2], self._model.windows)
+        return self._ragged.attend(self.core, layer, query, key, value, self._forward, scaling, self._compiled, variant)
 
     def layer_states(self, layer: int, part: int) -> torch.Tensor | None:
         """``layer``'s keys (``part=0``) or values as ``[B, kv_heads, columns, head_dim]``
@@ -394,13 +410,14 @@ class VirtualCache(Cache):
     def _num_rows(self) -> int:
         return self._pending[0][0].shape[0] if self._pending else len(self._table.seq_ids)
 
-    def _open_rows(self, like: torch.Tensor, num_layers: int | None) -> None:
+    def _open_rows(self, like: torch.Tensor, num_layers: int | None, features: tuple[str, ...] = ()) -> None:
         """Start a row per batch row of ``like`` (``[B, kv_heads, S, head_dim]``), opening the core
         (and the compiled step, whose kernel is chosen then) if needed; raises InvalidShape (another
         geometry than a reset core's), NoFreeSlot, InvalidConfig (``map_ahead`` on CUDA)."""
         check_map_ahead(self._compile, self._options.map_ahead, like.device)
         if self._shared is None:
-            self._shared = SharedCore(*open_core(self.mode, self._options, like, num_layers, self.attention_style))
+            self._shared = SharedCore(*open_core(self.mode, self._options, like, num_layers, self.attention_style,
+                                                 self._model.windows, features))
         if self._compile and self._compiled is None:
             self._compiled = CompiledStep(self.core, self._options.max_seq_len, ragged=self.attention_style == "vmkv")
         self._shared.reap()

@@ -219,10 +219,11 @@ class CompiledStep:
         self.finish(layer, "compiled")
         return self.static.views(layer, k.shape[0])
 
-    def attend(self, layer: int, query: torch.Tensor, scale: float | None) -> torch.Tensor:
+    def attend(self, layer: int, query: torch.Tensor, scale: float | None, variant: Any) -> torch.Tensor:
         """The ``"vmkv"`` attention of ``layer`` after its :meth:`update`: each row's new token over
-        that row's own tokens, ``query: [B, Hq, 1, D]`` -> ``[B, 1, Hq, D]``."""
-        out = self.static.attend(layer, query[:, :, 0], scale)
+        that row's own tokens (its group's window; ``variant``'s soft-cap and sinks),
+        ``query: [B, Hq, 1, D]`` -> ``[B, 1, Hq, D]``."""
+        out = self.static.attend(layer, query[:, :, 0], scale, softcap=variant.softcap, sinks=variant.sinks)
         self.finish(layer, "compiled")
         return out.unsqueeze(1)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -75,12 +76,16 @@ class DenseWrites:
         return Forward.dense(plan)
 
     def write(self, core: KVCacheBase, layer: int, k: torch.Tensor, v: torch.Tensor, forward: Forward,
-              compiled: CompiledStep | None) -> tuple[torch.Tensor, torch.Tensor]:
+              compiled: CompiledStep | None, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``k``, ``v`` ``[B, H, S, D]`` and return ``[B, H, columns, D]`` views of the virtual
-        tensors (a copy where the rows' slots are not evenly spaced, after a beam reorder);
-        ``compiled``: ``[B, H, max_seq_len, D]``, as the compiled forward's (the model's mask is
-        that long)."""
+        tensors (a copy where the rows' slots are not evenly spaced, after a beam reorder); a
+        layer of sliding ``window``: from the first column its queries see (``get_mask_sizes``'s
+        offset); ``compiled``: ``[B, H, max_seq_len, D]``, as the compiled forward's (the model's
+        mask is that long)."""
         keys, values = core.write_batch(layer, k, v, forward.plan)
+        if window and compiled is None:
+            offset = max(forward.plan.starts[0] - window + 1, 0)
+            keys, values = keys[:, :, offset:], values[:, :, offset:]
         if compiled is not None:
             if compiled.live:
                 compiled.finish(layer, "eager")
@@ -101,12 +106,15 @@ class RaggedWrites:
     def __init__(self, table: RowTable, counters: Counter[str]) -> None:
         self.table, self.counters = table, counters
 
-    def begin(self, core: KVCacheBase, mask: torch.Tensor | None, batch: int, q_len: int) -> Forward:
+    def begin(self, core: KVCacheBase, mask: torch.Tensor | None, batch: int, q_len: int,
+              windows: tuple[int, ...] | None = None) -> Forward:
         """A step of each row's real columns among the last ``q_len`` (``mask``: the 2D padding
         mask, True for real tokens; ``None``: all real).
 
         Raises:
-            InvalidInput: a 4D mask, or every row of the step is padding.
+            InvalidInput: a 4D mask, every row of the step is padding, or (a model with sliding
+                ``windows``) padding that is not the start of a new row: a window counts the
+                columns padding takes, which this attention does not store.
         """
         real = None
         if mask is not None:
@@ -115,6 +123,10 @@ class RaggedWrites:
             real = mask[:, -q_len:].to(torch.bool)
             if bool(real.all()):
                 real = None
+            elif windows and (self.table.columns or bool((real[:, 1:] < real[:, :-1]).any())):
+                raise InvalidInput("with sliding windows the vmkv attention takes padding only on the left of a first "
+                                   "prompt (a window counts padding columns, which it does not store); use the model's "
+                                   "attention for padded follow-up prompts")
         counts = [q_len] * batch if real is None else real.sum(1).tolist()
         batch_plan = {seq_id: n for seq_id, n in zip(self.table.seq_ids, counts) if n > 0}
         if not batch_plan:
@@ -131,7 +143,7 @@ class RaggedWrites:
 
     @staticmethod
     def attend(core: KVCacheBase, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               forward: Forward, scaling: float | None, compiled: CompiledStep | None) -> torch.Tensor:
+               forward: Forward, scaling: float | None, compiled: CompiledStep | None, variant: Any) -> torch.Tensor:
         """Write the real new tokens of one layer and run the cache's kernel (a compiled cache's
         prepared step, taken by this eager forward, is done after its last layer).
 
@@ -144,7 +156,7 @@ class RaggedWrites:
         if keep is not None:
             q, k, v = q.index_select(0, keep), k.index_select(0, keep), v.index_select(0, keep)
         core.write(layer, k, v, forward.plan)
-        out = core.attention(layer, q, forward.plan, scale=scaling)  # [T, Hq, D]
+        out = core.attention(layer, q, forward.plan, scale=scaling, softcap=variant.softcap, sinks=variant.sinks)  # [T, Hq, D]
         if keep is not None:
             full = out.new_zeros(batch * q_len, q_heads, dim)
             full[keep] = out

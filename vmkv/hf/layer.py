@@ -23,7 +23,6 @@ class VirtualLayer(CacheLayerMixin):
     K/V have that layout, else materialised copies (see :meth:`VirtualCache.layer_states`).
     """
 
-    is_sliding = False
     is_croppable = True
     supports_early_init = False
 
@@ -38,6 +37,15 @@ class VirtualLayer(CacheLayerMixin):
         if cache is None:
             raise Unsupported("this layer's VirtualCache no longer exists")
         return cache
+
+    @property
+    def is_sliding(self) -> bool:  # type: ignore[override]
+        """Whether this layer attends over a sliding window (its mask and sizes are the window's)."""
+        return self._cache._model.window(self.layer_idx) > 0
+
+    @is_sliding.setter
+    def is_sliding(self, value: bool) -> None:
+        """A transformers layer class may assign it; the window lives in the cache."""
 
     @property
     def is_initialized(self) -> bool:  # type: ignore[override]

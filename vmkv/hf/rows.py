@@ -143,11 +143,17 @@ class RowTable:
         return values
 
     def crop(self, core: KVCacheBase, keep: int) -> None:
-        """Keep the first ``keep`` columns of every row (``truncate``)."""
-        for row, seq_id in enumerate(self.seq_ids):
-            self.dropped[row] = [c for c in self.dropped[row] if c < keep]
-            core.truncate(seq_id, keep - len(self.dropped[row]))
-        self.columns = keep
+        """Keep the first ``keep`` columns of every row (``truncate``), once every row would take it.
+
+        Raises:
+            InvalidInput: a row's sliding window let go of what the crop needs (nothing changed).
+        """
+        dropped = [[c for c in columns if c < keep] for columns in self.dropped]
+        for seq_id, gone in zip(self.seq_ids, dropped):
+            core.check_truncate(seq_id, keep - len(gone))
+        for seq_id, gone in zip(self.seq_ids, dropped):
+            core.truncate(seq_id, keep - len(gone))
+        self.dropped, self.columns = dropped, keep
 
     # ---- reading back (cache.layers[i].keys / .values) -----------------------------------------
     def states(self, shared: SharedCore, layer: int, part: int) -> torch.Tensor:
@@ -277,7 +283,7 @@ class RowTable:
         (whose id is appended to ``forks``). Used rows are removed from ``unused``."""
         core = shared.core
         src_id = self.seq_ids[source]
-        if core.mode == "vmm":
+        if core.mode == "vmm" and core.config.window == 0:  # (windowed or grouped: no retarget, a fork)
             src_pages = core.pages(src_id)
             best, shared_pages = None, -1
             for old in unused:

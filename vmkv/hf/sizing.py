@@ -12,7 +12,6 @@ from typing import Any
 import torch
 
 from ..config import LAYOUTS, KVCacheConfig
-from ..core.base import KVCacheBase
 from ..errors import InvalidConfig
 from ..sizes import parse_size
 from ..sizing import DeviceFacts, default_pages, mappable_pages, smallest_page
@@ -61,6 +60,7 @@ class CacheOptions:
     block_size: int = 16
     deferred_reclaim: bool = False
     map_ahead: bool = False
+    window_slack: int | None = None
 
     def __post_init__(self) -> None:
         """Raise ``InvalidConfig`` for a layout that is none or a page size that is no size."""
@@ -76,6 +76,11 @@ class ModelFacts:
 
     num_layers: int | None = None
     style: str | None = None  # the attention style the config says: "vmkv" or "model"
+    windows: tuple[int, ...] | None = None  # each layer's sliding window (0: full attention); None: all full
+
+    def window(self, layer: int) -> int:
+        """``layer``'s sliding window (0: none, or not known without a config)."""
+        return self.windows[layer] if self.windows is not None else 0
 
     @classmethod
     def of(cls, config: Any) -> "ModelFacts":
@@ -88,7 +93,20 @@ class ModelFacts:
             return cls()
         text = config.get_text_config(decoder=True)
         check_model(text)
-        return cls(text.num_hidden_layers, "vmkv" if text._attn_implementation == "vmkv" else "model")
+        return cls(text.num_hidden_layers, "vmkv" if text._attn_implementation == "vmkv" else "model",
+                   layer_windows(text))
+
+
+def layer_windows(text_config: Any) -> tuple[int, ...] | None:
+    """Each layer's sliding window from a model config, as transformers' caches read it
+    (``layer_types``, else every layer sliding when ``sliding_window`` is set); ``None``: no layer
+    has one. Chunked attention (Llama 4) is no window: those layers keep every token."""
+    window = getattr(text_config, "sliding_window", None)
+    types = getattr(text_config, "layer_types", None)
+    if types is None:
+        types = ["sliding_attention" if window is not None else "full_attention"] * text_config.num_hidden_layers
+    windows = tuple(window if kind == "sliding_attention" and window else 0 for kind in types)
+    return windows if any(windows) else None
 
 
 @dataclass(frozen=True)
@@ -142,9 +160,12 @@ def choose_layout(config: KVCacheConfig, style: str, options: CacheOptions, fact
                   "host: head-major pages would need more mappings than vm.max_map_count leaves; per_layer")
 
 
-def open_core(mode: str, options: CacheOptions, like: torch.Tensor, num_layers: int, style: str) -> tuple[KVCacheBase, Choice]:
+def open_core(mode: str, options: CacheOptions, like: torch.Tensor, num_layers: int, style: str,
+              windows: tuple[int, ...] | None = None, features: tuple[str, ...] = ()) -> tuple[Any, Choice]:
     """The core cache for K/V shaped like ``like`` (``[B, kv_heads, S, head_dim]``) read by
-    attention ``style``, and the layout choice it opened with.
+    attention ``style``, and the layout choice it opened with; ``windows``: each layer's sliding
+    window (layers of different windows: a :class:`~vmkv.core.groups.LayerGroups`, a core cache
+    per window); ``features``: what the attention adds (``"softcap"``, ``"sinks"``).
 
     Defaults: ``max(8, 4 * B)`` slots, :data:`DEFAULT_MAX_SEQ_LEN` tokens, the layout and page
     of :func:`choose_layout`, and a budget with room for every slot full plus one page per slot
@@ -160,6 +181,7 @@ def open_core(mode: str, options: CacheOptions, like: torch.Tensor, num_layers: 
         num_layers=num_layers, num_kv_heads=heads, head_dim=head_dim, dtype=like.dtype, device=like.device,
         max_batch_size=max_batch, max_seq_len=max_seq, memory_budget=1, block_size=options.block_size,
         prefix_caching=False, deferred_reclaim=options.deferred_reclaim, map_ahead=options.map_ahead,
+        layer_windows=windows, attention_features=features, window_slack=options.window_slack,
     )
     # the device's facts, read once; the mapping room only where a default needs it (each read lists /proc/self/maps)
     facts = DeviceFacts.probe(config.device, mappings=mode == "vmm" and (options.layout is None or options.memory_budget is None))
@@ -181,6 +203,8 @@ def open_core(mode: str, options: CacheOptions, like: torch.Tensor, num_layers: 
             budget = min(budget, torch.cuda.mem_get_info(config.device)[0] // 2)
         elif mode == "vmm":  # each mapped page costs host mappings: stay within half of those left
             budget = min(budget, mappable_pages(pieces, facts.mapping_room) * page_bytes)
+    if windows is not None and len(set(windows)) > 1 and config.layout == "all_layers" and options.page_size is None:
+        config = config.replace(page_size=None)  # each group's own: its layers make its tokens' bytes
     core = open_cache(config.replace(memory_budget=budget), mode=mode)
     log.info("vmkv.hf: %s cache, %d layers, %d B budget, layout %s (%s), kernel %s",
              mode, num_layers, budget, choice.layout, choice.reason, core.kernel)
