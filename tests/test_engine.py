@@ -419,27 +419,40 @@ def test_engine_on_cuda_matches_cpu(mode, hf_model):
         engine.close()
 
 
-def test_sliding_window_bounds_the_context():
-    """Mistral's window: the runner attends to everything, so max_seq_len may not pass the window."""
-    from transformers import MistralConfig
+@pytest.mark.parametrize("mode,graphs", [("vmm", False), ("paged", False), ("vmm", True), ("paged", True)])
+def test_a_sliding_window_model_serves_like_transformers_with_memory_that_follows_the_window(mode, graphs):
+    """Issue 36: the embedded Mistral-shaped model (a 64-token window on every layer) generates
+    transformers' tokens past its window, eagerly and through the captured decode steps; each
+    sequence holds its window, the slack and two pages, not every token."""
+    from vmkv.models import EMBEDDED_WINDOW
 
-    from vmkv.engine.runner import ByteChatTokenizer, LoadedModel, cache_config_for
+    hf = default_hf_model(name="mistral")
+    engine = make_engine(mode, model="embedded:mistral", cuda_graphs=graphs, max_prefill_chunk=32)
+    try:
+        tok = engine.tokenizer
+        prompts = ["The KV cache of a sliding window holds the last tokens only. " * 2, "a short one"]
+        params = SamplingParams(max_tokens=90, temperature=0.0, ignore_eos=True)
+        ids = [engine.add_request(prompt, params) for prompt in prompts]
+        done, held = {}, []
+        while len(done) < len(ids):
+            done.update({out.request_id: out.outputs[0].token_ids for out in engine.step() if out.finished})
+            cache = engine.cache
+            held += [len(cache.pages(seq)) - cache.pages(seq).count(-1) for seq in cache.seq_ids]
+        for prompt, request in zip(prompts, ids):
+            prompt_ids = tok.encode(prompt)
+            assert len(prompt_ids) + 90 > EMBEDDED_WINDOW + 16
+            assert done[request] == hf_greedy(hf, prompt_ids, 90)
+        tpp = engine.cache.tokens_per_page
+        assert max(held) <= -(-(EMBEDDED_WINDOW - 1 + engine.cache.window.slack + 32) // tpp) + 2
+        assert engine.stats()["cache"]["window_releases"] > 0
+        assert not graphs or engine.stats()["engine"]["cuda_graphs"]["replays"] > 0
+    finally:
+        engine.close()
 
-    config = MistralConfig(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, sliding_window=64)
-    model = LlamaForCausalLM.from_hf_config(config)
-    assert model.shape.sliding_window == 64
-    loaded = LoadedModel(model, ByteChatTokenizer(), "mistral-tiny", 512)
-    for max_seq_len, fits in ((64, True), (65, False)):
-        cache = vmkv.open_cache(cache_config_for(model, max_seq_len=max_seq_len, memory_budget="1MiB", page_size="4KiB"))
-        try:
-            if fits:
-                Engine(loaded, cache)
-            else:
-                with pytest.raises(vmkv.InvalidConfig, match="sliding_window=64"):
-                    Engine(loaded, cache)
-        finally:
-            cache.close()
+
+def test_an_unknown_embedded_model_is_refused():
+    with pytest.raises(vmkv.InvalidConfig, match="no embedded model 'gpt'"):
+        make_engine("vmm", model="embedded:gpt")
 
 
 def random_traffic(seed: int, count: int) -> list[tuple[int, list[int], SamplingParams]]:

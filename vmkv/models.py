@@ -4,6 +4,8 @@ byte-level tokenizer, so benchmarks, the server and the tests run with no downlo
 ``DEFAULT_MODEL`` is a Hugging Face ``LlamaConfig`` dictionary (grouped-query attention: 8 query
 heads share 4 KV heads). Weights are drawn from ``torch.manual_seed(DEFAULT_SEED)`` with a
 standard deviation large enough that greedy decoding is not a tie-break lottery.
+:data:`EMBEDDED` names its variants: ``"mistral"`` is the same model with a sliding window of
+:data:`EMBEDDED_WINDOW` tokens on every layer (Mistral's attention), the same weights.
 """
 
 from __future__ import annotations
@@ -36,6 +38,12 @@ DEFAULT_MODEL: dict[str, Any] = {
     "pad_token_id": PAD,
 }
 DEFAULT_SEED = 0
+EMBEDDED_WINDOW = 64
+EMBEDDED: dict[str, dict[str, Any]] = {
+    "llama": DEFAULT_MODEL,
+    "mistral": {**DEFAULT_MODEL, "model_type": "mistral", "sliding_window": EMBEDDED_WINDOW},
+}
+"""The embedded models by name (``vmkv serve --model embedded:NAME``): their config dictionaries."""
 
 
 class ByteTokenizer:
@@ -58,29 +66,35 @@ class ByteTokenizer:
         return self.encode("\n".join(lines) + "\nassistant:")
 
 
-def default_hf_model(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", **overrides: Any):
-    """The embedded default model as a ``transformers`` ``LlamaForCausalLM`` (needs the ``hf`` extra).
+def default_hf_model(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", *, name: str = "llama",
+                     **overrides: Any):
+    """An embedded model as a ``transformers`` model (needs the ``hf`` extra): ``LlamaForCausalLM``,
+    or ``MistralForCausalLM`` for ``name="mistral"`` (the same weights).
 
     Args:
         dtype: parameter dtype.
         device: where the parameters live.
-        overrides: ``LlamaConfig`` fields to change (e.g. ``num_hidden_layers=2``).
+        name: a key of :data:`EMBEDDED`.
+        overrides: config fields to change (e.g. ``num_hidden_layers=2``).
 
     Raises:
         ModuleNotFoundError: transformers is not installed (the message names the extra).
+        KeyError: no embedded model of that name.
     """
     try:
-        from transformers import LlamaConfig, LlamaForCausalLM
+        import transformers
     except ModuleNotFoundError as exc:  # say which extra brings the missing package
         if exc.name != "transformers":
             raise
         raise ModuleNotFoundError(f"default_hf_model needs transformers: {install_hint('hf')} ({exc})",
                                   name=exc.name) from exc
 
-    config = LlamaConfig(**{**DEFAULT_MODEL, **overrides})
+    values = {**EMBEDDED[name], **overrides}
+    family = {"llama": "Llama", "mistral": "Mistral"}[values["model_type"]]
+    config = getattr(transformers, f"{family}Config")(**values)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(DEFAULT_SEED)
-        model = LlamaForCausalLM(config)
+        model = getattr(transformers, f"{family}ForCausalLM")(config)
     return model.to(dtype=dtype, device=device).eval()
 
 

@@ -23,6 +23,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -353,4 +354,16 @@ def _tokens_per_page(config: KVCacheConfig, facts: DeviceFacts | None) -> int:
     windowed group keeps at each end of a row, for the budget split of either mode."""
     resolved = resolve(config, facts)
     return max(resolved.page_size // resolved.tensor_token_bytes(), config.block_size)
+
+
+def model_windows(config: Any) -> tuple[int, ...] | None:
+    """Each layer's sliding window from a Hugging Face model config, as transformers' caches read
+    it (``layer_types``, else every layer windowed when ``sliding_window`` is set); ``None``: no
+    layer has one. Chunked attention (Llama 4) is no window: those layers keep every token."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        types = ["sliding_attention" if window is not None else "full_attention"] * config.num_hidden_layers
+    windows = tuple(window if kind == "sliding_attention" and window else 0 for kind in types)
+    return windows if any(windows) else None
 

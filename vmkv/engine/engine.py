@@ -62,8 +62,7 @@ class EngineConfig:
             (:func:`vmkv.sizing.default_pages`: >= 16 tokens a page, per-layer where that fits).
         block_size: paged mode: tokens per block.
         max_num_seqs: cache slots: sequences running at once (each completion of n is one).
-        max_seq_len: longest prompt + completion; ``None``: min(model's positions, its sliding
-            window if any, 4096).
+        max_seq_len: longest prompt + completion; ``None``: min(model's positions, 4096).
         max_num_batched_tokens: tokens one step feeds at most.
         max_prefill_chunk: prompt tokens of one sequence one step feeds at most.
         prefix_caching: reuse cached pages of earlier prompts.
@@ -115,24 +114,19 @@ class EngineConfig:
             max_seq_len=self.max_seq_len or min(spec.max_seq_len(), 4096),
             memory_budget=self.memory_budget, page_size=self.page_size, block_size=self.block_size,
             prefix_caching=self.prefix_caching, shared_budget=self.shared_budget, map_ahead=self.map_ahead,
+            max_step_tokens=self.max_prefill_chunk,
         )
 
 
 def _check_cache_fits(loaded: LoadedModel, cache: KVCacheBase) -> None:
-    """Raise ``InvalidConfig`` unless ``cache`` has the model's KV shape, dtype and device, and its
-    ``max_seq_len`` stays within the model's positions and attention window."""
-    window = loaded.model.shape.sliding_window
+    """Raise ``InvalidConfig`` unless ``cache`` has the model's KV shape, layer windows, dtype and
+    device, and its ``max_seq_len`` stays within the model's positions."""
     if cache.config.max_seq_len > loaded.max_position_embeddings:
         raise InvalidConfig(
             f"max_seq_len {cache.config.max_seq_len} exceeds the model's {loaded.max_position_embeddings} positions"
         )
-    if window is not None and cache.config.max_seq_len > window:
-        raise InvalidConfig(
-            f"max_seq_len {cache.config.max_seq_len} exceeds the model's sliding_window={window}; this runner "
-            "attends to the whole sequence, which equals the model only within the window"
-        )
     want = cache_config_for(loaded.model)
-    for name in ("num_layers", "num_kv_heads", "head_dim", "dtype", "device"):
+    for name in ("num_layers", "num_kv_heads", "head_dim", "dtype", "device", "layer_windows"):
         if getattr(want, name) != getattr(cache.config, name):
             raise InvalidConfig(
                 f"the cache's {name} is {getattr(cache.config, name)} but the model needs {getattr(want, name)}; "

@@ -30,6 +30,7 @@ from torch import nn
 from ..core.base import KVCacheBase
 from ..core.step import StepPlan
 from ..errors import InvalidConfig
+from ..sizing import model_windows
 
 FAMILIES = ("llama", "mistral", "qwen2")
 
@@ -45,9 +46,9 @@ class LlamaShape:
         qkv_bias: q/k/v projections carry a bias (Qwen2; Llama with ``attention_bias``).
         o_bias: the output projection carries a bias (Llama with ``attention_bias``).
         mlp_bias: the SwiGLU projections carry a bias (Llama with ``mlp_bias``).
-        sliding_window: the model's attention window, if it has one. The runner always attends
-            to the whole sequence, which equals the model only up to this many tokens: the
-            engine refuses a ``max_seq_len`` above it.
+        layer_windows: each layer's sliding window (0: full attention), as transformers reads them
+            (:func:`vmkv.sizing.model_windows`); ``None``: every layer full. The cache applies
+            them and lets go of what lies behind them.
     """
 
     family: str
@@ -64,7 +65,7 @@ class LlamaShape:
     mlp_bias: bool
     tie_word_embeddings: bool
     max_position_embeddings: int
-    sliding_window: int | None = None
+    layer_windows: tuple[int, ...] | None = None
 
     @classmethod
     def from_hf_config(cls, config: Any) -> "LlamaShape":
@@ -79,9 +80,6 @@ class LlamaShape:
         heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         if heads % kv_heads:
             raise InvalidConfig(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-        window = getattr(config, "sliding_window", None)
-        if not (family == "mistral" or getattr(config, "use_sliding_window", False)):
-            window = None
         attention_bias = bool(getattr(config, "attention_bias", False))
         return cls(
             family=family,
@@ -98,7 +96,7 @@ class LlamaShape:
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             max_position_embeddings=config.max_position_embeddings,
-            sliding_window=window or None,
+            layer_windows=model_windows(config),
         )
 
 
@@ -446,7 +444,7 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Reference path with no cache: causal SDPA over one whole sequence.
+        """Reference path with no cache: causal SDPA (each layer within its window) over one whole sequence.
 
         Args:
             input_ids: int64 ``[S]``.
@@ -455,12 +453,17 @@ class LlamaForCausalLM(nn.Module):
             float32 logits ``[S, vocab]``.
         """
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self._rope(torch.arange(input_ids.shape[0], device=input_ids.device), x.dtype)
+        positions = torch.arange(input_ids.shape[0], device=input_ids.device)
+        cos, sin = self._rope(positions, x.dtype)
         gqa = self.shape.num_heads != self.shape.num_kv_heads
-        for layer in self.model.layers:
+        windows = self.shape.layer_windows or (0,) * self.shape.num_layers
+        for layer, window in zip(self.model.layers, windows):
             q, k, v = self._qkv(layer, x, cos, sin)
+            seen = positions[None, :] <= positions[:, None]  # [S, S]: causal, within the window
+            if window:
+                seen &= positions[None, :] > positions[:, None] - window
             out = F.scaled_dot_product_attention(
-                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=gqa
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=seen, enable_gqa=gqa
             )  # [Hq, S, D]
             x = x + layer.self_attn.o_proj(out.transpose(0, 1).reshape(x.shape[0], -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))

@@ -20,7 +20,7 @@ from ..config import KVCacheConfig
 from ..core.base import KVCacheBase
 from ..core.step import StepPlan
 from ..errors import InvalidConfig
-from ..models import DEFAULT_MODEL, ByteTokenizer, default_hf_model
+from ..models import EMBEDDED, ByteTokenizer, default_hf_model
 from .graphs import DecodeGraphs
 from .llama import LlamaForCausalLM, LlamaShape
 
@@ -121,28 +121,49 @@ class ModelSpec:
     max_position_embeddings: int
 
     def max_seq_len(self) -> int:
-        """The longest sequence the runner handles: the model's positions, within its sliding window."""
-        return min(self.max_position_embeddings, self.shape.sliding_window or self.max_position_embeddings)
+        """The longest sequence the runner handles: the model's positions."""
+        return self.max_position_embeddings
 
     def cache_config(self, **options: Any) -> KVCacheConfig:
-        """A KV cache configuration shaped for this model; ``options`` are the other fields."""
+        """A KV cache configuration shaped for this model (its layers' windows too); ``options``
+        are the other fields."""
         return KVCacheConfig(
             num_layers=self.shape.num_layers, num_kv_heads=self.shape.num_kv_heads, head_dim=self.shape.head_dim,
-            dtype=self.dtype, device=self.device, **options,
+            dtype=self.dtype, device=self.device, layer_windows=self.shape.layer_windows, **options,
         )
 
 
+def embedded_name(path: str | Path | None) -> str | None:
+    """The embedded model ``path`` names (``None``, or ``"embedded:NAME"``: a key of
+    :data:`vmkv.models.EMBEDDED`), else ``None`` (a directory).
+
+    Raises:
+        InvalidConfig: ``embedded:`` with a name no embedded model has.
+    """
+    if path is None:
+        return "llama"
+    if isinstance(path, str) and path.startswith("embedded:"):
+        name = path.removeprefix("embedded:")
+        if name not in EMBEDDED:
+            raise InvalidConfig(f"no embedded model {name!r}; there are {', '.join(EMBEDDED)}")
+        return name
+    return None
+
+
 def read_model_spec(path: str | Path | None = None, *, dtype: str | torch.dtype = "auto", device: str = "cpu") -> ModelSpec:
-    """Read the shape, dtype and positions of the embedded model (``None``) or a local checkpoint.
+    """Read the shape, dtype and positions of an embedded model (``None``, ``"embedded:mistral"``)
+    or a local checkpoint.
 
     Raises:
         InvalidConfig: no ``config.json``, an unsupported architecture or dtype.
     """
     target = torch.device(device)
-    if path is None:
-        from transformers import LlamaConfig
+    name = embedded_name(path)
+    if name is not None:
+        from transformers import AutoConfig
 
-        config = LlamaConfig(**DEFAULT_MODEL)
+        values = dict(EMBEDDED[name])
+        config = AutoConfig.for_model(values.pop("model_type"), **values)
     else:
         from transformers import AutoConfig
 
@@ -155,7 +176,8 @@ def read_model_spec(path: str | Path | None = None, *, dtype: str | torch.dtype 
 
 
 def load_model(path: str | Path | None = None, *, dtype: str | torch.dtype = "auto", device: str = "cpu") -> LoadedModel:
-    """Load the embedded default model (``path=None``) or a local Hugging Face checkpoint.
+    """Load an embedded model (``path=None``: the default; ``"embedded:mistral"``) or a local
+    Hugging Face checkpoint.
 
     Args:
         path: a directory with ``config.json``, ``*.safetensors`` and tokenizer files.
@@ -168,10 +190,11 @@ def load_model(path: str | Path | None = None, *, dtype: str | torch.dtype = "au
     spec = read_model_spec(path, dtype=dtype, device=device)
     config = spec.hf_config
     model = LlamaForCausalLM.from_hf_config(config)
-    if path is None:
-        model.load_weights(default_hf_model().state_dict())
+    embedded = embedded_name(path)
+    if embedded is not None:
+        model.load_weights(default_hf_model(name=embedded).state_dict())
         tokenizer: ByteChatTokenizer | HFTokenizer = ByteChatTokenizer()
-        name = DEFAULT_MODEL_NAME
+        name = DEFAULT_MODEL_NAME if embedded == "llama" else f"{DEFAULT_MODEL_NAME}-{embedded}"
     else:
         root = Path(path)
         model.load_weights(_read_safetensors(root))
@@ -204,7 +227,8 @@ def _read_safetensors(root: Path) -> dict[str, torch.Tensor]:
 
 
 def cache_config_for(model: LlamaForCausalLM, **options: Any) -> KVCacheConfig:
-    """A KV cache configuration shaped for ``model`` (layers, KV heads, head size, dtype, device).
+    """A KV cache configuration shaped for ``model`` (layers, their windows, KV heads, head size,
+    dtype, device).
 
     Args:
         options: other :class:`KVCacheConfig` fields (budget, page size, slots, ...).
@@ -216,6 +240,7 @@ def cache_config_for(model: LlamaForCausalLM, **options: Any) -> KVCacheConfig:
         head_dim=model.shape.head_dim,
         dtype=weight.dtype,
         device=weight.device,
+        layer_windows=model.shape.layer_windows,
         **options,
     )
 

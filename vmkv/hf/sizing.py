@@ -14,7 +14,7 @@ import torch
 from ..config import LAYOUTS, KVCacheConfig
 from ..errors import InvalidConfig
 from ..sizes import parse_size
-from ..sizing import DeviceFacts, default_pages, mappable_pages, smallest_page
+from ..sizing import DeviceFacts, default_pages, mappable_pages, model_windows, smallest_page
 
 log = logging.getLogger("vmkv")
 
@@ -94,19 +94,7 @@ class ModelFacts:
         text = config.get_text_config(decoder=True)
         check_model(text)
         return cls(text.num_hidden_layers, "vmkv" if text._attn_implementation == "vmkv" else "model",
-                   layer_windows(text))
-
-
-def layer_windows(text_config: Any) -> tuple[int, ...] | None:
-    """Each layer's sliding window from a model config, as transformers' caches read it
-    (``layer_types``, else every layer sliding when ``sliding_window`` is set); ``None``: no layer
-    has one. Chunked attention (Llama 4) is no window: those layers keep every token."""
-    window = getattr(text_config, "sliding_window", None)
-    types = getattr(text_config, "layer_types", None)
-    if types is None:
-        types = ["sliding_attention" if window is not None else "full_attention"] * text_config.num_hidden_layers
-    windows = tuple(window if kind == "sliding_attention" and window else 0 for kind in types)
-    return windows if any(windows) else None
+                   model_windows(text))
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,8 @@ GRAPHS = {"auto": None, "on": True, "off": False}  # --cuda-graphs -> EngineConf
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``serve`` options to ``parser`` (every help line shows its default)."""
     model = parser.add_argument_group("model")
-    model.add_argument("--model", default=None, help="local Hugging Face model directory (Llama, Mistral, Qwen2) "
+    model.add_argument("--model", default=None, help="local Hugging Face model directory (Llama, Mistral, Qwen2), or "
+                       "embedded:mistral (the embedded model with a 64-token sliding window) "
                        "(default: the embedded seeded model)")
     model.add_argument("--served-model-name", default=None, help="model id clients use (default: the directory "
                        "name, or 'vmkv-default')")
