@@ -21,6 +21,7 @@ from transformers import CompileConfig, DynamicCache  # noqa: E402
 
 import vmkv.hf as vhf  # noqa: E402
 from vmkv.errors import InvalidInput  # noqa: E402
+from vmkv.hf.compat import update_gets_attention_kwargs  # noqa: E402
 
 CACHE = vhf.cache_argument()
 W = 16  # every model's window: the 40-token prompts and 60 new tokens run well past it
@@ -107,7 +108,10 @@ def test_compiled_generation_gives_dynamic_caches_tokens(dynamic_tokens, arch, m
     cache = cache_for(model, mode, max_seq_len=40 + NEW, compile=True)
     assert torch.equal(generate(model, cache, *prompts(), compiled=True, do_sample=False), dynamic_tokens[arch, "greedy"])
     stats = cache.stats()
-    assert stats["compiled_steps"] == NEW - 1 and stats["compile_fallbacks"] == 0
+    if attention == "vmkv" and not update_gets_attention_kwargs():  # transformers < 5.24: eagerly at graph breaks
+        assert stats["eager_steps"] == NEW - 1 and stats["compile_fallbacks"] > 0
+    else:
+        assert stats["compiled_steps"] == NEW - 1 and stats["compile_fallbacks"] == 0
     assert_memory_follows_the_window(cache)
 
 

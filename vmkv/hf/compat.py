@@ -41,6 +41,17 @@ def cache_argument() -> str:
     return "cache" if "cache" in parameters else "past_key_values"
 
 
+@functools.cache
+def update_gets_attention_kwargs() -> bool:
+    """Whether the installed transformers' models pass the attention's kwargs to ``Cache.update``
+    (5.24 and later; not GPT-NeoX): what the compiled ``"vmkv"`` attention receives its step
+    through (elsewhere it runs eagerly at graph breaks)."""
+    import transformers
+
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    return (major, minor) >= (5, 24)
+
+
 def attention_kwargs(update_kwargs: dict[str, Any]) -> dict[str, Any] | None:
     """The attention's own keyword arguments, as transformers 5.24 passes them to ``Cache.update``
     (``update(k, v, layer, kwargs=...)``); ``None`` where the caller does not (5.19, GPT-NeoX)."""
