@@ -329,3 +329,16 @@ def test_the_triton_kernel_applies_variants_over_both_caches_storage():
     result = subprocess.run([sys.executable, "-c", TRITON_VARIANTS_THROUGH_CACHES], cwd=ROOT, env=env, capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def test_a_cpu_cache_does_not_import_triton():
+    """Issue 37: asking whether Triton's kernels could run on the CPU needs no import of triton
+    (about 80 MiB and most of a second) where its interpreter was not asked for."""
+    code = ("import sys, vmkv\n"
+            "cache = vmkv.open_cache(vmkv.KVCacheConfig(num_layers=2, num_kv_heads=2, head_dim=64, dtype='float32', "
+            "max_batch_size=2, max_seq_len=64, memory_budget='1MiB'))\n"
+            "print(cache.kernel, 'triton' in sys.modules)\n")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "False", done.stdout
