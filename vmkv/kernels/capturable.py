@@ -246,15 +246,18 @@ def _masked_sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_le
 
     Without a window: each row's first ``max_kv_len`` keys (its slot, or its blocks in table
     order; past its length: the zero page, or whatever blocks hold), those at or past its length
-    masked. With one: only the keys a window can reach (:func:`_window_keys`).
+    masked; on a CPU, where no graph is captured, no more than the longest row holds. With a
+    window: only the keys a window can reach (:func:`_window_keys`).
     """
+    if q.device.type != "cuda":  # no graph captures a CPU run: read no more keys than the longest row holds
+        max_kv_len = max(1, min(max_kv_len, int(kv_lens.max())))
     if variant.window:
         keys, values, valid = _window_keys(k, v, kv_lens, slots, block_table, max_kv_len, variant.window)
     else:
-        if block_table is None:
-            keys, values = k.index_select(0, slots.long()), v.index_select(0, slots.long())  # [B, capacity, Hkv, D]
+        if block_table is None:  # [B, L, Hkv, D]: each row's first L keys, copied once
+            keys, values = k[:, :max_kv_len].index_select(0, slots.long()), v[:, :max_kv_len].index_select(0, slots.long())
         else:  # entries past a row's blocks may be -1 (no block): any block does, those keys are masked
-            blocks = block_table.long().clamp(min=0)
+            blocks = block_table[:, : -(-max_kv_len // k.shape[1])].long().clamp(min=0)
             keys, values = k[blocks].flatten(1, 2), v[blocks].flatten(1, 2)  # [B, blocks * block_size, Hkv, D]
         keys, values = keys[:, :max_kv_len], values[:, :max_kv_len]  # [B, L, Hkv, D]
         valid = torch.arange(keys.shape[1], device=q.device)[None, :] < kv_lens.long()[:, None]  # [B, L]
