@@ -16,8 +16,8 @@ rewritten after every section. Nothing is installed or downloaded; missing optio
 Exit status: 0 every section passed (or was skipped, with the reason); 1 a section failed;
 2 bad arguments; 3 no CUDA GPU here (one line says why; nothing ran).
 
-The sections live in ``benchmarks/gpu/`` (the registry: ``benchmarks/gpu/sections.py``; how to
-add one: ``benchmarks/gpu/registry.py``); docs/gpu.md says what each checks and measures.
+The sections live in ``vmkv_bench/gpu/`` (the registry: ``vmkv_bench/gpu/sections.py``; how to
+add one: ``vmkv_bench/gpu/registry.py``); docs/gpu.md says what each checks and measures.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu.memory import shared_budget_section  # noqa: E402,F401  (kept importable from here)
-from benchmarks.gpu.runner import main  # noqa: E402
-from benchmarks.gpu.workload import SMOKE  # noqa: E402,F401
+from vmkv_bench.gpu.memory import shared_budget_section  # noqa: E402,F401  (kept importable from here)
+from vmkv_bench.gpu.runner import main  # noqa: E402
+from vmkv_bench.gpu.workload import SMOKE  # noqa: E402,F401
 
 if __name__ == "__main__":
     sys.exit(main(started=STARTED))

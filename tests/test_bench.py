@@ -24,9 +24,9 @@ from helpers import register_kernel
 import vmkv
 import vmkv.config
 import vmkv.kernels.contiguous
-from benchmarks import common, compare, suite
 from vmkv import cli
 from vmkv.kernels import registry
+from vmkv_bench import common, compare, suite
 
 FAST = ["memory", "decode", "mapping", "sharing"]  # smoke runs of seconds
 ALL = [*FAST, "generate", "serve"]
@@ -58,14 +58,14 @@ def smoke_results(tmp_path_factory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("bench")
     results = {}
     for name in FAST:
-        module = importlib.import_module(f"benchmarks.{name}")
+        module = importlib.import_module(f"vmkv_bench.{name}")
         results[name] = module.run(_args(module, out))
     return results
 
 
 @pytest.mark.parametrize("name", FAST)
 def test_smoke_result_follows_the_contract(smoke_results, name, tmp_path):
-    module = importlib.import_module(f"benchmarks.{name}")
+    module = importlib.import_module(f"vmkv_bench.{name}")
     assert module.NAME == name and module.DESCRIPTION
     result = smoke_results[name]
     _check_contract(result, name)
@@ -96,7 +96,7 @@ def test_memory_orders_the_allocators(smoke_results):
 
 
 def test_memory_covers_every_layout_and_the_library_defaults(smoke_results):
-    from benchmarks import memory
+    from vmkv_bench import memory
 
     labels = {r["allocator"] for r in smoke_results["memory"]["rows"]}
     skipped = smoke_results["memory"]["summary"]["skipped"]
@@ -116,7 +116,7 @@ def test_memory_covers_every_layout_and_the_library_defaults(smoke_results):
 def test_memory_plot_series_is_the_steady_state_only():
     """Filling (nothing finished yet) and draining (nobody waiting, utilization climbing to 1.0)
     are left out of the plotted series."""
-    from benchmarks.memory import _steady_series
+    from vmkv_bench.memory import _steady_series
 
     series = {"util": [0.2, 0.5, 0.9, 0.8, 0.7, 0.95, 1.0], "running": [1, 2, 3, 3, 3, 2, 1],
               "finished": [0, 0, 1, 2, 3, 4, 5], "steady": [False, False, True, True, True, False, False]}
@@ -126,7 +126,7 @@ def test_memory_plot_series_is_the_steady_state_only():
 
 
 def test_memory_verdict_compares_reservation_with_the_paper(smoke_results):
-    from benchmarks import memory
+    from vmkv_bench import memory
 
     verdicts = {v.key: v for v in memory.verdicts(smoke_results["memory"])}
     share = verdicts["memory.sharegpt"]
@@ -137,7 +137,7 @@ def test_memory_verdict_compares_reservation_with_the_paper(smoke_results):
 
 
 def test_memory_budget_and_requests_per_trace():
-    from benchmarks.memory import _per_trace
+    from vmkv_bench.memory import _per_trace
 
     assert _per_trace(["sharegpt=1GiB", "alpaca=256MiB"], "alpaca", "x") == "256MiB"
     assert _per_trace(["1GiB"], "alpaca", "x") == "1GiB"
@@ -165,7 +165,7 @@ def test_decode_outputs_agree_and_times_are_positive(smoke_results):
 
 
 def test_decode_picks_up_a_newly_registered_kernel_and_rejects_a_wrong_one(monkeypatch, tmp_path):
-    from benchmarks import decode
+    from vmkv_bench import decode
 
     def shifted(q, k_cache, v_cache, plan, scale):  # a batched-looking kernel that is right
         return vmkv.kernels.contiguous.sdpa_per_sequence(q, k_cache, v_cache, plan, scale)
@@ -200,7 +200,7 @@ def _without(result: dict, candidate: str, diff: float = 0.5) -> dict:
 def test_decode_verdicts_name_a_compared_candidate_that_was_wrong(smoke_results):
     """The selected paged kernel, or the cache's own VMM kernel, wrong at the verdicts' point: the
     comparisons it is part of are unreliable and name it, never made with another kernel."""
-    from benchmarks import decode
+    from vmkv_bench import decode
 
     result = smoke_results["decode"]
     layout = result["config"]["default_layout"]
@@ -224,7 +224,7 @@ def test_decode_verdicts_name_a_compared_candidate_that_was_wrong(smoke_results)
 def test_decode_run_with_a_wrong_selected_kernel_gives_no_verdict_on_it(monkeypatch, tmp_path):
     """End to end: the kernel the VMM cache selects computes wrong; its rows are left out and the
     VMM verdicts say why instead of timing another kernel in its place."""
-    from benchmarks import decode
+    from vmkv_bench import decode
 
     probe = vmkv.open_cache(common.cache_config({"num_layers": 1, "num_kv_heads": 8, "head_dim": 128, "dtype": "float32"},
                                                 "cpu", max_batch_size=1, max_seq_len=64, memory_budget="8MiB"))
@@ -258,7 +258,7 @@ def _generate_result(same: dict[str, bool], beam_same: dict[str, bool] | None = 
 
 
 def test_generate_verdicts_name_a_cache_with_other_tokens():
-    from benchmarks import generate
+    from vmkv_bench import generate
 
     fine = {"dynamic": True, "static": True, "vmm": True, "vmm+vmkv": True}
     verdicts = {v.key: v for v in generate.verdicts(_generate_result(fine, fine))}
@@ -277,7 +277,7 @@ def test_generate_verdicts_name_a_cache_with_other_tokens():
 
 
 def test_generate_bound_verdicts_say_what_bookkeeping_costs_and_what_the_target_can_ask():
-    from benchmarks import generate
+    from vmkv_bench import generate
 
     result = _generate_result({"dynamic": True, "vmm": True, "bound": True})
     result["samples"]["small/greedy/b2/4"]["bound"] = [0.9, 1.0, 1.05]  # vmm: 1.0, 1.1, 1.2; dynamic: 2.0-2.2
@@ -297,7 +297,7 @@ def test_generate_bound_verdicts_say_what_bookkeeping_costs_and_what_the_target_
 def test_a_generate_row_that_ties_neither_meets_nor_misses_its_target():
     """Issue 37 item 8: a tie whose rounds cross 1.0 said "target met" (its median was 1.00x):
     one judgement per row, so the target is not resolved, in the agrees column and the note."""
-    from benchmarks import generate
+    from vmkv_bench import generate
 
     result = _generate_result({"dynamic": True, "vmm": True})
     result["samples"]["small/greedy/b2/4"]["dynamic"] = [1.0, 1.2, 1.05]  # vmm: 1.0, 1.1, 1.2: 1.00x, 1.09x, 0.88x
@@ -326,7 +326,7 @@ def test_a_target_of_1_is_judged_as_the_verdict_names_a_side():
 
 
 def test_generate_compile_verdicts_have_their_targets():
-    from benchmarks import generate
+    from vmkv_bench import generate
 
     result = _generate_result({"vmm": True, "vmm+compile": True, "static+compile": True})
     times = result["samples"]["small/greedy/b2/4"]  # vmm: 1.0, 1.1, 1.2
@@ -340,7 +340,7 @@ def test_generate_compile_verdicts_have_their_targets():
 
 
 def test_generate_compile_verdicts_of_the_vmkv_attention_compare_it_with_its_eager_cache():
-    from benchmarks import generate
+    from vmkv_bench import generate
 
     result = _generate_result({"vmm+vmkv": True, "vmm+compile+vmkv": True, "static+compile": True})
     times = result["samples"]["small/greedy/b2/4"]
@@ -355,8 +355,8 @@ def test_generate_bound_cache_gives_dynamic_cache_tokens_and_refuses_moving_rows
     pytest.importorskip("transformers")
     from transformers import DynamicCache
 
-    from benchmarks import generate
     from vmkv.models import default_hf_model
+    from vmkv_bench import generate
 
     model = default_hf_model(num_hidden_layers=2)
     ids = torch.randint(0, 256, (3, 9), generator=torch.Generator().manual_seed(0))
@@ -376,7 +376,7 @@ def test_generate_bound_cache_gives_dynamic_cache_tokens_and_refuses_moving_rows
     ([1.2, 1.25, 1.3], "no cost (VMM 1.25x faster, 3 of 3 rounds)", "no cost"),
 ])
 def test_decode_vmm_vs_dense_answers_what_virtual_memory_costs(samples, winner, side):
-    from benchmarks.decode import _cost_verdict
+    from vmkv_bench.decode import _cost_verdict
 
     verdict = common.ratio_verdict("decode.vmm_vs_dense", "q", common.Spread.of(samples), "VMM", "dense")
     assert (_cost_verdict(verdict).winner, _cost_verdict(verdict).side) == (winner, side)
@@ -390,7 +390,7 @@ def test_decode_vmm_vs_dense_answers_what_virtual_memory_costs(samples, winner, 
 def test_decode_bandwidth_verdict_names_its_bound_and_the_80_percent_line(shares, winner, side):
     """Half the bandwidth is not "bandwidth-bound": the line is 80 % of the read bandwidth measured
     in the same rounds, and the verdict says what that bound is and what it measured."""
-    from benchmarks import decode
+    from vmkv_bench import decode
 
     read_bytes, kv_bytes = 256 * 2**20, 128 * 2**20
     read_s = [read_bytes / 3.878e12] * 3  # 3,878 GB/s
@@ -417,7 +417,7 @@ def test_mapping_measures_every_part(smoke_results):
 
 def test_mapping_share_is_never_clamped(monkeypatch, tmp_path):
     """A negative share is measured again with twice the rounds, then reported as unreliable."""
-    from benchmarks import mapping
+    from vmkv_bench import mapping
 
     calls = []
 
@@ -437,7 +437,7 @@ def test_mapping_share_is_never_clamped(monkeypatch, tmp_path):
 
 def test_mapping_share_is_the_median_of_round_shares():
     """One round preempted (every step slow) does not move the estimate, but its range shows it."""
-    from benchmarks.mapping import _share
+    from vmkv_bench.mapping import _share
 
     steps = 10
     base = [[1.0] * steps for _ in range(3)]
@@ -453,7 +453,7 @@ def test_mapping_share_value_and_range_come_from_one_estimator():
     """Each round has one slow step, a different one: no round is as fast as the per-step medians
     across rounds. The headline is the median of the rounds' shares, inside their range (a
     per-step-median headline sat below every round, at the range's low end)."""
-    from benchmarks.mapping import _share
+    from vmkv_bench.mapping import _share
 
     base = [[1.0, 1.0, 1.0] for _ in range(3)]
     demand = [[1.1, 1.1, 2.1], [1.1, 2.1, 1.1], [2.1, 1.1, 1.1]]
@@ -475,7 +475,7 @@ def test_mapping_share_value_and_range_come_from_one_estimator():
 def test_mapping_winner_is_judged_on_the_paired_saving(savings, side):
     """Rounds move both variants together (here the baseline's step time doubles every other
     round): the paired saving decides, not whether the two shares' ranges overlap."""
-    from benchmarks import mapping
+    from vmkv_bench import mapping
 
     steps = 4
     totals = [[1.0 * (1 + r % 2)] * steps for r in range(5)]
@@ -500,7 +500,7 @@ def test_mapping_variant_faster_than_no_mapping_is_unreliable(monkeypatch, tmp_p
     """On demand steps 20 % faster than the premapped baseline (whose rounds spread 2 %): a
     negative cost, so a measurement error -- rerun with twice the rounds, then reported as
     unreliable with the reason, the measured numbers kept as they are."""
-    from benchmarks import mapping
+    from vmkv_bench import mapping
 
     rounds_seen = []
 
@@ -537,7 +537,7 @@ def test_sharing_saves_memory_only_with_small_pages(smoke_results):
 
 
 def test_sharing_verdict_compares_the_default_pages_with_paged_and_shows_the_rest(smoke_results):
-    from benchmarks import sharing
+    from vmkv_bench import sharing
 
     rows = smoke_results["sharing"]["rows"]
     default = next(r for r in rows if r["allocator"] == sharing.DEFAULT_VMM)
@@ -552,7 +552,7 @@ def test_sharing_verdict_compares_the_default_pages_with_paged_and_shows_the_res
 def _vllm_result(**kv_mib: tuple[float, float]) -> dict:
     """The saved run of docs/img/vllm.json with its summary made again by this code; ``kv_mib``:
     engine -> (mean, peak) MiB held, in every round."""
-    from benchmarks import vllm
+    from vmkv_bench import vllm
 
     result = json.loads((Path(__file__).resolve().parents[1] / "docs" / "img" / "vllm.json").read_text())
     for row in result["rows"]:
@@ -564,7 +564,7 @@ def _vllm_result(**kv_mib: tuple[float, float]) -> dict:
 
 
 def test_vllm_result_follows_the_contract(tmp_path):
-    from benchmarks import vllm, vllm_client, vllm_costs
+    from vmkv_bench import vllm, vllm_client, vllm_costs
 
     result = _vllm_result()
     _check_contract(result, "vllm")
@@ -589,7 +589,7 @@ def test_vllm_result_follows_the_contract(tmp_path):
     ((300.0, 320.0), "stock"),  # vmkv holds more: stock wins
 ])
 def test_vllm_kv_memory_verdict_is_judged_on_the_mean(vmkv_mib, side):
-    from benchmarks import vllm
+    from vmkv_bench import vllm
 
     result = _vllm_result(vmkv=vmkv_mib)  # stock: its 256 MiB buffer
     memory = {v.key: v for v in vllm.verdicts(result)}["vllm.kv_memory"]
@@ -600,7 +600,7 @@ def test_vllm_kv_memory_verdict_is_judged_on_the_mean(vmkv_mib, side):
 def _client_rows(tok_s: dict[str, list[float]], ttft: dict[str, list[float]], rate: str = "inf", tokens: int = 4096,
                  identical: bool = True) -> list[dict]:
     """Client-part rows: ``tok_s`` / ``ttft``: engine -> one value per round."""
-    from benchmarks import vllm_client
+    from vmkv_bench import vllm_client
 
     rows = []
     for engine in ("stock", "vmkv"):
@@ -622,7 +622,7 @@ def _client_rows(tok_s: dict[str, list[float]], ttft: dict[str, list[float]], ra
 ])
 def test_vllm_client_verdicts_name_a_winner_only_when_every_round_agrees(vmkv_tok_s, vmkv_ttft, throughput_side,
                                                                           ttft_side, agrees):
-    from benchmarks import vllm_client
+    from vmkv_bench import vllm_client
 
     rows = _client_rows({"stock": [2000] * 3, "vmkv": vmkv_tok_s}, {"stock": [400] * 3, "vmkv": vmkv_ttft})
     client = {"rows": rows, "summary": vllm_client.summary(rows)}
@@ -641,7 +641,7 @@ def test_vllm_client_medians_see_through_stalled_rounds():
     """Rounds that stall (3-10x the usual TTFT, in either engine) make every per-round ratio's range
     cross the targets; a sign test over the rounds, and the engines' medians with their bootstrap
     interval, still tell parity from a real 20 % loss."""
-    from benchmarks import vllm_client
+    from vmkv_bench import vllm_client
 
     usual = [300 + 5 * (i % 7) for i in range(40)]
     stock_ttft = [t * (8 if i % 9 == 0 else 1) for i, t in enumerate(usual)]
@@ -658,7 +658,7 @@ def test_vllm_client_medians_see_through_stalled_rounds():
 
 
 def test_ratio_of_medians_interval_holds_the_ratio_and_is_seeded():
-    from benchmarks import common
+    from vmkv_bench import common
 
     a, b = [10.0, 11.0, 12.0, 13.0, 50.0], [5.0, 5.5, 6.0, 6.5, 7.0]
     r = common.ratio_of_medians(a, b)
@@ -674,14 +674,14 @@ def test_ratio_of_medians_interval_holds_the_ratio_and_is_seeded():
 def test_vllm_client_quiet_run_is_reproduced_by_this_code():
     """docs/img/vllm_client_quiet.json, the 48-round run docs/vllm.md quotes: its summary is what this
     code makes of its rows."""
-    from benchmarks import vllm_client
+    from vmkv_bench import vllm_client
 
     saved = json.loads((Path(__file__).resolve().parents[1] / "docs" / "img" / "vllm_client_quiet.json").read_text())
     assert vllm_client.summary(saved["client"]["rows"]) == saved["client"]["summary"]
 
 
 def test_vllm_client_summary_flags_lost_tokens_and_other_texts():
-    from benchmarks import vllm_client
+    from vmkv_bench import vllm_client
 
     rows = _client_rows({"stock": [2000] * 2, "vmkv": [2000] * 2}, {"stock": [400] * 2, "vmkv": [400] * 2}, rate="16",
                         identical=False)
@@ -695,21 +695,21 @@ def test_vllm_client_summary_flags_lost_tokens_and_other_texts():
 
 @pytest.mark.parametrize("text, rates", [("inf", [math.inf]), ("inf,16", [math.inf, 16.0]), ("0.5", [0.5])])
 def test_vllm_client_rates_parse(text, rates):
-    from benchmarks import vllm_client
+    from vmkv_bench import vllm_client
 
     assert vllm_client.parse_rates(text) == rates
 
 
 @pytest.mark.parametrize("text", ["", "fast", "0", "-2", "nan", "inf,"])
 def test_vllm_client_bad_rates_are_refused(text):
-    from benchmarks import vllm_client
+    from vmkv_bench import vllm_client
 
     with pytest.raises(vmkv.InvalidInput, match="positive number or 'inf'"):
         vllm_client.parse_rates(text)
 
 
 def _costs_child(**values: float) -> dict:
-    """One engine's costs as a ``benchmarks.vllm_costs`` child reports them (stock's by default)."""
+    """One engine's costs as a ``vmkv_bench.vllm_costs`` child reports them (stock's by default)."""
     child = {"step_ms": 10.0, "attention_faults_per_run": 0, "scheduler_output_bytes": 2000, "connector_metadata_bytes": 0,
              "worker_stats_bytes": 0, "get_num_free_blocks_us": 0.03, "allocate_slots_decode_us": 4.0,
              "get_num_free_blocks_stock_us": 0.03, "allocate_slots_decode_stock_us": 4.0,
@@ -720,7 +720,7 @@ def _costs_child(**values: float) -> dict:
 
 @pytest.mark.parametrize("slots_us, within", [(4.5, True), (9.0, False)])
 def test_vllm_costs_add_what_the_plugin_puts_on_a_step(slots_us, within):
-    from benchmarks import vllm_costs
+    from vmkv_bench import vllm_costs
 
     stock = _costs_child()
     vmkv = _costs_child(get_num_free_blocks_us=0.13, allocate_slots_decode_us=slots_us, build_connector_meta_us=0.5,
@@ -738,7 +738,7 @@ def test_vllm_costs_add_what_the_plugin_puts_on_a_step(slots_us, within):
 
 
 def test_vllm_costs_keep_the_least_time_of_the_children():
-    from benchmarks import vllm_costs
+    from vmkv_bench import vllm_costs
 
     merged = vllm_costs.best([_costs_child(allocate_slots_decode_us=22.0, step_ms=12.0),
                               _costs_child(allocate_slots_decode_us=4.0, step_ms=8.0)])
@@ -752,7 +752,7 @@ def test_vllm_costs_keep_the_least_time_of_the_children():
     ([1700, 2300, 1800, 2100, 1900], "not resolved (the median misses it, the rounds' spread crosses it)"),
 ])
 def test_vllm_client_summary_says_whether_the_target_is_met(vmkv_tok_s, status):
-    from benchmarks import vllm_client
+    from vmkv_bench import vllm_client
 
     rows = _client_rows({"stock": [2000] * 5, "vmkv": vmkv_tok_s}, {"stock": [400] * 5, "vmkv": [400] * 5})
     summary = vllm_client.summary(rows)["inf"]
@@ -771,10 +771,10 @@ def test_vllm_client_summary_says_whether_the_target_is_met(vmkv_tok_s, status):
 def test_engine_vs_vllm_budget_holds_every_request_whole(kv_mode, requests, prompt_len, max_tokens):
     """The vmkv engine's default KV budget holds every request's prompt and output at once, in the
     cache's own pages: it never has to preempt (the default 256 MiB did not hold the default work)."""
-    from benchmarks import engine_vs_vllm as bench
     from vmkv.config import KVCacheConfig
     from vmkv.sizing import paged_geometry, resolve, vmm_geometry
     from vmkv.vm import granularity
+    from vmkv_bench import engine_vs_vllm as bench
 
     shape = bench.SHAPE
     budget = bench.kv_budget(requests, prompt_len, max_tokens, kv_mode)
@@ -789,7 +789,7 @@ def test_engine_vs_vllm_budget_holds_every_request_whole(kv_mode, requests, prom
 
 
 def test_engine_vs_vllm_sizes_the_budget_unless_given():
-    from benchmarks import engine_vs_vllm as bench
+    from vmkv_bench import engine_vs_vllm as bench
 
     sized = bench.parse_args([])
     assert sized.budget_sized and sized.memory_budget == bench.kv_budget(64, 128, 128) == 384 * 2**20  # not 256 MiB
@@ -801,7 +801,7 @@ def test_engine_vs_vllm_sizes_the_budget_unless_given():
 @pytest.mark.parametrize("name", ["generate", "serve"])
 def test_model_benchmarks_smoke(name, tmp_path):
     pytest.importorskip("transformers" if name == "generate" else "vmkv.engine")
-    module = importlib.import_module(f"benchmarks.{name}")
+    module = importlib.import_module(f"vmkv_bench.{name}")
     result = module.run(_args(module, tmp_path))
     _check_contract(result, name)
     verdicts = module.verdicts(result)
@@ -822,7 +822,7 @@ def test_generate_smoke_of_the_compiled_caches(tmp_path):
     attention, paged) run under generate()'s compile with DynamicCache's tokens, and get their
     verdicts."""
     pytest.importorskip("transformers")
-    from benchmarks import generate
+    from vmkv_bench import generate
 
     caches = ["dynamic", "vmm", "vmm+vmkv", "paged+vmkv", "vmm+compile", "vmm+compile+vmkv", "paged+compile+vmkv"]
     result = generate.run(_args(generate, tmp_path, ["--caches", *caches, "--beam-width", "0"]))
@@ -834,7 +834,7 @@ def test_generate_smoke_of_the_compiled_caches(tmp_path):
 
 
 def test_serve_capacity_is_the_same_experiment_in_every_preset():
-    from benchmarks import serve
+    from vmkv_bench import serve
 
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
@@ -965,7 +965,7 @@ def test_compare_two_runs(tmp_path):
 def test_compare_judges_the_side_not_the_wording_of_the_winner(tmp_path):
     """Only the margin inside decode's cost verdict moved ("dense 1.20x faster" -> "1.23x"): the
     same side won; a flip to "no cost" is a changed winner."""
-    from benchmarks.decode import _cost_verdict
+    from vmkv_bench.decode import _cost_verdict
 
     def cost(samples: list[float]) -> dict:
         verdict = common.ratio_verdict("decode.vmm_vs_dense", "q", common.Spread.of(samples), "VMM", "dense")
@@ -1019,25 +1019,25 @@ def test_report_keeps_earlier_records_and_names_missing_files(tmp_path):
 
 def test_cli_registry_lists_colleagues_and_reports_a_missing_module(tmp_path, monkeypatch, capsys):
     assert set(ALL) <= set(suite.REGISTRY)
-    broken = suite.Entry("broken", "benchmarks.does_not_exist")
+    broken = suite.Entry("broken", "vmkv_bench.does_not_exist")
     monkeypatch.setattr(suite, "REGISTRY", {"broken": broken, "mapping": suite.REGISTRY["mapping"]})
     status = cli.main(["bench", "--smoke", "--no-plots", "--no-progress", "--out", str(tmp_path)])
     assert status == 1  # one benchmark did not run ...
     records = json.loads((tmp_path / "suite.json").read_text())["records"]
     assert [r["status"] for r in records] == ["unavailable", "ok"]  # ... and the others did
-    assert "benchmarks.does_not_exist could not be imported" in capsys.readouterr().err
+    assert "vmkv_bench.does_not_exist could not be imported" in capsys.readouterr().err
 
 
 def test_cli_module_verdicts_come_through_the_contract(tmp_path, monkeypatch, capsys):
     """A module registered later (e.g. vllm) adds its own verdict rows to the table."""
-    module = type(sys)("benchmarks.fake_verdict")
+    module = type(sys)("vmkv_bench.fake_verdict")
     module.NAME, module.DESCRIPTION = "fake", "a fake benchmark"
     module.add_arguments = lambda parser: None
     module.run = lambda args: common.make_result("fake", {"x": "a number"}, [{"x": 1}], {})
     module.verdicts = lambda result: [common.ratio_verdict(
         "fake.speed", "fake stock vs plugin", common.Spread.of([1.3, 1.4, 1.5]), "plugin", "stock")]
-    monkeypatch.setitem(sys.modules, "benchmarks.fake_verdict", module)
-    monkeypatch.setattr(suite, "REGISTRY", {"fake": suite.Entry("fake", "benchmarks.fake_verdict")})
+    monkeypatch.setitem(sys.modules, "vmkv_bench.fake_verdict", module)
+    monkeypatch.setattr(suite, "REGISTRY", {"fake": suite.Entry("fake", "vmkv_bench.fake_verdict")})
     assert cli.main(["bench", "--no-progress", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     tail = out[out.rindex("== verdict =="):].splitlines()
@@ -1088,9 +1088,9 @@ def test_the_library_does_not_import_the_benchmarks():
     for path in sorted((ROOT / "vmkv").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            assert not any(name == "benchmarks" or name.startswith("benchmarks.") for name in names), f"{path} imports {names}"
+            assert not any(name == "vmkv_bench" or name.startswith("vmkv_bench.") for name in names), f"{path} imports {names}"
     declared = cli.checkout_commands(ROOT / "pyproject.toml")
-    assert declared["bench"].value == "benchmarks.suite" and declared["bench"].load() is suite
+    assert declared["bench"].value == "vmkv_bench.suite" and declared["bench"].load() is suite
 
 
 def test_a_contributed_command_gets_the_words_after_its_name(monkeypatch, capsys):
@@ -1166,7 +1166,7 @@ def test_every_preset_opens_on_its_device_without_one(name, device, granularity,
 def test_refusals_name_what_the_device_refuses():
     """What the old quick preset asked of CUDA (4 KiB pages for mapping), and page sizes below
     2 MiB elsewhere, are named with the backend's reason; a CPU run of the same is fine."""
-    from benchmarks import mapping
+    from vmkv_bench import mapping
 
     _, args = _resolved("mapping", "cuda", options=["--decode-page-sizes", "4KiB", "--page-sizes", "64KiB", "2MiB"])
     refused = mapping.refusals(args, CUDA_GRANULARITY)
@@ -1188,7 +1188,7 @@ def test_cuda_presets_measure_what_a_cuda_user_gets():
     """mapping maps 32-token pages of Llama-3-8B in the all-layers layout (2 MiB pages of the small
     model would hold 1,024 tokens or more), sharing's headline VMM allocator is the library's
     CUDA default (all layers, 32 tokens a page), generate runs the 1b model."""
-    from benchmarks import mapping, sharing
+    from vmkv_bench import mapping, sharing
 
     _, args = _resolved("mapping", "cuda")
     config = mapping._decode_config(mapping._settings(args), "2MiB")
@@ -1266,7 +1266,7 @@ def test_smoke_on_cuda(name, tmp_path):
     why = _cuda_unavailable()
     if why:
         pytest.skip(f"needs the CUDA backend: {why}")
-    module = importlib.import_module(f"benchmarks.{name}")
+    module = importlib.import_module(f"vmkv_bench.{name}")
     args = _args(module, tmp_path)
     args.device = "cuda"
     _check_contract(module.run(args), name)
@@ -1275,7 +1275,7 @@ def test_smoke_on_cuda(name, tmp_path):
 def test_decode_names_the_winner_of_a_kernel_read_through_both_addressings():
     """A kernel measured on VMM slots and through a block table (Triton) gets a verdict of its
     own: which addressing wins and by how much; kernels of one addressing get none."""
-    from benchmarks import decode
+    from vmkv_bench import decode
 
     noise = [1.0, 1.01, 0.99, 1.0, 1.02, 0.98, 1.0]
     timings = common.Timings({"vmm:per_layer:triton": noise, "paged:triton": [1.3 * t for t in noise],
@@ -1289,7 +1289,7 @@ def test_decode_names_the_winner_of_a_kernel_read_through_both_addressings():
 def test_triton_splits_sweeps_and_judges_the_rule_in_the_interpreter():
     """The split sweep behind choose_num_splits runs (in Triton's interpreter here: the code path,
     not a measurement), ends with its verdict, and without the interpreter says why, exit 2."""
-    command = [sys.executable, "-m", "benchmarks.triton_splits", "--device", "cpu", "--smoke"]
+    command = [sys.executable, "-m", "vmkv_bench.triton_splits", "--device", "cpu", "--smoke"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     interpreted = subprocess.run(command, cwd=ROOT, env={**env, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
     assert interpreted.returncode == 0, interpreted.stderr[-2000:]

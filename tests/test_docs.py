@@ -229,8 +229,8 @@ def test_shell_commands_in_the_docs_name_real_extras_and_subcommands() -> None:
     `vmkv` subcommands and benchmarks that exist; CI runs the README's test command as written."""
     import tomllib
 
-    from benchmarks.suite import REGISTRY
     from vmkv.cli import build_parser
+    from vmkv_bench.suite import REGISTRY
 
     extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
     subcommands = {"--version", "--help", *build_parser()._subparsers._group_actions[0].choices}  # noqa: SLF001
@@ -253,12 +253,12 @@ def test_shell_commands_in_the_docs_name_real_extras_and_subcommands() -> None:
 
 
 def test_hf_generate_benchmark_section_names_the_real_options() -> None:
-    """docs/hf.md's Benchmark section lists every option of ``benchmarks/generate.py`` and its
+    """docs/hf.md's Benchmark section lists every option of ``vmkv_bench/generate.py`` and its
     ``vmkv bench generate ...`` command lines parse with them (lists are space-separated)."""
     import argparse
     import shlex
 
-    from benchmarks import generate
+    from vmkv_bench import generate
 
     parser = argparse.ArgumentParser()
     generate.add_arguments(parser)

@@ -1,4 +1,4 @@
-"""The GPU check, ``python benchmarks/gpu_check.py`` (``benchmarks/gpu/``), without a GPU.
+"""The GPU check, ``python benchmarks/gpu_check.py`` (``vmkv_bench/gpu/``), without a GPU.
 
 * Its dry run as a user runs it (``--device cpu --smoke``): the sections added for issue 26
   (``shared_budget``, ``vllm_slots``, ``bench``) and ``zero_page`` (whose write probe must die),
@@ -31,13 +31,13 @@ from fake_cuda.fixtures import fake, fake_cuda_backends, fake_lib  # noqa: F401 
 from helpers import register_kernel
 
 import vmkv
-from benchmarks.gpu import bench, core, kernels, memory, runner, slots, vllm_engine, vllm_smoke
-from benchmarks.gpu.memory import DeviceMemory, MemorySample, shared_budget_section
-from benchmarks.gpu.registry import SectionSkipped, run_process
-from benchmarks.gpu.sections import SECTIONS
-from benchmarks.gpu.workload import SMOKE, TOLERANCE
 from vmkv.kernels.contiguous import sdpa_per_sequence
 from vmkv.vllm import PluginConfig
+from vmkv_bench.gpu import bench, core, kernels, memory, runner, slots, vllm_engine, vllm_smoke
+from vmkv_bench.gpu.memory import DeviceMemory, MemorySample, shared_budget_section
+from vmkv_bench.gpu.registry import SectionSkipped, run_process
+from vmkv_bench.gpu.sections import SECTIONS
+from vmkv_bench.gpu.workload import SMOKE, TOLERANCE
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "benchmarks" / "gpu_check.py")
@@ -104,7 +104,7 @@ def test_hf_compiled_keeps_measuring_when_one_cache_raises(monkeypatch):
     error in each part and the section's failures, the others' numbers and ratios stay."""
     from types import SimpleNamespace
 
-    from benchmarks.gpu import compiled
+    from vmkv_bench.gpu import compiled
 
     config = SimpleNamespace(head_dim=8, hidden_size=16, num_attention_heads=2, num_hidden_layers=1, num_key_value_heads=1)
     work = compiled._work([4, 2], 3, torch.device("cpu"))
@@ -311,7 +311,7 @@ def test_gpu_check_paged_vs_vmm_measures_the_triton_kernel_on_both_addressings(t
 
 
 def test_gpu_check_vllm_section_fails_a_failed_smoke(monkeypatch, tmp_path):
-    """gpu_smoke reports "passed" (benchmarks/gpu/vllm_smoke.py): passed=False fails the section
+    """gpu_smoke reports "passed" (vmkv_bench/gpu/vllm_smoke.py): passed=False fails the section
     with the reasons, through the worker as gpu_check runs it; passed=True passes; no "passed" fails."""
     import importlib.util
 

@@ -177,7 +177,7 @@ def test_a_missing_vllm_gives_one_clear_error():
         import os, sys
         sys.modules["vllm"] = None  # as if vLLM were not installed
         os.environ["VMKV_VLLM"] = "1"
-        from benchmarks.gpu.vllm_smoke import gpu_smoke
+        from vmkv_bench.gpu.vllm_smoke import gpu_smoke
         from vmkv import vllm as plugin
         for call in (plugin.check_vllm, plugin.register, lambda: gpu_smoke(".")):
             try:
@@ -195,7 +195,7 @@ def test_a_missing_vllm_gives_one_clear_error():
 
 
 def test_benchmark_verdicts_read_the_summary():
-    from benchmarks import vllm as bench
+    from vmkv_bench import vllm as bench
 
     summary = {"throughput_ratios_per_round": [0.99, 1.01, 1.2], "tokens_identical": True,
                "kv_mean_ratio_vmkv_over_stock": 0.02, "kv_peak_ratio_vmkv_over_stock": 0.05, "rss_saved_bytes": 2**28}
@@ -700,7 +700,7 @@ def test_a_request_fills_its_own_page_and_decode_steps_allocate_nothing():
 def test_drive_engine_sets_the_environment_only_while_vllm_starts(monkeypatch):
     import vllm
 
-    from benchmarks.vllm_harness import drive
+    from vmkv_bench.vllm_harness import drive
 
     names = (plugin.ENV_FLAG, drive.RESERVED_CPUS, "HF_HUB_OFFLINE")
     seen = []
@@ -783,7 +783,7 @@ def test_stats_aggregate_per_rank_and_reach_prometheus():
 
 # ---- end to end -------------------------------------------------------------------------------
 def run_scenarios(tmp_path_factory, names: list[str]) -> dict:
-    from benchmarks.vllm_harness.tiny import save_tiny_model
+    from vmkv_bench.vllm_harness.tiny import save_tiny_model
 
     root = tmp_path_factory.mktemp("vllm")
     model = save_tiny_model(root / "model")

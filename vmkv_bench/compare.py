@@ -2,7 +2,7 @@
 
 ::
 
-    python -m benchmarks.compare bench-run-1/ bench-run-2/
+    python -m vmkv_bench.compare bench-run-1/ bench-run-2/
 
 Reads ``suite.json`` of each output directory and prints, per verdict (matched by key): both
 results, whether the winner is the same, and whether the headline moved less than the spread
@@ -63,7 +63,7 @@ def compare(a: dict[str, dict[str, Any]], b: dict[str, dict[str, Any]]) -> list[
 
 def main(argv: list[str] | None = None) -> int:
     """Print the comparison of two output directories; 0 if every verdict repeats."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.compare", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m vmkv_bench.compare", description=__doc__.splitlines()[0])
     parser.add_argument("run_a", type=Path, help="output directory of the first run")
     parser.add_argument("run_b", type=Path, help="output directory of the second run")
     args = parser.parse_args(argv)

@@ -1,17 +1,17 @@
 """Stock vLLM vs vLLM + vmkv: on the same bursty ShareGPT-like trace (issue 9), and under vLLM's
-own benchmark client against its OpenAI server (issue 19, :mod:`benchmarks.vllm_client`), and
-what the plugin's hooks add to one engine step, timed in isolation (:mod:`benchmarks.vllm_costs`).
+own benchmark client against its OpenAI server (issue 19, :mod:`vmkv_bench.vllm_client`), and
+what the plugin's hooks add to one engine step, timed in isolation (:mod:`vmkv_bench.vllm_costs`).
 
 ``--parts`` picks them (default all three); ``--parts addressing`` (opt-in: three engines on a wider
 model, minutes) compares block tables with virtual memory inside one vLLM: stock, vmkv's paged
-backing and vmkv's contiguous mode (:mod:`benchmarks.vllm_addressing`, issue 20). The trace part:
+backing and vmkv's contiguous mode (:mod:`vmkv_bench.vllm_addressing`, issue 20). The trace part:
 
-Both engines run the tiny Llama (:mod:`benchmarks.vllm_harness.tiny`, greedy, fp32, eager) with the same KV
+Both engines run the tiny Llama (:mod:`vmkv_bench.vllm_harness.tiny`, greedy, fp32, eager) with the same KV
 buffer (``kv_cache_memory_bytes``); the vmkv engine maps its pages on demand
 (:mod:`vmkv.vllm`). Both stay up for the whole run and take turns, round after round (the order
 alternates), each serving the full trace: requests arrive in bursts (``--bursts`` groups,
 ``--gap`` seconds apart) with ShareGPT-like prompt and output lengths
-(:func:`benchmarks.common.make_trace`).
+(:func:`vmkv_bench.common.make_trace`).
 
 Measured per round and engine: output tokens per second over the whole trace, and every few
 engine steps the workers' memory: for vmkv the bytes behind its page store (the kernel's count,
@@ -23,9 +23,9 @@ Verdicts: the throughput ratio (vmkv / stock, median over rounds, against the ta
 and the KV memory vmkv holds as a share of stock's buffer, judged on the mean over the trace
 (vmkv wins below ``1 / (1 + TIE_MARGIN)``, stock above ``1 + TIE_MARGIN``, a tie between), with
 the peak as the upper end of its range. The client part adds, per request rate, the output
-tokens/s and mean TTFT ratios (``result["client"]``, :func:`benchmarks.vllm_client.verdicts`); the
+tokens/s and mean TTFT ratios (``result["client"]``, :func:`vmkv_bench.vllm_client.verdicts`); the
 costs part the share of stock's step the plugin adds (``result["costs"]``,
-:func:`benchmarks.vllm_costs.verdicts`).
+:func:`vmkv_bench.vllm_costs.verdicts`).
 """
 
 from __future__ import annotations
@@ -156,9 +156,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     Raises:
         vmkv.InvalidInput: ``--parts`` or ``--client-rates`` not understood.
     """
-    from benchmarks.vllm_harness import tiny
     from vmkv.sizes import parse_size
     from vmkv.vllm import check_vllm
+    from vmkv_bench.vllm_harness import tiny
 
     parts = _parts(args.parts)
     check_vllm()
@@ -196,7 +196,7 @@ def _run_trace(args: argparse.Namespace, model: Path, kv_bytes: int) -> tuple[li
     """The trace through both in-process engines, interleaved: ``(rows, series, config)``."""
     from vllm import SamplingParams
 
-    from benchmarks.vllm_harness import drive
+    from vmkv_bench.vllm_harness import drive
 
     s = _settings(args)
     trace = common.make_trace("sharegpt", s["requests"], args.seed, s["max_model_len"])
@@ -337,7 +337,7 @@ def kv_memory_side(mean: float, tie_margin: float = common.TIE_MARGIN) -> tuple[
     return "tie", f"tie (mean within {100 * tie_margin:.0f} % of stock's buffer)"
 
 
-if __name__ == "__main__":  # python -m benchmarks.vllm [options] runs `vmkv bench vllm [options]`
-    from benchmarks.suite import main
+if __name__ == "__main__":  # python -m vmkv_bench.vllm [options] runs `vmkv bench vllm [options]`
+    from vmkv_bench.suite import main
 
     sys.exit(main([NAME, *sys.argv[1:]]))

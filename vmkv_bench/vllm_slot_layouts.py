@@ -1,6 +1,6 @@
 """Which slot layout contiguous mode should give vmkv's CPU kernel (issue 20): a kernel microbenchmark.
 
-Run: ``python -m benchmarks.vllm_slot_layouts [--repeat 9] [--threads 1] [--clock auto]``
+Run: ``python -m vmkv_bench.vllm_slot_layouts [--repeat 9] [--threads 1] [--clock auto]``
 
 One layer of the addressing benchmark's model (8 query / 4 KV heads, head_dim 64, fp32, vLLM
 blocks of 128 tokens), 8 requests of 1,024-1,536 tokens. The same K/V, timed interleaved with

@@ -243,7 +243,7 @@ def _settings(args: argparse.Namespace) -> tuple[argparse.Namespace, list[int]]:
 
 def refusals(args: argparse.Namespace, granularity: int) -> dict[str, str]:
     """What the replays need that a backend of ``granularity`` refuses: every allocator's cache
-    at every width (see :func:`benchmarks.common.cache_refusals`)."""
+    at every width (see :func:`vmkv_bench.common.cache_refusals`)."""
     args, widths = _settings(args)
     planned = [(f"{a.label} (width {width})", a.mode, _config(a, args, width))
                for a in ALLOCATORS if a.label in args.allocators for width in widths]
@@ -397,7 +397,7 @@ def plot(result: dict[str, Any], out_dir) -> list[str]:
     return [common.save_figure(fig, out_dir, "sharing_saved.png", tight=False)]
 
 
-if __name__ == "__main__":  # python -m benchmarks.sharing [options] runs `vmkv bench sharing [options]`
-    from benchmarks.suite import main
+if __name__ == "__main__":  # python -m vmkv_bench.sharing [options] runs `vmkv bench sharing [options]`
+    from vmkv_bench.suite import main
 
     sys.exit(main([NAME, *sys.argv[1:]]))

@@ -7,7 +7,7 @@
    one passes it. It raises :class:`SectionSkipped` with the reason when it cannot run here (no
    CUDA device, a package missing), which is recorded, not a failure. ``ctx.shape`` is the
    decode workload (tiny with ``--smoke``), ``ctx.seconds_left()`` what its process has left.
-2. Add one line to :data:`benchmarks.gpu.sections.SECTIONS`, in the order it should run::
+2. Add one line to :data:`vmkv_bench.gpu.sections.SECTIONS`, in the order it should run::
 
        Section("my_section", estimate_s=40, run=my_section, headline=my_headline,
                about="what it checks, in one line")
@@ -17,7 +17,7 @@
    gives the one number the summary shows; ``skip_reason(device, smoke)`` may say, cheaply and
    without touching CUDA, why it cannot run (then no process is started for it).
 
-The runner (:mod:`benchmarks.gpu.runner`) runs every section in a process of its own, with a
+The runner (:mod:`vmkv_bench.gpu.runner`) runs every section in a process of its own, with a
 time limit, and writes its entry into ``DIR/gpu_check.json``; ``--list`` prints the registry.
 """
 
@@ -75,7 +75,7 @@ class Context:
 
     @property
     def shape(self) -> Shape:
-        """The decode workload: :data:`~benchmarks.gpu.workload.SMOKE` with ``--smoke``, else ``FULL``."""
+        """The decode workload: :data:`~vmkv_bench.gpu.workload.SMOKE` with ``--smoke``, else ``FULL``."""
         return SMOKE if self.smoke else FULL
 
     def seconds_left(self) -> float:

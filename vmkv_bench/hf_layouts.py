@@ -1,7 +1,7 @@
 """Which VMM layout makes ``generate()`` fastest, per attention path and dtype: the measurements
 behind ``VirtualCache()``'s default layout (``vmkv.hf.sizing``, docs/hf.md "Defaults").
 
-Run: ``python -m benchmarks.hf_layouts [--model small|mid] [--dtypes float32 bfloat16]
+Run: ``python -m vmkv_bench.hf_layouts [--model small|mid] [--dtypes float32 bfloat16]
 [--batch 8] [--prompt-len 512] [--new-tokens 256] [--layouts per_layer head_major all_layers]
 [--vmkv-attention] [--repeats 3]``
 

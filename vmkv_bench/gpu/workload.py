@@ -1,5 +1,5 @@
 """The GPU check's shared workload: the decode shape, its data, a cache sized for it, the fp32
-reference and the timing helpers (used by the sections in :mod:`benchmarks.gpu.core`)."""
+reference and the timing helpers (used by the sections in :mod:`vmkv_bench.gpu.core`)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any, Callable
 import torch
 
 import vmkv
-from benchmarks import common
 from vmkv.core.step import StepPlan
+from vmkv_bench import common
 
 MiB = 1 << 20
 
@@ -48,7 +48,7 @@ TOLERANCE = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 4e-2}
 
 
 def compare_ms(fns: dict[str, Callable[[], Any]], device: torch.device, shape: Shape) -> dict[str, float]:
-    """Median ms per call of each variant, timed by :func:`benchmarks.common.time_interleaved`
+    """Median ms per call of each variant, timed by :func:`vmkv_bench.common.time_interleaved`
     (rounds of every variant in a fresh order, so that clock and thermal drift hit all alike;
     each sample is ``shape.iters`` back-to-back calls, the GPU synchronized before the clock is read)."""
     batches = {name: (lambda fn=fn: [fn() for _ in range(shape.iters)]) for name, fn in fns.items()}

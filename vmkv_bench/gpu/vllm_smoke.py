@@ -1,5 +1,5 @@
 """The plugin on a GPU: stock vLLM and vLLM + vmkv on the tiny model, compared (the GPU check's
-``vllm`` section, :mod:`benchmarks.gpu.vllm_engine`).
+``vllm`` section, :mod:`vmkv_bench.gpu.vllm_engine`).
 
 Nothing here runs on CPU-only machines: :func:`gpu_smoke` raises
 :class:`~vmkv.errors.BackendUnavailable` with the reason (no vLLM, an unsupported vLLM, no CUDA
@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.vllm_harness import drive, tiny
 from vmkv.errors import BackendUnavailable
 from vmkv.vllm import check_vllm, trim
+from vmkv_bench.vllm_harness import drive, tiny
 
 PAGE_SIZE = 2 * 2**20  # the CUDA VMM granularity
 KV_BYTES = 512 * 2**20

@@ -1,6 +1,6 @@
 """What the vLLM plugin adds to one engine step, hook by hook (the costs part of ``vmkv bench vllm``).
 
-End to end (:mod:`benchmarks.vllm_client`) a few percent drown in the machine's noise; here each
+End to end (:mod:`vmkv_bench.vllm_client`) a few percent drown in the machine's noise; here each
 piece the plugin puts on a step's path is timed in isolation, on a real engine in the middle of
 the client's workload (``requests`` requests of ``input_len`` prompt tokens, decoding, all
 running), next to what stock vLLM spends on the same call:
@@ -15,7 +15,7 @@ running), next to what stock vLLM spends on the same call:
 * KV pages: minor page faults in the attention layers over one whole run (vmkv's pages are
   faulted in as KV is first written to them; stock's buffer was touched whole at start).
 
-Each engine runs in its own child process (``python -m benchmarks.vllm_costs``), in-process
+Each engine runs in its own child process (``python -m vmkv_bench.vllm_costs``), in-process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so its scheduler and worker can be reached, :data:`ROUNDS`
 times, alternating with the other engine's; a call's time is the best of 5 repeats of ``timeit``
 loops in each child and the least over the children (a load spike on a shared machine inflates
@@ -107,7 +107,7 @@ def best(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def _child(config: dict[str, Any]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="vmkv-vllm-costs-") as tmp:
         answer = Path(tmp) / "costs.json"
-        done = subprocess.run([sys.executable, "-m", "benchmarks.vllm_costs", json.dumps(config), str(answer)],
+        done = subprocess.run([sys.executable, "-m", "vmkv_bench.vllm_costs", json.dumps(config), str(answer)],
                               capture_output=True, text=True, timeout=900)
         if done.returncode != 0 or not answer.exists():
             raise RuntimeError(f"vllm_costs: the {'vmkv' if config['vmkv'] else 'stock'} child failed "
@@ -149,7 +149,7 @@ def _run_child(config: dict[str, Any]) -> dict[str, Any]:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import SamplingParams
 
-    from benchmarks.vllm_harness import drive
+    from vmkv_bench.vllm_harness import drive
 
     vm = config["vmkv"]
     llm = drive.engine(config["model"], vmkv=vm, kv_cache_bytes=config["kv_bytes"],

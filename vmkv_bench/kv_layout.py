@@ -1,7 +1,7 @@
 """Which per-layer K/V layout does CPU decode attention read fastest, and does virtual memory cost
 the kernel anything? The measurements behind the VMM layout choice (issue 11, item 2).
 
-Run: ``python -m benchmarks.kv_layout [--dtype float32 bfloat16] [--batches 8 32]
+Run: ``python -m vmkv_bench.kv_layout [--dtype float32 bfloat16] [--batches 8 32]
 [--contexts 2048 8192] [--threads 1] [--repeat 7] [--max-gib 4]``
 
 One decode step (one query per sequence, every sequence ``context`` tokens long) of one layer,

@@ -503,7 +503,7 @@ def _target_note(
     ratio: common.Spread, target: float, profile: dict[str, dict[str, float]] | None, bound: common.Spread | None,
 ) -> str:
     """Whether ``ratio`` (VirtualCache speed / the other cache's) meets ``target``
-    (:func:`benchmarks.common.target_status`: the verdict's judgement, the one ``agrees`` shows),
+    (:func:`vmkv_bench.common.target_status`: the verdict's judgement, the one ``agrees`` shows),
     and with a median below it by how much, how far the ``bound`` reference got against the same
     cache, and (with a profile of the point) where the time went."""
     status = common.target_status(ratio, target)
@@ -742,7 +742,7 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[str]:
     return paths
 
 
-if __name__ == "__main__":  # python -m benchmarks.generate [options] runs `vmkv bench generate [options]`
-    from benchmarks.suite import main
+if __name__ == "__main__":  # python -m vmkv_bench.generate [options] runs `vmkv bench generate [options]`
+    from vmkv_bench.suite import main
 
     sys.exit(main([NAME, *sys.argv[1:]]))

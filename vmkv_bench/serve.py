@@ -141,7 +141,7 @@ def _engine_configs(args: argparse.Namespace, settings: dict[str, Any]) -> dict[
 
 def refusals(args: argparse.Namespace, granularity: int) -> dict[str, str]:
     """What the engines' caches need that a backend of ``granularity`` refuses (see
-    :func:`benchmarks.common.cache_refusals`), read from the model's configuration: no weight is loaded."""
+    :func:`vmkv_bench.common.cache_refusals`), read from the model's configuration: no weight is loaded."""
     planned = [(label, config.kv_mode, config.cache_config()) for label, config in _engine_configs(args, _settings(args)).items()]
     return common.cache_refusals(planned, granularity)
 
@@ -440,7 +440,7 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[str]:
     return [common.save_figure(fig, out_dir, "serve.png", tight=False)]
 
 
-if __name__ == "__main__":  # python -m benchmarks.serve [options] runs `vmkv bench serve [options]`
-    from benchmarks.suite import main
+if __name__ == "__main__":  # python -m vmkv_bench.serve [options] runs `vmkv bench serve [options]`
+    from vmkv_bench.suite import main
 
     sys.exit(main([NAME, *sys.argv[1:]]))

@@ -141,7 +141,7 @@ class _Engine:
     """The parent's handle on an engine process."""
 
     def __init__(self) -> None:
-        code = "from benchmarks.two_engines import member_main; member_main()"
+        code = "from vmkv_bench.two_engines import member_main; member_main()"
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
@@ -283,7 +283,7 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
     return out
 
 
-if __name__ == "__main__":  # python -m benchmarks.two_engines [options] runs `vmkv bench two_engines [options]`
-    from benchmarks.suite import main
+if __name__ == "__main__":  # python -m vmkv_bench.two_engines [options] runs `vmkv bench two_engines [options]`
+    from vmkv_bench.suite import main
 
     sys.exit(main([NAME, *sys.argv[1:]]))

@@ -1,14 +1,14 @@
 """The registry: every section of ``python benchmarks/gpu_check.py``, in the order they run.
 
 To add one, write its function (``Context -> dict``) in a module of this package and add a
-:class:`~benchmarks.gpu.registry.Section` line below (:mod:`benchmarks.gpu.registry` says what
+:class:`~vmkv_bench.gpu.registry.Section` line below (:mod:`vmkv_bench.gpu.registry` says what
 each field means). Keep the quick checks before ``bench``: when a run is short of time, the
 sections whose estimate no longer fits are the ones skipped.
 
 The estimates are seconds on an H200, the section's process start (about 5 s: torch's import)
 included. They are estimates, not measurements: every run records each section's real
 ``seconds`` in ``gpu_check.json``; correct an estimate from there. Together the sections that run
-without vLLM must fit in :data:`~benchmarks.gpu.runner.DEFAULT_BUDGET_S` (8 minutes), with room
+without vLLM must fit in :data:`~vmkv_bench.gpu.runner.DEFAULT_BUDGET_S` (8 minutes), with room
 for the Triton kernels' section still to come: see docs/gpu.md, "Time budget". A section too long
 for that (``alone=True``: ``hf_compiled``) runs only when named in ``--sections``.
 """

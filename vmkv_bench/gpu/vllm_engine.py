@@ -1,7 +1,7 @@
 """The sections that need vLLM itself on the GPU: ``vllm`` (the plugin's smoke test) and
 ``vllm_addressing`` (block tables vs virtual memory inside one vLLM). Both skip, with the
 reason, off CUDA or without vLLM; contiguous mode's parts that need no vLLM are checked by
-``vllm_slots`` (:mod:`benchmarks.gpu.slots`)."""
+``vllm_slots`` (:mod:`vmkv_bench.gpu.slots`)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def vllm_unavailable(device: torch.device, smoke: bool) -> str | None:
 
 
 def vllm_section(device: torch.device, out_dir: Path) -> dict[str, Any]:
-    """:func:`~benchmarks.gpu.vllm_smoke.gpu_smoke` ``(out_dir / "vllm")``: stock vLLM and vLLM + vmkv
+    """:func:`~vmkv_bench.gpu.vllm_smoke.gpu_smoke` ``(out_dir / "vllm")``: stock vLLM and vLLM + vmkv
     on the tiny model, compared."""
     if device.type != "cuda":
         raise SectionSkipped("the vLLM smoke test needs a CUDA device")
@@ -62,7 +62,7 @@ def vllm_failures(result: dict[str, Any]) -> list[str]:
 
 def vllm_addressing_section(device: torch.device, out_dir: Path, smoke: bool) -> dict[str, Any]:
     """The addressing comparison of ``vmkv bench vllm --parts addressing`` on the GPU
-    (:func:`benchmarks.vllm_addressing.run` with :data:`~benchmarks.vllm_addressing.GPU_SETTINGS`)."""
+    (:func:`vmkv_bench.vllm_addressing.run` with :data:`~vmkv_bench.vllm_addressing.GPU_SETTINGS`)."""
     if device.type != "cuda":
         raise SectionSkipped("the addressing comparison inside vLLM on CUDA needs a CUDA device "
                              "(the CPU run: vmkv bench vllm --parts addressing)")
@@ -74,7 +74,7 @@ def vllm_addressing_section(device: torch.device, out_dir: Path, smoke: bool) ->
         check_vllm()
     except vmkv.BackendUnavailable as exc:  # missing, or another release than the plugin's (UnsupportedVllm)
         raise SectionSkipped(str(exc)) from None
-    from benchmarks import vllm_addressing
+    from vmkv_bench import vllm_addressing
 
     settings = dict(vllm_addressing.GPU_SETTINGS)
     if smoke:

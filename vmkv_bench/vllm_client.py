@@ -1,6 +1,6 @@
 """Stock vLLM vs vLLM + vmkv under vLLM's own benchmark client (the client part of ``vmkv bench vllm``).
 
-Both engines run vLLM's OpenAI server on the tiny Llama (:func:`benchmarks.vllm_harness.drive.servers`: the
+Both engines run vLLM's OpenAI server on the tiny Llama (:func:`vmkv_bench.vllm_harness.drive.servers`: the
 same flags, cores and threads; the vmkv one with the plugin's three flags as docs/vllm.md starts
 it), both up for the whole run. vLLM's client (``vllm bench serve``, run from Python as
 ``vllm.benchmarks.serve``'s ``add_cli_args`` + ``main``: the CPU build's ``vllm`` command fails
@@ -14,13 +14,13 @@ Measured per round and engine: output tokens/s (output tokens over the run's dur
 median time to first token, mean time per output token, and whether both engines generated the
 same text for every prompt. Verdicts per rate: vmkv / stock output tokens/s and stock / vmkv mean
 TTFT (above 1: vmkv better), each the median of the per-round ratios with their range, judged by
-:func:`benchmarks.common.ratio_verdict` (a winner only when every kept round agrees beyond the
+:func:`vmkv_bench.common.ratio_verdict` (a winner only when every kept round agrees beyond the
 tie band), against the targets ``>= 0.97`` and ``TTFT within 10 %``. The summary line per rate
 also gives the pooled ratios (all rounds' tokens over all their seconds; mean TTFTs averaged),
 the ratio of the two engines' medians over the rounds with its 90 % bootstrap interval
 (:func:`medians`: robust to the rounds that stall, in either engine), and says of each target
 whether it is met, missed, or not resolved by the rounds' spread and by that interval
-(:func:`benchmarks.common.target_status`).
+(:func:`vmkv_bench.common.target_status`).
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def measure(settings: dict[str, Any], model: Path, kv_bytes: int, options: dict[
     Returns:
         ``{"schema", "rows", "summary", "config"}``.
     """
-    from benchmarks.vllm_harness import drive
+    from vmkv_bench.vllm_harness import drive
 
     specs = {"stock": drive.ServerSpec(vmkv=False), "vmkv": drive.ServerSpec(vmkv=True, options=options)}
     rows, texts = [], {}
@@ -158,7 +158,7 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per rate (key: the rows' ``rate``): the per-round ratios vmkv / stock of output tokens/s and
     stock / vmkv of mean TTFT, the pooled ratios (:func:`pooled`), whether every request was served
     with the same token count and text, whether each target is met
-    (:func:`benchmarks.common.target_status`), and a verdict line saying all of it."""
+    (:func:`vmkv_bench.common.target_status`), and a verdict line saying all of it."""
     out: dict[str, Any] = {}
     for rate in dict.fromkeys(r["rate"] for r in rows):
         by = {(r["round"], r["engine"]): r for r in rows if r["rate"] == rate}
@@ -213,7 +213,7 @@ def pooled(rows: list[dict[str, Any]]) -> tuple[float, float]:
 def medians(by: dict[tuple[int, str], dict[str, Any]], rounds: list[int]) -> tuple[common.Spread, common.Spread]:
     """The engines' medians over the rounds, compared: ``(vmkv / stock output tokens/s, stock / vmkv
     mean TTFT)`` (> 1: vmkv better), each with its bootstrap interval
-    (:func:`benchmarks.common.ratio_of_medians`, :data:`CONFIDENCE`). A round's mean TTFT is bimodal
+    (:func:`vmkv_bench.common.ratio_of_medians`, :data:`CONFIDENCE`). A round's mean TTFT is bimodal
     under full concurrency (the requests reach the engine core in one batch or in several, in
     either engine), so per-round ratios spread by those stalls; the medians do not."""
     def values(engine: str, key: str) -> list[float]:

@@ -1,7 +1,7 @@
 """Side-by-side timing of the paged CPU kernels against the VMM cache's kernel on identical work
 (decides the paged CPU default; issue 11 item 3: paged decode >= 0.8x VMM at 2K, B=1 and B=8).
 
-Run: ``python -m benchmarks.paged_kernels [--dtype float32 bfloat16] [--layers 2] [--repeat 7]
+Run: ``python -m vmkv_bench.paged_kernels [--dtype float32 bfloat16] [--layers 2] [--repeat 7]
 [--threads 1 2] [--fragment] [--sweep]``
 
 For each workload one paged cache per kernel and one VMM cache hold the same K/V; the time is

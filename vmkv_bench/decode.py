@@ -256,7 +256,7 @@ def _config(args: argparse.Namespace, batch: int, context: int, mode: str, field
 
 def refusals(args: argparse.Namespace, granularity: int) -> dict[str, str]:
     """What the grid's caches need that a backend of ``granularity`` refuses (see
-    :func:`benchmarks.common.cache_refusals`): every layout's and the paged cache, at every point."""
+    :func:`vmkv_bench.common.cache_refusals`): every layout's and the paged cache, at every point."""
     args = _defaults(args)
     planned = [(f"{label} at B={batch} C={context}", mode, _config(args, batch, context, mode, fields))
                for batch in args.batches for context in args.contexts for label, mode, fields in _caches(args)]
@@ -518,7 +518,7 @@ def _bandwidth_verdict(result: dict[str, Any], best: dict[str, Any], timings: co
 
 BATCHING_MATTERS = 0.10
 """Batched vs per-sequence decode is judged a win only beyond 10 %: the calls it saves cost about
-0.1 % of a step at 2K tokens on CPU (``python -m benchmarks.contiguous_decode``), so smaller
+0.1 % of a step at 2K tokens on CPU (``python -m vmkv_bench.contiguous_decode``), so smaller
 differences are noise and would flip the verdict from run to run."""
 
 
@@ -642,7 +642,7 @@ def plot(result: dict[str, Any], out_dir) -> list[str]:
     return [common.save_figure(fig, out_dir, "decode_time.png", tight=False)]
 
 
-if __name__ == "__main__":  # python -m benchmarks.decode [options] runs `vmkv bench decode [options]`
-    from benchmarks.suite import main
+if __name__ == "__main__":  # python -m vmkv_bench.decode [options] runs `vmkv bench decode [options]`
+    from vmkv_bench.suite import main
 
     sys.exit(main([NAME, *sys.argv[1:]]))

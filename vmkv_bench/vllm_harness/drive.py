@@ -90,7 +90,7 @@ def engine(model: str | Path, *, vmkv: bool, kv_cache_bytes: int, max_model_len:
     """A ``vllm.LLM`` over ``model``, stock or with vmkv.
 
     Args:
-        model: a model directory (e.g. :func:`benchmarks.vllm_harness.tiny.save_tiny_model`).
+        model: a model directory (e.g. :func:`vmkv_bench.vllm_harness.tiny.save_tiny_model`).
         vmkv: put vmkv under the KV cache.
         kv_cache_bytes: vLLM's KV buffer size (``kv_cache_memory_bytes``).
         max_model_len: the longest request.

@@ -258,7 +258,7 @@ def _budget(args: argparse.Namespace, kind: str) -> str:
 
 def refusals(args: argparse.Namespace, granularity: int) -> dict[str, str]:
     """What the replays need that a backend of ``granularity`` refuses (see
-    :func:`benchmarks.common.cache_refusals`): the baselines, paged mode and the library's
+    :func:`vmkv_bench.common.cache_refusals`): the baselines, paged mode and the library's
     defaults; the layout x page size sweep is reported as skipped where refused, not needed."""
     args, chosen = _settings(args)
     planned = [(f"{allocator.label} ({kind}, {_budget(args, kind)})", allocator.mode, _config(allocator, args, _budget(args, kind)))
@@ -434,7 +434,7 @@ def plot(result: dict[str, Any], out_dir) -> list[str]:
     return [common.save_figure(fig, out_dir, "memory_utilization.png", tight=False)]
 
 
-if __name__ == "__main__":  # python -m benchmarks.memory [options] runs `vmkv bench memory [options]`
-    from benchmarks.suite import main
+if __name__ == "__main__":  # python -m vmkv_bench.memory [options] runs `vmkv bench memory [options]`
+    from vmkv_bench.suite import main
 
     sys.exit(main([NAME, *sys.argv[1:]]))

@@ -1,6 +1,6 @@
 """vmkv's serving engine against vLLM's CPU build: output tokens/s on the same model, work and threads.
 
-Run: ``python -m benchmarks.engine_vs_vllm [--threads 2] [--requests 64] [--prompt-len 128]
+Run: ``python -m vmkv_bench.engine_vs_vllm [--threads 2] [--requests 64] [--prompt-len 128]
 [--max-tokens 128] [--batched-tokens 2048] [--rounds 3] [--model-dir DIR] [--kv-mode vmm]
 [--memory-budget SIZE] [--no-vllm]``
 

@@ -85,8 +85,8 @@ def run(s: dict[str, Any], model_root: Path, seed: int, engine_kwargs: dict[str,
     CPU run's, float32 and eager). Returns ``{"rows", "summary", "config", "schema"}``."""
     from vllm import SamplingParams
 
-    from benchmarks.vllm_harness import drive, tiny
     from vmkv.vllm import stats
+    from vmkv_bench.vllm_harness import drive, tiny
 
     model = tiny.save_tiny_model(model_root / f"vmkv-vllm-tiny-{s['layers']}x{s['head_dim']}", s["layers"], s["head_dim"])
     rng = random.Random(seed)

@@ -28,10 +28,10 @@ from typing import Any, Callable
 import torch
 
 import vmkv
-from benchmarks import common
 from vmkv.kernels import measured, triton_attention
 from vmkv.kernels import registry as kernel_registry
 from vmkv.vmm.views import unguarded
+from vmkv_bench import common
 
 from .workload import TOLERANCE, Shape, compare_ms, decode_config, fill, make_data, reference_decode
 

@@ -1,9 +1,9 @@
 """How many splits the Triton decode kernel should cut a sequence's keys into: a sweep, and the
 rule against it.
 
-    python -m benchmarks.triton_splits                      # on a CUDA GPU: the sweep behind the rule
-    python -m benchmarks.triton_splits --contexts 8192 --batches 1 8 32
-    TRITON_INTERPRET=1 python -m benchmarks.triton_splits --device cpu --smoke   # the code path, no GPU
+    python -m vmkv_bench.triton_splits                      # on a CUDA GPU: the sweep behind the rule
+    python -m vmkv_bench.triton_splits --contexts 8192 --batches 1 8 32
+    TRITON_INTERPRET=1 python -m vmkv_bench.triton_splits --device cpu --smoke   # the code path, no GPU
 
 For every (keys, sequences) point, vmkv's Triton decode (``decode_attention`` over contiguous
 slots, float16, 8 KV heads of 128, 32 query heads) at each split count, each call timed alone as
@@ -20,15 +20,15 @@ from typing import Any
 
 import torch
 
-from benchmarks import common
 from vmkv.kernels import triton_attention as ta
+from vmkv_bench import common
 
 NEAR = 1.10  # the rule's time within this factor of the fastest count's counts as near
 KV_HEADS, Q_HEADS, HEAD_DIM = 8, 32, 128
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.triton_splits", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m vmkv_bench.triton_splits", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: Triton's interpreter (set TRITON_INTERPRET=1)")
     parser.add_argument("--contexts", nargs="+", type=int, default=[2048, 8192], help="keys per sequence")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 4, 8, 16, 32, 64], help="sequences per step")

@@ -300,7 +300,7 @@ def _settings(args: argparse.Namespace) -> argparse.Namespace:
 def refusals(args: argparse.Namespace, granularity: int) -> dict[str, str]:
     """What the run needs that a backend of ``granularity`` refuses: a backend page size of the
     map/unmap latencies that is not a multiple of it, and the decode-share caches (see
-    :func:`benchmarks.common.cache_refusals`)."""
+    :func:`vmkv_bench.common.cache_refusals`)."""
     args = _settings(args)
     refused = {f"map/unmap {size} pages": f"{vmkv.parse_size(size)} B is not a multiple of the backend granularity ({granularity} B)"
                for size in args.page_sizes if vmkv.parse_size(size) % granularity}
@@ -386,7 +386,7 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
     )]
 
 
-if __name__ == "__main__":  # python -m benchmarks.mapping [options] runs `vmkv bench mapping [options]`
-    from benchmarks.suite import main
+if __name__ == "__main__":  # python -m vmkv_bench.mapping [options] runs `vmkv bench mapping [options]`
+    from vmkv_bench.suite import main
 
     sys.exit(main([NAME, *sys.argv[1:]]))

@@ -1,7 +1,7 @@
 """Batched vs per-sequence decode attention on the VMM cache: the measurements behind the rule
 that ``sdpa_adaptive`` (vmkv.kernels.contiguous) uses to choose between them at every step.
 
-Run: ``python -m benchmarks.contiguous_decode [--dtype float32 bfloat16] [--threads 1] [--repeat 7]``
+Run: ``python -m vmkv_bench.contiguous_decode [--dtype float32 bfloat16] [--threads 1] [--repeat 7]``
 
 For each workload (batch size, per-sequence lengths, which slots they occupy) one one-layer VMM
 cache holds the K/V; one decode step is timed with both kernels, taking turns (median of
