@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import json
 import os
 import sys
@@ -38,7 +37,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
-from vmkv.extras import install_hint
+from vmkv.extras import attempt, install_hint, installed
 
 HELP = "run the benchmark suite or one benchmark"
 DEVICES = ("cpu", "cuda")
@@ -187,26 +186,11 @@ def load_module(entry: Entry) -> tuple[ModuleType | None, str]:
 
 
 # ---- checks made before anything runs ----------------------------------------------------------
-def _try(fn: Callable[[], Any]) -> tuple[Any, str]:
-    """``(value, "")`` or ``(None, reason)`` if ``fn`` raises."""
-    try:
-        return fn(), ""
-    except Exception as exc:  # noqa: BLE001 - every reason is reported, none is hidden
-        return None, f"{type(exc).__name__}: {exc}"
-
-
-def _installed(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):  # a dotted name whose parent is missing
-        return False
-
-
 def device_unavailable(device: str) -> str:
     """Why benchmarks cannot run on ``device`` ('' if they can)."""
     from vmkv_bench.common import check_device
 
-    _, why = _try(lambda: check_device(device))
+    _, why = attempt(lambda: check_device(device))
     return why.split(": ", 1)[-1]
 
 
@@ -265,7 +249,7 @@ def _refused(job: Job, pages: Callable[[str], int]) -> str:
     if not hasattr(job.module, "refusals"):
         return ""
     gran = pages(job.args.device)
-    refused, why = _try(lambda: job.module.refusals(job.args, gran))
+    refused, why = attempt(lambda: job.module.refusals(job.args, gran))
     if why:  # an option the module itself refuses (an unknown allocator, say)
         return why
     if not refused:
@@ -307,7 +291,7 @@ def run_one(module: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
     json_path = common.write_json(result, args.out)
     plots: list[str] = []
     if not args.no_plots and hasattr(module, "plot"):
-        plots, why = _try(lambda: module.plot(result, args.out))
+        plots, why = attempt(lambda: module.plot(result, args.out))
         if why:
             print(f"[{result['name']}] no plot: {why}", file=sys.stderr)
             plots = []
@@ -329,7 +313,7 @@ def _verdicts(module: ModuleType, result: dict[str, Any]) -> list[dict[str, Any]
     """The module's verdicts as JSON dicts (none if it gives none); a failure becomes a line."""
     if not hasattr(module, "verdicts"):
         return []
-    verdicts, why = _try(lambda: [v.as_dict() for v in module.verdicts(result)])
+    verdicts, why = attempt(lambda: [v.as_dict() for v in module.verdicts(result)])
     if why:
         print(f"[{result['name']}] no verdict: {why}", file=sys.stderr)
         return [{"key": f"{result['name']}.error", "question": f"{result['name']}: verdict", "result": "error",
@@ -463,7 +447,7 @@ def print_registry() -> None:
     """``vmkv bench --list``: every benchmark, its module (or that it is missing), whether the
     quick suite runs it and on which devices it has a preset."""
     for name, entry in REGISTRY.items():
-        module_ok = _installed(entry.module)
+        module_ok = installed(entry.module)
         presets = f"  [suite: {', '.join(entry.presets)}]" if entry.in_suite else ""
         print(f"{name:11s} {entry.module}{'' if module_ok else '  (missing)'}{presets}")
 
@@ -478,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.list:
         print_registry()
         return 0
-    missing = [name for name in BENCH_EXTRA if not _installed(name)]
+    missing = [name for name in BENCH_EXTRA if not installed(name)]
     if missing:
         print(f"vmkv bench needs the bench extra: {install_hint('bench')} (missing: {', '.join(missing)})", file=sys.stderr)
         return 2
