@@ -238,13 +238,14 @@ def _generate_call(model: torch.nn.Module, args: argparse.Namespace, point: Poin
     return ids, kwargs
 
 
-def _run_once(model: torch.nn.Module, args: argparse.Namespace, point: Point, name: str) -> tuple[Any, torch.Tensor]:
-    """One generate() of ``point`` with cache ``name``: ``(cache, output ids)``."""
+def _run_once(model: torch.nn.Module, args: argparse.Namespace, point: Point, name: str, cache: Any = None) -> tuple[Any, torch.Tensor]:
+    """One generate() of ``point`` with cache ``name`` (or ``cache``, made as ``name``'s): ``(cache, output ids)``."""
     import vmkv.hf
 
     ids, kwargs = _generate_call(model, args, point)
     model.set_attn_implementation("vmkv" if "vmkv" in name else "sdpa")
-    cache = _make_cache(name, model, args, point.batch * point.beams, point.prompt_len + point.new_tokens)
+    if cache is None:
+        cache = _make_cache(name, model, args, point.batch * point.beams, point.prompt_len + point.new_tokens)
     if "+compile" in name:
         kwargs["compile_config"] = _compile_config()
     return cache, model.generate(ids, **{vmkv.hf.cache_argument(): cache}, **kwargs)
@@ -319,64 +320,51 @@ def update_share(model: torch.nn.Module, args: argparse.Namespace, point: Point)
 
 
 def _update_share_once(model: torch.nn.Module, args: argparse.Namespace, point: Point) -> dict[str, float]:
-    """One untimed run of ``vmm``: CPU time inside ``VirtualCache.update`` per decode step, and
-    the decode step's own time (the prefill and the first decode step, which opens the core
-    cache and writes the prefill's K/V, are left out of both).
-
-    ``update`` is all of the cache's per-step work in the model's attention path (the step's
-    plan, page mapping and the page faults of first writes, writes, views); a decode step is
-    one forward of a single new token, ``update`` included. ``mapping_ms_per_step`` is the part
-    spent in the core's full-path step planning (``KVCacheBase._map_step``: the steps that map
-    a page, at page boundaries), which says how much of ``update`` is page mapping. The clock is the thread's CPU time
-    on the host: the cache runs no other thread unless ``map_ahead`` is on, which the
-    benchmark's caches leave off, so nothing the cache does is left out of it.
-    """
-    from vmkv.core.base import KVCacheBase
+    """One untimed run of ``vmm``: time inside the cache's ``update`` per decode step (all of its
+    per-step work: plan, mapping, writes, views) against the step's forward, and of it the core's
+    full-path step planning (``stats()["map_step_ns"]``, wall clock: the steps that map pages).
+    Timed from outside: the cache passed to generate() times its own ``update``, torch's forward
+    hooks time the model; the prefill and the first decode step (it opens the core) are left out."""
     from vmkv.hf import VirtualCache
 
-    now = common.CLOCKS["cpu"] if args.device == "cpu" else common.CLOCKS["wall"]
-    spent = {"update": 0.0, "mapping": 0.0, "steps": 0.0, "count": 0}
-    decode, forwards = [False], [0]
-    forward, update, map_step = model.forward, VirtualCache.update, KVCacheBase._map_step
+    now = common.CLOCKS["cpu"] if args.device == "cpu" else common.CLOCKS["wall"]  # no other thread: map_ahead is off
+    spent = {"update": 0.0, "mapping_ns": 0, "steps": 0.0, "count": 0}
+    step = {"forwards": 0, "decode": False, "began": 0.0, "mapped": 0}
 
-    def timed_forward(*a: Any, **kw: Any) -> Any:
+    class TimedCache(VirtualCache):
+        def update(self, *a: Any, **kw: Any) -> Any:
+            start = now()
+            try:
+                return super().update(*a, **kw)
+            finally:
+                if step["decode"]:
+                    spent["update"] += now() - start
+
+    cache = TimedCache("vmm", max_batch_size=point.batch, max_seq_len=point.prompt_len + point.new_tokens + 1)
+
+    def before(module: torch.nn.Module, a: tuple, kw: dict) -> None:
         ids = kw.get("input_ids", a[0] if a else None)
-        forwards[0] += 1
-        decode[0] = forwards[0] > 2 and ids is not None and ids.shape[1] == 1
-        start = now()
-        try:
-            return forward(*a, **kw)
-        finally:
-            if decode[0]:
-                spent["steps"] += now() - start
-                spent["count"] += 1
+        step["forwards"] += 1
+        step["decode"] = step["forwards"] > 2 and ids is not None and ids.shape[1] == 1
+        if step["decode"]:
+            step["mapped"] = cache.core.stats()["map_step_ns"]
+            step["began"] = now()
 
-    def timed_update(self: VirtualCache, *a: Any, **kw: Any) -> Any:
-        start = now()
-        try:
-            return update(self, *a, **kw)
-        finally:
-            if decode[0]:
-                spent["update"] += now() - start
+    def after(module: torch.nn.Module, a: tuple, kw: dict, out: Any) -> None:
+        if step["decode"]:
+            spent["steps"] += now() - step["began"]
+            spent["count"] += 1
+            spent["mapping_ns"] += cache.core.stats()["map_step_ns"] - step["mapped"]
 
-    def timed_map_step(self: KVCacheBase, *a: Any, **kw: Any) -> Any:
-        start = now()
-        try:
-            return map_step(self, *a, **kw)
-        finally:
-            if decode[0]:
-                spent["mapping"] += now() - start
-
-    model.forward = timed_forward
-    VirtualCache.update, KVCacheBase._map_step = timed_update, timed_map_step
+    hooks = [model.register_forward_pre_hook(before, with_kwargs=True), model.register_forward_hook(after, with_kwargs=True)]
     try:
-        cache, _ = _run_once(model, args, point, "vmm")
+        _run_once(model, args, point, "vmm", cache)
         cache.close()
     finally:
-        del model.forward
-        VirtualCache.update, KVCacheBase._map_step = update, map_step
+        for hook in hooks:
+            hook.remove()
     steps = max(1, spent["count"])
-    return {"update_ms_per_step": 1e3 * spent["update"] / steps, "mapping_ms_per_step": 1e3 * spent["mapping"] / steps,
+    return {"update_ms_per_step": 1e3 * spent["update"] / steps, "mapping_ms_per_step": spent["mapping_ns"] / 1e6 / steps,
             "step_ms": 1e3 * spent["steps"] / steps,
             "share": spent["update"] / spent["steps"] if spent["steps"] else 0.0, "decode_steps": spent["count"]}
 
