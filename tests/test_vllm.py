@@ -911,11 +911,5 @@ def test_benchmark_smoke_follows_the_contract_and_ends_with_a_verdict(tmp_path):
         assert row["output_tokens"] == 4 * 8 and row["mean_ttft_ms"] > 0 and row["texts_identical"]
     assert summary["client"]["inf"].startswith("at rate inf: vmkv ")
     assert [v["key"] for v in result["verdicts"]] == ["vllm.throughput", "vllm.kv_memory", "vllm.client_inf.throughput",
-                                                      "vllm.client_inf.ttft", "vllm.costs.share"]
-    # the costs part: both engines' hooks timed, vmkv's KV faulted in as written, stock's not
-    costs = result["costs"]
-    assert costs["vmkv"]["connector_metadata_bytes"] > 0 == costs["stock"]["connector_metadata_bytes"]
-    assert costs["vmkv"]["attention_faults_per_run"] > 0 and costs["stock"]["step_ms"] > 0
-    assert 0 < costs["vmkv"]["get_num_free_blocks_stock_us"] and costs["summary"]["total_us_per_step"] > 0
-    assert summary["costs"].startswith("the plugin adds ")
+                                                      "vllm.client_inf.ttft"]
     assert (tmp_path / "vllm_kv_memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -257,18 +257,6 @@ def test_the_addressing_benchmark_judges_contiguous_against_stock_and_paged():
     assert bench.first_divergence({"a": [1, 2, 3], "b": [5]}, stock) == 1  # a request that stopped early
 
 
-@needs_vllm
-def test_the_slot_layout_benchmark_times_the_same_attention_in_every_layout_and_in_cpu_attn():
-    from vmkv_bench import vllm_slot_layouts as bench
-
-    rows, verdicts = bench.measure(repeat=2, seed=0)
-    assert {r["candidate"] for r in rows} == {*bench.LAYOUTS, bench.GEMM_CANDIDATE, "vllm_cpu_attn"} and len(rows) == 10
-    assert all(r["max_abs_diff"] < 1e-5 for r in rows)  # vLLM's kernel on its blocks computes what vmkv's does
-    head_major_k, _ = bench.slot_views("head_major", torch.zeros(2, 64, 4, 8), torch.zeros(2, 64, 4, 8))
-    assert head_major_k[1, :, 3].is_contiguous() and not head_major_k[1, :, :2].is_contiguous()
-    assert {v.key.split(".")[1] for v in verdicts} == {"separate", "head_major", "gemm", "cpu_attn"}
-
-
 # ---- engine start -----------------------------------------------------------------------------
 @needs_vllm
 def test_unsupported_models_are_refused_naming_the_setting():

@@ -1,8 +1,7 @@
 """Stock vLLM vs vLLM + vmkv: on the same bursty ShareGPT-like trace (issue 9), and under vLLM's
-own benchmark client against its OpenAI server (issue 19, :mod:`vmkv_bench.vllm_client`), and
-what the plugin's hooks add to one engine step, timed in isolation (:mod:`vmkv_bench.vllm_costs`).
+own benchmark client against its OpenAI server (issue 19, :mod:`vmkv_bench.vllm_client`).
 
-``--parts`` picks them (default all three); ``--parts addressing`` (opt-in: three engines on a wider
+``--parts`` picks them (default both); ``--parts addressing`` (opt-in: three engines on a wider
 model, minutes) compares block tables with virtual memory inside one vLLM: stock, vmkv's paged
 backing and vmkv's contiguous mode (:mod:`vmkv_bench.vllm_addressing`, issue 20). The trace part:
 
@@ -23,9 +22,7 @@ Verdicts: the throughput ratio (vmkv / stock, median over rounds, against the ta
 and the KV memory vmkv holds as a share of stock's buffer, judged on the mean over the trace
 (vmkv wins below ``1 / (1 + TIE_MARGIN)``, stock above ``1 + TIE_MARGIN``, a tie between), with
 the peak as the upper end of its range. The client part adds, per request rate, the output
-tokens/s and mean TTFT ratios (``result["client"]``, :func:`vmkv_bench.vllm_client.verdicts`); the
-costs part the share of stock's step the plugin adds (``result["costs"]``,
-:func:`vmkv_bench.vllm_costs.verdicts`).
+tokens/s and mean TTFT ratios (``result["client"]``, :func:`vmkv_bench.vllm_client.verdicts`).
 """
 
 from __future__ import annotations
@@ -38,14 +35,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import common, vllm_addressing, vllm_client, vllm_costs
+from . import common, vllm_addressing, vllm_client
 
 SETTLE_S = 1.5  # vLLM's workers busy-poll their queue for 1 s after a step: let the idle engine go quiet
 
 NAME = "vllm"
 DESCRIPTION = ("vLLM with and without vmkv: one bursty ShareGPT-like trace (tokens/s ratio, KV memory over time) "
                "and vLLM's own benchmark client at rate inf and a finite rate (tokens/s and TTFT ratios)")
-PARTS = ("trace", "client", "costs", "addressing")
+PARTS = ("trace", "client", "addressing")
 
 SCHEMA = {
     "round": "interleaving round (engines take turns within a round)",
@@ -75,10 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sample-every", type=int, default=4, help="engine steps between memory samples (default 4)")
     parser.add_argument("--model-dir", type=Path, default=None, help="where to write the tiny model (default: a temp dir)")
     vllm_addressing.add_arguments(parser)
-    parser.add_argument("--parts", default="trace,client,costs", help="what to run, comma-separated: trace "
-                        "(in-process engines, bursty trace), client (vLLM's OpenAI servers and benchmark client), costs "
-                        "(the plugin's per-step hooks timed in isolation, same workload as the client); default trace,client,costs; "
-                        "addressing (stock, paged and contiguous vmkv on a wider model) is opt-in")
+    parser.add_argument("--parts", default="trace,client", help="what to run, comma-separated: trace "
+                        "(in-process engines, bursty trace), client (vLLM's OpenAI servers and benchmark client); default "
+                        "trace,client; addressing (stock, paged and contiguous vmkv on a wider model) is opt-in")
     parser.add_argument("--client-prompts", type=int, default=None, help="requests per client run (default 64; smoke 4)")
     parser.add_argument("--client-rates", default=None, help="request rates per second, comma-separated, inf = all at "
                         "once (default inf,16; smoke inf)")
@@ -151,7 +147,7 @@ def _kv_memory(samples: list[dict[str, Any]], vmkv: bool, buffer_bytes: int) -> 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the parts ``--parts`` names: rows per (round, engine) of the trace; the client part's
-    rows and summary under ``result["client"]``, the costs part's under ``result["costs"]``.
+    rows and summary under ``result["client"]``.
 
     Raises:
         vmkv.InvalidInput: ``--parts`` or ``--client-rates`` not understood.
@@ -179,13 +175,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         client = vllm_client.measure(_client_settings(args), model, kv_bytes, options, args.seed, args.log_dir)
         extra["client"] = client
         summary["client"] = {rate: s["verdict"] for rate, s in client["summary"].items()}
-    if "costs" in parts:
-        settings = _client_settings(args)
-        costs = vllm_costs.measure(model, kv_bytes, {"page_size": args.client_page_size}, requests=settings["prompts"],
-                                   input_len=settings["input_len"], output_len=settings["output_len"], seed=args.seed,
-                                   rounds=1 if args.smoke else vllm_costs.ROUNDS)
-        extra["costs"] = costs
-        summary["costs"] = costs["summary"]["verdict"]
     if "addressing" in parts:
         extra["addressing"] = vllm_addressing.measure(args, args.model_dir or Path(tempfile.gettempdir()))
         summary["addressing"] = extra["addressing"]["summary"]["verdict"]
@@ -306,7 +295,6 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
     """What the plugin costs in output tokens/s and how much KV memory it holds (the trace), and
     what it costs in output tokens/s and time to first token under vLLM's client, per rate."""
     client = vllm_client.verdicts(result["client"]) if "client" in result else []
-    client += vllm_costs.verdicts(result["costs"]) if "costs" in result else []
     client += vllm_addressing.verdicts(result["addressing"]) if "addressing" in result else []
     summary = result["summary"]
     if "throughput_ratios_per_round" not in summary:  # the trace part did not run
