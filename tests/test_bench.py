@@ -26,7 +26,7 @@ import vmkv.config
 import vmkv.kernels.contiguous
 from vmkv import cli
 from vmkv.kernels import registry
-from vmkv_bench import common, compare, suite
+from vmkv_bench import common, compare, runner
 
 FAST = ["memory", "decode", "mapping", "sharing"]  # smoke runs of seconds
 ALL = [*FAST, "generate", "serve"]
@@ -941,14 +941,14 @@ def test_cli_bench_ends_with_the_verdict_and_writes_json_report_and_plot(tmp_pat
 def test_report_keeps_earlier_records_and_names_missing_files(tmp_path):
     verdict = common.ratio_verdict("x.speed", "x question", common.Spread.of([1.4, 1.5, 1.6]), "A", "B").as_dict()
     records = [{"name": "x", "status": "ok", "seconds": 1.0, "json": "x.json", "plots": [], "verdicts": [verdict]}]
-    report = suite.write_report(tmp_path, records).read_text()
+    report = runner.write_report(tmp_path, records).read_text()
     assert "x question" in report and "its result file x.json is no longer in" in report
 
 
 def test_cli_registry_lists_colleagues_and_reports_a_missing_module(tmp_path, monkeypatch, capsys):
-    assert set(ALL) <= set(suite.REGISTRY)
-    broken = suite.Entry("broken", "vmkv_bench.does_not_exist")
-    monkeypatch.setattr(suite, "REGISTRY", {"broken": broken, "mapping": suite.REGISTRY["mapping"]})
+    assert set(ALL) <= set(runner.BENCHMARKS)
+    broken = runner.Entry("broken", "vmkv_bench.does_not_exist")
+    monkeypatch.setattr(runner, "BENCHMARKS", {"broken": broken, "mapping": runner.BENCHMARKS["mapping"]})
     status = cli.main(["bench", "--smoke", "--no-plots", "--no-progress", "--out", str(tmp_path)])
     assert status == 1  # one benchmark did not run ...
     records = json.loads((tmp_path / "suite.json").read_text())["records"]
@@ -965,7 +965,7 @@ def test_cli_module_verdicts_come_through_the_contract(tmp_path, monkeypatch, ca
     module.verdicts = lambda result: [common.ratio_verdict(
         "fake.speed", "fake stock vs plugin", common.Spread.of([1.3, 1.4, 1.5]), "plugin", "stock")]
     monkeypatch.setitem(sys.modules, "vmkv_bench.fake_verdict", module)
-    monkeypatch.setattr(suite, "REGISTRY", {"fake": suite.Entry("fake", "vmkv_bench.fake_verdict")})
+    monkeypatch.setattr(runner, "BENCHMARKS", {"fake": runner.Entry("fake", "vmkv_bench.fake_verdict")})
     assert cli.main(["bench", "--no-progress", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     tail = out[out.rindex("== verdict =="):].splitlines()
@@ -1018,7 +1018,7 @@ def test_the_library_does_not_import_the_benchmarks():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             assert not any(name == "vmkv_bench" or name.startswith("vmkv_bench.") for name in names), f"{path} imports {names}"
     declared = cli.checkout_commands(ROOT / "pyproject.toml")
-    assert declared["bench"].value == "vmkv_bench.suite" and declared["bench"].load() is suite
+    assert declared["bench"].value == "vmkv_bench.runner" and declared["bench"].load() is runner
 
 
 def test_a_contributed_command_gets_the_words_after_its_name(monkeypatch, capsys):
@@ -1068,12 +1068,12 @@ CUDA_GRANULARITY = 2 << 20
 
 def _resolved(name: str, device: str, smoke: bool = False, options: list[str] | None = None) -> tuple[object, argparse.Namespace]:
     """The module of benchmark ``name`` and its options as the suite resolves them on ``device``."""
-    entry = suite.REGISTRY[name]
-    module, why = suite.load_module(entry)
+    entry = runner.BENCHMARKS[name]
+    module, why = runner.load_module(entry)
     assert module is not None, why
     common_ns = argparse.Namespace(device=device, smoke=smoke, seed=0, out=Path("unused"), no_plots=True, progress=False)
-    argv = suite.preset(entry, device, smoke=smoke) if options is None else options
-    return module, suite.module_args(module, entry, argv, common_ns)
+    argv = runner.preset(entry, device, smoke=smoke) if options is None else options
+    return module, runner.module_args(module, entry, argv, common_ns)
 
 
 @pytest.mark.parametrize("device, granularity", [("cpu", 4096), ("cuda", CUDA_GRANULARITY)])
@@ -1083,7 +1083,7 @@ def test_every_preset_opens_on_its_device_without_one(name, device, granularity,
     """Issue 26: the quick preset (and --smoke) of every benchmark of the suite asks nothing of
     the device's backend that the backend refuses (CUDA: 2 MiB granularity), found without a
     GPU: every cache configuration it implies is built and checked."""
-    assert set(suite.REGISTRY[name].presets) == set(suite.DEVICES)
+    assert set(runner.BENCHMARKS[name].presets) == set(runner.DEVICES)
     module, args = _resolved(name, device, smoke)
     if name == "generate":  # VirtualCache sizes its own pages: no configuration here to check
         assert not hasattr(module, "refusals")
@@ -1136,7 +1136,7 @@ def test_cuda_presets_measure_what_a_cuda_user_gets():
 
 
 def test_a_refused_option_stops_the_run_before_anything_runs_or_is_written(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(suite, "granularity", lambda device: CUDA_GRANULARITY)  # this host as if it mapped 2 MiB pages
+    monkeypatch.setattr(runner, "granularity", lambda device: CUDA_GRANULARITY)  # this host as if it mapped 2 MiB pages
     out = tmp_path / "out"
     assert cli.main(["bench", "mapping", "--page-sizes", "2MiB", "--out", str(out)]) == 2  # its 4 KiB decode pages on CPU
     err = capsys.readouterr().err.strip()
@@ -1159,7 +1159,7 @@ def test_an_output_directory_that_cannot_be_written_stops_the_run_first(where, t
         def full(fd: int) -> None:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-        monkeypatch.setattr(suite.os, "fsync", full)
+        monkeypatch.setattr(runner.os, "fsync", full)
     elif where == "a filesystem that refuses" and os.access("/sys", os.W_OK) and not Path("/sys").is_dir():
         pytest.skip("no /sys here")
     assert cli.main(["bench", "--smoke", "--no-progress", "sharing", "--out", str(out)]) == 2

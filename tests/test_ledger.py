@@ -533,9 +533,9 @@ def test_gpu_check_shared_budget_section_dry_runs_on_the_cpu():
     import torch
 
     from vmkv_bench.gpu.memory import shared_budget_section
-    from vmkv_bench.gpu.workload import SMOKE
+    from vmkv_bench.runner import Context
 
-    result = shared_budget_section(torch.device("cpu"), SMOKE)
+    result = shared_budget_section(Context(torch.device("cpu"), smoke=True))
     assert result["failures"] == [] and all(result["checks"].values())
     assert result["resident_after_second"] <= result["budget_bytes"] and result["pages_held"][1] >= 40
 

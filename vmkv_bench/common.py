@@ -105,20 +105,6 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_call(fn: Callable[[], Any], device: str, *, repeat: int = 5, warmup: int = 1) -> float:
-    """Median wall time of ``fn()`` in seconds over ``repeat`` runs after ``warmup`` runs."""
-    for _ in range(warmup):
-        fn()
-    synchronize(device)
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 TRIM_FROM = 5
 """From this many samples on, a spread's range leaves out the single lowest and highest sample
 (a round another process interrupted), and says so."""
@@ -290,6 +276,13 @@ def measure_read_bandwidth(device: str, nbytes: int = 256 * 2**20, repeat: int =
     probe, size = read_bandwidth_probe(device, nbytes)
     timings = time_interleaved({"read": probe}, device, repeat=repeat, warmup=2)
     return Spread.of([size / t for t in timings.samples["read"]])
+
+
+def percentiles_us(values_ns: list[int]) -> dict[str, float]:
+    """``median``, ``p90``, ``mean`` and ``max`` of nanosecond samples, in microseconds."""
+    ordered = sorted(values_ns)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))] / 1e3  # noqa: E731
+    return {"median": pick(0.5), "p90": pick(0.9), "mean": statistics.fmean(ordered) / 1e3, "max": ordered[-1] / 1e3}
 
 
 def available_memory() -> int | None:

@@ -1,33 +1,12 @@
-"""Decode attention: VMM (every registered contiguous kernel, every layout) vs paged vs dense.
-
-For each batch size B and context length C, B sequences of C tokens (plus the step's new token)
-are written into one VMM cache per layout that ``vmkv.KVCacheConfig`` accepts and into a paged
-cache, with identical K/V; then one decode step (one new token per sequence, attention of
-layer 0 only) is timed, every candidate taking its turn in every round::
-
-    vmm:<layout>:<kernel>   each slots kernel of ``vmkv.kernels.registry`` that can run
-                            here (e.g. sdpa_per_sequence, one SDPA call per sequence; a batched
-                            kernel, one call for all rows), on that layout's virtual tensors
-    dense:<kernel>          the same kernel on ordinary torch tensors of the same shape (what
-                            virtual memory costs: nothing, if the ratio is 1.0)
-    paged:<kernel>          each paged kernel asked for, over the paged cache's block pools
-    read                    ``torch.sum`` over 256 MiB: the machine's read bandwidth, measured
-                            in the same rounds as the kernels
-
-The VMM caches hold two layers (layer 0 is timed), so a layout that interleaves layers shows
-its real strides. Kernels and layouts are found by name at run time: one added to
-``vmkv.kernels.contiguous`` or ``vmkv.config`` is measured without touching this file; one that cannot
-run here is reported with the reason, one that raises or gives a wrong answer is reported and
-left out of the verdict.
-
-Achieved bandwidth counts the K and V bytes a step must read (sum of lengths x kv_heads x
-head_dim x bytes x 2). Every output is checked against SDPA on the source K/V of each sequence.
-"""
+"""Decode attention (``vmkv bench decode``): VMM (every slots kernel and layout) vs paged vs the
+same kernel on dense tensors, against the read bandwidth; and the one decode-step harness
+(:class:`DecodeStep`) that the GPU check's kernel sections time as well."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import typing
 from dataclasses import dataclass
@@ -39,7 +18,6 @@ import torch.nn.functional as F
 import vmkv
 import vmkv.config
 from vmkv.kernels import registry
-from vmkv.kernels.base import AttentionKernel
 from vmkv.vmm.views import unguarded
 
 from . import common
@@ -50,7 +28,7 @@ DESCRIPTION = "decode-step attention: VMM (each kernel and layout) vs paged kern
 SCHEMA = {
     "batch": "sequences in the decode step",
     "context": "tokens cached per sequence before the step",
-    "candidate": "vmm:LAYOUT:KERNEL, dense:KERNEL or paged:KERNEL (see the module docstring)",
+    "candidate": "vmm:LAYOUT:KERNEL, dense:KERNEL or paged:KERNEL (docs/benchmarks.md)",
     "selected": "the kernel the cache itself runs for this layout / the paged kernel paged mode picks",
     "ms": "median ms per decode step (one layer)",
     "ms_low": "fastest round, ms (from 5 rounds on, the single fastest and slowest rounds are left out)",
@@ -62,6 +40,136 @@ SCHEMA = {
 READ_PROBE_BYTES = 256 * 2**20
 
 
+# ---- the harness -------------------------------------------------------------------------------
+class DecodeStep:
+    """``batch`` sequences of ``context`` cached tokens plus the step's own, the same K/V in layer 0
+    of every cache of ``configs`` (label -> (mode, config)), one query each, and the fp32
+    reference. A cache of ``optional`` that does not open is left out, with why (``skipped``)."""
+
+    def __init__(self, configs: dict[str, tuple[str, vmkv.KVCacheConfig]], batch: int, context: int, q_heads: int,
+                 seed: int = 0, optional: typing.Collection[str] = ()) -> None:
+        config = next(iter(configs.values()))[1]
+        heads, dim = config.num_kv_heads, config.head_dim
+        gen = torch.Generator().manual_seed(seed)
+
+        def randn(*size: int) -> torch.Tensor:
+            return torch.randn(*size, generator=gen).to(dtype=config.dtype, device=config.device)
+
+        k, v = randn(batch, context + 1, heads, dim), randn(batch, context + 1, heads, dim)  # [B, C + 1, Hkv, D]
+        self.q = randn(batch, q_heads, dim)  # [B, Hq, D]: one new token each
+        self.batch, self.context, self.scale = batch, context, dim**-0.5
+        self.kv_bytes = batch * (context + 1) * config.layer_token_bytes * 2  # what one layer's step reads
+        self.caches: dict[str, vmkv.KVCacheBase] = {}
+        self.plans: dict[str, Any] = {}
+        self.skipped: dict[str, str] = {}
+        for label, (mode, cfg) in configs.items():
+            try:
+                self._fill(label, vmkv.open_cache(cfg, mode), k, v)
+            except vmkv.VMKVError as exc:  # e.g. a page size this layout cannot use
+                if label not in optional:
+                    self.close()
+                    raise
+                self.skipped[label] = f"{type(exc).__name__}: {exc}"
+        q = self.q.float().reshape(batch, heads, q_heads // heads, dim)  # [B, Hkv, group, D]
+        self.reference = F.scaled_dot_product_attention(q, k.float().transpose(1, 2), v.float().transpose(1, 2),
+                                                        scale=self.scale).reshape(batch, q_heads, dim)
+
+    def _fill(self, label: str, cache: vmkv.KVCacheBase, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Every sequence's context in one step, then the decode step's token (layer 0)."""
+        self.caches[label] = cache
+        batch, heads, dim = k.shape[0], k.shape[2], k.shape[3]
+        for seq in range(batch):
+            cache.add(seq)
+        plan = cache.begin_step({seq: self.context for seq in range(batch)})
+        cache.write(0, k[:, :-1].reshape(-1, heads, dim), v[:, :-1].reshape(-1, heads, dim), plan)
+        self.plans[label] = plan = cache.begin_step({seq: 1 for seq in range(batch)})
+        cache.write(0, k[:, -1], v[:, -1], plan)
+
+    def storage(self, label: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a kernel reads from cache ``label``: its slot views (plain tensors) or block pools."""
+        cache = self.caches[label]
+        return tuple(map(unguarded, cache.kv_cache(0))) if cache.mode == "vmm" else cache.block_pool(0)
+
+    def spec(self, label: str) -> registry.KernelSpec:
+        cfg = self.caches[label].config
+        if self.caches[label].mode == "vmm":
+            return registry.KernelSpec("slots", cfg.device, cfg.dtype, cfg.num_kv_heads, cfg.head_dim)
+        return registry.KernelSpec("blocks", cfg.device, cfg.dtype, cfg.num_kv_heads, cfg.head_dim, cfg.block_size)
+
+    def call(self, label: str, name: str, kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> Callable[[], torch.Tensor] | str:
+        """Kernel ``name`` over cache ``label``'s storage (or ``kv`` in its shape) with its plan,
+        or why it cannot run here."""
+        spec = self.spec(label)
+        why = registry.unavailable(name, spec)
+        if why is not None:
+            return f"kernel {name} cannot run here: {why}"
+        kernel, (k, v) = registry.build(name, spec), kv or self.storage(label)
+        q, plan, scale = self.q, self.plans[label], self.scale
+        return lambda: kernel(q, k, v, plan, scale)
+
+    def error(self, out: torch.Tensor) -> float:
+        """Largest |out - reference|."""
+        return (out.float().reshape(self.reference.shape) - self.reference).abs().max().item()
+
+    def close(self) -> None:
+        for cache in self.caches.values():
+            cache.close()
+
+
+def dense_copy(view: torch.Tensor) -> torch.Tensor:
+    """An ordinary copy of ``view`` in fresh memory (``contiguous()`` may return the view itself)."""
+    return torch.empty(view.shape, dtype=view.dtype, device=view.device).copy_(view)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The GPU check's decode workload: ``batch`` sequences of ``seq_len`` tokens (the last decoded now)."""
+
+    batch: int
+    seq_len: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    iters: int  # kernel calls per timed sample
+    repeats: int  # timed samples per variant (the median is reported)
+    map_pages: int  # pages in the map/unmap measurement
+    paged_block: int  # block_size of the paged caches
+
+
+FULL = Shape(32, 2048, 32, 8, 128, "float16", iters=50, repeats=7, map_pages=256, paged_block=256)
+SMOKE = Shape(4, 64, 4, 2, 16, "float32", iters=2, repeats=2, map_pages=16, paged_block=16)
+
+# The largest |output - fp32 reference| a correct kernel shows on random K/V is a few eps of its
+# dtype times |o|; these leave about 5 eps. A dropped, repeated or foreign token errs by 1e-2 or more.
+TOLERANCE = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 4e-2}
+
+
+def decode_config(device: torch.device, shape: Shape, **fields: Any) -> vmkv.KVCacheConfig:
+    """One layer sized to hold ``shape``'s sequences twice over, in pages of the backend's granularity."""
+    from vmkv.vm import granularity
+
+    token_bytes = shape.kv_heads * shape.head_dim * torch.empty((), dtype=getattr(torch, shape.dtype)).element_size()
+    page = math.lcm(granularity(device) if device.type == "cuda" else 4096, token_bytes)
+    values = dict(num_layers=1, num_kv_heads=shape.kv_heads, head_dim=shape.head_dim, dtype=shape.dtype, device=device,
+                  max_batch_size=shape.batch, max_seq_len=shape.seq_len, page_size=page, prefix_caching=False,
+                  memory_budget=2 * shape.batch * -(-shape.seq_len // (page // token_bytes)) * page)
+    return vmkv.KVCacheConfig(**{**values, **fields})
+
+
+def shape_step(device: torch.device, shape: Shape, configs: dict[str, tuple[str, vmkv.KVCacheConfig]]) -> DecodeStep:
+    """:class:`DecodeStep` of ``shape`` (its last token is the step's) in ``configs``."""
+    return DecodeStep(configs, shape.batch, shape.seq_len - 1, shape.q_heads)
+
+
+def compare_ms(fns: dict[str, Callable[[], Any]], device: torch.device, shape: Shape) -> dict[str, float]:
+    """Median ms per call of each variant: interleaved rounds, each sample ``shape.iters`` calls."""
+    batches = {name: (lambda fn=fn: [fn() for _ in range(shape.iters)]) for name, fn in fns.items()}
+    timings = common.time_interleaved(batches, device.type, repeat=shape.repeats, warmup=2)
+    return {name: timings.median(name) * 1e3 / shape.iters for name in fns}
+
+
+# ---- the benchmark -----------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """This benchmark's options (the CLI adds --device, --smoke, --seed, --out)."""
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: stable on a shared CPU; 0 keeps torch's default)")
@@ -97,24 +205,14 @@ def _defaults(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def _runnable_kernels(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
-    """Contiguous kernels that can run here, and why the others cannot.
-
-    Raises:
-        vmkv.InvalidConfig: a kernel name that ``vmkv.kernels.registry`` has no slots kernel of.
-    """
+    """Contiguous kernels that can run here, and why the others cannot."""
     unknown = sorted(set(args.kernels) - set(registry.names("slots")))
     if unknown:
         raise vmkv.InvalidConfig(f"unknown kernels {unknown}; known: {registry.names('slots')}")
     dtype = common.cache_config({"num_layers": 1, "num_kv_heads": 1, "head_dim": args.head_dim, "dtype": args.dtype}, args.device).dtype
-    runnable, skipped = [], {}
     spec = registry.KernelSpec("slots", torch.device(args.device), dtype, args.kv_heads, args.head_dim)
-    for name in args.kernels:
-        why = registry.unavailable(name, spec)
-        if why is None:
-            runnable.append(name)
-        else:
-            skipped[name] = why
-    return runnable, skipped
+    why = {name: registry.unavailable(name, spec) for name in args.kernels}
+    return [name for name in args.kernels if why[name] is None], {name: w for name, w in why.items() if w is not None}
 
 
 @dataclass
@@ -124,110 +222,39 @@ class _Candidate:
     selected: bool
 
 
-class _Case:
-    """B sequences of C tokens in one VMM cache per layout, a paged cache and dense tensors."""
+def _case(args: argparse.Namespace, batch: int, context: int) -> DecodeStep:
+    """One grid point: a two-layer VMM cache per layout (layer 0 timed: a layout that interleaves
+    layers shows its real strides) and the paged cache."""
+    configs = {label: (mode, _config(args, batch, context, mode, fields)) for label, mode, fields in _caches(args)}
+    return DecodeStep(configs, batch, context, args.q_heads, seed=args.seed,
+                      optional=[label for label, (mode, _) in configs.items() if mode == "vmm"])
 
-    def __init__(self, args: argparse.Namespace, batch: int, context: int) -> None:
-        self.args, self.batch, self.context = args, batch, context
-        self.shape = {"num_layers": 1, "num_kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": args.dtype}
-        probe = common.cache_config(self.shape, args.device)
-        self.kv_bytes = batch * (context + 1) * probe.layer_token_bytes * 2  # what one layer's step reads
-        gen = torch.Generator().manual_seed(args.seed)
-        dtype, device = probe.dtype, probe.device
 
-        def randn(*size: int) -> torch.Tensor:
-            return torch.randn(*size, generator=gen).to(dtype=dtype, device=device)
+def _candidates(case: DecodeStep, kernels: list[str], paged_kernels: list[str], layout: str) -> list[_Candidate]:
+    """Every runnable candidate of a grid point: each kernel on each VMM layout and on dense copies
+    of each view shape, each paged kernel over the block table; why the others cannot run goes to
+    ``case.skipped``."""
+    out, dense = [], {}
 
-        # source K/V: [B, C + 1, Hkv, D]; the last token is the decode step's own
-        self.k_src = randn(batch, context + 1, args.kv_heads, args.head_dim)
-        self.v_src = randn(batch, context + 1, args.kv_heads, args.head_dim)
-        self.q = randn(batch, args.q_heads, args.head_dim)  # q: [B, Hq, D], one new token each
-        self.scale = args.head_dim**-0.5
-        self.caches: dict[str, vmkv.KVCacheBase] = {}
-        self.plans: dict[str, Any] = {}
-        self.skipped: dict[str, str] = {}
-        for label, mode, fields in _caches(args):
-            try:
-                self._fill(label, mode, fields)
-            except vmkv.VMKVError as exc:  # e.g. a page size this layout cannot use
-                if mode == "paged":
-                    raise
-                self.skipped[label] = f"{type(exc).__name__}: {exc}"
-        self.expected = self._reference()  # then the source K/V can go: memory is tight at 32 x 8K
-        del self.k_src, self.v_src
+    def add(name: str, call: Callable[[], torch.Tensor] | str, selected: bool) -> None:
+        if isinstance(call, str):
+            case.skipped[name] = call
+        else:
+            out.append(_Candidate(name, call, selected))
 
-    def _fill(self, label: str, mode: str, fields: dict[str, Any]) -> None:
-        """Open a cache, write every sequence's context, then the decode step's token (layer 0)."""
-        cache = vmkv.open_cache(_config(self.args, self.batch, self.context, mode, fields), mode)
-        try:
-            for seq in range(self.batch):
-                cache.add(seq)
-                cache.write(0, self.k_src[seq, :-1], self.v_src[seq, :-1], cache.begin_step({seq: self.context}))
-            plan = cache.begin_step({seq: 1 for seq in range(self.batch)})
-            cache.write(0, self.k_src[:, -1], self.v_src[:, -1], plan)
-        except BaseException:
-            cache.close()
-            raise
-        self.caches[label], self.plans[label] = cache, plan
-
-    def _reference(self) -> torch.Tensor:
-        """SDPA per sequence on the source K/V, in float32: ``[B, Hq, D]``."""
-        group = self.args.q_heads // self.args.kv_heads
-        q = self.q.float().reshape(self.batch, self.args.kv_heads, group, -1)  # [B, Hkv, group, D]
-        k = self.k_src.float().transpose(1, 2)  # [B, Hkv, C + 1, D]
-        v = self.v_src.float().transpose(1, 2)
-        return F.scaled_dot_product_attention(q, k, v, scale=self.scale).reshape(self.batch, self.args.q_heads, -1)
-
-    def candidates(self, kernels: list[str], paged_kernels: list[str]) -> list[_Candidate]:
-        """Every runnable candidate of this case (see the module docstring)."""
-        out = []
-        dense: dict[tuple, tuple[torch.Tensor, torch.Tensor, Any]] = {}
-        for label, cache in self.caches.items():
-            if cache.mode != "vmm":
-                continue
-            k_view, v_view = map(unguarded, cache.kv_cache(0))  # plain tensors: time the kernel alone
-            plan = self.plans[label]
-            dense.setdefault(tuple(k_view.shape), (_dense_copy(k_view), _dense_copy(v_view), plan))
+    for label, cache in case.caches.items():
+        if cache.mode == "vmm":
+            k, v = case.storage(label)
+            dense.setdefault(tuple(k.shape), (dense_copy(k), dense_copy(v), label))
             for name in kernels:
-                kernel = registry.build(name, self._slots_spec(cache))
-                out.append(_Candidate(f"{label}:{name}", self._call(kernel, k_view, v_view, plan), name == cache.kernel))
-        default_layout = common.cache_config(self.shape, self.args.device).layout
-        for shape, (k_dense, v_dense, plan) in dense.items():
-            prefix = "dense" if len(dense) == 1 else f"dense{list(shape)}"
-            for name in kernels:
-                kernel = registry.build(name, self._slots_spec(self.caches[next(iter(self.caches))]))
-                selected = any(c.selected and c.name == f"vmm:{default_layout}:{name}" for c in out)
-                out.append(_Candidate(f"{prefix}:{name}", self._call(kernel, k_dense, v_dense, plan), selected))
-        out += self._paged(paged_kernels)
-        return out
-
-    @staticmethod
-    def _slots_spec(cache: vmkv.KVCacheBase) -> registry.KernelSpec:
-        cfg = cache.config
-        return registry.KernelSpec("slots", cfg.device, cfg.dtype, cfg.num_kv_heads, cfg.head_dim)
-
-    def _call(self, kernel: AttentionKernel, k: torch.Tensor, v: torch.Tensor, plan: Any) -> Callable[[], torch.Tensor]:
-        q, scale = self.q, self.scale
-        return lambda: kernel(q, k, v, plan, scale)
-
-    def _paged(self, names: list[str]) -> list[_Candidate]:
-        cache, plan = self.caches["paged"], self.plans["paged"]
-        cfg = cache.config
-        spec = registry.KernelSpec("blocks", cfg.device, cfg.dtype, cfg.num_kv_heads, cfg.head_dim, cfg.block_size)
-        k_pool, v_pool = cache.block_pool(0)
-        out = []
-        for name in names:
-            try:
-                kernel = registry.make_kernel(spec, forced=name)
-            except vmkv.VMKVError as exc:
-                self.skipped[f"paged:{name}"] = f"{type(exc).__name__}: {exc}"
-                continue
-            out.append(_Candidate(f"paged:{name}", self._call(kernel, k_pool, v_pool, plan), name == cache.kernel))
-        return out
-
-    def close(self) -> None:
-        for cache in self.caches.values():
-            cache.close()
+                add(f"{label}:{name}", case.call(label, name), name == cache.kernel)
+    for shape, (k, v, label) in dense.items():
+        prefix = "dense" if len(dense) == 1 else f"dense{list(shape)}"
+        for name in kernels:
+            add(f"{prefix}:{name}", case.call(label, name, (k, v)), any(c.selected and c.name == f"vmm:{layout}:{name}" for c in out))
+    for name in paged_kernels:
+        add(f"paged:{name}", case.call("paged", name), name == case.caches["paged"].kernel)
+    return out
 
 
 def _caches(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]:
@@ -263,12 +290,6 @@ def refusals(args: argparse.Namespace, granularity: int) -> dict[str, str]:
     return common.cache_refusals(planned, granularity)
 
 
-def _dense_copy(view: torch.Tensor) -> torch.Tensor:
-    """An ordinary, contiguous copy of ``view`` in freshly allocated memory (never the view itself,
-    which ``contiguous()`` would return for a view that is contiguous already)."""
-    return torch.empty(view.shape, dtype=view.dtype, device=view.device).copy_(view)
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Time every candidate on every (batch, context) of the grid."""
     with common.torch_threads(getattr(args, "threads", None)):
@@ -295,11 +316,11 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                                                  f"{free / 2**30:.1f} GiB available")
             print(f"[decode] B={batch} C={context} left out: {skipped[f'B={batch} C={context}']}", file=sys.stderr)
             continue
-        case = _Case(args, batch, context)
+        case = _case(args, batch, context)
         try:
             selected_paged = case.caches["paged"].kernel
             selected_vmm.update({label.split(":", 1)[1]: c.kernel for label, c in case.caches.items() if c.mode == "vmm"})
-            found, samples[f"{batch},{context}"] = _measure_point(case, kernels, probe, clock, config_layout, skipped, wrong)
+            found, samples[f"{batch},{context}"] = _measure_point(args, case, kernels, probe, clock, config_layout, skipped, wrong)
             rows += found
         finally:
             case.close()
@@ -339,19 +360,18 @@ def _bytes_needed(args: argparse.Namespace, batch: int, context: int) -> int:
 
 
 def _measure_point(
-    case: _Case, kernels: list[str], probe: tuple[Callable[[], Any], int], clock: str, layout: str,
-    skipped: dict[str, str], wrong: dict[str, float],
+    args: argparse.Namespace, case: DecodeStep, kernels: list[str], probe: tuple[Callable[[], Any], int], clock: str,
+    layout: str, skipped: dict[str, str], wrong: dict[str, float],
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Check, then time, every candidate of one grid point (with the read probe and the control);
     its rows and its raw per-round samples."""
-    args = case.args
     read, read_bytes = probe
     wanted = args.paged_kernels or ["selected", "gather_sdpa"]
     selected = case.caches["paged"].kernel
     both = [name for name in kernels if name in registry.names("blocks")]  # read both addressings: measure both
     paged_kernels = list(dict.fromkeys([*(selected if name == "selected" else name for name in wanted), *both]))
     tolerance = 1e-4 if case.q.dtype == torch.float32 else 2e-2
-    candidates, diffs = _checked(case, case.candidates(kernels, paged_kernels), tolerance, skipped, wrong)
+    candidates, diffs = _checked(case, _candidates(case, kernels, paged_kernels, layout), tolerance, skipped, wrong)
     fns = {c.name: c.fn for c in candidates}
     control = _control_of(candidates, layout)
     extra = {"read": read, **({CONTROL: fns[control]} if control else {})}
@@ -370,11 +390,10 @@ def _measure_point(
     return rows, {"kv_bytes": case.kv_bytes, "read_bytes": read_bytes, "seconds": timings.samples}
 
 
-def _checked(case: _Case, candidates: list[_Candidate], tolerance: float, skipped: dict[str, str],
+def _checked(case: DecodeStep, candidates: list[_Candidate], tolerance: float, skipped: dict[str, str],
              wrong: dict[str, float]) -> tuple[list[_Candidate], dict[str, float]]:
     """The candidates that run and match the reference, and every output's largest difference;
     a candidate that raises goes to ``skipped``, one that differs to ``wrong`` (both reported)."""
-    reference = case.expected
     good, diffs = [], {}
     for cand in candidates:
         try:
@@ -382,7 +401,7 @@ def _checked(case: _Case, candidates: list[_Candidate], tolerance: float, skippe
         except Exception as exc:  # noqa: BLE001 - a kernel that fails on a layout is reported, not fatal
             skipped[cand.name] = f"{type(exc).__name__}: {exc}"
             continue
-        diffs[cand.name] = (out.float().reshape(reference.shape) - reference).abs().max().item()
+        diffs[cand.name] = case.error(out)
         if diffs[cand.name] > tolerance:
             wrong[f"{cand.name} at B={case.batch} C={case.context}"] = diffs[cand.name]
         else:
@@ -640,9 +659,3 @@ def plot(result: dict[str, Any], out_dir) -> list[str]:
     rows_of_legend = -(-len(labels) // 4)
     fig.tight_layout(rect=(0, 0.06 * rows_of_legend + 0.02, 1, 1))
     return [common.save_figure(fig, out_dir, "decode_time.png", tight=False)]
-
-
-if __name__ == "__main__":  # python -m vmkv_bench.decode [options] runs `vmkv bench decode [options]`
-    from vmkv_bench.suite import main
-
-    sys.exit(main([NAME, *sys.argv[1:]]))

@@ -728,9 +728,3 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[str]:
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
         paths.append(common.save_figure(fig, out_dir, fname))
     return paths
-
-
-if __name__ == "__main__":  # python -m vmkv_bench.generate [options] runs `vmkv bench generate [options]`
-    from vmkv_bench.suite import main
-
-    sys.exit(main([NAME, *sys.argv[1:]]))

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from typing import Any
 
@@ -82,14 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=None, help="rounds of the three decode variants (default 9; smoke 2)")
 
 
-def _map_latency(device: str, page_size: int, pages: int) -> tuple[list[float], list[float]]:
-    """Seconds to map, then to unmap, each of ``pages`` pages mapped one by one into a reservation
-    (each call timed alone: a median ignores the calls a busy machine preempts)."""
-    vm = open_backend(torch.device(device), page_size, pages)
-    try:
-        base = vm.reserve(page_size * pages)
-        addrs = [base + i * page_size for i in range(pages)]
-        map_ns, unmap_ns = [], []
+def map_latency(vm: Any, page_size: int, pages: int, rounds: int = 1) -> tuple[list[int], list[int]]:
+    """Nanoseconds to map, then to unmap, each of ``pages`` pages one by one into a reservation of
+    ``vm``, ``rounds`` times: each call timed alone (a median ignores the calls a busy machine preempts)."""
+    base = vm.reserve(page_size * pages)
+    addrs = [base + i * page_size for i in range(pages)]
+    map_ns, unmap_ns = [], []
+    for _ in range(rounds):
         for page, addr in enumerate(addrs):
             start = time.perf_counter_ns()
             vm.map(addr, page)
@@ -99,10 +97,8 @@ def _map_latency(device: str, page_size: int, pages: int) -> tuple[list[float], 
             start = time.perf_counter_ns()
             vm.unmap(addr)
             unmap_ns.append(time.perf_counter_ns() - start)
-        vm.free_reservation(base, page_size * pages)
-    finally:
-        vm.close()
-    return [ns * 1e-9 for ns in map_ns], [ns * 1e-9 for ns in unmap_ns]
+    vm.free_reservation(base, page_size * pages)
+    return map_ns, unmap_ns
 
 
 def _percentiles(samples: list[float]) -> common.Spread:
@@ -322,9 +318,13 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         if what == "decode":
             rows += _decode_rows(args, size)
             continue
-        map_s, unmap_s = _map_latency(args.device, nbytes, pages)
-        for measure, seconds in (("map_us", map_s), ("unmap_us", unmap_s)):
-            us = _percentiles(seconds).scaled(1e6)
+        vm = open_backend(torch.device(args.device), nbytes, pages)
+        try:
+            map_ns, unmap_ns = map_latency(vm, nbytes, pages)
+        finally:
+            vm.close()
+        for measure, ns in (("map_us", map_ns), ("unmap_us", unmap_ns)):
+            us = _percentiles(ns).scaled(1e-3)
             rows.append({"measure": measure, "page_size": nbytes, **empty, "value": us.value, "low": us.low, "high": us.high,
                          "runs": us.runs})
     reserve_page = vmkv.parse_size(args.page_sizes[-1])
@@ -384,9 +384,3 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
               f"{common.number_text(saving.low, '%')} to {common.number_text(saving.high, '%')}; "
               f"step {ahead['baseline_step_ms']:.2f} ms without mapping"),
     )]
-
-
-if __name__ == "__main__":  # python -m vmkv_bench.mapping [options] runs `vmkv bench mapping [options]`
-    from vmkv_bench.suite import main
-
-    sys.exit(main([NAME, *sys.argv[1:]]))

@@ -31,7 +31,6 @@ the last requests finish alone) are left out. A replay is deterministic for a se
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 import typing
 from collections import deque
@@ -432,9 +431,3 @@ def plot(result: dict[str, Any], out_dir) -> list[str]:
             ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, frameon=False)
     fig.tight_layout(rect=(0, 0, 1 - 3.0 / (6.2 * len(kinds) + 3.2), 1))
     return [common.save_figure(fig, out_dir, "memory_utilization.png", tight=False)]
-
-
-if __name__ == "__main__":  # python -m vmkv_bench.memory [options] runs `vmkv bench memory [options]`
-    from vmkv_bench.suite import main
-
-    sys.exit(main([NAME, *sys.argv[1:]]))

@@ -31,7 +31,6 @@ import argparse
 import dataclasses
 import math
 import random
-import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -438,9 +437,3 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[str]:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(0.0, -0.16), ncol=2, frameon=False)
     fig.tight_layout()
     return [common.save_figure(fig, out_dir, "serve.png", tight=False)]
-
-
-if __name__ == "__main__":  # python -m vmkv_bench.serve [options] runs `vmkv bench serve [options]`
-    from vmkv_bench.suite import main
-
-    sys.exit(main([NAME, *sys.argv[1:]]))

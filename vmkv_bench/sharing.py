@@ -29,7 +29,6 @@ import argparse
 import functools
 import random
 import statistics
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -395,9 +394,3 @@ def plot(result: dict[str, Any], out_dir) -> list[str]:
     fig.legend(handles, labels, loc="lower center", ncol=columns, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.06 * -(-len(labels) // columns) + 0.02, 1, 1))
     return [common.save_figure(fig, out_dir, "sharing_saved.png", tight=False)]
-
-
-if __name__ == "__main__":  # python -m vmkv_bench.sharing [options] runs `vmkv bench sharing [options]`
-    from vmkv_bench.suite import main
-
-    sys.exit(main([NAME, *sys.argv[1:]]))

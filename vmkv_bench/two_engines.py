@@ -281,9 +281,3 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
                 f"{summary['shared']['peak_resident_mib']:.1f} MiB of {rows[0]['budget_mib']:.1f}")
         out.append(common.ratio_verdict(f"{NAME}.{label}_ttft", question, ratios, "shared", "static", note=note))
     return out
-
-
-if __name__ == "__main__":  # python -m vmkv_bench.two_engines [options] runs `vmkv bench two_engines [options]`
-    from vmkv_bench.suite import main
-
-    sys.exit(main([NAME, *sys.argv[1:]]))

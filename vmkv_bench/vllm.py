@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -323,9 +322,3 @@ def kv_memory_side(mean: float, tie_margin: float = common.TIE_MARGIN) -> tuple[
     if mean > 1.0 + tie_margin:
         return "stock", f"stock, vmkv holds {common.number_text(mean)} its buffer on average"
     return "tie", f"tie (mean within {100 * tie_margin:.0f} % of stock's buffer)"
-
-
-if __name__ == "__main__":  # python -m vmkv_bench.vllm [options] runs `vmkv bench vllm [options]`
-    from vmkv_bench.suite import main
-
-    sys.exit(main([NAME, *sys.argv[1:]]))

@@ -1,11 +1,7 @@
-"""The ``bench`` section: the main job on the GPU, ``python -m vmkv.cli bench --device cuda --out DIR/bench``.
-
-The suite runs as a subprocess (it starts processes of its own: a server, engines) with what is
-left of the section's time; it is killed with everything it started when that runs out. Its exit
-status and, from ``DIR/bench/suite.json``, every benchmark's status and verdicts are recorded;
-the verdicts themselves are the suite's (docs/benchmarks.md), not judged here. The dry run
-(``--smoke``) runs one quick benchmark (:data:`SMOKE_BENCHMARK`) with ``--smoke``.
-"""
+"""The ``bench`` section: the main job on the GPU, ``python -m vmkv.cli bench --device cuda
+--out DIR/bench``, in a process of its own (it starts servers and engines) killed with them when
+the section's time runs out; its exit status and every benchmark's status and verdicts (from its
+``suite.json``) are recorded. The dry run runs one quick benchmark with ``--smoke``."""
 
 from __future__ import annotations
 
@@ -16,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .registry import run_process
+from ..runner import Context, run_process
 
 SMOKE_BENCHMARK = "mapping"
 """The benchmark the dry run runs (seconds on a CPU)."""
@@ -29,15 +25,11 @@ def bench_command(device: torch.device, out: Path, smoke: bool) -> list[str]:
     return cmd + (["--smoke", "--no-plots", SMOKE_BENCHMARK] if smoke else [])
 
 
-def bench_section(device: torch.device, out_dir: Path, smoke: bool, timeout: float) -> dict[str, Any]:
-    """Run the main job's suite for at most ``timeout`` seconds and record what it says.
-
-    Returns:
-        ``command``, ``exit`` (in words), ``returncode`` (``None``: timed out), ``benchmarks``
-        (per benchmark: ``status``, ``seconds``, ``reason`` or ``verdicts``), ``output_tail``;
-        ``failures`` when it did not exit with status 0.
-    """
-    out = out_dir / "bench"
+def bench_section(ctx: Context) -> dict[str, Any]:
+    """Run the main job's suite with what is left of the section's time and record what it says:
+    its exit, and per benchmark ``status``, ``seconds``, ``reason`` or ``verdicts``."""
+    device, smoke, timeout = ctx.device, ctx.smoke, ctx.seconds_left() - 10
+    out = ctx.out / "bench"
     out.mkdir(parents=True, exist_ok=True)
     suite = out / "suite.json"
     suite.unlink(missing_ok=True)  # the CLI merges into an existing one: keep only this run's records

@@ -35,10 +35,11 @@ import json
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from ..runner import Context
 
 LOGIT_FACTOR = 2.0  # compiled VirtualCache's logit error may be at most this many times StaticCache's
 LOGIT_FLOOR = 1e-4  # ... or this (float32, where both are rounding: a few 1e-6)
@@ -211,22 +212,19 @@ def _setup(device: torch.device, smoke: bool) -> tuple[torch.nn.Module, Any, Wor
     return model, None, _work([512] * 16, 128, device), _work(ragged, 128, device), 2
 
 
-def hf_compiled_section(device: torch.device, smoke: bool, out: Path | None = None,
-                        seconds_left: Callable[[], float] = lambda: float("inf")) -> dict[str, Any]:
-    """The parts of the module docstring: dense, logits, then ragged and profile when enough
-    seconds are left (else skipped, with the reason). What has finished is written to
-    ``out/hf_compiled.partial.json`` after each cache and part, so a run killed at its time limit
-    (or by a device fault) keeps it.
-    Fails when a cache raises or a compiled VirtualCache's logits are further from DynamicCache's
-    than ``LOGIT_FACTOR`` times StaticCache's."""
-    model, compile_config, dense, ragged, rounds = _setup(device, smoke)
+def hf_compiled_section(ctx: Context) -> dict[str, Any]:
+    """Dense, logits, then ragged and profile when enough seconds are left (else skipped, with the
+    reason); what finished is kept in ``hf_compiled.partial.json`` after each cache and part (a
+    run killed at its limit keeps it). Fails when a cache raises or a compiled VirtualCache's
+    logits are further from DynamicCache's than ``LOGIT_FACTOR`` times StaticCache's."""
+    out, smoke, seconds_left = ctx.out, ctx.smoke, ctx.seconds_left
+    model, compile_config, dense, ragged, rounds = _setup(ctx.device, smoke)
     result: dict[str, Any] = {"model": "embedded, 2 layers, float32" if smoke else "Llama-3.2-1B shape, bfloat16",
                               "targets": TARGETS, "failures": []}
 
     def keep() -> None:
-        if out is not None:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "hf_compiled.partial.json").write_text(json.dumps(result, indent=2, default=str))
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "hf_compiled.partial.json").write_text(json.dumps(result, indent=2, default=str))
 
     def enough(part: str, need_s: float) -> bool:
         if seconds_left() >= need_s:

@@ -1,6 +1,5 @@
-"""The sections that check the CUDA backend and measure the kernels: ``environment``, ``tests``,
-``zero_page``, ``decode`` and ``map_unmap`` (docs/gpu.md says what each asserts
-and what its numbers mean)."""
+"""The sections that check the CUDA backend and the kernels: ``environment``, ``tests``,
+``zero_page``, ``decode`` and ``map_unmap`` (docs/gpu.md says what each asserts)."""
 
 from __future__ import annotations
 
@@ -9,7 +8,6 @@ import re
 import sys
 import time
 from dataclasses import asdict, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,18 +15,20 @@ import torch
 import vmkv
 from vmkv.kernels import registry as kernel_registry
 from vmkv.kernels.facts import flash_varlen_has_seqused_k, has_flash_attn, torch_varlen_features
-from vmkv.vmm.views import unguarded
 
-from .registry import SCRIPT, optional_packages, package_version, run_process
-from .workload import TOLERANCE, MiB, Shape, compare_ms, decode_config, fill, make_data, percentiles_us, reference_decode
+from ..common import percentiles_us
+from ..decode import TOLERANCE, compare_ms, decode_config, dense_copy, shape_step
+from ..mapping import map_latency
+from ..runner import SCRIPT, Context, optional_packages, package_version, run_process
+
+MiB = 1 << 20
 
 
-def environment(device: torch.device, shape: Shape) -> dict[str, Any]:
-    """Versions, the GPU, the VMM granularity, whether the device takes read-only mappings for
-    the zero page, each contiguous kernel (``available`` or why not) and the one a cache picks;
-    ``optional_packages``: each optional package's version, ``None`` where it is missing."""
-    dtype = getattr(torch, shape.dtype)
-    spec = kernel_registry.KernelSpec("slots", device, dtype, shape.kv_heads, shape.head_dim)
+def environment_section(ctx: Context) -> dict[str, Any]:
+    """Versions, the GPU, the VMM granularity, whether the zero page may be read-only, each
+    contiguous kernel (``available`` or why not) and the ones a cache picks."""
+    device, shape = ctx.device, ctx.shape
+    spec = kernel_registry.KernelSpec("slots", device, getattr(torch, shape.dtype), shape.kv_heads, shape.head_dim)
     env: dict[str, Any] = {
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -48,14 +48,12 @@ def environment(device: torch.device, shape: Shape) -> dict[str, Any]:
         "selected_paged_kernel": kernel_registry.choose(replace(spec, addressing="blocks", block_size=shape.paged_block)).name,
     }
     if device.type == "cuda":
+        from vmkv.vm.cuda import CudaVirtualMemory, cuda_granularity
+
         props = torch.cuda.get_device_properties(device)
         env["gpu"] = {"name": props.name, "capability": f"{props.major}.{props.minor}", "memory_GiB": round(props.total_memory / 2**30, 1),
                       "multiprocessors": props.multi_processor_count}
-        from vmkv.vm.cuda import cuda_granularity
-
         env["vmm_granularity_bytes"] = cuda_granularity(device)
-        from vmkv.vm.cuda import CudaVirtualMemory
-
         probe = CudaVirtualMemory(env["vmm_granularity_bytes"], 1, device=device)
         env["zero_page_read_only"] = probe.zero_page_read_only  # False: the device refused PROT_READ
         probe.close()
@@ -68,10 +66,14 @@ def environment(device: torch.device, shape: Shape) -> dict[str, Any]:
     return env
 
 
-def run_tests(paths: list[str], timeout: float) -> dict[str, Any]:
-    """pytest on ``paths`` (at most ``timeout`` seconds); the GPU check's own tests are deselected
-    (they would run this script again)."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *paths, "-k", "not gpu_check"]
+def tests_skip(device: torch.device, smoke: bool) -> str | None:
+    return "--smoke: the dry run is itself one of the tests" if smoke else None
+
+
+def tests_section(ctx: Context) -> dict[str, Any]:
+    """pytest on ``--tests``; the GPU check's own tests are deselected (they would run it again)."""
+    timeout = min(ctx.options.test_timeout, ctx.seconds_left() - 10)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *ctx.options.tests, "-k", "not gpu_check"]
     done = run_process(cmd, timeout)
     summary = [line for line in done.output.splitlines() if re.search(r"\d+ (passed|failed|error)", line)]
     counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", summary[-1] if summary else "")}
@@ -85,28 +87,22 @@ def run_tests(paths: list[str], timeout: float) -> dict[str, Any]:
     }
 
 
-def decode_section(device: torch.device, shape: Shape, kernels: list[str]) -> dict[str, Any]:
-    """Each of ``kernels`` (contiguous-mode names) on the VMM views vs on a dense tensor with the same bytes."""
-    cache = vmkv.open_cache(decode_config(device, shape))
+def decode_section(ctx: Context) -> dict[str, Any]:
+    """Each of ``--kernels`` on the VMM views vs on a dense copy with the same bytes."""
+    device, shape = ctx.device, ctx.shape
+    step = shape_step(device, shape, {"vmm": ("vmm", decode_config(device, shape))})
     try:
-        data = make_data(device, shape)
-        plan = fill(cache, data, shape)
-        k_vmm, v_vmm = map(unguarded, cache.kv_cache(0))  # [batch, seq_len, kv_heads, head_dim] plain views of the ranges
-        k_dense, v_dense = k_vmm.clone(), v_vmm.clone()  # every position is mapped: all slots are full
-        reference = reference_decode(data.q, k_dense, v_dense, plan.slots_t.long())
+        cache, (k_vmm, v_vmm) = step.caches["vmm"], step.storage("vmm")
+        dense = (dense_copy(k_vmm), dense_copy(v_vmm))  # every position is mapped: all slots are full
         kv_bytes = 2 * shape.batch * shape.seq_len * shape.kv_heads * shape.head_dim * k_vmm.element_size()
         tolerance = TOLERANCE[shape.dtype]
         rows: dict[str, Any] = {}
         failures = []
-        for name in kernels:
-            spec = kernel_registry.KernelSpec("slots", device, k_vmm.dtype, shape.kv_heads, shape.head_dim)
-            reason = kernel_registry.unavailable(name, spec)
-            kernel = kernel_registry.build(name, spec) if reason is None else None
-            if reason is not None:
-                rows[name] = {"skipped": reason}
+        for name in ctx.options.kernels:
+            on_vmm, on_dense = step.call("vmm", name), step.call("vmm", name, dense)
+            if isinstance(on_vmm, str):
+                rows[name] = {"skipped": on_vmm.partition(": ")[2]}
                 continue
-            on_vmm = lambda: kernel(data.q, k_vmm, v_vmm, plan, None)  # noqa: E731
-            on_dense = lambda: kernel(data.q, k_dense, v_dense, plan, None)  # noqa: E731
             out_vmm, out_dense = on_vmm(), on_dense()
             times = compare_ms({"vmm": on_vmm, "dense": on_dense}, device, shape)
             rows[name] = {
@@ -115,7 +111,7 @@ def decode_section(device: torch.device, shape: Shape, kernels: list[str]) -> di
                 "vmm_over_dense": times["vmm"] / times["dense"],
                 "vmm_GBps": kv_bytes / times["vmm"] / 1e6,
                 "max_abs_diff": (out_vmm.float() - out_dense.float()).abs().max().item(),
-                "max_abs_err_vs_fp32_reference": (out_vmm.float() - reference).abs().max().item(),
+                "max_abs_err_vs_fp32_reference": step.error(out_vmm),
             }
             error = rows[name]["max_abs_err_vs_fp32_reference"]
             if not error <= tolerance:  # NaN fails too
@@ -123,60 +119,35 @@ def decode_section(device: torch.device, shape: Shape, kernels: list[str]) -> di
         return {"shape": asdict(shape), "cache_kernel": cache.kernel, "kv_bytes_read": kv_bytes,
                 "page_bytes": cache.stats()["page_bytes"], "tolerance": tolerance, "kernels": rows, "failures": failures}
     finally:
-        cache.close()
+        step.close()
 
 
+def map_unmap_section(ctx: Context) -> dict[str, Any]:
+    """Per-page latency of map (cuMemMap + cuMemSetAccess) and unmap, 3 rounds; store creation; 64 GiB reserved."""
+    from vmkv.vm import granularity, open_backend
 
-def map_unmap_section(device: torch.device, shape: Shape) -> dict[str, Any]:
-    """Per-page latency of map (cuMemMap + cuMemSetAccess) and unmap, host clock, 3 rounds."""
+    device, pages = ctx.device, ctx.shape.map_pages
+    page = granularity(device) if device.type == "cuda" else 2 * MiB
     began = time.perf_counter()
-    if device.type == "cuda":
-        from vmkv.vm.cuda import CudaVirtualMemory, cuda_granularity
-
-        page = cuda_granularity(device)
-        vm = CudaVirtualMemory(page, shape.map_pages, device=device)
-    else:
-        from vmkv.vm.host import HostVirtualMemory
-
-        page = 2 * MiB
-        vm = HostVirtualMemory(page, shape.map_pages)
+    vm = open_backend(device, page, pages)
     create_s = time.perf_counter() - began
     try:
-        addr = vm.reserve(shape.map_pages * page)
-        map_ns, unmap_ns = [], []
-        for _ in range(3):
-            for i in range(shape.map_pages):
-                t = time.perf_counter_ns()
-                vm.map(addr + i * page, i)
-                map_ns.append(time.perf_counter_ns() - t)
-            vm.synchronize()
-            for i in range(shape.map_pages):
-                t = time.perf_counter_ns()
-                vm.unmap(addr + i * page)
-                unmap_ns.append(time.perf_counter_ns() - t)
-        vm.free_reservation(addr, shape.map_pages * page)
+        map_ns, unmap_ns = map_latency(vm, page, pages, rounds=3)
         big = (64 << 30) // page * page
         t = time.perf_counter_ns()
         big_addr = vm.reserve(big)
         reserve_us = (time.perf_counter_ns() - t) / 1e3
         vm.free_reservation(big_addr, big)
-        return {
-            "backend": vm.name,
-            "page_bytes": page,
-            "pages": shape.map_pages,
-            "create_store_us_per_page": create_s * 1e6 / shape.map_pages,
-            "map_us": percentiles_us(map_ns),
-            "unmap_us": percentiles_us(unmap_ns),
-            "reserve_64GiB_us": reserve_us,
-        }
+        return {"backend": vm.name, "page_bytes": page, "pages": pages, "create_store_us_per_page": create_s * 1e6 / pages,
+                "map_us": percentiles_us(map_ns), "unmap_us": percentiles_us(unmap_ns), "reserve_64GiB_us": reserve_us}
     finally:
         vm.close()
 
 
-
-def zero_page_section(device: torch.device, shape: Shape, out_dir: Path, smoke: bool) -> dict[str, Any]:
+def zero_page_section(ctx: Context) -> dict[str, Any]:
     """Empty pages read as zeros (past a sequence, in an empty slot, after close) and a write
-    into one faults -- checked in a child process, since on CUDA the fault kills the context."""
+    into one faults, checked in a child process: on CUDA the fault kills the context."""
+    device, shape = ctx.device, ctx.shape
     config = decode_config(device, replace(shape, batch=2))
     cache = vmkv.open_cache(config)
     k_all = None
@@ -199,16 +170,16 @@ def zero_page_section(device: torch.device, shape: Shape, out_dir: Path, smoke: 
     finally:
         cache.close()
     checks["a_view_after_close_reads_zeros"] = k_all is not None and int(torch.count_nonzero(k_all)) == 0
-    probe = write_probe(device, out_dir, smoke)
+    probe = write_probe(ctx)
     checks["a_write_into_an_empty_page_faults"] = probe["faulted"]
     return {"checks": checks, "write_probe": probe, "failures": [name for name, ok in checks.items() if not ok]}
 
 
-def write_probe(device: torch.device, out_dir: Path, smoke: bool) -> dict[str, Any]:
-    """Run :func:`write_to_an_empty_page` in a child: it must die (SIGSEGV on the host, a CUDA
-    illegal-address error on a GPU) after reading zeros, without printing ``WROTE``."""
-    cmd = [sys.executable, str(SCRIPT), "--worker", "write_probe", "--device", str(device), "--out", str(out_dir)]
-    done = run_process(cmd + (["--smoke"] if smoke else []), timeout=300)
+def write_probe(ctx: Context) -> dict[str, Any]:
+    """:func:`write_to_an_empty_page` in a child: it must die (SIGSEGV on the host, an illegal
+    address on a GPU) after reading zeros, without printing ``WROTE``."""
+    cmd = [sys.executable, str(SCRIPT), "--worker", "write_probe", "--device", str(ctx.device), "--out", str(ctx.out)]
+    done = run_process(cmd + (["--smoke"] if ctx.smoke else []), timeout=300)
     return {
         "returncode": done.returncode,
         "exit": done.ended,
@@ -232,11 +203,8 @@ def write_to_an_empty_page(device: torch.device) -> None:
     print("WROTE", int(view.sum().item()), flush=True)
 
 
-
-
-# ---- headlines: the one number each section shows in the summary ------------------------------
+# ---- headlines: the one line each section shows in the summary ---------------------------------
 def environment_headline(result: dict[str, Any]) -> str:
-    """The GPU, the driver, torch and the kernel a cache picks."""
     gpu = result.get("gpu")
     where = f"{gpu['name']} (sm {gpu['capability']}), driver {result.get('cuda_driver_version')}" if gpu else "no GPU (dry run)"
     read_only = "" if result.get("zero_page_read_only", True) else "; the device REFUSED read-only zero pages"
@@ -244,12 +212,10 @@ def environment_headline(result: dict[str, Any]) -> str:
 
 
 def tests_headline(result: dict[str, Any]) -> str:
-    """pytest's counts."""
     return ", ".join(f"{n} {kind}" for kind, n in result["counts"].items()) or f"no summary ({result['returncode']})"
 
 
 def zero_page_headline(result: dict[str, Any]) -> str:
-    """How many checks hold, and how the write into an empty page ended."""
     checks = result["checks"]
     return f"{sum(checks.values())}/{len(checks)} checks hold; the write into an empty page: {result['write_probe']['exit']}"
 
@@ -264,6 +230,5 @@ def decode_headline(result: dict[str, Any]) -> str:
 
 
 def map_unmap_headline(result: dict[str, Any]) -> str:
-    """Median map and unmap time per page."""
     return (f"map {result['map_us']['median']:.0f} us, unmap {result['unmap_us']['median']:.0f} us a "
             f"{result['page_bytes'] // MiB} MiB page (median); reserve 64 GiB {result['reserve_64GiB_us'] / 1e6:.2f} s")

@@ -24,7 +24,7 @@ from vmkv.engine import Engine, SamplingParams
 from vmkv.engine.graphs import DecodeGraphs, unsupported
 from vmkv.engine.runner import LoadedModel, ModelRunner, cache_config_for, load_model
 
-from .registry import SectionSkipped
+from ..runner import Context, SectionSkipped
 
 SPEED_TARGET = 2.0
 LOGIT_TOLERANCE = 1e-4  # max |diff| / max |logit| in float32 (two kernels summing in another order)
@@ -103,12 +103,10 @@ def _synchronize(cache: vmkv.KVCacheBase) -> None:
         torch.cuda.synchronize()
 
 
-def engine_graphs_section(device: torch.device, smoke: bool) -> dict[str, Any]:
-    """Both parts in both modes (a mode whose graphs cannot run here is skipped with the reason).
-
-    Raises:
-        SectionSkipped: no mode can capture here.
-    """
+def engine_graphs_section(ctx: Context) -> dict[str, Any]:
+    """Both parts in both modes (a mode whose graphs cannot run here is skipped with the reason;
+    :class:`SectionSkipped` when none can)."""
+    device, smoke = ctx.device, ctx.smoke
     exact = load_model(None, dtype="float32", device=str(device))
     native = exact if device.type != "cuda" else load_model(None, device=str(device))
     result: dict[str, Any] = {"outputs": {}, "speed": {}, "skipped": {}, "failures": []}

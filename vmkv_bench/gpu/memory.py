@@ -33,7 +33,10 @@ import torch
 
 import vmkv
 
-from .workload import MiB, Shape, decode_config
+from ..decode import Shape, decode_config
+from ..runner import Context
+
+MiB = 1 << 20
 
 LEDGER_PAGES = 48
 """The shared budget, in pool pages of the caches."""
@@ -181,24 +184,13 @@ def run_round(work: Workload, memory: DeviceMemory | None) -> dict[str, Any]:
             "caches": len(stats)}
 
 
-def shared_budget_section(device: torch.device, shape: Shape, memory: DeviceMemory | None = None) -> dict[str, Any]:
-    """Two caches in one ledger, run twice (round 1 warms the process up, round 2 is checked).
-
-    Args:
-        device: where the caches live.
-        shape: the decode workload (its heads, head size and dtype; 8 sequences).
-        memory: how to read device memory; default: the driver's and torch's counts on a CUDA
-            ``device``, none on the host.
-
-    Returns:
-        The checks, ``overhead`` (the parts of what the device holds beyond the budget), both
-        rounds' stages, and the numbers of round 2 (``resident_after_first``/``_second``,
-        ``pages_held``, ``device_bytes_used``, ``grow_40_pages_s``); ``failures`` names the
-        checks that do not hold.
-    """
+def shared_budget_section(ctx: Context, memory: DeviceMemory | None = None) -> dict[str, Any]:
+    """Two caches in one ledger, run twice (round 1 warms the process up, round 2 is checked);
+    ``memory`` reads the device's memory (default: the driver's and torch's counts on CUDA)."""
+    device = ctx.device
     if memory is None and device.type == "cuda":
         memory = DeviceMemory(device)
-    work = make_workload(device, shape)
+    work = make_workload(device, ctx.shape)
     warmup, measured = run_round(work, memory), run_round(work, memory)
     budget, zero = work.budget, measured["zero_bytes"]
     checks = {

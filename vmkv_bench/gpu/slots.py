@@ -44,7 +44,8 @@ from vmkv.vllm.contiguous.slots import SlotSpace, slot_layout
 from vmkv.vllm.worker.kvbuffer import KVBuffer
 from vmkv.vm import VirtualMemory, granularity, open_backend
 
-from .workload import percentiles_us
+from ..common import percentiles_us
+from ..runner import Context
 
 
 @dataclass(frozen=True)
@@ -321,14 +322,10 @@ def _time_map_free(space: SlotSpace, rounds: int = 3) -> dict[str, Any]:
             "map_us_per_block": percentiles_us(map_ns), "free_us_per_block": percentiles_us(free_ns)}
 
 
-def vllm_slots_section(device: torch.device, smoke: bool) -> dict[str, Any]:
-    """The slot space of contiguous mode over a vLLM-shaped KV buffer on ``device`` (module docstring).
-
-    Returns:
-        ``checks`` (name -> holds), ``rollback`` (per action: calls failed one at a time),
-        ``timing``, the geometry and plan; ``failures`` names what does not hold.
-    """
-    geometry = SMOKE_SLOTS if smoke else FULL_SLOTS
+def vllm_slots_section(ctx: Context) -> dict[str, Any]:
+    """The slot space of contiguous mode over a vLLM-shaped KV buffer (module docstring): the
+    ``checks``, ``rollback`` (per action: calls failed one at a time), ``timing`` and the geometry."""
+    device, geometry = ctx.device, SMOKE_SLOTS if ctx.smoke else FULL_SLOTS
     page = granularity(device)
     probe = open_backend(device, page, 1)  # the backend's device type and granularity decide the block size
     try:

@@ -1,22 +1,21 @@
 """The sections that need vLLM itself on the GPU: ``vllm`` (the plugin's smoke test) and
-``vllm_addressing`` (block tables vs virtual memory inside one vLLM). Both skip, with the
-reason, off CUDA or without vLLM; contiguous mode's parts that need no vLLM are checked by
-``vllm_slots`` (:mod:`vmkv_bench.gpu.slots`)."""
+``vllm_addressing`` (block tables vs virtual memory inside one vLLM); both skip, with the
+reason, off CUDA or without vLLM."""
 
 from __future__ import annotations
 
 import importlib.util
 import statistics
-from pathlib import Path
 from typing import Any
 
 import torch
 
 import vmkv
 
-from .registry import SectionSkipped
+from ..runner import Context, SectionSkipped
 from .vllm_smoke import gpu_smoke
-from .workload import MiB
+
+MiB = 1 << 20
 
 
 def vllm_unavailable(device: torch.device, smoke: bool) -> str | None:
@@ -28,9 +27,9 @@ def vllm_unavailable(device: torch.device, smoke: bool) -> str | None:
     return None
 
 
-def vllm_section(device: torch.device, out_dir: Path) -> dict[str, Any]:
-    """:func:`~vmkv_bench.gpu.vllm_smoke.gpu_smoke` ``(out_dir / "vllm")``: stock vLLM and vLLM + vmkv
-    on the tiny model, compared."""
+def vllm_section(ctx: Context) -> dict[str, Any]:
+    """:func:`~vmkv_bench.gpu.vllm_smoke.gpu_smoke` ``(DIR/vllm)``: stock vLLM and vLLM + vmkv on the tiny model."""
+    device, out_dir = ctx.device, ctx.out
     if device.type != "cuda":
         raise SectionSkipped("the vLLM smoke test needs a CUDA device")
     if importlib.util.find_spec("vllm") is None:
@@ -60,9 +59,9 @@ def vllm_failures(result: dict[str, Any]) -> list[str]:
     return why or ["gpu_smoke reported passed=False"]
 
 
-def vllm_addressing_section(device: torch.device, out_dir: Path, smoke: bool) -> dict[str, Any]:
-    """The addressing comparison of ``vmkv bench vllm --parts addressing`` on the GPU
-    (:func:`vmkv_bench.vllm_addressing.run` with :data:`~vmkv_bench.vllm_addressing.GPU_SETTINGS`)."""
+def vllm_addressing_section(ctx: Context) -> dict[str, Any]:
+    """``vmkv bench vllm --parts addressing`` on the GPU (:data:`~vmkv_bench.vllm_addressing.GPU_SETTINGS`)."""
+    device, out_dir, smoke = ctx.device, ctx.out, ctx.smoke
     if device.type != "cuda":
         raise SectionSkipped("the addressing comparison inside vLLM on CUDA needs a CUDA device "
                              "(the CPU run: vmkv bench vllm --parts addressing)")
@@ -74,7 +73,7 @@ def vllm_addressing_section(device: torch.device, out_dir: Path, smoke: bool) ->
         check_vllm()
     except vmkv.BackendUnavailable as exc:  # missing, or another release than the plugin's (UnsupportedVllm)
         raise SectionSkipped(str(exc)) from None
-    from vmkv_bench import vllm_addressing
+    from .. import vllm_addressing
 
     settings = dict(vllm_addressing.GPU_SETTINGS)
     if smoke:
