@@ -1,29 +1,5 @@
-"""Helpers every benchmark module shares: timing, request traces, cache shapes, tables, JSON,
-plots, and verdicts.
-
-The module contract (what ``vmkv bench`` calls)::
-
-    NAME: str                      registry name, e.g. "memory"
-    DESCRIPTION: str               one line for ``vmkv bench --help``
-    add_arguments(parser)          the module's own options
-    run(args) -> dict              args has device ("cpu"|"cuda"), smoke, seed, out (Path)
-    plot(result, out_dir) -> list[str]        optional: PNG paths written
-    verdicts(result) -> list[Verdict]         optional: the answers this benchmark gives, one
-                                              line per question (see :class:`Verdict`)
-    table(result) -> list[dict]               optional: a condensed table for the terminal
-                                              (default: the result's rows)
-    refusals(args, granularity) -> dict       optional: what run(args) would open that a backend
-                                              whose pages are multiples of ``granularity``
-                                              refuses, label -> why ({} when nothing), found
-                                              without opening anything or touching a device
-                                              (see :func:`cache_refusals`); ``vmkv bench`` asks
-                                              before anything runs
-
-``run`` returns ``{"name", "schema", "rows", "summary", ...}`` (see :func:`make_result`).
-``vmkv bench`` stores each module's verdicts in its JSON (``"verdicts"``) and prints the
-verdicts of every benchmark that ran, last, as one table (also the top of ``report.md``).
-Any module, including one the CLI registers later, contributes rows the same way.
-"""
+"""What every benchmark shares: interleaved timing, request traces, cache configurations, spreads and
+verdicts, tables, JSON and plots (the module contract and the verdict's rules: docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -67,14 +43,7 @@ class Request:
 
 
 def make_trace(kind: str, count: int, seed: int, max_len: int) -> list[Request]:
-    """A seeded ShareGPT-like or Alpaca-like trace of ``count`` requests.
-
-    Input and output lengths are lognormal with the trace's means (``mu = ln(mean) - sigma^2/2``),
-    at least 1 token, and ``prompt + output <= max_len`` (the output is cut when needed).
-
-    Raises:
-        vmkv.InvalidConfig: unknown trace kind.
-    """
+    """A seeded ShareGPT-like or Alpaca-like trace of ``count`` requests."""
     if kind not in TRACES:
         raise vmkv.InvalidConfig(f"trace must be one of {sorted(TRACES)}, got {kind!r}")
     spec = TRACES[kind]
@@ -112,12 +81,7 @@ TRIM_FROM = 5
 
 @dataclass(frozen=True)
 class Spread:
-    """A measured value with its spread over repeats: the median and a min-max range.
-
-    ``runs`` is how many repeats it summarises and ``kept`` how many of them the range covers
-    (all but the two extremes from :data:`TRIM_FROM` samples on); ``deterministic`` marks a
-    value (a seeded replay, a byte count) that has no spread to measure.
-    """
+    """A measured value with its spread over repeats: the median and a min-max range."""
 
     value: float
     low: float
@@ -129,11 +93,7 @@ class Spread:
 
     @classmethod
     def of(cls, samples: Sequence[float]) -> "Spread":
-        """Median of ``samples`` and their min-max (of the middle ``n - 2`` from :data:`TRIM_FROM` on).
-
-        Raises:
-            vmkv.InvalidInput: no samples.
-        """
+        """Median of ``samples`` and their min-max (of the middle ``n - 2`` from :data:`TRIM_FROM` on)."""
         if not samples:
             raise vmkv.InvalidInput("a spread needs at least one sample")
         ordered = sorted(samples)
@@ -175,9 +135,8 @@ class Timings:
         return Spread.of(self.samples[name])
 
     def ratio(self, numerator: str, denominator: str) -> Spread:
-        """``numerator / denominator`` time, round by round (the two ran side by side in each round):
-        the median of the per-round ratios and their min-max. A ratio of two times taken in the
-        same round cancels drifts of a shared machine that move both."""
+        """``numerator / denominator`` time, round by round (the two ran side by side in each round): the
+        median of the per-round ratios and their min-max."""
         pairs = zip(self.samples[numerator], self.samples[denominator])
         return Spread.of([a / b for a, b in pairs])
 
@@ -188,12 +147,8 @@ processes of a shared machine cannot inflate; right for CPU work on one torch th
 
 
 def pick_clock(requested: str, device: str, threads: int | None) -> str:
-    """The clock a CPU timing should use: ``requested`` unless ``auto``, which is ``cpu`` when the
-    work runs on one thread of this process (``device`` cpu, one torch thread), else ``wall``.
-
-    Raises:
-        vmkv.InvalidConfig: ``cpu`` asked for work that runs on a GPU or on several threads.
-    """
+    """The clock a CPU timing should use: ``requested`` unless ``auto``, which is ``cpu`` when the work runs
+    on one thread of this process (``device`` cpu, one torch thread), else ``wall``."""
     one_thread = device == "cpu" and (threads or torch.get_num_threads()) == 1
     if requested == "auto":
         return "cpu" if one_thread else "wall"
@@ -208,27 +163,7 @@ def time_interleaved(
     fns: dict[str, Callable[[], Any]], device: str, *, repeat: int = 5, warmup: int = 1, min_sample_s: float = 0.0,
     clock: str = "wall",
 ) -> Timings:
-    """Time every ``fn()`` in rounds: each round runs every candidate once, in a fresh (seeded)
-    random order.
-
-    Interleaving spreads drifts of a shared machine (frequency, other processes) over all
-    candidates alike, which is what a ratio measured side by side needs; a new order every round
-    keeps a candidate from always following the same neighbour (whose cache and memory traffic
-    would bias it one way). A candidate faster than
-    ``min_sample_s`` is called several times per sample (the count fixed after the warm-up) so
-    that timer resolution and one-off interruptions weigh less.
-
-    Args:
-        fns: name -> zero-argument callable.
-        device: ``cpu`` or ``cuda`` (GPU work is synchronized before a clock is read).
-        repeat: rounds.
-        warmup: calls of each candidate before the rounds.
-        min_sample_s: the least time one sample should take.
-        clock: a :data:`CLOCKS` name.
-
-    Returns:
-        :class:`Timings`: ``repeat`` samples of seconds per call for each candidate.
-    """
+    """Time every ``fn()`` in rounds: each round runs every candidate once, in a fresh (seeded) random order."""
     now = CLOCKS[clock]
     numbers = {}
     for name, fn in fns.items():
@@ -264,9 +199,8 @@ def torch_threads(count: int | None) -> Iterator[None]:
 
 
 def read_bandwidth_probe(device: str, nbytes: int = 256 * 2**20) -> tuple[Callable[[], Any], int]:
-    """A candidate for :func:`time_interleaved` that reads ``nbytes`` of memory (``torch.sum`` over
-    fp32), and the bytes it reads: timed in the same rounds as the kernels, its bytes/s is the
-    machine's read bandwidth at that moment (``nbytes`` should be well past the last-level cache)."""
+    """A :func:`time_interleaved` candidate reading ``nbytes`` (``torch.sum``) and its bytes: timed in the
+    kernels' rounds it gives the read bandwidth of that moment."""
     data = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     return (lambda: data.sum()), data.numel() * 4
 
@@ -297,21 +231,14 @@ def available_memory() -> int | None:
 
 
 def cache_config(shape: dict[str, Any], device: str, **fields: Any) -> vmkv.KVCacheConfig:
-    """A :class:`vmkv.KVCacheConfig` of model ``shape`` on ``device`` with ``fields`` set, its VMM
-    layout and page size decided as a cache would decide them here (:func:`vmkv.sizing.resolve`:
-    a benchmark names the geometry it measures)."""
+    """A :class:`vmkv.KVCacheConfig` of ``shape`` on ``device``, its layout and page size decided as a cache
+    would here (:func:`vmkv.sizing.resolve`): a benchmark names the geometry it measures."""
     return vmkv.sizing.resolve(vmkv.KVCacheConfig(**shape, device=device, **fields))
 
 
 def cache_refusal(mode: str, config: vmkv.KVCacheConfig, granularity: int) -> str:
-    """Why a ``mode`` cache of ``config`` would not open on a backend whose pages are multiples of
-    ``granularity`` ('' if it would), without opening it or touching a device: the checks of
-    :func:`vmkv.sizing.check_cache_options` that need no device (the page size, in both modes,
-    and the geometry the budget gives).
-
-    Raises:
-        vmkv.InvalidConfig: ``mode`` is neither ``vmm`` nor ``paged``.
-    """
+    """Why a ``mode`` cache of ``config`` would not open on a backend of ``granularity`` ('' if it would),
+    found by the sizing checks that need no device."""
     from vmkv.sizing import DeviceFacts, check_page_size, paged_geometry, resolve, vmm_geometry
 
     if mode not in ("vmm", "paged"):
@@ -363,15 +290,7 @@ def machine() -> dict[str, Any]:
 
 
 def make_result(name: str, schema: dict[str, str], rows: list[dict[str, Any]], summary: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    """The JSON-serialisable result of a benchmark.
-
-    Args:
-        name: the benchmark's registry name.
-        schema: every row field -> its meaning (with unit).
-        rows: the table, one dict per row with exactly the schema's fields.
-        summary: headline numbers and which goals were met.
-        extra: more top-level entries (e.g. ``series`` for plots, ``config``).
-    """
+    """The JSON-serialisable result of a benchmark."""
     return {"name": name, "schema": schema, "rows": rows, "summary": summary, "machine": machine(), **extra}
 
 
@@ -381,28 +300,7 @@ TIE_MARGIN = 0.05
 
 @dataclass(frozen=True)
 class Verdict:
-    """One answer of a benchmark: a line of the verdict table ``vmkv bench`` ends with.
-
-    Args:
-        key: stable id, ``"<benchmark>.<question>"``; two runs are compared key by key.
-        question: what is compared, in a few words (say which way a ratio points).
-        result: the headline as a person reads it (``"1.62x"``, ``"97 %"``).
-        spread: how sure: ``"1.55-1.70, 5 runs"`` or ``"exact (seeded replay)"``.
-        winner: who wins, in words (``"VMM, 1.62x"``, ``"tie (spread crosses 1.0)"``).
-        side: the winning option's bare name (``"VMM"``), ``"tie"``, or ``""`` when not judged
-            (one run, an unreliable measurement): what two runs are compared on, never the
-            margin or the wording of ``winner``.
-        reference: the published figure this is compared with (``""``: none).
-        agrees: whether the measurement agrees with ``reference`` (``None``: nothing to compare).
-        value, low, high: the headline number and its range (JSON, run comparison).
-        reliable: ``False`` when the measurement is known to be bad; ``note`` says why.
-        note: one short remark (e.g. which kernel or configuration won).
-        better, worse: a ratio verdict's two sides (``value`` > 1: ``better`` ahead); the table
-            states the ratio's direction with them (``"paged ahead by 1.25x"``).
-        relation: how the measurement sits against ``reference`` when it does not agree
-            (``"above"``: beyond a published "up to"), or why a target is neither met nor missed
-            (``"not resolved"``, ``"not judged"``); the table shows it instead of "no" or "".
-    """
+    """One answer of a benchmark: a line of the verdict table ``vmkv bench`` ends with."""
 
     key: str
     question: str
@@ -452,13 +350,7 @@ is below this (one-sided sign test: 5 of 5 rounds, 7 of 7, 8 of 9, 9 of 11)."""
 
 
 def sign_test(ratios: Sequence[float]) -> tuple[int, int, float]:
-    """The sign test of paired per-round ratios against "either side equally likely".
-
-    Returns:
-        ``(above, below, p)``: rounds with a ratio above and below 1.0 (rounds at exactly 1.0
-        count for neither), and the one-sided chance of at least ``max(above, below)`` of
-        ``above + below`` rounds falling on one side if each side were a coin toss.
-    """
+    """The sign test of paired per-round ratios against "either side equally likely"."""
     above, below = sum(r > 1.0 for r in ratios), sum(r < 1.0 for r in ratios)
     n, k = above + below, max(above, below)
     p = sum(math.comb(n, i) for i in range(k, n + 1)) / 2**n if n else 1.0
@@ -467,26 +359,7 @@ def sign_test(ratios: Sequence[float]) -> tuple[int, int, float]:
 
 def ratio_of_medians(numerator: Sequence[float], denominator: Sequence[float], *, confidence: float = 0.9,
                      draws: int = 2000, seed: int = 0) -> Spread:
-    """``median(numerator) / median(denominator)`` with a bootstrap confidence interval.
-
-    For two engines measured over rounds whose single values are bimodal (a run that stalls
-    takes 3-10x longer, in either engine, independently of the other), per-round ratios spread
-    by the stalls, not by the engines; comparing the two distributions' medians is robust to them.
-    The interval resamples each side's rounds with replacement (seeded: the same samples give the
-    same interval).
-
-    Args:
-        numerator, denominator: one value per round of each side.
-        confidence: the interval's coverage, e.g. 0.9 for the 5th-95th percentiles.
-        draws: bootstrap resamples.
-        seed: the resampling's seed.
-
-    Returns:
-        A :class:`Spread` whose ``value`` is the ratio of the medians and ``low``-``high`` the interval.
-
-    Raises:
-        vmkv.InvalidInput: a side has no values, or ``confidence`` is not in (0, 1).
-    """
+    """``median(numerator) / median(denominator)`` with a bootstrap confidence interval."""
     if not numerator or not denominator:
         raise vmkv.InvalidInput("a ratio of medians needs values on both sides")
     if not 0 < confidence < 1:
@@ -518,15 +391,8 @@ def _ratio_side(ratio: Spread, better: str, worse: str, tie_margin: float) -> tu
 
 
 def target_status(ratio: Spread, target: float, spread: str = "rounds' spread") -> str:
-    """Whether ``ratio`` (> 1: ours better) meets the target ``>= target``, on the evidence a
-    verdict needs to name a side, drawn against the target instead of 1.0 (no tie band: the
-    target is the line). "met": the median is at or above it and so is every kept round, or a
-    sign test of the rounds against it says so (:data:`SIGN_TEST_ALPHA`); "missed": the same
-    below; else "not resolved (the median meets it, the rounds' spread crosses it)" (``spread``
-    names the range: "interval" for a bootstrap one). A deterministic ratio is met or missed on
-    its value, a single timed run is "not judged (1 run)" as its verdict is. Against a target of
-    1.0 this is the verdict's own judgement: met where it names the better side, missed where the
-    worse, not resolved where its spread crosses 1.0."""
+    """"met", "missed" or "not resolved (...)": ``ratio`` (> 1: ours better) against ``>= target`` on the
+    evidence a verdict names a side on, drawn at the target instead of 1.0 (docs/benchmarks.md)."""
     if ratio.deterministic:
         return "met" if ratio.value >= target else "missed"
     if ratio.runs < 2:
@@ -544,22 +410,7 @@ def ratio_verdict(
     reference: str = "", agrees: bool | None = None, note: str = "", tie_margin: float = TIE_MARGIN,
     target: float | None = None,
 ) -> Verdict:
-    """A verdict on ``ratio`` = how many times ``better`` beats ``worse`` (> 1: ``better`` wins).
-
-    With ``target``, the line is also judged against ``>= target`` (:func:`target_status`):
-    ``reference`` defaults to ``"target >= {target}x"``, ``agrees`` is ``True`` when it is met,
-    ``False`` when missed, else ``None`` with ``relation`` saying why ("not resolved", "not
-    judged"): one judgement per line, never a tie that "meets" a target of 1.0.
-
-    Judged on the paired rounds (each round ran both sides): a side is named, with the median
-    margin and how many rounds it led, when the median lies beyond the tie band
-    ``[1 / (1 + tie_margin), 1 + tie_margin]`` and either a sign test over the rounds says so
-    (:data:`SIGN_TEST_ALPHA`: every one of 7 rounds on one side is evidence even if the slowest
-    of them reaches into the band) or every kept round lies beyond the band. A tie is a result
-    whose rounds fall on both sides ("spread crosses 1.0"), a margin inside the band, or too few
-    rounds to tell. A deterministic ratio is judged on its value against the band; a single
-    timed run is not judged.
-    """
+    """A verdict on ``ratio`` = how many times ``better`` beats ``worse`` (> 1: ``better`` wins)."""
     if ratio.runs < 2 and not ratio.deterministic:
         winner, side = "not judged (1 run)", ""
     elif ratio.deterministic:
@@ -611,9 +462,8 @@ def verdict_rows(verdicts: Iterable[dict[str, Any]]) -> list[dict[str, str]]:
 
 
 def _directed(v: dict[str, Any]) -> dict[str, str]:
-    """A ratio verdict's ``result`` and ``spread`` cells as the side it favours reads them:
-    ``"paged ahead by 1.25x"``, ``"1.19-1.32x, 7 runs"`` for a ratio of 0.80 VMM over paged.
-    Other verdicts, and ratios that print as 1.00x, keep their cells as stored."""
+    """A ratio verdict's ``result`` and ``spread`` cells as the side it favours reads them: ``"paged ahead by
+    1.25x"``, ``"1.19-1.32x, 7 runs"`` for a ratio of 0.80 VMM over paged."""
     value, low, high = v.get("value"), v.get("low"), v.get("high")
     cells = {"result": v["result"], "spread": v["spread"]}
     if not (v.get("better") and v.get("worse") and value and low and high and v.get("reliable", True)):
@@ -656,14 +506,7 @@ def format_table(
     rows: Iterable[dict[str, Any]], columns: Sequence[str] | None = None, *, markdown: bool = False,
     wrap: dict[str, int] | None = None,
 ) -> str:
-    """Rows as an aligned text table (or a Markdown table), floats rounded for reading.
-
-    Args:
-        rows: one dict per row.
-        columns: the columns to show, in order (default: the first row's keys).
-        markdown: a Markdown table instead of aligned text.
-        wrap: text tables only: column -> width; longer cells wrap onto more lines.
-    """
+    """Rows as an aligned text table (or a Markdown table), floats rounded for reading."""
     rows = list(rows)
     if not rows:
         return "(no rows)"

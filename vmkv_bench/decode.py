@@ -1,6 +1,5 @@
-"""Decode attention (``vmkv bench decode``): VMM (every slots kernel and layout) vs paged vs the
-same kernel on dense tensors, against the read bandwidth; and the one decode-step harness
-(:class:`DecodeStep`) that the GPU check's kernel sections time as well."""
+"""Decode attention (``vmkv bench decode``): VMM in every kernel and layout vs paged vs dense tensors,
+against the read bandwidth; and :class:`DecodeStep`, the one decode-step harness the GPU check uses too."""
 
 from __future__ import annotations
 
@@ -42,9 +41,8 @@ READ_PROBE_BYTES = 256 * 2**20
 
 # ---- the harness -------------------------------------------------------------------------------
 class DecodeStep:
-    """``batch`` sequences of ``context`` cached tokens plus the step's own, the same K/V in layer 0
-    of every cache of ``configs`` (label -> (mode, config)), one query each, and the fp32
-    reference. A cache of ``optional`` that does not open is left out, with why (``skipped``)."""
+    """``batch`` sequences of ``context`` cached tokens plus the step's own, the same K/V in layer 0 of every
+    cache of ``configs`` (label -> (mode, config)), one query each, and the fp32 reference."""
 
     def __init__(self, configs: dict[str, tuple[str, vmkv.KVCacheConfig]], batch: int, context: int, q_heads: int,
                  seed: int = 0, optional: typing.Collection[str] = ()) -> None:
@@ -75,7 +73,6 @@ class DecodeStep:
                                                         scale=self.scale).reshape(batch, q_heads, dim)
 
     def _fill(self, label: str, cache: vmkv.KVCacheBase, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Every sequence's context in one step, then the decode step's token (layer 0)."""
         self.caches[label] = cache
         batch, heads, dim = k.shape[0], k.shape[2], k.shape[3]
         for seq in range(batch):
@@ -171,7 +168,6 @@ def compare_ms(fns: dict[str, Callable[[], Any]], device: torch.device, shape: S
 
 # ---- the benchmark -----------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """This benchmark's options (the CLI adds --device, --smoke, --seed, --out)."""
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: stable on a shared CPU; 0 keeps torch's default)")
     parser.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes (default 1 8 32; smoke 1 2)")
     parser.add_argument("--contexts", type=int, nargs="+", default=None, help="context lengths (default 512 2048 8192; smoke 64 128)")
@@ -205,7 +201,6 @@ def _defaults(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def _runnable_kernels(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
-    """Contiguous kernels that can run here, and why the others cannot."""
     unknown = sorted(set(args.kernels) - set(registry.names("slots")))
     if unknown:
         raise vmkv.InvalidConfig(f"unknown kernels {unknown}; known: {registry.names('slots')}")
@@ -223,17 +218,15 @@ class _Candidate:
 
 
 def _case(args: argparse.Namespace, batch: int, context: int) -> DecodeStep:
-    """One grid point: a two-layer VMM cache per layout (layer 0 timed: a layout that interleaves
-    layers shows its real strides) and the paged cache."""
+    """A VMM cache of two layers per layout (layer 0 timed: interleaved layers show their real strides), and the paged one."""
     configs = {label: (mode, _config(args, batch, context, mode, fields)) for label, mode, fields in _caches(args)}
     return DecodeStep(configs, batch, context, args.q_heads, seed=args.seed,
                       optional=[label for label, (mode, _) in configs.items() if mode == "vmm"])
 
 
 def _candidates(case: DecodeStep, kernels: list[str], paged_kernels: list[str], layout: str) -> list[_Candidate]:
-    """Every runnable candidate of a grid point: each kernel on each VMM layout and on dense copies
-    of each view shape, each paged kernel over the block table; why the others cannot run goes to
-    ``case.skipped``."""
+    """Every runnable candidate of a grid point: each kernel on each VMM layout and on dense copies of each
+    view shape, each paged kernel over the block table; why the others cannot run goes to ``case.skipped``."""
     out, dense = [], {}
 
     def add(name: str, call: Callable[[], torch.Tensor] | str, selected: bool) -> None:
@@ -258,8 +251,6 @@ def _candidates(case: DecodeStep, kernels: list[str], paged_kernels: list[str], 
 
 
 def _caches(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]:
-    """``(label, mode, config fields)`` of every cache a grid point opens: one VMM cache of two
-    layers per layout (layer 0 is timed), then the paged cache."""
     vmm = [(f"vmm:{layout}", "vmm", {"layout": layout, "page_size": args.page_size, "num_layers": 2}) for layout in args.layouts]
     return [*vmm, ("paged", "paged", {"block_size": args.block_size})]
 
@@ -282,8 +273,6 @@ def _config(args: argparse.Namespace, batch: int, context: int, mode: str, field
 
 
 def refusals(args: argparse.Namespace, granularity: int) -> dict[str, str]:
-    """What the grid's caches need that a backend of ``granularity`` refuses (see
-    :func:`vmkv_bench.common.cache_refusals`): every layout's and the paged cache, at every point."""
     args = _defaults(args)
     planned = [(f"{label} at B={batch} C={context}", mode, _config(args, batch, context, mode, fields))
                for batch in args.batches for context in args.contexts for label, mode, fields in _caches(args)]
@@ -291,7 +280,6 @@ def refusals(args: argparse.Namespace, granularity: int) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Time every candidate on every (batch, context) of the grid."""
     with common.torch_threads(getattr(args, "threads", None)):
         result = _run(args)
     result["config"]["threads"] = getattr(args, "threads", None) or "torch default"
@@ -338,21 +326,18 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 CONTROL = "control"
-"""A second, identical candidate of the VMM kernel the verdicts are about: its ratio to the first
-shows how far two timings of the same work differ on this machine in this run (the noise floor
-under which a difference is called a tie)."""
+"""A second, identical candidate of the verdicts' VMM kernel: its ratio to the first is this run's
+noise floor, under which a difference is a tie."""
 
 
 def _control_of(candidates: list[_Candidate], layout: str) -> str | None:
-    """The candidate the control repeats: the cache's own kernel on the default layout."""
     mine = [c.name for c in candidates if c.name.startswith(f"vmm:{layout}:")]
     chosen = [c.name for c in candidates if c.selected and c.name in mine]
     return (chosen or mine or [None])[0]
 
 
 def _bytes_needed(args: argparse.Namespace, batch: int, context: int) -> int:
-    """Host memory one grid point touches: K and V of one layer, once for the source, once per
-    VMM layout, once for the paged cache and once for the dense copy (x 1.2 for page rounding)."""
+    """Host memory a grid point touches: source, each layout, paged, dense copy (x 1.2 for page rounding)."""
     probe = common.cache_config({"num_layers": 1, "num_kv_heads": args.kv_heads, "head_dim": args.head_dim,
                                  "dtype": args.dtype}, args.device)
     one = 2 * batch * (context + 1) * probe.layer_token_bytes
@@ -410,7 +395,6 @@ def _checked(case: DecodeStep, candidates: list[_Candidate], tolerance: float, s
 
 
 def _pick(point: list[dict[str, Any]], prefix: str, selected: bool | None = True) -> dict[str, Any] | None:
-    """The row of ``point`` whose candidate starts with ``prefix`` (the selected one, if any)."""
     mine = [r for r in point if r["candidate"].startswith(prefix)]
     if selected:
         mine = [r for r in mine if r["selected"]] or mine
@@ -418,8 +402,7 @@ def _pick(point: list[dict[str, Any]], prefix: str, selected: bool | None = True
 
 
 def _failed(summary: dict[str, Any]) -> dict[str, str]:
-    """Candidates that gave a wrong output anywhere in the grid, or raised, or whose cache could
-    not open: candidate (or ``vmm:LAYOUT``) -> why, in words."""
+    """Candidates that gave a wrong output anywhere, raised, or whose cache did not open -> why."""
     out: dict[str, str] = {}
     for key, diff in summary.get("wrong_outputs", {}).items():
         name, _, where = key.partition(" at ")
@@ -431,9 +414,6 @@ def _failed(summary: dict[str, Any]) -> dict[str, str]:
 
 
 def _compared(point: list[dict[str, Any]], name: str | None, prefix: str, failed: dict[str, str]) -> tuple[dict[str, Any] | None, str]:
-    """The row of candidate ``name`` at ``point``, or why there is none because it (or the cache
-    of ``prefix``, ``vmm:LAYOUT:``) failed; a ``name`` not measured at all (not asked for, or
-    ``None``) falls back to :func:`_pick` of ``prefix``."""
     why = failed.get(prefix.rstrip(":")) or (failed.get(name) if name else None)
     if why:
         return None, why
@@ -442,10 +422,8 @@ def _compared(point: list[dict[str, Any]], name: str | None, prefix: str, failed
 
 
 def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
-    """At the largest batch and context measured: VMM (the cache's own kernel, default layout)
-    vs the paged mode's kernel, vs the same kernel on dense tensors, batched vs per-sequence,
-    and the share of read bandwidth reached. A comparison whose candidate gave a wrong output
-    (or failed) is an unreliable verdict naming it, never a comparison with a stand-in."""
+    """At the largest point: VMM vs paged, vs the same kernel on dense tensors, batched vs per sequence, and
+    the bandwidth share; a candidate that failed makes its line unreliable, never replaced."""
     rows = result["rows"]
     if not rows:
         return []
@@ -499,21 +477,16 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
 
 
 BANDWIDTH_BOUND = 0.80
-"""A kernel is called bandwidth-bound when every kept round reads its K/V at this share of the
-device's read bandwidth or more; below it, a fifth or more of the bandwidth is left unused (at
-50 %, half), which a faster kernel could still gain."""
+"""A kernel is bandwidth-bound when every kept round reads its K/V at this share of the read bandwidth."""
 
 
 def _gbps(value: float) -> str:
-    """GB/s as read: ``"25.3"`` on a CPU, ``"3,878"`` on a GPU."""
     return f"{value:.1f}" if value < 100 else f"{value:,.0f}"
 
 
 def _bandwidth_verdict(result: dict[str, Any], best: dict[str, Any], timings: common.Timings, where: str) -> common.Verdict:
-    """The K/V bytes the fastest VMM candidate (``best``) reads per second at the verdicts'
-    point, as a share of the bound measured in the same rounds: the device's read bandwidth
-    (``torch.sum`` over the read probe's bytes); bandwidth-bound only from
-    :data:`BANDWIDTH_BOUND` on."""
+    """The fastest VMM candidate's K/V bytes per second as a share of the read bandwidth measured in the
+    same rounds; bandwidth-bound only from :data:`BANDWIDTH_BOUND` on."""
     data = result["samples"][f"{best['batch']},{best['context']}"]
     share = timings.ratio("read", best["candidate"]).scaled(data["kv_bytes"] / data["read_bytes"])
     bound = common.Spread.of([data["read_bytes"] / t / 1e9 for t in data["seconds"]["read"]])
@@ -536,17 +509,14 @@ def _bandwidth_verdict(result: dict[str, Any], best: dict[str, Any], timings: co
 
 
 BATCHING_MATTERS = 0.10
-"""Batched vs per-sequence decode is judged a win only beyond 10 %: the calls it saves cost about
-0.1 % of a step at 2K tokens on CPU (``python -m vmkv_bench.contiguous_decode``), so smaller
-differences are noise and would flip the verdict from run to run."""
+"""Batched vs per-sequence decode wins only beyond 10 %: the calls batching saves are a small part
+of a step, so smaller differences are noise that would flip the verdict between runs."""
 
 
 def _addressing_verdicts(
     point: list[dict[str, Any]], timings: common.Timings, layout: str, where: str, margin: float,
 ) -> list[common.Verdict]:
-    """For each kernel measured on both addressings (the same kernel reading VMM slots and a
-    block table, e.g. Triton): which wins and by how much, i.e. what block-table translation
-    itself costs, nothing else differing."""
+    """Each kernel measured on both addressings, slots vs a block table: what translation alone costs."""
     names = {r["candidate"] for r in point}
     out = []
     for name in sorted(names):
@@ -592,9 +562,8 @@ def _batched_verdict(
 
 
 def _cost_verdict(verdict: common.Verdict) -> common.Verdict:
-    """VMM vs dense answers "does virtual memory cost the kernel anything?": dense faster beyond
-    the noise means yes (side ``dense``); a tie, or VMM faster, means no (side ``no cost``: the
-    same kernel reads the same bytes, so VMM "winning" is no separate answer)."""
+    """VMM vs dense answers "does virtual memory cost the kernel anything?": side ``dense`` (yes) or
+    ``no cost`` (a tie or VMM faster: the same kernel reads the same bytes)."""
     margin, _, rounds = verdict.winner.partition(" (")  # "dense, 1.33x", "7 of 7 rounds)"
     rounds = rounds.removesuffix(")")
     if verdict.side == "dense":
@@ -609,8 +578,6 @@ def _cost_verdict(verdict: common.Verdict) -> common.Verdict:
 
 
 def table(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """The terminal table: one line per (batch, context), ms of each candidate (selected ones
-    marked with *)."""
     out = []
     for batch, context in dict.fromkeys((r["batch"], r["context"]) for r in result["rows"]):
         line: dict[str, Any] = {"batch": batch, "context": context}

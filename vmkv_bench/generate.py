@@ -1,55 +1,5 @@
-"""transformers ``generate()`` with vmkv's cache against DynamicCache and StaticCache (issues 4, 11).
-
-A seeded random Llama (``vmkv.models.default_hf_model``) generates ``--new-tokens`` after a
-``--prompt-len`` prompt of random bytes, greedily, for each model size, batch size and output
-length, then with beam search (width ``--beam-width``, batch 1). Models::
-
-    small   the embedded default: 4 layers, hidden 256, 8 query / 4 KV heads of 32
-    mid     12 layers, hidden 768, 12 query / 4 KV heads of 64
-    1b      Llama-3.2-1B's shape: 16 layers, hidden 2048, MLP 8192, 32 query / 8 KV heads of 64,
-            a 128,256-token vocabulary (tied embeddings): the GPU preset's model, large enough
-            for the model's GPU work, not only Python's, to show in each step
-
-Caches::
-
-    dynamic      transformers DynamicCache (concatenates K/V every step), SDPA
-    static       transformers StaticCache sized to the run (prompt + new tokens), SDPA over it all
-    vmm          VirtualCache("vmm"), the model's SDPA over zero-copy views of the valid length
-    vmm+vmkv     VirtualCache("vmm"), attn_implementation="vmkv": the cache's contiguous kernel
-    paged+vmkv   VirtualCache("paged"), attn_implementation="vmkv": the paged kernel
-    static+compile  StaticCache under generate()'s compiled forward (``compile_config``; on CUDA
-                 generate() compiles a StaticCache by itself, so there it is ``static``)
-    vmm+compile  VirtualCache("vmm", compile=True) under the same compile: StaticCache's contract
-                 over pages (vmkv.hf.compiled); one untimed warm-up run compiles before the rounds
-    vmm+compile+vmkv  the same with attn_implementation="vmkv": each compiled decode step reads
-                 each row's own length with the cache's capturable decode kernel
-    paged+compile+vmkv  VirtualCache("paged", compile=True): the same over block tables
-    bound        the least work a cache can do (greedy points only): K/V preallocated contiguous
-                 [B, H, prompt + new tokens, D] per layer, one copy per tensor a step, views of
-                 the stored length returned, no pages and no checks; not a cache to use, the
-                 measure of what any contiguous cache can gain over DynamicCache here
-
-Every cache runs the same work; the caches take turns for ``--repeats`` rounds and the median is
-kept, with the min-max over rounds; ratios are taken round by round. On CPU with one torch thread
-the clock is the thread's CPU time (other processes of a shared machine cannot inflate it).
-``min_new_tokens = max_new_tokens`` keeps every run to the same length (no early EOS).
-
-The verdicts put VirtualCache against ``bound`` (what vmkv's pages, plans and checks cost) and
-``bound`` against DynamicCache (the most a cache that never copies K/V gains at that point).
-
-Targets (issue 16): VirtualCache >= 1.0x DynamicCache at every greedy point, >= 1.2x at the long
-point (``--long-point``: 512-token prompts + 2,048 new tokens, B=8, where DynamicCache's
-per-step ``torch.cat`` copies dominate), >= 1.0x StaticCache; each verdict says whether its
-target is met and by how much it is missed. ``update()`` overhead: up to three extra, untimed
-runs of ``vmm`` measure the CPU time spent inside ``VirtualCache.update`` (writes, page mapping,
-views: all of the cache's per-step work) per decode step, against the decode step (target < 5 %;
-the median run, with the range over the runs).
-``--profile`` adds one cProfile'd run per cache and point: where the time goes (SDPA, torch.cat,
-linear layers, cache updates), which says why a target is missed.
-KV bytes: DynamicCache and StaticCache report their tensors' bytes at the end (their peak, not
-counting DynamicCache's transient concatenation copy); VirtualCache the most pool bytes in use
-after any step. ``need_bytes`` is what the stored tokens take (rows x columns x bytes a token).
-"""
+"""transformers ``generate()`` with vmkv's cache against DynamicCache, StaticCache and the ``bound``
+(the least work any cache can do): tokens/s, KV bytes, ``update()``'s share of a step (docs/hf.md)."""
 
 from __future__ import annotations
 
@@ -87,10 +37,10 @@ MODELS: dict[str, dict[str, Any]] = {
            "tie_word_embeddings": True},  # Llama-3.2-1B's shape, random weights (no download)
 }
 SCHEMA = {
-    "model": "small, mid or 1b (see the module docstring)",
+    "model": "small, mid or 1b (docs/benchmarks.md)",
     "workload": "greedy, or beamW for beam search of width W",
     "batch": "prompts per generate() call",
-    "cache": "cache (and attention) under test, see the module docstring",
+    "cache": "cache (and attention) under test (docs/hf.md)",
     "kernel": "attention kernel that ran (VirtualCache with vmkv attention: the core's kernel; else transformers' sdpa)",
     "prompt_len": "prompt tokens",
     "point": "main (the --prompt-len/--new-tokens grid) or long (--long-point)",
@@ -107,7 +57,6 @@ SCHEMA = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of this benchmark (the CLI adds --device, --smoke, --seed, --out)."""
     parser.add_argument("--models", nargs="+", default=["small", "mid"], choices=list(MODELS),
                         help="model sizes (default small mid; 1b: Llama-3.2-1B's shape, about 5 GB in float32, for GPUs)")
     parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default 128)")
@@ -130,7 +79,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _smoke(args: argparse.Namespace) -> argparse.Namespace:
-    """Tiny sizes for CI: seconds, not minutes."""
     return argparse.Namespace(**{
         **vars(args), "models": ["small"], "prompt_len": 16, "new_tokens": [4], "batch_sizes": [2],
         "beam_new_tokens": 4, "repeats": 1,
@@ -138,8 +86,8 @@ def _smoke(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def _bound_cache(num_layers: int, capacity: int) -> Any:
-    """The ``bound`` reference (see the module docstring): a transformers ``Cache`` whose layers
-    preallocate ``capacity`` positions and return views of the stored length."""
+    """The ``bound`` reference (docs/hf.md): a transformers ``Cache`` whose layers preallocate
+    ``capacity`` positions and return views of the stored length."""
     from transformers import Cache
     from transformers.cache_utils import DynamicLayer
 
@@ -193,8 +141,7 @@ def _make_cache(name: str, model: torch.nn.Module, args: argparse.Namespace, max
 
 
 def _compile_config() -> Any:
-    """generate()'s compile for the ``+compile`` caches, on every device (transformers compiles
-    by itself only on GPUs); its default mode, ``reduce-overhead``, captures CUDA graphs there."""
+    """generate()'s compile on every device (transformers compiles by itself only on GPUs)."""
     from transformers import CompileConfig
 
     config = CompileConfig()
@@ -228,7 +175,6 @@ class Point:
 
 
 def _generate_call(model: torch.nn.Module, args: argparse.Namespace, point: Point) -> tuple[torch.Tensor, dict[str, Any]]:
-    """The prompt ids of ``point`` and the generate() keyword arguments (the cache aside)."""
     gen = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, 256, (point.batch, point.prompt_len), generator=gen).to(args.device)
     kwargs = dict(
@@ -310,9 +256,8 @@ UPDATE_ROUNDS = 3  # untimed runs update_share measures (at most --repeats)
 
 
 def update_share(model: torch.nn.Module, args: argparse.Namespace, point: Point) -> dict[str, float]:
-    """CPU time inside ``VirtualCache.update`` per decode step of ``vmm`` at ``point`` against the
-    decode step's own time, over ``min(UPDATE_ROUNDS, --repeats)`` untimed runs: the median run's
-    figures, with ``share_low``/``share_high`` the range over the runs (see :func:`_update_share_once`)."""
+    """``update()``'s share of a decode step of ``vmm`` at ``point``: the median of a few untimed runs,
+    with their range."""
     runs = [_update_share_once(model, args, point) for _ in range(max(1, min(UPDATE_ROUNDS, args.repeats)))]
     spread = common.Spread.of([run["share"] for run in runs])
     middle = sorted(runs, key=lambda run: run["share"])[len(runs) // 2]
@@ -320,11 +265,8 @@ def update_share(model: torch.nn.Module, args: argparse.Namespace, point: Point)
 
 
 def _update_share_once(model: torch.nn.Module, args: argparse.Namespace, point: Point) -> dict[str, float]:
-    """One untimed run of ``vmm``: time inside the cache's ``update`` per decode step (all of its
-    per-step work: plan, mapping, writes, views) against the step's forward, and of it the core's
-    full-path step planning (``stats()["map_step_ns"]``, wall clock: the steps that map pages).
-    Timed from outside: the cache passed to generate() times its own ``update``, torch's forward
-    hooks time the model; the prefill and the first decode step (it opens the core) are left out."""
+    """One untimed run of ``vmm``, timed from outside the library: the cache passed to generate() times its
+    ``update``, forward hooks the step, ``stats()["map_step_ns"]`` the page mapping (first two steps left out)."""
     from vmkv.hf import VirtualCache
 
     now = common.CLOCKS["cpu"] if args.device == "cpu" else common.CLOCKS["wall"]  # no other thread: map_ahead is off
@@ -407,7 +349,6 @@ def _case_key(row: dict[str, Any]) -> str:
 
 
 def _points(args: argparse.Namespace) -> list[Point]:
-    """The option grid (greedy at every batch size and length, then beam search), then the long point."""
     work = [Point(args.prompt_len, b, 1, n) for n in args.new_tokens for b in args.batch_sizes]
     if args.beam_width > 1:
         work.append(Point(args.prompt_len, 1, args.beam_width, args.beam_new_tokens))
@@ -418,11 +359,6 @@ def _points(args: argparse.Namespace) -> list[Point]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the benchmark; returns ``{"name", "schema", "rows", "summary", ...}``.
-
-    Raises:
-        vmkv.BackendUnavailable: ``--device cuda`` without a GPU.
-    """
     from vmkv.models import default_hf_model
 
     common.check_device(args.device)
@@ -457,7 +393,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _summary(rows: list[dict[str, Any]], samples: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
-    """Per case: tokens/s of every cache relative to DynamicCache (median of per-round ratios)."""
     summary: dict[str, Any] = {"all_same_tokens_as_dynamic": all(r["same_tokens_as_dynamic"] for r in rows)}
     for key, times in samples.items():
         if "dynamic" in times:
@@ -469,8 +404,6 @@ def _summary(rows: list[dict[str, Any]], samples: dict[str, dict[str, list[float
 
 
 def _best_vmm(timings: common.Timings, base: str) -> str | None:
-    """The VirtualCache setup (``vmm``, ``vmm+vmkv``) with the best speed ratio against ``base``
-    (the median of the per-round ratios, the figure its verdict quotes)."""
     names = [name for name in ("vmm", "vmm+vmkv") if name in timings.samples]
     if not names or base not in timings.samples:
         return None
@@ -478,8 +411,6 @@ def _best_vmm(timings: common.Timings, base: str) -> str | None:
 
 
 def _wrong(case: list[dict[str, Any]], names: list[str], failed: dict[str, str]) -> str:
-    """Why the caches ``names`` cannot be compared on ``case`` (its rows): one raised, or one
-    generated other tokens than DynamicCache (``""``: all ran and agree)."""
     rows = {r["cache"]: r for r in case}
     why = [f"{name} failed: {failed[name]}" for name in names if name in failed]
     why += [f"{name} generated other tokens than DynamicCache" for name in names
@@ -490,10 +421,8 @@ def _wrong(case: list[dict[str, Any]], names: list[str], failed: dict[str, str])
 def _target_note(
     ratio: common.Spread, target: float, profile: dict[str, dict[str, float]] | None, bound: common.Spread | None,
 ) -> str:
-    """Whether ``ratio`` (VirtualCache speed / the other cache's) meets ``target``
-    (:func:`vmkv_bench.common.target_status`: the verdict's judgement, the one ``agrees`` shows),
-    and with a median below it by how much, how far the ``bound`` reference got against the same
-    cache, and (with a profile of the point) where the time went."""
+    """Whether ``ratio`` meets ``target`` (as ``agrees`` shows it), and if not by how much, what the bound
+    reached and where the profile says the time went."""
     status = common.target_status(ratio, target)
     if ratio.value >= target:
         return f"target >= {target}x {status}"
@@ -539,8 +468,7 @@ def _speed_verdicts(result: dict[str, Any], model: str, case: list[dict[str, Any
 
 
 def _compile_verdicts(result: dict[str, Any], model: str, case: list[dict[str, Any]], label: str) -> list[common.Verdict]:
-    """Each compiled VirtualCache on ``case`` against the eager cache of its attention (compiling
-    must not slow it down) and against ``static+compile`` (the same compile over StaticCache),
+    """Each compiled VirtualCache against the eager cache of its attention and against ``static+compile``,
     each against its target (:data:`COMPILE_TARGETS`)."""
     timings = common.Timings(result["samples"][_case_key(case[0])])
     failed = result["summary"].get("failed", {})
@@ -570,9 +498,8 @@ def _bound_verdicts(
     timings: common.Timings, case: list[dict[str, Any]], failed: dict[str, str], model: str, label: str, where: str,
     ours: list[str],
 ) -> list[common.Verdict]:
-    """With the ``bound`` reference on ``case``: VirtualCache (the faster setup) vs the bound, what
-    vmkv's bookkeeping costs; and the bound vs DynamicCache, the most any cache that never copies
-    K/V gains over DynamicCache at this point (no target: they say what the targets can ask)."""
+    """VirtualCache vs the bound (what vmkv's bookkeeping costs) and the bound vs DynamicCache (the most
+    any cache that never copies K/V gains here)."""
     if "bound" not in timings.samples:
         return []
     out = []
@@ -625,11 +552,8 @@ def _share_range(found: dict[str, Any]) -> str:
 
 
 def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
-    """Per model: at its largest greedy case of the option grid, and at the long point if run,
-    the faster VirtualCache (VMM) vs DynamicCache and vs StaticCache, each against its target;
-    update()'s share of a decode step; and beam search's KV memory against DynamicCache's. A
-    comparison where a compared cache raised or generated other tokens than DynamicCache is
-    unreliable and names it."""
+    """Per model, at its largest greedy point (and the long one): VirtualCache vs DynamicCache and
+    StaticCache, ``update()``'s share, beam search's KV; a cache that failed makes its line unreliable."""
     out = []
     rows = result["rows"]
     failed = result["summary"].get("failed", {})
@@ -661,7 +585,6 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
 
 
 def table(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """The terminal table: per case, tokens/s of each cache (median) and whether outputs match."""
     out = []
     for key in result["samples"]:
         mine = [r for r in result["rows"] if _case_key(r) == key]

@@ -1,30 +1,5 @@
-"""Mapping overhead of VMM mode (issues 2 and 5).
-
-Three measurements, all on the real backend and cache:
-
-* ``map`` / ``unmap``: latency per page of the virtual-memory backend (host: ``mmap`` of a memfd
-  page with ``MAP_FIXED`` / ``PROT_NONE`` over it; CUDA: ``cuMemMap`` + ``cuMemSetAccess`` /
-  ``cuMemUnmap``), median over ``--pages`` pages mapped one by one into a reservation, each
-  call timed alone. Goal <= 10 us.
-* ``reserve``: reserving (and giving back) 64 GiB of address space. Goal < 10 ms.
-* ``decode_share``: share of decode-step time spent mapping. A batch of sequences decodes
-  ``--steps`` tokens through every layer (``begin_step`` + ``write`` + ``attention``, no model
-  around it: the smallest denominator, so the worst share) in three variants: pages mapped on
-  demand, with ``map_ahead=True`` (the next page mapped on a background thread), and with every
-  page reserved before the loop (no mapping at all: the baseline). The variants take turns for
-  ``--rounds`` rounds; every ``begin_step`` is timed (wall clock: waiting for the map-ahead
-  thread counts). Each round gives a share, ``(begin_step time - baseline begin_step time) /
-  baseline step time``, all summed over the round's steps and taken against the baseline of the
-  same round; the share reported is the median of the rounds' shares (a round another process
-  preempted does not move it) and its range their min-max (from 5 rounds on, the lowest and
-  highest left out): one estimator for both. A variant does more work than the baseline, so a
-  negative share, or a step time below the baseline's by more than the baseline's own spread,
-  is a measurement error: the run is repeated once with twice the rounds, and if it persists
-  the measurement is reported as unreliable (with the reason), never rounded to zero.
-  Whether map-ahead wins is judged on its saving paired per round (on demand's share minus
-  map-ahead's in the same round): map-ahead if it saved in every kept round, on demand if it
-  cost in every one, else a tie.
-"""
+"""What mapping pages costs in VMM mode: map/unmap per page, reserving 64 GiB, and its share of a decode
+step on demand and with map-ahead against no mapping at all (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -64,7 +39,6 @@ RESERVE_BYTES = 64 * 2**30
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """This benchmark's options (the CLI adds --device, --smoke, --seed, --out)."""
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: stable on a shared CPU; 0 keeps torch's default)")
     parser.add_argument("--page-sizes", nargs="+", default=None, help="backend page sizes for map/unmap (default 64KiB 2MiB; CUDA 2MiB)")
     parser.add_argument("--pages", type=int, default=None, help="pages mapped per latency measurement (default 256; smoke 32)")
@@ -102,14 +76,12 @@ def map_latency(vm: Any, page_size: int, pages: int, rounds: int = 1) -> tuple[l
 
 
 def _percentiles(samples: list[float]) -> common.Spread:
-    """Median with the 10th and 90th percentiles as the range."""
     ordered = sorted(samples)
     pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
     return common.Spread(statistics.median(ordered), pick(0.1), pick(0.9), len(ordered))
 
 
 def _reserve_time(device: str, page_size: int) -> common.Spread:
-    """Seconds to reserve and give back ``RESERVE_BYTES`` of address space (5 times)."""
     vm = open_backend(torch.device(device), page_size, 1)
     try:
         def once() -> None:
@@ -125,9 +97,8 @@ PROMPT = 16  # tokens each sequence holds before the timed steps
 
 
 def _decode_config(args: argparse.Namespace, page_size: str, map_ahead: bool = False) -> vmkv.KVCacheConfig:
-    """The cache of the decode-share runs: ``--batch`` sequences of the prompt plus ``--steps``
-    tokens in ``--shape`` and ``--layout`` with ``page_size`` pages, and a budget of the pages
-    the run needs (+1 a sequence), not more: mappings are finite."""
+    """The decode-share runs' cache: a budget of exactly the pages the run needs (+1 a sequence), since
+    mappings are finite."""
     shape = SHAPES[args.shape]
     probe = common.cache_config(shape, args.device, page_size=page_size, layout=args.layout)
     page = probe.page_size
@@ -140,7 +111,6 @@ def _decode_config(args: argparse.Namespace, page_size: str, map_ahead: bool = F
 
 
 def _tokens_per_page(config: vmkv.KVCacheConfig) -> int:
-    """Tokens one page of ``config`` holds."""
     return config.page_size // config.tensor_token_bytes()
 
 
@@ -185,20 +155,12 @@ VARIANTS = {"on_demand": (False, False), "ahead": (True, False), "premapped": (F
 
 
 def _share(begins: dict[str, list[list[float]]], totals: list[list[float]], variant: str) -> common.Spread:
-    """Mapping share of ``variant`` (see the module docstring): one share per round, the
-    variant's ``begin_step`` time minus the baseline's in the same round over the baseline's
-    step time in that round (each summed over the steps); their median and min-max (from 5 rounds
-    on, the lowest and highest left out). Scheduling on a shared machine changes from round to
-    round, most of all for the map-ahead thread, and the range shows it."""
     per_round = zip(begins[variant], begins["premapped"], totals)
     return common.Spread.of([(sum(mine) - sum(base)) / sum(total) for mine, base, total in per_round])
 
 
 def _saving(begins: dict[str, list[list[float]]], totals: list[list[float]]) -> common.Spread:
-    """What map-ahead saves over mapping on demand, as a share of the baseline's step time,
-    paired per round: on demand's ``begin_step`` time minus map-ahead's in the same round, over
-    that round's baseline step time. Pairing cancels what moves a whole round (another process,
-    frequency), which the two shares' own ranges carry: it is what decides the verdict."""
+    """What map-ahead saves over on demand, paired per round (it cancels what moves a whole round): the verdict."""
     per_round = zip(begins["on_demand"], begins["ahead"], totals)
     return common.Spread.of([(sum(demand) - sum(ahead)) / sum(total) for demand, ahead, total in per_round])
 
@@ -206,9 +168,8 @@ def _saving(begins: dict[str, list[list[float]]], totals: list[list[float]]) -> 
 def _measure_shares(
     args: argparse.Namespace, page_size: str, rounds: int
 ) -> tuple[dict[str, common.Spread], common.Spread, dict[str, common.Spread]]:
-    """Shares of ``on_demand`` and ``ahead``, map-ahead's paired saving (:func:`_saving`), and
-    the ms per step of each variant and of the baseline (``premapped``): median and min-max over
-    rounds."""
+    """Shares of ``on_demand`` and ``ahead``, map-ahead's paired saving (:func:`_saving`), and the ms per step
+    of each variant and of the baseline (``premapped``): median and min-max over rounds."""
     begins: dict[str, list[list[float]]] = {name: [] for name in VARIANTS}
     totals: dict[str, list[list[float]]] = {name: [] for name in VARIANTS}
     names = list(VARIANTS)
@@ -223,10 +184,8 @@ def _measure_shares(
 
 
 def _errors(shares: dict[str, common.Spread], step_ms: dict[str, common.Spread]) -> dict[str, str]:
-    """Variant -> why its measurement is an error: a variant maps pages on top of the baseline's
-    work, so it cannot cost less; a negative share, or a step faster than the baseline's by more
-    than the baseline's own spread (min-max over rounds), says the machine moved under the
-    measurement."""
+    """Variant -> why its measurement is an error: mapping cannot cost less than no mapping, so a negative
+    share or a step below the baseline's beyond its spread means the machine moved."""
     base = step_ms["premapped"]
     errors = {}
     for name, share in shares.items():
@@ -265,7 +224,6 @@ def _decode_rows(args: argparse.Namespace, page_size: str) -> list[dict[str, Any
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Map/unmap latency, 64 GiB reservation time, and the decode-time share of mapping."""
     with common.torch_threads(getattr(args, "threads", None)):
         result = _run(args)
     result["config"]["threads"] = getattr(args, "threads", None) or "torch default"
@@ -273,7 +231,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _default_sizes(device: str, host: list[str]) -> list[str]:
-    """``host`` on the CPU; on CUDA its smallest mapping, the driver's granularity (2 MiB)."""
     return host if device == "cpu" else ["2MiB"]
 
 
@@ -294,9 +251,6 @@ def _settings(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def refusals(args: argparse.Namespace, granularity: int) -> dict[str, str]:
-    """What the run needs that a backend of ``granularity`` refuses: a backend page size of the
-    map/unmap latencies that is not a multiple of it, and the decode-share caches (see
-    :func:`vmkv_bench.common.cache_refusals`)."""
     args = _settings(args)
     refused = {f"map/unmap {size} pages": f"{vmkv.parse_size(size)} B is not a multiple of the backend granularity ({granularity} B)"
                for size in args.page_sizes if vmkv.parse_size(size) % granularity}

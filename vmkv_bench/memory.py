@@ -1,32 +1,5 @@
-"""KV-cache memory utilization under a request trace (issue 5; vLLM paper Fig. 2 / Sec. 6).
-
-A seeded ShareGPT-like or Alpaca-like trace is replayed, in arrival order, through one scheduler
-and several allocators, each a real cache doing ``add`` / ``reserve`` / ``begin_step`` / ``free``
-under the same memory budget (kernels are skipped: no K/V is written, so the host backend's
-pages are mapped but never touched)::
-
-    static-max            reserve max_seq_len tokens per request up front (FasterTransformer/Orca "Max")
-    pow2                  reserve the next power of two of prompt+output (Orca "Pow2": <= 2x over)
-    paged-b16             paged mode, 16-token blocks, pages on demand (vLLM)
-    vmm-<layout>-<page>   VMM mode, every layout ``vmkv.KVCacheConfig`` accepts, 64 KiB or 2 MiB
-                          pages, on demand
-    vmm-default           VMM mode with the library's default layout and page size
-
-The two reservation baselines run on the VMM cache with the all-layers layout and 2 MiB pages
-(32 tokens a page for Llama-3-8B), so a reservation is rounded up to whole 32-token pages.
-
-Scheduler (the same for all): every iteration admits waiting requests first-come first-served
-while the allocator accepts their prompt (or reservation) and leaves 1 % of the pages free (vLLM's
-watermark; the first request is always tried), then runs one decode step for every
-running request; a request that reached its output length is freed. If a decode step runs out of
-pages, the newest running request is preempted (freed, re-queued at the front, recomputed later:
-vLLM's recompute preemption).
-
-Utilization = bytes of stored tokens / bytes of pages held by sequences. *Steady state* is every
-iteration after the first completion while requests are still waiting (memory is the limit): the
-start (filling the budget) and the end (draining the queue, when utilization climbs to 1.0 as
-the last requests finish alone) are left out. A replay is deterministic for a seed.
-"""
+"""KV memory holding tokens under a request trace: reservation baselines, paged mode and VMM mode in
+every layout and page size replay the same seeded trace through one scheduler (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -47,7 +20,7 @@ DESCRIPTION = "KV utilization and sequences per budget: static/pow2 reservation 
 
 SCHEMA = {
     "trace": "request trace (sharegpt-like or alpaca-like)",
-    "allocator": "allocation policy and cache (see module docstring)",
+    "allocator": "allocation policy and cache (docs/benchmarks.md)",
     "geometry": "VMM layout and page bytes per K/V tensor, or paged block size",
     "tokens_per_page": "tokens one page (or block) holds",
     "steady_util": "mean KV utilization (stored token bytes / allocated bytes) at steady state, 0..1",
@@ -74,9 +47,7 @@ class Allocator:
 
 
 def allocators(page_sizes: list[str]) -> list[Allocator]:
-    """The baselines, then one on-demand VMM allocator per layout :class:`vmkv.KVCacheConfig`
-    accepts and page size in ``page_sizes``, then the library's defaults (no layout or page size
-    given, whatever they are on this device)."""
+    """The baselines, one on-demand VMM allocator per layout and page size, then the library's defaults."""
     layouts = typing.get_args(vmkv.config.Layout)
     vmm = [Allocator(f"vmm-{layout}-{page}", "vmm", {"layout": layout, "page_size": page}, "on_demand", sweep=True)
            for layout in layouts for page in page_sizes]
@@ -96,7 +67,6 @@ PAPER_RESERVATION = (0.204, 0.382)  # PagedAttention paper (Kwon et al., 2023), 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """This benchmark's options (the CLI adds --device, --smoke, --seed, --out)."""
     parser.add_argument("--traces", nargs="+", default=["sharegpt", "alpaca"], choices=sorted(common.TRACES))
     parser.add_argument("--requests", nargs="+", default=None, metavar="[TRACE=]N",
                         help="requests per trace, one number for all or TRACE=N each (default: 120 ShareGPT-like, "
@@ -113,11 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _per_trace(values: list[str] | None, kind: str, default: str) -> str:
-    """The value for trace ``kind`` from ``["1GiB"]`` or ``["sharegpt=1GiB", "alpaca=256MiB"]``.
-
-    Raises:
-        vmkv.InvalidConfig: a ``TRACE=`` entry names an unknown trace.
-    """
+    """The value for trace ``kind`` from ``["1GiB"]`` or ``["sharegpt=1GiB", "alpaca=256MiB"]``."""
     chosen = default
     for value in values or []:
         trace, sep, rest = value.partition("=")
@@ -224,7 +190,6 @@ class _Replay:
 
 
 def _config(allocator: Allocator, args: argparse.Namespace, budget: str) -> vmkv.KVCacheConfig:
-    """The cache configuration ``allocator`` replays a trace with in ``budget``."""
     return common.cache_config(
         common.LLAMA3_8B, args.device,
         max_batch_size=512, max_seq_len=args.max_seq_len, memory_budget=budget,
@@ -233,12 +198,8 @@ def _config(allocator: Allocator, args: argparse.Namespace, budget: str) -> vmkv
 
 
 def _settings(args: argparse.Namespace) -> tuple[argparse.Namespace, list[Allocator]]:
-    """``args`` with the defaults that depend on ``--smoke`` and ``--device`` filled in, and the
-    allocators to replay.
-
-    Raises:
-        vmkv.InvalidConfig: ``--allocators`` names an unknown allocator.
-    """
+    """``args`` with the defaults that depend on ``--smoke`` and ``--device`` filled in, and the allocators to
+    replay."""
     args = argparse.Namespace(**{**vars(args), "max_seq_len": args.max_seq_len or (256 if args.smoke else 2048),
                                   "page_sizes": args.page_sizes or PAGE_SIZES[args.device]})
     chosen = allocators(args.page_sizes)
@@ -251,14 +212,10 @@ def _settings(args: argparse.Namespace) -> tuple[argparse.Namespace, list[Alloca
 
 
 def _budget(args: argparse.Namespace, kind: str) -> str:
-    """The KV budget of trace ``kind``."""
     return _per_trace(args.budget, kind, "512MiB" if args.smoke else DEFAULT_BUDGETS[kind])
 
 
 def refusals(args: argparse.Namespace, granularity: int) -> dict[str, str]:
-    """What the replays need that a backend of ``granularity`` refuses (see
-    :func:`vmkv_bench.common.cache_refusals`): the baselines, paged mode and the library's
-    defaults; the layout x page size sweep is reported as skipped where refused, not needed."""
     args, chosen = _settings(args)
     planned = [(f"{allocator.label} ({kind}, {_budget(args, kind)})", allocator.mode, _config(allocator, args, _budget(args, kind)))
                for kind in args.traces for allocator in chosen if not allocator.sweep]
@@ -287,9 +244,6 @@ def _summarise_series(series: dict[str, list[float]]) -> dict[str, float]:
 
 
 def _steady_series(series: dict[str, list[float]], points: int = 150) -> dict[str, list[float]]:
-    """The steady-state iterations only (filling and draining left out) in about ``points``
-    buckets of consecutive iterations, for the plot: per bucket, requests finished at its end
-    and the mean utilization and sequences running over it."""
     steady = [i for i, s in enumerate(series["steady"]) if s] or list(range(len(series["util"])))
     size = max(1, -(-len(steady) // points))
     buckets = [steady[i : i + size] for i in range(0, len(steady), size)]
@@ -301,7 +255,6 @@ def _steady_series(series: dict[str, list[float]], points: int = 150) -> dict[st
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Replay each trace through each allocator; rows per (trace, allocator)."""
     common.check_device(args.device)
     show = getattr(args, "progress", False)
     args, chosen = _settings(args)
@@ -389,7 +342,6 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
 
 
 def table(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """The terminal table: per trace and allocator, steady-state utilization and how many run."""
     return [{"trace": r["trace"], "allocator": r["allocator"], "tok/page": r["tokens_per_page"],
              "util %": round(100 * r["steady_util"], 1), "util p10 %": round(100 * r["steady_util_p10"], 1),
              "running (mean)": round(r["mean_running"], 1), "steady iters": r["steady_iterations"],
@@ -397,9 +349,8 @@ def table(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def plot(result: dict[str, Any], out_dir) -> list[str]:
-    """``memory_utilization.png``: utilization at steady state against requests finished, one panel
-    per trace, one line per allocator; allocators that gave the same series share one line (the
-    legend names them all), and the legend sits beside the panels, never on the data."""
+    """``memory_utilization.png``: steady-state utilization against requests finished, a panel per trace,
+    a line per distinct series."""
     plt = common.pyplot()
     kinds = list(result["traces"])
     fig, axes = plt.subplots(1, len(kinds), figsize=(6.2 * len(kinds) + 3.2, 4.4), squeeze=False)

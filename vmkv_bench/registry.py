@@ -10,9 +10,8 @@ from typing import Any, Callable
 
 @dataclass(frozen=True)
 class Entry:
-    """One thing to run. ``target`` is a benchmark module (``vmkv bench``: its contract is in
-    docs/benchmarks.md) or a section's ``module:function`` taking a :class:`~vmkv_bench.runner.Context`
-    (the GPU check: it returns a dict; a list under ``"failures"`` fails it)."""
+    """One thing to run: ``target`` is a benchmark module (``vmkv bench``; the contract: docs/benchmarks.md)
+    or a GPU-check section's ``module:function``, which takes a :class:`~vmkv_bench.runner.Context`."""
 
     name: str
     target: str

@@ -1,7 +1,5 @@
-"""The one runner: ``vmkv bench`` (:func:`main`, benchmarks in this process, JSON, plots and
-``report.md``) and the GPU check (:func:`check_main`, each section in a process of its own within
-a time budget, ``gpu_check.json``), both over :func:`run_jobs` and the entries of
-:mod:`vmkv_bench.registry`. docs/benchmarks.md and docs/gpu.md say what each prints and writes."""
+"""The one runner: ``vmkv bench`` (:func:`main`: benchmarks in this process) and the GPU check
+(:func:`check_main`: each section in a process of its own, within a time budget), over :func:`run_jobs`."""
 
 from __future__ import annotations
 
@@ -230,7 +228,6 @@ def unwritable(out: Path) -> str:
 
 
 def _refused(job: Job, pages: Callable[[str], int]) -> str:
-    """What ``job``'s options ask of its device's backend that the backend refuses ('' if nothing)."""
     if not hasattr(job.module, "refusals"):
         return ""
     gran = pages(job.args.device)
@@ -289,7 +286,6 @@ def run_one(module: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _verdicts(module: ModuleType, result: dict[str, Any]) -> list[dict[str, Any]]:
-    """The module's verdicts as dicts; a failure to give them becomes a line of its own."""
     if not hasattr(module, "verdicts"):
         return []
     verdicts, why = attempt(lambda: [v.as_dict() for v in module.verdicts(result)])
@@ -358,8 +354,7 @@ def run(ns: argparse.Namespace) -> int:
 
 
 def _merge_records(path: Path, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``suite.json`` updated with ``records`` (the newest per name, registry order), so one
-    benchmark run alone keeps the others' results."""
+    """``suite.json`` with ``records`` merged in: one benchmark run alone keeps the others' results."""
     by_name = {r["name"]: r for r in (json.loads(path.read_text())["records"] if path.exists() else [])}
     by_name.update({r["name"]: r for r in records})
     order = [name for name in BENCHMARKS if name in by_name] + [name for name in by_name if name not in BENCHMARKS]

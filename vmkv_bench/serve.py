@@ -1,29 +1,5 @@
-"""Serving throughput and latency, VMM vs paged, on the embedded model (issue 6).
-
-The engine runs **in-process** (no HTTP: ``Engine.add_request`` / ``step``), so the numbers are
-the engine's and the cache's, not uvicorn's. Every request has a seeded random prompt of
-``--prompt-len`` tokens and generates exactly ``--output-len`` tokens (greedy, EOS ignored).
-
-Experiments, each run for both modes back to back on identical work:
-
-    concurrency   closed loop: C requests in flight, a new one as soon as one finishes
-    rate          open loop: Poisson arrivals at R requests/s (``inf``: all at t=0)
-    capacity      ``--capacity-requests`` distinct prompts of 64 tokens, each generating
-                  ``--capacity-output-len`` tokens, at once into a fixed ``--capacity-budget``
-                  with 256 slots: how many sequences the budget keeps running (mean over steps,
-                  and the peak), and the preemptions; the same experiment in the quick preset
-                  and the full run (no two prompts share a prefix page)
-
-Concurrency and rate settings run ``--repeats`` times per mode, modes alternating, and keep the
-median-throughput run of each mode. Metrics per run: output tokens/s (all output tokens / wall
-time), output tokens per CPU-second of this process (what a busy shared machine does not
-inflate: the verdict's measure), TTFT (arrival to first token), TPOT (mean time per output
-token after the first), end-to-end latency; p50 and p99.
-VMM pages default to the engine's choice (64 KiB = 128 tokens of the embedded model on CPU,
-2 MiB on CUDA), paged blocks to 16 tokens; on CPU the capacity experiment also runs VMM with
-4 KiB pages (8 tokens), so page granularity, not the mode, is visible as the cause of any
-capacity gap. The capacity budget must hold a page of each mode (on CUDA: 8 MiB x layers).
-"""
+"""Serving throughput, latency and capacity, VMM vs paged, with the engine in-process on the embedded
+model: closed loop, open loop and a fixed budget (docs/serving.md)."""
 
 from __future__ import annotations
 
@@ -113,7 +89,6 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _engine_config(mode: str, args: argparse.Namespace, budget: str, max_num_seqs: int, page_size: str | None = None) -> EngineConfig:
-    """The configuration of an engine of the embedded model in ``mode`` with ``budget``."""
     return EngineConfig(
         kv_mode=mode, memory_budget=budget, page_size=page_size, block_size=args.block_size,
         max_num_seqs=max_num_seqs, max_seq_len=1024, device=args.device, seed=args.seed,
@@ -126,8 +101,6 @@ def _engine(mode: str, args: argparse.Namespace, budget: str, max_num_seqs: int,
 
 
 def _engine_configs(args: argparse.Namespace, settings: dict[str, Any]) -> dict[str, EngineConfig]:
-    """Every engine the run opens, by label: one per mode for the throughput and latency runs,
-    then the capacity experiment's variants (:func:`_capacity_variants`)."""
     top = max(settings["concurrency"])
     configs = {f"{mode} ({settings['memory_budget']})": _engine_config(mode, args, settings["memory_budget"], max(top, 16),
                                                                        args.vmm_page_size)
@@ -139,14 +112,12 @@ def _engine_configs(args: argparse.Namespace, settings: dict[str, Any]) -> dict[
 
 
 def refusals(args: argparse.Namespace, granularity: int) -> dict[str, str]:
-    """What the engines' caches need that a backend of ``granularity`` refuses (see
-    :func:`vmkv_bench.common.cache_refusals`), read from the model's configuration: no weight is loaded."""
     planned = [(label, config.kv_mode, config.cache_config()) for label, config in _engine_configs(args, _settings(args)).items()]
     return common.cache_refusals(planned, granularity)
 
 
 def _prompts(count: int, length: int, seed: int) -> list[list[int]]:
-    """Seeded random byte prompts, each starting with BOS (256): no two share a prefix page."""
+    """Seeded random byte prompts after BOS: no two share a prefix page."""
     rng = random.Random(seed)
     return [[256] + [rng.randrange(256) for _ in range(length - 1)] for _ in range(count)]
 
@@ -238,11 +209,6 @@ def _row(experiment: str, mode: str, engine: Engine, measured: dict[str, Any], c
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run every experiment for every mode; returns ``{"name", "schema", "rows", "summary", ...}``.
-
-    Raises:
-        vmkv.BackendUnavailable: ``--device cuda`` without a GPU, or paged mode missing.
-    """
     common.check_device(args.device)
     settings = _settings(args)
     with common.torch_threads(args.threads):
@@ -318,8 +284,7 @@ def _capacity(args: argparse.Namespace, settings: dict[str, Any], prompts: list[
 
 
 def _capacity_variants(args: argparse.Namespace) -> list[tuple[str, str | None]]:
-    """``(mode, VMM page size)`` of each capacity run: every mode at its page size, and on the
-    CPU VMM with 4 KiB pages too (CUDA maps 2 MiB at the least)."""
+    """Every mode at its page size, and on the CPU VMM with 4 KiB pages too (CUDA maps 2 MiB at the least)."""
     variants: list[tuple[str, str | None]] = [(mode, args.vmm_page_size) for mode in args.modes]
     if "vmm" in args.modes and args.device == "cpu":
         variants.append(("vmm", "4KiB"))
@@ -348,9 +313,8 @@ VATTENTION = 1.23  # vAttention (Prabhu et al., 2025): up to 1.23x serving throu
 
 
 def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
-    """Closed-loop throughput VMM vs paged at the top concurrency (tokens per CPU-second, paired
-    repeats), and the capacity of the budget (mean sequences running, VMM at the engine's page
-    size vs paged)."""
+    """Closed-loop throughput VMM vs paged at the top concurrency (tokens per CPU-second, paired repeats), and
+    the capacity of the budget (mean sequences running, VMM at the engine's page size vs paged)."""
     out = []
     conc = [key for key in result["samples"] if key.startswith("concurrency/")]
     if conc:
@@ -383,7 +347,6 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
 
 
 def table(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """The terminal table: the headline columns of every row."""
     out = []
     for r in result["rows"]:
         load = {"concurrency": f"C={r['concurrency']}", "capacity": f"{r['concurrency']} at once",

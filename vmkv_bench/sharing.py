@@ -1,27 +1,5 @@
-"""Memory saved by sharing KV pages: parallel sampling and beam search (issue 3; vLLM Fig. 15).
-
-Each request of a seeded trace runs through a real cache twice, with the same seeded choices:
-
-* **shared**: ``fork`` (the child shares every page, copy-on-write on the first write into a
-  shared page), ``free`` for dead beams;
-* **unshared**: every fork is replaced by a new sequence holding its own copy of the parent's
-  tokens (``add`` + ``begin_step`` of the parent's length): what a cache without sharing holds.
-
-Parallel sampling with n: the prompt is prefilled once, then forked into n samples (the parent
-is sample 0), each decoding its own seeded output length. Beam search with width w: the prompt
-is forked into w beams; every step w parents are drawn (seeded, with replacement) among the
-live beams, beams never drawn are freed, a beam drawn k times is forked k-1 times, then every
-beam decodes one token; the request's output length sets the number of steps.
-
-Saved = 1 - sum over steps of pages in use (shared) / the same sum (unshared): the time-average
-of memory saved. ``peak_saved`` compares the peaks. Pages count every layer (a pool page), so a
-page of 16 tokens (paged) and one of 1024 tokens (VMM, per-layer layout, 2 MiB pages, Llama-3-8B
-shape) give different answers: sharing saves whole pages only.
-
-``vmm-default`` is what a user gets: the layout and page size the library picks for the model,
-the device and the budget (on CUDA the all-layers layout, 32 tokens a 2 MiB page); the verdict
-compares it with paged mode and shows the other VMM geometries as alternatives.
-"""
+"""Memory that copy-on-write sharing saves in parallel sampling and beam search: each request replayed
+shared (fork) and unshared (copies), paged and VMM page sizes (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -83,7 +61,6 @@ DEFAULT_REQUESTS = {("sharegpt", "parallel"): 12, ("alpaca", "parallel"): 30, ("
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """This benchmark's options (the CLI adds --device, --smoke, --seed, --out)."""
     parser.add_argument("--traces", nargs="+", default=None, choices=sorted(common.TRACES), help="default: both; smoke: alpaca")
     parser.add_argument("--requests", type=int, default=None, help="requests per (trace, scenario) (default: parallel 12 ShareGPT-like / 30 Alpaca-like, beam 2 / 6; smoke 1)")
     parser.add_argument("--widths", type=int, nargs="+", default=None, help="n and beam widths (default 2 4 6; smoke 2)")
@@ -192,9 +169,8 @@ def _measure(allocator: Allocator, args: argparse.Namespace, scenario: Callable[
 
 
 def _config(allocator: Allocator, args: argparse.Namespace, width: int) -> vmkv.KVCacheConfig:
-    """The cache ``allocator`` replays ``width`` samples or beams in: 2 x width slots and a budget
-    of their pages (:func:`_budget`). ``vmm-default`` takes the layout and page size the library
-    picks for a budget of 16-token pages (the most pages such a run needs)."""
+    """The cache ``allocator`` replays ``width`` samples or beams in: 2 x width slots and a budget of their
+    pages (:func:`_budget`)."""
     fields = dict(allocator.fields)
     shape = _shape(fields)
     if allocator.label == DEFAULT_VMM:
@@ -212,27 +188,22 @@ def _config(allocator: Allocator, args: argparse.Namespace, width: int) -> vmkv.
 
 
 def _shape(fields: dict[str, Any]) -> vmkv.KVCacheConfig:
-    """A configuration of the model in ``fields`` alone (what a token's bytes depend on)."""
     return common.cache_config({k: fields[k] for k in ("num_layers", "num_kv_heads", "head_dim", "dtype")}, "cpu",
                                page_size="64KiB")  # any page: a default would be sized for nothing
 
 
 def _budget(shape: vmkv.KVCacheConfig, width: int, max_seq_len: int, page_tokens: int) -> int:
-    """Bytes for 2 x width sequences of max_seq_len tokens of the model ``shape``, in pages of
-    ``page_tokens`` tokens (one more a sequence)."""
     pages = 2 * width * (-(-max_seq_len // page_tokens) + 1)
     return pages * page_tokens * shape.bytes_per_token
 
 
 def _geometry(cache: vmkv.KVCacheBase) -> str:
-    """``"all_layers, 2 MiB pages"`` or ``"16-token blocks"``."""
     if cache.mode == "paged":
         return f"{cache.tokens_per_page}-token blocks"
     return f"{cache.config.layout}, {format_size(cache.geometry.piece_bytes).replace('.0 ', ' ')} pages"
 
 
 def _settings(args: argparse.Namespace) -> tuple[argparse.Namespace, list[int]]:
-    """``args`` with the defaults that depend on ``--smoke`` and ``--device`` filled in, and the widths."""
     widths = args.widths or ([2] if args.smoke else [2, 4, 6])
     args = argparse.Namespace(**{**vars(args), "max_seq_len": args.max_seq_len or (128 if args.smoke else 2048),
                                   "traces": args.traces or (["alpaca"] if args.smoke else ["sharegpt", "alpaca"]),
@@ -241,8 +212,6 @@ def _settings(args: argparse.Namespace) -> tuple[argparse.Namespace, list[int]]:
 
 
 def refusals(args: argparse.Namespace, granularity: int) -> dict[str, str]:
-    """What the replays need that a backend of ``granularity`` refuses: every allocator's cache
-    at every width (see :func:`vmkv_bench.common.cache_refusals`)."""
     args, widths = _settings(args)
     planned = [(f"{a.label} (width {width})", a.mode, _config(a, args, width))
                for a in ALLOCATORS if a.label in args.allocators for width in widths]
@@ -250,7 +219,6 @@ def refusals(args: argparse.Namespace, granularity: int) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Replay parallel sampling and beam search per trace, width and allocator, shared vs unshared."""
     common.check_device(args.device)
     args, widths = _settings(args)
     allocators = [a for a in ALLOCATORS if a.label in args.allocators]
@@ -317,9 +285,8 @@ TIE_POINTS = 0.01
 
 
 def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
-    """Per trace and scenario: memory saved over the widths measured by VMM with its default
-    pages and by paged mode (the other allocators as alternatives), against the vLLM paper's range
-    (judged on 16-token blocks, the paper's own)."""
+    """Per trace and scenario: memory saved by VMM's default pages and by paged mode (the others as
+    alternatives), against the vLLM paper's range."""
     out = []
     rows = result["rows"]
     for trace, scen in dict.fromkeys((r["trace"], r["scenario"]) for r in rows):
@@ -351,7 +318,6 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
 
 
 def _name(label: str, by: dict[str, list[dict[str, Any]]]) -> str:
-    """How a verdict names an allocator: ``paged``, ``VMM default (32-tok pages, all_layers)``, ``VMM 1024-tok pages``."""
     row = by[label][0]
     if label.startswith("paged"):
         return "paged"
@@ -361,7 +327,6 @@ def _name(label: str, by: dict[str, list[dict[str, Any]]]) -> str:
 
 
 def _saved_span(rows: list[dict[str, Any]]) -> str:
-    """The savings of ``rows`` as ``"3.8-9.4 %"`` (or one value)."""
     values = [r["saved"] for r in rows]
     lo, hi = min(values), max(values)
     return common.number_text(lo, "%") if lo == hi else f"{common.number_text(lo, '%').removesuffix(' %')}-{common.number_text(hi, '%')}"

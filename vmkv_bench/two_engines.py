@@ -1,15 +1,5 @@
-"""Two engines on one host with alternating bursts: static halves of the KV budget vs one shared
-budget (the ``shared_budget`` setting, :mod:`vmkv.ledger`).
-
-Each engine runs in its own process (the embedded default model, VMM caches); both replay the
-same seeded trace in both setups: bursts that alternate between the engines, each burst needing
-more than half the total budget. Static: each engine gets ``memory_budget = total / 2``. Shared:
-each may take up to the total, one ledger of the total between them. Measured per setup and
-round: requests completed, preemptions, time to first token (from each request's scheduled
-arrival, p50 and p99 over both engines), and the peak of the two page stores' resident bytes
-together, sampled from outside every 2 ms (``fstat`` of ``/proc/PID/fd/MEMFD``). The setups
-alternate round by round; the verdict is judged on the per-round ratio of p99 TTFT.
-"""
+"""Two engine processes with alternating bursts: static halves of the KV budget vs one shared budget
+(``shared_budget``, :mod:`vmkv.ledger`), judged on p99 time to first token (docs/shared-budget.md)."""
 
 from __future__ import annotations
 
@@ -46,7 +36,6 @@ SCHEMA = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """This benchmark's options (the CLI adds --device, --smoke, --seed, --out)."""
     parser.add_argument("--budget", default=None, help="total KV budget of both engines (default 8MiB; smoke 4MiB)")
     parser.add_argument("--bursts", type=int, default=None, help="bursts, alternating engines (default 6; smoke 2)")
     parser.add_argument("--burst-requests", type=int, default=None, help="requests a burst (default 12; smoke 8)")
@@ -209,12 +198,7 @@ def run_setup(engines: list[_Engine], setup: str, opts: dict[str, Any], trace: l
 
 
 def read_answer(proc: subprocess.Popen, timeout: float = 600) -> dict[str, Any]:
-    """The next JSON line ``proc`` writes to its stdout, within ``timeout`` seconds.
-
-    Raises:
-        RuntimeError: no line came (the process is killed; the message ends with its stderr
-            where that is a pipe).
-    """
+    """The next JSON line ``proc`` writes to its stdout, within ``timeout`` seconds."""
     ready, _, _ = select.select([proc.stdout], [], [], timeout)
     line = proc.stdout.readline() if ready else ""
     if not line:
@@ -225,12 +209,10 @@ def read_answer(proc: subprocess.Popen, timeout: float = 600) -> dict[str, Any]:
 
 
 def _percentile(ordered: list[float], q: float) -> float:
-    """The ``q`` quantile of sorted values, nearest rank."""
     return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Replay the trace in both setups, alternating, ``rounds`` times."""
     common.check_device(args.device)
     if args.device != "cpu":
         raise vmkv.InvalidConfig("two_engines runs on the CPU only: shared_budget is host-only for now")
@@ -255,9 +237,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
-    """Which setup serves the bursts better: p99 and p50 TTFT, judged on per-round ratios
-    (static / shared: above 1 the shared budget is faster); a shared run whose resident KV went
-    past the budget, or that completed fewer requests, is unreliable."""
+    """Which setup serves the bursts better, on per-round p99 and p50 TTFT; unreliable where the shared
+    run held more than the budget or completed less."""
     rows = result["rows"]
     by_round = {}
     for row in rows:

@@ -1,29 +1,5 @@
-"""Stock vLLM vs vLLM + vmkv: on the same bursty ShareGPT-like trace (issue 9), and under vLLM's
-own benchmark client against its OpenAI server (issue 19, :mod:`vmkv_bench.vllm_client`).
-
-``--parts`` picks them (default both); ``--parts addressing`` (opt-in: three engines on a wider
-model, minutes) compares block tables with virtual memory inside one vLLM: stock, vmkv's paged
-backing and vmkv's contiguous mode (:mod:`vmkv_bench.vllm_addressing`, issue 20). The trace part:
-
-Both engines run the tiny Llama (:mod:`vmkv_bench.vllm_harness.tiny`, greedy, fp32, eager) with the same KV
-buffer (``kv_cache_memory_bytes``); the vmkv engine maps its pages on demand
-(:mod:`vmkv.vllm`). Both stay up for the whole run and take turns, round after round (the order
-alternates), each serving the full trace: requests arrive in bursts (``--bursts`` groups,
-``--gap`` seconds apart) with ShareGPT-like prompt and output lengths
-(:func:`vmkv_bench.common.make_trace`).
-
-Measured per round and engine: output tokens per second over the whole trace, and every few
-engine steps the workers' memory: for vmkv the bytes behind its page store (the kernel's count,
-``fstat`` of the memfd on CPU) and the mapped bytes, for both the worker processes' RSS. Stock
-vLLM's KV memory is its whole buffer from the start (``torch.zeros`` touches it), which the RSS
-difference between the two engines confirms.
-
-Verdicts: the throughput ratio (vmkv / stock, median over rounds, against the target >= 0.97)
-and the KV memory vmkv holds as a share of stock's buffer, judged on the mean over the trace
-(vmkv wins below ``1 / (1 + TIE_MARGIN)``, stock above ``1 + TIE_MARGIN``, a tie between), with
-the peak as the upper end of its range. The client part adds, per request rate, the output
-tokens/s and mean TTFT ratios (``result["client"]``, :func:`vmkv_bench.vllm_client.verdicts`).
-"""
+"""Stock vLLM vs vLLM + vmkv: a bursty ShareGPT-like trace on in-process engines (tokens/s, KV memory
+held) and vLLM's own benchmark client (:mod:`.vllm_client`); ``--parts addressing`` (docs/vllm.md)."""
 
 from __future__ import annotations
 
@@ -58,7 +34,6 @@ SCHEMA = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """This benchmark's options (the CLI adds --device, --smoke, --seed, --out)."""
     parser.add_argument("--requests", type=int, default=None, help="requests in the trace (default 16; smoke 4)")
     parser.add_argument("--bursts", type=int, default=None, help="groups of requests arriving together (default 4; smoke 2)")
     parser.add_argument("--gap", type=float, default=None, help="seconds between bursts (default 1, shorter than a burst "
@@ -135,7 +110,6 @@ def trace_prompts(trace: list[common.Request], seed: int) -> list[list[int]]:
 
 
 def _compact(samples: list[dict[str, Any]], points: int = 100) -> list[dict[str, Any]]:
-    """At most about ``points`` samples (every n-th), times rounded: what the plot and JSON need."""
     step = max(1, len(samples) // points)
     return [{**s, "t": round(s["t"], 3)} for s in samples[::step]]
 
@@ -145,12 +119,8 @@ def _kv_memory(samples: list[dict[str, Any]], vmkv: bool, buffer_bytes: int) -> 
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the parts ``--parts`` names: rows per (round, engine) of the trace; the client part's
-    rows and summary under ``result["client"]``.
-
-    Raises:
-        vmkv.InvalidInput: ``--parts`` or ``--client-rates`` not understood.
-    """
+    """Run the parts ``--parts`` names: rows per (round, engine) of the trace; the client part's rows and
+    summary under ``result["client"]``."""
     from vmkv.sizes import parse_size
     from vmkv.vllm import check_vllm
     from vmkv_bench.vllm_harness import tiny
@@ -272,8 +242,6 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[str]:
 
 
 def table(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """The terminal table: per part (the trace; the client at each rate) and engine, medians over
-    the rounds."""
     out = []
     for engine in ("stock", "vmkv") if result["rows"] else ():
         mine = [r for r in result["rows"] if r["engine"] == engine]
@@ -314,9 +282,8 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
 
 
 def kv_memory_side(mean: float, tie_margin: float = common.TIE_MARGIN) -> tuple[str, str]:
-    """Who holds less KV memory, judged on ``mean`` = vmkv's mean KV held / stock's buffer:
-    ``(side, winner text)``; a tie within ``tie_margin`` of 1 (the peak does not decide: stock
-    holds its whole buffer all the time, vmkv only at its peak)."""
+    """Who holds less KV memory, on ``mean`` (vmkv's mean / stock's buffer; the peak does not decide):
+    ``(side, winner text)``."""
     if mean < 1.0 / (1.0 + tie_margin):
         return "vmkv", f"vmkv, {common.number_text(mean, '%')} of stock's buffer on average"
     if mean > 1.0 + tie_margin:

@@ -1,23 +1,5 @@
-"""Block tables vs virtual memory inside one vLLM (issue 20): ``vmkv bench vllm --parts addressing``.
-
-Three engines on identical work, all up for the whole run and taking turns round after round
-(the order rotates): stock vLLM (its paged buffer, ``CPU_ATTN`` over block tables), vLLM + vmkv's
-paged backing (the same kernel over a buffer whose pages vmkv maps on demand), and vLLM + vmkv in
-contiguous mode (every request's K/V one virtually contiguous slot per layer, vmkv's stock SDPA
-kernel, no block table). The model is the tiny Llama with more layers and wider heads
-(``--addr-layers``, default 4; ``--addr-head-dim``, default 64; 8 query / 4 KV heads, fp32) so
-attention is a visible part of a step; the requests have long prompts (``--addr-prompt``, default
-1,024 to 1,536 tokens) and decode ``--addr-output`` tokens each, arriving at once; every run
-starts with an empty prefix cache (the rounds repeat the same prompts).
-
-Measured per round and engine: output tokens/s, KV memory held (stock: its buffer; vmkv: the
-kernel's count of memory behind the page store, sampled every few steps), tokens against stock's;
-for the contiguous engine also the attention kernel's share of the run (time inside the kernel,
-measured around each call in the worker, over the wall time) and the mode's own share (its step
-metadata and K/V writes, ``mode_seconds`` of the slot stats). Verdicts: contiguous over stock and
-contiguous over paged output tokens/s (median of the rounds with their spread), against the
-target contiguous >= 1.0x stock.
-"""
+"""Block tables vs virtual memory inside one vLLM (``vmkv bench vllm --parts addressing``, the GPU
+check's ``vllm_addressing``): stock, vmkv's paged backing and contiguous mode, interleaved (docs/vllm.md)."""
 
 from __future__ import annotations
 
@@ -47,7 +29,6 @@ SCHEMA = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The addressing part's options (prefixed --addr-)."""
     parser.add_argument("--addr-layers", type=int, default=4, help="decoder layers of the model (default 4)")
     parser.add_argument("--addr-head-dim", type=int, default=64, help="head width (default 64; 8 query, 4 KV heads)")
     parser.add_argument("--addr-requests", type=int, default=None, help="requests per round (default 8; smoke 2)")
@@ -67,10 +48,8 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
 
 GPU_SETTINGS = {"layers": 16, "head_dim": 128, "requests": 16, "prompt": (1024, 1536), "output": 64, "rounds": 3,
                 "page_size": "2MiB", "block_size": 128}
-"""The CUDA run (``benchmarks/gpu_check.py``, section ``vllm_addressing``): 16 layers x 4 KV heads x
-128 in bfloat16 make an all-layers K of 16 KiB a token, so a 128-token block is one 2 MiB page (the
-contiguous plan's block, the same as the CPU run's); vLLM's GPU defaults otherwise (CUDA graphs on:
-stock and paged capture attention, contiguous declares none and runs it between piecewise graphs)."""
+"""The GPU check's run: 16 layers x 4 KV heads of 128 in bfloat16 make a 128-token block one 2 MiB
+all-layers page; vLLM's GPU defaults otherwise."""
 GPU_ENGINE = {"dtype": "bfloat16", "enforce_eager": False}
 
 
@@ -80,9 +59,7 @@ def measure(args: argparse.Namespace, model_root: Path) -> dict[str, Any]:
 
 
 def run(s: dict[str, Any], model_root: Path, seed: int, engine_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Run the three engines on the work of settings ``s`` (:func:`settings`, :data:`GPU_SETTINGS`),
-    interleaved; ``engine_kwargs``: more ``vllm.LLM`` arguments for all three (default: the
-    CPU run's, float32 and eager). Returns ``{"rows", "summary", "config", "schema"}``."""
+    """The three engines on the work of ``s``, interleaved: ``{"rows", "summary", "config", "schema"}``."""
     from vllm import SamplingParams
 
     from vmkv.vllm import stats

@@ -1,27 +1,5 @@
-"""Stock vLLM vs vLLM + vmkv under vLLM's own benchmark client (the client part of ``vmkv bench vllm``).
-
-Both engines run vLLM's OpenAI server on the tiny Llama (:func:`vmkv_bench.vllm_harness.drive.servers`: the
-same flags, cores and threads; the vmkv one with the plugin's three flags as docs/vllm.md starts
-it), both up for the whole run. vLLM's client (``vllm bench serve``, run from Python as
-``vllm.benchmarks.serve``'s ``add_cli_args`` + ``main``: the CPU build's ``vllm`` command fails
-on its distribution name) sends ``--dataset-name random`` requests (``input_len`` prompt and
-``output_len`` output tokens, ``--ignore-eos``, greedy) open loop: at ``--request-rate inf``
-(every request at once: full concurrency) and at finite rates (Poisson arrivals). Within a round
-the engines take turns on the same prompts (the order alternates between rounds; an engine that
-just served idles :data:`SETTLE_S` first, so its worker stops polling the core the other needs).
-
-Measured per round and engine: output tokens/s (output tokens over the run's duration), mean and
-median time to first token, mean time per output token, and whether both engines generated the
-same text for every prompt. Verdicts per rate: vmkv / stock output tokens/s and stock / vmkv mean
-TTFT (above 1: vmkv better), each the median of the per-round ratios with their range, judged by
-:func:`vmkv_bench.common.ratio_verdict` (a winner only when every kept round agrees beyond the
-tie band), against the targets ``>= 0.97`` and ``TTFT within 10 %``. The summary line per rate
-also gives the pooled ratios (all rounds' tokens over all their seconds; mean TTFTs averaged),
-the ratio of the two engines' medians over the rounds with its 90 % bootstrap interval
-(:func:`medians`: robust to the rounds that stall, in either engine), and says of each target
-whether it is met, missed, or not resolved by the rounds' spread and by that interval
-(:func:`vmkv_bench.common.target_status`).
-"""
+"""Stock vLLM vs vLLM + vmkv under vLLM's own benchmark client against both OpenAI servers, rounds
+interleaved: output tokens/s and TTFT ratios per request rate (``vmkv bench vllm --parts client``)."""
 
 from __future__ import annotations
 
@@ -58,11 +36,7 @@ SCHEMA = {
 
 
 def parse_rates(text: str) -> list[float]:
-    """``"inf,16"`` -> ``[inf, 16.0]``.
-
-    Raises:
-        vmkv.InvalidInput: a rate that is not a positive number or ``inf``.
-    """
+    """``"inf,16"`` -> ``[inf, 16.0]``."""
     import vmkv
 
     rates = []
@@ -87,11 +61,7 @@ def client_args(base_url: str, model: Path, *, prompts: int, rate: float, input_
 
 
 def run_client(argv: Sequence[str]) -> dict[str, Any]:
-    """Run vLLM's benchmark client with ``argv`` in this process; its printout is dropped.
-
-    Returns:
-        The client's result (``output_throughput``, ``mean_ttft_ms``, ``generated_texts``, ...).
-    """
+    """Run vLLM's benchmark client with ``argv`` in this process; its printout is dropped."""
     from vllm.benchmarks import serve
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -104,20 +74,7 @@ def run_client(argv: Sequence[str]) -> dict[str, Any]:
 
 def measure(settings: dict[str, Any], model: Path, kv_bytes: int, options: dict[str, Any], seed: int,
             log_dir: Path | None = None) -> dict[str, Any]:
-    """Start both servers, run the client at every rate for every round (interleaved).
-
-    Args:
-        settings: ``prompts``, ``rates``, ``rounds``, ``input_len``, ``output_len``, ``max_model_len``.
-        model: the tiny model's directory.
-        kv_bytes: vLLM's KV buffer for both engines.
-        options: the plugin's settings (:func:`vmkv.vllm.engine_args` keywords).
-        seed: the client's seed of round 0 (round ``i`` uses ``seed + i``: both engines get the
-            same prompts within a round).
-        log_dir: where the servers write their output (default: discarded).
-
-    Returns:
-        ``{"schema", "rows", "summary", "config"}``.
-    """
+    """Start both servers, run the client at every rate for every round (interleaved)."""
     from vmkv_bench.vllm_harness import drive
 
     specs = {"stock": drive.ServerSpec(vmkv=False), "vmkv": drive.ServerSpec(vmkv=True, options=options)}
@@ -155,10 +112,8 @@ def _row(rate: str, round_: int, engine: str, prompts: int, out: dict[str, Any])
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per rate (key: the rows' ``rate``): the per-round ratios vmkv / stock of output tokens/s and
-    stock / vmkv of mean TTFT, the pooled ratios (:func:`pooled`), whether every request was served
-    with the same token count and text, whether each target is met
-    (:func:`vmkv_bench.common.target_status`), and a verdict line saying all of it."""
+    """Per rate: the per-round and pooled ratios, the engines' medians, same tokens and texts, each
+    target's status, and a verdict line saying all of it."""
     out: dict[str, Any] = {}
     for rate in dict.fromkeys(r["rate"] for r in rows):
         by = {(r["round"], r["engine"]): r for r in rows if r["rate"] == rate}
@@ -197,10 +152,8 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def pooled(rows: list[dict[str, Any]]) -> tuple[float, float]:
-    """Over every round of ``rows`` (one rate): ``(vmkv / stock output tokens per second of all
-    rounds together -- all tokens over all durations --, vmkv / stock mean TTFT averaged over the
-    rounds)``. Pooling weighs every round by its length, so one stalled round moves it less than
-    it moves a per-round ratio."""
+    """Over every round of ``rows`` (one rate): ``(vmkv / stock output tokens per second of all rounds
+    together -- all tokens over all durations --, vmkv / stock mean TTFT averaged over the rounds)``."""
     def engine(name: str) -> tuple[float, float]:
         mine = [r for r in rows if r["engine"] == name]
         return (sum(r["output_tokens"] for r in mine) / sum(r["duration_s"] for r in mine),
@@ -211,11 +164,8 @@ def pooled(rows: list[dict[str, Any]]) -> tuple[float, float]:
 
 
 def medians(by: dict[tuple[int, str], dict[str, Any]], rounds: list[int]) -> tuple[common.Spread, common.Spread]:
-    """The engines' medians over the rounds, compared: ``(vmkv / stock output tokens/s, stock / vmkv
-    mean TTFT)`` (> 1: vmkv better), each with its bootstrap interval
-    (:func:`vmkv_bench.common.ratio_of_medians`, :data:`CONFIDENCE`). A round's mean TTFT is bimodal
-    under full concurrency (the requests reach the engine core in one batch or in several, in
-    either engine), so per-round ratios spread by those stalls; the medians do not."""
+    """The engines' medians over the rounds, compared with bootstrap intervals: robust to the rounds that
+    stall in either engine, which set per-round ratios."""
     def values(engine: str, key: str) -> list[float]:
         return [by[(i, engine)][key] for i in rounds]
 
@@ -252,7 +202,6 @@ def verdicts(client: dict[str, Any]) -> list[common.Verdict]:
 
 
 def table(client: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per rate and engine: medians over the rounds."""
     out = []
     rows = client["rows"]
     for rate in dict.fromkeys(r["rate"] for r in rows):

@@ -1,7 +1,5 @@
-"""The ``bench`` section: the main job on the GPU, ``python -m vmkv.cli bench --device cuda
---out DIR/bench``, in a process of its own (it starts servers and engines) killed with them when
-the section's time runs out; its exit status and every benchmark's status and verdicts (from its
-``suite.json``) are recorded. The dry run runs one quick benchmark with ``--smoke``."""
+"""The ``bench`` section: the main job, ``python -m vmkv.cli bench --device cuda``, in a process of its
+own (killed with what it started when time runs out); its exit and every benchmark's verdicts recorded."""
 
 from __future__ import annotations
 

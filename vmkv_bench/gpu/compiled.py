@@ -1,33 +1,5 @@
-"""The ``hf_compiled`` section: transformers' compiled generation over ``VirtualCache(compile=True)`` (issue 28).
-
-``generate()`` on a Llama-3.2-1B-shaped model (random weights, bfloat16), greedy, every run of
-the same length (``min_new_tokens``); each cache once untimed (it compiles), then timed rounds
-(the median kept):
-
-* **dense**: 16 prompts of 512 tokens + 128 new: DynamicCache, StaticCache (generate() compiles
-  it by itself on CUDA: inductor + CUDA graphs), ``VirtualCache("vmm")`` eager, and
-  ``VirtualCache("vmm", compile=True)`` (the same compile) with the model's SDPA
-  (``vmm+compile``: full-length views and a mask, as StaticCache) and with the ``"vmkv"``
-  attention (``vmm+compile+vmkv``: the Triton decode kernel reads each row's own length, no
-  GQA copy). Target: compiled VirtualCache >= 1.0x StaticCache tokens/s (the faster of the two
-  is the verdict's). Also eager ``VirtualCache("vmm")`` and ``VirtualCache("paged")`` with
-  attention ``"vmkv"`` (each mode's selected kernel): issue 29's target, paged >= 0.9x vmm.
-* **logits**: bfloat16 random models tie often, so tokens are not compared; the logits of each
-  cache teacher-forced along StaticCache's tokens (a logits processor forces them;
-  ``output_logits`` returns the model's own) are compared with DynamicCache's: each compiled
-  VirtualCache's max |diff| / max |logit| must not exceed twice StaticCache's.
-* **ragged** (when :data:`RAGGED_NEEDS_S` seconds are left): 16 left-padded prompts of 128 to
-  2,048 tokens + 128 new, StaticCache sized to the longest row + new tokens; compiled
-  ``vmm+compile+vmkv`` (rows hold only their real tokens) vs StaticCache (target >= 1.2x) and its
-  bytes against the real tokens' (target <= 1.05x); ``vmm+compile`` (stores the padding, as
-  StaticCache) beside it.
-* **profile** (when :data:`PROFILE_NEEDS_S` seconds are left): one generate() of StaticCache and
-  of each compiled VirtualCache under ``torch.profiler`` (the ops with the most host and device
-  time): where a gap between them lies.
-
-With ``--smoke`` (the CPU dry run) the embedded model cut to two layers, 2 x (16 + 8) (ragged: 5
-and 80 + 8), float32, one timed round, generate()'s compile asked for with a ``compile_config``.
-"""
+"""The ``hf_compiled`` section: ``generate()`` compiled over ``VirtualCache(compile=True)`` against
+StaticCache on a 1B-shaped model: dense, teacher-forced logits, ragged rows, a profile (docs/gpu.md)."""
 
 from __future__ import annotations
 
@@ -107,7 +79,6 @@ def _generate(model: torch.nn.Module, name: str, work: Work, compile_config: Any
 
 
 def _kv_bytes(cache: Any, out: Any) -> int:
-    """Bytes of K/V the cache held at its peak (DynamicCache: its tensors at the end)."""
     if cache is None:
         cache = out.past_key_values
     if hasattr(cache, "peak_bytes"):
@@ -117,11 +88,7 @@ def _kv_bytes(cache: Any, out: Any) -> int:
 
 def _time(model: torch.nn.Module, names: list[str], work: Work, compile_config: Any, rounds: int,
           found: dict[str, Any], keep: Callable[[], None]) -> None:
-    """Per cache, into ``found`` (``keep()`` after each, so that a process a device fault kills
-    keeps the caches before): median seconds, tokens/s and KV bytes, after one untimed
-    (compiling) run, and how many compiled graphs inductor ran without CUDA graphs in that run
-    (``cudagraph_skips``: on a GPU, a compiled cache at eager speed; its log says why). A cache
-    that raises gets ``{"error": ...}`` and the others still run (one device run measures all)."""
+    """Per cache, kept after each: a cache that raises gets ``{"error": ...}`` and the others still run."""
     for name in names:
         try:
             found[name] = _time_one(model, name, work, compile_config, rounds)
@@ -171,9 +138,8 @@ def _teacher_forced_logits(model: torch.nn.Module, name: str, work: Work, compil
 
 
 def logit_errors(model: torch.nn.Module, work: Work, compile_config: Any) -> dict[str, float]:
-    """max |logits - DynamicCache's| / max |DynamicCache's| of StaticCache and each compiled
-    VirtualCache, teacher-forced along StaticCache's tokens (a compiled VirtualCache that raises:
-    its error, as text)."""
+    """max |logits - DynamicCache's| / max |DynamicCache's| of StaticCache and each compiled VirtualCache,
+    teacher-forced along StaticCache's tokens (a compiled VirtualCache that raises: its error, as text)."""
     _, static_out = _generate(model, "static", work, compile_config)
     forced = static_out[:, work.ids.shape[1]:]
     reference = _teacher_forced_logits(model, "dynamic", work, compile_config, forced)
@@ -213,10 +179,8 @@ def _setup(device: torch.device, smoke: bool) -> tuple[torch.nn.Module, Any, Wor
 
 
 def hf_compiled_section(ctx: Context) -> dict[str, Any]:
-    """Dense, logits, then ragged and profile when enough seconds are left (else skipped, with the
-    reason); what finished is kept in ``hf_compiled.partial.json`` after each cache and part (a
-    run killed at its limit keeps it). Fails when a cache raises or a compiled VirtualCache's
-    logits are further from DynamicCache's than ``LOGIT_FACTOR`` times StaticCache's."""
+    """Dense and logits, then ragged and profile while time is left; kept in ``hf_compiled.partial.json``
+    after each part. Fails when a cache raises or a compiled cache's logits drift past StaticCache's."""
     out, smoke, seconds_left = ctx.out, ctx.smoke, ctx.seconds_left
     model, compile_config, dense, ragged, rounds = _setup(ctx.device, smoke)
     result: dict[str, Any] = {"model": "embedded, 2 layers, float32" if smoke else "Llama-3.2-1B shape, bfloat16",
@@ -273,9 +237,7 @@ PROFILE_TOP = 8  # rows of each profile table
 
 
 def profile(model: torch.nn.Module, name: str, work: Work, compile_config: Any) -> dict[str, Any]:
-    """Where one (already compiled) generate() of ``work`` with cache ``name`` spends its time,
-    by ``torch.profiler``: the ops with the most device time and the most host time (self, ms),
-    so that a gap between two caches shows on which side of the graph replays it lies."""
+    """The ops with the most device and host time in one (compiled) generate() with cache ``name``."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -295,20 +257,17 @@ def profile(model: torch.nn.Module, name: str, work: Work, compile_config: Any) 
 
 
 def _fail_on_errors(result: dict[str, Any], part: str) -> None:
-    """A failure for each cache of ``result[part]`` that raised."""
     result["failures"] += [f"{name} raised in the {part} part: {row['error']}"
                            for name, row in result[part].items() if "error" in row]
 
 
 def _speed_ratio(timed: dict[str, Any], ours: str, theirs: str) -> float | None:
-    """Tokens/s of cache ``ours`` over cache ``theirs``; ``None`` if either raised."""
     if "error" in timed[ours] or "error" in timed[theirs]:
         return None
     return timed[ours]["tokens_per_s"] / timed[theirs]["tokens_per_s"]
 
 
 def _token_bytes(model: torch.nn.Module) -> int:
-    """K and V bytes of one token over every layer."""
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * model.dtype.itemsize

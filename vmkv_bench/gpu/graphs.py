@@ -1,16 +1,5 @@
-"""The ``engine_graphs`` section: the engine's decode steps captured as CUDA graphs (issue 28).
-
-Two parts, both modes:
-
-* **outputs**: in float32, the same sequences decoded step by step through an eager runner and
-  through the captured graphs (two caches, the eager logits' argmax fed to both), prompts of
-  1,000-1,021 tokens so that every sequence crosses a page of the VMM cache (1,024 tokens of the
-  embedded model in a 2 MiB all-layers page) while decoding: pages are mapped between replays.
-  The logits must agree (float32; the kernels differ: the cache's eager kernel vs the Triton one).
-* **speed**: the engine in its own dtype, 32 sequences of 16-token prompts decoding 128 tokens,
-  with and without graphs (a warm-up run first: it captures), decode tokens per second. Target:
-  graphs >= 2x without. Reported, not failed (the summary's headline carries it).
-"""
+"""The ``engine_graphs`` section: the engine's decode steps as CUDA graphs, their logits against eager
+ones across page boundaries and their speed-up at 32 sequences, both modes (docs/gpu.md)."""
 
 from __future__ import annotations
 
@@ -45,8 +34,8 @@ def _why_not(loaded: LoadedModel, mode: str) -> str | None:
 
 
 def compare_outputs(loaded: LoadedModel, mode: str, smoke: bool) -> dict[str, Any]:
-    """Eager vs captured logits of the same decode steps (module docstring); ``max_rel_diff`` is
-    max |diff| / max |logit| over every step and sequence."""
+    """Eager vs captured logits of the same decode steps, float32, across page boundaries:
+    ``max_rel_diff`` is max |diff| / max |logit| over every step and sequence."""
     batch, prompt, steps = (2, 20, 6) if smoke else (8, 1000, 40)
     eager_cache, graph_cache = (_cache(loaded, mode, batch + 1, 2048, "64MiB" if smoke else "1GiB") for _ in range(2))
     try:

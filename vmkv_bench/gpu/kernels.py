@@ -1,7 +1,5 @@
-"""The ``paged_vs_vmm`` section: VMM mode's and paged mode's decode kernels on the same step, side
-by side (issue 29): the Triton kernel over slots and over block tables (translation alone), each
-kernel's share of the read bandwidth, the best paged kernel against VMM's, the split count; and
-``proposed_orders``, this run's CUDA orders for ``vmkv/kernels/measured.json`` (docs/gpu.md)."""
+"""The ``paged_vs_vmm`` section: VMM's and paged mode's decode kernels on the same step (the Triton kernel
+over slots and block tables, every paged kernel, bandwidth, splits) and this run's ``proposed_orders``."""
 
 from __future__ import annotations
 
@@ -23,9 +21,8 @@ BLOCK_SIZES = (16, 256)
 SPLIT_COUNTS = (1, 2, 4, 8, 16, 32)
 TARGETS = {"slots_share_of_bandwidth": 0.80, "blocks16_over_slots": 1.15, "blocks256_over_slots": 1.05,
            "best_paged_over_vmm": 1 / 0.9}
-"""Issue 29's targets: the Triton slots kernel reads at >= 80 % of the read bandwidth; through a
-block table it takes <= 1.15x its slots time at block 16 and <= 1.05x at block 256; the best
-paged kernel takes <= 1/0.9 of the VMM cache's selected kernel's time (>= 0.9x its speed)."""
+"""Issue 29's targets: Triton reads slots at >= 80 % of the read bandwidth and block tables within
+1.15x (16) and 1.05x (256) of it; the best paged kernel within 1/0.9 of VMM's time."""
 
 
 def decode_kernel(cache: vmkv.KVCacheBase) -> str:
@@ -34,7 +31,6 @@ def decode_kernel(cache: vmkv.KVCacheBase) -> str:
 
 
 def _configs(device: torch.device, shape: Shape) -> dict[str, tuple[str, vmkv.KVCacheConfig]]:
-    """A VMM cache, and a paged cache per block size of :data:`BLOCK_SIZES` the sequences fill."""
     token_bytes = shape.kv_heads * shape.head_dim * torch.empty((), dtype=getattr(torch, shape.dtype)).element_size()
     configs = {"vmm": ("vmm", decode_config(device, shape))}
     for block in (b for b in BLOCK_SIZES if b <= shape.seq_len):
@@ -45,9 +41,6 @@ def _configs(device: torch.device, shape: Shape) -> dict[str, tuple[str, vmkv.KV
 
 
 def _candidates(step: DecodeStep) -> tuple[dict[str, Callable[[], torch.Tensor]], dict[str, str]]:
-    """``vmm:<the decode kernel a VMM cache selects>``, ``slots:triton`` and ``blocks<B>:<each paged
-    kernel>``, each the kernel object on its cache's own storage and plan (the same host path for
-    all); and why the others cannot run."""
     vmm = decode_kernel(step.caches["vmm"])
     calls = {f"vmm:{vmm}": step.call("vmm", vmm), "slots:triton": step.call("vmm", "triton")}
     for label in (label for label in step.caches if label.startswith("blocks")):
@@ -72,9 +65,8 @@ def _split_sweep(device: torch.device, shape: Shape, step: DecodeStep) -> dict[s
 
 
 def paged_vs_vmm_section(ctx: Context) -> dict[str, Any]:
-    """Every candidate checked against the fp32 reference and timed side by side (samples of a
-    fifth of ``iters`` calls: the slowest paged kernels take milliseconds); the bandwidth shares,
-    the ratios, the split sweep and the verdicts on the targets."""
+    """Every candidate checked against the fp32 reference and timed side by side; bandwidth shares, ratios,
+    the split sweep and the verdicts on the targets."""
     device, shape = ctx.device, replace(ctx.shape, iters=max(1, ctx.shape.iters // 5))
     step = shape_step(device, shape, _configs(device, shape))
     try:
@@ -131,10 +123,8 @@ def verdicts(result: dict[str, Any]) -> list[str]:
 
 
 def proposed_orders(result: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """The CUDA decode orders of ``measured.json`` (each entry's ``"decode"``), each kernel placed
-    by this run's time (kernels not measured here keep their place after the measured ones), to
-    review and commit. Paged kernels are ranked at the largest block size measured, where every
-    paged kernel can run (FlashAttention's need 256-token blocks)."""
+    """The CUDA decode orders of ``measured.json`` (each entry's ``"decode"``), each kernel placed by this
+    run's time (kernels not measured here keep their place after the measured ones), to review and commit."""
     if device.type != "cuda":
         return {}
     name = torch.cuda.get_device_name(device)

@@ -1,25 +1,5 @@
-"""The ``shared_budget`` section: two caches share one ledger, and where the device memory goes.
-
-Two VMM caches join a ledger of :data:`LEDGER_PAGES` pool pages (each could take
-:data:`CACHE_PAGES` alone): the first fills :data:`FILLED` pages, frees them, the second fills
-as many. The stores' own count (``resident_bytes``) must stay within the budget plus one zero
-page per CUDA store, and the first cache must give its pages back.
-
-On CUDA the device memory is measured in every stage by three counts that can be told apart:
-
-* the driver: device memory in use (``cuMemGetInfo``: total - free), a delta from the round's start;
-* torch's caching allocator: ``torch.cuda.memory_reserved`` (the cache's own index tensors; the
-  section's K/V data is made before any measurement);
-* vmkv: the stores' ``resident_bytes`` (handles created minus released, zero pages included).
-
-``beyond`` = driver - torch - vmkv is memory no count of ours explains. The work runs twice:
-round 1 warms the process up (launching a kernel for the first time grows the CUDA context:
-code loaded lazily, local memory sized for the kernel) and its growth that stays after every
-cache is closed is reported as ``context_growth_bytes``, not vmkv's; round 2 is checked. vmkv
-may hold at most the budget, plus its zero pages (counted), plus :data:`DRIVER_ALLOWANCE_GRANULES`
-granules a cache for the driver's own bookkeeping of the cache's mappings (a stated bound; the
-measured value is ``driver_beyond_stores_bytes``). docs/gpu.md, "Where the device memory goes".
-"""
+"""The ``shared_budget`` section: two caches share one ledger; where the device memory goes, counted
+by the driver, by torch and by vmkv's stores (docs/gpu.md, "Where the device memory goes")."""
 
 from __future__ import annotations
 
@@ -60,23 +40,14 @@ class MemorySample:
 
 
 class DeviceMemory:
-    """Device memory of one CUDA device, as the driver counts it and as torch's allocator holds it.
-
-    Args:
-        device: the CUDA device.
-        runtime: torch's side of CUDA (:class:`vmkv.vm.cuda.TorchCudaRuntime`; tests substitute it).
-    """
+    """Device memory of one CUDA device, as the driver counts it and as torch's allocator holds it."""
 
     def __init__(self, device: torch.device | str, runtime: Any = None) -> None:
         self.device = torch.device(device)
         self.runtime = runtime
 
     def sample(self) -> MemorySample:
-        """The driver's and torch's counts now.
-
-        Raises:
-            BackendUnavailable: the driver cannot be asked.
-        """
+        """The driver's and torch's counts now."""
         from vmkv.vm.cuda import cuda_memory_info
 
         free, total = cuda_memory_info(self.device, runtime=self.runtime)
@@ -116,7 +87,6 @@ def make_workload(device: torch.device, shape: Shape) -> Workload:
 
 
 def _fill(cache: vmkv.KVCacheBase, tag: str, work: Workload) -> float:
-    """Add :data:`SEQUENCES` sequences of ``work.tokens`` and write them; the seconds to grow them."""
     began = time.perf_counter()
     for i in range(SEQUENCES):
         cache.add(f"{tag}{i}")
@@ -128,15 +98,7 @@ def _fill(cache: vmkv.KVCacheBase, tag: str, work: Workload) -> float:
 
 
 def run_round(work: Workload, memory: DeviceMemory | None) -> dict[str, Any]:
-    """One pass of the two caches' work, sampled after every stage of :data:`STAGES`.
-
-    Returns:
-        ``stages``: per stage ``vmkv_resident`` and, where ``memory`` is given, ``driver``,
-        ``torch`` (deltas from the round's start) and ``beyond``; ``resident_after_first`` /
-        ``_second``, ``pages_held`` (ledger grants per cache after the second fill),
-        ``grow_s`` (seconds to grow each cache's pages), ``zero_bytes`` (the CUDA stores' zero
-        pages), ``granule`` and ``caches``.
-    """
+    """One pass of the two caches' work, sampled after every stage of :data:`STAGES`."""
     if memory is not None:
         memory.settle()
     start = memory.sample() if memory is not None else None

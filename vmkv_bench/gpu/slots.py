@@ -1,31 +1,5 @@
-"""The ``vllm_slots`` section: vLLM contiguous mode's device parts, without vLLM.
-
-vLLM's GPU build is not on the machines the project is checked on, so the parts of contiguous
-mode that need no vLLM (:mod:`vmkv.vllm.contiguous.slots`, :mod:`vmkv.vllm.worker.kvbuffer`) run here against a
-KV buffer shaped as vLLM's allocator makes it: one byte allocation of ``num_blocks`` blocks
-(:func:`vmkv.vllm.worker.allocate.allocate_kv_cache` reserves it with vmkv's backend), per-layer views
-``[num_blocks, kv_heads, block_size, 2 * head_dim]`` in the device's layout
-(:data:`vmkv.vllm.contiguous.slots.SLOT_LAYOUTS`: block-outermost ``BLHNC`` on CUDA, layer-outermost
-``LBHNC`` on the host), every page mapped and filled with random K/V. A
-:class:`~vmkv.vllm.contiguous.slots.SlotSpace` (the worker half of contiguous mode) reserves the slot
-ranges and maps blocks into slots as block tables say; the section checks what the slots read:
-
-* before any map and past every slot's blocks: zeros (the zero page under the slots);
-* every mapped block, in every layer's K and V view, reads the buffer's block; a block in two
-  slots is one physical page (a write into the buffer is seen through both);
-* ``rows_to_slots`` finds each batch row's slot from its block table;
-* CUDA: the driver's access flags (``cuMemGetAccess``) of every page of the slot ranges are
-  read-write where a block is mapped and read-only (the zero page) elsewhere;
-* for every call ``k`` that mapping or freeing a slot makes, a failure at call ``k`` (CUDA: the
-  ``k``-th driver call answers ``CUDA_ERROR_OUT_OF_MEMORY``; host: the ``k``-th backend call
-  raises) raises ``BackendError`` and leaves the slots as they were: the same bytes under every
-  slot, the same driver access flags, the same slot counts;
-* a freed slot reads zeros while the block it shared stays in the other slot; views read
-  zeros after ``close()``.
-
-It also times ``SlotSpace.map`` and ``free`` of every slot full, per block (one page per piece:
-all layers' K, all layers' V on CUDA).
-"""
+"""The ``vllm_slots`` section: vLLM contiguous mode's slot space over a vLLM-shaped KV buffer, without
+vLLM: what the slots read, the driver's access flags, and every failing driver call undone (docs/gpu.md)."""
 
 from __future__ import annotations
 
@@ -89,12 +63,8 @@ def buffer_bytes(geometry: SlotGeometry, block_size: int) -> int:
 
 
 def vllm_kv_buffer(backend: VirtualMemory, geometry: SlotGeometry, block_size: int) -> tuple[KVBuffer, dict[str, torch.Tensor]]:
-    """vLLM's KV buffer over ``backend`` (whose store must hold it all), every page mapped, and its per-layer views.
-
-    Returns:
-        The buffer (it owns ``backend``) and ``{layer name: [num_blocks, kv_heads, block_size,
-        2 * head_dim] view}`` in the device's vLLM layout.
-    """
+    """vLLM's KV buffer over ``backend`` (whose store must hold it all), every page mapped, and its per-layer
+    views."""
     dtype = getattr(torch, geometry.dtype)
     layer_block = geometry.kv_heads * block_size * 2 * geometry.head_dim  # elements of one layer's block [H, N, 2D]
     buffer = KVBuffer(backend, buffer_bytes(geometry, block_size))
@@ -226,12 +196,7 @@ BACKEND_CALLS = ("map", "unmap", "map_range", "unmap_range", "synchronize")
 
 @contextmanager
 def failing_calls(backend: VirtualMemory, fail_at: int | None = None) -> Iterator[_Calls]:
-    """Count the calls ``backend`` makes while active, and fail call ``fail_at`` (1-based).
-
-    CUDA: every driver call the backend makes (its driver module is swapped for a counting one:
-    ``vmkv.vm.cuda`` makes every call through ``backend._context.driver``). Host: calls of the
-    backend's :data:`BACKEND_CALLS` methods (the failing one raises ``BackendError``).
-    """
+    """Count the calls ``backend`` makes while active, and fail call ``fail_at`` (1-based)."""
     if backend.name == "cuda":
         calls = _Calls("driver call", fail_at)
         context = backend._context  # noqa: SLF001 - the one seam every driver call goes through
@@ -261,7 +226,6 @@ def failing_calls(backend: VirtualMemory, fail_at: int | None = None) -> Iterato
 
 
 def _state(space: SlotSpace) -> tuple[dict[str, int], list[int | None] | None, list[torch.Tensor]]:
-    """What a failed call must leave as it was: the slot counts, the driver's access flags, the bytes of every slot."""
     stats = space.stats()
     counts = {key: stats[key] for key in ("slots_in_use", "slot_blocks_mapped", "slot_blocks_distinct")}
     access = driver_access(space)
@@ -275,18 +239,8 @@ def _same(a: tuple, b: tuple) -> bool:
 
 
 def every_failure_is_undone(space: SlotSpace, action: Callable[[], None], undo: Callable[[], None]) -> dict[str, Any]:
-    """Fail each call ``action`` makes, one at a time: each must raise ``BackendError`` and leave
-    the slots as they were.
-
-    Args:
-        space: the slot space.
-        action: the change (``space.map(...)`` or ``space.free(...)``).
-        undo: what puts the state back after ``action`` succeeded.
-
-    Returns:
-        ``calls`` (how many ``action`` makes), ``unit`` (driver or backend calls), ``not_raised``
-        and ``not_undone`` (the call numbers whose failure did not raise / changed the slots).
-    """
+    """Fail each call ``action`` makes, one at a time: each must raise ``BackendError`` and leave the slots as
+    they were."""
     with failing_calls(space.backend) as counted:
         action()
     undo()
@@ -323,8 +277,8 @@ def _time_map_free(space: SlotSpace, rounds: int = 3) -> dict[str, Any]:
 
 
 def vllm_slots_section(ctx: Context) -> dict[str, Any]:
-    """The slot space of contiguous mode over a vLLM-shaped KV buffer (module docstring): the
-    ``checks``, ``rollback`` (per action: calls failed one at a time), ``timing`` and the geometry."""
+    """The slot space over a vLLM-shaped KV buffer: ``checks``, ``rollback`` (per action: calls failed
+    one at a time), ``timing`` and the geometry (docs/gpu.md)."""
     device, geometry = ctx.device, SMOKE_SLOTS if ctx.smoke else FULL_SLOTS
     page = granularity(device)
     probe = open_backend(device, page, 1)  # the backend's device type and granularity decide the block size
@@ -375,7 +329,6 @@ def vllm_slots_section(ctx: Context) -> dict[str, Any]:
 
 
 def _shared_write_seen_twice(space: SlotSpace) -> bool:
-    """Write one value into block 1 of the buffer (shared by slots 0 and 1): both slots read it."""
     rows, k = space.write_views[-1], space.k[-1]
     old = rows[1, 5, 0, 1, 3].clone()
     rows[1, 5, 0, 1, 3] = 7.0

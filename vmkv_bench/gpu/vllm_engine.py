@@ -1,6 +1,5 @@
-"""The sections that need vLLM itself on the GPU: ``vllm`` (the plugin's smoke test) and
-``vllm_addressing`` (block tables vs virtual memory inside one vLLM); both skip, with the
-reason, off CUDA or without vLLM."""
+"""The sections that need vLLM on the GPU: ``vllm`` (the plugin's smoke test) and ``vllm_addressing``
+(block tables vs virtual memory inside one vLLM); both skip, with the reason, off CUDA or without vLLM."""
 
 from __future__ import annotations
 
@@ -85,9 +84,8 @@ def vllm_addressing_section(ctx: Context) -> dict[str, Any]:
 
 
 def addressing_failures(rows: list[dict[str, Any]]) -> list[str]:
-    """Why the addressing run fails: the paged backing (vLLM's own kernel) must give stock's
-    tokens exactly; contiguous mode must give every request's first token (a wrong cache changes
-    it at once), later differences in bfloat16 are kernel summation order and are reported."""
+    """Why the addressing run fails: the paged backing must give stock's tokens exactly, contiguous mode
+    every first token (later bfloat16 differences are summation order, reported)."""
     why = []
     for row in rows:
         if row["engine"] == "paged" and not row["tokens_identical"]:

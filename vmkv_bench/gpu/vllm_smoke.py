@@ -1,14 +1,5 @@
-"""The plugin on a GPU: stock vLLM and vLLM + vmkv on the tiny model, compared (the GPU check's
-``vllm`` section, :mod:`vmkv_bench.gpu.vllm_engine`).
-
-Nothing here runs on CPU-only machines: :func:`gpu_smoke` raises
-:class:`~vmkv.errors.BackendUnavailable` with the reason (no vLLM, an unsupported vLLM, no CUDA
-GPU), which a caller reports as a skip. What it exercises that the CPU tests cannot: the CUDA VMM
-backend under vLLM's KV buffer, CUDA graphs (``enforce_eager=False``), vLLM's GPU attention
-backends and its default model runner (V2 where Triton is present) with async scheduling.
-
-vLLM spawns processes: call it under ``if __name__ == "__main__":``.
-"""
+"""The ``vllm`` section's run: stock vLLM and vLLM + vmkv on the tiny model on a GPU, compared (CUDA VMM
+under vLLM's buffer, CUDA graphs, async scheduling); it raises BackendUnavailable where it cannot run."""
 
 from __future__ import annotations
 
@@ -35,19 +26,7 @@ def _workload() -> tuple[list[list[int]], list[int]]:
 
 
 def gpu_smoke(out_dir: str | Path) -> dict[str, Any]:
-    """Run the tiny model through stock vLLM and vLLM + vmkv on the GPU; write and return results.
-
-    Args:
-        out_dir: where the tiny model and ``vllm_gpu_smoke.json`` go.
-
-    Returns:
-        ``{"tokens_identical", "prefix_hits_identical", "throughput_ratio_vmkv_over_stock",
-        "kv_peak_mapped_bytes", "kv_after_trim_bytes", "kv_buffer_bytes", "model_runner_v2",
-        "async_scheduling", "vllm", "gpu", "seconds", "passed"}``.
-
-    Raises:
-        BackendUnavailable: vLLM is missing or not 0.32.x, or torch sees no CUDA GPU.
-    """
+    """Run the tiny model through stock vLLM and vLLM + vmkv on the GPU; write and return results."""
     import torch
 
     version = check_vllm()
@@ -93,20 +72,7 @@ def gpu_smoke(out_dir: str | Path) -> dict[str, Any]:
 
 
 def verdict(stock: dict[str, Any], ours: dict[str, Any], kv_bytes: int) -> dict[str, Any]:
-    """Whether vLLM + vmkv did what stock vLLM did, from both engines' two passes.
-
-    Args:
-        stock / ours: ``{"tokens", "again", "cached", "peak_mapped"}`` (``peak_mapped`` for vmkv
-            only): greedy tokens of the first and second pass per request, the prompt tokens the
-            second pass found in the prefix cache per request, the most KV bytes mapped.
-        kv_bytes: vLLM's KV buffer.
-
-    Returns:
-        ``{"tokens_identical", "prefix_hits_identical", "kv_peak_mapped_bytes", "kv_buffer_bytes",
-        "passed"}``: passed when both passes give stock's tokens, the second pass hits the prefix
-        cache exactly where stock's does (and stock's hits something), and vmkv mapped less than
-        the buffer.
-    """
+    """Whether vLLM + vmkv did what stock vLLM did, from both engines' two passes."""
     identical = ours["tokens"] == stock["tokens"] and ours["again"] == stock["again"] == stock["tokens"]
     hits = ours["cached"] == stock["cached"] and sum(stock["cached"].values()) > 0  # no hits: nothing compared
     peak = ours["peak_mapped"]

@@ -1,16 +1,5 @@
-"""Run vLLM engines with and without the plugin on the same work (tests, benchmarks, GPU smoke).
-
-:func:`engine` starts a ``vllm.LLM`` (stock, or with vmkv: ``VMKV_VLLM=1`` for the processes it
-spawns, set only while it starts, plus :func:`vmkv.vllm.engine_args`); :func:`run` feeds it requests at given arrival
-times through ``LLM.llm_engine`` (``add_request`` / ``step``) and samples, every few steps, the
-tokens the running requests hold next to each worker's memory (``collective_rpc``).
-:func:`servers` runs vLLM's OpenAI servers instead (subprocesses), for vLLM's own benchmark client.
-Both give stock and vmkv engines the same environment but for the plugin's flag
-(:func:`engine_environment`): the same cores, the same threads.
-
-vLLM spawns its engine and worker processes, so scripts using this need an
-``if __name__ == "__main__":`` guard.
-"""
+"""Run stock and vmkv vLLM engines (``vllm.LLM``) or OpenAI servers in the same environment but for the
+plugin's flag, feed them requests and sample their KV memory. vLLM spawns processes: use a main guard."""
 
 from __future__ import annotations
 
@@ -35,24 +24,12 @@ from vmkv.vllm.control import stats as vmkv_stats
 
 ENTRY_POINT = "vmkv.vllm:register"
 RESERVED_CPUS = "VLLM_CPU_NUM_OF_RESERVED_CPU"
-"""vLLM's CPU platform keeps one core per rank away from its workers for the engine process, and
-one more per rank whenever *any* KV connector is configured (``vllm/utils/ompmultiprocessing.py``,
-meant for NIXL transfers). vmkv's connector transfers nothing, so :func:`engine_environment` sets
-this variable to the same value for stock and vmkv engines: both then compute on the same cores
-(on 2 cores the extra reservation leaves no core free and slows the tiny model ~7x)."""
+"""Set alike for stock and vmkv: vLLM's CPU platform reserves one more core for any KV connector,
+which on 2 cores leaves the workers none."""
 
 
 def ensure_entry_point() -> Path | None:
-    """Make the plugin's ``vllm.general_plugins`` entry point visible to the processes vLLM spawns.
-
-    An installed vmkv declares it (``pyproject.toml``); a source checkout run against an install
-    that predates it does not. Then a minimal ``dist-info`` declaring only the entry point is
-    written to a temporary directory, which is put first on ``sys.path`` (processes vLLM spawns
-    with multiprocessing inherit it) and on ``PYTHONPATH`` (other child processes).
-
-    Returns:
-        The directory added, or ``None`` when the entry point was visible already.
-    """
+    """Make the plugin's ``vllm.general_plugins`` entry point visible to the processes vLLM spawns."""
     if any(ep.value == ENTRY_POINT for ep in metadata.entry_points(group="vllm.general_plugins")):
         return None
     root = Path(tempfile.mkdtemp(prefix="vmkv-entry-point-"))
@@ -67,17 +44,7 @@ def ensure_entry_point() -> Path | None:
 
 
 def engine_environment(*, vmkv: bool, ranks: int = 1) -> dict[str, str | None]:
-    """The environment a stock or vmkv engine starts with (``None``: unset).
-
-    Both get the same core reservation (:data:`RESERVED_CPUS`: the caller's value if set, else
-    ``ranks``, what stock vLLM reserves on x86, Arm and RISC-V without a KV connector) and
-    ``HF_HUB_OFFLINE=1`` unless set; only ``VMKV_VLLM`` differs. vLLM derives the workers' cores
-    and OpenMP threads from the reservation, so the two compute on the same cores.
-
-    Args:
-        vmkv: whether the engine runs the plugin.
-        ranks: tensor x pipeline parallel ranks on this node.
-    """
+    """The environment a stock or vmkv engine starts with (``None``: unset)."""
     return {
         plugin.ENV_FLAG: "1" if vmkv else None,
         RESERVED_CPUS: os.environ.get(RESERVED_CPUS) or str(ranks),
@@ -87,22 +54,7 @@ def engine_environment(*, vmkv: bool, ranks: int = 1) -> dict[str, str | None]:
 
 def engine(model: str | Path, *, vmkv: bool, kv_cache_bytes: int, max_model_len: int = 2048,
            options: dict[str, Any] | None = None, **llm_kwargs: Any) -> Any:
-    """A ``vllm.LLM`` over ``model``, stock or with vmkv.
-
-    Args:
-        model: a model directory (e.g. :func:`vmkv_bench.vllm_harness.tiny.save_tiny_model`).
-        vmkv: put vmkv under the KV cache.
-        kv_cache_bytes: vLLM's KV buffer size (``kv_cache_memory_bytes``).
-        max_model_len: the longest request.
-        options: :func:`vmkv.vllm.engine_args` keywords (page_size, budget, max_cached).
-        llm_kwargs: more ``LLM`` arguments (``enforce_eager=True`` and ``dtype="float32"`` unless
-            given).
-
-    While the engine starts (vLLM spawns its engine and worker processes then, and loads its
-    plugins), this process's environment is :func:`engine_environment`'s; it is restored
-    afterwards. (:func:`ensure_entry_point`'s ``sys.path`` and ``PYTHONPATH`` entry stays: it
-    only makes the plugin importable.)
-    """
+    """A ``vllm.LLM`` over ``model``, stock or with vmkv."""
     from vllm import LLM
 
     if vmkv:
@@ -128,26 +80,8 @@ class ServerSpec:
 @contextmanager
 def servers(model: str | Path, specs: dict[str, ServerSpec], *, kv_cache_bytes: int, max_model_len: int = 2048,
             log_dir: Path | None = None, startup_timeout: float = 900.0) -> Iterator[dict[str, str]]:
-    """vLLM's OpenAI servers over ``model`` (``python -m vllm.entrypoints.openai.api_server``, the
-    CPU build's ``vllm serve``), one per spec, stock or with vmkv's three flags, all up for the
-    block. They start at once (each in its own process group, on a free port, with
-    :func:`engine_environment`) and are stopped (SIGTERM, then SIGKILL) when the block ends.
-
-    Args:
-        model: a model directory; the servers name the model by this path.
-        specs: name -> :class:`ServerSpec`.
-        kv_cache_bytes / max_model_len: as :func:`engine` (``--enforce-eager``, ``--dtype float32``
-            too).
-        log_dir: where server ``name`` writes ``vllm_server_<name>.log`` (default: discarded).
-        startup_timeout: seconds to wait for every ``/health``.
-
-    Yields:
-        name -> base URL (``http://127.0.0.1:PORT``).
-
-    Raises:
-        BackendError: a server exited or did not answer within ``startup_timeout`` (the reason
-            is in its log).
-    """
+    """vLLM's OpenAI servers over ``model`` (``python -m vllm.entrypoints.openai.api_server``, the CPU build's
+    ``vllm serve``), one per spec, stock or with vmkv's three flags, all up for the block."""
     if any(spec.vmkv for spec in specs.values()):
         ensure_entry_point()
     started: dict[str, tuple[subprocess.Popen, str, Path | None]] = {}
@@ -198,7 +132,6 @@ def _wait_healthy(url: str, process: subprocess.Popen, deadline: float, log: Pat
 
 
 def _stop(process: subprocess.Popen, grace: float = 30.0) -> None:
-    """Stop the server's process group (API server, engine core, workers): SIGTERM, then SIGKILL."""
     if process.poll() is None:
         os.killpg(process.pid, signal.SIGTERM)
     try:
@@ -210,7 +143,6 @@ def _stop(process: subprocess.Popen, grace: float = 30.0) -> None:
 
 @contextmanager
 def _environment(values: dict[str, str | None]) -> Iterator[None]:
-    """Set (``None``: remove) environment variables inside the block; restore them after it."""
     saved = {name: os.environ.get(name) for name in values}
     try:
         _set_environment(values)
@@ -229,16 +161,7 @@ def _set_environment(values: dict[str, str | None], env: Any = os.environ) -> No
 
 @dataclass
 class Sample:
-    """One look at the engine between steps.
-
-    Attributes:
-        t: seconds since the run started.
-        running: requests started and not finished.
-        live_tokens: tokens those requests hold (prompt + generated so far).
-        mapped_bytes / resident_bytes: vmkv's mapped pages and the memory behind its page store,
-            summed over workers (0 for stock engines).
-        rss_bytes: the workers' resident set sizes, summed.
-    """
+    """One look at the engine between steps."""
 
     t: float
     running: int
@@ -278,15 +201,7 @@ def memory_sample(llm: Any, vmkv: bool, t: float, running: int, live_tokens: int
 
 def run(llm: Any, prompts: Sequence[Sequence[int]], params: Sequence[Any], *, vmkv: bool,
         arrivals: Sequence[float] | None = None, sample_every: int = 0) -> RunResult:
-    """Serve ``prompts`` (token ids) with ``params`` (``SamplingParams``), arriving at ``arrivals``.
-
-    Args:
-        llm: from :func:`engine`.
-        prompts / params: one per request; request ``i`` is named ``str(i)``.
-        vmkv: whether ``llm`` runs vmkv (decides how memory is sampled).
-        arrivals: seconds after the start at which each request arrives (default: all at 0).
-        sample_every: take a :class:`Sample` every this many engine steps (0: never).
-    """
+    """Serve ``prompts`` (token ids) with ``params`` (``SamplingParams``), arriving at ``arrivals``."""
     engine_ = llm.llm_engine
     arrivals = list(arrivals) if arrivals is not None else [0.0] * len(prompts)
     order = sorted(range(len(prompts)), key=arrivals.__getitem__)

@@ -1,10 +1,5 @@
-"""A tiny Llama checkpoint vLLM can load from a directory, built offline (tests, benchmarks, GPU smoke).
-
-The weights are vmkv's embedded default model (:mod:`vmkv.models`: seeded random weights large
-enough that greedy decoding has clear winners) with 2 layers; the tokenizer is
-:class:`vmkv.models.ByteTokenizer` saved as a Hugging Face tokenizer (token ``i < 256`` is byte
-``i``, then BOS, EOS, PAD; BOS first), so nothing is downloaded. Needs ``transformers``, ``safetensors`` and ``tokenizers``.
-"""
+"""A tiny Llama checkpoint vLLM can load, built offline: vmkv's embedded model with 2 layers and its
+byte tokenizer saved as a Hugging Face tokenizer (needs transformers, safetensors, tokenizers)."""
 
 from __future__ import annotations
 
@@ -25,16 +20,7 @@ def token_bytes(num_layers: int = TINY_LAYERS, head_dim: int | None = None) -> i
 
 
 def save_tiny_model(path: str | Path, num_layers: int = TINY_LAYERS, head_dim: int | None = None) -> Path:
-    """Write the tiny Llama (``config.json``, safetensors weights, tokenizer) to ``path``.
-
-    Args:
-        num_layers: decoder layers.
-        head_dim: per-head width (default the embedded model's, 32); the heads stay 8 query and
-            4 KV heads (grouped-query attention).
-
-    Returns:
-        ``path``, ready for ``vllm.LLM(model=str(path))``. Reuses a complete directory.
-    """
+    """Write the tiny Llama (``config.json``, safetensors weights, tokenizer) to ``path``."""
     path = Path(path)
     made = {"num_layers": num_layers, "tokenizer": TOKENIZER_VERSION}
     overrides = {"num_hidden_layers": num_layers}
