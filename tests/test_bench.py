@@ -564,17 +564,11 @@ def _vllm_result(**kv_mib: tuple[float, float]) -> dict:
 
 
 def test_vllm_result_follows_the_contract(tmp_path):
-    from vmkv_bench import vllm, vllm_client
+    from vmkv_bench import vllm
 
     result = _vllm_result()
     _check_contract(result, "vllm")
-    verdicts = vllm.verdicts(result)
-    assert [v.key for v in verdicts] == ["vllm.throughput", "vllm.kv_memory", "vllm.client_inf.throughput",
-                                         "vllm.client_inf.ttft", "vllm.client_16.throughput", "vllm.client_16.ttft"]
-    client = result["client"]  # the client part: its own rows, summary made again by this code
-    assert client["rows"] and all(set(row) == set(client["schema"]) for row in client["rows"])
-    assert vllm_client.summary(client["rows"]) == client["summary"]
-    assert all(s["same_tokens"] and s["texts_identical"] for s in client["summary"].values())
+    assert [v.key for v in vllm.verdicts(result)] == ["vllm.throughput", "vllm.kv_memory"]  # the saved client part is retired
     for png in vllm.plot(result, tmp_path):
         assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -592,137 +586,6 @@ def test_vllm_kv_memory_verdict_is_judged_on_the_mean(vmkv_mib, side):
     memory = {v.key: v for v in vllm.verdicts(result)}["vllm.kv_memory"]
     assert memory.side == side and memory.winner.startswith(side)
     assert memory.value == pytest.approx(vmkv_mib[0] / 256) and memory.high == pytest.approx(vmkv_mib[1] / 256)
-
-
-def _client_rows(tok_s: dict[str, list[float]], ttft: dict[str, list[float]], rate: str = "inf", tokens: int = 4096,
-                 identical: bool = True) -> list[dict]:
-    """Client-part rows: ``tok_s`` / ``ttft``: engine -> one value per round."""
-    from vmkv_bench import vllm_client
-
-    rows = []
-    for engine in ("stock", "vmkv"):
-        for i, (speed, first) in enumerate(zip(tok_s[engine], ttft[engine])):
-            row = {"rate": rate, "round": i, "engine": engine, "requests": 64, "completed": 64, "output_tokens": tokens,
-                   "duration_s": tokens / speed, "output_tok_per_s": speed, "mean_ttft_ms": first,
-                   "median_ttft_ms": first, "mean_tpot_ms": 20.0, "texts_identical": identical}
-            assert set(row) == set(vllm_client.SCHEMA)
-            rows.append(row)
-    return rows
-
-
-@pytest.mark.parametrize("vmkv_tok_s, vmkv_ttft, throughput_side, ttft_side, agrees", [
-    ([2000, 2010, 1990], [400, 410, 390], "tie", "tie", (True, True)),  # parity
-    ([1000, 1100, 1200], [800, 900, 1000], "stock", "stock", (False, False)),  # the issue's plugin: slower, later
-    # rounds disagree: no winner, and no target met or missed though the medians meet them (issue 37 item 8)
-    ([1990, 2300, 1700], [300, 420, 500], "tie", "tie", (None, None)),
-    ([2600, 2700, 2800], [200, 210, 220], "vmkv", "vmkv", (True, True)),
-])
-def test_vllm_client_verdicts_name_a_winner_only_when_every_round_agrees(vmkv_tok_s, vmkv_ttft, throughput_side,
-                                                                          ttft_side, agrees):
-    from vmkv_bench import vllm_client
-
-    rows = _client_rows({"stock": [2000] * 3, "vmkv": vmkv_tok_s}, {"stock": [400] * 3, "vmkv": vmkv_ttft})
-    client = {"rows": rows, "summary": vllm_client.summary(rows)}
-    throughput, ttft = vllm_client.verdicts(client)
-    assert (throughput.key, ttft.key) == ("vllm.client_inf.throughput", "vllm.client_inf.ttft")
-    assert (throughput.side, ttft.side) == (throughput_side, ttft_side)
-    assert (throughput.agrees, ttft.agrees) == agrees
-    assert throughput.value == pytest.approx(sorted(v / 2000 for v in vmkv_tok_s)[1])
-    assert ttft.value == pytest.approx(sorted(400 / v for v in vmkv_ttft)[1])
-    assert throughput.note == "same tokens, texts identical"
-    line = client["summary"]["inf"]["verdict"]
-    assert line.startswith("at rate inf: vmkv ") and line.endswith("same tokens, texts identical")
-
-
-def test_vllm_client_medians_see_through_stalled_rounds():
-    """Rounds that stall (3-10x the usual TTFT, in either engine) make every per-round ratio's range
-    cross the targets; a sign test over the rounds, and the engines' medians with their bootstrap
-    interval, still tell parity from a real 20 % loss."""
-    from vmkv_bench import vllm_client
-
-    usual = [300 + 5 * (i % 7) for i in range(40)]
-    stock_ttft = [t * (8 if i % 9 == 0 else 1) for i, t in enumerate(usual)]
-    vmkv_ttft = [t * (8 if i % 11 == 3 else 1) for i, t in enumerate(usual[::-1])]
-    speeds = {"stock": [2000.0] * 40, "vmkv": [2000.0] * 40}
-    parity = vllm_client.summary(_client_rows(speeds, {"stock": stock_ttft, "vmkv": vmkv_ttft}))["inf"]
-    assert parity["ttft_target"] == "met"  # the per-round ratios range 1/8 .. 8, but only 3 of 40 miss the target
-    assert parity["medians_ttft_target"] == "met" and parity["medians_throughput_target"] == "met"
-    assert parity["medians_ttft_stock_over_vmkv"]["value"] == pytest.approx(1.0)
-    slower = vllm_client.summary(_client_rows(speeds, {"stock": stock_ttft, "vmkv": [t * 1.2 for t in vmkv_ttft]}))["inf"]
-    assert slower["medians_ttft_target"] == "missed"
-    assert slower["medians_ttft_stock_over_vmkv"]["high"] < 1 / vllm_client.TTFT_TARGET
-    assert "the engines' medians over the rounds" in slower["verdict"]
-
-
-def test_ratio_of_medians_interval_holds_the_ratio_and_is_seeded():
-    from vmkv_bench import common
-
-    a, b = [10.0, 11.0, 12.0, 13.0, 50.0], [5.0, 5.5, 6.0, 6.5, 7.0]
-    r = common.ratio_of_medians(a, b)
-    assert r.value == pytest.approx(2.0) and r.low <= r.value <= r.high
-    assert common.ratio_of_medians(a, b) == r  # the same samples, the same interval
-    assert common.ratio_of_medians([3.0] * 4, [1.5] * 4).as_dict() == {"value": 2.0, "low": 2.0, "high": 2.0, "runs": 4,
-                                                                      "kept": 4}
-    for bad in (dict(numerator=[], denominator=[1.0]), dict(numerator=[1.0], denominator=[1.0], confidence=1.0)):
-        with pytest.raises(vmkv.InvalidInput):
-            common.ratio_of_medians(**bad)
-
-
-def test_vllm_client_quiet_run_is_reproduced_by_this_code():
-    """docs/img/vllm_client_quiet.json, the 48-round run docs/vllm.md quotes: its summary is what this
-    code makes of its rows."""
-    from vmkv_bench import vllm_client
-
-    saved = json.loads((Path(__file__).resolve().parents[1] / "docs" / "img" / "vllm_client_quiet.json").read_text())
-    assert vllm_client.summary(saved["client"]["rows"]) == saved["client"]["summary"]
-
-
-def test_vllm_client_summary_flags_lost_tokens_and_other_texts():
-    from vmkv_bench import vllm_client
-
-    rows = _client_rows({"stock": [2000] * 2, "vmkv": [2000] * 2}, {"stock": [400] * 2, "vmkv": [400] * 2}, rate="16",
-                        identical=False)
-    rows[-1]["output_tokens"] -= 1
-    summary = vllm_client.summary(rows)["16"]
-    assert not summary["same_tokens"] and not summary["texts_identical"]
-    (throughput, _) = vllm_client.verdicts({"rows": rows, "summary": {"16": summary}})
-    assert throughput.note == "TOKEN COUNTS DIFFER, TEXTS DIFFER"
-    assert [line["workload"] for line in vllm_client.table({"rows": rows})] == ["vLLM client, rate 16"] * 2
-
-
-@pytest.mark.parametrize("text, rates", [("inf", [math.inf]), ("inf,16", [math.inf, 16.0]), ("0.5", [0.5])])
-def test_vllm_client_rates_parse(text, rates):
-    from vmkv_bench import vllm_client
-
-    assert vllm_client.parse_rates(text) == rates
-
-
-@pytest.mark.parametrize("text", ["", "fast", "0", "-2", "nan", "inf,"])
-def test_vllm_client_bad_rates_are_refused(text):
-    from vmkv_bench import vllm_client
-
-    with pytest.raises(vmkv.InvalidInput, match="positive number or 'inf'"):
-        vllm_client.parse_rates(text)
-
-
-@pytest.mark.parametrize("vmkv_tok_s, status", [
-    ([2000, 2010, 1990, 2020, 2040], "met"),  # every kept round at or above 0.97x
-    ([1800, 1850, 1700, 1820, 1810], "missed"),  # every kept round below
-    ([1700, 2300, 1900, 2100, 1950], "not resolved (the median meets it, the rounds' spread crosses it)"),
-    ([1700, 2300, 1800, 2100, 1900], "not resolved (the median misses it, the rounds' spread crosses it)"),
-])
-def test_vllm_client_summary_says_whether_the_target_is_met(vmkv_tok_s, status):
-    from vmkv_bench import vllm_client
-
-    rows = _client_rows({"stock": [2000] * 5, "vmkv": vmkv_tok_s}, {"stock": [400] * 5, "vmkv": [400] * 5})
-    summary = vllm_client.summary(rows)["inf"]
-    assert summary["throughput_target"] == status and summary["ttft_target"] == "met"
-    # pooled: all tokens over all seconds, vmkv over stock
-    assert summary["pooled_throughput_vmkv_over_stock"] == pytest.approx(
-        (5 * 4096 / sum(4096 / v for v in vmkv_tok_s)) / 2000)
-    assert summary["pooled_ttft_vmkv_over_stock"] == pytest.approx(1.0)
-    assert f"target >= {vllm_client.THROUGHPUT_TARGET} {status};" in summary["verdict"]
-    assert f"vmkv faster in {sum(v > 2000 for v in vmkv_tok_s)} of 5" in summary["verdict"]
 
 
 # ---- generate and serve (slower: one smoke run each) -----------------------------------------

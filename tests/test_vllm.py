@@ -903,13 +903,5 @@ def test_benchmark_smoke_follows_the_contract_and_ends_with_a_verdict(tmp_path):
     assert summary["tokens_identical"] and summary["throughput_ratio_vmkv_over_stock"] > 0
     assert summary["kv_peak_ratio_vmkv_over_stock"] < 0.5  # vmkv held far less than stock's buffer
     assert summary["verdict"].startswith("vmkv runs vLLM at ")
-    # the client part: vLLM's servers under vLLM's client, 2 rounds of 4 requests at rate inf
-    client = result["client"]
-    assert [(r["round"], r["engine"]) for r in client["rows"]] == [(0, "stock"), (0, "vmkv"), (1, "vmkv"), (1, "stock")]
-    for row in client["rows"]:
-        assert set(row) == set(client["schema"]) and row["completed"] == row["requests"] == 4
-        assert row["output_tokens"] == 4 * 8 and row["mean_ttft_ms"] > 0 and row["texts_identical"]
-    assert summary["client"]["inf"].startswith("at rate inf: vmkv ")
-    assert [v["key"] for v in result["verdicts"]] == ["vllm.throughput", "vllm.kv_memory", "vllm.client_inf.throughput",
-                                                      "vllm.client_inf.ttft"]
+    assert [v["key"] for v in result["verdicts"]] == ["vllm.throughput", "vllm.kv_memory"]
     assert (tmp_path / "vllm_kv_memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

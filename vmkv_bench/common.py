@@ -357,21 +357,6 @@ def sign_test(ratios: Sequence[float]) -> tuple[int, int, float]:
     return above, below, p
 
 
-def ratio_of_medians(numerator: Sequence[float], denominator: Sequence[float], *, confidence: float = 0.9,
-                     draws: int = 2000, seed: int = 0) -> Spread:
-    """``median(numerator) / median(denominator)`` with a bootstrap confidence interval."""
-    if not numerator or not denominator:
-        raise vmkv.InvalidInput("a ratio of medians needs values on both sides")
-    if not 0 < confidence < 1:
-        raise vmkv.InvalidInput(f"confidence must be in (0, 1), got {confidence}")
-    rng = random.Random(seed)
-    ratios = sorted(statistics.median(rng.choices(numerator, k=len(numerator)))
-                    / statistics.median(rng.choices(denominator, k=len(denominator))) for _ in range(draws))
-    tail = int(draws * (1 - confidence) / 2)
-    value = statistics.median(numerator) / statistics.median(denominator)
-    return Spread(value, ratios[tail], ratios[draws - 1 - tail], min(len(numerator), len(denominator)))
-
-
 def _ratio_side(ratio: Spread, better: str, worse: str, tie_margin: float) -> tuple[str, str]:
     """``(winner text, side)`` of a timed ratio from its paired rounds (see :func:`ratio_verdict`)."""
     band = (1.0 / (1.0 + tie_margin), 1.0 + tie_margin)
@@ -390,7 +375,7 @@ def _ratio_side(ratio: Spread, better: str, worse: str, tie_margin: float) -> tu
     return f"{leader}, {number_text(margin)} ({rounds})", leader
 
 
-def target_status(ratio: Spread, target: float, spread: str = "rounds' spread") -> str:
+def target_status(ratio: Spread, target: float) -> str:
     """"met", "missed" or "not resolved (...)": ``ratio`` (> 1: ours better) against ``>= target`` on the
     evidence a verdict names a side on, drawn at the target instead of 1.0 (docs/benchmarks.md)."""
     if ratio.deterministic:
@@ -402,7 +387,7 @@ def target_status(ratio: Spread, target: float, spread: str = "rounds' spread") 
         return "met"
     if ratio.value < target and (ratio.high < target or p < SIGN_TEST_ALPHA):
         return "missed"
-    return f"not resolved (the median {'meets' if ratio.value >= target else 'misses'} it, the {spread} crosses it)"
+    return f"not resolved (the median {'meets' if ratio.value >= target else 'misses'} it, the rounds' spread crosses it)"
 
 
 def ratio_verdict(

@@ -1,5 +1,5 @@
-"""Stock vLLM vs vLLM + vmkv: a bursty ShareGPT-like trace on in-process engines (tokens/s, KV memory
-held) and vLLM's own benchmark client (:mod:`.vllm_client`); ``--parts addressing`` (docs/vllm.md)."""
+"""Stock vLLM vs vLLM + vmkv on a bursty ShareGPT-like trace on in-process engines (tokens/s, KV memory
+held); ``--parts addressing``: block tables vs virtual memory inside vLLM (docs/vllm.md)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import common, vllm_addressing, vllm_client
+from . import common, vllm_addressing
 
 SETTLE_S = 1.5  # vLLM's workers busy-poll their queue for 1 s after a step: let the idle engine go quiet
 
 NAME = "vllm"
-DESCRIPTION = ("vLLM with and without vmkv: one bursty ShareGPT-like trace (tokens/s ratio, KV memory over time) "
-               "and vLLM's own benchmark client at rate inf and a finite rate (tokens/s and TTFT ratios)")
-PARTS = ("trace", "client", "addressing")
+DESCRIPTION = "vLLM with and without vmkv: one bursty ShareGPT-like trace (tokens/s ratio, KV memory over time)"
+PARTS = ("trace", "addressing")
 
 SCHEMA = {
     "round": "interleaving round (engines take turns within a round)",
@@ -46,20 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sample-every", type=int, default=4, help="engine steps between memory samples (default 4)")
     parser.add_argument("--model-dir", type=Path, default=None, help="where to write the tiny model (default: a temp dir)")
     vllm_addressing.add_arguments(parser)
-    parser.add_argument("--parts", default="trace,client", help="what to run, comma-separated: trace "
-                        "(in-process engines, bursty trace), client (vLLM's OpenAI servers and benchmark client); default "
-                        "trace,client; addressing (stock, paged and contiguous vmkv on a wider model) is opt-in")
-    parser.add_argument("--client-prompts", type=int, default=None, help="requests per client run (default 64; smoke 4)")
-    parser.add_argument("--client-rates", default=None, help="request rates per second, comma-separated, inf = all at "
-                        "once (default inf,16; smoke inf)")
-    parser.add_argument("--client-rounds", type=int, default=None, help="interleaved client rounds per rate (default 6; smoke 2)")
-    parser.add_argument("--client-input-len", type=int, default=64, help="prompt tokens of each client request (default 64)")
-    parser.add_argument("--client-output-len", type=int, default=None, help="output tokens of each client request "
-                        "(default 64; smoke 8)")
-    parser.add_argument("--client-page-size", default="2MiB", help="vmkv page size of the client part (default 2MiB, "
-                        "as docs/vllm.md starts the server)")
-    parser.add_argument("--log-dir", type=Path, default=None, help="where the client part's servers write their logs "
-                        "(default: discarded)")
+    parser.add_argument("--parts", default="trace", help="what to run, comma-separated: trace (in-process engines, "
+                        "bursty trace; the default), addressing (stock, paged and contiguous vmkv on a wider model)")
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -70,18 +57,6 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "gap": args.gap if args.gap is not None else (0.5 if smoke else 1.0),
         "rounds": args.rounds or (1 if smoke else 3),
         "max_model_len": args.max_model_len or (384 if smoke else 1024),
-    }
-
-
-def _client_settings(args: argparse.Namespace) -> dict[str, Any]:
-    smoke = args.smoke
-    return {
-        "prompts": args.client_prompts or (4 if smoke else 64),
-        "rates": vllm_client.parse_rates(args.client_rates or ("inf" if smoke else "inf,16")),
-        "rounds": args.client_rounds or (2 if smoke else 6),
-        "input_len": args.client_input_len,
-        "output_len": args.client_output_len or (8 if smoke else 64),
-        "max_model_len": 512,
     }
 
 
@@ -119,8 +94,7 @@ def _kv_memory(samples: list[dict[str, Any]], vmkv: bool, buffer_bytes: int) -> 
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the parts ``--parts`` names: rows per (round, engine) of the trace; the client part's rows and
-    summary under ``result["client"]``."""
+    """Run the parts ``--parts`` names: rows per (round, engine) of the trace; addressing's under ``result["addressing"]``."""
     from vmkv.sizes import parse_size
     from vmkv.vllm import check_vllm
     from vmkv_bench.vllm_harness import tiny
@@ -139,11 +113,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         summary = _summary(rows, kv_bytes)
         extra["series"] = series
         extra["config"].update(config)
-    if "client" in parts:
-        options = {"page_size": args.client_page_size}
-        client = vllm_client.measure(_client_settings(args), model, kv_bytes, options, args.seed, args.log_dir)
-        extra["client"] = client
-        summary["client"] = {rate: s["verdict"] for rate, s in client["summary"].items()}
     if "addressing" in parts:
         extra["addressing"] = vllm_addressing.measure(args, args.model_dir or Path(tempfile.gettempdir()))
         summary["addressing"] = extra["addressing"]["summary"]["verdict"]
@@ -246,26 +215,22 @@ def table(result: dict[str, Any]) -> list[dict[str, Any]]:
     for engine in ("stock", "vmkv") if result["rows"] else ():
         mine = [r for r in result["rows"] if r["engine"] == engine]
         out.append({"workload": f"bursty trace, {mine[0]['requests']} requests", "engine": engine, "rounds": len(mine),
-                    "output tok/s": statistics.median(r["output_tok_per_s"] for r in mine), "mean TTFT ms": "",
+                    "output tok/s": statistics.median(r["output_tok_per_s"] for r in mine),
                     "same text": all(r["tokens_identical"] for r in mine)})
-    if "client" in result:
-        out += vllm_client.table(result["client"])
     for engine in vllm_addressing.ENGINES if "addressing" in result else ():
         mine = [r for r in result["addressing"]["rows"] if r["engine"] == engine]
         out.append({"workload": f"addressing, {result['addressing']['config']['layers']} layers", "engine": engine,
                     "rounds": len(mine), "output tok/s": statistics.median(r["output_tok_per_s"] for r in mine),
-                    "mean TTFT ms": "", "same text": all(r["tokens_identical"] for r in mine)})
+                    "same text": all(r["tokens_identical"] for r in mine)})
     return out
 
 
 def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
-    """What the plugin costs in output tokens/s and how much KV memory it holds (the trace), and
-    what it costs in output tokens/s and time to first token under vLLM's client, per rate."""
-    client = vllm_client.verdicts(result["client"]) if "client" in result else []
-    client += vllm_addressing.verdicts(result["addressing"]) if "addressing" in result else []
+    """What the plugin costs in output tokens/s and how much KV memory it holds; addressing's lines."""
+    addressing = vllm_addressing.verdicts(result["addressing"]) if "addressing" in result else []
     summary = result["summary"]
     if "throughput_ratios_per_round" not in summary:  # the trace part did not run
-        return client
+        return addressing
     ratio = common.Spread.of(summary["throughput_ratios_per_round"])
     cost = common.ratio_verdict(
         "vllm.throughput", "vLLM output tokens/s, vmkv over stock (same trace, interleaved)", ratio,
@@ -278,7 +243,7 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
         result=common.number_text(mean, "%"), spread=f"peak {common.number_text(peak, '%')}",
         winner=winner, side=side, value=mean, high=peak,
         note=f"worker RSS {abs(summary['rss_saved_bytes']) / 2**20:.0f} MiB {'below' if summary['rss_saved_bytes'] >= 0 else 'above'} stock")
-    return [cost, memory, *client]
+    return [cost, memory, *addressing]
 
 
 def kv_memory_side(mean: float, tie_margin: float = common.TIE_MARGIN) -> tuple[str, str]:

@@ -1,2 +1,2 @@
-"""vLLM with and without the vmkv plugin on the same work, for the benchmarks and the end-to-end tests
-(:mod:`.drive`: engines and servers; :mod:`.tiny`: a tiny model built offline)."""
+"""vLLM with and without the vmkv plugin on the same work (:mod:`.drive`), on a tiny model built offline
+(:mod:`.tiny`): for the benchmarks and the end-to-end tests."""

@@ -1,24 +1,19 @@
-"""Run stock and vmkv vLLM engines (``vllm.LLM``) or OpenAI servers in the same environment but for the
-plugin's flag, feed them requests and sample their KV memory. vLLM spawns processes: use a main guard."""
+"""Run stock and vmkv vLLM engines (``vllm.LLM``) in the same environment but for the plugin's flag,
+feed them requests and sample their KV memory. vLLM spawns processes: use a main guard."""
 
 from __future__ import annotations
 
 import importlib
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from vmkv.errors import BackendError
 from vmkv.vllm import settings as plugin
 from vmkv.vllm.control import stats as vmkv_stats
 
@@ -69,78 +64,6 @@ def engine(model: str | Path, *, vmkv: bool, kv_cache_bytes: int, max_model_len:
         return LLM(model=str(model), kv_cache_memory_bytes=kv_cache_bytes, max_model_len=max_model_len, **llm_kwargs)
 
 
-@dataclass(frozen=True)
-class ServerSpec:
-    """One server of :func:`servers`: stock or vmkv (with :func:`vmkv.vllm.engine_args` ``options``)."""
-
-    vmkv: bool
-    options: dict[str, Any] | None = None
-
-
-@contextmanager
-def servers(model: str | Path, specs: dict[str, ServerSpec], *, kv_cache_bytes: int, max_model_len: int = 2048,
-            log_dir: Path | None = None, startup_timeout: float = 900.0) -> Iterator[dict[str, str]]:
-    """vLLM's OpenAI servers over ``model`` (``python -m vllm.entrypoints.openai.api_server``, the CPU build's
-    ``vllm serve``), one per spec, stock or with vmkv's three flags, all up for the block."""
-    if any(spec.vmkv for spec in specs.values()):
-        ensure_entry_point()
-    started: dict[str, tuple[subprocess.Popen, str, Path | None]] = {}
-    try:
-        for name, spec in specs.items():
-            log = None if log_dir is None else Path(log_dir) / f"vllm_server_{name}.log"
-            started[name] = _start_server(model, spec, kv_cache_bytes, max_model_len, log)
-        deadline = time.monotonic() + startup_timeout
-        for process, url, log in started.values():
-            _wait_healthy(url, process, deadline, log)
-        yield {name: url for name, (_, url, _) in started.items()}
-    finally:
-        for process, _, _ in started.values():
-            _stop(process)
-
-
-def _start_server(model: str | Path, spec: ServerSpec, kv_cache_bytes: int, max_model_len: int,
-                  log: Path | None) -> tuple[subprocess.Popen, str, Path | None]:
-    port = _free_port()
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
-               "--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32", "--max-model-len", str(max_model_len),
-               "--kv-cache-memory-bytes", str(kv_cache_bytes),
-               *(plugin.serve_flags(**(spec.options or {})) if spec.vmkv else [])]
-    env = dict(os.environ)
-    _set_environment(engine_environment(vmkv=spec.vmkv), env)
-    with open(log or os.devnull, "w") as out:
-        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    return process, f"http://127.0.0.1:{port}", log
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _wait_healthy(url: str, process: subprocess.Popen, deadline: float, log: Path | None) -> None:
-    where = f"see {log}" if log else "pass log_dir= to see its output"
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise BackendError(f"vLLM's server exited with status {process.returncode} while starting ({where})")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5):
-                return
-        except OSError:
-            time.sleep(1.0)
-    raise BackendError(f"vLLM's server did not answer {url}/health in time ({where})")
-
-
-def _stop(process: subprocess.Popen, grace: float = 30.0) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(grace)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-
-
 @contextmanager
 def _environment(values: dict[str, str | None]) -> Iterator[None]:
     saved = {name: os.environ.get(name) for name in values}
@@ -151,12 +74,12 @@ def _environment(values: dict[str, str | None]) -> Iterator[None]:
         _set_environment(saved)
 
 
-def _set_environment(values: dict[str, str | None], env: Any = os.environ) -> None:
+def _set_environment(values: dict[str, str | None]) -> None:
     for name, value in values.items():
         if value is None:
-            env.pop(name, None)
+            os.environ.pop(name, None)
         else:
-            env[name] = value
+            os.environ[name] = value
 
 
 @dataclass
