@@ -37,7 +37,7 @@ from vmkv.kernels.contiguous import sdpa_per_sequence
 from vmkv.vllm import PluginConfig
 from vmkv_bench import runner
 from vmkv_bench.decode import TOLERANCE
-from vmkv_bench.gpu import bench, core, kernels, memory, slots, vllm_engine, vllm_smoke
+from vmkv_bench.gpu import core, kernels, memory, slots, vllm_engine, vllm_smoke
 from vmkv_bench.gpu.memory import DeviceMemory, MemorySample, shared_budget_section
 from vmkv_bench.registry import SECTIONS
 from vmkv_bench.runner import Context, SectionSkipped, run_process
@@ -72,7 +72,7 @@ def test_gpu_check_cpu_dry_run_runs_the_new_sections_each_in_its_own_process(tmp
     slot = entries["vllm_slots"]["result"]
     assert all(slot["checks"].values()) and slot["rollback"]["map"]["calls"] > 0 and slot["vllm_layout"] == "LBHNC"
     suite = entries["bench"]["result"]
-    assert suite["returncode"] == 0 and suite["benchmarks"][bench.SMOKE_BENCHMARK]["status"] == "ok", suite
+    assert suite["returncode"] == 0 and suite["benchmarks"][runner.SMOKE_BENCHMARK]["status"] == "ok", suite
     assert all(entry["estimate_s"] > 0 and entry["headline"] for entry in entries.values())
     lines = run.stdout.strip().splitlines()
     assert lines[-1] == "gpu_check on cpu: 4 passed, 0 skipped."
@@ -401,7 +401,7 @@ def test_gpu_check_bench_records_the_suites_exit_and_verdicts(tmp_path, monkeypa
     """The main job's exit status decides; each benchmark's status and verdicts are recorded from
     its suite.json (a stale one from an earlier run is not read); a suite past its time is
     killed and says so."""
-    assert bench.bench_command(torch.device("cuda", 0), tmp_path / "bench", smoke=False)[1:] == [
+    assert runner.bench_command(torch.device("cuda", 0), tmp_path / "bench", smoke=False)[1:] == [
         "-m", "vmkv.cli", "bench", "--device", "cuda", "--out", str(tmp_path / "bench")]
     (tmp_path / "bench").mkdir()
     (tmp_path / "bench" / "suite.json").write_text(json.dumps({"records": [{"name": "stale", "status": "ok"}]}))
@@ -410,14 +410,14 @@ def test_gpu_check_bench_records_the_suites_exit_and_verdicts(tmp_path, monkeypa
                {"name": "mapping", "status": "failed", "reason": "InvalidConfig: page_size 4096 ..."}]
     writes = (f"import json, pathlib; pathlib.Path({str(tmp_path / 'bench' / 'suite.json')!r}).write_text("
               f"json.dumps({{'records': {records!r}}})); raise SystemExit(1)")
-    monkeypatch.setattr(bench, "bench_command", lambda device, out, smoke: [sys.executable, "-c", writes])
-    result = bench.bench_section(Context(torch.device("cuda"), False, tmp_path, deadline=time.monotonic() + 70))
+    monkeypatch.setattr(runner, "bench_command", lambda device, out, smoke: [sys.executable, "-c", writes])
+    result = runner.bench_section(Context(torch.device("cuda"), False, tmp_path, deadline=time.monotonic() + 70))
     assert list(result["benchmarks"]) == ["memory", "mapping"]
     assert result["benchmarks"]["memory"]["verdicts"] == [{"question": "q", "result": "r", "winner": "vmm", "reliable": True}]
     assert result["failures"] == ["vmkv bench exit status 1; not ok: mapping"]
-    assert bench.bench_headline(result).startswith("exit status 1: 1 of 2 benchmarks ok, 1 verdicts")
-    monkeypatch.setattr(bench, "bench_command", lambda device, out, smoke: [sys.executable, "-c", "import time; time.sleep(30)"])
-    slow = bench.bench_section(Context(torch.device("cuda"), False, tmp_path, deadline=time.monotonic() + 10.5))
+    assert runner.bench_headline(result).startswith("exit status 1: 1 of 2 benchmarks ok, 1 verdicts")
+    monkeypatch.setattr(runner, "bench_command", lambda device, out, smoke: [sys.executable, "-c", "import time; time.sleep(30)"])
+    slow = runner.bench_section(Context(torch.device("cuda"), False, tmp_path, deadline=time.monotonic() + 10.5))
     assert slow["returncode"] is None and slow["failures"][0].startswith("vmkv bench timed out after") and slow["benchmarks"] == {}
 
 

@@ -75,8 +75,7 @@ def synchronize(device: str) -> None:
 
 
 TRIM_FROM = 5
-"""From this many samples on, a spread's range leaves out the single lowest and highest sample
-(a round another process interrupted), and says so."""
+"""From this many samples on, a spread's range leaves out the lowest and highest (an interrupted round)."""
 
 
 @dataclass(frozen=True)
@@ -107,8 +106,7 @@ class Spread:
 
     @property
     def crosses_one(self) -> bool:
-        """Whether the range has rounds on both sides of 1.0 (a ratio that could go either way;
-        one that only reaches 1.0 does not cross it)."""
+        """Whether the range has rounds on both sides of 1.0 (reaching 1.0 is not crossing it)."""
         return self.low < 1.0 < self.high
 
     def scaled(self, factor: float) -> "Spread":
@@ -135,20 +133,17 @@ class Timings:
         return Spread.of(self.samples[name])
 
     def ratio(self, numerator: str, denominator: str) -> Spread:
-        """``numerator / denominator`` time, round by round (the two ran side by side in each round): the
-        median of the per-round ratios and their min-max."""
+        """``numerator / denominator`` time round by round (paired): the median of the ratios and their range."""
         pairs = zip(self.samples[numerator], self.samples[denominator])
         return Spread.of([a / b for a, b in pairs])
 
 
 CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.thread_time}
-"""``wall``: elapsed time. ``cpu``: CPU time of the calling thread (user + system), which other
-processes of a shared machine cannot inflate; right for CPU work on one torch thread only."""
+"""``wall``: elapsed time; ``cpu``: the calling thread's CPU time, which other processes cannot inflate."""
 
 
 def pick_clock(requested: str, device: str, threads: int | None) -> str:
-    """The clock a CPU timing should use: ``requested`` unless ``auto``, which is ``cpu`` when the work runs
-    on one thread of this process (``device`` cpu, one torch thread), else ``wall``."""
+    """``requested``, or for ``auto`` ``cpu`` when the work runs on one CPU thread of this process, else ``wall``."""
     one_thread = device == "cpu" and (threads or torch.get_num_threads()) == 1
     if requested == "auto":
         return "cpu" if one_thread else "wall"
@@ -199,8 +194,7 @@ def torch_threads(count: int | None) -> Iterator[None]:
 
 
 def read_bandwidth_probe(device: str, nbytes: int = 256 * 2**20) -> tuple[Callable[[], Any], int]:
-    """A :func:`time_interleaved` candidate reading ``nbytes`` (``torch.sum``) and its bytes: timed in the
-    kernels' rounds it gives the read bandwidth of that moment."""
+    """A :func:`time_interleaved` candidate reading ``nbytes``, and its bytes: the read bandwidth of the moment."""
     data = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     return (lambda: data.sum()), data.numel() * 4
 
@@ -231,14 +225,12 @@ def available_memory() -> int | None:
 
 
 def cache_config(shape: dict[str, Any], device: str, **fields: Any) -> vmkv.KVCacheConfig:
-    """A :class:`vmkv.KVCacheConfig` of ``shape`` on ``device``, its layout and page size decided as a cache
-    would here (:func:`vmkv.sizing.resolve`): a benchmark names the geometry it measures."""
+    """A config of ``shape`` on ``device``, laid out as a cache would here: a benchmark names what it measures."""
     return vmkv.sizing.resolve(vmkv.KVCacheConfig(**shape, device=device, **fields))
 
 
 def cache_refusal(mode: str, config: vmkv.KVCacheConfig, granularity: int) -> str:
-    """Why a ``mode`` cache of ``config`` would not open on a backend of ``granularity`` ('' if it would),
-    found by the sizing checks that need no device."""
+    """Why a ``mode`` cache of ``config`` would not open on pages of ``granularity`` ('' if it would), no device used."""
     from vmkv.sizing import DeviceFacts, check_page_size, paged_geometry, resolve, vmm_geometry
 
     if mode not in ("vmm", "paged"):
@@ -256,8 +248,7 @@ def cache_refusal(mode: str, config: vmkv.KVCacheConfig, granularity: int) -> st
 
 
 def cache_refusals(planned: Iterable[tuple[str, str, vmkv.KVCacheConfig]], granularity: int) -> dict[str, str]:
-    """:func:`cache_refusal` of every ``(label, mode, config)`` in ``planned``: label -> why,
-    for those that would not open."""
+    """:func:`cache_refusal` of every ``(label, mode, config)``: label -> why, for those that would not open."""
     refused = {}
     for label, mode, config in planned:
         why = cache_refusal(mode, config, granularity)
@@ -324,8 +315,7 @@ class Verdict:
 
 
 def spread_text(spread: Spread, unit: str = "x") -> str:
-    """``"1.55-1.70x, 5 runs"`` (``unit`` ``"x"``), ``"94-97 %, 3 runs"`` (``"%"``), ``"exact
-    (seeded)"`` for a deterministic value, ``"1 run: no spread"``."""
+    """``"1.55-1.70x, 5 runs"``, ``"94-97 %, 3 runs"``, ``"exact (seeded)"`` or ``"1 run: no spread"``."""
     if spread.deterministic:
         return "exact (seeded)"
     if spread.runs == 1:
@@ -345,8 +335,7 @@ def number_text(value: float, unit: str = "x", bare: bool = False) -> str:
 
 
 SIGN_TEST_ALPHA = 0.05
-"""A side is named when the chance that fair coins put at least as many paired rounds on its side
-is below this (one-sided sign test: 5 of 5 rounds, 7 of 7, 8 of 9, 9 of 11)."""
+"""A side is named when a one-sided sign test over the paired rounds says so (5 of 5, 7 of 7, 8 of 9)."""
 
 
 def sign_test(ratios: Sequence[float]) -> tuple[int, int, float]:
@@ -435,8 +424,7 @@ VERDICT_COLUMNS = ("question", "result", "spread", "winner", "published", "agree
 
 
 def verdict_rows(verdicts: Iterable[dict[str, Any]]) -> list[dict[str, str]]:
-    """Verdict dicts (from JSON) as table rows with :data:`VERDICT_COLUMNS`; notes go under
-    ``winner``."""
+    """Verdict dicts as rows of :data:`VERDICT_COLUMNS` (notes go under ``winner``)."""
     rows = []
     for v in verdicts:
         agrees = v.get("relation") or {True: "yes", False: "no", None: ""}[v.get("agrees")]
@@ -447,8 +435,7 @@ def verdict_rows(verdicts: Iterable[dict[str, Any]]) -> list[dict[str, str]]:
 
 
 def _directed(v: dict[str, Any]) -> dict[str, str]:
-    """A ratio verdict's ``result`` and ``spread`` cells as the side it favours reads them: ``"paged ahead by
-    1.25x"``, ``"1.19-1.32x, 7 runs"`` for a ratio of 0.80 VMM over paged."""
+    """A ratio verdict's cells as the side it favours reads them: ``"paged ahead by 1.25x"`` for 0.80x."""
     value, low, high = v.get("value"), v.get("low"), v.get("high")
     cells = {"result": v["result"], "spread": v["spread"]}
     if not (v.get("better") and v.get("worse") and value and low and high and v.get("reliable", True)):
@@ -535,8 +522,7 @@ def pyplot():
 
 
 def save_figure(fig: Any, out_dir: Path, filename: str, *, tight: bool = True) -> str:
-    """Save ``fig`` as ``out_dir/filename`` (PNG), close it, return the path (``tight``: lay the
-    figure out first; pass ``False`` when it was laid out already, e.g. around a legend)."""
+    """Save ``fig`` as ``out_dir/filename`` (PNG), laid out first unless ``tight`` is False; close it."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = Path(out_dir) / filename
     if tight:

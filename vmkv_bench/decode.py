@@ -94,8 +94,7 @@ class DecodeStep:
         return registry.KernelSpec("blocks", cfg.device, cfg.dtype, cfg.num_kv_heads, cfg.head_dim, cfg.block_size)
 
     def call(self, label: str, name: str, kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> Callable[[], torch.Tensor] | str:
-        """Kernel ``name`` over cache ``label``'s storage (or ``kv`` in its shape) with its plan,
-        or why it cannot run here."""
+        """Kernel ``name`` over cache ``label``'s storage (or ``kv``) with its plan, or why it cannot run here."""
         spec = self.spec(label)
         why = registry.unavailable(name, spec)
         if why is not None:
@@ -152,11 +151,6 @@ def decode_config(device: torch.device, shape: Shape, **fields: Any) -> vmkv.KVC
                   max_batch_size=shape.batch, max_seq_len=shape.seq_len, page_size=page, prefix_caching=False,
                   memory_budget=2 * shape.batch * -(-shape.seq_len // (page // token_bytes)) * page)
     return vmkv.KVCacheConfig(**{**values, **fields})
-
-
-def shape_step(device: torch.device, shape: Shape, configs: dict[str, tuple[str, vmkv.KVCacheConfig]]) -> DecodeStep:
-    """:class:`DecodeStep` of ``shape`` (its last token is the step's) in ``configs``."""
-    return DecodeStep(configs, shape.batch, shape.seq_len - 1, shape.q_heads)
 
 
 def compare_ms(fns: dict[str, Callable[[], Any]], device: torch.device, shape: Shape) -> dict[str, float]:
@@ -225,8 +219,7 @@ def _case(args: argparse.Namespace, batch: int, context: int) -> DecodeStep:
 
 
 def _candidates(case: DecodeStep, kernels: list[str], paged_kernels: list[str], layout: str) -> list[_Candidate]:
-    """Every runnable candidate of a grid point: each kernel on each VMM layout and on dense copies of each
-    view shape, each paged kernel over the block table; why the others cannot run goes to ``case.skipped``."""
+    """Each kernel on each VMM layout and on dense copies, each paged kernel; why others cannot run: ``case.skipped``."""
     out, dense = [], {}
 
     def add(name: str, call: Callable[[], torch.Tensor] | str, selected: bool) -> None:
@@ -256,8 +249,7 @@ def _caches(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]:
 
 
 def _config(args: argparse.Namespace, batch: int, context: int, mode: str, fields: dict[str, Any]) -> vmkv.KVCacheConfig:
-    """The configuration of a ``mode`` cache with ``fields`` that holds ``batch`` sequences of
-    ``context`` tokens plus the decode step's (a budget of their pages, one spare each)."""
+    """A ``mode`` cache holding ``batch`` sequences of ``context`` tokens and the step's: their pages, one spare each."""
     fields = dict(fields)
     shape = {"num_layers": fields.pop("num_layers", 1), "num_kv_heads": args.kv_heads, "head_dim": args.head_dim,
              "dtype": args.dtype}
@@ -348,8 +340,7 @@ def _measure_point(
     args: argparse.Namespace, case: DecodeStep, kernels: list[str], probe: tuple[Callable[[], Any], int], clock: str,
     layout: str, skipped: dict[str, str], wrong: dict[str, float],
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Check, then time, every candidate of one grid point (with the read probe and the control);
-    its rows and its raw per-round samples."""
+    """Check, then time, every candidate of a point (with the read probe and the control): rows and raw samples."""
     read, read_bytes = probe
     wanted = args.paged_kernels or ["selected", "gather_sdpa"]
     selected = case.caches["paged"].kernel
@@ -377,8 +368,7 @@ def _measure_point(
 
 def _checked(case: DecodeStep, candidates: list[_Candidate], tolerance: float, skipped: dict[str, str],
              wrong: dict[str, float]) -> tuple[list[_Candidate], dict[str, float]]:
-    """The candidates that run and match the reference, and every output's largest difference;
-    a candidate that raises goes to ``skipped``, one that differs to ``wrong`` (both reported)."""
+    """Candidates that run and match the reference, and each output's error; the others go to ``skipped``/``wrong``."""
     good, diffs = [], {}
     for cand in candidates:
         try:
@@ -537,8 +527,7 @@ def _batched_verdict(
     point: list[dict[str, Any]], timings: common.Timings, layout: str, failed: dict[str, str], where: str, floor: str,
     margin: float,
 ) -> list[common.Verdict]:
-    """The fastest batched kernel on ``layout`` vs one SDPA call per sequence; batched kernels
-    that failed are left out and named; unreliable when per-sequence failed, or every batched one."""
+    """The fastest batched kernel vs one SDPA per sequence; batched kernels that failed are named and left out."""
     key, prefix = "decode.batched_vs_per_sequence", f"vmm:{layout}:"
     per_name = f"{prefix}sdpa_per_sequence"
     per_seq = next((r for r in point if r["candidate"] == per_name), None)
@@ -589,8 +578,7 @@ def table(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def plot(result: dict[str, Any], out_dir) -> list[str]:
-    """``decode_time.png``: ms per step vs context, one panel per batch size, one line per candidate
-    (median, bars from the fastest to the slowest round kept); the legend sits under the panels."""
+    """``decode_time.png``: ms per step vs context, a panel per batch size, a line per candidate."""
     plt = common.pyplot()
     from matplotlib.ticker import FuncFormatter
 

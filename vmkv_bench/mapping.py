@@ -43,13 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-sizes", nargs="+", default=None, help="backend page sizes for map/unmap (default 64KiB 2MiB; CUDA 2MiB)")
     parser.add_argument("--pages", type=int, default=None, help="pages mapped per latency measurement (default 256; smoke 32)")
     parser.add_argument("--decode-page-sizes", nargs="+", default=None, help="VMM page sizes of the decode-share runs (default 4KiB 64KiB, smoke 4KiB, CUDA 2MiB; small pages map often: the worst case)")
-    parser.add_argument("--shape", choices=list(SHAPES), default=None,
-                        help="K/V geometry of the decode-share runs: small (4 layers, 4 KV heads of 32, float32) or llama3-8b "
-                             "(32 layers, 8 KV heads of 128, float16); default small on CPU, llama3-8b on CUDA, where a "
-                             "2 MiB page of the small model holds 1,024 tokens or more and would hardly ever be mapped")
+    parser.add_argument("--shape", choices=list(SHAPES), default=None, help="K/V geometry of the decode-share runs (default "
+                        "small on CPU, llama3-8b on CUDA, where the small model's 2 MiB page would hardly ever be mapped)")
     parser.add_argument("--layout", choices=list(vmkv.config.LAYOUTS), default=None,
-                        help="VMM layout of the decode-share runs (default per_layer on CPU, all_layers on CUDA: the "
-                             "library's default there, 32 tokens a 2 MiB page for llama3-8b)")
+                        help="VMM layout of the decode-share runs (default per_layer on CPU, all_layers on CUDA)")
     parser.add_argument("--batch", type=int, default=None, help="sequences decoding together (default 16; smoke 4)")
     parser.add_argument("--steps", type=int, default=None, help="decode steps (default 256; smoke 16)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds of the three decode variants (default 9; smoke 2)")
@@ -115,8 +112,7 @@ def _tokens_per_page(config: vmkv.KVCacheConfig) -> int:
 
 
 def _decode_loop(args: argparse.Namespace, page_size: str, map_ahead: bool, premap: bool) -> tuple[list[float], list[float]]:
-    """Decode ``steps`` tokens for ``batch`` sequences; return per-step seconds in ``begin_step``
-    and per-step seconds in all (wall clock)."""
+    """Decode ``steps`` tokens for ``batch`` sequences: per-step seconds in ``begin_step``, and in all."""
     config = _decode_config(args, page_size, map_ahead)
     layers, heads, dim = config.num_layers, config.num_kv_heads, config.head_dim
     gen = torch.Generator().manual_seed(args.seed)
@@ -168,8 +164,7 @@ def _saving(begins: dict[str, list[list[float]]], totals: list[list[float]]) -> 
 def _measure_shares(
     args: argparse.Namespace, page_size: str, rounds: int
 ) -> tuple[dict[str, common.Spread], common.Spread, dict[str, common.Spread]]:
-    """Shares of ``on_demand`` and ``ahead``, map-ahead's paired saving (:func:`_saving`), and the ms per step
-    of each variant and of the baseline (``premapped``): median and min-max over rounds."""
+    """Both variants' shares, map-ahead's paired saving, and each variant's ms per step, over ``rounds``."""
     begins: dict[str, list[list[float]]] = {name: [] for name in VARIANTS}
     totals: dict[str, list[list[float]]] = {name: [] for name in VARIANTS}
     names = list(VARIANTS)
@@ -201,8 +196,7 @@ def _errors(shares: dict[str, common.Spread], step_ms: dict[str, common.Spread])
 
 
 def _decode_rows(args: argparse.Namespace, page_size: str) -> list[dict[str, Any]]:
-    """Mapping share of decode time for ``page_size``, with and without mapping ahead; measured
-    again with twice the rounds if a variant came out cheaper than no mapping at all."""
+    """Mapping's share of decode time for ``page_size``, measured again with twice the rounds if it came out negative."""
     rounds = args.rounds
     shares, saving, step_ms = _measure_shares(args, page_size, rounds)
     if _errors(shares, step_ms):
@@ -303,8 +297,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
-    """Mapping cost as a share of a decode step, at the smallest page size measured (the most
-    mapping per token), with map-ahead and on demand."""
+    """Mapping's share of a decode step at the smallest page (the most maps), with map-ahead and on demand."""
     shares = [r for r in result["rows"] if r["measure"] == "decode_share"]
     if not shares:
         return []

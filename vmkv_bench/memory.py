@@ -68,13 +68,10 @@ PAPER_RESERVATION = (0.204, 0.382)  # PagedAttention paper (Kwon et al., 2023), 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--traces", nargs="+", default=["sharegpt", "alpaca"], choices=sorted(common.TRACES))
-    parser.add_argument("--requests", nargs="+", default=None, metavar="[TRACE=]N",
-                        help="requests per trace, one number for all or TRACE=N each (default: 120 ShareGPT-like, "
-                        "300 Alpaca-like; smoke: 12)")
-    parser.add_argument("--budget", nargs="+", default=None, metavar="[TRACE=]SIZE",
-                        help="KV memory budget, one size for all or TRACE=SIZE each (Llama-3-8B geometry: 128 KiB a "
-                        "token; default 2GiB for ShareGPT-like, 512MiB for Alpaca-like, whose requests are ~6x "
-                        "shorter; smoke 512MiB)")
+    parser.add_argument("--requests", nargs="+", default=None, metavar="[TRACE=]N", help="requests per trace, one "
+                        "number for all or TRACE=N each (default: 120 ShareGPT-like, 300 Alpaca-like; smoke: 12)")
+    parser.add_argument("--budget", nargs="+", default=None, metavar="[TRACE=]SIZE", help="KV memory budget, one size for "
+                        "all or TRACE=SIZE each (default 2GiB ShareGPT-like, 512MiB Alpaca-like; smoke 512MiB)")
     parser.add_argument("--max-seq-len", type=int, default=None, help="longest request; the static baseline reserves this much (default 2048; smoke 256)")
     parser.add_argument("--page-sizes", nargs="+", default=None, help="VMM page sizes, each run with every layout "
                         f"(default {' '.join(PAGE_SIZES['cpu'])} on CPU, {' '.join(PAGE_SIZES['cuda'])} on CUDA)")
@@ -94,10 +91,6 @@ def _per_trace(values: list[str] | None, kind: str, default: str) -> str:
         elif trace == kind:
             return rest
     return chosen
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 class _Replay:
@@ -128,7 +121,7 @@ class _Replay:
             if self.policy == "max":
                 cache.reserve(req.rid, self.max_seq_len)
             elif self.policy == "pow2":
-                cache.reserve(req.rid, min(self.max_seq_len, _next_pow2(req.total)))
+                cache.reserve(req.rid, min(self.max_seq_len, 1 << (req.total - 1).bit_length()))  # the next power of two
             cache.begin_step({req.rid: req.prompt})
         except vmkv.OutOfPages:
             cache.free(req.rid)
@@ -198,8 +191,7 @@ def _config(allocator: Allocator, args: argparse.Namespace, budget: str) -> vmkv
 
 
 def _settings(args: argparse.Namespace) -> tuple[argparse.Namespace, list[Allocator]]:
-    """``args`` with the defaults that depend on ``--smoke`` and ``--device`` filled in, and the allocators to
-    replay."""
+    """``args`` with the defaults of ``--smoke`` and ``--device`` filled in, and the allocators to replay."""
     args = argparse.Namespace(**{**vars(args), "max_seq_len": args.max_seq_len or (256 if args.smoke else 2048),
                                   "page_sizes": args.page_sizes or PAGE_SIZES[args.device]})
     chosen = allocators(args.page_sizes)
@@ -349,8 +341,7 @@ def table(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def plot(result: dict[str, Any], out_dir) -> list[str]:
-    """``memory_utilization.png``: steady-state utilization against requests finished, a panel per trace,
-    a line per distinct series."""
+    """``memory_utilization.png``: steady-state utilization vs requests finished, a panel per trace."""
     plt = common.pyplot()
     kinds = list(result["traces"])
     fig, axes = plt.subplots(1, len(kinds), figsize=(6.2 * len(kinds) + 3.2, 4.4), squeeze=False)

@@ -80,21 +80,16 @@ class Finished:
     @property
     def ended(self) -> str:
         """``exit status 0``, ``killed by SIGSEGV``, ``timed out after 5 s``."""
-        return f"timed out after {self.seconds:.0f} s" if self.returncode is None else describe_exit(self.returncode)
-
-
-def describe_exit(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            return f"killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"killed by signal {-returncode}"
-    return f"exit status {returncode}"
+        if self.returncode is None:
+            return f"timed out after {self.seconds:.0f} s"
+        if self.returncode >= 0:
+            return f"exit status {self.returncode}"
+        signals = {s.value: s.name for s in signal.Signals}
+        return f"killed by {signals.get(-self.returncode, f'signal {-self.returncode}')}"
 
 
 def run_process(cmd: list[str], timeout: float) -> Finished:
-    """Run ``cmd`` from the repository root in a session of its own; at ``timeout`` (or on an
-    exception here) kill it with every process it started, so nothing is left holding the GPU."""
+    """Run ``cmd`` in a session of its own; at ``timeout`` kill it with all it started (nothing left on the GPU)."""
     began = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
                             start_new_session=True)
@@ -120,8 +115,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 # ---- vmkv bench ----------------------------------------------------------------------------------
 def common_parser(defaults: bool) -> argparse.ArgumentParser:
-    """The options every benchmark takes; without ``defaults`` absent ones stay unset (so options
-    given before the benchmark's name are not overwritten after it)."""
+    """The options every benchmark takes; without ``defaults`` absent ones stay unset (given before the name)."""
     parser = argparse.ArgumentParser(add_help=False)
     pick = (lambda value: value) if defaults else (lambda value: argparse.SUPPRESS)
     parser.add_argument("--device", choices=list(DEVICES), default=pick("cpu"),
@@ -151,8 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def preset(entry: Entry, device: str, *, smoke: bool = False, full: bool = False) -> list[str]:
-    """The options the suite runs ``entry`` with on ``device``: none with ``smoke`` or ``full``
-    (the module's own sizes), else its quick preset there."""
+    """The quick preset of ``entry`` on ``device``; none with ``smoke`` or ``full`` (the module's own sizes)."""
     import vmkv
 
     if device not in DEVICES:
@@ -257,8 +250,7 @@ def preflight(jobs: list[Job], pages: Callable[[str], int] | None = None) -> str
 
 
 def run_one(module: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
-    """Run a benchmark, write its JSON (with its verdicts) and plots, print its table and verdicts;
-    return its record for ``suite.json``."""
+    """Run a benchmark, write its JSON and plots, print its table and verdicts; its ``suite.json`` record."""
     from . import common
 
     start = time.perf_counter()
@@ -311,8 +303,7 @@ def _run_here(job: Job, left: float | None, *, number: int, count: int, single: 
 
 
 def _jobs(ns: argparse.Namespace) -> tuple[list[Job], list[dict[str, Any]]]:
-    """Every benchmark of the run with its options parsed (nothing runs yet), and a record for
-    each that could not be imported."""
+    """The run's benchmarks with their options parsed, and a record for each that could not be imported."""
     common_ns = argparse.Namespace(**{k: getattr(ns, k) for k in COMMON_OPTIONS})
     names = [ns.name] if ns.name else [name for name, entry in BENCHMARKS.items() if entry.in_suite or ns.full]
     loaded, unavailable = [], []
@@ -562,8 +553,7 @@ def worker_command(name: str, args: argparse.Namespace, seconds: float) -> list[
 
 
 def collect(cmd: list[str], result: Path, timeout: float) -> dict[str, Any]:
-    """Run one section's process and read what it wrote; a crash, a timeout or no result is a
-    failed section with the process's first errors and last output."""
+    """Run a section's process and read its result; a crash, timeout or no result fails it, with its output."""
     result.unlink(missing_ok=True)
     done = run_process(cmd, timeout)
     seconds = round(done.seconds, 1)
@@ -648,6 +638,52 @@ def verdict(report: dict[str, Any]) -> str:
         line += (f"; inside vLLM contiguous mode ({', '.join(addressing['summary']['contiguous_kernels'])}) runs at "
                  f"{statistics.median(over_stock):.2f}x stock output tokens/s (rounds {min(over_stock):.2f}-{max(over_stock):.2f})")
     return line + "."
+
+
+SMOKE_BENCHMARK = "mapping"
+"""The benchmark the dry run runs (seconds on a CPU)."""
+VERDICT_KEYS = ("question", "result", "winner", "reliable")
+
+
+def bench_command(device: Any, out: Path, smoke: bool) -> list[str]:
+    """The main job's command on ``device``, its files in ``out``."""
+    cmd = [sys.executable, "-m", "vmkv.cli", "bench", "--device", device.type, "--out", str(out)]
+    return cmd + (["--smoke", "--no-plots", SMOKE_BENCHMARK] if smoke else [])
+
+
+def bench_section(ctx: Context) -> dict[str, Any]:
+    """The GPU check's ``bench`` section: ``vmkv bench --device cuda`` in a process of its own, with the
+    section's time left, killed with what it started at the end; its exit and every benchmark's verdicts."""
+    device, smoke, timeout = ctx.device, ctx.smoke, ctx.seconds_left() - 10
+    out = ctx.out / "bench"
+    out.mkdir(parents=True, exist_ok=True)
+    suite = out / "suite.json"
+    suite.unlink(missing_ok=True)  # the CLI merges into an existing one: keep only this run's records
+    cmd = bench_command(device, out, smoke)
+    done = run_process(cmd, timeout)
+    records = json.loads(suite.read_text())["records"] if suite.exists() else []
+    benchmarks = {
+        record["name"]: {
+            "status": record.get("status"),
+            "seconds": record.get("seconds"),
+            **({"reason": record["reason"]} if "reason" in record else {}),
+            "verdicts": [{key: verdict.get(key) for key in VERDICT_KEYS} for verdict in record.get("verdicts", [])],
+        }
+        for record in records
+    }
+    not_ok = [name for name, entry in benchmarks.items() if entry["status"] != "ok"]
+    failures = [] if done.returncode == 0 else [
+        f"vmkv bench {done.ended}" + (f"; not ok: {', '.join(not_ok)}" if not_ok else "")]
+    return {"command": " ".join(cmd), "exit": done.ended, "returncode": done.returncode, "seconds": round(done.seconds, 1),
+            "benchmarks": benchmarks, "output_tail": done.output[-3000:], "failures": failures}
+
+
+def bench_headline(result: dict[str, Any]) -> str:
+    """The suite's exit and its benchmarks' counts."""
+    statuses = [entry["status"] for entry in result["benchmarks"].values()]
+    verdicts = sum(len(entry["verdicts"]) for entry in result["benchmarks"].values())
+    return (f"{result['exit']}: {statuses.count('ok')} of {len(statuses)} benchmarks ok, {verdicts} verdicts "
+            f"({result['seconds']:.0f} s)")
 
 
 def check_main(argv: list[str] | None = None, started: float | None = None) -> int:

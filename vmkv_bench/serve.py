@@ -57,8 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity-requests", type=int, default=None, help="distinct prompts sent at once in the "
                         "capacity experiment (default 64; smoke 16)")
     parser.add_argument("--capacity-output-len", type=int, default=None, help="output tokens of each capacity request "
-                        "(default 32; smoke 8): the capacity experiment does not follow --output-len, so the quick "
-                        "preset measures what the full run does")
+                        "(default 32; smoke 8; not --output-len: the quick preset measures what the full run does)")
     parser.add_argument("--vmm-page-size", default=None, help="VMM page bytes per K/V tensor (default: the engine's, "
                         "64 KiB on CPU, 2 MiB on CUDA)")
     parser.add_argument("--block-size", type=int, default=16, help="paged tokens per block")
@@ -220,8 +219,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _measure(args: argparse.Namespace, settings: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Rows of every experiment, and per closed-loop setting the per-repeat tokens per CPU-second
-    of each mode (``samples["concurrency/<C>"][mode]``, repeats aligned)."""
+    """Rows of every experiment, and per closed-loop setting each mode's tokens per CPU-second per repeat."""
     prompts = _prompts(settings["requests"], settings["prompt_len"], args.seed)
     params = SamplingParams(max_tokens=settings["output_len"], temperature=0.0, ignore_eos=True)
     top = max(settings["concurrency"])

@@ -66,8 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--widths", type=int, nargs="+", default=None, help="n and beam widths (default 2 4 6; smoke 2)")
     parser.add_argument("--allocators", nargs="+", default=None, choices=[a.label for a in ALLOCATORS],
                         help=f"default {' '.join(DEFAULT_ALLOCATORS['cpu'])} on CPU, {' '.join(DEFAULT_ALLOCATORS['cuda'])} "
-                             "on CUDA; vmm-default is the library's own layout and page size on the device; "
-                             "vmm-all_layers-2MiB has 32 tokens a page like vmm-per_layer-64KiB, so it gives the same pages")
+                             "on CUDA (vmm-default: the library's own layout and page size on the device)")
     parser.add_argument("--max-seq-len", type=int, default=None, help="longest sequence (default 2048; smoke 128)")
 
 
@@ -169,8 +168,7 @@ def _measure(allocator: Allocator, args: argparse.Namespace, scenario: Callable[
 
 
 def _config(allocator: Allocator, args: argparse.Namespace, width: int) -> vmkv.KVCacheConfig:
-    """The cache ``allocator`` replays ``width`` samples or beams in: 2 x width slots and a budget of their
-    pages (:func:`_budget`)."""
+    """The cache ``allocator`` replays ``width`` samples or beams in: 2 x width slots and their pages."""
     fields = dict(allocator.fields)
     shape = _shape(fields)
     if allocator.label == DEFAULT_VMM:
@@ -333,8 +331,7 @@ def _saved_span(rows: list[dict[str, Any]]) -> str:
 
 
 def plot(result: dict[str, Any], out_dir) -> list[str]:
-    """``sharing_saved.png``: memory saved vs n / width, one panel per (trace, scenario), the
-    paper's range shaded; one legend under the panels."""
+    """``sharing_saved.png``: memory saved vs n / width, a panel per trace and scenario, the paper's range shaded."""
     plt = common.pyplot()
     rows = result["rows"]
     panels = list(dict.fromkeys((r["trace"], r["scenario"]) for r in rows))

@@ -76,8 +76,7 @@ def make_trace(opts: dict[str, Any], seed: int) -> list[list[dict[str, Any]]]:
 
 # ---- one engine process -----------------------------------------------------------------------
 def member_main() -> None:
-    """An engine process: one JSON command a line on stdin (``open``, ``run``, ``close``), one
-    JSON answer a line on stdout."""
+    """An engine process: JSON commands (``open``, ``run``, ``close``) a line on stdin, answers on stdout."""
     import torch
 
     from vmkv.engine import Engine, EngineConfig

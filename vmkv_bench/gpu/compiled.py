@@ -138,8 +138,7 @@ def _teacher_forced_logits(model: torch.nn.Module, name: str, work: Work, compil
 
 
 def logit_errors(model: torch.nn.Module, work: Work, compile_config: Any) -> dict[str, float]:
-    """max |logits - DynamicCache's| / max |DynamicCache's| of StaticCache and each compiled VirtualCache,
-    teacher-forced along StaticCache's tokens (a compiled VirtualCache that raises: its error, as text)."""
+    """Each compiled cache's (and StaticCache's) logit error against DynamicCache's, teacher-forced."""
     _, static_out = _generate(model, "static", work, compile_config)
     forced = static_out[:, work.ids.shape[1]:]
     reference = _teacher_forced_logits(model, "dynamic", work, compile_config, forced)
@@ -162,8 +161,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _setup(device: torch.device, smoke: bool) -> tuple[torch.nn.Module, Any, Work, Work, int]:
-    """The model, generate()'s compile_config (``None``: generate() compiles by itself on CUDA),
-    the dense and ragged workloads, and the timed rounds."""
+    """The model, generate()'s compile_config (None: generate() compiles by itself), workloads, rounds."""
     from vmkv.models import default_hf_model
 
     if smoke:
@@ -274,8 +272,7 @@ def _token_bytes(model: torch.nn.Module) -> int:
 
 
 def hf_compiled_headline(result: dict[str, Any]) -> str:
-    """Compiled VirtualCache against StaticCache, dense (each attention) and ragged (or why not),
-    the ragged bytes, paged vs vmm."""
+    """Compiled VirtualCache against StaticCache (dense, ragged, bytes) and paged vs vmm."""
     ratios = {name: "n/a" if value is None else f"{value:.2f}x" for name, value in result["ratios"].items()}
     ragged = (f"ragged {ratios['ragged_vs_static']} (>= 1.2) at {ratios['ragged_bytes_vs_tokens']} the tokens' "
               "bytes (<= 1.05)") if "ragged_vs_static" in ratios else "ragged not run"

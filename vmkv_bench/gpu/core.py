@@ -17,7 +17,7 @@ from vmkv.kernels import registry as kernel_registry
 from vmkv.kernels.facts import flash_varlen_has_seqused_k, has_flash_attn, torch_varlen_features
 
 from ..common import percentiles_us
-from ..decode import TOLERANCE, compare_ms, decode_config, dense_copy, shape_step
+from ..decode import TOLERANCE, DecodeStep, compare_ms, decode_config, dense_copy
 from ..mapping import map_latency
 from ..runner import SCRIPT, Context, optional_packages, package_version, run_process
 
@@ -25,8 +25,7 @@ MiB = 1 << 20
 
 
 def environment_section(ctx: Context) -> dict[str, Any]:
-    """Versions, the GPU, the VMM granularity, whether the zero page may be read-only, each
-    contiguous kernel (``available`` or why not) and the ones a cache picks."""
+    """Versions, the GPU, VMM granularity, read-only zero page, each kernel's availability and the ones picked."""
     device, shape = ctx.device, ctx.shape
     spec = kernel_registry.KernelSpec("slots", device, getattr(torch, shape.dtype), shape.kv_heads, shape.head_dim)
     env: dict[str, Any] = {
@@ -90,7 +89,7 @@ def tests_section(ctx: Context) -> dict[str, Any]:
 def decode_section(ctx: Context) -> dict[str, Any]:
     """Each of ``--kernels`` on the VMM views vs on a dense copy with the same bytes."""
     device, shape = ctx.device, ctx.shape
-    step = shape_step(device, shape, {"vmm": ("vmm", decode_config(device, shape))})
+    step = DecodeStep({"vmm": ("vmm", decode_config(device, shape))}, shape.batch, shape.seq_len - 1, shape.q_heads)
     try:
         cache, (k_vmm, v_vmm) = step.caches["vmm"], step.storage("vmm")
         dense = (dense_copy(k_vmm), dense_copy(v_vmm))  # every position is mapped: all slots are full
@@ -176,8 +175,7 @@ def zero_page_section(ctx: Context) -> dict[str, Any]:
 
 
 def write_probe(ctx: Context) -> dict[str, Any]:
-    """:func:`write_to_an_empty_page` in a child: it must die (SIGSEGV on the host, an illegal
-    address on a GPU) after reading zeros, without printing ``WROTE``."""
+    """:func:`write_to_an_empty_page` in a child: it must die after reading zeros, never printing ``WROTE``."""
     cmd = [sys.executable, str(SCRIPT), "--worker", "write_probe", "--device", str(ctx.device), "--out", str(ctx.out)]
     done = run_process(cmd + (["--smoke"] if ctx.smoke else []), timeout=300)
     return {

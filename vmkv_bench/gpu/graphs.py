@@ -93,8 +93,7 @@ def _synchronize(cache: vmkv.KVCacheBase) -> None:
 
 
 def engine_graphs_section(ctx: Context) -> dict[str, Any]:
-    """Both parts in both modes (a mode whose graphs cannot run here is skipped with the reason;
-    :class:`SectionSkipped` when none can)."""
+    """Both parts in both modes; a mode that cannot capture here is skipped with why (all: SectionSkipped)."""
     device, smoke = ctx.device, ctx.smoke
     exact = load_model(None, dtype="float32", device=str(device))
     native = exact if device.type != "cuda" else load_model(None, device=str(device))

@@ -14,7 +14,7 @@ from vmkv.kernels import measured, triton_attention
 from vmkv.kernels import registry as kernel_registry
 
 from .. import common
-from ..decode import TOLERANCE, DecodeStep, Shape, compare_ms, decode_config, shape_step
+from ..decode import TOLERANCE, DecodeStep, Shape, compare_ms, decode_config
 from ..runner import Context
 
 BLOCK_SIZES = (16, 256)
@@ -65,10 +65,9 @@ def _split_sweep(device: torch.device, shape: Shape, step: DecodeStep) -> dict[s
 
 
 def paged_vs_vmm_section(ctx: Context) -> dict[str, Any]:
-    """Every candidate checked against the fp32 reference and timed side by side; bandwidth shares, ratios,
-    the split sweep and the verdicts on the targets."""
+    """Every candidate checked against the fp32 reference, timed side by side, and judged against the targets."""
     device, shape = ctx.device, replace(ctx.shape, iters=max(1, ctx.shape.iters // 5))
-    step = shape_step(device, shape, _configs(device, shape))
+    step = DecodeStep(_configs(device, shape), shape.batch, shape.seq_len - 1, shape.q_heads)  # its last token decoded
     try:
         fns, skipped = _candidates(step)
         tolerance = TOLERANCE[shape.dtype]
@@ -123,8 +122,7 @@ def verdicts(result: dict[str, Any]) -> list[str]:
 
 
 def proposed_orders(result: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """The CUDA decode orders of ``measured.json`` (each entry's ``"decode"``), each kernel placed by this
-    run's time (kernels not measured here keep their place after the measured ones), to review and commit."""
+    """``measured.json``'s CUDA decode orders sorted by this run's times, to review and commit."""
     if device.type != "cuda":
         return {}
     name = torch.cuda.get_device_name(device)

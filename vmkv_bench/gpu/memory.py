@@ -55,8 +55,7 @@ class DeviceMemory:
         return MemorySample(total - free, reserved)
 
     def settle(self) -> None:
-        """Let go of what is no longer used: unreachable objects (views hold reservations), and
-        the blocks torch's allocator caches but no tensor uses."""
+        """Free what is unused: unreachable objects (views hold reservations) and torch's cached blocks."""
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.synchronize(self.device)

@@ -63,8 +63,7 @@ def buffer_bytes(geometry: SlotGeometry, block_size: int) -> int:
 
 
 def vllm_kv_buffer(backend: VirtualMemory, geometry: SlotGeometry, block_size: int) -> tuple[KVBuffer, dict[str, torch.Tensor]]:
-    """vLLM's KV buffer over ``backend`` (whose store must hold it all), every page mapped, and its per-layer
-    views."""
+    """vLLM's KV buffer over ``backend``, every page mapped, and its per-layer views."""
     dtype = getattr(torch, geometry.dtype)
     layer_block = geometry.kv_heads * block_size * 2 * geometry.head_dim  # elements of one layer's block [H, N, 2D]
     buffer = KVBuffer(backend, buffer_bytes(geometry, block_size))
@@ -123,8 +122,7 @@ def lengths_of(maps: list[tuple[int, int, int]]) -> dict[int, int]:
 
 # ---- what the driver says ------------------------------------------------------------------------
 def driver_access(space: SlotSpace) -> list[int | None] | None:
-    """CUDA: the access flags ``cuMemGetAccess`` reports for every page of the slot ranges (K
-    range, then V), ``None`` where nothing is mapped; ``None`` on the host."""
+    """CUDA: ``cuMemGetAccess`` of every page of the slot ranges (None: unmapped); None on the host."""
     backend = space.backend
     if backend.name != "cuda":
         return None
@@ -143,8 +141,7 @@ def driver_access(space: SlotSpace) -> list[int | None] | None:
 
 
 def expected_access(space: SlotSpace, maps: list[tuple[int, int, int]]) -> list[int]:
-    """The access flags every page of the slot ranges should have after ``maps``: read-write
-    where a block is mapped, else the zero page's (read-only where the device allows it)."""
+    """The access flags the slot ranges should have after ``maps``: read-write where mapped, else the zero page's."""
     backend = space.backend
     empty = PROT_READ if getattr(backend, "zero_page_read_only", True) else PROT_READWRITE
     range_bytes = space.stats()["slot_reserved_bytes"] // 2
@@ -239,8 +236,7 @@ def _same(a: tuple, b: tuple) -> bool:
 
 
 def every_failure_is_undone(space: SlotSpace, action: Callable[[], None], undo: Callable[[], None]) -> dict[str, Any]:
-    """Fail each call ``action`` makes, one at a time: each must raise ``BackendError`` and leave the slots as
-    they were."""
+    """Fail each call ``action`` makes, one at a time: each must raise and leave the slots as they were."""
     with failing_calls(space.backend) as counted:
         action()
     undo()

@@ -96,8 +96,7 @@ class Sample:
 
 @dataclass
 class RunResult:
-    """What :func:`run` returns: tokens per request, cached prompt tokens, samples, timing, and
-    the engine steps that returned outputs."""
+    """What :func:`run` returns: tokens and cached tokens per request, samples, timing, steps."""
 
     tokens: dict[str, list[int]]
     cached_tokens: dict[str, int]
