@@ -234,23 +234,21 @@ def test_new_kv_lands_where_the_slots_read_it(monkeypatch, layout):
     assert torch.equal(real[:, 0], key[:10]) and torch.equal(real[:, 1], value[:10])
 
 
-# ---- the addressing benchmark's verdicts ------------------------------------------------------
-def test_the_addressing_benchmark_judges_contiguous_against_stock_and_paged():
-    from vmkv_bench import vllm_addressing as bench
+# ---- the addressing run's summary (the GPU check's vllm_addressing) ------------------------------
+def test_the_addressing_run_sums_up_contiguous_against_stock_and_paged():
+    from vmkv_bench.gpu import vllm_engine as bench
 
     speeds = {"stock": [100, 110, 90], "paged": [95, 100, 90], "contiguous": [120, 130, 110]}
     rows = [{"round": i, "engine": e, "output_tok_per_s": speeds[e][i], "kv_mean_mib": 1.0 if e == "stock" else 0.5,
              "attention_share": 0.4 if e == "contiguous" else -1.0, "mode_share": 0.05 if e == "contiguous" else -1.0,
              "tokens_identical": True}
             for i in range(3) for e in bench.ENGINES]
-    summary = bench.summary(rows, 2**20)
+    summary = bench.addressing_summary(rows, 2**20)
     assert summary["contiguous_over_stock"] == [1.2, 130 / 110, 110 / 90]
     assert summary["kv_mean_share"] == {"stock": 1.0, "paged": 0.5, "contiguous": 0.5}
     assert summary["verdict"].startswith("contiguous runs vLLM at 1.20x stock output tokens/s")
     assert "attention kernel 40% of the run, the mode's step metadata and K/V writes 5%" in summary["verdict"]
-    over_stock, over_paged = bench.verdicts({"summary": summary})
-    assert (over_stock.key, over_stock.agrees, over_stock.side) == ("vllm.addressing.stock", True, "contiguous")
-    assert over_paged.key == "vllm.addressing.paged" and over_paged.note == ""
+    assert bench.vllm_addressing_headline({"summary": summary}).startswith("contiguous 1.20x stock tokens/s")
     stock = {"a": [1, 2, 3], "b": [5, 6]}
     assert bench.first_divergence(stock, stock) == -1
     assert bench.first_divergence({"a": [1, 2, 4], "b": [5, 7]}, stock) == 1  # the earliest over the requests

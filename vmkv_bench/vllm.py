@@ -1,5 +1,5 @@
-"""Stock vLLM vs vLLM + vmkv on a bursty ShareGPT-like trace on in-process engines (tokens/s, KV memory
-held); ``--parts addressing``: block tables vs virtual memory inside vLLM (docs/vllm.md)."""
+"""Stock vLLM vs vLLM + vmkv on a bursty ShareGPT-like trace, both engines in-process and up for the
+whole run, taking turns: output tokens/s and the KV memory each holds (docs/vllm.md)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import common, vllm_addressing
+from . import common
 
 SETTLE_S = 1.5  # vLLM's workers busy-poll their queue for 1 s after a step: let the idle engine go quiet
 
 NAME = "vllm"
 DESCRIPTION = "vLLM with and without vmkv: one bursty ShareGPT-like trace (tokens/s ratio, KV memory over time)"
-PARTS = ("trace", "addressing")
 
 SCHEMA = {
     "round": "interleaving round (engines take turns within a round)",
@@ -44,9 +43,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-cached", default="0", help="KV the prefix cache alone may keep mapped (default 0)")
     parser.add_argument("--sample-every", type=int, default=4, help="engine steps between memory samples (default 4)")
     parser.add_argument("--model-dir", type=Path, default=None, help="where to write the tiny model (default: a temp dir)")
-    vllm_addressing.add_arguments(parser)
-    parser.add_argument("--parts", default="trace", help="what to run, comma-separated: trace (in-process engines, "
-                        "bursty trace; the default), addressing (stock, paged and contiguous vmkv on a wider model)")
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -58,16 +54,6 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "rounds": args.rounds or (1 if smoke else 3),
         "max_model_len": args.max_model_len or (384 if smoke else 1024),
     }
-
-
-def _parts(text: str) -> list[str]:
-    parts = [p.strip() for p in text.split(",") if p.strip()]
-    unknown = sorted(set(parts) - set(PARTS))
-    if unknown or not parts:
-        import vmkv
-
-        raise vmkv.InvalidInput(f"--parts {text!r}: expected a comma-separated subset of {', '.join(PARTS)}")
-    return parts
 
 
 def bursty_arrivals(count: int, bursts: int, gap: float) -> list[float]:
@@ -94,29 +80,19 @@ def _kv_memory(samples: list[dict[str, Any]], vmkv: bool, buffer_bytes: int) -> 
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the parts ``--parts`` names: rows per (round, engine) of the trace; addressing's under ``result["addressing"]``."""
+    """Rows per (round, engine) of the trace."""
     from vmkv.sizes import parse_size
     from vmkv.vllm import check_vllm
     from vmkv_bench.vllm_harness import tiny
 
-    parts = _parts(args.parts)
     check_vllm()
     if args.device != "cpu":
         common.check_device(args.device)
     kv_bytes = parse_size(args.kv_bytes, name="--kv-bytes")
     model = tiny.save_tiny_model(args.model_dir or Path(tempfile.gettempdir()) / "vmkv-vllm-tiny")
-    rows: list[dict[str, Any]] = []
-    summary: dict[str, Any] = {}
-    extra: dict[str, Any] = {"config": {"parts": parts, "kv_bytes": kv_bytes, "token_bytes": tiny.token_bytes()}}
-    if "trace" in parts:
-        rows, series, config = _run_trace(args, model, kv_bytes)
-        summary = _summary(rows, kv_bytes)
-        extra["series"] = series
-        extra["config"].update(config)
-    if "addressing" in parts:
-        extra["addressing"] = vllm_addressing.measure(args, args.model_dir or Path(tempfile.gettempdir()))
-        summary["addressing"] = extra["addressing"]["summary"]["verdict"]
-    return common.make_result(NAME, SCHEMA, rows, summary, **extra)
+    rows, series, config = _run_trace(args, model, kv_bytes)
+    config = {"kv_bytes": kv_bytes, "token_bytes": tiny.token_bytes(), **config}
+    return common.make_result(NAME, SCHEMA, rows, _summary(rows, kv_bytes), series=series, config=config)
 
 
 def _run_trace(args: argparse.Namespace, model: Path, kv_bytes: int) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
@@ -186,10 +162,7 @@ def _summary(rows: list[dict[str, Any]], kv_bytes: int) -> dict[str, Any]:
 
 
 def plot(result: dict[str, Any], out_dir: Path) -> list[str]:
-    """``vllm_kv_memory.png``: KV memory over time in the last round, both engines, next to the
-    bytes the live tokens need (none without the trace part)."""
-    if not result.get("series"):
-        return []
+    """``vllm_kv_memory.png``: KV memory over the last round, both engines, and what the live tokens need."""
     plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
     token_bytes = result["config"]["token_bytes"]
@@ -212,25 +185,17 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[str]:
 
 def table(result: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
-    for engine in ("stock", "vmkv") if result["rows"] else ():
+    for engine in ("stock", "vmkv"):
         mine = [r for r in result["rows"] if r["engine"] == engine]
         out.append({"workload": f"bursty trace, {mine[0]['requests']} requests", "engine": engine, "rounds": len(mine),
                     "output tok/s": statistics.median(r["output_tok_per_s"] for r in mine),
-                    "same text": all(r["tokens_identical"] for r in mine)})
-    for engine in vllm_addressing.ENGINES if "addressing" in result else ():
-        mine = [r for r in result["addressing"]["rows"] if r["engine"] == engine]
-        out.append({"workload": f"addressing, {result['addressing']['config']['layers']} layers", "engine": engine,
-                    "rounds": len(mine), "output tok/s": statistics.median(r["output_tok_per_s"] for r in mine),
                     "same text": all(r["tokens_identical"] for r in mine)})
     return out
 
 
 def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
-    """What the plugin costs in output tokens/s and how much KV memory it holds; addressing's lines."""
-    addressing = vllm_addressing.verdicts(result["addressing"]) if "addressing" in result else []
+    """What the plugin costs in output tokens/s, and how much KV memory it holds."""
     summary = result["summary"]
-    if "throughput_ratios_per_round" not in summary:  # the trace part did not run
-        return addressing
     ratio = common.Spread.of(summary["throughput_ratios_per_round"])
     cost = common.ratio_verdict(
         "vllm.throughput", "vLLM output tokens/s, vmkv over stock (same trace, interleaved)", ratio,
@@ -243,7 +208,7 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
         result=common.number_text(mean, "%"), spread=f"peak {common.number_text(peak, '%')}",
         winner=winner, side=side, value=mean, high=peak,
         note=f"worker RSS {abs(summary['rss_saved_bytes']) / 2**20:.0f} MiB {'below' if summary['rss_saved_bytes'] >= 0 else 'above'} stock")
-    return [cost, memory, *addressing]
+    return [cost, memory]
 
 
 def kv_memory_side(mean: float, tie_margin: float = common.TIE_MARGIN) -> tuple[str, str]:
