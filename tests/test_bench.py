@@ -24,9 +24,9 @@ from helpers import register_kernel
 import vmkv
 import vmkv.config
 import vmkv.kernels.contiguous
-from benchmarks import common, compare, suite
 from vmkv import cli
 from vmkv.kernels import registry
+from vmkv_bench import common, runner
 
 FAST = ["memory", "decode", "mapping", "sharing"]  # smoke runs of seconds
 ALL = [*FAST, "generate", "serve"]
@@ -58,14 +58,14 @@ def smoke_results(tmp_path_factory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("bench")
     results = {}
     for name in FAST:
-        module = importlib.import_module(f"benchmarks.{name}")
+        module = importlib.import_module(f"vmkv_bench.{name}")
         results[name] = module.run(_args(module, out))
     return results
 
 
 @pytest.mark.parametrize("name", FAST)
 def test_smoke_result_follows_the_contract(smoke_results, name, tmp_path):
-    module = importlib.import_module(f"benchmarks.{name}")
+    module = importlib.import_module(f"vmkv_bench.{name}")
     assert module.NAME == name and module.DESCRIPTION
     result = smoke_results[name]
     _check_contract(result, name)
@@ -96,7 +96,7 @@ def test_memory_orders_the_allocators(smoke_results):
 
 
 def test_memory_covers_every_layout_and_the_library_defaults(smoke_results):
-    from benchmarks import memory
+    from vmkv_bench import memory
 
     labels = {r["allocator"] for r in smoke_results["memory"]["rows"]}
     skipped = smoke_results["memory"]["summary"]["skipped"]
@@ -116,7 +116,7 @@ def test_memory_covers_every_layout_and_the_library_defaults(smoke_results):
 def test_memory_plot_series_is_the_steady_state_only():
     """Filling (nothing finished yet) and draining (nobody waiting, utilization climbing to 1.0)
     are left out of the plotted series."""
-    from benchmarks.memory import _steady_series
+    from vmkv_bench.memory import _steady_series
 
     series = {"util": [0.2, 0.5, 0.9, 0.8, 0.7, 0.95, 1.0], "running": [1, 2, 3, 3, 3, 2, 1],
               "finished": [0, 0, 1, 2, 3, 4, 5], "steady": [False, False, True, True, True, False, False]}
@@ -126,7 +126,7 @@ def test_memory_plot_series_is_the_steady_state_only():
 
 
 def test_memory_verdict_compares_reservation_with_the_paper(smoke_results):
-    from benchmarks import memory
+    from vmkv_bench import memory
 
     verdicts = {v.key: v for v in memory.verdicts(smoke_results["memory"])}
     share = verdicts["memory.sharegpt"]
@@ -137,7 +137,7 @@ def test_memory_verdict_compares_reservation_with_the_paper(smoke_results):
 
 
 def test_memory_budget_and_requests_per_trace():
-    from benchmarks.memory import _per_trace
+    from vmkv_bench.memory import _per_trace
 
     assert _per_trace(["sharegpt=1GiB", "alpaca=256MiB"], "alpaca", "x") == "256MiB"
     assert _per_trace(["1GiB"], "alpaca", "x") == "1GiB"
@@ -165,7 +165,7 @@ def test_decode_outputs_agree_and_times_are_positive(smoke_results):
 
 
 def test_decode_picks_up_a_newly_registered_kernel_and_rejects_a_wrong_one(monkeypatch, tmp_path):
-    from benchmarks import decode
+    from vmkv_bench import decode
 
     def shifted(q, k_cache, v_cache, plan, scale):  # a batched-looking kernel that is right
         return vmkv.kernels.contiguous.sdpa_per_sequence(q, k_cache, v_cache, plan, scale)
@@ -200,7 +200,7 @@ def _without(result: dict, candidate: str, diff: float = 0.5) -> dict:
 def test_decode_verdicts_name_a_compared_candidate_that_was_wrong(smoke_results):
     """The selected paged kernel, or the cache's own VMM kernel, wrong at the verdicts' point: the
     comparisons it is part of are unreliable and name it, never made with another kernel."""
-    from benchmarks import decode
+    from vmkv_bench import decode
 
     result = smoke_results["decode"]
     layout = result["config"]["default_layout"]
@@ -224,7 +224,7 @@ def test_decode_verdicts_name_a_compared_candidate_that_was_wrong(smoke_results)
 def test_decode_run_with_a_wrong_selected_kernel_gives_no_verdict_on_it(monkeypatch, tmp_path):
     """End to end: the kernel the VMM cache selects computes wrong; its rows are left out and the
     VMM verdicts say why instead of timing another kernel in its place."""
-    from benchmarks import decode
+    from vmkv_bench import decode
 
     probe = vmkv.open_cache(common.cache_config({"num_layers": 1, "num_kv_heads": 8, "head_dim": 128, "dtype": "float32"},
                                                 "cpu", max_batch_size=1, max_seq_len=64, memory_budget="8MiB"))
@@ -258,7 +258,7 @@ def _generate_result(same: dict[str, bool], beam_same: dict[str, bool] | None = 
 
 
 def test_generate_verdicts_name_a_cache_with_other_tokens():
-    from benchmarks import generate
+    from vmkv_bench import generate
 
     fine = {"dynamic": True, "static": True, "vmm": True, "vmm+vmkv": True}
     verdicts = {v.key: v for v in generate.verdicts(_generate_result(fine, fine))}
@@ -277,7 +277,7 @@ def test_generate_verdicts_name_a_cache_with_other_tokens():
 
 
 def test_generate_bound_verdicts_say_what_bookkeeping_costs_and_what_the_target_can_ask():
-    from benchmarks import generate
+    from vmkv_bench import generate
 
     result = _generate_result({"dynamic": True, "vmm": True, "bound": True})
     result["samples"]["small/greedy/b2/4"]["bound"] = [0.9, 1.0, 1.05]  # vmm: 1.0, 1.1, 1.2; dynamic: 2.0-2.2
@@ -297,7 +297,7 @@ def test_generate_bound_verdicts_say_what_bookkeeping_costs_and_what_the_target_
 def test_a_generate_row_that_ties_neither_meets_nor_misses_its_target():
     """Issue 37 item 8: a tie whose rounds cross 1.0 said "target met" (its median was 1.00x):
     one judgement per row, so the target is not resolved, in the agrees column and the note."""
-    from benchmarks import generate
+    from vmkv_bench import generate
 
     result = _generate_result({"dynamic": True, "vmm": True})
     result["samples"]["small/greedy/b2/4"]["dynamic"] = [1.0, 1.2, 1.05]  # vmm: 1.0, 1.1, 1.2: 1.00x, 1.09x, 0.88x
@@ -325,38 +325,12 @@ def test_a_target_of_1_is_judged_as_the_verdict_names_a_side():
     assert seen == {"A", "B", "tie"}
 
 
-def test_generate_compile_verdicts_have_their_targets():
-    from benchmarks import generate
-
-    result = _generate_result({"vmm": True, "vmm+compile": True, "static+compile": True})
-    times = result["samples"]["small/greedy/b2/4"]  # vmm: 1.0, 1.1, 1.2
-    times["vmm+compile"], times["static+compile"] = [1.04, 1.15, 1.26], [1.0, 1.1, 1.2]
-    verdicts = {v.key: v for v in generate.verdicts(result)}
-    eager, static = verdicts["generate.small.compiled_vs_vmm"], verdicts["generate.small.compiled_vs_static_compile"]
-    assert eager.agrees and eager.reference == "target >= 0.95x"  # 0.96x of eager: within the target
-    assert not static.agrees and "missed by 0.04x" in static.note
-    result["rows"] = [{**r, "same_tokens_as_dynamic": r["cache"] != "vmm+compile"} for r in result["rows"]]
-    assert not {v.key: v for v in generate.verdicts(result)}["generate.small.compiled_vs_vmm"].reliable
-
-
-def test_generate_compile_verdicts_of_the_vmkv_attention_compare_it_with_its_eager_cache():
-    from benchmarks import generate
-
-    result = _generate_result({"vmm+vmkv": True, "vmm+compile+vmkv": True, "static+compile": True})
-    times = result["samples"]["small/greedy/b2/4"]
-    times["vmm+vmkv"], times["vmm+compile+vmkv"], times["static+compile"] = [1.0, 1.1, 1.2], [0.5, 0.55, 0.6], [1.0, 1.1, 1.2]
-    verdicts = {v.key: v for v in generate.verdicts(result)}
-    eager, static = verdicts["generate.small.compiled_vmm_vmkv_vs_vmm_vmkv"], verdicts["generate.small.compiled_vmm_vmkv_vs_static_compile"]
-    assert eager.agrees and static.agrees and eager.side == "vmm+compile+vmkv" and eager.reference == "target >= 0.95x"
-    assert "generate.small.compiled_vs_vmm" not in verdicts  # no vmm+compile in this run
-
-
 def test_generate_bound_cache_gives_dynamic_cache_tokens_and_refuses_moving_rows():
     pytest.importorskip("transformers")
     from transformers import DynamicCache
 
-    from benchmarks import generate
     from vmkv.models import default_hf_model
+    from vmkv_bench import generate
 
     model = default_hf_model(num_hidden_layers=2)
     ids = torch.randint(0, 256, (3, 9), generator=torch.Generator().manual_seed(0))
@@ -376,7 +350,7 @@ def test_generate_bound_cache_gives_dynamic_cache_tokens_and_refuses_moving_rows
     ([1.2, 1.25, 1.3], "no cost (VMM 1.25x faster, 3 of 3 rounds)", "no cost"),
 ])
 def test_decode_vmm_vs_dense_answers_what_virtual_memory_costs(samples, winner, side):
-    from benchmarks.decode import _cost_verdict
+    from vmkv_bench.decode import _cost_verdict
 
     verdict = common.ratio_verdict("decode.vmm_vs_dense", "q", common.Spread.of(samples), "VMM", "dense")
     assert (_cost_verdict(verdict).winner, _cost_verdict(verdict).side) == (winner, side)
@@ -390,7 +364,7 @@ def test_decode_vmm_vs_dense_answers_what_virtual_memory_costs(samples, winner, 
 def test_decode_bandwidth_verdict_names_its_bound_and_the_80_percent_line(shares, winner, side):
     """Half the bandwidth is not "bandwidth-bound": the line is 80 % of the read bandwidth measured
     in the same rounds, and the verdict says what that bound is and what it measured."""
-    from benchmarks import decode
+    from vmkv_bench import decode
 
     read_bytes, kv_bytes = 256 * 2**20, 128 * 2**20
     read_s = [read_bytes / 3.878e12] * 3  # 3,878 GB/s
@@ -417,7 +391,7 @@ def test_mapping_measures_every_part(smoke_results):
 
 def test_mapping_share_is_never_clamped(monkeypatch, tmp_path):
     """A negative share is measured again with twice the rounds, then reported as unreliable."""
-    from benchmarks import mapping
+    from vmkv_bench import mapping
 
     calls = []
 
@@ -437,7 +411,7 @@ def test_mapping_share_is_never_clamped(monkeypatch, tmp_path):
 
 def test_mapping_share_is_the_median_of_round_shares():
     """One round preempted (every step slow) does not move the estimate, but its range shows it."""
-    from benchmarks.mapping import _share
+    from vmkv_bench.mapping import _share
 
     steps = 10
     base = [[1.0] * steps for _ in range(3)]
@@ -453,7 +427,7 @@ def test_mapping_share_value_and_range_come_from_one_estimator():
     """Each round has one slow step, a different one: no round is as fast as the per-step medians
     across rounds. The headline is the median of the rounds' shares, inside their range (a
     per-step-median headline sat below every round, at the range's low end)."""
-    from benchmarks.mapping import _share
+    from vmkv_bench.mapping import _share
 
     base = [[1.0, 1.0, 1.0] for _ in range(3)]
     demand = [[1.1, 1.1, 2.1], [1.1, 2.1, 1.1], [2.1, 1.1, 1.1]]
@@ -475,7 +449,7 @@ def test_mapping_share_value_and_range_come_from_one_estimator():
 def test_mapping_winner_is_judged_on_the_paired_saving(savings, side):
     """Rounds move both variants together (here the baseline's step time doubles every other
     round): the paired saving decides, not whether the two shares' ranges overlap."""
-    from benchmarks import mapping
+    from vmkv_bench import mapping
 
     steps = 4
     totals = [[1.0 * (1 + r % 2)] * steps for r in range(5)]
@@ -500,7 +474,7 @@ def test_mapping_variant_faster_than_no_mapping_is_unreliable(monkeypatch, tmp_p
     """On demand steps 20 % faster than the premapped baseline (whose rounds spread 2 %): a
     negative cost, so a measurement error -- rerun with twice the rounds, then reported as
     unreliable with the reason, the measured numbers kept as they are."""
-    from benchmarks import mapping
+    from vmkv_bench import mapping
 
     rounds_seen = []
 
@@ -537,7 +511,7 @@ def test_sharing_saves_memory_only_with_small_pages(smoke_results):
 
 
 def test_sharing_verdict_compares_the_default_pages_with_paged_and_shows_the_rest(smoke_results):
-    from benchmarks import sharing
+    from vmkv_bench import sharing
 
     rows = smoke_results["sharing"]["rows"]
     default = next(r for r in rows if r["allocator"] == sharing.DEFAULT_VMM)
@@ -552,7 +526,7 @@ def test_sharing_verdict_compares_the_default_pages_with_paged_and_shows_the_res
 def _vllm_result(**kv_mib: tuple[float, float]) -> dict:
     """The saved run of docs/img/vllm.json with its summary made again by this code; ``kv_mib``:
     engine -> (mean, peak) MiB held, in every round."""
-    from benchmarks import vllm
+    from vmkv_bench import vllm
 
     result = json.loads((Path(__file__).resolve().parents[1] / "docs" / "img" / "vllm.json").read_text())
     for row in result["rows"]:
@@ -564,20 +538,11 @@ def _vllm_result(**kv_mib: tuple[float, float]) -> dict:
 
 
 def test_vllm_result_follows_the_contract(tmp_path):
-    from benchmarks import vllm, vllm_client, vllm_costs
+    from vmkv_bench import vllm
 
     result = _vllm_result()
     _check_contract(result, "vllm")
-    verdicts = vllm.verdicts(result)
-    assert [v.key for v in verdicts] == ["vllm.throughput", "vllm.kv_memory", "vllm.client_inf.throughput",
-                                         "vllm.client_inf.ttft", "vllm.client_16.throughput", "vllm.client_16.ttft",
-                                         "vllm.costs.share"]
-    costs = result["costs"]  # the costs part: the summary made again from both children's numbers
-    assert vllm_costs.summary(costs["stock"], costs["vmkv"], costs["config"]["requests"]) == costs["summary"]
-    client = result["client"]  # the client part: its own rows, summary made again by this code
-    assert client["rows"] and all(set(row) == set(client["schema"]) for row in client["rows"])
-    assert vllm_client.summary(client["rows"]) == client["summary"]
-    assert all(s["same_tokens"] and s["texts_identical"] for s in client["summary"].values())
+    assert [v.key for v in vllm.verdicts(result)] == ["vllm.throughput", "vllm.kv_memory"]  # the saved client part is retired
     for png in vllm.plot(result, tmp_path):
         assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -589,7 +554,7 @@ def test_vllm_result_follows_the_contract(tmp_path):
     ((300.0, 320.0), "stock"),  # vmkv holds more: stock wins
 ])
 def test_vllm_kv_memory_verdict_is_judged_on_the_mean(vmkv_mib, side):
-    from benchmarks import vllm
+    from vmkv_bench import vllm
 
     result = _vllm_result(vmkv=vmkv_mib)  # stock: its 256 MiB buffer
     memory = {v.key: v for v in vllm.verdicts(result)}["vllm.kv_memory"]
@@ -597,211 +562,11 @@ def test_vllm_kv_memory_verdict_is_judged_on_the_mean(vmkv_mib, side):
     assert memory.value == pytest.approx(vmkv_mib[0] / 256) and memory.high == pytest.approx(vmkv_mib[1] / 256)
 
 
-def _client_rows(tok_s: dict[str, list[float]], ttft: dict[str, list[float]], rate: str = "inf", tokens: int = 4096,
-                 identical: bool = True) -> list[dict]:
-    """Client-part rows: ``tok_s`` / ``ttft``: engine -> one value per round."""
-    from benchmarks import vllm_client
-
-    rows = []
-    for engine in ("stock", "vmkv"):
-        for i, (speed, first) in enumerate(zip(tok_s[engine], ttft[engine])):
-            row = {"rate": rate, "round": i, "engine": engine, "requests": 64, "completed": 64, "output_tokens": tokens,
-                   "duration_s": tokens / speed, "output_tok_per_s": speed, "mean_ttft_ms": first,
-                   "median_ttft_ms": first, "mean_tpot_ms": 20.0, "texts_identical": identical}
-            assert set(row) == set(vllm_client.SCHEMA)
-            rows.append(row)
-    return rows
-
-
-@pytest.mark.parametrize("vmkv_tok_s, vmkv_ttft, throughput_side, ttft_side, agrees", [
-    ([2000, 2010, 1990], [400, 410, 390], "tie", "tie", (True, True)),  # parity
-    ([1000, 1100, 1200], [800, 900, 1000], "stock", "stock", (False, False)),  # the issue's plugin: slower, later
-    # rounds disagree: no winner, and no target met or missed though the medians meet them (issue 37 item 8)
-    ([1990, 2300, 1700], [300, 420, 500], "tie", "tie", (None, None)),
-    ([2600, 2700, 2800], [200, 210, 220], "vmkv", "vmkv", (True, True)),
-])
-def test_vllm_client_verdicts_name_a_winner_only_when_every_round_agrees(vmkv_tok_s, vmkv_ttft, throughput_side,
-                                                                          ttft_side, agrees):
-    from benchmarks import vllm_client
-
-    rows = _client_rows({"stock": [2000] * 3, "vmkv": vmkv_tok_s}, {"stock": [400] * 3, "vmkv": vmkv_ttft})
-    client = {"rows": rows, "summary": vllm_client.summary(rows)}
-    throughput, ttft = vllm_client.verdicts(client)
-    assert (throughput.key, ttft.key) == ("vllm.client_inf.throughput", "vllm.client_inf.ttft")
-    assert (throughput.side, ttft.side) == (throughput_side, ttft_side)
-    assert (throughput.agrees, ttft.agrees) == agrees
-    assert throughput.value == pytest.approx(sorted(v / 2000 for v in vmkv_tok_s)[1])
-    assert ttft.value == pytest.approx(sorted(400 / v for v in vmkv_ttft)[1])
-    assert throughput.note == "same tokens, texts identical"
-    line = client["summary"]["inf"]["verdict"]
-    assert line.startswith("at rate inf: vmkv ") and line.endswith("same tokens, texts identical")
-
-
-def test_vllm_client_medians_see_through_stalled_rounds():
-    """Rounds that stall (3-10x the usual TTFT, in either engine) make every per-round ratio's range
-    cross the targets; a sign test over the rounds, and the engines' medians with their bootstrap
-    interval, still tell parity from a real 20 % loss."""
-    from benchmarks import vllm_client
-
-    usual = [300 + 5 * (i % 7) for i in range(40)]
-    stock_ttft = [t * (8 if i % 9 == 0 else 1) for i, t in enumerate(usual)]
-    vmkv_ttft = [t * (8 if i % 11 == 3 else 1) for i, t in enumerate(usual[::-1])]
-    speeds = {"stock": [2000.0] * 40, "vmkv": [2000.0] * 40}
-    parity = vllm_client.summary(_client_rows(speeds, {"stock": stock_ttft, "vmkv": vmkv_ttft}))["inf"]
-    assert parity["ttft_target"] == "met"  # the per-round ratios range 1/8 .. 8, but only 3 of 40 miss the target
-    assert parity["medians_ttft_target"] == "met" and parity["medians_throughput_target"] == "met"
-    assert parity["medians_ttft_stock_over_vmkv"]["value"] == pytest.approx(1.0)
-    slower = vllm_client.summary(_client_rows(speeds, {"stock": stock_ttft, "vmkv": [t * 1.2 for t in vmkv_ttft]}))["inf"]
-    assert slower["medians_ttft_target"] == "missed"
-    assert slower["medians_ttft_stock_over_vmkv"]["high"] < 1 / vllm_client.TTFT_TARGET
-    assert "the engines' medians over the rounds" in slower["verdict"]
-
-
-def test_ratio_of_medians_interval_holds_the_ratio_and_is_seeded():
-    from benchmarks import common
-
-    a, b = [10.0, 11.0, 12.0, 13.0, 50.0], [5.0, 5.5, 6.0, 6.5, 7.0]
-    r = common.ratio_of_medians(a, b)
-    assert r.value == pytest.approx(2.0) and r.low <= r.value <= r.high
-    assert common.ratio_of_medians(a, b) == r  # the same samples, the same interval
-    assert common.ratio_of_medians([3.0] * 4, [1.5] * 4).as_dict() == {"value": 2.0, "low": 2.0, "high": 2.0, "runs": 4,
-                                                                      "kept": 4}
-    for bad in (dict(numerator=[], denominator=[1.0]), dict(numerator=[1.0], denominator=[1.0], confidence=1.0)):
-        with pytest.raises(vmkv.InvalidInput):
-            common.ratio_of_medians(**bad)
-
-
-def test_vllm_client_quiet_run_is_reproduced_by_this_code():
-    """docs/img/vllm_client_quiet.json, the 48-round run docs/vllm.md quotes: its summary is what this
-    code makes of its rows."""
-    from benchmarks import vllm_client
-
-    saved = json.loads((Path(__file__).resolve().parents[1] / "docs" / "img" / "vllm_client_quiet.json").read_text())
-    assert vllm_client.summary(saved["client"]["rows"]) == saved["client"]["summary"]
-
-
-def test_vllm_client_summary_flags_lost_tokens_and_other_texts():
-    from benchmarks import vllm_client
-
-    rows = _client_rows({"stock": [2000] * 2, "vmkv": [2000] * 2}, {"stock": [400] * 2, "vmkv": [400] * 2}, rate="16",
-                        identical=False)
-    rows[-1]["output_tokens"] -= 1
-    summary = vllm_client.summary(rows)["16"]
-    assert not summary["same_tokens"] and not summary["texts_identical"]
-    (throughput, _) = vllm_client.verdicts({"rows": rows, "summary": {"16": summary}})
-    assert throughput.note == "TOKEN COUNTS DIFFER, TEXTS DIFFER"
-    assert [line["workload"] for line in vllm_client.table({"rows": rows})] == ["vLLM client, rate 16"] * 2
-
-
-@pytest.mark.parametrize("text, rates", [("inf", [math.inf]), ("inf,16", [math.inf, 16.0]), ("0.5", [0.5])])
-def test_vllm_client_rates_parse(text, rates):
-    from benchmarks import vllm_client
-
-    assert vllm_client.parse_rates(text) == rates
-
-
-@pytest.mark.parametrize("text", ["", "fast", "0", "-2", "nan", "inf,"])
-def test_vllm_client_bad_rates_are_refused(text):
-    from benchmarks import vllm_client
-
-    with pytest.raises(vmkv.InvalidInput, match="positive number or 'inf'"):
-        vllm_client.parse_rates(text)
-
-
-def _costs_child(**values: float) -> dict:
-    """One engine's costs as a ``benchmarks.vllm_costs`` child reports them (stock's by default)."""
-    child = {"step_ms": 10.0, "attention_faults_per_run": 0, "scheduler_output_bytes": 2000, "connector_metadata_bytes": 0,
-             "worker_stats_bytes": 0, "get_num_free_blocks_us": 0.03, "allocate_slots_decode_us": 4.0,
-             "get_num_free_blocks_stock_us": 0.03, "allocate_slots_decode_stock_us": 4.0,
-             "build_connector_meta_us": 0.0, "has_pending_push_work_us": 0.0, "worker_apply_empty_us": 0.0,
-             "worker_stats_us": 0.0}
-    return {**child, **values}
-
-
-@pytest.mark.parametrize("slots_us, within", [(4.5, True), (9.0, False)])
-def test_vllm_costs_add_what_the_plugin_puts_on_a_step(slots_us, within):
-    from benchmarks import vllm_costs
-
-    stock = _costs_child()
-    vmkv = _costs_child(get_num_free_blocks_us=0.13, allocate_slots_decode_us=slots_us, build_connector_meta_us=0.5,
-                        has_pending_push_work_us=0.2, worker_apply_empty_us=1.5, worker_stats_us=1.8,
-                        attention_faults_per_run=4096, scheduler_output_bytes=2133)
-    summary = vllm_costs.summary(stock, vmkv, requests=64)
-    # per request (against the stock twin timed in the vmkv child) x 64, per step once
-    added = 64 * (0.13 - 0.03) + 64 * (slots_us - 4.0) + 0.5 + 0.2 + 1.5 + 1.8
-    assert summary["total_us_per_step"] == pytest.approx(added)
-    assert summary["share_of_stock_step"] == pytest.approx(added / 10_000)
-    assert summary["extra_attention_faults_per_run"] == 4096
-    assert "133 more bytes" in summary["verdict"] and ("within 3 %" in summary["verdict"]) == within
-    (verdict,) = vllm_costs.verdicts({"summary": summary})
-    assert verdict.key == "vllm.costs.share" and verdict.agrees is within and verdict.side == ("vmkv" if within else "stock")
-
-
-def test_vllm_costs_keep_the_least_time_of_the_children():
-    from benchmarks import vllm_costs
-
-    merged = vllm_costs.best([_costs_child(allocate_slots_decode_us=22.0, step_ms=12.0),
-                              _costs_child(allocate_slots_decode_us=4.0, step_ms=8.0)])
-    assert merged["allocate_slots_decode_us"] == 4.0 and merged["step_ms"] == 8.0  # the least times
-    assert merged["scheduler_output_bytes"] == 2000
-
-@pytest.mark.parametrize("vmkv_tok_s, status", [
-    ([2000, 2010, 1990, 2020, 2040], "met"),  # every kept round at or above 0.97x
-    ([1800, 1850, 1700, 1820, 1810], "missed"),  # every kept round below
-    ([1700, 2300, 1900, 2100, 1950], "not resolved (the median meets it, the rounds' spread crosses it)"),
-    ([1700, 2300, 1800, 2100, 1900], "not resolved (the median misses it, the rounds' spread crosses it)"),
-])
-def test_vllm_client_summary_says_whether_the_target_is_met(vmkv_tok_s, status):
-    from benchmarks import vllm_client
-
-    rows = _client_rows({"stock": [2000] * 5, "vmkv": vmkv_tok_s}, {"stock": [400] * 5, "vmkv": [400] * 5})
-    summary = vllm_client.summary(rows)["inf"]
-    assert summary["throughput_target"] == status and summary["ttft_target"] == "met"
-    # pooled: all tokens over all seconds, vmkv over stock
-    assert summary["pooled_throughput_vmkv_over_stock"] == pytest.approx(
-        (5 * 4096 / sum(4096 / v for v in vmkv_tok_s)) / 2000)
-    assert summary["pooled_ttft_vmkv_over_stock"] == pytest.approx(1.0)
-    assert f"target >= {vllm_client.THROUGHPUT_TARGET} {status};" in summary["verdict"]
-    assert f"vmkv faster in {sum(v > 2000 for v in vmkv_tok_s)} of 5" in summary["verdict"]
-
-
-# ---- engine_vs_vllm (a run loads a 12-layer model and vLLM: the budget sizing is checked) ----
-@pytest.mark.parametrize("kv_mode", ["vmm", "paged"])
-@pytest.mark.parametrize("requests, prompt_len, max_tokens", [(64, 128, 128), (3, 10, 7), (5, 100, 33)])
-def test_engine_vs_vllm_budget_holds_every_request_whole(kv_mode, requests, prompt_len, max_tokens):
-    """The vmkv engine's default KV budget holds every request's prompt and output at once, in the
-    cache's own pages: it never has to preempt (the default 256 MiB did not hold the default work)."""
-    from benchmarks import engine_vs_vllm as bench
-    from vmkv.config import KVCacheConfig
-    from vmkv.sizing import paged_geometry, resolve, vmm_geometry
-    from vmkv.vm import granularity
-
-    shape = bench.SHAPE
-    budget = bench.kv_budget(requests, prompt_len, max_tokens, kv_mode)
-    config = KVCacheConfig(num_layers=shape["num_hidden_layers"], num_kv_heads=shape["num_key_value_heads"],
-                           head_dim=shape["head_dim"], dtype="float32", max_batch_size=requests,
-                           max_seq_len=prompt_len + max_tokens + 16, memory_budget=budget)
-    assert bench.token_kv_bytes() == config.bytes_per_token
-    assert budget % 2**20 == 0 and budget >= requests * (prompt_len + max_tokens) * config.bytes_per_token
-    geometry = paged_geometry(config) if kv_mode == "paged" else vmm_geometry(resolve(config), granularity(config.device))
-    pages_per_request = -(-(prompt_len + max_tokens) // geometry.tokens_per_page)
-    assert geometry.num_pages >= requests * pages_per_request
-
-
-def test_engine_vs_vllm_sizes_the_budget_unless_given():
-    from benchmarks import engine_vs_vllm as bench
-
-    sized = bench.parse_args([])
-    assert sized.budget_sized and sized.memory_budget == bench.kv_budget(64, 128, 128) == 384 * 2**20  # not 256 MiB
-    given = bench.parse_args(["--memory-budget", "256MiB", "--requests", "8"])
-    assert not given.budget_sized and given.memory_budget == "256MiB"
-
-
 # ---- generate and serve (slower: one smoke run each) -----------------------------------------
 @pytest.mark.parametrize("name", ["generate", "serve"])
 def test_model_benchmarks_smoke(name, tmp_path):
     pytest.importorskip("transformers" if name == "generate" else "vmkv.engine")
-    module = importlib.import_module(f"benchmarks.{name}")
+    module = importlib.import_module(f"vmkv_bench.{name}")
     result = module.run(_args(module, tmp_path))
     _check_contract(result, name)
     verdicts = module.verdicts(result)
@@ -817,24 +582,8 @@ def test_model_benchmarks_smoke(name, tmp_path):
         assert all(r["tok_per_cpu_s"] > 0 for r in result["rows"])
 
 
-def test_generate_smoke_of_the_compiled_caches(tmp_path):
-    """The three VirtualCache(compile=True) caches (VMM with the model's SDPA or the "vmkv"
-    attention, paged) run under generate()'s compile with DynamicCache's tokens, and get their
-    verdicts."""
-    pytest.importorskip("transformers")
-    from benchmarks import generate
-
-    caches = ["dynamic", "vmm", "vmm+vmkv", "paged+vmkv", "vmm+compile", "vmm+compile+vmkv", "paged+compile+vmkv"]
-    result = generate.run(_args(generate, tmp_path, ["--caches", *caches, "--beam-width", "0"]))
-    assert {r["cache"] for r in result["rows"]} == set(caches)
-    assert all(r["same_tokens_as_dynamic"] for r in result["rows"]) and not result["summary"].get("failed")
-    keys = {v.key for v in generate.verdicts(result)}
-    assert {"generate.small.compiled_vs_vmm", "generate.small.compiled_vmm_vmkv_vs_vmm_vmkv",
-            "generate.small.compiled_paged_vmkv_vs_paged_vmkv"} <= keys
-
-
 def test_serve_capacity_is_the_same_experiment_in_every_preset():
-    from benchmarks import serve
+    from vmkv_bench import serve
 
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
@@ -941,31 +690,10 @@ def test_trace_means_match_the_papers():
     assert common.make_trace("alpaca", 5, 3, 64) == common.make_trace("alpaca", 5, 3, 64)
 
 
-def test_compare_two_runs(tmp_path):
-    def write(name: str, verdicts: list[dict]) -> Path:
-        out = tmp_path / name
-        out.mkdir()
-        (out / "suite.json").write_text(json.dumps({"records": [{"name": "x", "status": "ok", "verdicts": verdicts}]}))
-        return out
-
-    first = common.ratio_verdict("x.speed", "q", common.Spread.of([1.4, 1.5, 1.6]), "VMM", "paged").as_dict()
-    moved = common.ratio_verdict("x.speed", "q", common.Spread.of([1.55, 1.65, 1.7]), "VMM", "paged").as_dict()
-    flipped = common.ratio_verdict("x.speed", "q", common.Spread.of([0.9, 1.0, 1.1]), "VMM", "paged").as_dict()
-    a, b, c = write("a", [first]), write("b", [moved]), write("c", [flipped])
-    assert compare.main([str(a), str(b)]) == 0  # moved 0.15 <= spread 0.2, same winner
-    assert compare.main([str(a), str(c)]) == 1  # VMM vs tie
-    (row,) = compare.compare(compare.load_verdicts(a), compare.load_verdicts(c))
-    assert row["winner A"] == "VMM" and row["winner B"] == "tie" and not row["same winner"]
-    assert compare._disagreements([row]).startswith("0 contradict (opposite winners); 1 borderline")
-    opposite = common.ratio_verdict("x.speed", "q", common.Spread.of([0.6, 0.65, 0.7]), "VMM", "paged").as_dict()
-    (row,) = compare.compare(compare.load_verdicts(a), {"x.speed": opposite})
-    assert compare._disagreements([row]) == "1 contradict (opposite winners): q; 0 borderline (a winner in one run, a tie in the other)"
-
-
-def test_compare_judges_the_side_not_the_wording_of_the_winner(tmp_path):
+def test_the_cost_verdict_side_is_the_winner_not_its_wording():
     """Only the margin inside decode's cost verdict moved ("dense 1.20x faster" -> "1.23x"): the
-    same side won; a flip to "no cost" is a changed winner."""
-    from benchmarks.decode import _cost_verdict
+    same side won (what two runs are compared on); a flip to "no cost" is another side."""
+    from vmkv_bench.decode import _cost_verdict
 
     def cost(samples: list[float]) -> dict:
         verdict = common.ratio_verdict("decode.vmm_vs_dense", "q", common.Spread.of(samples), "VMM", "dense")
@@ -974,14 +702,7 @@ def test_compare_judges_the_side_not_the_wording_of_the_winner(tmp_path):
     first, second, flipped = cost([0.82, 0.833, 0.84]), cost([0.80, 0.813, 0.82]), cost([0.95, 1.0, 1.05])
     assert first["winner"] != second["winner"] and first["side"] == second["side"] == "dense"
     assert flipped["side"] == "no cost"  # a tie (or VMM faster) answers the question the same way
-    (same,) = compare.compare({"k": first}, {"k": second})
-    assert same["same winner"] and (same["winner A"], same["winner B"]) == ("dense", "dense")
-    (changed,) = compare.compare({"k": first}, {"k": flipped})
-    assert not changed["same winner"]
-    one_run = common.ratio_verdict("x.y", "q", common.Spread.of([1.7]), "A", "B").as_dict()
-    assert one_run["side"] == "" and not compare.compare({"k": one_run}, {"k": one_run})[0]["same winner"]
-    legacy = {key: value for key, value in first.items() if key != "side"}  # a suite.json from before `side`
-    assert compare.winner_side(legacy) == "VMM costs time: dense 1.20x faster"
+    assert common.ratio_verdict("x.y", "q", common.Spread.of([1.7]), "A", "B").side == ""  # one run: not judged
 
 
 # ---- the CLI ---------------------------------------------------------------------------------
@@ -1013,31 +734,31 @@ def test_cli_bench_ends_with_the_verdict_and_writes_json_report_and_plot(tmp_pat
 def test_report_keeps_earlier_records_and_names_missing_files(tmp_path):
     verdict = common.ratio_verdict("x.speed", "x question", common.Spread.of([1.4, 1.5, 1.6]), "A", "B").as_dict()
     records = [{"name": "x", "status": "ok", "seconds": 1.0, "json": "x.json", "plots": [], "verdicts": [verdict]}]
-    report = suite.write_report(tmp_path, records).read_text()
+    report = runner.write_report(tmp_path, records).read_text()
     assert "x question" in report and "its result file x.json is no longer in" in report
 
 
 def test_cli_registry_lists_colleagues_and_reports_a_missing_module(tmp_path, monkeypatch, capsys):
-    assert set(ALL) <= set(suite.REGISTRY)
-    broken = suite.Entry("broken", "benchmarks.does_not_exist")
-    monkeypatch.setattr(suite, "REGISTRY", {"broken": broken, "mapping": suite.REGISTRY["mapping"]})
+    assert set(ALL) <= set(runner.BENCHMARKS)
+    broken = runner.Entry("broken", "vmkv_bench.does_not_exist")
+    monkeypatch.setattr(runner, "BENCHMARKS", {"broken": broken, "mapping": runner.BENCHMARKS["mapping"]})
     status = cli.main(["bench", "--smoke", "--no-plots", "--no-progress", "--out", str(tmp_path)])
     assert status == 1  # one benchmark did not run ...
     records = json.loads((tmp_path / "suite.json").read_text())["records"]
     assert [r["status"] for r in records] == ["unavailable", "ok"]  # ... and the others did
-    assert "benchmarks.does_not_exist could not be imported" in capsys.readouterr().err
+    assert "vmkv_bench.does_not_exist could not be imported" in capsys.readouterr().err
 
 
 def test_cli_module_verdicts_come_through_the_contract(tmp_path, monkeypatch, capsys):
     """A module registered later (e.g. vllm) adds its own verdict rows to the table."""
-    module = type(sys)("benchmarks.fake_verdict")
+    module = type(sys)("vmkv_bench.fake_verdict")
     module.NAME, module.DESCRIPTION = "fake", "a fake benchmark"
     module.add_arguments = lambda parser: None
     module.run = lambda args: common.make_result("fake", {"x": "a number"}, [{"x": 1}], {})
     module.verdicts = lambda result: [common.ratio_verdict(
         "fake.speed", "fake stock vs plugin", common.Spread.of([1.3, 1.4, 1.5]), "plugin", "stock")]
-    monkeypatch.setitem(sys.modules, "benchmarks.fake_verdict", module)
-    monkeypatch.setattr(suite, "REGISTRY", {"fake": suite.Entry("fake", "benchmarks.fake_verdict")})
+    monkeypatch.setitem(sys.modules, "vmkv_bench.fake_verdict", module)
+    monkeypatch.setattr(runner, "BENCHMARKS", {"fake": runner.Entry("fake", "vmkv_bench.fake_verdict")})
     assert cli.main(["bench", "--no-progress", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     tail = out[out.rindex("== verdict =="):].splitlines()
@@ -1088,9 +809,9 @@ def test_the_library_does_not_import_the_benchmarks():
     for path in sorted((ROOT / "vmkv").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            assert not any(name == "benchmarks" or name.startswith("benchmarks.") for name in names), f"{path} imports {names}"
+            assert not any(name == "vmkv_bench" or name.startswith("vmkv_bench.") for name in names), f"{path} imports {names}"
     declared = cli.checkout_commands(ROOT / "pyproject.toml")
-    assert declared["bench"].value == "benchmarks.suite" and declared["bench"].load() is suite
+    assert declared["bench"].value == "vmkv_bench.runner" and declared["bench"].load() is runner
 
 
 def test_a_contributed_command_gets_the_words_after_its_name(monkeypatch, capsys):
@@ -1140,12 +861,12 @@ CUDA_GRANULARITY = 2 << 20
 
 def _resolved(name: str, device: str, smoke: bool = False, options: list[str] | None = None) -> tuple[object, argparse.Namespace]:
     """The module of benchmark ``name`` and its options as the suite resolves them on ``device``."""
-    entry = suite.REGISTRY[name]
-    module, why = suite.load_module(entry)
+    entry = runner.BENCHMARKS[name]
+    module, why = runner.load_module(entry)
     assert module is not None, why
     common_ns = argparse.Namespace(device=device, smoke=smoke, seed=0, out=Path("unused"), no_plots=True, progress=False)
-    argv = suite.preset(entry, device, smoke=smoke) if options is None else options
-    return module, suite.module_args(module, entry, argv, common_ns)
+    argv = runner.preset(entry, device, smoke=smoke) if options is None else options
+    return module, runner.module_args(module, entry, argv, common_ns)
 
 
 @pytest.mark.parametrize("device, granularity", [("cpu", 4096), ("cuda", CUDA_GRANULARITY)])
@@ -1155,7 +876,7 @@ def test_every_preset_opens_on_its_device_without_one(name, device, granularity,
     """Issue 26: the quick preset (and --smoke) of every benchmark of the suite asks nothing of
     the device's backend that the backend refuses (CUDA: 2 MiB granularity), found without a
     GPU: every cache configuration it implies is built and checked."""
-    assert set(suite.REGISTRY[name].presets) == set(suite.DEVICES)
+    assert set(runner.BENCHMARKS[name].presets) == set(runner.DEVICES)
     module, args = _resolved(name, device, smoke)
     if name == "generate":  # VirtualCache sizes its own pages: no configuration here to check
         assert not hasattr(module, "refusals")
@@ -1166,7 +887,7 @@ def test_every_preset_opens_on_its_device_without_one(name, device, granularity,
 def test_refusals_name_what_the_device_refuses():
     """What the old quick preset asked of CUDA (4 KiB pages for mapping), and page sizes below
     2 MiB elsewhere, are named with the backend's reason; a CPU run of the same is fine."""
-    from benchmarks import mapping
+    from vmkv_bench import mapping
 
     _, args = _resolved("mapping", "cuda", options=["--decode-page-sizes", "4KiB", "--page-sizes", "64KiB", "2MiB"])
     refused = mapping.refusals(args, CUDA_GRANULARITY)
@@ -1188,7 +909,7 @@ def test_cuda_presets_measure_what_a_cuda_user_gets():
     """mapping maps 32-token pages of Llama-3-8B in the all-layers layout (2 MiB pages of the small
     model would hold 1,024 tokens or more), sharing's headline VMM allocator is the library's
     CUDA default (all layers, 32 tokens a page), generate runs the 1b model."""
-    from benchmarks import mapping, sharing
+    from vmkv_bench import mapping, sharing
 
     _, args = _resolved("mapping", "cuda")
     config = mapping._decode_config(mapping._settings(args), "2MiB")
@@ -1208,7 +929,7 @@ def test_cuda_presets_measure_what_a_cuda_user_gets():
 
 
 def test_a_refused_option_stops_the_run_before_anything_runs_or_is_written(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(suite, "granularity", lambda device: CUDA_GRANULARITY)  # this host as if it mapped 2 MiB pages
+    monkeypatch.setattr(runner, "granularity", lambda device: CUDA_GRANULARITY)  # this host as if it mapped 2 MiB pages
     out = tmp_path / "out"
     assert cli.main(["bench", "mapping", "--page-sizes", "2MiB", "--out", str(out)]) == 2  # its 4 KiB decode pages on CPU
     err = capsys.readouterr().err.strip()
@@ -1231,7 +952,7 @@ def test_an_output_directory_that_cannot_be_written_stops_the_run_first(where, t
         def full(fd: int) -> None:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-        monkeypatch.setattr(suite.os, "fsync", full)
+        monkeypatch.setattr(runner.os, "fsync", full)
     elif where == "a filesystem that refuses" and os.access("/sys", os.W_OK) and not Path("/sys").is_dir():
         pytest.skip("no /sys here")
     assert cli.main(["bench", "--smoke", "--no-progress", "sharing", "--out", str(out)]) == 2
@@ -1266,7 +987,7 @@ def test_smoke_on_cuda(name, tmp_path):
     why = _cuda_unavailable()
     if why:
         pytest.skip(f"needs the CUDA backend: {why}")
-    module = importlib.import_module(f"benchmarks.{name}")
+    module = importlib.import_module(f"vmkv_bench.{name}")
     args = _args(module, tmp_path)
     args.device = "cuda"
     _check_contract(module.run(args), name)
@@ -1275,7 +996,7 @@ def test_smoke_on_cuda(name, tmp_path):
 def test_decode_names_the_winner_of_a_kernel_read_through_both_addressings():
     """A kernel measured on VMM slots and through a block table (Triton) gets a verdict of its
     own: which addressing wins and by how much; kernels of one addressing get none."""
-    from benchmarks import decode
+    from vmkv_bench import decode
 
     noise = [1.0, 1.01, 0.99, 1.0, 1.02, 0.98, 1.0]
     timings = common.Timings({"vmm:per_layer:triton": noise, "paged:triton": [1.3 * t for t in noise],
@@ -1284,18 +1005,3 @@ def test_decode_names_the_winner_of_a_kernel_read_through_both_addressings():
     (verdict,) = decode._addressing_verdicts(point, timings, "all_layers", "B=2, 128 tokens", 0.02)
     assert verdict.key == "decode.triton.slots_vs_blocks" and verdict.winner.startswith("slots, 1.30x")
     assert verdict.note == "vmm:per_layer:triton vs paged:triton"
-
-
-def test_triton_splits_sweeps_and_judges_the_rule_in_the_interpreter():
-    """The split sweep behind choose_num_splits runs (in Triton's interpreter here: the code path,
-    not a measurement), ends with its verdict, and without the interpreter says why, exit 2."""
-    command = [sys.executable, "-m", "benchmarks.triton_splits", "--device", "cpu", "--smoke"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    interpreted = subprocess.run(command, cwd=ROOT, env={**env, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
-    assert interpreted.returncode == 0, interpreted.stderr[-2000:]
-    lines = interpreted.stdout.strip().splitlines()
-    assert len(lines) == 3 and all("fastest" in line and "the rule 1" in line for line in lines[:2])
-    assert lines[-1].startswith("verdict: the split rule is within 10% of the fastest count at ") and "not a GPU measurement" in lines[-1]
-    plain = subprocess.run(command, cwd=ROOT, env={k: v for k, v in env.items() if k != "TRITON_INTERPRET"},
-                           capture_output=True, text=True, timeout=300)
-    assert plain.returncode == 2 and "TRITON_INTERPRET=1" in plain.stdout

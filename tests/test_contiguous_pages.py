@@ -155,7 +155,7 @@ needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    from benchmarks.vllm_harness.tiny import save_tiny_model
+    from vmkv_bench.vllm_harness.tiny import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny") / "model", num_layers=4)  # 4 KV heads of 32, 4 layers
 

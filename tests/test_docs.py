@@ -229,8 +229,8 @@ def test_shell_commands_in_the_docs_name_real_extras_and_subcommands() -> None:
     `vmkv` subcommands and benchmarks that exist; CI runs the README's test command as written."""
     import tomllib
 
-    from benchmarks.suite import REGISTRY
     from vmkv.cli import build_parser
+    from vmkv_bench.registry import BENCHMARKS
 
     extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
     subcommands = {"--version", "--help", *build_parser()._subparsers._group_actions[0].choices}  # noqa: SLF001
@@ -249,16 +249,16 @@ def test_shell_commands_in_the_docs_name_real_extras_and_subcommands() -> None:
         for words in re.findall(r"(?:^|&&|\|)\s*vmkv ([\w-]+)(?: ([\w-]+))?", line):
             assert words[0] in subcommands, f"{line!r}: vmkv has no subcommand {words[0]!r}"
             if words[0] == "bench" and words[1] and not words[1].startswith("-"):
-                assert words[1] in REGISTRY, f"{line!r}: no benchmark {words[1]!r}"
+                assert words[1] in BENCHMARKS, f"{line!r}: no benchmark {words[1]!r}"
 
 
 def test_hf_generate_benchmark_section_names_the_real_options() -> None:
-    """docs/hf.md's Benchmark section lists every option of ``benchmarks/generate.py`` and its
+    """docs/hf.md's Benchmark section lists every option of ``vmkv_bench/generate.py`` and its
     ``vmkv bench generate ...`` command lines parse with them (lists are space-separated)."""
     import argparse
     import shlex
 
-    from benchmarks import generate
+    from vmkv_bench import generate
 
     parser = argparse.ArgumentParser()
     generate.add_arguments(parser)

@@ -1,4 +1,4 @@
-"""The GPU check, ``python benchmarks/gpu_check.py`` (``benchmarks/gpu/``), without a GPU.
+"""The GPU check, ``python benchmarks/gpu_check.py`` (``vmkv_bench/runner.py``, ``vmkv_bench/gpu/``), without a GPU.
 
 * Its dry run as a user runs it (``--device cpu --smoke``): the sections added for issue 26
   (``shared_budget``, ``vllm_slots``, ``bench``) and ``zero_page`` (whose write probe must die),
@@ -17,6 +17,8 @@ start the script inside itself; the fake-driver ones skip there anyway).
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -31,18 +33,24 @@ from fake_cuda.fixtures import fake, fake_cuda_backends, fake_lib  # noqa: F401 
 from helpers import register_kernel
 
 import vmkv
-from benchmarks.gpu import bench, core, kernels, memory, runner, slots, vllm_engine, vllm_smoke
-from benchmarks.gpu.memory import DeviceMemory, MemorySample, shared_budget_section
-from benchmarks.gpu.registry import SectionSkipped, run_process
-from benchmarks.gpu.sections import SECTIONS
-from benchmarks.gpu.workload import SMOKE, TOLERANCE
 from vmkv.kernels.contiguous import sdpa_per_sequence
 from vmkv.vllm import PluginConfig
+from vmkv_bench import runner
+from vmkv_bench.decode import TOLERANCE
+from vmkv_bench.gpu import core, kernels, memory, slots, vllm_engine, vllm_smoke
+from vmkv_bench.gpu.memory import DeviceMemory, MemorySample, shared_budget_section
+from vmkv_bench.registry import SECTIONS
+from vmkv_bench.runner import Context, SectionSkipped, run_process
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "benchmarks" / "gpu_check.py")
 MiB = 1 << 20
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the no-GPU path cannot be shown")
+
+
+def smoke(device: str = "cpu", out: Path | None = None, **options) -> Context:
+    """A section's context for the dry run's shapes, with the command's options given."""
+    return Context(torch.device(device), True, out or Path("gpu-check-out"), argparse.Namespace(**options))
 
 
 # ---- the dry run, as a user runs it -----------------------------------------------------------
@@ -64,7 +72,7 @@ def test_gpu_check_cpu_dry_run_runs_the_new_sections_each_in_its_own_process(tmp
     slot = entries["vllm_slots"]["result"]
     assert all(slot["checks"].values()) and slot["rollback"]["map"]["calls"] > 0 and slot["vllm_layout"] == "LBHNC"
     suite = entries["bench"]["result"]
-    assert suite["returncode"] == 0 and suite["benchmarks"][bench.SMOKE_BENCHMARK]["status"] == "ok", suite
+    assert suite["returncode"] == 0 and suite["benchmarks"][runner.SMOKE_BENCHMARK]["status"] == "ok", suite
     assert all(entry["estimate_s"] > 0 and entry["headline"] for entry in entries.values())
     lines = run.stdout.strip().splitlines()
     assert lines[-1] == "gpu_check on cpu: 4 passed, 0 skipped."
@@ -99,12 +107,12 @@ def test_gpu_check_cpu_dry_run_of_the_cuda_graph_sections(tmp_path):
     assert "alone" not in entries["hf_compiled"] and "StaticCache" in entries["hf_compiled"]["headline"]
 
 
-def test_hf_compiled_keeps_measuring_when_one_cache_raises(monkeypatch):
+def test_hf_compiled_keeps_measuring_when_one_cache_raises(monkeypatch, tmp_path):
     """One device run measures every cache: a compiled cache that raises (here, made to) gets its
     error in each part and the section's failures, the others' numbers and ratios stay."""
     from types import SimpleNamespace
 
-    from benchmarks.gpu import compiled
+    from vmkv_bench.gpu import compiled
 
     config = SimpleNamespace(head_dim=8, hidden_size=16, num_attention_heads=2, num_hidden_layers=1, num_key_value_heads=1)
     work = compiled._work([4, 2], 3, torch.device("cpu"))
@@ -121,7 +129,7 @@ def test_hf_compiled_keeps_measuring_when_one_cache_raises(monkeypatch):
     monkeypatch.setattr(compiled, "logit_errors", lambda *args: {"static": 1e-3, "vmm+compile": 1e-3,
                                                                  "vmm+compile+vmkv": "RuntimeError: capture failed"})
     monkeypatch.setattr(compiled, "profile", lambda model, name, work, config: {"cpu_ms_total": 1.0})
-    result = compiled.hf_compiled_section(torch.device("cpu"), smoke=True)
+    result = compiled.hf_compiled_section(smoke(out=tmp_path))
     assert [f.split(":")[0] for f in result["failures"]] == [
         "vmm+compile+vmkv raised in the dense part", "vmm+compile+vmkv raised in the logits part",
         "vmm+compile+vmkv raised in the ragged part"]
@@ -139,10 +147,11 @@ def test_gpu_check_registry_fits_the_budget_with_room_for_more():
     vLLM (the GPU machine has none) fits in the default 8 minutes with half a minute to spare
     (estimates are estimates); a section that runs alone is left out of the default run; the
     quick checks come before the main job."""
-    names = [section.name for section in SECTIONS]
-    assert len(set(names)) == len(names) and all(section.estimate_s > 0 and section.about for section in SECTIONS)
-    default = [s for s in SECTIONS if not s.alone]
-    without_vllm = sum(s.estimate_s for s in default if s.skip_reason is not vllm_engine.vllm_unavailable)
+    names = list(SECTIONS)
+    assert all(section.estimate_s > 0 and section.about and section.name == name for name, section in SECTIONS.items())
+    assert all(callable(section.load()) and callable(section.load(section.headline)) for section in SECTIONS.values())
+    default = [s for s in SECTIONS.values() if not s.alone]
+    without_vllm = sum(s.estimate_s for s in default if s.skip != "vmkv_bench.gpu.vllm_engine:vllm_unavailable")
     assert without_vllm + 30 <= runner.DEFAULT_BUDGET_S == 480
     assert runner.parse_args([]).sections == [s.name for s in default] and "hf_compiled" not in runner.parse_args([]).sections
     assert names.index("bench") > max(names.index(n) for n in ("environment", "tests", "zero_page", "shared_budget", "vllm_slots"))
@@ -164,9 +173,9 @@ def test_gpu_check_skips_with_the_reason_what_does_not_fit_the_budget(tmp_path, 
     skipped is not failed (exit 0); the summary fits one screen."""
     seen: list = []
     monkeypatch.setattr(runner, "worker_command", _passing_worker(tmp_path, seen))
-    monkeypatch.setitem(runner.BY_NAME, "environment", runner.BY_NAME["environment"].__class__(
-        **{**runner.BY_NAME["environment"].__dict__, "headline": lambda result: f"ran {result['section']}"}))
-    code = runner.main(["--device", "cpu", "--out", str(tmp_path), "--sections", "environment", "bench", "zero_page", "--budget-s", "100"])
+    monkeypatch.setitem(runner.SECTIONS, "environment", dataclasses.replace(
+        runner.SECTIONS["environment"], headline=lambda result: f"ran {result['section']}"))
+    code = runner.check_main(["--device", "cpu", "--out", str(tmp_path), "--sections", "environment", "bench", "zero_page", "--budget-s", "100"])
     assert code == 0
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     skipped = report["sections"]["bench"]
@@ -181,7 +190,7 @@ def test_gpu_check_skips_with_the_reason_what_does_not_fit_the_budget(tmp_path, 
     assert any(line.startswith("bench") and "over budget" in line for line in summary)
 
     seen.clear()  # started 95 s ago: 5 s left, nothing fits
-    code = runner.main(["--device", "cpu", "--out", str(tmp_path), "--sections", "environment", "--budget-s", "100"],
+    code = runner.check_main(["--device", "cpu", "--out", str(tmp_path), "--sections", "environment", "--budget-s", "100"],
                        started=time.monotonic() - 95)
     assert code == 0 and seen == [] and "over budget" in json.loads((tmp_path / "gpu_check.json").read_text())["sections"]["environment"]["reason"]
     with pytest.raises(SystemExit):
@@ -221,7 +230,7 @@ def test_gpu_check_isolates_a_crashing_section_and_fails_the_run(tmp_path, monke
         return passing(name, args, seconds)
 
     monkeypatch.setattr(runner, "worker_command", command)
-    code = runner.main(["--device", "cpu", "--out", str(tmp_path), "--sections", "environment", "decode", "map_unmap"])
+    code = runner.check_main(["--device", "cpu", "--out", str(tmp_path), "--sections", "environment", "decode", "map_unmap"])
     assert code == runner.EXIT_FAILED
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert [report["sections"][s]["status"] for s in ("environment", "decode", "map_unmap")] == ["passed", "failed", "passed"]
@@ -240,7 +249,7 @@ def test_gpu_check_without_a_gpu_says_so_in_one_line(tmp_path, capsys):
         runner.parse_args(["--help"])
     help_text = capsys.readouterr().out
     assert done.value.code == 0 and "Exit status" in help_text and "vllm_slots" in help_text and "--budget-s" in help_text
-    code = runner.main(["--out", str(tmp_path / "out")])  # no arguments but the output folder
+    code = runner.check_main(["--out", str(tmp_path / "out")])  # no arguments but the output folder
     lines = capsys.readouterr().out.strip().splitlines()
     assert code == runner.EXIT_NO_GPU == 3 and len(lines) == 1
     assert lines[0].startswith("gpu_check: no CUDA GPU here (torch ") and not (tmp_path / "out").exists()
@@ -249,37 +258,35 @@ def test_gpu_check_without_a_gpu_says_so_in_one_line(tmp_path, capsys):
 # ---- each section's verdicts ------------------------------------------------------------------
 def test_gpu_check_sections_that_need_no_process_of_their_own(tmp_path):
     cpu = torch.device("cpu")
-    env = core.environment(cpu, SMOKE)
+    env = core.environment_section(smoke())
     assert env["selected_contiguous_kernel"] == "sdpa_adaptive" and "cuda-bindings" in env["packages"]
     assert set(env["optional_packages"]) == {"flash-attn", "FlashInfer", "vLLM", "triton"}
-    row = core.decode_section(cpu, SMOKE, ["sdpa_per_sequence"])["kernels"]["sdpa_per_sequence"]
+    row = core.decode_section(smoke(kernels=["sdpa_per_sequence"]))["kernels"]["sdpa_per_sequence"]
     assert row["max_abs_diff"] == 0.0 and row["vmm_over_dense"] > 0  # same kernel, same bytes
-    mapping = core.map_unmap_section(cpu, SMOKE)
+    mapping = core.map_unmap_section(smoke())
     assert mapping["backend"] == "host" and mapping["map_us"]["median"] > 0
     assert core.map_unmap_headline(mapping).startswith("map ")
-    paged = kernels.paged_vs_vmm_section(cpu, SMOKE)
+    paged = kernels.paged_vs_vmm_section(smoke())
     assert paged["candidates"]["blocks16:gather_sdpa"]["max_abs_err_vs_fp32_reference"] < 1e-5 and not paged["failures"]
     with pytest.raises(SectionSkipped, match="needs a CUDA device"):
-        vllm_engine.vllm_section(cpu, tmp_path)
+        vllm_engine.vllm_section(smoke(out=tmp_path))
     with pytest.raises(SectionSkipped, match="addressing comparison inside vLLM on CUDA needs a CUDA device"):
-        vllm_engine.vllm_addressing_section(cpu, tmp_path, smoke=True)
+        vllm_engine.vllm_addressing_section(smoke(out=tmp_path))
     assert vllm_engine.vllm_unavailable(cpu, True) == "vLLM on the GPU needs a CUDA device"
 
 
 def test_gpu_check_decode_fails_a_kernel_off_the_reference(monkeypatch):
     """A kernel 0.01 off the fp32 reference (fp32 data: 100x the tolerance) fails the section;
     the right kernels do not."""
-    cpu = torch.device("cpu")
-
     def off(q, k_cache, v_cache, plan, scale):
         return sdpa_per_sequence(q, k_cache, v_cache, plan, scale) + 0.01
 
     register_kernel(monkeypatch, "test_off", off)
-    result = core.decode_section(cpu, SMOKE, ["sdpa_per_sequence", "test_off"])
+    result = core.decode_section(smoke(kernels=["sdpa_per_sequence", "test_off"]))
     assert result["tolerance"] == TOLERANCE["float32"]
     assert result["kernels"]["test_off"]["max_abs_err_vs_fp32_reference"] == pytest.approx(0.01, rel=1e-3)
     assert len(result["failures"]) == 1 and result["failures"][0].startswith("test_off: max |output - fp32 reference| 0.01 > 0.0001")
-    assert not core.decode_section(cpu, SMOKE, ["sdpa_per_sequence"])["failures"]
+    assert not core.decode_section(smoke(kernels=["sdpa_per_sequence"]))["failures"]
 
 
 def test_gpu_check_paged_vs_vmm_fails_a_kernel_that_disagrees(monkeypatch):
@@ -290,7 +297,7 @@ def test_gpu_check_paged_vs_vmm_fails_a_kernel_that_disagrees(monkeypatch):
             return super().run(*args) + 0.01
 
     register_kernel(monkeypatch, "gather_sdpa", lambda q, k, v, plan, scale: Off().run(q, k, v, plan, None, scale), "blocks")
-    result = kernels.paged_vs_vmm_section(torch.device("cpu"), SMOKE)
+    result = kernels.paged_vs_vmm_section(smoke())
     assert result["candidates"]["blocks16:gather_sdpa"]["max_abs_err_vs_fp32_reference"] == pytest.approx(0.01, rel=1e-3)
     assert [f.rpartition(": max")[0] for f in result["failures"]] == ["blocks16:gather_sdpa"]
     assert "> 0.0001 (float32)" in result["failures"][0]
@@ -311,7 +318,7 @@ def test_gpu_check_paged_vs_vmm_measures_the_triton_kernel_on_both_addressings(t
 
 
 def test_gpu_check_vllm_section_fails_a_failed_smoke(monkeypatch, tmp_path):
-    """gpu_smoke reports "passed" (benchmarks/gpu/vllm_smoke.py): passed=False fails the section
+    """gpu_smoke reports "passed" (vmkv_bench/gpu/vllm_smoke.py): passed=False fails the section
     with the reasons, through the worker as gpu_check runs it; passed=True passes; no "passed" fails."""
     import importlib.util
 
@@ -394,7 +401,7 @@ def test_gpu_check_bench_records_the_suites_exit_and_verdicts(tmp_path, monkeypa
     """The main job's exit status decides; each benchmark's status and verdicts are recorded from
     its suite.json (a stale one from an earlier run is not read); a suite past its time is
     killed and says so."""
-    assert bench.bench_command(torch.device("cuda", 0), tmp_path / "bench", smoke=False)[1:] == [
+    assert runner.bench_command(torch.device("cuda", 0), tmp_path / "bench", smoke=False)[1:] == [
         "-m", "vmkv.cli", "bench", "--device", "cuda", "--out", str(tmp_path / "bench")]
     (tmp_path / "bench").mkdir()
     (tmp_path / "bench" / "suite.json").write_text(json.dumps({"records": [{"name": "stale", "status": "ok"}]}))
@@ -403,14 +410,14 @@ def test_gpu_check_bench_records_the_suites_exit_and_verdicts(tmp_path, monkeypa
                {"name": "mapping", "status": "failed", "reason": "InvalidConfig: page_size 4096 ..."}]
     writes = (f"import json, pathlib; pathlib.Path({str(tmp_path / 'bench' / 'suite.json')!r}).write_text("
               f"json.dumps({{'records': {records!r}}})); raise SystemExit(1)")
-    monkeypatch.setattr(bench, "bench_command", lambda device, out, smoke: [sys.executable, "-c", writes])
-    result = bench.bench_section(torch.device("cuda"), tmp_path, smoke=False, timeout=60)
+    monkeypatch.setattr(runner, "bench_command", lambda device, out, smoke: [sys.executable, "-c", writes])
+    result = runner.bench_section(Context(torch.device("cuda"), False, tmp_path, deadline=time.monotonic() + 70))
     assert list(result["benchmarks"]) == ["memory", "mapping"]
     assert result["benchmarks"]["memory"]["verdicts"] == [{"question": "q", "result": "r", "winner": "vmm", "reliable": True}]
     assert result["failures"] == ["vmkv bench exit status 1; not ok: mapping"]
-    assert bench.bench_headline(result).startswith("exit status 1: 1 of 2 benchmarks ok, 1 verdicts")
-    monkeypatch.setattr(bench, "bench_command", lambda device, out, smoke: [sys.executable, "-c", "import time; time.sleep(30)"])
-    slow = bench.bench_section(torch.device("cuda"), tmp_path, smoke=False, timeout=0.5)
+    assert runner.bench_headline(result).startswith("exit status 1: 1 of 2 benchmarks ok, 1 verdicts")
+    monkeypatch.setattr(runner, "bench_command", lambda device, out, smoke: [sys.executable, "-c", "import time; time.sleep(30)"])
+    slow = runner.bench_section(Context(torch.device("cuda"), False, tmp_path, deadline=time.monotonic() + 10.5))
     assert slow["returncode"] is None and slow["failures"][0].startswith("vmkv bench timed out after") and slow["benchmarks"] == {}
 
 
@@ -435,13 +442,13 @@ def test_gpu_check_shared_budget_fails_when_the_device_holds_more_than_budget_an
     measured round beyond the budget fails, and so does memory not given back at close."""
     big = 10**9  # far beyond the smoke budget (a few hundred KiB)
     warm = [0, 0, 0, 0, 0, big]  # the context grew during the warm-up and kept it
-    result = shared_budget_section(torch.device("cpu"), SMOKE, _Scripted(warm + [big] * 6))
+    result = shared_budget_section(smoke(), _Scripted(warm + [big] * 6))
     assert result["failures"] == [] and result["overhead"]["context_growth_bytes"] == big
     assert result["device_bytes_used"] == 0
-    result = shared_budget_section(torch.device("cpu"), SMOKE, _Scripted(warm + [big, big, big, big, 2 * big, big]))
+    result = shared_budget_section(smoke(), _Scripted(warm + [big, big, big, big, 2 * big, big]))
     assert result["failures"] == ["device_memory_within_the_budget"] and result["device_bytes_used"] == big
     assert memory.shared_budget_headline(result).startswith("device +954 MiB for a 0 MiB budget")
-    result = shared_budget_section(torch.device("cpu"), SMOKE, _Scripted(warm + [big] * 5 + [big + 1]))
+    result = shared_budget_section(smoke(), _Scripted(warm + [big] * 5 + [big + 1]))
     assert result["failures"] == ["device_memory_given_back_at_close"]
 
 
@@ -457,7 +464,7 @@ def test_gpu_check_shared_budget_on_the_fake_driver_counts_every_byte(fake_cuda_
             counted.append(fake.created_minus_released())
             return super().sample()
 
-    result = shared_budget_section(torch.device("cpu"), SMOKE, Counting("cuda:0", runtime=fake_cuda_backends.runtime))
+    result = shared_budget_section(smoke(), Counting("cuda:0", runtime=fake_cuda_backends.runtime))
     assert result["failures"] == [] and len(fake_cuda_backends) == 4  # two caches, two rounds
     page = fake_cuda_backends[0].page_size
     for stages in result["rounds"].values():
@@ -481,7 +488,7 @@ def test_gpu_check_vllm_slots_on_the_fake_cuda_driver(fake_cuda_backends, fake, 
     runtime = fake_cuda_backends.runtime
     monkeypatch.setattr(slots, "open_backend", lambda device, page, pages: CudaVirtualMemory(page, pages, device="cuda:0", runtime=runtime))
     monkeypatch.setattr(slots, "granularity", lambda device: cuda_granularity("cuda:0", runtime=runtime))
-    result = slots.vllm_slots_section(torch.device("cpu"), smoke=True)
+    result = slots.vllm_slots_section(smoke())
     assert result["failures"] == [] and result["backend"] == "cuda", result["checks"]
     assert (result["vllm_layout"], result["slot_layout"]) == ("BLHNC", "all_layers")
     assert result["checks"]["driver_access_matches_the_slots"] is True
@@ -497,5 +504,5 @@ def test_gpu_check_vllm_slots_catches_a_rollback_that_does_not_undo(monkeypatch)
     from vmkv.vllm.contiguous.slots import SlotSpace
 
     monkeypatch.setattr(SlotSpace, "_undo", lambda self, exc, done, call, args: exc)
-    result = slots.vllm_slots_section(torch.device("cpu"), smoke=True)
+    result = slots.vllm_slots_section(smoke())
     assert "every_failing_map_is_undone" in result["failures"] and result["rollback"]["map"]["not_undone"]

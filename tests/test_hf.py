@@ -691,7 +691,7 @@ def test_vmkv_imports_without_transformers():
 def test_generate_benchmark_smoke(tmp_path: Path):
     import argparse
 
-    from benchmarks import generate as bench
+    from vmkv_bench import generate as bench
 
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)

@@ -26,9 +26,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import vmkv
 import vmkv.share
-from benchmarks.two_engines import ResidentSampler, read_answer
 from vmkv.errors import BackendError, InvalidConfig, LedgerCorrupt, LedgerMismatch, OutOfPages
 from vmkv.ledger import Ledger, SharedBudget, ledger_path
+from vmkv_bench.two_engines import ResidentSampler, read_answer
 
 sys.path.insert(0, str(Path(__file__).parent))
 import ledger_member  # noqa: E402
@@ -441,7 +441,7 @@ def test_two_engines_benchmark_follows_the_contract(tmp_path):
     its budget, both completing every request, and the two TTFT verdicts."""
     import argparse
 
-    from benchmarks import two_engines
+    from vmkv_bench import two_engines
 
     parser = argparse.ArgumentParser()
     two_engines.add_arguments(parser)
@@ -532,9 +532,10 @@ def test_a_call_waits_for_the_watcher_instead_of_raising(name):
 def test_gpu_check_shared_budget_section_dry_runs_on_the_cpu():
     import torch
 
-    from benchmarks import gpu_check
+    from vmkv_bench.gpu.memory import shared_budget_section
+    from vmkv_bench.runner import Context
 
-    result = gpu_check.shared_budget_section(torch.device("cpu"), gpu_check.SMOKE)
+    result = shared_budget_section(Context(torch.device("cpu"), smoke=True))
     assert result["failures"] == [] and all(result["checks"].values())
     assert result["resident_after_second"] <= result["budget_bytes"] and result["pages_held"][1] >= 40
 

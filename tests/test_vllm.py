@@ -177,7 +177,7 @@ def test_a_missing_vllm_gives_one_clear_error():
         import os, sys
         sys.modules["vllm"] = None  # as if vLLM were not installed
         os.environ["VMKV_VLLM"] = "1"
-        from benchmarks.gpu.vllm_smoke import gpu_smoke
+        from vmkv_bench.gpu.vllm_smoke import gpu_smoke
         from vmkv import vllm as plugin
         for call in (plugin.check_vllm, plugin.register, lambda: gpu_smoke(".")):
             try:
@@ -195,7 +195,7 @@ def test_a_missing_vllm_gives_one_clear_error():
 
 
 def test_benchmark_verdicts_read_the_summary():
-    from benchmarks import vllm as bench
+    from vmkv_bench import vllm as bench
 
     summary = {"throughput_ratios_per_round": [0.99, 1.01, 1.2], "tokens_identical": True,
                "kv_mean_ratio_vmkv_over_stock": 0.02, "kv_peak_ratio_vmkv_over_stock": 0.05, "rss_saved_bytes": 2**28}
@@ -700,7 +700,7 @@ def test_a_request_fills_its_own_page_and_decode_steps_allocate_nothing():
 def test_drive_engine_sets_the_environment_only_while_vllm_starts(monkeypatch):
     import vllm
 
-    from benchmarks.vllm_harness import drive
+    from vmkv_bench.vllm_harness import drive
 
     names = (plugin.ENV_FLAG, drive.RESERVED_CPUS, "HF_HUB_OFFLINE")
     seen = []
@@ -783,7 +783,7 @@ def test_stats_aggregate_per_rank_and_reach_prometheus():
 
 # ---- end to end -------------------------------------------------------------------------------
 def run_scenarios(tmp_path_factory, names: list[str]) -> dict:
-    from benchmarks.vllm_harness.tiny import save_tiny_model
+    from vmkv_bench.vllm_harness.tiny import save_tiny_model
 
     root = tmp_path_factory.mktemp("vllm")
     model = save_tiny_model(root / "model")
@@ -903,19 +903,5 @@ def test_benchmark_smoke_follows_the_contract_and_ends_with_a_verdict(tmp_path):
     assert summary["tokens_identical"] and summary["throughput_ratio_vmkv_over_stock"] > 0
     assert summary["kv_peak_ratio_vmkv_over_stock"] < 0.5  # vmkv held far less than stock's buffer
     assert summary["verdict"].startswith("vmkv runs vLLM at ")
-    # the client part: vLLM's servers under vLLM's client, 2 rounds of 4 requests at rate inf
-    client = result["client"]
-    assert [(r["round"], r["engine"]) for r in client["rows"]] == [(0, "stock"), (0, "vmkv"), (1, "vmkv"), (1, "stock")]
-    for row in client["rows"]:
-        assert set(row) == set(client["schema"]) and row["completed"] == row["requests"] == 4
-        assert row["output_tokens"] == 4 * 8 and row["mean_ttft_ms"] > 0 and row["texts_identical"]
-    assert summary["client"]["inf"].startswith("at rate inf: vmkv ")
-    assert [v["key"] for v in result["verdicts"]] == ["vllm.throughput", "vllm.kv_memory", "vllm.client_inf.throughput",
-                                                      "vllm.client_inf.ttft", "vllm.costs.share"]
-    # the costs part: both engines' hooks timed, vmkv's KV faulted in as written, stock's not
-    costs = result["costs"]
-    assert costs["vmkv"]["connector_metadata_bytes"] > 0 == costs["stock"]["connector_metadata_bytes"]
-    assert costs["vmkv"]["attention_faults_per_run"] > 0 and costs["stock"]["step_ms"] > 0
-    assert 0 < costs["vmkv"]["get_num_free_blocks_stock_us"] and costs["summary"]["total_us_per_step"] > 0
-    assert summary["costs"].startswith("the plugin adds ")
+    assert [v["key"] for v in result["verdicts"]] == ["vllm.throughput", "vllm.kv_memory"]
     assert (tmp_path / "vllm_kv_memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

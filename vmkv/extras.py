@@ -1,4 +1,5 @@
-"""How to install an optional extra: one sentence, used by every message that names one.
+"""Optional packages: how to install an extra, whether a module is installed, and a call whose
+failure is a reason to report (shared by ``vmkv info`` and the benchmarks).
 
 vmkv is not on a package index: it installs from a clone of its repository, so an extra is
 ``pip install -e '.[NAME]'`` run in the clone (``pip install 'vmkv[NAME]'`` would fail).
@@ -6,7 +7,26 @@ vmkv is not on a package index: it installs from a clone of its repository, so a
 
 from __future__ import annotations
 
+import importlib.util
+from typing import Any, Callable
+
 
 def install_hint(extra: str) -> str:
     """``"pip install -e '.[EXTRA]' (in a vmkv clone)"``."""
     return f"pip install -e '.[{extra}]' (in a vmkv clone)"
+
+
+def installed(name: str) -> bool:
+    """Whether module ``name`` is installed (a dotted name whose parent is missing is not)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def attempt(fn: Callable[[], Any]) -> tuple[Any, str]:
+    """``(fn(), "")``, or ``(None, "Type: message")`` if it raises: every reason reported, none hidden."""
+    try:
+        return fn(), ""
+    except Exception as exc:  # noqa: BLE001
+        return None, f"{type(exc).__name__}: {exc}"

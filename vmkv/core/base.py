@@ -30,6 +30,7 @@ the argument checks (:mod:`.checks`).
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Mapping
@@ -402,7 +403,9 @@ class KVCacheBase(ABC):
             released = sum(self.window.count_behind(seq) for seq, _, _ in steps) if self.window else 0
             with self.guard.atomic():
                 self._finish_last_step()
+                began = time.perf_counter_ns()
                 plan, copies = self._map_step(steps, undoable)
+                self.counters["map_step_ns"] += time.perf_counter_ns() - began  # stats(): time in full-path planning
             self.counters["window_releases"] += released
             self._commit_step(steps)
             seqs = [seq for seq, _, _ in steps]
@@ -583,6 +586,7 @@ class KVCacheBase(ABC):
             "map_ahead_errors": self.counters["map_ahead_errors"],
             "window": self.config.window,
             "window_releases": self.counters["window_releases"],
+            "map_step_ns": self.counters["map_step_ns"],
         }
 
     @property
