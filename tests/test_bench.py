@@ -325,6 +325,32 @@ def test_a_target_of_1_is_judged_as_the_verdict_names_a_side():
     assert seen == {"A", "B", "tie"}
 
 
+def test_generate_compile_verdicts_have_their_targets():
+    from vmkv_bench import generate
+
+    result = _generate_result({"vmm": True, "vmm+compile": True, "static+compile": True})
+    times = result["samples"]["small/greedy/b2/4"]  # vmm: 1.0, 1.1, 1.2
+    times["vmm+compile"], times["static+compile"] = [1.04, 1.15, 1.26], [1.0, 1.1, 1.2]
+    verdicts = {v.key: v for v in generate.verdicts(result)}
+    eager, static = verdicts["generate.small.compiled_vs_vmm"], verdicts["generate.small.compiled_vs_static_compile"]
+    assert eager.agrees and eager.reference == "target >= 0.95x"  # 0.96x of eager: within the target
+    assert not static.agrees and "missed by 0.04x" in static.note
+    result["rows"] = [{**r, "same_tokens_as_dynamic": r["cache"] != "vmm+compile"} for r in result["rows"]]
+    assert not {v.key: v for v in generate.verdicts(result)}["generate.small.compiled_vs_vmm"].reliable
+
+
+def test_generate_compile_verdicts_of_the_vmkv_attention_compare_it_with_its_eager_cache():
+    from vmkv_bench import generate
+
+    result = _generate_result({"vmm+vmkv": True, "vmm+compile+vmkv": True, "static+compile": True})
+    times = result["samples"]["small/greedy/b2/4"]
+    times["vmm+vmkv"], times["vmm+compile+vmkv"], times["static+compile"] = [1.0, 1.1, 1.2], [0.5, 0.55, 0.6], [1.0, 1.1, 1.2]
+    verdicts = {v.key: v for v in generate.verdicts(result)}
+    eager, static = verdicts["generate.small.compiled_vmm_vmkv_vs_vmm_vmkv"], verdicts["generate.small.compiled_vmm_vmkv_vs_static_compile"]
+    assert eager.agrees and static.agrees and eager.side == "vmm+compile+vmkv" and eager.reference == "target >= 0.95x"
+    assert "generate.small.compiled_vs_vmm" not in verdicts  # no vmm+compile in this run
+
+
 def test_generate_bound_cache_gives_dynamic_cache_tokens_and_refuses_moving_rows():
     pytest.importorskip("transformers")
     from transformers import DynamicCache
@@ -580,6 +606,22 @@ def test_model_benchmarks_smoke(name, tmp_path):
         capacity = [r for r in result["rows"] if r["experiment"] == "capacity"]
         assert all(r["requests"] == result["config"]["capacity_requests"] for r in capacity)
         assert all(r["tok_per_cpu_s"] > 0 for r in result["rows"])
+
+
+def test_generate_smoke_of_the_compiled_caches(tmp_path):
+    """The three VirtualCache(compile=True) caches (VMM with the model's SDPA or the "vmkv"
+    attention, paged) run under generate()'s compile with DynamicCache's tokens, and get their
+    verdicts."""
+    pytest.importorskip("transformers")
+    from vmkv_bench import generate
+
+    caches = ["dynamic", "vmm", "vmm+vmkv", "paged+vmkv", "vmm+compile", "vmm+compile+vmkv", "paged+compile+vmkv"]
+    result = generate.run(_args(generate, tmp_path, ["--caches", *caches, "--beam-width", "0"]))
+    assert {r["cache"] for r in result["rows"]} == set(caches)
+    assert all(r["same_tokens_as_dynamic"] for r in result["rows"]) and not result["summary"].get("failed")
+    keys = {v.key for v in generate.verdicts(result)}
+    assert {"generate.small.compiled_vs_vmm", "generate.small.compiled_vmm_vmkv_vs_vmm_vmkv",
+            "generate.small.compiled_paged_vmkv_vs_paged_vmkv"} <= keys
 
 
 def test_serve_capacity_is_the_same_experiment_in_every_preset():

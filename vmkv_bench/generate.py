@@ -17,9 +17,16 @@ from . import common
 NAME = "generate"
 DESCRIPTION = "transformers generate(): VirtualCache (vmm, paged) vs DynamicCache/StaticCache tokens/s and KV bytes"
 
-CACHES = ("dynamic", "static", "vmm", "vmm+vmkv", "paged+vmkv", "bound")
+CACHES = ("dynamic", "static", "vmm", "vmm+vmkv", "paged+vmkv", "bound", "static+compile", "vmm+compile",
+          "vmm+compile+vmkv", "paged+compile+vmkv")
+DEFAULT_CACHES = CACHES[:6]  # the +compile caches compile for each shape (seconds on a CPU, tens on a GPU): asked for
 LONG_POINT = (512, 2048, 8)  # prompt tokens, new tokens, batch: issue 16's long point
 TARGETS = {"main": 1.0, "long": 1.2, "static": 1.0}  # VirtualCache speed / the other cache's
+# per compiled VirtualCache: its speed / the other cache's (issue 28): compiling must not slow the eager
+# cache of the same attention down, and must keep up with the same compile over StaticCache
+COMPILE_TARGETS = {"vmm+compile": {"vmm": 0.95, "static+compile": 1.0},
+                   "vmm+compile+vmkv": {"vmm+vmkv": 0.95, "static+compile": 1.0},
+                   "paged+compile+vmkv": {"paged+vmkv": 0.95, "static+compile": 1.0}}
 UPDATE_SHARE_TARGET = 0.05  # most of a decode step update() may take
 MODELS: dict[str, dict[str, Any]] = {
     "small": {},  # vmkv.models.DEFAULT_MODEL as it is
@@ -58,8 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--beam-width", type=int, default=4, help="beam search width, 0 to skip (default 4)")
     parser.add_argument("--beam-new-tokens", type=int, default=64, help="beam search tokens (default 64)")
     parser.add_argument("--static-len", type=int, default=None, help="StaticCache max_cache_len (default: prompt + new tokens, what the run needs)")
-    parser.add_argument("--caches", nargs="+", default=list(CACHES), choices=list(CACHES),
-                        help=f"caches to compare (default {' '.join(CACHES)})")
+    parser.add_argument("--caches", nargs="+", default=list(DEFAULT_CACHES), choices=list(CACHES),
+                        help=f"caches to compare (default {' '.join(DEFAULT_CACHES)})")
     parser.add_argument("--repeats", type=int, default=3, help="rounds, every cache once per round (default 3)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: stable on shared CPUs)")
     parser.add_argument("--clock", default="auto", choices=["auto", *common.CLOCKS],
@@ -79,12 +86,14 @@ def _smoke(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def _bound_cache(num_layers: int, capacity: int) -> Any:
-    """The ``bound`` reference (docs/hf.md): layers preallocating ``capacity`` positions, returning views."""
+    """The ``bound`` reference (docs/hf.md): a transformers ``Cache`` whose layers preallocate
+    ``capacity`` positions and return views of the stored length."""
     from transformers import Cache
     from transformers.cache_utils import DynamicLayer
 
     class BoundLayer(DynamicLayer):
-        """DynamicLayer's contract over preallocated storage: ``update`` copies in place instead of concatenating."""
+        """DynamicLayer's contract (``keys``/``values`` hold every stored token) over preallocated
+        storage: ``update`` copies the new states in place instead of concatenating."""
 
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
             batch, heads, _, dim = key_states.shape  # key_states: [B, H, S, D]
@@ -123,9 +132,21 @@ def _make_cache(name: str, model: torch.nn.Module, args: argparse.Namespace, max
         return DynamicCache()
     if name == "bound":
         return _bound_cache(model.config.num_hidden_layers, total)
-    if name == "static":
+    if name in ("static", "static+compile"):
         return StaticCache(config=model.config, max_cache_len=args.static_len or total)
+    if name in COMPILE_TARGETS:
+        return vmkv.hf.VirtualCache(name.split("+")[0], config=model.config, compile=True, max_batch_size=max_batch,
+                                    max_seq_len=args.static_len or total)
     return vmkv.hf.VirtualCache(name.split("+")[0], max_batch_size=max_batch, max_seq_len=total + 1)
+
+
+def _compile_config() -> Any:
+    """generate()'s compile on every device (transformers compiles by itself only on GPUs)."""
+    from transformers import CompileConfig
+
+    config = CompileConfig()
+    config._compile_all_devices = True
+    return config
 
 
 def _kv_bytes(cache: Any) -> tuple[int, int, int]:
@@ -171,6 +192,8 @@ def _run_once(model: torch.nn.Module, args: argparse.Namespace, point: Point, na
     model.set_attn_implementation("vmkv" if "vmkv" in name else "sdpa")
     if cache is None:
         cache = _make_cache(name, model, args, point.batch * point.beams, point.prompt_len + point.new_tokens)
+    if "+compile" in name:
+        kwargs["compile_config"] = _compile_config()
     return cache, model.generate(ids, **{vmkv.hf.cache_argument(): cache}, **kwargs)
 
 
@@ -184,6 +207,13 @@ def _workload(
     last: dict[str, tuple[Any, torch.Tensor]] = {}
     if point.beams > 1 and "bound" in caches:  # its rows never move: greedy points only
         caches.remove("bound")
+    for name in [name for name in caches if "+compile" in name and name not in args.failed]:
+        try:  # an untimed run compiles (dynamo, inductor) before the rounds
+            warm, _ = _run_once(model, args, point, name)
+            if hasattr(warm, "close"):
+                warm.close()
+        except Exception as exc:  # noqa: BLE001 - reported, the others go on
+            args.failed[name] = f"{type(exc).__name__}: {exc}"
     for round_ in range(args.repeats):
         for name in caches[round_ % len(caches):] + caches[: round_ % len(caches)]:
             if name in args.failed:
@@ -285,7 +315,8 @@ PROFILED = {"scaled_dot_product_attention": "sdpa_s", "cat": "cat_s", "linear": 
 
 
 def profile_point(model: torch.nn.Module, args: argparse.Namespace, point: Point) -> dict[str, dict[str, float]]:
-    """One cProfile'd generate() per cache at ``point``: seconds in SDPA, ``torch.cat``, linears, ``update``."""
+    """One cProfile'd generate() per cache at ``point`` (thread CPU time): seconds in SDPA,
+    ``torch.cat``, the linear layers, the cache's ``update`` (cumulative) and in all."""
     import cProfile
     import pstats
 
@@ -407,7 +438,8 @@ def _target_note(
 
 
 def _speed_verdicts(result: dict[str, Any], model: str, case: list[dict[str, Any]], label: str) -> list[common.Verdict]:
-    """The faster VirtualCache vs DynamicCache and StaticCache at one point, each against its target."""
+    """VirtualCache (the faster of vmm, vmm+vmkv) vs DynamicCache and vs StaticCache on ``case``
+    (the rows of one point), each against its target; ``label`` prefixes the keys (``""``, ``"long_"``)."""
     out = []
     failed = result["summary"].get("failed", {})
     caches = result.get("config", {}).get("caches", CACHES)
@@ -433,6 +465,33 @@ def _speed_verdicts(result: dict[str, Any], model: str, case: list[dict[str, Any
                                timings.ratio(base, "bound") if "bound" in timings.samples else None),
             ))
     return out + _bound_verdicts(timings, case, failed, key_case.split("/")[0], label, where, ours)
+
+
+def _compile_verdicts(result: dict[str, Any], model: str, case: list[dict[str, Any]], label: str) -> list[common.Verdict]:
+    """Each compiled VirtualCache against the eager cache of its attention and against ``static+compile``,
+    each against its target (:data:`COMPILE_TARGETS`)."""
+    timings = common.Timings(result["samples"][_case_key(case[0])])
+    failed = result["summary"].get("failed", {})
+    top = case[0]
+    where = f"{model} model, B={top['batch']}, {top.get('prompt_len', '?')}+{top['new_tokens']} tokens"
+    out = []
+    for ours, targets in COMPILE_TARGETS.items():
+        if ours not in timings.samples:
+            continue
+        mode, *rest = ours.replace("+compile", "").split("+")  # "vmm" | "paged", then the attention if "vmkv"
+        which = "" if ours == "vmm+compile" else "_" + ours.replace("+compile", "").replace("+", "_")
+        for base, target in targets.items():
+            if base not in timings.samples:
+                continue
+            key = f"generate.{model}.{label}compiled{which}_vs_{base.replace('+', '_')}"
+            question = (f"generate() tokens/s, {where}: VirtualCache({mode!r}, compile=True)"
+                        f"{' with the vmkv attention' if rest else ''} vs {base}")
+            why = _wrong(case, [ours, base], failed)
+            ratio = timings.ratio(base, ours)
+            out.append(common.unreliable(key, question, why) if why else common.ratio_verdict(
+                key, question, ratio, ours, base, target=target,
+                note=_target_note(ratio, target, None, None)))
+    return out
 
 
 def _bound_verdicts(
@@ -506,7 +565,7 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
             if greedy:
                 top = max(greedy, key=lambda r: (r["batch"] * r["new_tokens"], r["new_tokens"]))
                 case = [r for r in greedy if _case_key(r) == _case_key(top)]
-                out += _speed_verdicts(result, model, case, label)
+                out += _speed_verdicts(result, model, case, label) + _compile_verdicts(result, model, case, label)
         out += _overhead_verdict(result, model)
         beam = {r["cache"]: r for r in rows if r["model"] == model and r["workload"].startswith("beam")}
         vmm_beam = [beam[name] for name in ("vmm", "vmm+vmkv") if name in beam]
@@ -539,7 +598,8 @@ def table(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def plot(result: dict[str, Any], out_dir: Path) -> list[str]:
-    """``generate_throughput.png`` (tokens/s per case and cache) and ``generate_kv_bytes.png`` (peak KV bytes)."""
+    """``generate_throughput.png`` (tokens/s per case and cache, min-max bars) and
+    ``generate_kv_bytes.png`` (peak KV bytes, log axis). Returns the PNG paths."""
     plt = common.pyplot()
     rows = result["rows"]
     cases = list(result["samples"])
