@@ -220,7 +220,7 @@ class LayerGroups:
         self.close()
 
 
-_SUMMED = frozenset({"pages_total", "pages_free", "pages_in_use", "pages_spare", "shared_pages", "cached_pages",
+_SUMMED = frozenset({"pages_total", "pages_free", "pages_in_use", "pages_spare", "shared_pages", "cached_pages", "map_step_ns",
                      "bytes_in_use", "token_bytes", "cow_copies", "evictions", "map_ahead_errors", "resident_bytes",
                      "reserved_bytes", "pages_mapped_ahead", "pool_bytes", "num_blocks", "window_releases"})
 """``stats()`` totals over the groups (their pages and bytes); the counts of sequences and tokens
