@@ -370,6 +370,52 @@ def test_generate_bound_cache_gives_dynamic_cache_tokens_and_refuses_moving_rows
         cache.reorder_cache(torch.tensor([0, 0, 1]))
 
 
+def test_generate_window_part_holds_the_window_and_gives_dynamic_cache_tokens(tmp_path):
+    """The sliding-window part at a tiny point (issue 36): every cache gives DynamicCache's tokens;
+    VirtualCache holds the full layers' tokens and, per sliding layer, its window and slack (a
+    few pages), far less than StaticCache sized for the same longest sequence."""
+    pytest.importorskip("transformers")
+    from vmkv_bench import generate, windows
+
+    args = _args(generate, tmp_path, ["--window-models", "gpt-oss", "--window-point", "300", "3",
+                                      "--window-max-len", "2048", "--window-caches", "dynamic", "static", "vmm"])
+    args.repeats, args.failed = 2, {}
+    part = windows.run_part(args, "wall")
+    rows = {r["cache"]: r for r in part["rows"]}
+    assert not args.failed and set(rows) == {"dynamic", "static", "vmm"}
+    assert all(r["same_tokens_as_dynamic"] for r in rows.values())
+    token = 8 * 64 * 4 * 2  # bytes of a token in one layer: 8 KV heads of 64, float32, K and V
+    full = 2 * (300 + 3 - 1) * token  # two full layers hold every token
+    assert rows["dynamic"]["kv_bytes"] == full + 2 * 127 * token  # transformers' sliding layers keep window - 1
+    assert full < rows["vmm"]["kv_bytes"] <= full + 2 * (128 + 64 + 2 * 64) * token + 2 * 64 * token  # window + slack + pages
+    assert rows["static"]["kv_bytes"] == 2 * 2048 * token + 2 * 128 * token
+    assert rows["vmm"]["kv_peak_bytes"] >= rows["vmm"]["kv_bytes"]
+    verdicts = {v.key: v for v in windows.verdicts(part, args.failed)}
+    assert verdicts["generate.windows.gpt-oss.kv_vs_static"].side == "VirtualCache (less memory)"
+    assert verdicts["generate.windows.gpt-oss.kv_vs_dynamic"].reference == "target: VirtualCache <= 1.1x DynamicCache"
+    assert {"gpt-oss/" + r["cache"] for r in windows.table(part)} == {"gpt-oss/dynamic", "gpt-oss/static", "gpt-oss/vmm"}
+
+
+def test_generate_window_verdicts_judge_bytes_against_the_target_and_refuse_wrong_tokens():
+    from vmkv_bench import windows
+
+    def part(vmm_bytes: int, same: bool = True) -> dict:
+        rows = [{"model": "m", "cache": cache, "window": 8, "max_len": 64, "prompt_len": 40, "new_tokens": 4,
+                 "kv_bytes": held, "kv_peak_bytes": held, "same_tokens_as_dynamic": cache != "vmm" or same}
+                for cache, held in (("dynamic", 1000), ("static", 5000), ("vmm", vmm_bytes))]
+        return {"rows": rows, "samples": {"m": {"dynamic": [2.0, 2.1, 2.2], "static": [2.0, 2.1, 2.2],
+                                                "vmm": [1.0, 1.1, 1.2]}}}
+
+    met = {v.key: v for v in windows.verdicts(part(1090), {})}
+    assert met["generate.windows.m.kv_vs_dynamic"].agrees and met["generate.windows.m.vs_dynamic"].agrees
+    assert met["generate.windows.m.kv_vs_static"].side == "VirtualCache (less memory)"
+    assert windows.verdicts(part(1200), {})[0].agrees is False  # 1.2x DynamicCache's bytes: missed
+    wrong = windows.verdicts(part(1000, same=False), {})
+    assert len(wrong) == 1 and not wrong[0].reliable and wrong[0].note == "vmm generated other tokens than DynamicCache"
+    failed = windows.verdicts(part(1000), {"windows.m.vmm+vmkv": "RuntimeError: boom"})
+    assert not failed[0].reliable and failed[0].note == "vmm+vmkv failed: RuntimeError: boom"
+
+
 @pytest.mark.parametrize("samples, winner, side", [
     ([0.7, 0.75, 0.8], "VMM costs time: dense 1.33x faster (3 of 3 rounds)", "dense"),
     ([0.98, 1.0, 1.03], "no cost (tie)", "no cost"),

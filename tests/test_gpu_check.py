@@ -168,7 +168,7 @@ def _passing_worker(tmp_path: Path, seen: list) -> object:
 
 
 def test_gpu_check_skips_with_the_reason_what_does_not_fit_the_budget(tmp_path, monkeypatch, capsys):
-    """--budget-s 100: bench (~200 s) is skipped over budget with the numbers, the others run
+    """--budget-s 100: bench (~215 s) is skipped over budget with the numbers, the others run
     with a time limit inside what is left; a run that starts late skips what no longer fits;
     skipped is not failed (exit 0); the summary fits one screen."""
     seen: list = []
@@ -180,7 +180,7 @@ def test_gpu_check_skips_with_the_reason_what_does_not_fit_the_budget(tmp_path, 
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     skipped = report["sections"]["bench"]
     assert skipped["status"] == "skipped" and skipped["over_budget"] is True
-    assert skipped["reason"].startswith("over budget: needs ~200 s (estimate on an H200), ") and "of --budget-s 100" in skipped["reason"]
+    assert skipped["reason"].startswith("over budget: needs ~215 s (estimate on an H200), ") and "of --budget-s 100" in skipped["reason"]
     assert [name for name, _ in seen] == ["environment", "zero_page"] and all(seconds <= 100 for _, seconds in seen)
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1] == "gpu_check on cpu: 2 passed, 1 skipped (1 over budget)."

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from . import common
+from . import common, windows
 
 NAME = "generate"
 DESCRIPTION = "transformers generate(): VirtualCache (vmm, paged) vs DynamicCache/StaticCache tokens/s and KV bytes"
@@ -76,12 +76,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"B={LONG_POINT[2]}, greedy (target >= {TARGETS['long']}x DynamicCache)")
     parser.add_argument("--profile", action="store_true",
                         help="one cProfile'd run per cache and point: seconds in SDPA, torch.cat, linear, cache updates")
+    windows.add_arguments(parser)
 
 
 def _smoke(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(**{
         **vars(args), "models": ["small"], "prompt_len": 16, "new_tokens": [4], "batch_sizes": [2],
-        "beam_new_tokens": 4, "repeats": 1,
+        "beam_new_tokens": 4, "repeats": 1, "window_point": [160, 4], "window_max_len": 512,
     })
 
 
@@ -385,9 +386,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if args.profile:
                     profiles[key] = profile_point(model, margs, point)
             del model
+        window_part = windows.run_part(args, clock)
     config = {k: v for k, v in vars(args).items() if k not in ("out", "progress", "failed")}
     config["clock"] = clock
-    extra = {"config": config, "samples": samples, "update_overhead": overhead, "profiles": profiles}
+    extra = {"config": config, "samples": samples, "update_overhead": overhead, "profiles": profiles, "windows": window_part}
     summary = {**_summary(rows, samples), "failed": args.failed}
     return common.make_result(NAME, SCHEMA, rows, summary, **extra)
 
@@ -581,10 +583,18 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
                 "VirtualCache vs DynamicCache", common.Spread.exact(ratio), "VirtualCache (less memory)", "DynamicCache (less memory)",
                 note="copy-on-write shares the beams' common pages",
             ))
-    return out
+    return out + windows.verdicts(result.get("windows", {"samples": {}}), failed)
 
 
-def table(result: dict[str, Any]) -> list[dict[str, Any]]:
+def table(result: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """The main grid's tokens/s per case and cache; the sliding-window part's, if it ran."""
+    tables = {"": _grid_table(result)}
+    if result.get("windows", {}).get("rows"):
+        tables["sliding windows (K/V held after generate(), its peak)"] = windows.table(result["windows"])
+    return tables
+
+
+def _grid_table(result: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for key in result["samples"]:
         mine = [r for r in result["rows"] if _case_key(r) == key]

@@ -266,7 +266,7 @@ def run_one(module: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
             plots = []
     print(f"\n== {result['name']} ({seconds:.0f} s) ==")
     if hasattr(module, "table"):
-        print(common.format_table(module.table(result)))
+        print(_tables(module.table(result)))
     else:
         print(common.format_table(result["rows"], list(result["schema"]) if result.get("schema") else None))
     if result["verdicts"]:
@@ -275,6 +275,15 @@ def run_one(module: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
     # file names: suite.json and report.md live in the same directory
     return {"name": result["name"], "status": "ok", "seconds": seconds, "json": json_path.name,
             "plots": [Path(p).name for p in plots], "verdicts": result["verdicts"]}
+
+
+def _tables(found: list[dict[str, Any]] | dict[str, list[dict[str, Any]]]) -> str:
+    """A module's ``table()``: its rows, or several tables by title (``""``: untitled)."""
+    from . import common
+
+    if not isinstance(found, dict):
+        return common.format_table(found)
+    return "\n\n".join((f"{title}:\n" if title else "") + common.format_table(rows) for title, rows in found.items())
 
 
 def _verdicts(module: ModuleType, result: dict[str, Any]) -> list[dict[str, Any]]:
