@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--max-num-seqs", type=_positive, default=32, help="sequences running at once (cache slots) "
                        "(default: %(default)s)")
     cache.add_argument("--max-seq-len", type=_positive, default=None, help="longest prompt + completion "
-                       "(default: min(model positions, sliding window, 4096))")
+                       "(default: min(model positions, 4096))")
     cache.add_argument("--max-num-batched-tokens", type=_positive, default=512, help="tokens one step feeds at most "
                        "(default: %(default)s)")
     cache.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off (default: on)")
