@@ -1,20 +1,14 @@
-"""The ``vmkv`` command: ``info``, ``serve``, ``ledger``, and the subcommands other packages
-contribute (``bench``).
+"""The ``vmkv`` command: ``info``, ``serve``, ``ledger``, and subcommands other packages contribute.
 
 ::
 
     vmkv info                          backends, page granularity, kernels per mode and why
-    vmkv bench [options]               the benchmark suite (``vmkv bench --help``), contributed
-                                       by the clone's ``vmkv_bench`` package
+    vmkv bench [options]               the benchmark suite, contributed by the clone's ``vmkv_bench``
     vmkv serve [options]               the OpenAI-compatible server (vmkv.server.cli)
     vmkv ledger NAME [--reap]          a host-wide KV budget's members, holdings and verdict
 
-A contributed subcommand is an entry point of the ``vmkv.commands`` group (pyproject.toml:
-``[project.entry-points."vmkv.commands"]``) that loads an object, a module will do, with
-``HELP`` (one line for ``vmkv --help``) and ``main(argv) -> int`` (it parses ``argv``, the
-words after its name, with its own parser). The library imports none of them by name: the
-benchmarks live with the benchmarks. A command vmkv documents but cannot find says what to
-install.
+A contributed subcommand is a ``vmkv.commands`` entry point loading an object with ``HELP`` and
+``main(argv) -> int``; the library imports none by name.
 """
 
 from __future__ import annotations
@@ -73,8 +67,7 @@ def _cuda_granularity() -> int:
 
 
 def _kernel_lines() -> list[str]:
-    """Each mode's kernels as the rule judges them: on this machine's CPU, and on this GPU (or,
-    without one, on an sm80+ GPU with this machine's packages and torch)."""
+    """Each mode's kernels as the rule judges them: on this CPU, and on this GPU (or an assumed sm80+ one)."""
     import torch
 
     from .kernels.facts import MachineFacts
@@ -116,20 +109,18 @@ def serve(rest: list[str]) -> int:
 
 # ---- contributed commands (vmkv bench) ---------------------------------------------------------
 def contributed_commands() -> dict[str, importlib.metadata.EntryPoint]:
-    """The ``vmkv.commands`` entry points, by name: those of every installed distribution, and,
-    when this vmkv runs from a source checkout, those the checkout's ``pyproject.toml`` declares.
-    The checkout's win: they name the code that runs, while an editable install's metadata shows
-    a new entry point only once ``pip install -e .`` runs again, and a checkout run in place
-    (``python -m vmkv.cli``) has no metadata at all."""
+    """The ``vmkv.commands`` entry points, by name: every installed distribution's, and, from a source
+    checkout, its ``pyproject.toml``'s, which win (they name the code that runs).
+    """
     found = {ep.name: ep for ep in importlib.metadata.entry_points(group=COMMANDS_GROUP)}
     found.update(checkout_commands(Path(__file__).resolve().parents[1] / "pyproject.toml"))
     return found
 
 
 def checkout_commands(pyproject: Path) -> dict[str, importlib.metadata.EntryPoint]:
-    """The ``vmkv.commands`` entry points ``pyproject`` declares when it is vmkv's own (none
-    when it is missing, unreadable or another project's; none on Python 3.10, which reads no
-    TOML: installed metadata only there)."""
+    """The ``vmkv.commands`` entry points vmkv's own ``pyproject`` declares (none if missing, foreign, or on
+    Python 3.10, which reads no TOML).
+    """
     try:
         import tomllib
     except ModuleNotFoundError:
@@ -145,8 +136,7 @@ def checkout_commands(pyproject: Path) -> dict[str, importlib.metadata.EntryPoin
 
 
 def load_command(name: str, commands: dict[str, importlib.metadata.EntryPoint]) -> tuple[Any, str]:
-    """The command ``name`` of ``commands`` loaded, or ``(None, why)``: nothing declares it (the
-    message says what to install for a command vmkv documents), or it fails to load."""
+    """The command ``name`` of ``commands`` loaded, or ``(None, why)`` (with what to install, where vmkv documents it)."""
     entry = commands.get(name)
     if entry is None:
         return None, f"vmkv {name} needs {KNOWN_COMMANDS.get(name, 'a package that provides it')}"
@@ -171,8 +161,7 @@ def run_command(name: str, argv: list[str], commands: dict[str, importlib.metada
 
 # ---- entry point -------------------------------------------------------------------------------
 class _SubcommandParser(argparse.ArgumentParser):
-    """A subcommand's parser that refuses unknown options with its own usage (plain argparse hands
-    them back to the top-level parser, whose usage does not list the subcommand's options)."""
+    """A subcommand's parser that refuses unknown options with its own usage."""
 
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
         ns, extras = super().parse_known_args(args, namespace)
@@ -182,8 +171,7 @@ class _SubcommandParser(argparse.ArgumentParser):
 
 
 def build_parser(commands: dict[str, importlib.metadata.EntryPoint] | None = None) -> argparse.ArgumentParser:
-    """The top-level parser: ``info``, ``serve``, ``ledger`` and every contributed command
-    (``commands``, default :func:`contributed_commands`), each of which parses its own options."""
+    """The top-level parser: ``info``, ``serve``, ``ledger`` and every contributed command."""
     import vmkv
 
     commands = contributed_commands() if commands is None else commands

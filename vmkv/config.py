@@ -59,17 +59,14 @@ def _as_device(value: torch.device | str) -> torch.device:
 
 @dataclass(frozen=True)
 class KVShape:
-    """The K/V geometry of a model (on one rank: its KV heads and layers), which is all the bytes
-    of one token depend on.
-
-    A VMM *piece* is one reserved range (or, head-major, one head of one): per token it holds
-    :meth:`token_bytes` bytes, and one pool page of the cache takes :meth:`pieces` of them.
+    """The K/V geometry of a model (on one rank), which is all the bytes of one token depend on. A VMM
+    piece is one reserved range (or, head-major, one head of one).
 
     Args:
         num_layers: attention layers.
         num_kv_heads: key/value heads per layer.
         head_dim: size of one head.
-        element_size: bytes of one K/V element (2 for float16/bfloat16, 4 for float32).
+        element_size: bytes of one K/V element.
 
     Raises:
         InvalidConfig: a field is not a positive int.
@@ -110,8 +107,7 @@ class KVShape:
         return self.layer_token_bytes
 
     def pieces(self, layout: str) -> int:
-        """Pieces one page of every layer's K and V takes in ``layout``: one per range (per
-        layer and K/V, or K and V for all layers), and per head, head-major.
+        """Pieces one page of every layer's K and V takes in ``layout`` (a range each, and per head, head-major).
 
         Raises:
             InvalidConfig: ``layout`` is not one of :data:`LAYOUTS`.
@@ -131,8 +127,7 @@ def check_layout(layout: object) -> None:
 
 
 MAX_SEQ_LEN = 2**31 - 1
-"""The longest ``max_seq_len``: plans and kernels hold positions and lengths as int32
-(FlashAttention's ``cu_seqlens``/``seqused_k`` too)."""
+"""The longest ``max_seq_len``: positions and lengths are int32 (FlashAttention's too)."""
 
 
 @dataclass(frozen=True)
@@ -144,50 +139,33 @@ class KVCacheConfig:
         num_kv_heads: key/value heads per layer (fewer than query heads under GQA).
         head_dim: size of one head.
         dtype: element type of K and V (float32, float16, bfloat16; strings accepted).
-        device: ``"cpu"`` (host virtual memory; ``"cpu:0"`` is the same) or ``"cuda[:N]"`` (CUDA driver VMM).
+        device: ``"cpu"`` (host virtual memory) or ``"cuda[:N]"`` (CUDA driver VMM).
         max_batch_size: number of slots, i.e. sequences that can be live at once.
         max_seq_len: longest sequence, in tokens (at most :data:`MAX_SEQ_LEN`).
         memory_budget: bytes of physical memory for pages (int or "2GiB").
-        page_size: VMM mode: bytes of one physical mapping in one K or V tensor (a multiple of
-            the backend granularity — 4 KiB on the host, usually 2 MiB on CUDA — and of the
-            bytes one token takes in that tensor). ``None`` (default): decided with the layout
-            when the cache opens (:func:`vmkv.sizing.default_pages`); ``cache.config`` holds
-            the value. Paged mode ignores it but refuses a value VMM mode would refuse.
-        layout: VMM mode: ``"per_layer"`` (one range per layer and per K/V, token-major
-            ``[B, S, H, D]``), ``"all_layers"`` (one range for K and one for V holding every
-            layer, so a page covers fewer tokens), or ``"head_major"`` (per layer,
-            ``[B, H, S, D]``: each head's keys contiguous, what CPU SDPA reads fastest, but a
-            page then covers one head, so ``num_kv_heads`` times more mappings than
-            ``per_layer``). ``None`` (default): decided with the page size when the cache opens
-            (:func:`vmkv.sizing.default_pages`) if ``page_size`` is ``None`` too, else
-            ``"per_layer"``.
-        block_size: paged mode: tokens per block (vLLM's default is 16), a positive int in
-            either mode; VMM mode ignores it (its pages hold ``page_size`` bytes).
+        page_size: VMM mode: bytes of one mapping in one K or V piece, a multiple of the backend
+            granularity (4 KiB on the host, usually 2 MiB on CUDA) and of a token's bytes there.
+            ``None``: decided with the layout at open (:func:`vmkv.sizing.default_pages`). Paged
+            mode ignores it but refuses a value VMM mode would refuse.
+        layout: VMM mode: ``"per_layer"`` (a range per layer and K/V, ``[B, S, H, D]``),
+            ``"all_layers"`` (one K and one V range for every layer) or ``"head_major"`` (per layer,
+            ``[B, H, S, D]``, ``num_kv_heads`` times more mappings). ``None``: decided at open if
+            ``page_size`` is ``None`` too, else ``"per_layer"``.
+        block_size: paged mode: tokens per block (a positive int in either mode).
         prefix_caching: keep full pages indexed by a hash of their tokens for later prompts.
-        deferred_reclaim: VMM mode: a freed slot keeps its private pages mapped for the next
-            sequence (saves map/unmap calls); ``trim()`` or memory pressure takes them back.
-        map_ahead: VMM mode: after each ``begin_step`` map the next page of each running
-            sequence on a background thread, overlapping mapping with compute.
-        shared_budget: VMM mode: join a host-wide KV budget shared with other caches and
-            processes (:mod:`vmkv.ledger`): ``"NAME:SIZE"``, optionally followed by
-            ``,min=SIZE``, ``,max=SIZE``, ``,member=LABEL``, ``,wait=SECONDS``. The cache then backs
-            a page with memory only once the ledger granted it, gives idle pages back when
-            others need them, and ``memory_budget`` is only its own ceiling (on CUDA the
-            backend then creates pages per grant and releases them, instead of all at open).
-        layer_windows: per layer, its sliding window in tokens (a query at position p sees keys
-            p - window + 1 .. p), 0 for full attention; ``None``: every layer full. A cache
-            whose layers share one window releases each sequence's pages wholly behind it
-            (VMM: unmapped, the zero page reads there; paged: blocks back to the pool);
-            ``vmkv.open_cache`` gives layers of different windows a cache each
-            (:mod:`vmkv.core.groups`).
-        window_slack: tokens kept behind the window (``crop`` and speculative decoding roll
-            back within it); ``None``: one page.
-        attention_features: what the layers' attention adds beyond a window: ``"softcap"``
-            (logit soft-capping, Gemma 2), ``"sinks"`` (attention sinks, GPT-OSS); the kernels
-            chosen must have them (:mod:`vmkv.kernels.registry`).
-        max_step_tokens: the most tokens one step adds to a sequence (a prefill chunk): what a
-            windowed layer must hold beyond its window while the step runs, which sizes its share
-            of ``memory_budget``; ``None``: ``max_seq_len`` (a whole prompt in one step).
+        deferred_reclaim: VMM mode: a freed slot keeps its private pages mapped for the next sequence.
+        map_ahead: VMM mode: map each running sequence's next page on a background thread.
+        shared_budget: VMM mode: join a host-wide KV budget (:mod:`vmkv.ledger`), ``"NAME:SIZE"``
+            with optional ``,min=SIZE``, ``,max=SIZE``, ``,member=LABEL``, ``,wait=SECONDS``;
+            ``memory_budget`` is then this cache's ceiling.
+        layer_windows: per layer, its sliding window in tokens (0: full attention); ``None``: every
+            layer full. Pages wholly behind a shared window are released; ``vmkv.open_cache``
+            gives layers of different windows a cache each.
+        window_slack: tokens kept behind the window for rollback (``crop``); ``None``: one page.
+        attention_features: ``"softcap"`` (Gemma 2) and/or ``"sinks"`` (GPT-OSS), which the chosen
+            kernels must have.
+        max_step_tokens: the most tokens one step adds to a sequence, which sizes a windowed
+            layer's share of ``memory_budget``; ``None``: ``max_seq_len``.
     """
 
     num_layers: int
@@ -252,8 +230,7 @@ class KVCacheConfig:
 
     @property
     def features(self) -> frozenset[str]:
-        """The attention features every kernel of a cache of these layers needs: a window (if
-        any layer has one), and ``attention_features``."""
+        """The attention features every kernel of this cache needs: a window (if any), and ``attention_features``."""
         return frozenset(self.attention_features) | ({"window"} if any(self.layer_windows or ()) else set())
 
     @property
@@ -294,7 +271,7 @@ class KVCacheConfig:
 
 
 def as_config(value: "KVCacheConfig | Mapping[str, Any]") -> KVCacheConfig:
-    """Return ``value`` as a :class:`KVCacheConfig`: a config as is, a mapping of its fields built into one.
+    """``value`` as a :class:`KVCacheConfig`: a config as is, a mapping of its fields built into one.
 
     Raises:
         InvalidConfig: ``value`` is neither, or the mapping names a field the config does not have.
@@ -315,12 +292,8 @@ def as_config(value: "KVCacheConfig | Mapping[str, Any]") -> KVCacheConfig:
 
 @dataclass(frozen=True)
 class PageGeometry:
-    """How one pool page maps onto tokens and bytes, for one mode.
-
-    A *pool page* is the unit the page pool counts, shares and caches: the K and V of
-    ``tokens_per_page`` consecutive tokens of one sequence in *every* layer. It is backed by
-    ``num_tensors`` physical pieces of ``piece_bytes`` each: one per K/V tensor (VMM mapping or
-    paged block).
+    """How one pool page maps onto tokens and bytes, for one mode: the K and V of ``tokens_per_page``
+    tokens in every layer, backed by ``num_tensors`` pieces of ``piece_bytes``.
     """
 
     tokens_per_page: int

@@ -1,14 +1,9 @@
 """Every error vmkv raises, in one place.
 
-Each error is raised *before* any state changes, or after the call rolled back what it had
-changed: a call that fails leaves the cache exactly as it was. Two exceptions: ``trim()`` frees
-pages and then gives their memory back to the OS; if the OS refuses part of that it raises
-``BackendError`` with the pages already free. And if a rollback itself fails, the cache is
-marked broken (see :mod:`vmkv.core.calls`): later calls raise ``BackendError`` until ``close()``.
-
-Every class derives from :class:`VMKVError` and from the built-in exception a Python user would
-expect (``ValueError`` for bad arguments, ``LookupError`` for unknown ids, ...), so both
-``except VMKVError`` and ``except ValueError`` work.
+Invariant: an error is raised before any state changes, or after the call rolled back, so a
+failed call leaves the cache as it was; exceptions: ``trim()``'s ``BackendError`` (the pages are
+free already) and a failed rollback, which marks the cache broken. Each class derives from
+:class:`VMKVError` and the built-in a Python user expects (``ValueError``, ``LookupError``, ...).
 """
 
 from __future__ import annotations
@@ -46,8 +41,7 @@ class UnknownSequence(VMKVError, LookupError):
 
 
 class InvalidParameter(InvalidInput):
-    """A request parameter (engine, server) is out of range; ``param`` names the field, as in
-    OpenAI's error ``param``.
+    """A request parameter (engine, server) is out of range; ``param`` names the field, as OpenAI's does.
 
     Args:
         param: the field, e.g. ``"temperature"``.
@@ -93,9 +87,9 @@ class OutOfPages(VMKVError, MemoryError):
 
 
 class OutOfMappings(OutOfPages, BackendError):
-    """The process ran out of memory mappings (Linux ``vm.max_map_count``) while mapping a page;
-    the call was rolled back. Handle it like :class:`OutOfPages` (free or preempt sequences), or
-    use larger pages, or raise the limit."""
+    """The process ran out of memory mappings (``vm.max_map_count``); the call was rolled back. Free or
+    preempt sequences, use larger pages, or raise the limit.
+    """
 
 
 class LedgerError(VMKVError, RuntimeError):
@@ -103,8 +97,7 @@ class LedgerError(VMKVError, RuntimeError):
 
 
 class LedgerCorrupt(LedgerError):
-    """A ledger file is not a vmkv ledger, or its record breaks an invariant: it is refused, never
-    trusted (the message names the file; remove it once nothing uses it)."""
+    """A ledger file is not a vmkv ledger, or breaks an invariant: refused, never trusted."""
 
 
 class LedgerMismatch(LedgerError):

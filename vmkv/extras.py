@@ -1,8 +1,5 @@
-"""Optional packages: how to install an extra, whether a module is installed, and a call whose
-failure is a reason to report (shared by ``vmkv info`` and the benchmarks).
-
-vmkv is not on a package index: it installs from a clone of its repository, so an extra is
-``pip install -e '.[NAME]'`` run in the clone (``pip install 'vmkv[NAME]'`` would fail).
+"""Optional packages: the install hint of an extra (vmkv installs from a clone:
+``pip install -e '.[NAME]'``), whether a module is installed, and a call whose failure is a reason.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""The embedded default model: a small Llama-shaped transformer with seeded random weights and a
-byte-level tokenizer, so benchmarks, the server and the tests run with no download.
-
-``DEFAULT_MODEL`` is a Hugging Face ``LlamaConfig`` dictionary (grouped-query attention: 8 query
-heads share 4 KV heads). Weights are drawn from ``torch.manual_seed(DEFAULT_SEED)`` with a
-standard deviation large enough that greedy decoding is not a tie-break lottery.
-:data:`EMBEDDED` names its variants: ``"mistral"`` is the same model with a sliding window of
-:data:`EMBEDDED_WINDOW` tokens on every layer (Mistral's attention), the same weights.
+"""The embedded default model: a small Llama with seeded random weights and a byte-level tokenizer,
+so benchmarks, the server and the tests run with no download. :data:`EMBEDDED` names its variants
+(``"mistral"``: the same weights with a sliding window).
 """
 
 from __future__ import annotations
@@ -68,14 +63,8 @@ class ByteTokenizer:
 
 def default_hf_model(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", *, name: str = "llama",
                      **overrides: Any):
-    """An embedded model as a ``transformers`` model (needs the ``hf`` extra): ``LlamaForCausalLM``,
-    or ``MistralForCausalLM`` for ``name="mistral"`` (the same weights).
-
-    Args:
-        dtype: parameter dtype.
-        device: where the parameters live.
-        name: a key of :data:`EMBEDDED`.
-        overrides: config fields to change (e.g. ``num_hidden_layers=2``).
+    """An embedded model as a ``transformers`` model (needs the ``hf`` extra): ``LlamaForCausalLM``, or
+    ``MistralForCausalLM`` for ``name="mistral"``; ``overrides``: config fields to change.
 
     Raises:
         ModuleNotFoundError: transformers is not installed (the message names the extra).
@@ -99,13 +88,8 @@ def default_hf_model(dtype: torch.dtype = torch.float32, device: str | torch.dev
 
 
 def save_byte_tokenizer(path: str | Path) -> None:
-    """Save :class:`ByteTokenizer` as a Hugging Face tokenizer directory, for loaders that want one
-    (``transformers``, vLLM). Needs ``transformers`` and ``tokenizers``.
-
-    Token ``i < 256`` is byte ``i`` (spelled, as in GPT-2's byte-level vocabularies, by the
-    printable character ``bytes_to_unicode`` maps it to), then ``<s>``, ``</s>``, ``<pad>`` =
-    BOS, EOS, PAD = 256, 257, 258; ``encode`` puts BOS first and the chat template starts with
-    BOS, so ids, decoded text and chat prompts equal ``ByteTokenizer``'s.
+    """Save :class:`ByteTokenizer` as a Hugging Face tokenizer directory (for transformers, vLLM) whose
+    ids, decoded text and chat prompts equal ``ByteTokenizer``'s. Needs ``transformers`` and ``tokenizers``.
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast

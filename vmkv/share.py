@@ -1,13 +1,6 @@
-"""A cache's seat in a host-wide ledger (the ``shared_budget`` setting): joining it, and the
-watcher thread that serves other members' requests while the cache sits idle.
-
-What the cache does with its grants is :mod:`vmkv.core.budget`; the watcher polls the member's
-``request`` field (a lock-free read) and, when asked, calls the budget's ``serve()``, which gives
-pages back whenever no call is running (after a ``begin_step`` too: an idle member's last call is
-often one). Giving back touches only pages no live sequence holds, so it never invalidates a plan.
-
-A cache with a seat closes at interpreter exit if it is still open then (:func:`close_at_exit`),
-so a process that ends cleanly never leaves a dead member behind.
+"""A cache's seat in a host-wide ledger (``shared_budget``): joining it, and the watcher thread that
+serves other members' requests while the cache sits idle (through :mod:`vmkv.core.budget`). A
+cache with a seat closes at interpreter exit, so a clean exit leaves no dead member.
 """
 
 from __future__ import annotations
@@ -27,15 +20,13 @@ from .ledger import Ledger, Member, SharedBudget, member_max
 log = logging.getLogger("vmkv")
 
 POLL_S = 0.01
-"""How often an idle member's watcher looks for requests (a member busy with steps answers at
-its next ``begin_step``)."""
+"""How often an idle member's watcher looks for requests."""
 
 FAILED_WAIT_S = 1.0
 """After a failure the watcher waits this long before it looks for requests again."""
 
 BATCH_DIVISOR = 64
-"""A member takes grants in batches of ``1/BATCH_DIVISOR`` of the budget (1 to 64 pages), so
-the ledger's lock is taken about once a batch, not once a page."""
+"""A member takes grants in batches of ``1/BATCH_DIVISOR`` of the budget (1 to 64 pages): one lock a batch, not a page."""
 
 
 class Closable(Protocol):
@@ -49,10 +40,9 @@ _OPEN_AT_EXIT: "weakref.WeakSet[Closable]" = weakref.WeakSet()
 
 
 def close_at_exit(cache: Closable) -> None:
-    """Close ``cache`` when the interpreter exits, if it is still open then. A dropped cache
-    leaves the ledger in its finalizer, but one referenced to the end (by a daemon thread, say
-    an engine loop's) is never finalized: its member would stay, dead, holding its bytes until a
-    reap, and the ledger's file would outlive its last member. Held weakly: a dropped cache goes."""
+    """Close ``cache`` at interpreter exit if still open: one referenced to the end (by a daemon thread)
+    is never finalized and would leave a dead member. Held weakly.
+    """
     _OPEN_AT_EXIT.add(cache)
 
 
@@ -68,21 +58,14 @@ def _close_open() -> None:
 
 
 def join(spec: SharedBudget, label: str, page_bytes: int, ceiling: int) -> tuple[Ledger, Member]:
-    """Open ``spec``'s ledger and join it as ``label``, closing the ledger again if the join fails.
-
-    Args:
-        spec: the parsed ``shared_budget`` setting.
-        label: the member's name in the ledger.
-        page_bytes: bytes of one of the member's pages.
-        ceiling: bytes the member can map at most on its own; its ``max`` is capped there.
+    """Open ``spec``'s ledger and join it as ``label`` (``ceiling``: the member's own maximum bytes).
 
     Returns:
         The open ledger and the member's seat in it.
 
     Raises:
         InvalidConfig, LedgerMismatch, LedgerCorrupt, LedgerError: as :class:`vmkv.ledger.Ledger`
-            and its ``join``; a join refused for the member's sizes creates no file, and one
-            refused later leaves no file a member did not need before.
+            and its ``join``; a refused join leaves no file a member did not need before.
     """
     max_bytes = ceiling if spec.max_bytes is None else min(spec.max_bytes, ceiling)
     member_max(spec.budget, page_bytes, spec.min_bytes, max_bytes, label)  # refused before any file exists
@@ -112,12 +95,6 @@ class Server(Protocol):
 class CacheShare:
     """One cache's seat in a ledger: its member handle, batch size and watcher thread.
 
-    Args:
-        owner: serves requests (held weakly by the watcher, so a dropped cache still closes).
-        spec: the parsed setting.
-        page_bytes: bytes of one of the cache's pages.
-        ceiling: bytes the cache can map at most on its own.
-
     Attributes:
         member: the ledger handle (``member.held``: pages granted).
         batch: pages taken beyond need per grant, when the budget has them.
@@ -135,8 +112,7 @@ class CacheShare:
         self._watcher.start()
 
     def close(self) -> None:
-        """Stop the watcher and leave the ledger, whose file goes with its last member (call
-        after the cache's memory is released)."""
+        """Stop the watcher and leave the ledger (after the cache's memory is released)."""
         self._stop.set()
         if self._watcher is not threading.current_thread():
             self._watcher.join()
@@ -145,9 +121,7 @@ class CacheShare:
 
 
 def _watch(ref: "weakref.ref[Server]", member: Member, stop: threading.Event) -> None:
-    """The watcher: serve requests while the cache sits idle; stop with the cache. A failure
-    (reading a request takes the ledger's lock, which refuses a damaged file) is logged, and the
-    watcher waits ``FAILED_WAIT_S`` before it looks again: the cache's own calls raise it."""
+    """The watcher: serve requests while the cache sits idle; a failure is logged and retried after ``FAILED_WAIT_S``."""
     pause = POLL_S
     while not stop.wait(pause):
         pause = POLL_S

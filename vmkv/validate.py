@@ -1,7 +1,5 @@
-"""Checks of user input shared by both modes: each returns the clean value or raises a typed error.
-
-Integers: Python ``int`` or anything with ``__index__`` (NumPy integers, 0-d integer tensors are
-*not* accepted where they could be mistaken for token ids); never ``bool`` or ``float``.
+"""Checks of user input shared by both modes: each returns the clean value or raises a typed error
+(integers: ``int`` or ``__index__``, never ``bool`` or ``float``).
 """
 
 from __future__ import annotations

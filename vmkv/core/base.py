@@ -1,31 +1,18 @@
 """The lifecycle both modes share: sequences and the pages that hold them.
 
-``KVCacheBase`` owns every decision about *which* pool page holds *which* tokens of *which*
-sequence. A mode says how a page is addressed (VMM: mapped into a slot's virtual ranges, paged:
-written into a block-table row) through its :class:`~vmkv.core.ownership.Addressing` (VMM:
-:class:`~vmkv.vmm.ranges.SlotRanges`, paged: :class:`~vmkv.paged.blocks.BlockTable`), and how
-its storage is read (``layer_storage``, ``kv``, ``attention``: the abstract methods below).
-
-Ownership, per slot::
+``KVCacheBase`` decides which pool page holds which tokens of which sequence; a mode says how a
+page is addressed (:class:`~vmkv.core.ownership.Addressing`) and how its storage is read (the
+abstract methods). Ownership, per slot::
 
     logical page   0      1      2      3                       (tokens_per_page tokens each)
     live seq    [ p7 ][ p2 ][ p9 ][ p4 ]    seq.pages = [7, 2, 9, 4], seq.length <= 4 * tpp
     freed slot  [ p5 ][ p6 ]                spare pages: still mapped, kept for the next sequence
 
 Invariants (checked by :meth:`KVCacheBase.check`): every page in ``seq.pages`` or in a slot's
-spare list holds one reference in the pool, a page shared by a fork or a prefix hit one per
-owner; a write into a page with two or more owners first copies it (copy-on-write); a step's
-full pages enter the prefix index only once the step wrote every layer.
-
-The verbs come in pairs: ``add``/``fork`` and ``free`` start and end a sequence, ``reserve`` and
-``truncate``/``trim`` grow and shrink its pages, ``begin_step`` and ``write`` make and fill a
-step. Each validates everything first and raises before changing anything; what can fail
-half-way (the OS or driver refusing a mapping) runs inside ``self.guard.atomic()`` and is rolled
-back (:mod:`vmkv.core.calls`). The collaborators, each in its own module: the page pool
-(:mod:`.pages`), the slot table (:mod:`.slots`), page ownership (:mod:`.ownership`: grow,
-copy-on-write, drop), the prefix index (:mod:`.prefix`), page planning and the decode fast
-path (:mod:`.planning`), mapping ahead (:mod:`.mapping`), a shared budget (:mod:`.budget`) and
-the argument checks (:mod:`.checks`).
+spare list holds one pool reference per owner; a write into a page with two or more owners first
+copies it (copy-on-write); a step's full pages enter the prefix index only once the step wrote
+every layer. Every call validates first and runs what can fail half-way inside
+``self.guard.atomic()`` (:mod:`vmkv.core.calls`).
 """
 
 from __future__ import annotations
@@ -61,9 +48,8 @@ from .window import SlidingWindow
 class KVCacheBase(ABC):
     """Lifecycle API shared by :class:`vmkv.VirtualKVCache` and :class:`vmkv.PagedKVCache`.
 
-    Subclasses set ``mode`` and ``kernel``, call ``super().__init__`` before anything that can
-    fail (so ``close()`` always finds the attributes it needs), then allocate their storage and
-    hand its addressing to :meth:`_open`.
+    Subclasses set ``mode`` and ``kernel``, call ``super().__init__`` before anything that can fail
+    (so ``close()`` finds its attributes), then hand their storage's addressing to :meth:`_open`.
 
     Attributes:
         config, geometry: what the cache holds and how its pages map onto tokens and bytes.
@@ -115,16 +101,14 @@ class KVCacheBase(ABC):
         return self.variant if not softcap and sinks is None else Variant(self.variant.window, softcap, sinks)
 
     def _open(self, addressing: Addressing) -> None:
-        """The mode's storage exists: pages can now be owned (the last step of a mode's ``__init__``
-        that needs them)."""
+        """The mode's storage exists: pages can now be owned (the last step of a mode's ``__init__``)."""
         self.addressing = addressing
         self._own = PageOwnership(self.pool, self.slots, self.guard, addressing, self.tokens_per_page)
         if self.config.map_ahead and self.mode == "vmm":
             self._ahead = MapAhead(self._own.grow_one, self._own.covered, self.counters)
 
     def _join_budget(self, spec: SharedBudget, memory: PageMemory) -> CacheBudget:
-        """Take a seat in the host-wide ledger ``spec`` names, counting ``memory``'s pages; a cache
-        still open at interpreter exit closes then, leaving the ledger (``share.close_at_exit``)."""
+        """Take a seat in the host-wide ledger ``spec`` names, counting ``memory``'s pages."""
         self.budget = self._own.budget = CacheBudget(
             spec, self.geometry.page_bytes, self.geometry.num_pages, pool=self.pool, slots=self.slots, memory=memory,
             guard=self.guard, drop=self._own.drop, before_serving=weak_method(self._join_ahead),
@@ -135,19 +119,18 @@ class KVCacheBase(ABC):
     # ---- hooks a mode implements ---------------------------------------------------------
     @abstractmethod
     def layer_storage(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A layer's K and V storage flattened to rows (zero-copy): ``[rows, kv_heads, head_dim]``,
-        or ``[rows, head_dim]`` in the VMM head-major layout (see the modes' docstrings). VMM:
-        read-only views; paged: the pools themselves (write only through ``write``)."""
+        """A layer's K and V storage flattened to rows (zero-copy): ``[rows, kv_heads, head_dim]`` (VMM
+        head-major: ``[rows, head_dim]``). VMM: read-only views; paged: the pools (write only through ``write``).
+        """
 
     @abstractmethod
     def attention(self, layer: int, q: torch.Tensor, plan: StepPlan, *, scale: float | None = None,
                   softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of the step's queries ``q: [T, q_heads, head_dim]`` over each sequence's cache.
 
-        Returns ``[T, q_heads, head_dim]``: causal within the new tokens, full over the cached
-        prefix (a windowed cache: over its window), grouped-query when ``q_heads`` is a multiple
-        of ``num_kv_heads``; ``softcap`` and ``sinks`` as :class:`~vmkv.kernels.base.Variant`'s
-        (the cache's ``attention_features`` must name them).
+        Returns ``[T, q_heads, head_dim]``: causal within the new tokens, over the cached prefix (or
+        window), grouped-query when ``q_heads`` is a multiple of ``num_kv_heads``; ``softcap`` and
+        ``sinks`` as :class:`~vmkv.kernels.base.Variant`'s.
 
         Raises:
             StalePlan, InvalidShape, InvalidDtype, InvalidDevice, InvalidInput (also: ``layer`` not
@@ -169,12 +152,10 @@ class KVCacheBase(ABC):
 
         Args:
             seq_id: any hashable id not in use.
-            token_ids: the prompt, if known. With prefix caching on, the longest prefix of
-                whole pages already cached is linked in (no copy, no new page) and counts as
-                stored: ``seq_len(seq_id)`` then says how many tokens the caller may skip. At
-                least one token is always left to compute.
-            slot: take this free slot (a sequence of a cache of layer groups takes the same slot
-                in each group: :mod:`vmkv.core.groups`); default: the best fit.
+            token_ids: the prompt, if known. With prefix caching on, the longest prefix of whole
+                cached pages is linked in (no copy) and counts as stored: ``seq_len(seq_id)`` says how
+                many tokens the caller may skip. At least one token is always left to compute.
+            slot: take this free slot (layer groups take the same slot in each); default: the best fit.
 
         Returns:
             The slot (batch row) the sequence occupies.
@@ -208,11 +189,8 @@ class KVCacheBase(ABC):
 
     @exclusive
     def fork(self, src_id: SeqId, dst_id: SeqId, *, slot: int | None = None) -> int:
-        """Start ``dst_id`` as a copy of ``src_id`` that shares all of its pages (no copy).
-
-        The first write of either sequence into a shared page copies that page (copy-on-write),
-        so neither ever sees the other's new tokens. Forking allocates no page. ``slot``: as
-        :meth:`add`'s.
+        """Start ``dst_id`` as a copy of ``src_id`` sharing all of its pages; the first write of either into
+        a shared page copies it (copy-on-write). ``slot``: as :meth:`add`'s.
 
         Returns:
             The slot of ``dst_id``.
@@ -240,12 +218,11 @@ class KVCacheBase(ABC):
 
     @exclusive
     def free(self, seq_id: SeqId) -> None:
-        """End a sequence. Its full pages stay in the prefix cache; with deferred reclamation
-        (VMM mode) its private pages stay mapped in the slot for the next sequence.
+        """End a sequence. Its full pages stay in the prefix cache; with deferred reclamation (VMM mode)
+        its private pages stay mapped in the slot for the next sequence.
 
         Raises:
-            UnknownSequence; BackendError if the OS refused to unmap a page: the call was rolled
-            back.
+            UnknownSequence; BackendError if the OS refused to unmap a page: the call was rolled back.
         """
         self._join_ahead()
         seq = self._get(seq_id)
@@ -316,18 +293,15 @@ class KVCacheBase(ABC):
 
     @exclusive
     def trim(self, keep_cached: bool = False) -> int:
-        """Return every page no live sequence needs to the pool, and free memory to the OS.
-
-        Unmaps the spare pages of freed slots and pages of live sequences beyond
-        ``max(length, reserved)``; unless ``keep_cached``, also drops the prefix cache.
+        """Return every page no live sequence needs to the pool, and free memory to the OS (unless
+        ``keep_cached``, the prefix cache too).
 
         Returns:
             The number of pages that became free.
 
         Raises:
             BackendError: the OS refused to unmap a page (the call was rolled back), or to take
-                some free page's memory back (the pages are free in the pool all the same: call
-                ``trim()`` again to retry).
+                some free page's memory back (call ``trim()`` again to retry).
         """
         self._join_ahead()
         before = self.pool.num_free
@@ -354,10 +328,8 @@ class KVCacheBase(ABC):
 
         Args:
             batch: for each sequence of the step, the number of new tokens, or their token ids
-                (ids let full pages enter the prefix cache). Prefill chunks and single decode
-                tokens mix freely.
-            undoable: keep what it takes to undo the step exactly (:meth:`cancel_step`): what an
-                eager point does that commits a step before the forward that writes it runs.
+                (ids let full pages enter the prefix cache). Prefill chunks and decode tokens mix freely.
+            undoable: keep what it takes to undo the step exactly (:meth:`cancel_step`).
 
         Returns:
             The :class:`StepPlan` to pass to ``write`` and ``attention`` for every layer. Any
@@ -383,8 +355,7 @@ class KVCacheBase(ABC):
         return plan
 
     def _take_step(self, batch: Mapping[SeqId, int | Sequence[int]], undoable: bool) -> tuple[StepPlan, list[LiveSequence]]:
-        """``begin_step``'s work: the plan (the decode fast path's, or a mapped one) and its
-        sequences, committed."""
+        """``begin_step``'s work: the plan (fast path's or a mapped one) and its sequences, committed."""
         plan, steps = self._fast.next_plan(batch, self._version, self._parse_batch)
         fast = plan is not None
         copies = 0
@@ -416,8 +387,7 @@ class KVCacheBase(ABC):
         return plan, seqs
 
     def _bookkeeping_undo(self, batch: Mapping[SeqId, Any]) -> Callable[[], None]:
-        """How to restore what ``begin_step`` changes beyond the journaled pages and mappings:
-        lengths, token ids and hashes past each length, totals, the last step, the fast path."""
+        """How to restore what ``begin_step`` changes beyond the journaled pages and mappings."""
         seqs = [self._seqs[seq_id] for seq_id in batch if seq_id in self._seqs] if isinstance(batch, Mapping) else []
         kept = [(seq, seq.length, seq.tokens[seq.length:], seq.hashes[seq.length // self.tokens_per_page:]) for seq in seqs]
         totals = (self._tokens, list(self._last_step), set(self._layers_written), self._version, Counter(self.counters),
@@ -437,13 +407,11 @@ class KVCacheBase(ABC):
 
     @exclusive
     def cancel_step(self, plan: StepPlan) -> None:
-        """Undo the step ``plan`` made (``begin_step(..., undoable=True)``): lengths, token ids,
-        pages, copies and mappings as before it; what was written for it is forgotten. Pages
-        mapped ahead since (``map_ahead``) stay.
+        """Undo the step ``plan`` made (``begin_step(..., undoable=True)``): lengths, token ids, pages,
+        copies and mappings as before it. Pages mapped ahead since stay.
 
         Raises:
-            StalePlan: ``plan`` is not the last undoable step, or a call changed the cache since
-                (nothing is undone: ``truncate`` still forgets the tokens).
+            StalePlan: ``plan`` is not the last undoable step, or a call changed the cache since.
             BackendError: the OS refused to restore a mapping (the cache is then broken).
         """
         self._join_ahead()
@@ -474,9 +442,8 @@ class KVCacheBase(ABC):
 
     @exclusive
     def written(self, plan: StepPlan) -> None:
-        """Record that every layer of the step was written outside :meth:`write`: a replayed CUDA
-        graph writes through device rows the step's plan filled (``vmkv.engine.graphs``). Only
-        then may the step's full pages enter the prefix index.
+        """Record that every layer of the step was written outside :meth:`write` (a replayed CUDA graph):
+        only then may its full pages enter the prefix index.
 
         Raises:
             StalePlan: ``plan`` is not this cache's current plan.
@@ -486,13 +453,13 @@ class KVCacheBase(ABC):
 
     @exclusive
     def wait_for_mapping(self) -> None:
-        """Wait until no page is being mapped ahead in the background (``map_ahead``): before a
-        CUDA graph capture, during which no other thread may synchronize the device."""
+        """Wait until no page is being mapped ahead: before a CUDA graph capture, during which no other
+        thread may synchronize the device.
+        """
         self._join_ahead()
 
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> None:
-        """Copy validated ``k``, ``v`` ``[T, kv_heads, head_dim]`` to their rows of ``layer``
-        (a mode whose ``layer_storage`` is not writable token rows overrides this: VMM)."""
+        """Copy validated ``k``, ``v`` ``[T, kv_heads, head_dim]`` to their rows of ``layer``."""
         k_rows, v_rows = self.layer_storage(layer)
         k_rows.index_copy_(0, plan.write_rows, k)
         v_rows.index_copy_(0, plan.write_rows, v)
@@ -555,9 +522,9 @@ class KVCacheBase(ABC):
         return list(self._get(seq_id).pages)
 
     def stats(self) -> dict[str, Any]:
-        """Memory and sharing counters, in O(1); callable from any thread (a snapshot that a
-        concurrent call may be changing). ``utilization`` = ``token_bytes / bytes_in_use``: above
-        1.0 when sharing stores one page for several sequences."""
+        """Memory and sharing counters, in O(1), from any thread (a snapshot). ``utilization`` =
+        ``token_bytes / bytes_in_use``: above 1.0 when pages are shared.
+        """
         page_bytes = self.geometry.page_bytes
         token_bytes = self._tokens * self.config.bytes_per_token
         bytes_in_use = self.bytes_in_use
@@ -596,8 +563,7 @@ class KVCacheBase(ABC):
 
     @exclusive
     def check(self) -> None:
-        """Raise ``AssertionError`` if page ownership (or the mode's storage, e.g. the paged block
-        table) is inconsistent (used by the tests)."""
+        """Raise ``AssertionError`` if page ownership (or the mode's storage) is inconsistent."""
         self._join_ahead()
         self.pool.check()
         owners: Counter[int] = Counter()
@@ -615,8 +581,7 @@ class KVCacheBase(ABC):
         self.addressing.check(list(self._seqs.values()))
 
     def state(self) -> tuple:
-        """Everything that defines the cache's bookkeeping, as comparable values: a failed call
-        leaves it equal (tests compare it before and after)."""
+        """The cache's bookkeeping as comparable values (a failed call leaves it equal)."""
         seqs = tuple(
             (s.seq_id, s.slot, tuple(s.pages), s.length, s.reserved, tuple(s.tokens), tuple(s.hashes), s.released)
             for s in self._seqs.values()
@@ -626,11 +591,9 @@ class KVCacheBase(ABC):
 
     # ---- closing ---------------------------------------------------------------------------
     def close(self) -> None:
-        """Release all memory; views handed out earlier stay readable (VMM: they read zeros).
-        The cache is unusable afterwards: it holds no sequence (``len`` is 0, ``seq_ids`` empty)
-        and every call but ``stats()`` and ``close()`` raises ``CacheClosed``. Idempotent, and
-        works on a half-built cache. In a forked child it does nothing (the memory is the
-        parent's: see :mod:`vmkv.core.calls`).
+        """Release all memory; views handed out earlier stay readable (VMM: zeros). Afterwards the cache
+        holds no sequence and every call but ``stats()`` and ``close()`` raises ``CacheClosed``.
+        Idempotent; works on a half-built cache; does nothing in a forked child.
 
         Raises:
             ConcurrentUse: another thread is inside the cache.
@@ -681,9 +644,8 @@ class KVCacheBase(ABC):
         check_query(q, plan, self.config)
 
     def _require_written(self, layer: int) -> None:
-        """Refuse attention over ``layer`` (a checked index, its plan current) before this step
-        wrote it: its new tokens' K/V would be whatever the pages held (zeros, or an earlier
-        sequence's data). One set lookup.
+        """Refuse attention over ``layer`` before this step wrote it: its new tokens' K/V would be
+        whatever the pages held.
 
         Raises:
             InvalidInput: this step has not written ``layer``.
@@ -703,11 +665,10 @@ class KVCacheBase(ABC):
 
     # ---- steps -----------------------------------------------------------------------------
     def _map_step(self, steps: list[Step], undoable: bool) -> tuple[StepPlan, int]:
-        """Copy shared pages written into, map the pages the step needs, and build its plan
-        (journaled, inside the caller's ``atomic``; nothing is committed). Returns the plan and
-        the number of pages copied. A sliding window's pages wholly behind it are released first.
-        ``undoable``: no page another owner or the prefix cache can see is written, evicted or
-        reused in the step (``cancel_step`` gives them back as they were)."""
+        """Copy shared pages written into, release pages behind a window, map the step's pages and build
+        its plan (journaled, nothing committed); returns the plan and the pages copied. ``undoable``:
+        nothing another owner or the prefix cache can see is written, evicted or reused.
+        """
         copies, grows = plan_pages(steps, self.pool, self.tokens_per_page, undoable=undoable)
         count = sum(len(c) for c in copies) + sum(grows)
         behind = Counter(page for seq, _, _ in steps for page in self.window.behind(seq)) if self.window else Counter()
@@ -729,8 +690,7 @@ class KVCacheBase(ABC):
         return plan, sum(len(c) for c in copies)
 
     def _commit_step(self, steps: list[Step]) -> None:
-        """Commit a mapped step: its written pages leave the prefix index, token ids are recorded
-        where the ids so far are known, lengths advance."""
+        """Commit a mapped step: written pages leave the prefix index, token ids are recorded, lengths advance."""
         for seq, count, ids in steps:
             self.prefix.forget_written(seq, count)
             if ids is not None and len(seq.tokens) >= seq.length:
@@ -742,8 +702,7 @@ class KVCacheBase(ABC):
             self._tokens += count
 
     def _build_plan(self, seqs: list[LiveSequence], counts: list[int]) -> StepPlan:
-        """The plan of a step adding ``counts[i]`` tokens to ``seqs[i]``, built before the step is
-        committed (lengths are still the old ones; the plan carries the version it commits)."""
+        """The plan of a step adding ``counts[i]`` tokens to ``seqs[i]``, built before the step is committed."""
         starts = [seq.length for seq in seqs]
         rows = [self.addressing.token_rows(seq.slot, seq.pages, s, n) for seq, s, n in zip(seqs, starts, counts)]
         kv_lens = [s + n for s, n in zip(starts, counts)]
@@ -752,10 +711,9 @@ class KVCacheBase(ABC):
                          block_table=self.addressing.block_table(seqs, kv_lens), version=self._version + 1, owner=self._owner)
 
     def _finish_last_step(self) -> None:
-        """Let the prefix index take the full pages the last step filled, if it wrote every layer
-        (:meth:`PrefixIndex.finish_step`). Runs (journaled) inside the calls that make the step's
-        plan stale, after their checks: a call that fails finishes nothing, and queries between a
-        step's layers change nothing."""
+        """Let the prefix index take the full pages the last step filled, if it wrote every layer. Runs
+        inside the calls that make the plan stale, after their checks.
+        """
         if not self._last_step:
             return
         complete = len(self._layers_written) == self.config.num_layers

@@ -1,16 +1,10 @@
 """A cache's side of a host-wide KV budget (the ``shared_budget`` setting, :mod:`vmkv.ledger`).
 
-The cache keeps one invariant with its ledger seat: ``member.held >= memory.backed()``, the
-pages whose memory the cache may hold (VMM mode: every page mapped since its memory was last
-given back to the OS). It takes grants before it backs pages (:meth:`CacheBudget.cover`), and
-gives them back only once that memory went back to the OS (``trim``, or a reclaim on request):
-so the resident KV memory of all members together never exceeds the ledger's budget.
-
-Requests from other members are served at the cache's next step boundary
-(:meth:`CacheBudget.boundary`: the end of a ``begin_step`` that succeeded, ``free``, ``trim``)
-or, while the cache is idle, by the seat's watcher thread (:mod:`vmkv.share`), which calls
-:meth:`CacheBudget.serve`. Giving back touches only pages no live sequence holds (spare pages
-of freed slots, then the oldest cached pages, and free pages), so it never invalidates a plan.
+Invariant: ``member.held >= memory.backed()``. The cache takes grants before it backs pages
+(:meth:`CacheBudget.cover`) and returns them only once that memory went back to the OS, so the
+members' resident KV memory never exceeds the budget. Requests from others are served at a step
+boundary or by the watcher thread while idle; giving back touches only pages no live sequence
+holds, so it never invalidates a plan.
 """
 
 from __future__ import annotations
@@ -30,8 +24,9 @@ class PageMemory(Protocol):
     """Which pool pages hold memory: the mode's side of a shared budget (VMM mode implements it)."""
 
     on_demand: bool
-    """Pages are created when provisioned and destroyed when released (CUDA); else memory comes
-    with a page's first write (the host)."""
+    """Pages are created when provisioned and destroyed when released (CUDA); else memory comes with a
+    page's first write (the host).
+    """
 
     def backed(self) -> int:
         """Pages whose memory the cache holds now."""
@@ -58,9 +53,8 @@ class CacheBudget:
         before_serving: called by the watcher before it gives pages back (joins map-ahead).
         counters: the cache's counters (``ledger_reclaims``).
 
-    None of them may hold the cache strongly (the cache owns this object: a cycle would keep a
-    dropped cache open until the garbage collector runs): pass its methods through
-    :func:`~vmkv.core.calls.weak_method`.
+    None of them may hold the cache strongly (a cycle would keep a dropped cache open): pass its
+    methods through :func:`~vmkv.core.calls.weak_method`.
 
     Raises:
         InvalidConfig, LedgerMismatch, LedgerCorrupt: joining the ledger failed.
@@ -80,8 +74,8 @@ class CacheBudget:
         return self.memory.backed() + self.memory.fresh(self.pool.peek_free(count))
 
     def cover(self, count: int) -> None:
-        """Hold grants for ``allocate(count)``: from the ledger's free budget first, then by reusing
-        this cache's own idle memory (spare, then cached pages), then by asking the others.
+        """Hold grants for ``allocate(count)``: from the free budget, then this cache's idle memory, then
+        by asking the others.
 
         Raises:
             OutOfPages: the others did not give back enough within the seat's wait.
@@ -99,9 +93,9 @@ class CacheBudget:
             self._provision(count)
 
     def _provision(self, count: int) -> None:
-        """An on-demand backend (CUDA) creates, in one batch, every free page the grants held cover
-        from the next ``count`` on: those the next allocations take, so a grant's batch is
-        created at once, not one page per step."""
+        """On-demand backends (CUDA): create, in one batch, the free pages the grants cover from the next
+        ``count`` on.
+        """
         if not self.memory.on_demand:
             return
         room = self.member.held - self.memory.backed()
@@ -117,8 +111,7 @@ class CacheBudget:
         return count
 
     def check_granted(self) -> None:
-        """Refuse to back one more page with memory unless a grant covers it (the one place a
-        page gets memory, so no member ever maps past the ledger's budget).
+        """Refuse to back one more page unless a grant covers it: the one place a page gets memory.
 
         Raises:
             OutOfPages: every page granted is backed already.
@@ -129,8 +122,7 @@ class CacheBudget:
 
     # ---- giving back ---------------------------------------------------------------------
     def recycle(self, count: int) -> int:
-        """Put up to ``count`` idle pages that hold memory on top of the free stack (journaled):
-        spare pages of freed slots first, then the oldest cached pages. Returns how many."""
+        """Put up to ``count`` idle pages holding memory on top of the free stack (journaled); returns how many."""
         done = self.slots.drain(count, self._drop)
         return done + len(self.pool.evict_oldest(count - done))
 
@@ -146,10 +138,9 @@ class CacheBudget:
         member.offer(member.held - max(self.live_pages(), member.min_pages))
 
     def give_back(self, asked: int) -> None:
-        """Release idle memory until ``asked`` grants are unused (never below what live
-        sequences or the member's ``min`` need), then return the unused grants. Touches only
-        pages no live sequence holds (spare pages of freed slots, cached and free pages), so a
-        plan in flight stays valid."""
+        """Release idle memory until ``asked`` grants are unused (never below what live sequences or
+        ``min`` need), then return them. Touches only pages no live sequence holds.
+        """
         member = self.member
         target = max(member.held - asked, self.live_pages(), member.min_pages)
         excess = self.memory.backed() - target
@@ -167,9 +158,7 @@ class CacheBudget:
         self.boundary()
 
     def serve(self) -> None:
-        """The watcher's entry: serve a request if no call is running. A step begun and not yet
-        finished is no obstacle (an idle member's last call is often a ``begin_step``): giving
-        back touches no page a live sequence holds."""
+        """The watcher's entry: serve a request if no call is running (a begun step is no obstacle)."""
         guard = self.guard
         guard.serving = True
         try:

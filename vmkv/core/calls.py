@@ -1,32 +1,14 @@
-"""How every public cache call runs: one thread at a time, and all or nothing.
+"""How every public cache call runs: one thread at a time, one process, all or nothing.
 
-**One thread at a time.** A cache is not thread-safe and does not pretend to be: each public
-method that reads or changes sequences, pages or storage (``add``, ``begin_step``, ``write``,
-``attention``, ``kv``, ``pages``, ``check``, ...) is wrapped by :func:`exclusive`, which takes
-the cache's lock *without waiting*. If another thread is inside the cache, the call raises
-:class:`~vmkv.errors.ConcurrentUse` instead of corrupting state. Serialise calls with your own
-lock, or keep a cache on one thread. Not wrapped: ``stats()`` (it only reads counters and may be
-called from any thread), the one-field lookups ``seq_len``, ``slot``, ``seq_ids``, ``in`` and
-``len`` and the arithmetic ``pages_for`` (each a single dictionary read), and ``close()``
-(it takes the lock itself and raises ``ConcurrentUse`` if it cannot). The one other thread a
-cache may run is a shared budget's watcher (:mod:`vmkv.core.budget`): a call that finds it
-inside waits for it (a moment) instead of raising.
-
-**One process.** A cache belongs to the process that opened it. After ``os.fork()``
-(multiprocessing's default start method on Linux) the child's copy of every cache is closed
-(:func:`_close_in_forked_child`, run by ``os.register_at_fork``): a call there raises
-:class:`~vmkv.errors.CacheClosed` naming both processes, the lookups report no sequence, and
-``close()`` does nothing. A VMM cache's pages are shared memory (``MAP_SHARED``): the child would
-otherwise hand out the very pages the parent uses next and overwrite its K/V. Costs nothing per
-call: the child's caches are marked once, and calls already test ``closed``. (The host-wide ledger
-refuses a forked child's use of its handle in the same way: :mod:`vmkv.ledger`.)
-
-**All or nothing.** A call that changes memory (mapping, unmapping, copying pages) runs inside
-:meth:`CallGuard.atomic`: every change appends a function that reverts it to the journal (the
-page pool journals its own changes); if anything raises, the journal runs backwards and the cache is
-exactly as before the call. Should a revert itself fail (the OS refusing to map a page back), the
-cache is marked broken: every later call raises :class:`~vmkv.errors.BackendError` and only
-``close()`` and ``stats()`` work.
+* One thread: :func:`exclusive` takes the cache's lock without waiting and raises
+  :class:`~vmkv.errors.ConcurrentUse` if another thread is inside. Not wrapped: ``stats()``, the
+  single-read lookups (``seq_len``, ``slot``, ``seq_ids``, ``in``, ``len``, ``pages_for``) and
+  ``close()``. A shared budget's watcher is waited for instead.
+* One process: after ``os.fork()`` the child's copy of every cache is closed
+  (:func:`_close_in_forked_child`), since its ``MAP_SHARED`` pages are the parent's.
+* All or nothing: :meth:`CallGuard.atomic` journals an undo for every change and runs the
+  journal backwards if anything raises; a failed undo marks the cache broken (every later
+  call raises :class:`~vmkv.errors.BackendError`).
 
 Timeline of one call::
 
@@ -56,23 +38,16 @@ LEDGER_WAIT_S = 10.0
 
 
 class CallGuard:
-    """One cache's call discipline: its lock, the journal of the call in progress, and whether
-    it is closed or broken.
-
-    Args:
-        pool: the page pool, whose journal follows this one inside :meth:`atomic`.
+    """One cache's call discipline: its lock, the journal of the call in progress, closed or broken.
 
     Attributes:
         lock: held by the call running inside the cache.
         journal: the undo functions of the running :meth:`atomic` block, else ``None``.
-        closed: ``close()`` ran, or this is a forked child's copy; every guarded call raises
-            ``CacheClosed``.
+        closed: ``close()`` ran, or this is a forked child's copy (calls raise ``CacheClosed``).
         pid: the process that opened the cache.
-        broken: why a rollback failed (every guarded call raises ``BackendError``), else ``None``.
-        serving: a shared budget's watcher holds the lock for a moment; a caller that finds it
-            there waits (:data:`LEDGER_WAIT_S`) instead of raising ``ConcurrentUse``.
-        generation: counts :meth:`atomic` blocks; a journal kept from one block may be reverted
-            while no other has run.
+        broken: why a rollback failed (calls raise ``BackendError``), else ``None``.
+        serving: a shared budget's watcher holds the lock for a moment (callers wait for it).
+        generation: counts :meth:`atomic` blocks; a kept journal may be reverted while no other ran.
     """
 
     def __init__(self, pool: PagePool) -> None:
@@ -92,23 +67,20 @@ class CallGuard:
             self.journal.append(undo)
 
     def enter(self) -> bool:
-        """Take the lock without waiting for another caller; only a shared budget's watcher,
-        which holds it briefly while giving idle pages back, is waited for."""
+        """Take the lock without waiting for another caller (only a shared budget's watcher is waited for)."""
         if self.lock.acquire(blocking=False):
             return True
         return self.serving and self.lock.acquire(timeout=LEDGER_WAIT_S)
 
     def check_usable(self, what: str) -> None:
-        """Raise ``CacheClosed`` after ``close()`` or in a forked child, ``BackendError`` once a
-        rollback failed."""
+        """Raise ``CacheClosed`` after ``close()`` or in a forked child, ``BackendError`` once a rollback failed."""
         if self.closed:
             raise self.closed_error(what)
         if self.broken is not None:
             raise BackendError(f"{what}: {self.broken}")
 
     def closed_error(self, what: str) -> CacheClosed:
-        """The ``CacheClosed`` for a call ``what`` to a closed cache: closed, or opened by another
-        process (this one is a fork of it)."""
+        """The ``CacheClosed`` for a call ``what``: closed, or opened by another process."""
         if os.getpid() == self.pid:
             return CacheClosed(f"{what}: the cache is closed")
         return CacheClosed(
@@ -120,13 +92,9 @@ class CallGuard:
 
     @contextmanager
     def atomic(self, keep: list[Undo] | None = None) -> Iterator[None]:
-        """Journal every change made inside the block; on an exception revert them all, newest first.
-        A block inside another joins it (the outer one reverts both).
-
-        Args:
-            keep: on success, the block's undo functions are appended here, so that the caller may
-                revert the whole block later (:meth:`revert`) while :attr:`generation` says no
-                other block ran since.
+        """Journal every change made inside the block; on an exception revert them all, newest first (a
+        nested block joins the outer one). ``keep``: on success, receives the undo functions so the
+        caller may :meth:`revert` later.
 
         Raises:
             BackendError: reverting failed too (the cache is then marked broken).
@@ -172,9 +140,9 @@ _GUARDS: "weakref.WeakSet[CallGuard]" = weakref.WeakSet()
 
 
 def _close_in_forked_child() -> None:
-    """``os.fork()``'s child: close the copy of every cache it inherited (see the module docstring).
-    Each gets a new lock too: another thread of the parent may have held the old one at the fork,
-    and no thread of the child will ever release it."""
+    """``os.fork()``'s child: close every inherited cache, each with a new lock (the parent's may have
+    been held at the fork).
+    """
     for guard in list(_GUARDS):
         guard.closed = True
         guard.lock = threading.RLock()
@@ -190,8 +158,9 @@ class Guarded(Protocol):
 
 
 def exclusive(method: Method) -> Method:
-    """Run ``method`` holding the object's guard lock; raise ``ConcurrentUse`` if another thread
-    holds it, ``CacheClosed`` after ``close()``, ``BackendError`` once a rollback failed."""
+    """Run ``method`` holding the object's guard lock; raise ``ConcurrentUse``, ``CacheClosed`` or
+    ``BackendError`` as :meth:`CallGuard.enter` and :meth:`CallGuard.check_usable` say.
+    """
 
     @functools.wraps(method)
     def call(self: Guarded, *args: Any, **kwargs: Any) -> Any:
@@ -212,9 +181,8 @@ def exclusive(method: Method) -> Method:
 
 
 def weak_method(method: Callable[..., Any]) -> Callable[..., Any]:
-    """``method`` (bound to a cache) for a collaborator the cache owns, held weakly: a strong one
-    would make a reference cycle, and a dropped cache would close only when the garbage collector
-    runs rather than at once.
+    """``method`` held weakly, for a collaborator the cache owns (a strong reference would be a cycle
+    that delays close until garbage collection).
 
     Raises (when called):
         CacheClosed: the cache is gone.

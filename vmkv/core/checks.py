@@ -82,8 +82,7 @@ def check_plan(plan: Any, owner: object, version: int, layer: Any, num_layers: i
 
 def check_tensor(name: str, tensor: Any, shape: tuple[int, ...], config: KVCacheConfig,
                  dims: str = "[tokens, kv_heads, head_dim]") -> None:
-    """Refuse ``tensor`` unless it is a tensor of ``shape`` (named ``dims`` in the message) and of
-    the cache's dtype and device.
+    """Refuse ``tensor`` unless it has ``shape`` (named ``dims``) and the cache's dtype and device.
 
     Raises:
         InvalidInput, InvalidShape, InvalidDtype, InvalidDevice.

@@ -1,17 +1,9 @@
-"""A cache of layers of different kinds: one core cache per kind of layer.
+"""A cache of layers of different windows: one core cache per window.
 
-Models mix full-attention layers with sliding-window ones (GPT-OSS alternates them, Gemma 3 has
-five local layers to a global one): a sliding layer needs only its window of recent tokens, a
-full one every token. A page of a core cache holds a block of tokens of *every* layer, so layers
-whose memory follows different rules cannot share pages. :class:`LayerGroups` keeps a core cache
-(:class:`~vmkv.core.base.KVCacheBase`, either mode) per window, each with its own pages, page
-geometry, budget share and kernel, decided in :func:`vmkv.sizing.layer_groups`. Sequence verbs run
-on every group, a sequence taking the same slot in each; a layer's write, attention and views go
-to its group, with that group's plan of the step (:class:`GroupedPlan`).
-
-All or nothing across groups: a step begins undoably in each group and the groups done are
-cancelled if a later one refuses (``cancel_step``); an ``add`` or ``fork`` refused by a later
-group is freed from the earlier ones.
+A page holds a block of tokens of every layer, so sliding and full layers (GPT-OSS, Gemma 3)
+cannot share pages. :class:`LayerGroups` keeps a core cache per window, each with its own pages,
+geometry, budget share and kernel (:func:`vmkv.sizing.layer_groups`); sequence verbs run in every
+group, in the same slot, all or nothing (a group that refuses undoes the earlier ones).
 """
 
 from __future__ import annotations
@@ -30,8 +22,7 @@ from .step import StepPlan
 
 @dataclass(frozen=True)
 class GroupedPlan:
-    """One step in every group: the same sequences, token counts and slots; each group's own
-    storage rows and block table (``plans[g]``)."""
+    """One step in every group: the same sequences, counts and slots; each group's own rows and table."""
 
     plans: tuple[StepPlan, ...]
 
@@ -117,9 +108,9 @@ class LayerGroups:
 
     # ---- steps ------------------------------------------------------------------------------------
     def begin_step(self, batch: Mapping[SeqId, int | Sequence[int]], *, undoable: bool = False) -> GroupedPlan:
-        """``KVCacheBase.begin_step`` in every group, undoably, so that a group that refuses
-        leaves the others as they were (its error raised); ``undoable``: as a whole
-        (:meth:`cancel_step`)."""
+        """``KVCacheBase.begin_step`` in every group, undoably, so a refusing group leaves the others as
+        they were; ``undoable``: as a whole.
+        """
         plans: list[StepPlan] = []
         try:
             for core in self.groups:  # (the last group's step need not be undoable unless asked)
@@ -193,8 +184,7 @@ class LayerGroups:
         return sum(core.bytes_in_use for core in self.groups)
 
     def stats(self) -> dict[str, Any]:
-        """Memory totals over the groups, the sequences' counts once, and each group's own
-        ``stats()`` under ``"groups"`` with its layers; page geometry is per group only."""
+        """Memory totals over the groups, sequence counts once, and each group's ``stats()`` under ``"groups"``."""
         per_group = [dict(core.stats(), layers=layers) for layers, core in zip(self.layers, self.groups)]
         stats = {key: value for key, value in per_group[0].items() if key not in _PER_GROUP}
         stats.update({key: sum(group[key] for group in per_group) for key in _SUMMED if key in stats})
@@ -223,7 +213,6 @@ class LayerGroups:
 _SUMMED = frozenset({"pages_total", "pages_free", "pages_in_use", "pages_spare", "shared_pages", "cached_pages", "map_step_ns",
                      "bytes_in_use", "token_bytes", "cow_copies", "evictions", "map_ahead_errors", "resident_bytes",
                      "reserved_bytes", "pages_mapped_ahead", "pool_bytes", "num_blocks", "window_releases"})
-"""``stats()`` totals over the groups (their pages and bytes); the counts of sequences and tokens
-are every group's, reported once."""
+"""``stats()`` totals over the groups; sequence and token counts are reported once."""
 _PER_GROUP = frozenset({"page_bytes", "tokens_per_page", "page_size", "block_size", "layout", "backend"})
 """``stats()`` that differ between groups: under ``"groups"`` only."""

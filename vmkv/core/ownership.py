@@ -1,9 +1,7 @@
 """Which pool page each logical page of each slot addresses: the changes of ownership.
 
-Every change here runs inside the caller's ``guard.atomic()`` block and journals its inverse, so
-a failure half-way (the OS or driver refusing a mapping) is rolled back. The mode says how a
-page is addressed (:class:`Addressing`: VMM maps it into the slot's virtual ranges, paged mode
-writes a block-table entry); this module decides which page, with what references.
+Every change runs inside the caller's ``guard.atomic()`` and journals its inverse. The mode says
+how a page is addressed (:class:`Addressing`); this module decides which page, with what references.
 """
 
 from __future__ import annotations
@@ -23,10 +21,7 @@ if TYPE_CHECKING:
 
 
 class Addressing(Protocol):
-    """How a mode addresses pool pages from slots (its storage's side of page ownership).
-
-    ``attach`` and ``detach`` journal the inverse of every change they make (``guard.log``).
-    """
+    """How a mode addresses pool pages from slots; ``attach`` and ``detach`` journal their inverses."""
 
     def attach(self, slot: int, index: int, page: int, old: int | None, keep: int) -> None:
         """Make logical page ``index`` of ``slot`` address ``page`` (replacing ``old``, or ``None``).
@@ -49,16 +44,7 @@ class Addressing(Protocol):
 
 
 class PageOwnership:
-    """Grows, copies, adopts and drops the pages of slots.
-
-    Args:
-        pool, slots, guard: the cache's page pool, slot table and call guard.
-        addressing: the mode's storage.
-        tokens_per_page: tokens of one page.
-
-    Attributes:
-        budget: the cache's shared budget, if it joined one: new pages need its grants.
-    """
+    """Grows, copies, adopts and drops the pages of slots (``budget``: new pages need its grants)."""
 
     def __init__(self, pool: PagePool, slots: SlotTable, guard: CallGuard, addressing: Addressing,
                  tokens_per_page: int) -> None:
@@ -76,9 +62,9 @@ class PageOwnership:
         return self.pool.refcount(page) == 1 and self.pool.page_hash(page) is None
 
     def adopt_slot(self, slot: int, head: list[int]) -> list[int]:
-        """Map ``head`` (already referenced) as the first pages of ``slot``; return the pages of
-        the new sequence: ``head`` then the slot's spare pages past it. Spare pages under ``head``
-        are released. The caller commits (``slots.occupy``)."""
+        """Map ``head`` (referenced) as the first pages of ``slot``; return the new sequence's pages:
+        ``head`` then the slot's spare pages past it.
+        """
         spare = self.slots.spare[slot]
         for index, page in enumerate(head):
             old = spare[index] if index < len(spare) else None
@@ -92,9 +78,9 @@ class PageOwnership:
         return head + spare[len(head) :]
 
     def check_room(self, count: int, keep_cached: bool = False, freed: int = 0) -> None:
-        """Raise ``OutOfPages`` (changing nothing) unless :meth:`make_room` can find ``count``
-        pages once ``freed`` more are free: free, spare pages of freed slots, and, unless
-        ``keep_cached``, cached pages to evict."""
+        """Raise ``OutOfPages`` (changing nothing) unless :meth:`make_room` can find ``count`` pages once
+        ``freed`` more are free.
+        """
         spare = self.slots.idle_spare() if count > self.pool.num_free + freed else 0
         if count > self.pool.num_free + freed + (0 if keep_cached else self.pool.num_cached) + spare:
             raise OutOfPages(
@@ -103,13 +89,11 @@ class PageOwnership:
             )
 
     def make_room(self, count: int, keep_cached: bool = False) -> None:
-        """Ensure ``pool.allocate(count)`` will succeed, taking spare pages back from freed slots
-        (and, unless ``keep_cached``, counting on evicting cached pages), and, in a shared budget,
-        that the ledger granted the memory it will back.
+        """Ensure ``pool.allocate(count)`` will succeed (taking spare pages back, counting on evicting cached
+        ones unless ``keep_cached``) and that a shared budget granted the memory.
 
         Raises:
-            OutOfPages: even with every spare page and cached page there is not enough
-                (:meth:`check_room`), or the shared budget did not free up in time.
+            OutOfPages: not enough even so, or the shared budget did not free up in time.
         """
         self.check_room(count, keep_cached)
         short = count - self.pool.num_free
@@ -119,16 +103,14 @@ class PageOwnership:
             self.budget.cover(count)
 
     def grow(self, seq: LiveSequence, count: int, fresh: Iterator[int] | None = None) -> None:
-        """Append ``count`` new pages to ``seq`` (room made first: :meth:`make_room`), taken from
-        ``fresh`` if given (pages allocated earlier)."""
+        """Append ``count`` new pages to ``seq``, taken from ``fresh`` if given."""
         for page in self.pool.allocate(count) if fresh is None else [next(fresh) for _ in range(count)]:
             self.addressing.attach(seq.slot, len(seq.pages), page, None, 0)
             seq.pages.append(page)
             self.guard.log(seq.pages.pop)
 
     def copy_on_write(self, seq: LiveSequence, indexes: list[int], fresh: Iterator[int] | None = None) -> None:
-        """Give ``seq`` private copies of the shared pages at ``indexes`` (only stored tokens are
-        copied), taken from ``fresh`` if given."""
+        """Give ``seq`` private copies of the shared pages at ``indexes``, taken from ``fresh`` if given."""
         for index in indexes:
             old = seq.pages[index]
             page = self.pool.allocate(1)[0] if fresh is None else next(fresh)
@@ -139,8 +121,7 @@ class PageOwnership:
             self.guard.log(lambda index=index, old=old: seq.pages.__setitem__(index, old))
 
     def covered(self, count: int) -> int:
-        """How many of the next ``count`` free pages may be mapped now, without taking spare or
-        cached pages back and within a shared budget's grants (what mapping ahead takes)."""
+        """How many of the next ``count`` free pages may be mapped now without taking pages back."""
         return min(count, self.pool.num_free) if self.budget is None else self.budget.covered(count)
 
     def grow_one(self, seq: LiveSequence) -> None:
@@ -149,7 +130,6 @@ class PageOwnership:
             self.grow(seq, 1)
 
     def drop_from(self, seq: LiveSequence, keep: int) -> None:
-        """Drop the pages of ``seq`` past its first ``keep``, last first (the caller then shortens
-        ``seq.pages``: the list itself is not journaled)."""
+        """Drop the pages of ``seq`` past its first ``keep``, last first (the caller shortens ``seq.pages``)."""
         for index in range(len(seq.pages) - 1, max(keep, seq.released) - 1, -1):
             self.drop(seq.slot, index, seq.pages[index])

@@ -1,24 +1,20 @@
 """The physical page pool shared by both modes: reference counts, free list, prefix index, LRU.
 
-Pure bookkeeping over page ids ``0 .. num_pages-1``; it never touches memory, so it is tested
-alone. A page id means the same thing in both modes: in VMM mode the physical pages mapped
-into the virtual K/V ranges, in paged mode a block index into the block pool tensors.
-
+Pure bookkeeping over page ids ``0 .. num_pages-1`` (VMM: physical pages; paged: block indexes).
 Every page is in exactly one of three states::
 
     free      ref == 0, no hash     on the free stack         allocate() takes these first
     cached    ref == 0, has hash    in the LRU (oldest first) allocate() evicts these next
     in use    ref >= 1              owned by sequences/slots  shared when ref >= 2
 
-Invariants (checked by ``check()`` in tests):
+Invariants (``check()``):
     * ref[p] == 0 and hash[p] is None  <=>  p is on the free stack
     * ref[p] == 0 and hash[p] set      <=>  p is in the LRU
     * the prefix index maps hash[p] -> p for every hashed page, and nothing else
-    * num_shared == number of pages with ref >= 2 (kept as a counter: stats() is O(1))
+    * num_shared == number of pages with ref >= 2 (a counter: stats() is O(1))
 
-Undo: while ``journal`` is a list, every change appends a function that reverts it; calling them
-in reverse order restores the pool exactly, LRU order included (the cache uses this to roll a
-call back when a backend call fails half-way).
+While ``journal`` is a list, every change appends its undo; run in reverse they restore the pool
+exactly, LRU order included.
 """
 
 from __future__ import annotations
@@ -34,9 +30,6 @@ Undo = Callable[[], None]
 
 class PagePool:
     """Reference-counted pages with a prefix-cache index (see the module docstring).
-
-    Args:
-        num_pages: pages in the pool; ids are ``0 .. num_pages-1``.
 
     Attributes:
         journal: ``None``, or a list that collects one undo function per change.
@@ -94,13 +87,8 @@ class PagePool:
 
     # ---- changes -----------------------------------------------------------------------
     def allocate(self, count: int) -> list[int]:
-        """Take ``count`` pages, each with reference count 1.
-
-        Free pages come first (lowest id first on a fresh pool); then cached pages are evicted,
-        least recently used first, and their hashes dropped.
-
-        Returns:
-            The page ids, in allocation order.
+        """Take ``count`` pages, each with reference count 1: free pages first, then cached ones evicted
+        least recently used first. Returns their ids in allocation order.
 
         Raises:
             OutOfPages: fewer than ``count`` pages are free or evictable (nothing is taken).
@@ -152,11 +140,8 @@ class PagePool:
                 self._log(lambda: self._lru.pop(page))
 
     def register(self, page: int, page_hash: bytes) -> bool:
-        """Index an in-use ``page`` under ``page_hash`` so later prompts can find it.
-
-        Returns:
-            ``False`` (and changes nothing) when the page is already hashed or another page
-            holds that hash; ``True`` otherwise.
+        """Index an in-use ``page`` under ``page_hash``; ``False`` (nothing changed) when the page is already
+        hashed or another page holds that hash.
         """
         if self._hash[page] is not None or page_hash in self._index:
             return False
@@ -178,8 +163,7 @@ class PagePool:
         return self.evict_oldest(len(self._lru))
 
     def evict_oldest(self, count: int) -> list[int]:
-        """Move up to ``count`` cached pages, least recently used first, to the top of the free
-        stack (the next ``allocate`` takes them first); return their ids."""
+        """Move up to ``count`` cached pages, oldest first, to the top of the free stack; return their ids."""
         evicted = [self._lru.popitem(last=False) for _ in range(min(count, len(self._lru)))]
         hashes = [self._hash[page] for page, _ in evicted]
         for (page, _), page_hash in zip(evicted, hashes):

@@ -1,13 +1,10 @@
-"""Planning a step's pages: which shared pages it must copy and how many pages it adds
-(:func:`plan_pages`), and the decode fast path that skips all of it (:class:`DecodeFastPath`).
+"""Planning a step's pages (:func:`plan_pages`), and the decode fast path that skips it
+(:class:`DecodeFastPath`).
 
-The decode fast path: a decode step (one new token per sequence) for the same sequences as the
-last one, when no call changed the cache since, needs no page mapped, copied, allocated or
-unregistered as long as every new token lands in the page that holds the token before it. That
-page was written by the last step, so it is private (the full path copied it if it was shared,
-and only a version change can share it again) and not full, so it has no prefix hash to drop
-(only full pages are registered). Every storage row is then the last one + 1, and the plan is
-the last plan one token further (:meth:`~vmkv.core.step.StepPlan.next_decode`).
+The fast path: a decode step for the same sequences as the last, with no call in between, needs
+no page mapped, copied or unregistered while every new token lands in the page holding the token
+before it (written by the last step, so private and not full). Its plan is the last one token
+further (:meth:`~vmkv.core.step.StepPlan.next_decode`).
 """
 
 from __future__ import annotations
@@ -24,12 +21,8 @@ from .window import SlidingWindow
 
 def plan_pages(steps: list[Step], pool: PagePool, tokens_per_page: int,
                undoable: bool = False) -> tuple[list[list[int]], list[int]]:
-    """For each step: the page indexes to copy before writing, and how many pages to add.
-
-    Simulates the reference drops of earlier copies, so two sequences writing into the same
-    shared page cost one copy, not two. ``undoable``: every page another owner or the prefix
-    index can see is copied rather than written, so that cancelling the step
-    (``KVCacheBase.cancel_step``) gives them back unchanged.
+    """Per step: the page indexes to copy before writing, and how many pages to add. Two sequences
+    writing one shared page cost one copy; ``undoable`` copies every page another owner can see.
     """
     dropped: Counter[int] = Counter()
     copies, grows = [], []
@@ -50,12 +43,7 @@ def plan_pages(steps: list[Step], pool: PagePool, tokens_per_page: int,
 
 class DecodeFastPath:
     """The last committed plan and how many more decode steps may extend it (module docstring).
-
-    Args:
-        tokens_per_page: tokens of one page.
-        max_seq_len: the longest a sequence may grow.
-        window: the cache's sliding window, if any: a step that must release a page takes the
-            full path.
+    ``window``: a step that must release a page takes the full path.
     """
 
     def __init__(self, tokens_per_page: int, max_seq_len: int, window: SlidingWindow | None = None) -> None:
@@ -82,16 +70,10 @@ class DecodeFastPath:
         self.plan, self.seqs, self._room = state
 
     def next_plan(self, batch: Any, version: int, parse: Callable[[Any], list[Step]]) -> tuple[StepPlan | None, list[Step] | None]:
-        """``(plan, steps)``: the last plan one token further, or ``(None, steps)`` where the fast
-        path does not apply and the step takes the full path. ``steps`` is ``parse(batch)`` where
-        this had to validate the batch (token ids were given), else ``None`` (the full path
-        validates it, and raises whatever error it deserves).
-
-        It applies when ``batch`` names the last plan's sequences in the same order, one token
-        each (the int ``1``, or one token id), the last plan was a decode step, nothing changed
-        the cache since (``version`` is the plan's) and each sequence's new token lands within
-        ``max_seq_len`` in the page holding its previous token. With counts the checks are a few
-        C-level calls over the batch (``tuple``, ``map``), no Python loop.
+        """``(plan, steps)``: the last plan one token further, or ``(None, steps)`` for the full path.
+        ``steps`` is ``parse(batch)`` where this had to validate the batch, else ``None``. Applies when
+        ``batch`` names the last decode plan's sequences in order, one token each, the version is
+        unchanged and each token fits the page holding its previous one.
         """
         last = self.plan
         if (last is None or last.version != version or self._room <= 0 or not isinstance(batch, dict)
@@ -105,8 +87,7 @@ class DecodeFastPath:
         return (last.next_decode(version + 1) if same else None), steps
 
     def _room_in_pages(self, seqs: list[LiveSequence]) -> int:
-        """Decode steps (one token per sequence) that still fit, for every one of ``seqs``, in the
-        page holding its last token and within ``max_seq_len`` (0 when one is at a page boundary)."""
+        """Decode steps that still fit, for every sequence, in the page holding its last token (0 at a boundary)."""
         tpp, limit = self.tokens_per_page, self.max_seq_len
         room = min(min((tpp - seq.length % tpp) % tpp, limit - seq.length) for seq in seqs)
         if self.window is not None:

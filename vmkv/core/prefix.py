@@ -1,18 +1,14 @@
 """The prefix cache: full pages found again by a chained hash of their tokens.
 
-A full page of a sequence whose token ids are known is indexed in the page pool under
-``hash(parent hash, its tokens)``, the parent being the hash of the page before it, so one hash
-names a page *and everything before it*. A new prompt walks its own pages' hashes and links in
-every page already cached (no copy, no new page), up to the first miss::
+A full page is indexed under ``hash(parent hash, its tokens)``, so one hash names a page and
+everything before it; a new prompt links in every cached page up to its first miss::
 
     prompt    [ t0 .. t15 ][ t16 .. t31 ][ t32 .. t40 ]     tokens_per_page = 16
     hashes      h1 = H("", t0..15)   h2 = H(h1, t16..31)      (the last page is not full)
     pool        h1 -> p7, h2 -> p2                          -> the prompt starts at 32 tokens
 
-Invariants: a page is indexed only once its K/V were written in every layer (the step that
-filled it finished: :meth:`PrefixIndex.finish_step`), and it leaves the index before anything is
-written into it again (:meth:`PrefixIndex.forget_written`). The pool keeps the index
-(:class:`~vmkv.core.pages.PagePool`); this class decides what enters and leaves it.
+Invariants: a page is indexed only once every layer wrote its K/V (:meth:`PrefixIndex.finish_step`),
+and leaves the index before anything is written into it again (:meth:`PrefixIndex.forget_written`).
 """
 
 from __future__ import annotations
@@ -25,13 +21,8 @@ from .sequence import LiveSequence
 
 
 class PrefixIndex:
-    """Which full pages enter and leave the pool's prefix index, and how prompts find them.
-
-    Args:
-        pool: the page pool holding the index.
-        tokens_per_page: tokens of one page.
-        enabled: ``config.prefix_caching``; when off nothing is indexed or found.
-        log: records how to revert a change (the cache's :meth:`~vmkv.core.calls.CallGuard.log`).
+    """Which full pages enter and leave the pool's prefix index, and how prompts find them
+    (``enabled``: ``config.prefix_caching``).
     """
 
     def __init__(self, pool: PagePool, tokens_per_page: int, enabled: bool,
@@ -74,14 +65,8 @@ class PrefixIndex:
             self._log(seq.hashes.pop)
 
     def finish_step(self, written: Iterable[tuple[LiveSequence, int]], complete: bool) -> None:
-        """After a step: index the full pages it filled if it wrote every layer (``complete``).
-        If it did not (a forward pass failed half-way), the K/V of its tokens are unknown: forget
-        their ids from each sequence's ``start`` on, so those pages are never served to a prompt.
-
-        Args:
-            written: ``(sequence, start)`` of each live sequence of the step (``start``: its
-                length before the step).
-            complete: the step wrote every layer.
+        """After a step: index the full pages it filled if it wrote every layer (``complete``); else forget
+        the token ids from each ``(sequence, start)`` of ``written`` on, so those pages are never served.
         """
         if complete and not self.enabled:  # nothing to index, nothing to forget
             return

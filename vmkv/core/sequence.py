@@ -14,12 +14,10 @@ RELEASED = -1
 class LiveSequence:
     """A sequence between ``add`` (or ``fork``) and ``free``.
 
-    Invariants (checked by ``KVCacheBase.check``): ``pages[i]`` holds its tokens
-    ``i * tpp .. (i + 1) * tpp - 1`` (``tpp``: tokens per page) and each holds one pool reference
-    for it, but for the first ``released`` entries, :data:`RELEASED` (wholly behind a sliding
-    window: no page, no reference); ``length <= len(pages) * tpp``; ``hashes[i]`` is the prefix hash of full page ``i``
-    (a prefix of ``pages``); ``tokens`` are the ids of positions ``0 .. len(tokens) - 1``, known
-    only as far as the caller gave them.
+    Invariants (``KVCacheBase.check``): ``pages[i]`` holds tokens ``i * tpp .. (i + 1) * tpp - 1``
+    with one pool reference, but the first ``released`` entries, :data:`RELEASED` (behind a window);
+    ``length <= len(pages) * tpp``; ``hashes[i]`` is full page ``i``'s prefix hash; ``tokens`` are
+    the known ids of positions ``0 .. len(tokens) - 1``.
     """
 
     seq_id: SeqId

@@ -1,16 +1,12 @@
-"""The slots of a cache: which batch rows are free, and the spare pages a freed slot keeps.
-
-A slot is one row of the cache's batch (a row of the VMM tensors, a row of the paged block
-table). A live sequence holds exactly one; a freed slot may keep the private pages its last
-sequence had mapped (*spare* pages, VMM mode's deferred reclamation), so the next sequence in
-that slot finds its first pages already mapped::
+"""The slots of a cache: which batch rows are free, and the spare pages a freed slot keeps mapped
+for its next sequence (VMM's deferred reclamation)::
 
     slot   0        1              2        3
     held   seq "a"  -              seq "b"  -
     spare  []       [p5, p6]       []       []      a spare page holds one pool reference
 
-Invariants (checked by ``KVCacheBase.check``): a slot is free xor held by one live sequence; a
-held slot has no spare pages; spare page ``i`` of a slot is mapped at its logical page ``i``.
+Invariants (``KVCacheBase.check``): a slot is free xor held by one live sequence; a held slot has
+no spare pages; spare page ``i`` of a slot is mapped at its logical page ``i``.
 """
 
 from __future__ import annotations
@@ -25,12 +21,7 @@ and release its reference (journaled by the caller's ``atomic`` block)."""
 
 
 class SlotTable:
-    """Free slots and the spare pages of freed ones.
-
-    Args:
-        count: slots (``max_batch_size``).
-        log: records how to revert a change (the cache's :meth:`~vmkv.core.calls.CallGuard.log`).
-    """
+    """Free slots and the spare pages of freed ones (``count``: ``max_batch_size``)."""
 
     def __init__(self, count: int, log: Callable[[Callable[[], None]], None]) -> None:
         self.count = count
@@ -48,9 +39,8 @@ class SlotTable:
             )
 
     def pick(self, want_pages: int | None, slot: int | None = None) -> int:
-        """A free slot for a new sequence, reusing the spare pages it keeps mapped: ``slot`` if
-        given (free: :meth:`require_free`), else with ``want_pages`` known the best fit, the
-        fewest spare pages that still cover it, else the most; with ``None`` the most.
+        """A free slot for a new sequence: ``slot`` if given, else the fewest spare pages that still cover
+        ``want_pages``, else the most.
         """
         if slot is not None:
             return slot
@@ -78,8 +68,7 @@ class SlotTable:
         return sum(len(self.spare[slot]) for slot in self.free)
 
     def drain(self, count: int, drop: Drop) -> int:
-        """Drop up to ``count`` spare pages of free slots, lowest slot first and each slot's last
-        page first, so that their references return to the pool (journaled). Returns how many."""
+        """Drop up to ``count`` spare pages of free slots (journaled); returns how many."""
         done = 0
         for slot in sorted(self.free):
             spare = self.spare[slot]

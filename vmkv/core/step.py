@@ -1,13 +1,9 @@
 """Per-step metadata: built once by ``cache.begin_step``, then read by every layer.
 
-Tokens of a step are packed along one axis (varlen style), sequence after sequence in the
-order the batch named them::
+Tokens are packed along one axis (varlen style), sequence after sequence::
 
     q, k, v : [T, heads, head_dim]       T = sum(q_lens)
     cu_q    : [0, q_lens[0], q_lens[0]+q_lens[1], ..., T]
-
-For sequence ``i`` the new tokens take positions ``starts[i] .. kv_lens[i]-1``; its attention
-reads keys ``0 .. kv_lens[i]-1``::
 
     positions   0 ............ starts[i]-1 | starts[i] ....... kv_lens[i]-1
                 cached before this step    | written by this step (q_lens[i] tokens)
@@ -30,19 +26,14 @@ class StepPlan:
     Attributes:
         seq_ids: the sequences of the step, in packing order.
         slots: each sequence's slot (batch row of the VMM tensors / block-table row).
-        starts: tokens each sequence held before the step.
-        q_lens: new tokens per sequence.
-        kv_lens: tokens per sequence after the step (``starts + q_lens``).
+        starts, q_lens, kv_lens: tokens held before, new, and after (``starts + q_lens``).
         cu_q: int32 ``[B + 1]`` offsets of each sequence's tokens in the packed axis (device).
         write_rows: int64 ``[T]`` row of each new token in a layer's flattened K/V storage.
-        slots_t: int32 ``[B]`` ``slots`` on the device.
-        kv_lens_t: int32 ``[B]`` ``kv_lens`` on the device.
+        slots_t, kv_lens_t: int32 ``[B]`` ``slots`` and ``kv_lens`` on the device.
         block_table: paged mode: int32 ``[B, max_pages]`` pool page of each logical page.
-        causal_masks: per sequence, a bool ``[q_len, kv_len]`` mask (True = attend) when the
-            step both has several new tokens and a cached prefix; ``None`` where plain causal
-            (no prefix) or no mask (one token) is right.
-        version: the cache version this plan belongs to (a stale plan is refused).
-        owner: identifies the cache that built the plan (a plan of another cache is refused).
+        causal_masks: per sequence, bool ``[q_len, kv_len]`` (True = attend) where several new
+            tokens meet a cached prefix; else ``None``.
+        version, owner: the cache version and cache that built it (a stale or foreign plan is refused).
 
     Invariant: every cached property depends on ``q_lens`` alone (``next_decode`` hands them on).
     """
@@ -89,19 +80,10 @@ class StepPlan:
         return all(n == 1 for n in self.q_lens)
 
     def next_decode(self, version: int) -> "StepPlan":
-        """The plan of the decode step after this one (a decode step) for the same sequences, valid
-        only where each new token lands in the page that holds the token before it, whose mapping
-        has not changed: its storage row is then the previous row + 1 in every mode, and the
-        pages (block table) are the same. The caller (``begin_step``) checks that.
-
-        Args:
-            version: the cache version the new plan commits.
-
-        Returns:
-            A new plan sharing ``cu_q``, ``slots_t`` and ``block_table`` with this one (never
-            written in place), the rows and lengths one further; its ``write_rows`` and
-            ``kv_lens_t`` are made from the last built plan's when first read (a step whose
-            layers read neither, a transformers batch's, runs no tensor op to plan).
+        """The plan of the next decode step for the same sequences, valid only where each new token lands
+        in the page holding the token before it (the caller checks). It shares ``cu_q``, ``slots_t`` and
+        ``block_table`` with this one (never written in place); rows and lengths are one further, made
+        lazily from the last built plan.
         """
         plan = object.__new__(_NextDecode)  # a copy without __init__: frozen fields live in __dict__
         plan.__dict__.update(self.__dict__)  # with the cached properties, which depend on q_lens only
@@ -114,8 +96,7 @@ class StepPlan:
 
 
 class _NextDecode(StepPlan):
-    """A plan made by :meth:`StepPlan.next_decode`, ``_ahead`` decode steps past ``_base`` (a plan
-    that was built): every row and length is ``_ahead`` further than there."""
+    """A plan ``_ahead`` decode steps past ``_base`` (a built plan): every row and length that much further."""
 
     LAZY = ("write_rows", "kv_lens_t")
 
@@ -129,8 +110,7 @@ class _NextDecode(StepPlan):
 
 
 def slot_slice(slots: Sequence[int]) -> slice | None:
-    """A slice selecting ``slots`` in order where they are evenly spaced (an arithmetic
-    progression, rising), else ``None``: the rows a zero-copy view of a batch can take."""
+    """A slice selecting ``slots`` where they are evenly spaced and rising, else ``None`` (zero-copy views)."""
     stride = slots[1] - slots[0] if len(slots) > 1 else 1
     if stride > 0 and all(b - a == stride for a, b in zip(slots, slots[1:])):
         return slice(slots[0], slots[-1] + 1, stride)
@@ -140,15 +120,9 @@ def slot_slice(slots: Sequence[int]) -> slice | None:
 def make_plan(seq_ids: tuple[Hashable, ...], slots: list[int], starts: list[int], counts: list[int], *,
               device: torch.device, write_rows: torch.Tensor, block_table: torch.Tensor | None = None,
               version: int = 0, owner: object = None) -> StepPlan:
-    """The :class:`StepPlan` of sequences ``seq_ids`` in ``slots`` holding ``starts`` tokens and
-    adding ``counts`` (the one way plans are built: the caches' ``begin_step`` and vLLM's
-    contiguous backend, :mod:`vmkv.vllm.contiguous`).
-
-    Args:
-        seq_ids, slots, starts, counts: per sequence, in packing order.
-        device: where the plan's tensors live (CPU plans carry the prefill masks).
-        write_rows: int64 ``[T]`` storage row of each new token (what the cache's ``write`` uses).
-        block_table, version, owner: as :class:`StepPlan`.
+    """The :class:`StepPlan` of sequences ``seq_ids`` in ``slots`` holding ``starts`` tokens and adding
+    ``counts``: the one way plans are built. ``device``: where its tensors live; other arguments as
+    :class:`StepPlan`.
     """
     kv_lens = [s + n for s, n in zip(starts, counts)]
     cu_q = torch.tensor([0, *counts], dtype=torch.int32).cumsum(0, dtype=torch.int32)

@@ -1,13 +1,9 @@
-"""Sliding windows: a cache whose layers all see only the last ``size`` tokens lets go of the
-pages wholly behind them.
+"""Sliding windows: a cache whose layers see only the last ``size`` tokens lets go of the pages
+wholly behind them.
 
-A query at position ``p`` sees keys ``p - size + 1 .. p``. When a step begins at length ``L`` its
-earliest query is at ``L``, so no key before ``L - size + 1`` is read again; ``slack`` more tokens
-are kept for rollback (``crop``, rejected speculative tokens). Every page wholly before that is
-released at the step's start (:meth:`SlidingWindow.release`): VMM unmaps it (the zero page reads
-there, the slot's addresses unchanged), paged mode returns the block; the sequence's entry becomes
-:data:`~vmkv.core.sequence.RELEASED`. Tokens keep their absolute positions, so a row holds at
-most ``size + slack`` tokens and a partly filled page at each end::
+A step beginning at length ``L`` reads no key before ``L - size + 1``; ``slack`` more tokens are
+kept for rollback. Older pages are released at the step's start (VMM unmaps, paged returns the
+block) and become :data:`~vmkv.core.sequence.RELEASED`; positions stay absolute::
 
     positions   0 ........... R*tpp ....... L-size+1-slack ... L-size+1 ........ L
     pages       [ released ... ][ kept: slack, then the window ................ ][ new ]
@@ -21,8 +17,7 @@ from .sequence import RELEASED, LiveSequence
 
 
 class SlidingWindow:
-    """What a window of ``size`` tokens (``slack`` more kept) lets a cache of ``tokens_per_page``
-    tokens a page release, and what it forbids."""
+    """What a window of ``size`` tokens (``slack`` more kept) lets a cache release, and what it forbids."""
 
     def __init__(self, size: int, slack: int, tokens_per_page: int) -> None:
         self.size, self.slack, self.tokens_per_page = size, slack, tokens_per_page
@@ -53,14 +48,12 @@ class SlidingWindow:
             own.guard.log(lambda: setattr(seq, "released", first))
 
     def steps_before_release(self, seq: LiveSequence) -> int:
-        """Decode steps ``seq`` may begin before one must release a page (the decode fast path's
-        room, :class:`~vmkv.core.planning.DecodeFastPath`)."""
+        """Decode steps ``seq`` may begin before one must release a page (the fast path's room)."""
         reach = self.size - 1 + self.slack
         return max(0, (seq.released + 1) * self.tokens_per_page + reach - seq.length)
 
     def check_truncate(self, seq: LiveSequence, length: int) -> None:
-        """Raise ``InvalidInput`` if truncating ``seq`` to ``length`` would leave the next step's
-        window reaching into released pages (a rollback beyond the slack)."""
+        """Raise ``InvalidInput`` if truncating ``seq`` to ``length`` reaches into released pages."""
         floor = seq.released * self.tokens_per_page + self.size - 1 if seq.released else 0
         if length < floor:
             raise InvalidInput(

@@ -1,16 +1,9 @@
-"""Serving engine: continuous batching, chunked prefill, preemption, per-request sampling, n > 1
-by ``cache.fork``, prefix caching; a Llama-family runner over the cache's attention entry point;
-decode steps captured as CUDA graphs per batch-size bucket (``vmkv.engine.graphs``).
+"""Serving engine: continuous batching, chunked prefill, preemption, per-request sampling, n > 1 by
+``cache.fork``, prefix caching, a Llama-family runner and CUDA-graph decode steps (docs/serving.md).
 
-Public API::
-
-    from . import Engine, EngineConfig, SamplingParams
     engine = Engine.from_config(EngineConfig(kv_mode="vmm"))
     rid = engine.add_request("prompt", SamplingParams(max_tokens=16))
     outputs = engine.step()          # RequestOutput per request that progressed
-    engine.abort(rid); engine.stats()
-
-See ``docs/serving.md``.
 """
 
 from __future__ import annotations

@@ -1,24 +1,19 @@
 """The serving engine: continuous batching over a vmkv cache, one packed forward per step.
 
-The cycle an engine (or any server plugging vmkv in) runs, vAttention's alloc/step/free::
+The cycle (vAttention's alloc/step/free)::
 
     add_request(prompt, params)      queue it (validated first; nothing changes on error)
     step():
-        schedule                     decodes + prefill chunks + admissions (cache.add with the
-                                     prompt's ids: prefix-cache hits skip their tokens)
-        cache.begin_step(batch)      map/allocate the pages of the step; on OutOfPages preempt
-                                     the newest sequence (cache.free) and try again
+        schedule                     decodes + prefill chunks + admissions (cache.add with ids)
+        cache.begin_step(batch)      on OutOfPages preempt the newest sequence and retry
         model forward                per layer: cache.write(k, v) + cache.attention(q)
-        sample, fork (n > 1: cache.fork shares the prompt's pages), detect stops
+        sample, fork (n > 1), detect stops
         cache.free(finished)         full pages stay in the prefix cache
     abort(request_id)                cache.free of its sequences, at once
 
-Failures stay as small as they can be: a request whose sampling (or stop check, or fork) raises
-ends alone with ``finish_reason="error"`` and ``RequestOutput.error`` while the rest of the batch
-goes on; a failed forward (the whole batch: an out-of-memory, say) truncates the step's
-sequences back to what the cache held before it, so the engine stays consistent, and raises.
-
-Not thread-safe: one thread drives it (``EngineLoop`` in ``loop.py`` does, for the server).
+A request whose sampling raises ends alone (``finish_reason="error"``); a failed forward truncates
+the step's sequences back to what the cache held before it, then raises. Not thread-safe: one
+thread drives it (:class:`~vmkv.engine.loop.EngineLoop` for the server).
 """
 
 from __future__ import annotations
@@ -58,8 +53,7 @@ class EngineConfig:
         model: a local Hugging Face directory, or ``None`` for the embedded default model.
         kv_mode: ``"vmm"`` (virtually contiguous) or ``"paged"`` (block tables).
         memory_budget: bytes for KV pages (int or "256MiB").
-        page_size: VMM page bytes per K/V tensor; ``None``: the cache's per-device default
-            (:func:`vmkv.sizing.default_pages`: >= 16 tokens a page, per-layer where that fits).
+        page_size: VMM page bytes per K/V tensor; ``None``: :func:`vmkv.sizing.default_pages`.
         block_size: paged mode: tokens per block.
         max_num_seqs: cache slots: sequences running at once (each completion of n is one).
         max_seq_len: longest prompt + completion; ``None``: min(model's positions, 4096).
@@ -71,12 +65,9 @@ class EngineConfig:
         seed: seeds the generators of requests that bring no seed.
         shared_budget: VMM: join a host-wide KV budget (:mod:`vmkv.ledger`), e.g.
             ``"kv-host:16GiB"``; ``memory_budget`` is then this engine's ceiling.
-        cuda_graphs: capture decode steps as CUDA graphs (:mod:`vmkv.engine.graphs`); ``None``:
-            on a CUDA device, off elsewhere. On a CPU ``True`` replays the same step function
-            eagerly (no speed-up: the graph path's reference). Takes one more cache slot and
-            one page, for padding rows.
-        map_ahead: VMM: map the next step's pages on a background thread while the step runs
-            (:mod:`vmkv.core.mapping`; the engine's kernels read no further than each length).
+        cuda_graphs: capture decode steps as CUDA graphs; ``None``: on CUDA, off elsewhere (on a
+            CPU ``True`` replays the step eagerly, the reference). Takes one more slot and page.
+        map_ahead: VMM: map the next step's pages on a background thread while the step runs.
     """
 
     model: str | None = None
@@ -102,8 +93,7 @@ class EngineConfig:
         return torch.device(self.device).type == "cuda" if self.cuda_graphs is None else self.cuda_graphs
 
     def cache_config(self) -> KVCacheConfig:
-        """The KV cache configuration this engine opens, from the model's ``config.json`` (no
-        weight is read).
+        """The KV cache configuration this engine opens, from the model's ``config.json`` (no weight read).
 
         Raises:
             InvalidConfig: no ``config.json``, an unsupported model, or a bad cache option.
@@ -119,8 +109,7 @@ class EngineConfig:
 
 
 def _check_cache_fits(loaded: LoadedModel, cache: KVCacheBase) -> None:
-    """Raise ``InvalidConfig`` unless ``cache`` has the model's KV shape, layer windows, dtype and
-    device, and its ``max_seq_len`` stays within the model's positions."""
+    """Raise ``InvalidConfig`` unless ``cache`` fits the model's KV shape, windows, dtype, device and positions."""
     if cache.config.max_seq_len > loaded.max_position_embeddings:
         raise InvalidConfig(
             f"max_seq_len {cache.config.max_seq_len} exceeds the model's {loaded.max_position_embeddings} positions"
@@ -135,8 +124,9 @@ def _check_cache_fits(loaded: LoadedModel, cache: KVCacheBase) -> None:
 
 
 def _decode_graphs(loaded: LoadedModel, cache: KVCacheBase, wanted: bool | None) -> DecodeGraphs | None:
-    """The engine's captured decode steps: ``wanted`` ``True`` (raise where they cannot run),
-    ``False``, or ``None`` (on CUDA where they can run; elsewhere, or with one warning, none)."""
+    """The engine's captured decode steps: ``wanted`` ``True`` (raise where they cannot run), ``False``,
+    or ``None`` (where they can run on CUDA).
+    """
     if wanted is False:
         return None
     if wanted is None:
@@ -157,9 +147,8 @@ class Engine:
         cache: an open cache shaped for the model (``runner.cache_config_for``), either mode.
         scheduler: step limits.
         seed: seeds requests that bring no seed of their own.
-        cuda_graphs: capture decode steps (:mod:`vmkv.engine.graphs`), taking one of the cache's
-            slots (``EngineConfig.cache_config`` adds it); ``None``: on a CUDA device where the
-            graphs can run (else eagerly, with one warning), off elsewhere.
+        cuda_graphs: capture decode steps, taking one of the cache's slots; ``None``: on a CUDA
+            device where they can run, off elsewhere.
 
     Raises:
         InvalidConfig: the cache does not fit the model.
@@ -200,8 +189,8 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":
-        """Check the cache options against the model's config.json (a bad one fails before any
-        weight is read), load the model, open the cache in ``config.kv_mode``, build the engine.
+        """Check the cache options against the model's config.json (before any weight is read), load the
+        model, open the cache, build the engine.
 
         Raises:
             InvalidConfig: a bad option, an unsupported model, or a mode that cannot open.
@@ -253,10 +242,7 @@ class Engine:
         return request_id
 
     def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
-        """Tokenize and validate a request without queueing it (see :meth:`add_request`).
-
-        Returns:
-            The prompt's token ids.
+        """Tokenize and validate a request without queueing it; returns the prompt's token ids.
 
         Raises:
             InvalidParameter, SequenceTooLong, OutOfPages: as :meth:`add_request`.
@@ -284,9 +270,8 @@ class Engine:
         return ids
 
     def max_new_tokens(self, prompt_len: int) -> int:
-        """The most tokens one completion of a ``prompt_len``-token prompt may generate: what both
-        the context (``max_seq_len``) and the KV budget leave (the largest ``max_tokens``
-        :meth:`check_request` accepts). Reads only fixed sizes: callable from any thread.
+        """The most tokens one completion of a ``prompt_len``-token prompt may generate (context and KV
+        budget); reads only fixed sizes, so any thread may call it.
 
         Raises:
             SequenceTooLong: the prompt alone fills the context.
@@ -302,11 +287,7 @@ class Engine:
         return min(self.max_seq_len - prompt_len, budget_tokens - prompt_len + 1)  # the last token is not stored
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request now and free its sequences' pages.
-
-        Returns:
-            Whether the request was still unfinished.
-        """
+        """Stop a request now and free its sequences' pages; returns whether it was still unfinished."""
         request = self._requests.pop(request_id, None)
         if request is None:
             return False
@@ -325,13 +306,12 @@ class Engine:
         """Run one batched forward over the scheduled sequences and sample their next tokens.
 
         Returns:
-            One output per request that produced tokens or finished in this step (a request
-            whose sampling failed finishes with ``error`` set; the others are not affected).
+            One output per request that produced tokens or finished in this step (a request whose
+            sampling failed finishes with ``error`` set).
 
         Raises:
-            Exception: whatever the forward raised; the step's sequences are truncated back to
-                what the cache held before it, so the engine stays consistent (``abort`` the
-                requests, or call ``step`` again to retry).
+            Exception: whatever the forward raised; the step's sequences are truncated back first, so
+                the engine stays consistent (``abort`` the requests, or ``step`` again to retry).
         """
         batch = self.scheduler.schedule()
         plan, batch = self._begin(batch)
@@ -371,10 +351,8 @@ class Engine:
         return None, batch
 
     def _sample(self, sampled: list[Sequence], logits: torch.Tensor) -> list[Request]:
-        """Sample next tokens (forking n > 1 requests first), apply stops, free finished sequences.
-
-        Each request is handled on its own: one that raises (a row that cannot be sampled, say)
-        is failed alone (:meth:`_fail`) and the others go on.
+        """Sample next tokens (forking n > 1 requests first), apply stops, free finished sequences; a
+        request that raises fails alone.
         """
         logits = logits.float().cpu()  # [len(sampled), vocab]
         argmax = logits.argmax(-1).tolist()
@@ -475,9 +453,8 @@ class Engine:
 
     # ---- convenience and introspection ---------------------------------------------------
     def generate(self, prompts: Iterable[str | list[int]], params: SamplingParams | None = None) -> list[RequestOutput]:
-        """Run ``prompts`` to completion (stepping the engine) and return their final outputs, in order.
-
-        Outputs of other requests in the engine during these steps are not returned.
+        """Run ``prompts`` to completion and return their final outputs, in order (other requests' outputs
+        are not returned).
         """
         ids = [self.add_request(prompt, params) for prompt in prompts]
         final: dict[str, RequestOutput] = {}

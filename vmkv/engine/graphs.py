@@ -1,31 +1,17 @@
 """Captured decode steps: the engine's CUDA graphs, one per batch-size bucket, in both modes.
 
-A decode step (every sequence adds one token) is a few hundred small kernel launches; on a GPU
-their launch overhead, not the arithmetic, sets the speed of a small batch. A CUDA graph
-records them once and replays them with one launch. It may replay only what never changes, so:
+A decode step is a few hundred small launches whose overhead sets a small batch's speed; a graph
+replays them as one. It may replay only what never changes:
 
-* **fixed addresses**: the model reads its inputs from persistent device buffers, the token ids
-  and the cache's :class:`~vmkv.kernels.static_step.StaticStep` (positions, slots, lengths; paged
-  mode's block table at a fixed width), which each step fills before the replay (one
-  host-to-device copy for each, plus the block table copied on the device). The K/V storage never
-  moves: VMM mode's virtual ranges, paged mode's pools.
-* **fixed shapes**: a graph per *bucket* of batch sizes (1, 2, 4, 8, 16, 24, 32, ...); a batch of
-  ``B`` sequences runs the smallest bucket ``b >= B``, its ``b - B`` padding rows pointed at a
-  scratch sequence of its own (one slot, one page): they write there and attend over its one
-  token, touching no real sequence.
-* **lengths on the device**: each layer writes and attends through the static step (the one
-  write and the one decode entry, with the capturable kernel the registry chose: Triton's split-KV
-  kernel over slots or a block table where it runs, its launch fixed by ``max_seq_len``), which
-  reads each sequence's length from the device.
-* **no page mapped inside**: the engine's ``begin_step`` (the eager point, before each replay)
-  maps and copies on write every page the step writes; the graph only writes rows the step
-  owns. Prefill and mixed steps run eagerly.
+* fixed addresses: inputs live in persistent buffers (token ids, the cache's
+  :class:`~vmkv.kernels.static_step.StaticStep`), filled before each replay; K/V never move.
+* fixed shapes: a graph per bucket of batch sizes; padding rows point at a scratch sequence.
+* lengths on the device: each layer attends through the capturable kernel.
+* no page mapped inside: ``begin_step`` maps everything first; prefill steps run eagerly.
 
-A bucket is captured the first time a batch needs it (one eager warm-up run first, so that
-Triton compiles outside the capture). On a CPU (no CUDA graphs) :class:`EagerReplay` stands in:
-it records the same step function over the same buffers and replays it by calling it again, with
-the plan of the capture, so a step that depended on anything but its buffers would give
-different tokens than the eager path: that is what the CPU tests check.
+On a CPU :class:`EagerReplay` stands in, calling the recorded step again with the capture's
+plan, so a step that depended on anything but its buffers would give other tokens: what the CPU
+tests check.
 """
 
 from __future__ import annotations
@@ -52,16 +38,15 @@ SLOTS_TAKEN = 1  # cache slots the graphs take (the scratch sequence's)
 
 
 def unsupported(cache: KVCacheBase) -> str | None:
-    """Why decode steps over ``cache`` cannot be captured, or ``None`` if they can (the decode
-    kernel is the registry's capturable choice, which always finds one)."""
+    """Why decode steps over ``cache`` cannot be captured, or ``None`` if they can."""
     if cache.config.max_batch_size <= SLOTS_TAKEN:
         return f"captured decode steps need a cache of at least {SLOTS_TAKEN + 1} slots (one holds padding rows)"
     return None
 
 
 def graph_buckets(max_batch: int) -> tuple[int, ...]:
-    """The batch sizes captured for up to ``max_batch`` sequences: :data:`BUCKETS` below it, and
-    ``max_batch`` itself (the largest bucket).
+    """The batch sizes captured for up to ``max_batch`` sequences: :data:`BUCKETS` below it and
+    ``max_batch`` itself.
 
     Raises:
         InvalidConfig: ``max_batch`` < 1.
@@ -87,13 +72,9 @@ class Replay(Protocol):
 
 
 class CudaGraphReplay:
-    """A ``torch.cuda.CUDAGraph`` of the step (warm-up run on a side stream first, as torch
-    requires), in a memory pool shared by every bucket of an engine.
-
-    It keeps the step function, and so every tensor the step closes over (its output and split
-    buffers, the logit rows), for as long as the graph: a graph replays raw addresses, and a
-    tensor freed after the capture would hand its memory to others while the graph still reads
-    and writes it (on an H200 a freed index tensor became an out-of-bounds gather at replay).
+    """A ``torch.cuda.CUDAGraph`` of the step in a memory pool shared by the engine's buckets. It keeps
+    the step function, and every tensor it closes over, as long as the graph: a graph replays raw
+    addresses, and a tensor freed after capture would hand its memory to others.
     """
 
     def __init__(self, pool: object) -> None:
@@ -120,8 +101,7 @@ class CudaGraphReplay:
 
 
 class EagerReplay:
-    """The CPU stand-in: replaying calls the recorded step function again (same closure, same
-    capture-time plan and host values), so only the buffers' contents change between replays."""
+    """The CPU stand-in: replaying calls the recorded step function again (same closure and plan)."""
 
     def __init__(self) -> None:
         self._step: Callable[[], torch.Tensor] | None = None
@@ -151,10 +131,8 @@ class DecodeGraphs:
 
     Args:
         model: the engine's model (on the cache's device).
-        cache: the engine's cache, with one slot more than the engine schedules (the padding
-            rows' scratch sequence takes it).
-        replay: makes one :class:`Replay` per bucket (default: CUDA graphs on a CUDA device,
-            :class:`EagerReplay` elsewhere).
+        cache: the engine's cache, with one slot more than the engine schedules (for padding).
+        replay: makes one :class:`Replay` per bucket (default: CUDA graphs on CUDA, else eager).
         buckets: batch sizes to capture (default :func:`graph_buckets` of the slots left).
 
     Raises:
@@ -194,12 +172,8 @@ class DecodeGraphs:
         return plan.is_decode and plan.batch_size <= self.buckets[-1]
 
     def run(self, plan: StepPlan, token_ids: list[int]) -> torch.Tensor:
-        """Run the decode step ``plan`` (from the cache's ``begin_step``, which mapped its pages)
-        through its bucket's graph, capturing it first if needed.
-
-        Args:
-            plan: a decode step (:meth:`applies`).
-            token_ids: the new token of each sequence, in plan order.
+        """Run the decode step ``plan`` (``begin_step`` mapped its pages) through its bucket's graph,
+        capturing it first if needed; ``token_ids``: each sequence's new token, in plan order.
 
         Returns:
             float32 logits ``[B, vocab]`` (a view of the graph's output: read it before the next step).
@@ -245,8 +219,7 @@ class DecodeGraphs:
         return run
 
     def _workspace(self, bucket: int) -> DecodeWorkspace | None:
-        """The Triton kernel's split-KV scratch for ``bucket`` rows (the split count is fixed by
-        ``max_seq_len``), or ``None``: one split, or another kernel."""
+        """The Triton kernel's split scratch for ``bucket`` rows, or ``None`` (one split, or another kernel)."""
         config = self.cache.config
         if self.step.kernel != "triton":
             return None

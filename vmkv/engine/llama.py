@@ -1,20 +1,12 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2 shapes) that runs one packed, mixed batch per step.
-
-One forward covers every sequence of a step, prefill chunks and single decode tokens alike,
-packed along one token axis in the step plan's order::
+"""A Llama-family decoder (Llama, Mistral, Qwen2 shapes) that runs one packed, mixed batch per step::
 
     input_ids, positions : [T]                T = sum(plan.q_lens)
     hidden               : [T, hidden]
     q                    : [T, q_heads, head_dim]     -> cache.attention(layer, q, plan)
     k, v                 : [T, kv_heads, head_dim]    -> cache.write(layer, k, v, plan)
 
-Attention never sees padding: each sequence reads its own cached prefix through the cache's
-attention entry point (VMM: stock kernel on the contiguous slot; paged: block-table kernel).
-
-Parameter names match Hugging Face's ``LlamaForCausalLM`` / ``MistralForCausalLM`` /
-``Qwen2ForCausalLM`` (``model.layers.0.self_attn.q_proj.weight`` ...), so their state dicts and
-safetensors files load unchanged. The arithmetic mirrors transformers' (RMSNorm in float32,
-rotate-half RoPE, SwiGLU), so greedy outputs match ``generate``.
+Parameter names and arithmetic match transformers' ``*ForCausalLM`` (RMSNorm in float32,
+rotate-half RoPE, SwiGLU), so checkpoints load unchanged and greedy outputs match ``generate``.
 """
 
 from __future__ import annotations
@@ -43,12 +35,9 @@ class LlamaShape:
 
     Attributes:
         family: ``llama``, ``mistral`` or ``qwen2``.
-        qkv_bias: q/k/v projections carry a bias (Qwen2; Llama with ``attention_bias``).
-        o_bias: the output projection carries a bias (Llama with ``attention_bias``).
-        mlp_bias: the SwiGLU projections carry a bias (Llama with ``mlp_bias``).
-        layer_windows: each layer's sliding window (0: full attention), as transformers reads them
-            (:func:`vmkv.sizing.model_windows`); ``None``: every layer full. The cache applies
-            them and lets go of what lies behind them.
+        qkv_bias, o_bias, mlp_bias: which projections carry a bias.
+        layer_windows: each layer's sliding window (0: full), as transformers reads them;
+            ``None``: every layer full.
     """
 
     family: str
@@ -101,14 +90,12 @@ class LlamaShape:
 
 
 def rope_frequencies(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
-    """RoPE inverse frequencies ``[head_dim / 2]`` and the cos/sin scale of a HF config.
-
-    The default type is computed here; static scaled types (``linear``, ``llama3``, ``yarn``)
-    come from transformers' ``ROPE_INIT_FUNCTIONS``.
+    """RoPE inverse frequencies ``[head_dim / 2]`` and the cos/sin scale of a HF config (static scaled
+    types from transformers' ``ROPE_INIT_FUNCTIONS``).
 
     Raises:
-        InvalidConfig: ``dynamic`` or ``longrope`` RoPE (their frequencies change with the
-            sequence length), or a type this transformers version does not know.
+        InvalidConfig: ``dynamic`` or ``longrope`` RoPE (frequencies that change with the length),
+            or a type this transformers version does not know.
     """
     params = getattr(config, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", "default")
@@ -139,13 +126,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def linear_backend(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
-    """How the runner multiplies by its weights on ``device`` in ``dtype``: ``(name, why)``.
-
-    ``"onednn"``: weights pre-packed once into oneDNN's blocked layout
-    (``torch.ops.mkldnn._reorder_linear_weight``) and multiplied with
-    ``torch.ops.mkldnn._linear_pointwise``, the pair inductor's weight freezing emits on CPU
-    (why: docs/serving.md, "Models").
-    ``"torch"``: ``F.linear`` (CUDA, float16 on CPU, or a torch built without oneDNN).
+    """How the runner multiplies by its weights: ``(name, why)``. ``"onednn"``: weights packed once into
+    oneDNN's layout, as inductor's freezing does on CPU (why: docs/serving.md, "Models");
+    ``"torch"``: ``F.linear``.
     """
     if device.type != "cpu":
         return "torch", f"{device.type}: F.linear (cuBLAS)"
@@ -159,17 +142,9 @@ def linear_backend(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
 
 
 class PackedLinear:
-    """Several ``nn.Linear`` of the same input as one GEMM: ``x @ cat(W)^T + cat(b)``.
-
-    Fusing (q, k, v) and (gate, up) turns 5 of a layer's 7 products into 2 (vLLM's
-    ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` do the same on GPU), and with the
-    ``"onednn"`` backend the fused weight is packed once, so no step re-lays it out. The
-    weights are a snapshot: :meth:`LlamaForCausalLM.pack` rebuilds them after a weight change.
-
-    Memory: the fused (and, for oneDNN, re-laid-out) weights are a copy; the ``nn.Linear``
-    weights stay, since the reference paths (``pack("modules")``, ``forward_dense``), a repack
-    and ``state_dict`` read them. A packed model therefore holds its linear weights twice
-    (everything but the embeddings and norms: about twice the model's size in memory).
+    """Several ``nn.Linear`` of the same input as one GEMM, ``x @ cat(W)^T + cat(b)``: (q, k, v) and
+    (gate, up) fused as vLLM does. The fused weights are a snapshot and a copy: a packed model holds
+    its linear weights twice (:meth:`LlamaForCausalLM.pack` rebuilds them).
 
     Args:
         linears: layers with the same ``in_features`` (biases: all, some or none).
@@ -333,15 +308,12 @@ class LlamaForCausalLM(nn.Module):
             self.pack(self.linear_backend)
 
     def pack(self, backend: str | None = None) -> str:
-        """Fuse and pack the linear layers for :meth:`forward` (call after the weights are final
-        and the model is on its device and dtype; :meth:`load_weights` repacks).
+        """Fuse and pack the linear layers for :meth:`forward` (after the weights are final and on their
+        device and dtype); returns the backend used.
 
         Args:
-            backend: ``"onednn"``, ``"torch"`` or ``"modules"`` (unpacked ``nn.Linear`` calls, the
-                reference path); ``None``: :func:`linear_backend`'s choice.
-
-        Returns:
-            The backend now used.
+            backend: ``"onednn"``, ``"torch"`` or ``"modules"`` (the unpacked reference path);
+                ``None``: :func:`linear_backend`'s choice.
 
         Raises:
             InvalidConfig: an unknown backend.
@@ -397,12 +369,9 @@ class LlamaForCausalLM(nn.Module):
         Args:
             cache: the KV cache ``plan`` came from.
             plan: this step's plan (``cache.begin_step``).
-            input_ids: int64 ``[T]`` new tokens, packed in plan order.
-            positions: int64 ``[T]`` their positions in their sequences.
+            input_ids, positions: int64 ``[T]`` new tokens and their positions, packed in plan order.
             logit_rows: int64 ``[R]`` packed rows whose next-token logits are wanted.
-            attention: how each layer stores its K/V and attends; default
-                :func:`cache_attention` (a captured decode step passes its own:
-                ``vmkv.engine.graphs``).
+            attention: how each layer stores and attends (default :func:`cache_attention`).
 
         Returns:
             float32 logits ``[R, vocab]``.
@@ -444,14 +413,7 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Reference path with no cache: causal SDPA (each layer within its window) over one whole sequence.
-
-        Args:
-            input_ids: int64 ``[S]``.
-
-        Returns:
-            float32 logits ``[S, vocab]``.
-        """
+        """Reference path with no cache: causal SDPA over one sequence, ``input_ids: [S]`` -> float32 ``[S, vocab]``."""
         x = self.model.embed_tokens(input_ids)
         positions = torch.arange(input_ids.shape[0], device=input_ids.device)
         cos, sin = self._rope(positions, x.dtype)

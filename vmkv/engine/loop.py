@@ -1,19 +1,9 @@
 """Driving an :class:`Engine` from a background thread, for servers.
 
-The engine is single-threaded; ``EngineLoop`` owns it. Other threads (an asyncio server)
-``submit`` requests with a *sink* — a callable the loop calls with each ``RequestOutput`` of
-that request (from the loop thread, outside the lock) — and ``abort`` them (``abort_soon``
-from an event loop: it queues the abort for the loop thread instead of waiting for the lock). The loop steps
-while any request is unfinished and sleeps on a condition variable otherwise.
-
-A request the engine fails alone (its sampling raised) arrives as a finished output with
-``error`` set; the batch goes on. If a whole step raises (the forward: a device error, say), the
-error is logged, every unfinished request is aborted (its pages freed) and its sink receives the
-exception; the loop keeps serving new requests.
-
-Every engine (hence cache) call happens under the loop's lock: steps on the loop thread, and
-``validate``/``submit``/``abort``/``stats``/``call`` from any thread, so the cache is never used
-by two threads at once (vmkv's thread contract: overlapping cache calls raise ``ConcurrentUse``).
+``EngineLoop`` owns the engine; other threads ``submit`` requests with a sink (called with each
+output, from the loop thread) and ``abort`` them (``abort_soon`` from an event loop). Every engine
+call runs under the loop's lock, so the cache is never used by two threads at once. A step that
+raises aborts every unfinished request (its sink gets the exception); the loop keeps serving.
 """
 
 from __future__ import annotations
@@ -71,11 +61,8 @@ class EngineLoop:
             return self.engine.abort(request_id)
 
     def abort_soon(self, request_id: str) -> None:
-        """Abort a request before the engine's next step, without waiting for the current one.
-
-        Never blocks, so an event loop may call it (``abort`` would hold it up to a whole step).
-        The loop thread aborts the request (freeing its pages) before it steps again; outputs of
-        the step running now may still reach the sink.
+        """Abort a request before the engine's next step without waiting (an event loop may call it);
+        outputs of the running step may still reach the sink.
         """
         self._aborts.append(request_id)  # deque.append is atomic: no lock needed
 
@@ -90,8 +77,9 @@ class EngineLoop:
             return fn(self.engine)
 
     def close(self) -> None:
-        """Stop the thread, abort what is left and close the engine (at interpreter exit if not before:
-        the thread holds the engine, so neither would be finalized, and its cache stays open). Idempotent."""
+        """Stop the thread, abort what is left and close the engine (at interpreter exit at the latest).
+        Idempotent.
+        """
         atexit.unregister(self.close)
         with self._lock:
             self._closing = True

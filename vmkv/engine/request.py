@@ -1,17 +1,12 @@
 """Requests, their sequences, and what the engine reports back.
 
-A :class:`Request` holds ``n`` :class:`Sequence` objects, one per completion. Each sequence is
-one sequence of the KV cache (id ``"{request_id}/{index}"``) while it runs. Its state is one
-list of tokens and a count of how many of them the cache already holds::
+A :class:`Request` holds ``n`` :class:`Sequence` objects, one per completion, each a cache
+sequence ``"{request_id}/{index}"`` while it runs::
 
     tokens        [ prompt ........................ | generated ....... ]
     num_computed  [ K/V in the cache ........ ]^ next tokens to feed
-                                                 (prefill chunk, or the last sampled token)
 
-A step feeds ``tokens[num_computed : num_computed + k]``; when that reaches the end of
-``tokens`` the step's last logits give the next token. A preempted sequence is freed from the
-cache (``num_computed = 0``) and later fed again from the start, prompt and generated tokens
-alike (the prefix cache often makes most of that free): nothing it generated is lost or redone.
+A preempted sequence is freed (``num_computed = 0``) and fed again later: nothing it generated is lost.
 """
 
 from __future__ import annotations
@@ -106,10 +101,8 @@ class CompletionOutput:
         index: the completion's index (0 .. n-1).
         text: the whole output text so far (held back: an incomplete character, a possible stop string).
         token_ids: every generated token so far.
-        delta_text: text new since the last report.
-        delta_token_ids: tokens new since the last report.
-        finish_reason: ``None`` while running, else ``"stop"``, ``"length"``, ``"abort"`` or
-            ``"error"`` (see ``RequestOutput.error``).
+        delta_text, delta_token_ids: what is new since the last report.
+        finish_reason: ``None`` while running, else ``"stop"``, ``"length"``, ``"abort"`` or ``"error"``.
     """
 
     index: int

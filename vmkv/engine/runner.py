@@ -1,9 +1,5 @@
-"""Loading a model (embedded default or a local Hugging Face directory) and running one step.
-
-``load_model(None)`` gives the embedded default (``vmkv.models``: a seeded random Llama with a
-byte tokenizer), so everything runs with no download. ``load_model("/path")`` reads
-``config.json``, ``*.safetensors`` and the tokenizer files of a Llama, Mistral or Qwen2
-checkpoint, with ``local_files_only`` (never the network).
+"""Loading a model (the embedded default, or a local Llama, Mistral or Qwen2 checkpoint read with
+``local_files_only``) and running one step.
 """
 
 from __future__ import annotations
@@ -111,8 +107,9 @@ def _dtype(name: str | torch.dtype, config_dtype: Any, device: torch.device) -> 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What a model directory's ``config.json`` says, read before any weight: enough to size and
-    open a KV cache (:meth:`cache_config`) so that a bad cache option fails in milliseconds."""
+    """What a model directory's ``config.json`` says, read before any weight: enough to size and open a
+    KV cache, so a bad cache option fails fast.
+    """
 
     hf_config: Any
     shape: LlamaShape
@@ -134,8 +131,7 @@ class ModelSpec:
 
 
 def embedded_name(path: str | Path | None) -> str | None:
-    """The embedded model ``path`` names (``None``, or ``"embedded:NAME"``: a key of
-    :data:`vmkv.models.EMBEDDED`), else ``None`` (a directory).
+    """The embedded model ``path`` names (``None`` or ``"embedded:NAME"``), else ``None`` (a directory).
 
     Raises:
         InvalidConfig: ``embedded:`` with a name no embedded model has.
@@ -151,8 +147,7 @@ def embedded_name(path: str | Path | None) -> str | None:
 
 
 def read_model_spec(path: str | Path | None = None, *, dtype: str | torch.dtype = "auto", device: str = "cpu") -> ModelSpec:
-    """Read the shape, dtype and positions of an embedded model (``None``, ``"embedded:mistral"``)
-    or a local checkpoint.
+    """Read the shape, dtype and positions of an embedded model or a local checkpoint.
 
     Raises:
         InvalidConfig: no ``config.json``, an unsupported architecture or dtype.
@@ -176,8 +171,7 @@ def read_model_spec(path: str | Path | None = None, *, dtype: str | torch.dtype 
 
 
 def load_model(path: str | Path | None = None, *, dtype: str | torch.dtype = "auto", device: str = "cpu") -> LoadedModel:
-    """Load an embedded model (``path=None``: the default; ``"embedded:mistral"``) or a local
-    Hugging Face checkpoint.
+    """Load an embedded model (``path=None``: the default; ``"embedded:mistral"``) or a local checkpoint.
 
     Args:
         path: a directory with ``config.json``, ``*.safetensors`` and tokenizer files.
@@ -227,12 +221,7 @@ def _read_safetensors(root: Path) -> dict[str, torch.Tensor]:
 
 
 def cache_config_for(model: LlamaForCausalLM, **options: Any) -> KVCacheConfig:
-    """A KV cache configuration shaped for ``model`` (layers, their windows, KV heads, head size,
-    dtype, device).
-
-    Args:
-        options: other :class:`KVCacheConfig` fields (budget, page size, slots, ...).
-    """
+    """A KV cache configuration shaped for ``model``; ``options``: other :class:`KVCacheConfig` fields."""
     weight = model.lm_head.weight
     return KVCacheConfig(
         num_layers=model.shape.num_layers,
@@ -246,12 +235,8 @@ def cache_config_for(model: LlamaForCausalLM, **options: Any) -> KVCacheConfig:
 
 
 class ModelRunner:
-    """Packs a step's token chunks, runs the model over them, returns the logits asked for.
-
-    Args:
-        model: the model.
-        graphs: captured decode steps (``vmkv.engine.graphs``): decode steps they cover replay a
-            graph, every other step runs eagerly.
+    """Packs a step's token chunks, runs the model, returns the logits asked for (``graphs``: captured
+    decode steps replay where they apply).
     """
 
     def __init__(self, model: LlamaForCausalLM, graphs: DecodeGraphs | None = None) -> None:
@@ -262,16 +247,8 @@ class ModelRunner:
     def execute(
         self, cache: KVCacheBase, plan: StepPlan, chunks: list[list[int]], logits_for: list[bool]
     ) -> torch.Tensor:
-        """Run one step.
-
-        Args:
-            cache: the cache ``plan`` belongs to.
-            plan: from ``cache.begin_step``; ``chunks[i]`` are the new tokens of ``plan.seq_ids[i]``.
-            chunks: new token ids per sequence, in plan order.
-            logits_for: per sequence, whether its last token's next-token logits are wanted.
-
-        Returns:
-            float32 ``[sum(logits_for), vocab]``, in plan order.
+        """Run one step: ``chunks[i]`` are the new token ids of ``plan.seq_ids[i]``; ``logits_for[i]``
+        whether its next-token logits are wanted. Returns float32 ``[sum(logits_for), vocab]``.
         """
         if self.graphs is not None and self.graphs.applies(plan) and all(logits_for):
             return self.graphs.run(plan, [chunk[0] for chunk in chunks])

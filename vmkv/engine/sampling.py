@@ -1,12 +1,8 @@
 """Per-request sampling parameters and the sampler that turns logits into next tokens.
 
-Every request brings its own :class:`SamplingParams`; a step samples all sequences that reached
-the end of their known tokens at once. Greedy rows (``temperature`` below
-:data:`GREEDY_TEMPERATURE`, 0 included) take the argmax; others apply, in order:
-presence/frequency penalties, temperature, top-k, top-p, then draw with the sequence's own
-``torch.Generator`` (seeded from ``seed`` when given), so a seeded request gives the same tokens
-whatever else shares its batches. :func:`next_token` samples one row, so a caller can fail one
-request whose row cannot be sampled (non-finite logits, say) and keep the others.
+Greedy rows take the argmax; others apply penalties, temperature, top-k, top-p, then draw with the
+sequence's own seeded generator, so a seeded request's tokens do not depend on its batch. Each
+row is sampled alone, so a row that cannot be sampled fails only its request.
 """
 
 from __future__ import annotations
@@ -18,8 +14,7 @@ import torch
 from ..errors import InvalidParameter
 
 GREEDY_TEMPERATURE = 1e-5
-"""Temperatures below this are greedy (as in vLLM): dividing logits by a tinier one overflows
-float32 (``1e-40`` made every probability ``inf``), and the draw is an argmax in all but ties."""
+"""Temperatures below this are greedy (as in vLLM): dividing by a tinier one overflows float32."""
 
 
 @dataclass(frozen=True)
@@ -123,16 +118,12 @@ def new_generator(seed: int) -> torch.Generator:
 
 
 def next_token(logits: torch.Tensor, state: SamplerState, argmax: int) -> int:
-    """Next token of one completion (the engine's only sampling path: it samples each row on
-    its own so that a row that cannot be sampled fails its request alone).
+    """Next token of one completion (sampled alone, so a failing row fails only its request).
 
     Args:
         logits: float32 CPU ``[vocab]``.
         state: the completion's parameters, generator and output so far.
-        argmax: ``logits.argmax()`` (computed for the whole batch at once by the caller).
-
-    Returns:
-        The token id.
+        argmax: ``logits.argmax()`` (computed for the whole batch by the caller).
 
     Raises:
         RuntimeError: the probabilities to draw from are not finite (``torch.multinomial``).

@@ -1,23 +1,10 @@
 """Continuous batching: which sequences a step feeds, how many tokens each, and who is preempted.
 
-Each step (``schedule``) builds one mixed batch under a token budget::
-
-    1. decodes    every running sequence with one pending token: 1 token each
-    2. prefills   running sequences still feeding their prompt: the next chunk that fits
-    3. admission  waiting sequences, oldest first (preempted ones are at the front), while a
-                  slot is free, the budget has room, and the pool's free + evictable pages
-                  cover the sequence's whole known tokens on top of this step's needs
-
-Chunked prefill falls out of (2): a long prompt takes what budget the decodes leave, so it
-never stalls them. Page accounting is an estimate (a slot's spare pages or a prefix hit can make
-the real need smaller; a copy-on-write can make it larger); the cache's ``begin_step`` is the
-judge, and when it raises ``OutOfPages`` the engine calls :meth:`Scheduler.preempt_newest`,
-which frees the most recently admitted sequence (it is re-fed later, from the prefix cache
-where possible) and retries. Nothing is dropped: a preempted sequence goes back to the head of
-the waiting queue.
-
-Slots: a request with ``n`` completions is admitted only when ``n`` slots are free, because
-the other ``n - 1`` are forked from it once its prompt is in the cache.
+Each step builds one mixed batch under a token budget: decodes first, then running prefills'
+next chunks (chunked prefill never stalls decodes), then waiting sequences, oldest first, while
+slots, budget and pages allow (a request of ``n`` needs ``n`` free slots). Page accounting is an
+estimate; ``begin_step`` is the judge, and on ``OutOfPages`` the newest sequence is preempted to
+the head of the queue.
 """
 
 from __future__ import annotations
@@ -88,11 +75,7 @@ class Scheduler:
         seq.status, seq.finish_reason = Status.FINISHED, reason
 
     def preempt_newest(self) -> Sequence | None:
-        """Free the most recently admitted running sequence and requeue it at the front.
-
-        Returns:
-            The preempted sequence, or ``None`` if nothing runs.
-        """
+        """Free the most recently admitted running sequence and requeue it at the front (``None``: none runs)."""
         if not self.running:
             return None
         seq = max(self.running, key=lambda s: s.admitted)
@@ -112,11 +95,7 @@ class Scheduler:
 
     # ---- a step ----------------------------------------------------------------------------
     def schedule(self) -> list[tuple[Sequence, int]]:
-        """Pick this step's batch: ``(sequence, tokens to feed)`` pairs, decodes first.
-
-        Admits waiting sequences (``cache.add`` with their tokens, so prefix-cache hits skip
-        work) when slots, budget and pages allow.
-        """
+        """This step's batch, ``(sequence, tokens to feed)`` pairs, decodes first; admits waiting sequences."""
         budget = self.config.max_num_batched_tokens
         batch: list[tuple[Sequence, int]] = []
         for seq in self.running:  # decodes

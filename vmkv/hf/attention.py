@@ -1,22 +1,10 @@
 """The ``"vmkv"`` attention: ``attn_implementation="vmkv"``, its mask, and how it finds its cache.
 
-How the attention finds its cache and step, always from its own call:
-
-* **compiled**: a ``VirtualCache(compile=True)``'s ``update`` puts its prepared step in the
-  attention kwargs transformers passes it (``update(k, v, layer, kwargs=...)``, transformers >=
-  5.24), and transformers passes that same dict to this layer's attention: ``vmkv_step=``.
-  Nothing process-wide or thread-wide is read, so a graph dynamo compiled for one cache reads the
-  step of the cache of the call it runs (the step's tensors are graph inputs).
-* **eager**: ``update`` leaves ``vmkv_cache=`` in the same kwargs; where a model does not pass
-  them (transformers 5.19, GPT-NeoX) it leaves a per-thread note instead (:data:`HANDOFF`: this
-  cache, this layer, weak references to the K it returned), which the attention of the same
-  layer takes back only if it received that very tensor.
-
-When no ``VirtualCache`` handed the K over (a ``DynamicCache``: generate()'s assistant model,
-say), the attention runs the stock SDPA kernel instead, with the causal and padding mask.
-
-The cache side is the :class:`AttendingCache` protocol (``attention_style`` and ``attend``): this
-module does not import the cache, the cache imports it.
+Always from its own call: compiled, the prepared step arrives in the attention kwargs
+(``vmkv_step=``); eager, ``update`` leaves ``vmkv_cache=`` there, or, where a model does not pass
+the kwargs, a per-thread note (:data:`HANDOFF`) the same layer takes back only for the very K
+tensor it returned. Without a ``VirtualCache`` the stock SDPA kernel runs (docs/hf.md, "How the
+"vmkv" attention finds its cache").
 """
 
 from __future__ import annotations
@@ -46,8 +34,9 @@ class AttendingCache(Protocol):
     """What the ``"vmkv"`` attention needs of a cache (:class:`vmkv.hf.VirtualCache` is one)."""
 
     attention_style: str | None
-    """``"vmkv"``: the cache runs this attention; ``"model"``: the model's own attention reads its
-    views; ``None``: not known before the first forward."""
+    """``"vmkv"``: the cache runs this attention; ``"model"``: the model's attention reads its views;
+    ``None``: not known before the first forward.
+    """
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                mask: torch.Tensor | None, scaling: float | None, variant: "LayerVariant") -> torch.Tensor:
@@ -56,9 +45,8 @@ class AttendingCache(Protocol):
 
 # ---- how the "vmkv" attention finds its cache ----------------------------------------------------
 class _Handoff(threading.local):
-    """What the last ``VirtualCache.update`` of this thread handed its layer's attention.
-
-    Weak references only: a note nobody takes back keeps neither the cache nor the tensor alive.
+    """What the last ``VirtualCache.update`` of this thread handed its layer's attention (weak
+    references only: an untaken note keeps nothing alive).
     """
 
     def __init__(self) -> None:
@@ -70,11 +58,11 @@ class _Handoff(threading.local):
         self.cache, self.key, self.layer = weakref.ref(cache), weakref.ref(key), layer
 
     def take(self, module: torch.nn.Module, key: torch.Tensor) -> "AttendingCache | None":
-        """The cache whose ``update`` returned ``key``, or ``None`` if none did (the cache is not ours).
+        """The cache whose ``update`` returned ``key``, or ``None``.
 
         Raises:
-            InvalidConfig: a "vmkv"-style cache's update of this very layer returned another
-                tensor: the model changed K between ``cache.update`` and its attention.
+            InvalidConfig: a "vmkv"-style cache's update of this layer returned another tensor: the
+                model changed K between ``cache.update`` and its attention.
         """
         cache = self.cache() if self.cache is not None else None
         handed = self.key() if self.key is not None else None
@@ -106,13 +94,8 @@ def vmkv_attention_mask(
     **kwargs: Any,
 ) -> torch.Tensor | None:
     """The mask the ``"vmkv"`` attention gets: the 2D padding mask ``[B, kv_length]`` (True: a real
-    token), right-aligned to ``kv_length``, or ``None`` without one.
-
-    Causality is the kernel's job; only padding is the model's information to pass on. A pure
-    function of its arguments: a mask wider than ``kv_length`` keeps its last columns, a narrower
-    one (a compiled cache's ``kv_length`` is its ``max_seq_len``) is padded on the left with
-    False (no token there), so a compiled forward's mask keeps its shape from step to step. Eager,
-    an all-True mask is ``None``.
+    token), right-aligned to ``kv_length`` (padded left with False), or ``None`` without padding
+    (eager). Causality is the kernel's job.
     """
     if attention_mask is None:
         return None
@@ -134,10 +117,8 @@ def causal_padding_mask(
         window: a sliding window (0: none): a query sees the keys ``window - 1`` before it and itself.
 
     Returns:
-        ``None`` when SDPA's own ``is_causal`` gives the same answer (no padding or window, and
-        the queries are all the tokens, or a single query). Query rows that may attend to nothing
-        (padding queries of a left-padded row) attend to everything instead: their outputs are
-        meaningless either way, and a fully masked row would give NaN.
+        ``None`` when SDPA's ``is_causal`` gives the same answer. Rows that may attend to nothing
+        (left padding) attend to everything instead, since a fully masked row gives NaN.
     """
     if padding is None and not window and (q_len == 1 or q_len == kv_len):
         return None
@@ -164,30 +145,22 @@ def vmkv_attention_forward(
     vmkv_step: Any = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """``attn_implementation="vmkv"``: write the step into the cache and run the cache's kernel.
-
-    With a cache that is not a ``VirtualCache`` (``DynamicCache``, as generate() gives an
-    assistant model) or a ``VirtualCache`` running the model's attention style, ``key``/``value``
-    already hold every token: the stock SDPA kernel runs on them with a causal + padding mask.
+    """``attn_implementation="vmkv"``: write the step into the cache and run the cache's kernel; with
+    another cache (or the model style) the stock SDPA kernel runs with a causal + padding mask.
 
     Args:
         module: the attention module (its ``layer_idx`` and ``config`` are read).
         query: ``[B, q_heads, S, head_dim]``.
-        key, value: the step's new states ``[B, kv_heads, S, head_dim]`` (``update`` returns them as
-            is), or all states ``[B, kv_heads, L, head_dim]`` from another cache.
+        key, value: the step's new states ``[B, kv_heads, S, head_dim]``, or all states
+            ``[B, kv_heads, L, head_dim]`` from another cache.
         attention_mask: 2D padding mask from :func:`vmkv_attention_mask`, or ``None``.
         scaling: softmax scale.
-        vmkv_cache: set by ``VirtualCache.update`` in the attention kwargs (transformers 5.24);
-            otherwise found through the note ``update`` leaves for this layer.
-        vmkv_step: set by a ``VirtualCache(compile=True)``'s ``update`` inside a compiled forward:
-            its prepared step, which decodes each row over its own length. A compiled forward
-            without one runs this eagerly at a graph break.
+        vmkv_cache: set by ``VirtualCache.update`` in the attention kwargs (else found through its note).
+        vmkv_step: a ``VirtualCache(compile=True)``'s prepared step, inside a compiled forward.
 
     Returns:
-        ``([B, S, q_heads, head_dim], None)``; padding positions give zeros.
-
-    The layer's sliding window, soft-capping and attention sinks (``sliding_window``, ``softcap``,
-    ``s_aux``, as the models pass them) apply in every path: the cache's kernels have them.
+        ``([B, S, q_heads, head_dim], None)``; padding positions give zeros. Sliding windows,
+        soft-capping and sinks apply in every path.
 
     Raises:
         InvalidConfig: dropout, chunked attention, or a sliding window the cache was not made
@@ -233,8 +206,7 @@ def _eager_attention(
     attention_mask: torch.Tensor | None, scaling: float | None, variant: LayerVariant,
     vmkv_cache: "AttendingCache | None", **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """:func:`vmkv_attention_forward` outside a compiled step: the cache that handed ``key`` over
-    attends, or the stock kernel runs."""
+    """Outside a compiled step: the cache that handed ``key`` over attends, or the stock kernel runs."""
     handed = HANDOFF.take(module, key)
     cache = vmkv_cache if vmkv_cache is not None else handed
     if cache is None or cache.attention_style == "model":
@@ -251,8 +223,7 @@ def _stock_attention(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     padding: torch.Tensor | None, scaling: float | None, variant: LayerVariant, **kwargs: Any,
 ) -> tuple[torch.Tensor, Any]:
-    """Attention over K/V that already hold every token (``[B, H, L, D]``): transformers' SDPA,
-    or with a window, soft-cap or sinks the same explicitly (``vmkv.kernels.variants``)."""
+    """Attention over K/V holding every token (``[B, H, L, D]``): SDPA, or explicit scores for variants."""
     _log_stock_kernel()
     batch, q_heads, q_len, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
@@ -277,9 +248,6 @@ def _log_stock_kernel() -> None:
 
 
 def register() -> None:
-    """Register ``attn_implementation="vmkv"`` (attention and mask) with transformers (idempotent).
-
-    Called when ``vmkv.hf`` is imported.
-    """
+    """Register ``attn_implementation="vmkv"`` (attention and mask) with transformers; idempotent, run on import."""
     AttentionInterface.register(ATTN_IMPLEMENTATION, vmkv_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, vmkv_attention_mask)

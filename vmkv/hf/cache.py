@@ -1,11 +1,6 @@
-"""The ``transformers.Cache`` backed by vmkv: :class:`VirtualCache`.
-
-A ``VirtualCache`` is transformers' face over collaborators with their own rooms: the core cache
-and its page pool, shared with deep copies (:class:`~vmkv.hf.rows.SharedCore`, sized by
-:mod:`vmkv.hf.sizing`), the batch rows (:class:`~vmkv.hf.rows.RowTable`), how a forward of its
-attention style stores K/V (:mod:`vmkv.hf.forward`) and, with ``compile=True``, its compiled
-step (:class:`~vmkv.hf.compiled.CompiledStep`). Per eager forward one ``begin_step`` (on the
-first layer), then every layer writes and attends with that plan.
+"""The ``transformers.Cache`` backed by vmkv: :class:`VirtualCache`, a face over the core cache
+(:class:`~vmkv.hf.rows.SharedCore`), its rows (:class:`~vmkv.hf.rows.RowTable`), the forward
+styles (:mod:`vmkv.hf.forward`) and the compiled step (:class:`~vmkv.hf.compiled.CompiledStep`).
 """
 
 from __future__ import annotations
@@ -58,10 +53,8 @@ class VirtualCache(Cache):
             tables; needs ``attn_implementation="vmkv"``).
         config: the model config (optional): the layer count and attention style up front.
         max_batch_size, max_seq_len, memory_budget, page_size, layout, block_size,
-            deferred_reclaim, map_ahead, window_slack: the core cache's (docs/hf.md, "Sizing"; a
-            sliding-window layer keeps ``window_slack`` tokens behind its window for ``crop``).
-        compile: transformers' compiled generation over pages (``vmkv.hf.compiled``); needs
-            ``config`` and ``max_seq_len``.
+            deferred_reclaim, map_ahead, window_slack: the core cache's (docs/hf.md, "Sizing").
+        compile: transformers' compiled generation over pages; needs ``config`` and ``max_seq_len``.
 
     Raises:
         InvalidConfig: a bad option, paged mode with the model's own attention, a model whose
@@ -114,9 +107,9 @@ class VirtualCache(Cache):
 
     # ---- what transformers asks ----------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int | torch.Tensor:
-        """Columns seen before the coming forward (padding included), as ``DynamicCache`` counts
-        them; inside a compiled forward of a prepared step a 0-d device tensor (as StaticCache's),
-        so that the graph does not depend on the count."""
+        """Columns seen before the coming forward (padding included, as ``DynamicCache``); inside a
+        compiled forward a 0-d device tensor, so the graph does not depend on it.
+        """
         compiled = self._compiled
         if compiled is not None and (compiled.armed or compiled.live) and torch.compiler.is_compiling():
             return compiled.start
@@ -124,8 +117,9 @@ class VirtualCache(Cache):
         return self._table.columns + done + (self._pending[0][0].shape[2] if self._pending else 0)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        """``(kv_length, kv_offset)``: ``columns + query_length``, or ``max_seq_len`` with
-        ``compile=True``, where an eager call is also the step's eager point (:meth:`prepare_step`)."""
+        """``(kv_length, kv_offset)``; with ``compile=True`` ``max_seq_len``, and an eager call is the
+        step's eager point (:meth:`prepare_step`).
+        """
         if self._compile and not torch.compiler.is_compiling():
             self._prepare(query_length, explicit=False)
         if self._compile:
@@ -152,10 +146,8 @@ class VirtualCache(Cache):
         return self._num_rows() if self.is_initialized else -1
 
     def prepare_step(self, q_len: int = 1) -> None:
-        """The eager point of a compiled step, before each compiled forward: the next ``q_len``
-        columns of every row begun undoably and loaded into the static step; committed once a
-        forward wrote every layer, else cancelled at the next call. ``generate()`` reaches it
-        through :meth:`get_mask_sizes`. A no-op while the same step waits, or before the first forward.
+        """The eager point of a compiled step: the next ``q_len`` columns of every row begun undoably and
+        loaded into the static step; committed once a forward wrote every layer, else cancelled.
 
         Raises:
             InvalidConfig: the cache was not made with ``compile=True``.
@@ -187,8 +179,7 @@ class VirtualCache(Cache):
             note_peak(self.core, self.counters)
 
     def _settle(self, cancel_unwritten: bool = True) -> None:
-        """Commit the compiled step a forward wrote, or cancel one no forward (fully) wrote
-        (``cancel_unwritten=False``: leave that one be)."""
+        """Commit the compiled step a forward wrote, or cancel one no forward wrote (unless ``cancel_unwritten`` is False)."""
         if self._compiled is not None:
             self._table.columns += self._compiled.resolve(self.core, self.counters, cancel_unwritten)
 
@@ -197,12 +188,11 @@ class VirtualCache(Cache):
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store a layer's new K/V ``[B, kv_heads, S, head_dim]``; return views of every stored token
-        (``"model"`` style; ``compile=True``: ``max_seq_len`` long) or the new states (``"vmkv"``:
-        its attention writes them). Compiled: a prepared step, else eagerly at a graph break.
+        (``"model"`` style) or the new states (``"vmkv"``: its attention writes them).
 
         Raises:
-            InvalidShape (a changed batch; a prepared step it does not fit is cancelled first),
-            InvalidConfig, CacheClosed, SequenceTooLong, OutOfPages, NoFreeSlot.
+            InvalidShape (a changed batch), InvalidConfig, CacheClosed, SequenceTooLong, OutOfPages,
+            NoFreeSlot.
         """
         if torch.compiler.is_compiling():
             if self._compiled is None:
@@ -252,14 +242,12 @@ class VirtualCache(Cache):
         self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         mask: torch.Tensor | None, scaling: float | None, variant: LayerVariant,
     ) -> torch.Tensor:
-        """"vmkv" style, one layer eagerly: write the real new tokens and run the cache's kernel
-        (the layer's window, soft-cap and sinks: ``variant``).
+        """"vmkv" style, one layer eagerly: write the real new tokens and run the cache's kernel.
 
         Shapes: ``query: [B, Hq, S, D]``, ``key, value: [B, Hkv, S, D]``; returns ``[B, S, Hq, D]``.
 
         Raises:
-            InvalidConfig: the layer's window is not the one the cache holds it with (a cache
-                made without ``config=``, which knows no window).
+            InvalidConfig: the layer's window is not the one the cache holds it with.
         """
         if self.attention_style is None:  # first forward without a config: the attention tells us
             self.attention_style = "vmkv"
@@ -277,8 +265,9 @@ class VirtualCache(Cache):
         return self._ragged.attend(self.core, layer, query, key, value, self._forward, scaling, self._compiled, variant)
 
     def layer_states(self, layer: int, part: int) -> torch.Tensor | None:
-        """``layer``'s keys (``part=0``) or values as ``[B, kv_heads, columns, head_dim]``
-        (``RowTable.states``), ``None`` before the first forward; ``InvalidInput``: no such layer."""
+        """``layer``'s keys (``part=0``) or values as ``[B, kv_heads, columns, head_dim]``, ``None`` before the
+        first forward; ``InvalidInput``: no such layer.
+        """
         if self._pending:
             return self._pending[layer][part] if layer < len(self._pending) else None
         if not self._table.seq_ids:
@@ -288,8 +277,9 @@ class VirtualCache(Cache):
 
     # ---- changing the rows -------------------------------------------------------------------
     def crop(self, tokens_to_remove: int) -> None:
-        """Forget the last ``-tokens_to_remove`` columns of every row (0: a no-op); ``InvalidInput``:
-        not an int, positive (the legacy absolute form), or more than stored."""
+        """Forget the last ``-tokens_to_remove`` columns of every row; ``InvalidInput``: not an int,
+        positive, or more than stored.
+        """
         tokens_to_remove = as_int(tokens_to_remove, "crop's tokens_to_remove (a negative number)", minimum=None)
         if tokens_to_remove > 0:
             raise InvalidInput("crop takes a negative number of tokens to remove")
@@ -347,8 +337,7 @@ class VirtualCache(Cache):
         return clone
 
     def reset(self) -> None:
-        """Free every row; the next forward starts new rows in the core, which keeps its geometry
-        (the same KV heads, head size, dtype and device; any batch up to ``max_batch_size``)."""
+        """Free every row; the core keeps its geometry for the next forward (any batch up to ``max_batch_size``)."""
         if self._compiled is not None:
             self._settle(cancel_unwritten=False)
             self._compiled.settle()  # a step still waiting: its rows are freed below
@@ -411,9 +400,7 @@ class VirtualCache(Cache):
         return self._pending[0][0].shape[0] if self._pending else len(self._table.seq_ids)
 
     def _open_rows(self, like: torch.Tensor, num_layers: int | None, features: tuple[str, ...] = ()) -> None:
-        """Start a row per batch row of ``like`` (``[B, kv_heads, S, head_dim]``), opening the core
-        (and the compiled step, whose kernel is chosen then) if needed; raises InvalidShape (another
-        geometry than a reset core's), NoFreeSlot, InvalidConfig (``map_ahead`` on CUDA)."""
+        """Start a row per batch row of ``like``, opening the core (and compiled step) if needed."""
         check_map_ahead(self._compile, self._options.map_ahead, like.device)
         if self._shared is None:
             self._shared = SharedCore(*open_core(self.mode, self._options, like, num_layers, self.attention_style,
@@ -437,8 +424,7 @@ class VirtualCache(Cache):
             self.core.write(layer, pack(k), pack(v), forward.plan)
 
     def _before_row_change(self) -> None:
-        """Before ``crop``, a row operation or a deep copy: the compiled step settled, the first
-        forward's K/V written, dropped copies' rows freed, no plan in flight."""
+        """Before ``crop``, a row operation or a deep copy: settle the compiled step, flush, reap, no plan in flight."""
         self._settle()
         self._flush_pending()
         if self._shared is not None:
@@ -446,9 +432,7 @@ class VirtualCache(Cache):
         self._forward = None
 
     def _start_forward(self, key_states: torch.Tensor) -> None:
-        """The first layer of an eager forward: it writes the prepared compiled step if one waits
-        (cancelled first, with ``InvalidShape``, unless the forward fits it), else begins its own
-        step lazily (the plan needs the columns count)."""
+        """The first layer of an eager forward: take the prepared compiled step if it fits, else begin a step lazily."""
         compiled = self._compiled
         if compiled is not None and compiled.armed:
             self._forward = Forward.dense(compiled.take_eagerly(self.core, key_states))

@@ -1,11 +1,6 @@
-"""What differs between the transformers versions ``vmkv.hf`` supports (5.x: tested with 5.19 and 5.24).
-
-* The import itself: ``vmkv.hf`` needs transformers, ``import vmkv`` does not; a missing
-  transformers says which extra brings it.
-* The cache argument: 5.19 names it ``past_key_values=``, 5.24 ``cache=`` (:func:`cache_argument`).
-* The attention kwargs: 5.24 passes them to ``Cache.update(k, v, layer, kwargs=...)``, 5.19 and
-  models such as GPT-NeoX do not (:func:`attention_kwargs`; ``vmkv.hf.attention`` has the
-  per-thread note that covers the others).
+"""What differs between the transformers 5.x versions ``vmkv.hf`` supports (tested: 5.19, 5.24):
+the cache argument's name (:func:`cache_argument`) and whether ``Cache.update`` gets the
+attention kwargs (:func:`attention_kwargs`).
 """
 
 from __future__ import annotations
@@ -30,10 +25,8 @@ __all__ = ["AttentionInterface", "AttentionMaskInterface", "Cache", "CacheLayerM
 
 @functools.cache
 def cache_argument() -> str:
-    """The keyword the installed transformers takes a cache as: ``"cache"`` (5.24) or ``"past_key_values"`` (5.19).
-
-    Both spellings work on 5.24 (the old one until 6.0, with a deprecation warning); code that
-    must run on both without a warning passes ``**{vmkv.hf.cache_argument(): cache}``.
+    """The keyword the installed transformers takes a cache as: ``"cache"`` (5.24) or
+    ``"past_key_values"`` (5.19); ``**{cache_argument(): cache}`` runs on both without a warning.
     """
     from transformers.generation.utils import GenerationMixin
 
@@ -43,9 +36,9 @@ def cache_argument() -> str:
 
 @functools.cache
 def update_gets_attention_kwargs() -> bool:
-    """Whether the installed transformers' models pass the attention's kwargs to ``Cache.update``
-    (5.24 and later; not GPT-NeoX): what the compiled ``"vmkv"`` attention receives its step
-    through (elsewhere it runs eagerly at graph breaks)."""
+    """Whether the models pass the attention's kwargs to ``Cache.update`` (5.24+; not GPT-NeoX), which
+    the compiled ``"vmkv"`` attention needs.
+    """
     import transformers
 
     major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
@@ -53,7 +46,6 @@ def update_gets_attention_kwargs() -> bool:
 
 
 def attention_kwargs(update_kwargs: dict[str, Any]) -> dict[str, Any] | None:
-    """The attention's own keyword arguments, as transformers 5.24 passes them to ``Cache.update``
-    (``update(k, v, layer, kwargs=...)``); ``None`` where the caller does not (5.19, GPT-NeoX)."""
+    """The attention's kwargs as transformers 5.24 passes them to ``Cache.update``; ``None`` where not."""
     found = update_kwargs.get("kwargs")
     return found if isinstance(found, dict) else None

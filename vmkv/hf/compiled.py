@@ -1,34 +1,11 @@
 """The compiled steps of a ``VirtualCache(compile=True)``: StaticCache's contract over pages.
 
-transformers compiles a forward for a cache whose ``is_compileable`` is True (on CUDA by itself,
-elsewhere with a ``compile_config``; mode ``reduce-overhead`` captures CUDA graphs). A compiled
-forward cannot map a page, build a plan or read a Python length without baking it into the
-graph, so a step is split in two:
-
-* **the eager point** (``VirtualCache.prepare_step``), outside the compiled region, before each
-  forward: the cache begins the step in the core, undoably (``begin_step(..., undoable=True)``:
-  pages mapped and shared pages copied, so every position the step writes is in a mapped, private
-  page), and loads its positions into the cache's
-  :class:`~vmkv.kernels.static_step.StaticStep`, device tensors whose addresses never change.
-  transformers reaches it through ``cache.get_mask_sizes`` when ``prepare_inputs_for_generation``
-  builds the step's mask (eagerly, before every compiled forward); a hand-written loop calls
-  ``cache.prepare_step(q_len)``.
-* **the compiled forward**: per layer, the static step writes the new K/V at its device
-  positions. With the model's attention the layer returns ``[B, kv_heads, max_len, head_dim]``
-  views of the virtual tensors, whose addresses never move; positions past a row's length read
-  the zero page (zeros, no memory) and the model's mask hides them, as StaticCache's does. With
-  the ``"vmkv"`` attention the rows are ragged (the eager prefill dropped their padding): each row
-  writes at its own position and the attention, which receives this :class:`CompiledStep` in its
-  own kwargs (``vmkv_step=``), decodes each row over its own length.
-
-A step is committed only once a forward wrote every layer of it: the next eager call over the
-cache commits it (:meth:`CompiledStep.settle`), and cancels instead (``core.cancel_step``: the
-cache as if the step never began) a step no forward took, or one whose forward failed. Nothing
-here is shared between caches or threads: each cache's compiled graphs read that cache's tensors.
-
-A compiled forward that finds no prepared step (a hand-written loop that did not call
-``prepare_step``, or a compiled prefill) runs the cache's eager update at a graph break, with one
-warning: slower, never a crash.
+A compiled forward cannot map, plan or read a Python length, so a step is split in two: the eager
+point (``VirtualCache.prepare_step``, reached through ``get_mask_sizes``) begins it undoably and
+loads the :class:`~vmkv.kernels.static_step.StaticStep`; the compiled forward writes through its
+device positions and attends over fixed-address views or each row's own length. A step commits
+once a forward wrote every layer, else is cancelled; without a prepared step the update runs
+eagerly at a graph break. Details: docs/hf.md, "Compiled generation".
 """
 
 from __future__ import annotations
@@ -68,8 +45,9 @@ def check_compile(compile: Any, config: Any, max_seq_len: int | None) -> bool:
 
 
 def check_map_ahead(compile: bool, map_ahead: bool, device: torch.device) -> None:
-    """Raise ``InvalidConfig`` if pages would be mapped on a thread beside compiled steps whose
-    attention reads the zero pages past each row (CUDA: ``vmkv.core.mapping.background_safe``)."""
+    """Raise ``InvalidConfig`` if pages would be mapped on a thread beside compiled steps that read the
+    zero pages past each row.
+    """
     if compile and map_ahead and not background_safe(device.type, reads_past_length=True):
         raise InvalidConfig("map_ahead maps pages on a thread while compile=True's attention reads the zero pages "
                             "past each row, which a remap on CUDA would fault: use one or the other")
@@ -81,20 +59,13 @@ class CompiledStep:
     Args:
         core: the core cache (the static step reads and writes its storage).
         max_len: the most columns a row reaches (the core's ``max_seq_len``).
-        ragged: the ``"vmkv"`` attention (rows of their own lengths, one token a step), or the
-            model's (every row as long as the columns, full-length views).
+        ragged: the ``"vmkv"`` attention (rows of their own lengths), else full-length views.
 
     Attributes:
-        static: the fixed-address step inputs (:class:`~vmkv.kernels.static_step.StaticStep`).
-        start: int64 ``[]`` on the device, columns before the step as transformers counts them
-            (padding included): what ``get_seq_length`` returns inside a compiled forward.
+        static: the fixed-address step inputs.
+        start: int64 ``[]`` on the device, the columns before the step (``get_seq_length``).
         plan, q_len, rows: the prepared step (``None``, 0, 0 without one).
-        armed: prepared, and no forward took it yet.
-        live: a forward took it and has not written every layer yet.
-        done: ``"compiled"`` or ``"eager"``: a forward wrote every layer (to commit).
-
-    A step moves ``armed -> live -> done`` (the flags a compiled forward sets are side effects
-    dynamo replays after its graph); :meth:`settle` then forgets it.
+        armed, live, done: the step's state, ``armed -> live -> done``; :meth:`settle` forgets it.
     """
 
     def __init__(self, core: KVCacheBase, max_len: int, ragged: bool) -> None:
@@ -114,8 +85,7 @@ class CompiledStep:
 
     # ---- eager -------------------------------------------------------------------------------
     def begin(self, core: KVCacheBase, seq_ids: list[Any], q_len: int, columns: int) -> None:
-        """The eager point: begin ``q_len`` new columns of every row in ``core``, undoably, for the
-        next forward, after ``columns`` columns (transformers' count).
+        """The eager point: begin ``q_len`` new columns of every row, undoably, after ``columns``.
 
         Raises:
             SequenceTooLong, OutOfPages, CacheClosed: from the core (nothing changed).
@@ -134,9 +104,9 @@ class CompiledStep:
         return self.armed and self.q_len == q_len
 
     def settle(self, unwritten: bool = True) -> tuple[str, StepPlan, int] | None:
-        """Forget the step in flight: ``(outcome, plan, q_len)`` where outcome is ``"compiled"`` or
-        ``"eager"`` (written: commit it) or ``"cancel"`` (not taken, or its forward failed:
-        cancel it); ``None`` without one, or (``unwritten=False``) one not written."""
+        """Forget the step in flight: ``(outcome, plan, q_len)``, outcome ``"compiled"``/``"eager"`` (commit)
+        or ``"cancel"``; ``None`` without one.
+        """
         if self.plan is None or (self.done is None and not unwritten):
             return None
         outcome = (self.done or "cancel", self.plan, self.q_len)
@@ -146,9 +116,9 @@ class CompiledStep:
         return outcome
 
     def resolve(self, core: KVCacheBase, counters: Any, cancel_unwritten: bool = True) -> int:
-        """Settle the step in flight: commit one a forward wrote (counted as ``compiled_steps`` or
-        ``eager_steps``), cancel one none wrote (unless ``cancel_unwritten`` is False). Returns
-        the columns committed (0 or ``q_len``)."""
+        """Commit a written step or cancel an unwritten one (unless ``cancel_unwritten`` is False); returns
+        the columns committed.
+        """
         outcome = self.settle(cancel_unwritten)
         if outcome is None:
             return 0
@@ -162,8 +132,7 @@ class CompiledStep:
         return q_len
 
     def take_eagerly(self, core: KVCacheBase, k: torch.Tensor) -> StepPlan:
-        """An eager forward's first layer, K ``[B, kv_heads, S, head_dim]``, takes the prepared
-        step: its plan.
+        """An eager forward's first layer takes the prepared step: its plan.
 
         Raises:
             InvalidShape: the forward does not fit the step, which is cancelled first.
@@ -189,9 +158,9 @@ class CompiledStep:
     # ---- inside the compiled forward ---------------------------------------------------------------
     def traced_update(self, cache: Any, k: torch.Tensor, v: torch.Tensor, layer: int, args: tuple,
                       kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cache.update`` as dynamo traces it: the prepared step writes through its device
-        positions (its flags change as side effects dynamo replays after the graph); anything
-        else runs eagerly at a graph break (:func:`eager_update`)."""
+        """``cache.update`` as dynamo traces it: the prepared step writes through its device positions;
+        anything else runs eagerly at a graph break.
+        """
         why = None
         if layer == 0 and not self.armed or layer > 0 and not self.live:
             why = FALLBACK_NO_STEP
@@ -210,9 +179,7 @@ class CompiledStep:
         return self.update(layer, k, v)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``k``, ``v`` (``[B, kv_heads, S, head_dim]``) at the step's positions; return the
-        full-length views (model's attention) or ``k``, ``v`` unchanged (:meth:`attend` reads
-        the stores)."""
+        """Write ``k``, ``v`` at the step's positions; return full-length views, or ``k``, ``v`` (``"vmkv"``)."""
         self.static.write(layer, k, v)
         if self.ragged:
             return k, v
@@ -220,9 +187,9 @@ class CompiledStep:
         return self.static.views(layer, k.shape[0])
 
     def attend(self, layer: int, query: torch.Tensor, scale: float | None, variant: Any) -> torch.Tensor:
-        """The ``"vmkv"`` attention of ``layer`` after its :meth:`update`: each row's new token over
-        that row's own tokens (its group's window; ``variant``'s soft-cap and sinks),
-        ``query: [B, Hq, 1, D]`` -> ``[B, 1, Hq, D]``."""
+        """The ``"vmkv"`` attention after :meth:`update`: each row's new token over its own tokens,
+        ``query: [B, Hq, 1, D]`` -> ``[B, 1, Hq, D]``.
+        """
         out = self.static.attend(layer, query[:, :, 0], scale, softcap=variant.softcap, sinks=variant.sinks)
         self.finish(layer, "compiled")
         return out.unsqueeze(1)
@@ -231,8 +198,7 @@ class CompiledStep:
 @torch.compiler.disable
 def eager_update(cache: Any, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                  args: tuple, kwargs: dict, why: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cache.update`` run eagerly from inside a compiled forward (dynamo breaks the graph here),
-    counted in ``stats()["compile_fallbacks"]`` and said once per cache (``why``)."""
+    """``cache.update`` run eagerly inside a compiled forward (a graph break), counted in ``compile_fallbacks``."""
     cache.counters["compile_fallbacks"] += 1
     if cache.counters["compile_fallbacks"] == 1:
         log.warning("vmkv.hf: %s", why)
@@ -240,8 +206,7 @@ def eager_update(cache: Any, key_states: torch.Tensor, value_states: torch.Tenso
 
 
 def cancel(core: KVCacheBase, plan: StepPlan) -> None:
-    """Undo a prepared step no forward wrote (``core.cancel_step``); where the core changed since
-    in a way it cannot undo (pages mapped ahead), forget its tokens (``truncate``)."""
+    """Undo a prepared step no forward wrote; where that cannot be undone, forget its tokens."""
     try:
         core.cancel_step(plan)
     except StalePlan:

@@ -1,16 +1,6 @@
-"""How an eager forward stores its K/V, per attention style (``VirtualCache.attention_style``).
-
-``"model"`` (:class:`DenseWrites`, the model's own attention: ``sdpa``, ``eager``...; VMM mode)
-    every batch row stores every column (padding included, as ``DynamicCache``); ``update``
-    writes in place and returns zero-copy views ``[B, kv_heads, length, head_dim]`` of the
-    virtual tensors (``compile=True``: ``max_seq_len`` long, as the compiled forward's).
-``"vmkv"`` (:class:`RaggedWrites`, ``attn_implementation="vmkv"``; both modes)
-    each row stores only its real tokens (padding columns are dropped: they cost no memory); the
-    registered attention packs them, writes them with ``core.write`` and runs the cache's own
-    kernel ``core.attention(layer, q, plan)``. Nothing is materialised.
-
-Each begins a step per forward (at its first layer) with ``core.begin_step``; a compiled cache's
-prepared step (``vmkv.hf.compiled``) is a step begun at the eager point instead.
+"""How an eager forward stores its K/V, per attention style: :class:`DenseWrites` (``"model"``,
+every column stored, views returned) or :class:`RaggedWrites` (``"vmkv"``, real tokens only,
+the cache's kernel attends). Each begins one step per forward, at its first layer.
 """
 
 from __future__ import annotations
@@ -66,8 +56,7 @@ class DenseWrites:
         self.table, self.counters = table, counters
 
     def begin(self, core: KVCacheBase, q_len: int, compiled: CompiledStep | None) -> Forward:
-        """A step of ``q_len`` new columns for every row (loaded into a compiled cache's static
-        step: its views are the ones the model reads)."""
+        """A step of ``q_len`` new columns for every row."""
         plan = core.begin_step(dict.fromkeys(self.table.seq_ids, q_len))
         self.table.columns += q_len
         if compiled is not None:
@@ -77,11 +66,9 @@ class DenseWrites:
 
     def write(self, core: KVCacheBase, layer: int, k: torch.Tensor, v: torch.Tensor, forward: Forward,
               compiled: CompiledStep | None, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``k``, ``v`` ``[B, H, S, D]`` and return ``[B, H, columns, D]`` views of the virtual
-        tensors (a copy where the rows' slots are not evenly spaced, after a beam reorder); a
-        layer of sliding ``window``: from the first column its queries see (``get_mask_sizes``'s
-        offset); ``compiled``: ``[B, H, max_seq_len, D]``, as the compiled forward's (the model's
-        mask is that long)."""
+        """Write ``k``, ``v`` ``[B, H, S, D]`` and return ``[B, H, columns, D]`` views (a copy where slots are
+        not evenly spaced); a sliding layer from its window's first column; ``compiled``: ``max_seq_len`` long.
+        """
         keys, values = core.write_batch(layer, k, v, forward.plan)
         if window and compiled is None:
             offset = max(forward.plan.starts[0] - window + 1, 0)
@@ -108,13 +95,11 @@ class RaggedWrites:
 
     def begin(self, core: KVCacheBase, mask: torch.Tensor | None, batch: int, q_len: int,
               windows: tuple[int, ...] | None = None) -> Forward:
-        """A step of each row's real columns among the last ``q_len`` (``mask``: the 2D padding
-        mask, True for real tokens; ``None``: all real).
+        """A step of each row's real columns among the last ``q_len`` (``mask``: True for real tokens).
 
         Raises:
-            InvalidInput: a 4D mask, every row of the step is padding, or (a model with sliding
-                ``windows``) padding that is not the start of a new row: a window counts the
-                columns padding takes, which this attention does not store.
+            InvalidInput: a 4D mask, a step of padding only, or (sliding ``windows``) padding that is
+                not the start of a new row.
         """
         real = None
         if mask is not None:
@@ -144,11 +129,9 @@ class RaggedWrites:
     @staticmethod
     def attend(core: KVCacheBase, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                forward: Forward, scaling: float | None, compiled: CompiledStep | None, variant: Any) -> torch.Tensor:
-        """Write the real new tokens of one layer and run the cache's kernel (a compiled cache's
-        prepared step, taken by this eager forward, is done after its last layer).
+        """Write one layer's real new tokens and run the cache's kernel.
 
-        Shapes: ``query: [B, Hq, S, D]``, ``key, value: [B, Hkv, S, D]``; returns ``[B, S, Hq, D]``
-        (padding positions: zeros).
+        Shapes: ``query: [B, Hq, S, D]``, ``key, value: [B, Hkv, S, D]``; returns ``[B, S, Hq, D]``.
         """
         batch, q_heads, q_len, dim = query.shape
         q, k, v = pack(query), pack(key), pack(value)

@@ -15,12 +15,8 @@ if TYPE_CHECKING:
 
 
 class VirtualLayer(CacheLayerMixin):
-    """One layer's face of a :class:`VirtualCache` (transformers' per-layer API).
-
-    Pages hold every layer of a token, so batch operations (reorder, crop, fork) act on the
-    whole cache: call them on the ``VirtualCache``, not on a layer. ``keys`` / ``values`` are
-    ``[B, kv_heads, columns, head_dim]`` as in ``DynamicCache``: zero-copy views where the stored
-    K/V have that layout, else materialised copies (see :meth:`VirtualCache.layer_states`).
+    """One layer's face of a :class:`VirtualCache`; batch operations act on the whole cache (pages hold
+    every layer). ``keys``/``values``: ``[B, kv_heads, columns, head_dim]``, views or copies.
     """
 
     is_croppable = True

@@ -1,11 +1,6 @@
-"""The rows of a ``VirtualCache``: batch rows as sequence ids, and what beams, forks and deep copies do to them.
-
-Batch row ``i`` of the model is sequence ``table.seq_ids[i]`` of the core cache
-(:class:`RowTable`). Beam search's ``reorder_cache`` and ``batch_repeat_interleave`` /
-``batch_select_indices`` become ``free`` + ``fork`` (or a *retarget*, see
-:meth:`RowTable.remap`) of sequence ids, so a beam that continues another shares its pages
-(copy-on-write) instead of copying K/V; ``copy.deepcopy`` forks every row into the same core
-cache (:class:`SharedCore`).
+"""The rows of a ``VirtualCache``: batch rows as core sequence ids (:class:`RowTable`). Beams,
+``batch_*`` and deep copies become ``free`` + ``fork`` (or a retarget), sharing pages instead of
+copying K/V.
 """
 
 from __future__ import annotations
@@ -26,12 +21,9 @@ log = logging.getLogger("vmkv")
 
 
 class SharedCore:
-    """A core cache and the ``VirtualCache`` objects over it (``copy.deepcopy`` makes more).
-
-    Sequence ids come from here so that copies never collide; the core closes with its last
-    user. A copy dropped without ``close()`` leaves its rows here (``retire``): the garbage
-    collector may run it in the middle of another copy's forward, whose plan a ``free`` would
-    invalidate, so the rows are freed at the next forward or row operation instead (``reap``).
+    """A core cache and the ``VirtualCache`` objects over it. Sequence ids come from here, so copies
+    never collide; the core closes with its last user. Rows of a copy dropped without ``close()``
+    are freed at the next forward (``reap``), never from the garbage collector mid-forward.
     """
 
     def __init__(self, core: KVCacheBase, choice: Choice) -> None:
@@ -43,8 +35,7 @@ class SharedCore:
         self._orphans: deque[int] = deque()
 
     def dense_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``layer``'s whole K and V as ``[max_batch, kv_heads, max_seq_len, head_dim]`` views
-        (VMM mode; made once per layer: the ranges stay where they are for the core's life)."""
+        """``layer``'s whole K and V as ``[max_batch, kv_heads, max_seq_len, head_dim]`` views (made once)."""
         if self._views is None:
             self._views = [tuple(t.transpose(1, 2) for t in self.core.kv_cache(i)) for i in range(self.core.config.num_layers)]
         return self._views[layer]
@@ -127,10 +118,10 @@ class RowTable:
         self.seq_ids, self.dropped, self.columns = [], [], 0
 
     def index_list(self, index: torch.Tensor | list[int], rows: int) -> list[int]:
-        """``index`` (a tensor or a sequence of row indexes into ``rows`` rows) as a list of ints.
+        """``index`` (a tensor or a sequence of row indexes) as a list of ints.
 
         Raises:
-            InvalidInput: neither, or an index that is not an int (a bool is not) in ``0 .. rows - 1``.
+            InvalidInput: neither, or an index that is not an int in ``0 .. rows - 1``.
         """
         if isinstance(index, torch.Tensor):
             values = index.reshape(-1).tolist()
@@ -157,9 +148,8 @@ class RowTable:
 
     # ---- reading back (cache.layers[i].keys / .values) -----------------------------------------
     def states(self, shared: SharedCore, layer: int, part: int) -> torch.Tensor:
-        """``layer``'s keys (``part=0``) or values (``part=1``) as ``[B, kv_heads, columns, head_dim]``:
-        a zero-copy view where the stored K/V have that layout (VMM mode, every column stored,
-        rows in slots of arithmetic order), else a copy (:meth:`_materialise`).
+        """``layer``'s keys (``part=0``) or values as ``[B, kv_heads, columns, head_dim]``: a view where the
+        stored layout allows, else a copy.
 
         Raises:
             InvalidInput: no such layer.
@@ -172,8 +162,7 @@ class RowTable:
         return self._materialise(core, layer, part)
 
     def _materialise(self, core: KVCacheBase, layer: int, part: int) -> torch.Tensor:
-        """A new ``[B, kv_heads, columns, head_dim]`` tensor of ``layer``'s K or V, row by row
-        (``core.kv``), the columns no row stores (padding, "vmkv" attention) left zero."""
+        """A new tensor of ``layer``'s K or V, row by row, the columns no row stores left zero."""
         self.counters["materialised_kv"] += 1
         if self.counters["materialised_kv"] == 1:
             log.info("vmkv.hf: cache.layers[i].keys/.values have no zero-copy view here (%s mode, %s); "
@@ -194,8 +183,7 @@ class RowTable:
 
     # ---- row operations ------------------------------------------------------------------------
     def fork_all(self, shared: SharedCore, counters: Counter[str]) -> "RowTable":
-        """A table whose rows are forks of these (a deep copy of the cache, counting into
-        ``counters``; no K/V copied).
+        """A table whose rows are forks of these (a deep copy; no K/V copied).
 
         Raises:
             NoFreeSlot: the forks do not fit the free slots (nothing changed).
@@ -216,21 +204,9 @@ class RowTable:
     def remap(self, shared: SharedCore, sources: list[int]) -> None:
         """New row ``i`` continues old row ``sources[i]``.
 
-        Each old row is taken over by one new row that continues it (preferring the same index:
-        no change). Every other new row needs a copy of its source; it gets one of two ways:
-
-        * *retarget* (VMM mode): an old row no new row continues, whose pages equal all the
-          source's full pages (the beams diverged within the last, partly filled page), is
-          truncated to them and gets the source's last tokens written: under a page of copy, no
-          page mapping, and the same memory as a fork (whose first write copies that page);
-        * *fork* otherwise: the old row is freed and the source forked, sharing all its pages
-          (mapping each of them into the new slot); the first write into a shared page copies it.
-
-        The new rows must fit the slots left by the rows of deep copies sharing the core; that
-        is checked before anything changes. Forks made before a failing core call (out of pages
-        or mappings) are freed again; should the failure come after an unused row was already
-        freed or retargeted (its old tokens are gone), every row is freed (the table is then
-        empty) and the error says so.
+        One new row takes each old row over; every other gets a copy by retarget (VMM: an unused old row
+        sharing all the source's full pages is truncated and given its last tokens) or by fork. The rows
+        must fit the slots left; a failure after an unused row was lost frees every row and says so.
 
         Raises:
             NoFreeSlot: the new rows do not fit the slots the other users of the core leave
@@ -266,8 +242,7 @@ class RowTable:
         self.seq_ids, self.dropped = rows, dropped
 
     def _undo_copies(self, core: KVCacheBase, forks: list[int], lost_rows: bool, exc: BaseException) -> None:
-        """A row operation failed: free its ``forks``; if unused rows were already freed or
-        retargeted (``lost_rows``), the old rows cannot come back: free them all too."""
+        """A row operation failed: free its ``forks``, and every row if unused ones were already lost."""
         for seq_id in forks:
             core.free(seq_id)
         if lost_rows:
@@ -279,8 +254,7 @@ class RowTable:
                          "so every row of this cache was freed: prefill again")
 
     def _copy_row(self, shared: SharedCore, source: int, unused: list[int], forks: list[int]) -> int:
-        """A sequence holding row ``source``'s tokens: a retargeted unused row, else a fork
-        (whose id is appended to ``forks``). Used rows are removed from ``unused``."""
+        """A sequence holding row ``source``'s tokens: a retargeted unused row, else a fork."""
         core = shared.core
         src_id = self.seq_ids[source]
         if core.mode == "vmm" and core.config.window == 0:  # (windowed or grouped: no retarget, a fork)
@@ -310,14 +284,12 @@ class RowTable:
         return min(shared_pages * core.tokens_per_page, core.seq_len(src_id), core.seq_len(seq_id))
 
     def _can_retarget(self, core: KVCacheBase, seq_id: int, src_id: int, shared_pages: int) -> bool:
-        """Whether ``seq_id`` shares every full page of ``src_id`` (else copying a page would take
-        memory a fork shares)."""
+        """Whether ``seq_id`` shares every full page of ``src_id``."""
         tpp = core.tokens_per_page
         return self._retarget_keep(core, seq_id, src_id, shared_pages) >= core.seq_len(src_id) // tpp * tpp
 
     def _retarget(self, core: KVCacheBase, seq_id: int, src_id: int, shared_pages: int) -> None:
-        """Make ``seq_id`` (for which ``_can_retarget`` holds) a copy of ``src_id`` whose first
-        ``shared_pages`` pages it already shares: truncate it and write the source's last tokens."""
+        """Make ``seq_id`` a copy of ``src_id``: truncate it and write the source's last tokens."""
         length = core.seq_len(src_id)
         keep = self._retarget_keep(core, seq_id, src_id, shared_pages)
         core.truncate(seq_id, keep)

@@ -111,7 +111,7 @@ def choose_layout(config: KVCacheConfig, style: str, options: CacheOptions, fact
     when the attention reading the K/V is ``style`` (``"model"``: the model's SDPA/eager over
     ``[B, kv_heads, len, head_dim]`` views; ``"vmkv"``: the cache's own kernel).
 
-    The rule (measurements in docs/hf.md, "Defaults"; ``python -m benchmarks.hf_layouts``):
+    The rule (measurements in docs/hf.md, "Defaults" and "Layouts (a retired experiment)"):
 
     * host: ``head_major`` (each head's keys of a row contiguous: DynamicCache's own layout, what
       CPU SDPA reads fastest) if the mappings it needs fit (``head_major`` maps ``kv_heads``

@@ -1,27 +1,14 @@
-"""The one kernel interface of both modes: plan once per step, then run per layer.
+"""The one kernel interface of both modes: plan once per step, then run per layer (as FlashInfer's
+plan/run).
 
-A step's metadata that every layer shares (which decode rows batch together, a block table's
-CSR arrays, ...) is computed once by :meth:`AttentionKernel.plan` and handed to
-:meth:`AttentionKernel.run` for each layer, as FlashInfer's plan/run does. Calling a kernel
-(``kernel(q, k, v, plan, scale, variant)``) does both, planning only on the first layer of a
-step that asks for that window and soft-cap.
+Shapes: ``q: [T, Hq, D]`` packed in plan order, returns ``[T, Hq, D]``, causal and bottom-right
+aligned over each sequence's cached prefix, grouped-query when ``Hq`` is a multiple of ``Hkv``.
 
-Shapes, both addressings: ``q: [T, Hq, D]`` packed in the plan's order (``T = sum(q_lens)``),
-returns ``[T, Hq, D]``: causal within each sequence's new tokens, bottom-right aligned over its
-cached prefix (new token ``j`` of sequence ``i`` sits at position ``starts[i] + j`` and sees keys
-``0 ..`` that position), grouped-query when ``Hq`` is a multiple of ``Hkv``.
+* ``"slots"`` (VMM): ``k, v: [max_batch, capacity, Hkv, D]``, sequence ``i`` in row ``plan.slots[i]``;
+* ``"blocks"`` (paged): ``k, v: [num_blocks, block_size, Hkv, D]`` read through ``plan.block_table``.
 
-* ``"slots"`` (VMM mode): ``k, v: [max_batch, capacity, Hkv, D]`` (any strides with a unit last
-  one), sequence ``i`` in row ``plan.slots[i]``, its first ``plan.kv_lens[i]`` keys valid;
-* ``"blocks"`` (paged mode): ``k, v: [num_blocks, block_size, Hkv, D]`` pools read through
-  ``plan.block_table``.
-
-A layer's :class:`Variant` (a sliding window, logit soft-capping, attention sinks) changes which
-keys a query sees and how its scores become weights, with transformers' semantics. With a
-window the memory before it may be gone: in a block table, the entries of blocks that lie wholly
-before the window of a sequence's earliest query of the step may be ``-1``; in a slot, positions
-before the window may read zeros. No kernel reads those entries, and none spends time on those
-keys.
+Invariant: with a window, the memory before it may be gone (block-table entries ``-1``, slot
+positions reading zeros); no kernel reads it.
 """
 
 from __future__ import annotations
@@ -54,20 +41,15 @@ def describe_features(features: Iterable[str]) -> str:
 
 @dataclass(frozen=True, eq=False)
 class Variant:
-    """How one layer's attention differs from plain causal attention (transformers' semantics,
-    ``masking_utils`` and the models' own attention functions).
+    """How one layer's attention differs from plain causal attention (transformers' semantics).
 
     Attributes:
-        window: sliding window: a query at position ``p`` sees keys ``p - window + 1 .. p``
-            (transformers: ``kv_idx > q_idx - sliding_window``); 0: every earlier key.
-        softcap: logit soft-capping (Gemma 2): scores, after scaling, become
-            ``softcap * tanh(scores / softcap)``; 0: none.
-        sinks: attention sinks (GPT-OSS, transformers' ``s_aux``): float32 ``[Hq]``, one logit per
-            query head that joins the softmax's denominator only (it is not scaled and has no
-            value); ``None``: none.
+        window: a query at position ``p`` sees keys ``p - window + 1 .. p``; 0: every earlier key.
+        softcap: scores become ``softcap * tanh(scores / softcap)`` (Gemma 2); 0: none.
+        sinks: float32 ``[Hq]``, a logit per query head that joins the softmax's denominator only
+            (GPT-OSS's ``s_aux``); ``None``: none.
 
-    Two variants are equal when their window and softcap are and they hold the same sinks tensor
-    (identity: a layer's own parameter, compared without reading the device).
+    Variants are equal when window and softcap are and they hold the same sinks tensor (identity).
 
     Raises:
         InvalidInput, InvalidDtype, InvalidShape: a negative or non-int window, a negative or
@@ -135,9 +117,9 @@ def first_key(position: torch.Tensor, window: int) -> torch.Tensor: ...
 
 
 def first_key(position: int | torch.Tensor, window: int) -> int | torch.Tensor:
-    """The first key a query at ``position`` sees: ``position - window + 1``, at least 0; 0
-    without a window (``window == 0``). ``position``: an int, or an integer tensor (then
-    elementwise). The one statement of the window for every torch kernel."""
+    """The first key a query at ``position`` (int or tensor) sees: ``max(position - window + 1, 0)``;
+    0 without a window. The one statement of the window for every torch kernel.
+    """
     if isinstance(position, torch.Tensor):
         return (position - window + 1).clamp_min(0) if window > 0 else torch.zeros_like(position)
     return max(0, position - window + 1) if window > 0 else 0
@@ -149,8 +131,7 @@ class AttentionKernel(ABC):
     Attributes:
         name: what ``stats()["kernel"]`` shows.
         addressing: ``"slots"`` or ``"blocks"``.
-        features: the variant features it supports (keys of :data:`FEATURES`); calling it with
-            a variant that uses another raises ``Unsupported``.
+        features: the variant features it supports; a variant using another raises ``Unsupported``.
     """
 
     name: str
@@ -160,9 +141,9 @@ class AttentionKernel(ABC):
     _memo: tuple[StepPlan, dict[tuple[int, float | None, int, float], Any]] | None = None
 
     def plan(self, plan: StepPlan, q_heads: int, scale: float | None, variant: Variant = PLAIN) -> Any:
-        """Per-step metadata shared by every layer of one window and soft-cap (``None`` when the
-        kernel needs none). It may read ``variant.window`` and ``variant.softcap`` (host
-        numbers), never ``variant.sinks``: layers with other sinks share it."""
+        """Per-step metadata shared by every layer of one window and soft-cap (``None``: none needed). Never
+        reads ``variant.sinks``: layers with other sinks share it.
+        """
         return None
 
     @abstractmethod
@@ -172,8 +153,7 @@ class AttentionKernel(ABC):
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan,
                  scale: float | None, variant: Variant = PLAIN) -> torch.Tensor:
-        """:meth:`plan` (once per step, window and soft-cap: the last step's plans are remembered)
-        then :meth:`run`. A plan is immutable, so a stale memo only costs planning again.
+        """:meth:`plan` (memoised per step, window and soft-cap) then :meth:`run`.
 
         Raises:
             Unsupported: the kernel lacks a feature ``variant`` uses (before anything runs).
@@ -198,12 +178,8 @@ class AttentionKernel(ABC):
 
 
 class PhaseSplit(AttentionKernel):
-    """One kernel for decode steps (one new token per sequence) and another for the rest; it
-    supports the variant features both support.
-
-    Args:
-        decode: runs steps where every sequence adds one token.
-        other: runs every other step (prefill, chunked prefill, mixed).
+    """One kernel for decode steps (``decode``) and another for every other step (``other``); supports
+    the variant features both support.
     """
 
     def __init__(self, decode: AttentionKernel, other: AttentionKernel) -> None:

@@ -1,29 +1,12 @@
-"""The kernels graph paths call: what a compiled step (``torch.compile``) or a captured CUDA graph
-may run over a cache's fixed virtual addresses.
+"""The kernels graph paths call: what a compiled step or a captured CUDA graph may run over a cache's
+fixed virtual addresses.
 
-Two rules make a kernel usable there:
-
-* **It touches only the positions it names.** A compiled write into a VMM tensor must not be
-  widened into a copy of the whole tensor: inductor functionalizes an in-place write into a view
-  (``narrow(...).copy_``) as a full clone of the base and a copy back, and the copy back writes
-  every page of the range, the empty ones too, which are the read-only zero page (SIGSEGV on the
-  host, a fault on the GPU). :func:`write_columns` is an operator of its own
-  (``torch.ops.vmkv.write_columns``) whose schema declares what it mutates: the tensor over the
-  layer's whole storage (:class:`Store`), a graph input of its own that no other input aliases,
-  so inductor calls it in place (it re-inplaces the functional form of an op whose mutated input
-  is a graph input), cannot look inside it, and CUDA graphs accept the mutation.
-* **Its launches depend on host ints known up front** and its lengths live on the device, so one
-  capture serves every step: :func:`decode_attention`, the one decode entry point of every path
-  (eager Triton steps, compiled steps, captured graphs), takes the cache's lengths as a device
-  tensor and an upper bound on them as a host int; :func:`decode_store` is the same call as an
-  operator (``torch.ops.vmkv.decode_store``) a compiled region calls without tracing into it.
-
-Which decode kernel a graph runs is the registry's capturable choice
-(:func:`vmkv.kernels.registry.choose_capturable`: Triton where it runs, else ``"sdpa_masked"``,
-SDPA over each row's whole slot or blocks with the keys past its length masked), made once when
-the step's buffers are (:mod:`vmkv.kernels.static_step`), never per call. Both take a layer's
-variant (``window``, ``softcap``, ``sinks``: host numbers fixed per layer, and a device tensor),
-so a captured step of a sliding-window layer reads only its window.
+Two rules make a kernel usable there. It touches only the positions it names: :func:`write_columns`
+is an operator whose schema declares what it mutates, so inductor calls it in place instead of
+copying the whole range back over the read-only zero page (docs/hf.md, "Compiled generation").
+Its launches depend only on host ints known up front, lengths living on the device, so one capture
+serves every step (:func:`decode_attention`, the decode entry point of every path). Which decode
+kernel runs is :func:`vmkv.kernels.registry.choose_capturable`'s choice, made once per cache.
 """
 
 from __future__ import annotations
@@ -102,13 +85,11 @@ def _decode_store_fake(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tens
 
 @dataclass(frozen=True)
 class Store:
-    """One layer's K or V as a graph path sees it: ``base``, a 1-D tensor over the whole storage
-    the layer lives in, and the layer's ``[max_batch, capacity, kv_heads, head_dim]`` view of it.
+    """One layer's K or V as a graph path sees it: ``base``, a 1-D tensor over the layer's whole storage,
+    and the layer's ``[max_batch, capacity, kv_heads, head_dim]`` view of it.
 
-    A compiled region takes ``base`` as its input and mutates it, not the layer's view: the views
-    of an all-layers range share one storage, and a compiled region whose mutated inputs alias
-    each other gets them merged into a synthetic base, which CUDA graphs refuse to capture
-    (inductor: "skipping cudagraphs due to mutated inputs"). Made by :func:`stores_of`.
+    A compiled region mutates ``base``, not the view: views of one all-layers range alias, and aliased
+    mutated inputs make inductor skip CUDA graphs.
     """
 
     base: torch.Tensor
@@ -121,9 +102,7 @@ class Store:
         return self.base.as_strided(self.size, self.stride, self.offset)
 
     def token_rows(self) -> "Store":
-        """A block pool ``[blocks, block_size, H, D]`` as ``[1, blocks * block_size, H, D]``: one
-        slot whose positions are the pool's token rows (what :func:`write_columns` writes paged
-        mode through).
+        """A block pool ``[blocks, block_size, H, D]`` as one slot ``[1, blocks * block_size, H, D]``.
 
         Raises:
             ValueError: the pool's blocks are not back to back (no one stride spans them).
@@ -152,12 +131,10 @@ def stores_of(views: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[Stor
 def write_columns(k_store: Store, v_store: Store, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                   starts: torch.Tensor) -> None:
     """Write each row's new K/V at its own positions of its slot, and nothing else
-    (``torch.ops.vmkv.write_columns``: its schema names the two storages it mutates).
+    (``torch.ops.vmkv.write_columns``).
 
     Args:
-        k_store, v_store: a layer's K and V (:func:`stores_of` of ``cache.kv_cache(layer)``, any
-            strides). Every position written must be in a mapped page: the caller's eager point
-            mapped it.
+        k_store, v_store: a layer's K and V (:func:`stores_of`); every position written must be mapped.
         k, v: ``[B, kv_heads, S, head_dim]``, the new states in transformers' layout.
         slots: int64 ``[B]``, the slot of each row.
         starts: int64 ``[B]`` (or ``[]``: the same for every row), the first position each row writes.
@@ -172,20 +149,8 @@ def decode_store(q: torch.Tensor, k_store: Store, v_store: Store, kv_lens: torch
                  max_kv_len: int, kernel: str, *, slots: torch.Tensor | None = None,
                  block_table: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0,
                  sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`decode_attention` over one layer's stores as an operator a compiled region calls as
-    a whole (``torch.ops.vmkv.decode_store``: dynamo does not trace into the kernel's launch
-    logic, and inductor cannot widen its reads).
-
-    Args:
-        q: ``[B, Hq, D]``, one query token per row.
-        k_store, v_store: the layer's K and V (:func:`stores_of`): ``[max_batch, capacity, Hkv, D]``
-            with ``slots``, block pools ``[blocks, block_size, Hkv, D]`` with ``block_table``.
-        kv_lens, scale, max_kv_len, kernel, slots, block_table, window, softcap, sinks: as
-            :func:`decode_attention` (``window`` and ``softcap`` are host numbers the graph
-            keeps, ``sinks`` one of its tensors).
-
-    Returns:
-        ``[B, Hq, D]``, a new tensor.
+    """:func:`decode_attention` over one layer's stores as an operator a compiled region calls whole
+    (``torch.ops.vmkv.decode_store``); arguments as :func:`decode_attention`'s. Returns ``[B, Hq, D]``.
     """
     return torch.ops.vmkv.decode_store(q, k_store.base, v_store.base, kv_lens, slots, block_table, list(k_store.size),
                                        list(k_store.stride), k_store.offset, list(v_store.stride), v_store.offset,
@@ -197,15 +162,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens:
                      scale: float | None = None, max_kv_len: int, num_splits: int | None = None,
                      out: torch.Tensor | None = None, workspace: DecodeWorkspace | None = None,
                      window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode attention, one query token per row, over either addressing: the one entry point of
-    every decode path, and one a CUDA graph can capture.
+    """Decode attention, one query token per row, over either addressing: the one entry point of every
+    decode path, and capturable by a CUDA graph.
 
-    ``kernel`` ``"triton"``: the split-KV Triton kernel
-    (:func:`vmkv.kernels.triton_attention.decode_attention`; CUDA, or CPU tensors in Triton's
-    interpreter), its split count fixed by ``max_kv_len`` (and the window) unless ``num_splits``
-    is given. ``"sdpa_masked"``: SDPA over a fixed number of keys per row (its slot, or its blocks
-    in table order) with the keys it does not see masked (:func:`_masked_sdpa_decode`); any
-    device, and explicit float32 scores where the variant has soft-capping or sinks.
+    ``kernel`` ``"triton"``: the split-KV Triton kernel; ``"sdpa_masked"``: SDPA over a fixed number
+    of keys per row with the unseen ones masked (any device).
 
     Args:
         q: ``[B, Hq, D]``; k, v: the storage (slots: ``[max_batch, capacity, Hkv, D]``, blocks:
@@ -241,13 +202,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens:
 def _masked_sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor,
                         slots: torch.Tensor | None, block_table: torch.Tensor | None, scale: float | None,
                         max_kv_len: int, variant: Variant = PLAIN) -> torch.Tensor:
-    """SDPA (explicit scores for soft-capping or sinks) over a fixed number of keys per row with
-    the keys it does not see masked; ``[B, Hq, D]``.
-
-    Without a window: each row's first ``max_kv_len`` keys (its slot, or its blocks in table
-    order; past its length: the zero page, or whatever blocks hold), those at or past its length
-    masked; on a CPU, where no graph is captured, no more than the longest row holds. With a
-    window: only the keys a window can reach (:func:`_window_keys`).
+    """SDPA over a fixed number of keys per row, those a row does not see masked; ``[B, Hq, D]``. On a CPU
+    (no graph) it reads no more than the longest row holds; with a window only what it can reach.
     """
     if q.device.type != "cuda":  # no graph captures a CPU run: read no more keys than the longest row holds
         max_kv_len = max(1, min(max_kv_len, int(kv_lens.max())))
@@ -280,12 +236,9 @@ def _masked_sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_le
 def _window_keys(k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor, slots: torch.Tensor | None,
                  block_table: torch.Tensor | None, max_kv_len: int,
                  window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The keys a decode row's window can reach, a fixed number per row (graph-capturable):
-    ``(keys, values, valid)``, ``[B, L, Hkv, D]`` twice and bool ``[B, L]`` (True: in the row's
-    window and before its length). Slots: the ``min(window, max_kv_len)`` positions from the
-    window's first key. Block tables: the blocks a window of that many keys can touch, from the
-    one holding its first key, so no entry of a block wholly before the window is read (past the
-    row's blocks, entries may be -1: block 0 stands in, its keys masked)."""
+    """The keys a decode row's window can reach, a fixed number per row: ``(keys, values, valid)``,
+    ``[B, L, Hkv, D]`` twice and bool ``[B, L]``. No entry of a block wholly before the window is read.
+    """
     lens = kv_lens.long()
     first = first_key(lens - 1, window)  # [B]: each row's first key (its query is at kv_len - 1)
     if block_table is None:
@@ -304,8 +257,7 @@ def _window_keys(k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor, slots:
 
 
 class MaskedDecode(AttentionKernel):
-    """``"sdpa_masked"`` as a registry kernel (decode steps only): what a graph runs where Triton
-    cannot, forced by name for an eager cache to compare it."""
+    """``"sdpa_masked"`` as a registry kernel (decode steps only), forced by name to compare it."""
 
     name = "sdpa_masked"
     features = ALL_FEATURES

@@ -1,32 +1,20 @@
 """Attention over the contiguous (VMM) cache: kernels that read each sequence's slot.
 
-Every kernel gets the whole virtual K/V of a layer, ``k_cache: [max_batch, capacity,
-kv_heads, head_dim]``, plus the plan's slots and lengths. Per-sequence kernels read only
-``k_cache[slot, :kv_len]``; the batched CPU kernels read a run of slots up to the longest
-length, past shorter sequences' data: those reads see stale-but-finite K/V inside a partly
-filled page, or the zero page past it (both backends back every empty page with it), and
-a per-row length mask gives them probability exactly 0.
+Each kernel gets a layer's whole virtual K/V, ``k_cache: [max_batch, capacity, kv_heads, head_dim]``,
+and the plan's slots and lengths. Per-sequence kernels read ``k_cache[slot, :kv_len]`` only; the
+batched CPU kernels read a run of slots to the longest length, and a per-row length mask gives the
+stale-but-finite (or zero-page) keys past a shorter sequence probability exactly 0.
 
-The kernels (which one runs is :mod:`vmkv.kernels.registry`'s choice, named in ``stats()["kernel"]``):
-
-    flash_attn_with_kvcache   CUDA  flash-attn, installed and importable (cache_seqlens + cache_batch_idx)
+    flash_attn_with_kvcache   CUDA  flash-attn (cache_seqlens + cache_batch_idx)
     varlen_attn_seqused       CUDA  torch's FlashAttention varlen op with seqused_k (torch >= 2.5)
-    sdpa_adaptive             CPU   per step: decode rows in one batched SDPA call, or one call per
-                                    sequence, whichever :class:`BatchRule` predicts faster
-    gemm_adaptive             CPU   (by name; float32) decode rows as GEMMs (torch.matmul) over the
-                                    run of slots or per sequence, as BatchRule predicts faster;
-                                    prefill chunks as sdpa_adaptive
+    sdpa_adaptive             CPU   decode rows batched or per sequence, as BatchRule predicts faster
+    gemm_adaptive             CPU   (by name; float32) decode rows as GEMMs, batched or per sequence
     sdpa_batched              CPU   (by name) decode rows always batched
     gemm_batched              CPU   (by name) decode rows always as GEMMs over the run
     sdpa_per_sequence         any   torch SDPA on each sequence's exact-length slice
 
-The two FlashAttention kernels need what :func:`vmkv.kernels.facts.flash_attention_blockers` lists.
-
-Variants (:data:`SLOT_KERNELS` says which kernel has which): the CPU kernels read each sequence's
-keys from the first one its earliest query's window reaches (:func:`vmkv.kernels.base.first_key`),
-so positions before a window, which may read zeros, are never read; a window inside the slice is
-an SDPA mask; soft-capping and sinks take explicit scores (:mod:`vmkv.kernels.variants`). The
-FlashAttention kernels pass the window (and flash-attn the soft-cap) to the kernel.
+Which one runs is :mod:`vmkv.kernels.registry`'s choice; variants (window, soft-cap, sinks) per
+kernel: :data:`SLOT_KERNELS`.
 """
 
 from __future__ import annotations
@@ -52,9 +40,7 @@ def _sdpa_rows(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan, scale: float | None,
     indexes: Iterable[int], out: torch.Tensor, variant: Variant = PLAIN,
 ) -> None:
-    """Sequences ``indexes`` of ``plan``, one call each (:func:`~vmkv.kernels.variants.attend_sequence`)
-    on its K/V slice from the first key its earliest query's window reaches to its length;
-    writes their rows of ``out``."""
+    """Sequences ``indexes`` of ``plan``, one call each on its windowed exact slice; writes their rows of ``out``."""
     offsets = plan.offsets
     for i in indexes:
         slot, kv_len = plan.slots[i], plan.kv_lens[i]
@@ -68,9 +54,8 @@ def _sdpa_rows(
 
 def sdpa_per_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan, scale: float | None,
                       variant: Variant = PLAIN) -> torch.Tensor:
-    """Stock ``scaled_dot_product_attention`` on each sequence's exact K/V slice (from its
-    window's first key to its length), one call per sequence; explicit scores where the variant
-    has soft-capping or sinks. Reads nothing past any sequence's length or before its window.
+    """Stock SDPA on each sequence's exact K/V slice, one call per sequence; reads nothing past a length
+    or before a window.
 
     Shapes: ``q: [T, Hq, D]``, ``k_cache, v_cache: [B, S, Hkv, D]``; returns ``[T, Hq, D]``.
     """
@@ -83,9 +68,7 @@ def _gemm_decode_rows(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan, scale: float | None,
     indexes: Iterable[int], out: torch.Tensor, variant: Variant = PLAIN,
 ) -> None:
-    """Decode rows (one new token each) of sequences ``indexes``, two GEMMs each
-    (:func:`~vmkv.kernels.variants.explicit_attention`) on the sequence's exact K/V slice (from
-    its window's first key to its length); writes their rows of ``out``."""
+    """Decode rows of sequences ``indexes``, two GEMMs each on the exact slice; writes their rows of ``out``."""
     q_heads, dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[2]
     scale = dim ** -0.5 if scale is None else scale
@@ -100,22 +83,19 @@ def _gemm_decode_rows(
 
 
 def heads_merge(cache: torch.Tensor) -> bool:
-    """Whether the slot and head axes of ``cache`` (``[B, S, Hkv, D]``) fold into one batch axis
-    without a copy (head-major slots: slot stride = heads x head stride)."""
+    """Whether the slot and head axes of ``cache`` (``[B, S, Hkv, D]``) fold into one batch axis without a copy."""
     return cache.stride(0) == cache.shape[2] * cache.stride(2)
 
 
 @dataclass(frozen=True)
 class BatchRule:
-    """When one batched call beats one call per sequence, from a cost model fitted to
-    measurements (``python -m benchmarks.contiguous_decode``), all times in microseconds::
+    """When one batched call beats one call per sequence (times in microseconds)::
 
         per-sequence  call_us * B + key_us * sum(L)
         batched       fixed_us + run_key_us * span * max_kv + real_key_us * sum(L)
 
-    ``span * max_kv`` is what the batched call reads (every slot of the run, dummies included,
-    to the longest length); the CPU kernel still pays part of the cost of keys the mask
-    removes (``run_key_us``), and full cost only for real ones (``run_key_us + real_key_us``).
+    ``span * max_kv`` is what the batched call reads, masked keys included; the fit: ``batch_rule`` in
+    ``measured.json``.
     """
 
     call_us: float
@@ -137,36 +117,26 @@ class BatchRule:
 
 
 DEFAULT_BATCH_RULE = BatchRule(**batch_rule_constants("cpu"))
-"""The CPU rule, fitted by ``python -m benchmarks.contiguous_decode`` (its constants, machine,
-command and date: ``vmkv/kernels/measured.json``; what it predicts and how well:
-docs/benchmarks.md)."""
+"""The CPU rule; its constants, machine and command: ``vmkv/kernels/measured.json``."""
 
 
 @dataclass(frozen=True)
 class DecodeBatch:
-    """How one step's decode rows run as one SDPA call over a run of consecutive slots.
+    """One step's decode rows as one SDPA call over a run of consecutive slots.
 
-    The call reads ``k_cache[first_slot : first_slot + span, first_key : max_kv]``: every slot of
-    the run, the same keys of each, through the zero-page-backed range (nothing there faults).
-    Slots of the run that hold no decode row of the step are *dummy* rows: zero queries whose
-    outputs are dropped (rows of SDPA never mix, so whatever they read cannot reach a real row).
+    The call reads ``k_cache[first_slot : first_slot + span, first_key : max_kv]``. Slots of the run
+    without a decode row are dummy rows: zero queries whose outputs are dropped (SDPA rows never mix).
 
     Attributes:
         seqs: plan index of each decode row, in the order of ``rows``/``at``.
-        rows: int64 ``[Bd]`` packed index of each decode query; ``None``: every row of the step,
-            in packing order, and ``at`` is ``None`` too.
-        at: int64 ``[Bd]`` each decode query's row in the run (``slot - first_slot``); ``None``:
-            row ``i`` of the run is packed row ``i`` (no gather, no scatter).
+        rows: int64 ``[Bd]`` packed index of each decode query; ``None``: every row, in packing order.
+        at: int64 ``[Bd]`` each query's row in the run; ``None``: run row ``i`` is packed row ``i``.
         first_slot, span: the run of slots read.
-        first_key: the first key read in every slot: the earliest first key of the rows' windows
-            (0 without a window).
+        first_key: the earliest first key of the rows' windows (0 without a window).
         max_kv: one past the last key read (the longest decode row's length).
-        mask: bool ``[span, 1, 1, max_kv - first_key]``, True = attend: key ``first_key + j`` of
-            row ``r`` counts iff it lies in the row's window and ``first_key + j < kv_len(r)``
-            (dummy rows: every key), so stale-but-finite data past a sequence's length inside its
-            last page (and the zeros past its pages, or before its window) gets probability
-            exactly 0; ``None`` when every real row reads every key of the run.
-        batched: the rule's choice: True = one batched call, False = one call per sequence.
+        mask: bool ``[span, 1, 1, max_kv - first_key]``, True = attend (inside the row's window and
+            length; dummy rows: every key); ``None`` when every real row reads every key.
+        batched: True = one batched call, False = one call per sequence.
     """
 
     seqs: tuple[int, ...]
@@ -181,14 +151,8 @@ class DecodeBatch:
 
 
 def plan_decode_batch(plan: StepPlan, decode: list[int], rule: "BatchRule | None", window: int = 0) -> DecodeBatch:
-    """The batched call for sequences ``decode`` of ``plan`` (their indexes; one new token each).
-
-    Args:
-        plan: the step.
-        decode: indexes into the plan of the sequences with one new token (non-empty).
-        rule: decides batched vs per-sequence from the step's shape (the keys each call would
-            read); ``None``: always batched.
-        window: the layers' sliding window (0: none).
+    """The batched call for the decode sequences ``decode`` (plan indexes, non-empty) of ``plan``;
+    ``rule`` ``None``: always batched; ``window`` 0: none.
     """
     slots = [plan.slots[i] for i in decode]
     lens = [plan.kv_lens[i] for i in decode]
@@ -216,12 +180,7 @@ def plan_decode_batch(plan: StepPlan, decode: list[int], rule: "BatchRule | None
 def _decode_run(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The operands of a batched decode call over the batch's run of slots: ``(q_run, k, v)``.
-
-    Shapes: ``q: [Bd, Hq, D]`` the decode rows (packed order); ``q_run: [span, Hkv, G, D]`` (the
-    ``G`` query heads of a KV head as its queries; dummy rows zero), ``k, v: [span, Hkv, L, D]``
-    (``L = max_kv - first_key``) strided views of the slots, never copied.
-    """
+    """``(q_run, k, v)`` of a batched decode call: ``q_run: [span, Hkv, G, D]``, ``k, v: [span, Hkv, L, D]`` strided views."""
     q_heads, dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[2]
     group = q_heads // kv_heads
@@ -244,12 +203,8 @@ def _decode_rows(out: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
 def sdpa_decode_batched(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch, scale: float | None
 ) -> torch.Tensor:
-    """One SDPA call for every decode row of a step (see :class:`DecodeBatch`; its mask holds the
-    lengths and windows).
-
-    Under GQA the ``group`` query heads of a KV head act as its ``group`` queries
-    (``[span, Hkv, group, D]`` against ``[span, Hkv, L, D]``): each KV head is read once.
-    K/V are strided views of the slots (``[B, S, Hkv, D]`` transposed), never copied.
+    """One SDPA call for every decode row of a step (:class:`DecodeBatch`); each KV head is read once
+    under GQA, and K/V are strided views, never copied.
 
     Shapes: ``q: [Bd, Hq, D]`` the decode rows (packed order); returns ``[Bd, Hq, D]``.
     """
@@ -262,11 +217,7 @@ def gemm_decode_batched(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch, scale: float | None,
     variant: Variant = PLAIN,
 ) -> torch.Tensor:
-    """The decode rows of a step as two batched GEMMs over their run of slots (see
-    :class:`DecodeBatch`; :func:`~vmkv.kernels.variants.explicit_attention`): scores
-    ``[span, Hkv, G, L]`` = the ``G`` query heads of each KV head against its keys (no repeat of
-    K/V), soft-capped, masked, a softmax (with sinks), times V. K/V are strided views of the
-    slots; with head-major slots (:func:`heads_merge`) the GEMMs run on them without a copy.
+    """The decode rows of a step as two batched GEMMs over their run of slots (no repeat of K/V).
 
     Shapes: ``q: [Bd, Hq, D]`` the decode rows (packed order); returns ``[Bd, Hq, D]``.
     """
@@ -277,27 +228,12 @@ def gemm_decode_batched(
 
 
 class SdpaDecodeKernel(AttentionKernel):
-    """Torch SDPA with the decode rows of a step in one batched call (prefill rows: one call
-    per sequence, as :func:`sdpa_per_sequence`), or, with ``gemm``, the decode rows as GEMMs.
+    """Torch SDPA with a step's decode rows in one batched call (prefill rows: per sequence), or with
+    ``gemm`` as GEMMs: torch's CPU flash kernel is slow for one query token under GQA (the measured
+    slot-layout comparison: docs/vllm.md, "Contiguous mode"). A variant with soft-capping or sinks runs decode rows as
+    the GEMMs do. :meth:`plan` computes the :class:`DecodeBatch` once a step; every layer reuses it.
 
-    Args:
-        name: the name it is registered under.
-        rule: decides per step between the batched call and one call per sequence
-            (:class:`BatchRule`); ``None``: always batched.
-        gemm: decode rows run as two GEMMs and a softmax (:func:`gemm_decode_batched` over the
-            run of slots, or :func:`_gemm_decode_rows` per sequence), not SDPA: torch's CPU
-            flash kernel is slow for one query token under grouped-query attention (``python -m
-            benchmarks.vllm_slot_layouts``). The batched GEMM is taken only where the slot and
-            head axes fold without a copy (:func:`heads_merge`); prefill rows stay SDPA.
-
-    A variant with soft-capping or sinks, which SDPA cannot express, runs every kernel's decode
-    rows as the GEMMs run them (and its prefill rows with explicit scores).
-
-    :meth:`plan` computes the step's :class:`DecodeBatch` once per window; every layer's
-    :meth:`run` reuses it.
-
-    Shapes: ``q: [T, Hq, D]``, ``k_cache, v_cache: [B, S, Hkv, D]`` (any strides with a unit
-    last one); returns ``[T, Hq, D]``.
+    Shapes: ``q: [T, Hq, D]``, ``k_cache, v_cache: [B, S, Hkv, D]``; returns ``[T, Hq, D]``.
     """
 
     addressing = "slots"
@@ -344,10 +280,9 @@ class SdpaDecodeKernel(AttentionKernel):
     @staticmethod
     def _redo_non_finite(q, k_cache, v_cache, plan: StepPlan, scale: float | None, batch: DecodeBatch, out: torch.Tensor,
                          variant: Variant) -> None:
-        """Recompute, one call per sequence on its exact slice, the decode rows the batched call
-        made non-finite. A mask gives stale keys probability 0, but stale data that is itself
-        inf/NaN (written by an earlier sequence of the page) still poisons the row (``-inf + inf``,
-        ``0 * inf``); the exact slice never reads it, so the answer is the per-sequence one."""
+        """Recompute per sequence the decode rows the batched call made non-finite: a mask gives stale
+        keys probability 0, but stale inf/NaN data still poisons the row (``-inf + inf``).
+        """
         decode = out if batch.rows is None else out[batch.rows]  # [Bd, Hq, D]
         if bool(torch.isfinite(decode.sum())):  # one reduction: a finite sum means every entry is finite
             return
@@ -359,18 +294,9 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   variant: Variant = PLAIN) -> torch.Tensor:
     """flash-attn's ``flash_attn_with_kvcache`` on the slot-indexed virtual tensors.
 
-    Semantics (flash-attn ``flash_attn_interface.flash_attn_with_kvcache`` docstring and
-    ``mha_fwd_kvcache``): ``k_cache`` is ``[batch_cache, seqlen_cache, Hkv, D]`` and only its last
-    dim must be contiguous, so the whole virtual tensor is passed; ``cache_batch_idx`` (int32
-    ``[B]``) picks each query row's slot; ``cache_seqlens`` (int32 ``[B]``, indexed by query
-    row, not by slot) stops each sequence at its length, so nothing past the mapped pages is
-    read; ``causal=True`` aligns the mask to the bottom-right corner, i.e. query ``j`` of ``n``
-    new tokens sees keys ``0 .. kv_len - n + j``: the cached prefix plus causal new tokens.
-
-    Decode steps run as one batched call. Steps with prefill chunks (``seqlen_q`` must be
-    equal across the batch) run one call per sequence on its own slot. A window and a soft-cap go
-    to the kernel (:func:`~vmkv.kernels.facts.flash_attn_variant`), which reads no key before a
-    query's window (reasoned from flash-attn's sources, not run here: GPU only).
+    ``cache_batch_idx`` picks each row's slot and ``cache_seqlens`` stops it at its length, so nothing
+    past the mapped pages is read. Decode steps run as one call, steps with prefill chunks one call per
+    sequence (``seqlen_q`` must be equal across the batch). Why this is correct: docs/gpu.md.
 
     Shapes: ``q: [T, Hq, D]``, ``k_cache, v_cache: [B_max, S, Hkv, D]``; returns ``[T, Hq, D]``.
     """
@@ -395,14 +321,8 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def _slot_rows(cache: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """View ``[B, S, H, D]`` slots as one row axis ``[(B - 1) * R + S, H, D]`` without copying.
-
-    ``R`` = slot stride / token stride (whatever ``S`` the view shows), so slot ``b`` starts at
-    row ``b * R``. Works for a layer of any layout (per-layer tensors, token- or head-major, or
-    a strided layer slice of the all-layers tensor) and for ``[:, :n]`` slices of them. The
-    view has ``(B - 1) * R + S`` rows: its last row is the last token of the last slot, so
-    no element of it lies past the last slot (with head-major slots, ``B * R`` rows would reach
-    ``(H - 1) * S_max`` rows beyond the tensor).
+    """View ``[B, S, H, D]`` slots as rows ``[(B - 1) * R + S, H, D]`` without copying (``R``: slot stride
+    in token rows, so no row lies past the last slot).
 
     Raises:
         InvalidShape: the slot stride is not a whole number of token rows.
@@ -417,28 +337,12 @@ def _slot_rows(cache: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def varlen_seqused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan, scale: float | None,
                    variant: Variant = PLAIN) -> torch.Tensor:
-    """PyTorch's FlashAttention varlen kernel reading each slot's valid prefix (``seqused_k``).
+    """PyTorch's FlashAttention varlen op reading each slot's valid prefix (``seqused_k``).
 
-    Calls ``torch.ops.aten._flash_attention_forward``, the op behind
-    ``torch.nn.attention.varlen.varlen_attn`` (``varlen_attn`` exposes ``seqused_k`` only
-    from torch 2.12; the op has had it since 2.5). The virtual tensors are flattened to
-    ``[(B_max - 1) * R + S, Hkv, D]`` by :func:`_slot_rows` (a strided view, never a copy: a copy would
-    read unmapped pages) and sequence ``i`` starts at row ``slot_i * R``.
-
-    Why unsorted slot offsets are correct: with ``seqused_k`` set, FlashAttention's
-    ``BlockInfo`` (``flash_attn/block_info.h``) takes the start of sequence ``i`` from
-    ``cu_seq_k[i]`` and its length from ``seqused_k[i]``; ``cu_seq_k[i + 1]`` is never read
-    for it, and ``mha_varlen_fwd`` only checks dtype/shape/contiguity of ``cu_seq_k``. So
-    ``cu_seq_k`` holds slot starts in plan order (not monotonic) plus one unused last entry.
-    Loads are predicated on ``seqused_k``: no row past a sequence's length (past its mapped
-    pages) is touched. Row offsets are int32: ``B_max * R`` must stay below 2**31.
-
-    Masking: prefill steps pass ``is_causal`` (bottom-right aligned, so the cached prefix is
-    visible); decode steps pass no mask (one query sees all its keys), which also enables the
-    kernel's grouped-query decode path (``seqlenq_ngroups_swapped``) and split-KV. A window is
-    ``window_size_left = window - 1, window_size_right = 0`` (local attention, bottom-right
-    aligned; it turns the grouped-query decode path off): keys before a query's window are not
-    read (reasoned from ``flash_api.cpp`` and the kernel's ``n_block_min``, not run here).
+    The slots are flattened by :func:`_slot_rows` (a view: a copy would read unmapped pages);
+    ``cu_seq_k`` holds slot starts in plan order, unsorted, which is correct because with
+    ``seqused_k`` FlashAttention reads only ``cu_seq_k[i]`` and ``seqused_k[i]`` (docs/gpu.md, "How
+    the CUDA backend works"). Row offsets are int32: ``B_max * R`` must stay below 2**31.
 
     Shapes: ``q: [T, Hq, D]``, ``k_cache, v_cache: [B_max, S, Hkv, D]``; returns ``[T, Hq, D]``.
     """
@@ -458,14 +362,8 @@ def varlen_seqused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
 
 class Stateless(AttentionKernel):
-    """A slots kernel with no per-step metadata: ``function(q, k_cache, v_cache, plan, scale,
-    variant)``, or, while it declares no variant feature (``features``, set by its builder:
-    :func:`slot_kernel`), ``function(q, k_cache, v_cache, plan, scale)`` (its variant is then always
-    plain: :meth:`AttentionKernel.__call__` refuses others).
-
-    Args:
-        name: the name it is registered under.
-        function: the kernel (:func:`sdpa_per_sequence`, :func:`flash_kvcache`, :func:`varlen_seqused`).
+    """A slots kernel with no per-step metadata: ``function(q, k_cache, v_cache, plan, scale[, variant])``
+    (``variant`` only once it declares a feature).
     """
 
     addressing = "slots"
@@ -491,12 +389,11 @@ SLOT_KERNELS: dict[str, frozenset[str]] = {
     "gemm_batched": SdpaDecodeKernel.features,
     "sdpa_per_sequence": ALL_FEATURES,  # a window as slices and masks; explicit scores for soft-caps and sinks
 }
-"""Every slots kernel of this module by name, with the variant features it supports (what the
-registry declares for it)."""
+"""Every slots kernel of this module by name, with the variant features it supports."""
 
 
 def slot_kernel(name: str) -> AttentionKernel:
-    """A new kernel object of slots kernel ``name`` (any of the module docstring's table).
+    """A new kernel object of slots kernel ``name``.
 
     Raises:
         KeyError: no such kernel.

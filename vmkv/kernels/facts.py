@@ -21,12 +21,8 @@ OPTIONAL_PACKAGES = {"flash_attn": "flash_attn_with_kvcache", "flashinfer": "Bat
 
 @functools.lru_cache(maxsize=None)
 def optional_import(module: str, attribute: str) -> tuple[Any, str | None]:
-    """Import ``module.attribute`` of an optional package, once per process.
-
-    Returns:
-        ``(object, None)``, or ``(None, why)`` when the package is missing or its import fails
-        (an installed but broken wheel, e.g. flash-attn built for another torch: the ABI
-        mismatch surfaces as an ``ImportError``/``OSError`` naming an undefined symbol).
+    """Import ``module.attribute`` of an optional package, once per process: ``(object, None)``, or
+    ``(None, why)`` when it is missing or its import fails (e.g. a wheel built for another torch).
     """
     if importlib.util.find_spec(module.partition(".")[0]) is None:
         return None, f"{module} is not installed"
@@ -37,7 +33,7 @@ def optional_import(module: str, attribute: str) -> tuple[Any, str | None]:
 
 
 def optional_kernel(package: str) -> Callable[..., Any]:
-    """The kernel entry point of optional ``package`` (a key of :data:`OPTIONAL_PACKAGES`).
+    """The kernel entry point of optional ``package``.
 
     Raises:
         BackendUnavailable: the package is missing or its import fails (the message says which).
@@ -49,8 +45,7 @@ def optional_kernel(package: str) -> Callable[..., Any]:
 
 
 def has_flash_attn() -> bool:
-    """Whether the optional ``flash-attn`` package is installed (not whether it imports: see
-    :func:`optional_import`)."""
+    """Whether the optional ``flash-attn`` package is installed (not whether it imports)."""
     return importlib.util.find_spec("flash_attn") is not None
 
 
@@ -74,8 +69,7 @@ def flash_varlen_has_seqused_k() -> bool:
 
 
 def flash_varlen_has_window() -> bool:
-    """Whether this torch's ``aten::_flash_attention_forward`` takes ``window_size_left`` (a
-    sliding window)."""
+    """Whether this torch's ``aten::_flash_attention_forward`` takes ``window_size_left``."""
     try:
         schema = torch.ops.aten._flash_attention_forward.default._schema
     except (AttributeError, RuntimeError):
@@ -84,16 +78,14 @@ def flash_varlen_has_window() -> bool:
 
 
 def flash_window_left(window: int) -> int:
-    """FlashAttention's left window size for transformers' sliding ``window``: a query at ``i``
-    sees keys ``i - left .. i`` (inclusive, bottom-right aligned: flash-attn's docstring;
-    transformers' flash path passes ``sliding_window - 1``), so ``window - 1``; -1 without one."""
+    """FlashAttention's inclusive left window for transformers' sliding ``window``: ``window - 1``; -1 without one."""
     return window - 1 if window > 0 else -1
 
 
 def flash_attn_variant(window: int, softcap: float) -> dict[str, Any]:
-    """flash-attn's ``flash_attn_with_kvcache`` keyword arguments for a window and a soft-cap:
-    ``window_size=(window - 1, 0)`` (flash-attn >= 2.3), ``softcap=`` (>= 2.6); none for a plain
-    layer, whose call stays what it was (older flash-attn releases run it). Not run here (GPU only)."""
+    """flash-attn's ``flash_attn_with_kvcache`` keyword arguments for a window and a soft-cap (none for a
+    plain layer, so older releases run it). Not run here (GPU only).
+    """
     extra: dict[str, Any] = {}
     if window > 0:
         extra["window_size"] = (flash_window_left(window), 0)
@@ -105,17 +97,10 @@ def flash_attn_variant(window: int, softcap: float) -> dict[str, Any]:
 def flash_attention_blockers(
     on_cuda: bool, capability: tuple[int, int] | None, dtype: torch.dtype | None, head_dim: int | None
 ) -> list[str]:
-    """What FlashAttention (flash-attn's kernels and torch's) needs that is missing, each as the
-    object of "needs" (``"float16 or bfloat16 (the cache holds torch.float32)"``); empty if nothing.
+    """What FlashAttention needs that is missing, each as the object of "needs"; empty if nothing.
 
-    The one statement of its requirements: a CUDA device of compute capability 8.0 or newer,
-    float16 or bfloat16, a head_dim that is a multiple of 8 and at most 256 (``mha_varlen_fwd`` /
-    ``mha_fwd_kvcache`` checks).
-
-    Args:
-        on_cuda: whether the cache is on a usable CUDA device.
-        capability: the GPU's compute capability; ``dtype``, ``head_dim``: the cached K/V's.
-            ``None``: not checked.
+    The one statement of its requirements: compute capability 8.0+, float16 or bfloat16, a head_dim
+    that is a multiple of 8 and at most 256. ``None`` arguments are not checked.
     """
     why = []
     if not on_cuda:
@@ -135,14 +120,11 @@ class MachineFacts:
 
     Args:
         capability: the GPU's compute capability; ``None``: no usable CUDA device.
-        missing: why each optional package of :data:`OPTIONAL_PACKAGES` cannot be used (absent:
-            it can).
-        varlen_seqused: torch's FlashAttention varlen op takes ``seqused_k``
-            (:func:`flash_varlen_has_seqused_k`).
+        missing: why each optional package cannot be used (absent: it can).
+        varlen_seqused: torch's FlashAttention varlen op takes ``seqused_k``.
         varlen_features: optional arguments of ``torch.nn.attention.varlen.varlen_attn``.
         triton_missing: why the Triton kernels cannot run on the device; ``None``: they can.
-        varlen_window: torch's FlashAttention varlen op takes a window
-            (:func:`flash_varlen_has_window`).
+        varlen_window: torch's FlashAttention varlen op takes a window.
     """
 
     capability: tuple[int, int] | None = None
@@ -166,8 +148,7 @@ class MachineFacts:
 
     @classmethod
     def assumed_gpu(cls, capability: tuple[int, int] = (8, 0)) -> "MachineFacts":
-        """The facts of a GPU of ``capability`` with this machine's packages and torch (what
-        ``vmkv info`` describes on a machine without a GPU)."""
+        """The facts of a GPU of ``capability`` with this machine's packages (``vmkv info`` without a GPU)."""
         from .triton_attention import _import_triton
 
         missing = {name: why for name in OPTIONAL_PACKAGES if (why := optional_import(name, OPTIONAL_PACKAGES[name])[1])}

@@ -1,6 +1,6 @@
-"""The measured constants and kernel orders the selection reads, from ``measured.json`` beside
-this module: each entry records the machine, the command and the date that produced it, so a
-figure is never quoted in code and a rule never outlives the measurement behind it unnoticed."""
+"""The measured constants and kernel orders the selection reads, from ``measured.json``: each entry
+records its machine, command and date, so no figure is quoted in code.
+"""
 
 from __future__ import annotations
 
@@ -20,16 +20,13 @@ def _data() -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Order:
-    """The preference order of kernels for one device type and addressing, and where it comes from.
+    """The preference order of kernels for one device type and addressing.
 
     Attributes:
-        kernels: names, preferred first: the first that can run is chosen for prefill and mixed
-            steps (a decode-only kernel is passed over there), and for decode steps unless
-            ``decode`` orders them.
+        kernels: preferred first; the first that can run is chosen (decode too, unless ``decode``).
         provisional: names placed by reasoning, not yet measured on that device.
         source: ``"machine; command; date: result"`` for ``vmkv info`` and the logs.
-        decode: the order for decode steps (the entry's ``"decode"``, else ``kernels``): a kernel
-            measured faster at decode than at prefill is placed here alone.
+        decode: the order for decode steps (the entry's ``"decode"``, else ``kernels``).
     """
 
     kernels: tuple[str, ...]

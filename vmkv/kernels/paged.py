@@ -6,41 +6,17 @@ Every kernel gets one layer's block pools and the step's plan::
     q              : [T, q_heads, head_dim]            packed in plan order (T = sum(q_lens))
     plan.block_table : int32 [B, max_blocks]           pool block of each logical block, -1 = none
 
-and returns ``[T, q_heads, head_dim]``: causal within a sequence's new tokens, bottom-right
-aligned over its cached prefix (new token ``j`` of sequence ``i`` sees keys
-``0 .. starts[i] + j``), grouped-query when ``q_heads`` is a multiple of ``kv_heads``.
+and returns ``[T, q_heads, head_dim]``, causal and bottom-right aligned over each sequence's cache.
 
-Kernels (which one runs is :mod:`vmkv.kernels.registry`'s choice, logged, named in
-``stats()["kernel"]``):
+    gather_sdpa               any   gather each sequence's blocks, then torch SDPA (the reference)
+    blockwise_online_softmax  any   chunks of blocks merged by an online softmax
+    sdpa_chunked              CPU   fused SDPA over runs of blocks read in place and gathered chunks
+    varlen_attn_block_table   CUDA  torch's FlashAttention varlen op with ``block_table=``
+    flash_attn_with_kvcache   CUDA  flash-attn with ``block_table=``
+    flashinfer_decode         CUDA  FlashInfer batch decode (decode steps only)
 
-    gather_sdpa               any device  gather each sequence's blocks, then torch SDPA
-                                          (the reference: copies each sequence's whole K/V)
-    blockwise_online_softmax  any device  chunks of blocks, online softmax (flash-decoding
-                                          style); decode rows of all sequences in one batch
-    sdpa_chunked              CPU         the CPU default: torch's fused SDPA over runs of
-                                          consecutive blocks read in place and cache-sized
-                                          gathered chunks, merged by log-sum-exp
-    varlen_attn_block_table   CUDA        torch's FlashAttention varlen kernel with
-                                          ``block_table=``/``seqused_k=`` (detected; 2.13 has them)
-    flash_attn_with_kvcache   CUDA        flash-attn's kernel with ``block_table=``
-    flashinfer_decode         CUDA        FlashInfer ``BatchDecodeWithPagedKVCacheWrapper``
-                                          for decode steps only (planned once per step): the
-                                          registry pairs it with another kernel for the rest
-
-FlashAttention's paged kernels (both flash-attn and torch's copy of it) need a block size
-that is a multiple of 256 tokens and fp16/bf16; where that does not hold they are not used and
-the selection log says why.
-
-Variants (each kernel's ``features``): with a window, the entries of blocks wholly before the
-window of a sequence's earliest query of the step may be ``-1`` (released blocks); the CPU
-kernels start each sequence at the block holding the first key its window reaches and never read
-an entry before it, the CUDA kernels get the window as an argument (reasoned, not run here).
-Soft-capping and sinks: explicit float32 scores (:mod:`vmkv.kernels.variants`) where SDPA cannot
-express them; sinks join a log-sum-exp merge as the share of the mass the keys keep
-(:func:`~vmkv.kernels.variants.sink_weight`).
-
-A kernel may precompute per-step metadata once (``plan``) that every layer's ``run`` then
-reuses (:class:`vmkv.kernels.base.AttentionKernel`).
+Which one runs is :mod:`vmkv.kernels.registry`'s choice. Invariant: with a window, table entries
+before a sequence's first needed block may be ``-1``, and no kernel reads them.
 """
 
 from __future__ import annotations
@@ -59,7 +35,7 @@ from .base import ALL_FEATURES, PLAIN, AttentionKernel, Variant, first_key
 from .facts import flash_attn_variant, flash_window_left, optional_kernel
 from .variants import attend_sequence, needs_scores, sequence_mask, sink_weight, soft_cap
 
-BLOCKWISE_CHUNK_TOKENS = 128  # keys per chunk of the blockwise kernel (measured: see docs/paged.md)
+BLOCKWISE_CHUNK_TOKENS = 128  # keys per chunk of the blockwise kernel (the sweep: docs/paged.md, "Measured (CPU)")
 DEFAULT_CHUNK_TOKENS: int | None = None  # a cache's default: each chunked kernel's own measured value
 
 
@@ -84,11 +60,9 @@ class PagedKernel(AttentionKernel):
 
 # ---- CPU (and any device): the naive reference ------------------------------------------------
 class GatherSDPA(PagedKernel):
-    """Gather each sequence's blocks into one contiguous K/V, then torch SDPA on it.
-
-    Simple and exact, but it copies every sequence's whole K/V (its window's) once per layer.
-    A decode row under GQA runs as ``[Hkv, G, D]`` queries over ``[Hkv, L, D]`` keys (one query
-    sees every key, so no mask), which avoids SDPA's much slower ``enable_gqa`` path on CPU.
+    """Gather each sequence's (windowed) blocks into one contiguous K/V, then torch SDPA: simple, exact,
+    one copy per layer. GQA decode rows run as ``[Hkv, G, D]`` queries, avoiding SDPA's slow
+    ``enable_gqa`` CPU path.
     """
 
     name = "gather_sdpa"
@@ -102,10 +76,7 @@ class GatherSDPA(PagedKernel):
     @staticmethod
     def rows(q, k_pool, v_pool, plan: StepPlan, indexes, out: torch.Tensor, scale: float | None,
              variant: Variant = PLAIN) -> None:
-        """Attention of sequences ``indexes`` of ``plan``; writes their rows of ``out``. A sequence
-        gathers its blocks from the one holding the first key its earliest query's window reaches
-        (the entries before it are never read) to its length
-        (:func:`~vmkv.kernels.variants.attend_sequence`)."""
+        """Attention of sequences ``indexes`` of ``plan``; writes their rows of ``out``."""
         block = k_pool.shape[1]
         offsets = plan.offsets
         for i in indexes:
@@ -121,16 +92,15 @@ class GatherSDPA(PagedKernel):
 
 
 # ---- decode: runs of consecutive blocks read in place, the rest gathered in chunks ---------------
-DEFAULT_SDPA_CHUNK_TOKENS = 256  # keys per gathered chunk (measured: benchmarks/paged_kernels.py --sweep)
+DEFAULT_SDPA_CHUNK_TOKENS = 256  # keys per gathered chunk (the sweep: docs/paged.md, "Measured (CPU)")
 DEFAULT_MIN_RUN_TOKENS = 64  # a run of consecutive blocks this long is read in place, not gathered
 
 
 @dataclass(frozen=True)
 class _Piece:
-    """Keys of one decode row, rows ``skip .. tokens - 1`` of pool blocks ``first ..`` read in
-    place (a run of consecutive blocks: a strided view, no copy), or, when ``first`` is -1, of
-    ``blocks`` gathered into a scratch buffer. Only the row's own keys are read: the last piece
-    stops at its length, and the first skips its rows before the row's window (``skip``)."""
+    """Keys of one decode row: rows ``skip .. tokens - 1`` of pool blocks ``first ..`` read in place, or,
+    when ``first`` is -1, of ``blocks`` gathered. Only the row's own keys are read.
+    """
 
     first: int
     blocks: torch.Tensor | None
@@ -151,30 +121,20 @@ class _PiecesMeta:
 
 
 class ChunkedSDPA(PagedKernel):
-    """Torch's fused CPU SDPA kernel over block pools.
+    """Torch's fused CPU SDPA over block pools.
 
-    Decode rows: a sequence's blocks split into *pieces*: runs of at least ``min_run_tokens``
-    keys in consecutive pool blocks are read in place (``pool[first : first + n]`` is an ordinary
-    strided tensor, exactly what the VMM cache gives SDPA), the other blocks are gathered,
-    ``chunk_tokens`` keys at a time, into a scratch buffer small enough to stay in the CPU
-    caches. One SDPA call per piece (``aten._scaled_dot_product_flash_attention_for_cpu``, the op
-    behind CPU SDPA, which also returns the log-sum-exp), pieces merged by their log-sum-exp
-    (order-free, exact). A sequence in one piece costs what it costs in VMM mode.
-    Prefill rows: :class:`GatherSDPA` (one gather and one SDPA call per sequence).
-
-    Why: SDPA needs K/V with uniform strides, which a block pool is not; gathering a whole
-    sequence writes and re-reads it through memory (what that costs: docs/paged.md). A fresh pool hands out consecutive blocks to a prefill, so prompts
-    are read in place; blocks a decode adds one at a time interleave between sequences and are
-    gathered. Pieces stop at each sequence's length, so nothing stale is ever read.
+    Decode rows: runs of at least ``min_run_tokens`` keys in consecutive blocks are read in place (a
+    strided view, as in VMM mode), the other blocks gathered ``chunk_tokens`` at a time into a
+    cache-sized scratch buffer; one SDPA call per piece, merged by log-sum-exp (exact). Prefill rows:
+    :class:`GatherSDPA`. Why: SDPA needs uniform strides, and gathering a whole sequence costs a trip
+    through memory (docs/paged.md, "Measured (CPU)").
 
     Args:
         block_size: tokens per pool block.
         chunk_tokens: keys per gathered chunk (rounded down to whole blocks, at least one);
             ``None``: :data:`DEFAULT_SDPA_CHUNK_TOKENS`.
         device: where the pools live (scratch buffers, reused call after call).
-        min_run_tokens: shortest run of consecutive blocks read in place (``None``:
-            :data:`DEFAULT_MIN_RUN_TOKENS`); shorter runs are gathered (a call costs more than
-            copying a few blocks).
+        min_run_tokens: shortest run read in place (``None``: :data:`DEFAULT_MIN_RUN_TOKENS`).
 
     Raises:
         InvalidConfig: ``chunk_tokens`` or ``min_run_tokens`` is not a positive int.
@@ -201,12 +161,9 @@ class ChunkedSDPA(PagedKernel):
         return _PiecesMeta(rows, tuple(i for i, n in enumerate(plan.q_lens) if n > 1))
 
     def _pieces(self, table_row: torch.Tensor, length: int, lo: int = 0) -> tuple[_Piece, ...]:
-        """Split a sequence's keys ``lo .. length - 1`` into in-place runs and gathered chunks, in
-        key order. Blocks before the one holding key ``lo`` are never read (their entries may be -1).
-
-        Every block is full but the sequence's last one, which comes last in its piece, so a
-        piece's keys are its rows ``skip .. tokens - 1`` (``skip``: the first piece's rows before
-        ``lo``)."""
+        """Split a sequence's keys ``lo .. length - 1`` into in-place runs and gathered chunks, in key order
+        (blocks before ``lo``'s are never read).
+        """
         block = self._block_size
         first = lo // block  # the first block read; below, positions count from its first row
         blocks = table_row[first : -(-length // block)].tolist()
@@ -251,8 +208,7 @@ class ChunkedSDPA(PagedKernel):
         return out
 
     def _row(self, q4, k_pool, v_pool, pieces: tuple[_Piece, ...], scale: float | None, variant: Variant) -> torch.Tensor:
-        """One decode row over its pieces: ``[1, Hkv, G, D]``. Sinks scale the merged output by
-        the share of the mass the keys keep."""
+        """One decode row over its pieces: ``[1, Hkv, G, D]``."""
         acc = lse = None
         for piece in pieces:
             if piece.first >= 0:  # in place: a strided view of consecutive blocks
@@ -279,8 +235,7 @@ class ChunkedSDPA(PagedKernel):
     @staticmethod
     def _piece(q4: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
                softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """One piece's output normalised over its keys and their log-sum-exp, ``([1, Hkv, G, D],
-        [1, Hkv, G])``: CPU SDPA's op, or, with soft-capping (which SDPA lacks), float32 scores."""
+        """One piece's normalised output and log-sum-exp, ``([1, Hkv, G, D], [1, Hkv, G])``."""
         if softcap == 0:
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q4, k, v, 0.0, False, scale=scale)
         scale = q4.shape[-1] ** -0.5 if scale is None else scale
@@ -290,9 +245,9 @@ class ChunkedSDPA(PagedKernel):
 
 
 class _Scratch:
-    """Flat buffers reused call after call (grown on demand): a fresh multi-MiB tensor per
-    chunk costs page faults that cost more than the copy itself. While autograd records (the
-    pool was written from tensors that require grad) a gather allocates instead."""
+    """Flat buffers reused call after call: a fresh multi-MiB tensor per chunk costs more in page faults
+    than the copy. While autograd records, a gather allocates instead.
+    """
 
     def __init__(self, device: torch.device | str) -> None:
         self._device = device
@@ -318,14 +273,8 @@ class _Scratch:
 # ---- blockwise online softmax -----------------------------------------------------------------
 @dataclass(frozen=True)
 class _Chunk:
-    """One chunk of keys for a group of rows.
-
-    ``blocks``: int64 pool blocks (never -1), ``[rows, C]`` for decode, ``[C]`` for a prefill;
-    ``valid``: bool mask of the keys each query row may see (``None``: all of them).
-    Decode: ``rows`` leading sequences of the group take part, each from its own first block.
-    Prefill: only queries ``skip .. stop - 1`` take part (the chunk is wholly in the future of the
-    ones before and wholly before the window of the ones after), and only the first ``keys``
-    keys exist (the values of the rest are zeroed).
+    """One chunk of keys for a group of rows: ``blocks`` (never -1), ``[rows, C]`` for decode, ``[C]`` for
+    a prefill; ``valid``: the keys each query row may see (``None``: all).
     """
 
     blocks: torch.Tensor
@@ -356,26 +305,18 @@ class _BlockwiseMeta:
 
 
 class BlockwiseOnlineSoftmax(PagedKernel):
-    """Attention one chunk of blocks at a time, merging chunks with an online softmax.
+    """Attention one chunk of blocks at a time, merged by an online softmax (flash-decoding style).
 
-    No sequence's whole K/V is ever gathered: a chunk holds ``chunk_tokens`` keys (rounded to
-    whole blocks). Decode rows (one new token) of *all* sequences run together, vectorised over
-    sequences and blocks: each row's chunks start at the block holding its window's first key,
-    rows sorted by the blocks they read, most first, so chunk ``j`` only involves the rows that
-    reach it. A sequence with several new tokens (prefill) runs alone from the block holding its
-    earliest query's first key, skipping query rows a chunk lies entirely in the future of or
-    before the window of. Scores and accumulators are float32 for any storage dtype; a soft-cap
-    applies to the scores, sinks to the final sums. Keys past a sequence's length are masked and
-    their values zeroed, so stale pool contents (even inf/NaN) never reach an output; table
-    entries before a row's first block are never read.
+    No sequence's whole K/V is gathered. Decode rows of all sequences run together, sorted by the
+    blocks they read; a prefill runs alone. Scores and accumulators are float32. Keys past a length
+    are masked and their values zeroed, so stale pool data (even inf/NaN) never reaches an output.
 
     Args:
         block_size: tokens per pool block.
         kv_heads: KV heads of the pool.
         chunk_tokens: keys per chunk (rounded down to whole blocks, at least one); ``None``:
             :data:`BLOCKWISE_CHUNK_TOKENS`.
-        device: where the pools live (for the scratch buffers reused across calls; a cache
-            calls its kernel from one thread, one layer after another).
+        device: where the pools live (scratch buffers; a cache calls its kernel from one thread).
 
     Raises:
         InvalidConfig: ``chunk_tokens`` is not a positive int.
@@ -468,8 +409,7 @@ class BlockwiseOnlineSoftmax(PagedKernel):
         return out
 
     def _gather(self, which: int, pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        """The chunk's keys (``which`` 0) or values (1): ``[..., C * block, Hkv, D]`` float32, in
-        scratch buffers kept across calls (see :class:`_Scratch`)."""
+        """The chunk's keys (``which`` 0) or values (1): ``[..., C * block, Hkv, D]`` float32, in scratch buffers."""
         raw = self._scratch.gather(which, pool, blocks)
         if raw.dtype == torch.float32:
             return raw
@@ -533,12 +473,9 @@ class BlockwiseOnlineSoftmax(PagedKernel):
 
     @staticmethod
     def _merge(s: torch.Tensor, m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
-        """Fold one chunk's scores ``s [..., R, Tc]`` into the running max ``m [..., R]``, sum
-        ``l [..., R]`` and numerator ``acc [..., R, D]`` (views, updated in place); returns the
-        chunk's probabilities ``p`` (the caller adds ``p @ v`` to ``acc``).
-
-        Every row sees at least one key in its first chunk, so ``m`` is finite from then on and
-        ``exp(m_old - m_new)`` is well defined (``exp(-inf) = 0`` on the first chunk).
+        """Fold one chunk's scores ``s [..., R, Tc]`` into the running max ``m``, sum ``l`` and numerator ``acc``
+        (in place); returns the chunk's probabilities. Every row sees a key in its first chunk, so ``m``
+        is finite from then on.
         """
         m_new = torch.maximum(m, s.amax(-1))
         alpha = torch.exp(m - m_new)
@@ -551,17 +488,9 @@ class BlockwiseOnlineSoftmax(PagedKernel):
 
 # ---- CUDA kernels (need a GPU; checked against their sources, see docs/paged.md) --------------
 class VarlenBlockTable(PagedKernel):
-    """PyTorch's FlashAttention varlen kernel reading the pools through ``block_table``.
-
-    ``cu_seq_k`` holds each sequence's key count (cumulative), ``seqused_k`` the same
-    lengths; with ``block_table`` the kernel finds keys through the table, not ``cu_seq_k``
-    (``mha_varlen_fwd``: pools ``[num_blocks, block_size, Hkv, D]``, int32 table
-    ``[B, max_blocks]``, block_size % 256 == 0). Prefill steps are causal (bottom-right
-    aligned); decode steps pass no mask, which lets the kernel take its grouped-query decode
-    path (``seqlenq_ngroups_swapped``). A window is ``window_size=(window - 1, 0)`` for every
-    step (local attention, bottom-right aligned), whose first key block bounds the blocks the
-    kernel visits, so no table entry before the window is read (reasoned from FlashAttention's
-    ``n_block_min``, not run here: GPU only). No soft-cap, no sinks (``varlen_attn`` has neither).
+    """PyTorch's FlashAttention varlen op reading the pools through ``block_table`` (block_size % 256 == 0).
+    Decode steps pass no mask (the grouped-query decode path); a window is ``window_size=(window - 1,
+    0)``, so no entry before it is read (reasoned, GPU only). No soft-cap, no sinks.
     """
 
     name = "varlen_attn_block_table"
@@ -586,13 +515,8 @@ class VarlenBlockTable(PagedKernel):
 
 
 class FlashKVCacheBlockTable(PagedKernel):
-    """flash-attn's ``flash_attn_with_kvcache`` with ``block_table=``.
-
-    Decode steps run as one batched call; steps with prefill chunks run one call per sequence
-    (its block-table row), flash-attn's causal mask being bottom-right aligned. A window and a
-    soft-cap go to the kernel (:func:`~vmkv.kernels.facts.flash_attn_variant`); with a window it
-    visits no key block before a query's window, so entries there are not read (reasoned from
-    flash-attn's sources, not run here: GPU only). No sinks (flash-attn 2 has none).
+    """flash-attn's ``flash_attn_with_kvcache`` with ``block_table=``: decode steps in one call, prefill
+    steps per sequence; window and soft-cap passed to the kernel. No sinks.
     """
 
     name = "flash_attn_with_kvcache"
@@ -619,23 +543,15 @@ class FlashKVCacheBlockTable(PagedKernel):
 
 
 class FlashInferDecode(PagedKernel):
-    """FlashInfer's batch decode over the paged pools (NHD layout), planned once per step;
-    decode steps only (the registry pairs it with another kernel for the rest,
-    :class:`vmkv.kernels.base.PhaseSplit`).
+    """FlashInfer's batch decode over the paged pools (NHD layout), planned once per step; decode steps
+    only (paired with another kernel: :class:`vmkv.kernels.base.PhaseSplit`).
 
-    The plan's CSR arrays come from the block table: ``indptr`` (blocks per sequence,
-    cumulative), ``indices`` (the blocks, sequence after sequence, from the one holding the first
-    key of its window: entries before it are never read), ``last_page_len`` (1 .. block_size
-    tokens used in each last block). A window is ``window_left=window - 1`` (FlashInfer's left
-    window is inclusive; positions count from the first block handed over, which the window is
-    relative to anyway), a soft-cap ``logits_soft_cap=``: both fixed at ``plan`` time, so each
-    (window, soft-cap) of a cache's layers has its own wrapper, planned once per step; the
-    wrappers share one float workspace (runs are sequential on one stream, as vLLM's wrappers
-    share theirs). No sinks (this wrapper has none). Reasoned from FlashInfer's ``decode.py``,
-    not run here (GPU only).
+    The plan's CSR arrays start each sequence at its window's first block. Window and soft-cap are
+    fixed at ``plan`` time, so each (window, soft-cap) has its own wrapper; the wrappers share one
+    workspace (sequential on one stream). No sinks. Reasoned from FlashInfer's sources (GPU only).
 
     Args:
-        device: the CUDA device (for the 128 MiB workspace).
+        device: the CUDA device (for the workspace).
         block_size, kv_heads, head_dim, dtype: the pool's geometry.
 
     Raises:
@@ -685,8 +601,7 @@ BLOCK_KERNELS: dict[str, frozenset[str]] = {
     kernel.name: kernel.features
     for kernel in (GatherSDPA, BlockwiseOnlineSoftmax, ChunkedSDPA, VarlenBlockTable, FlashKVCacheBlockTable, FlashInferDecode)
 }
-"""Every blocks kernel of this module by name, with the variant features it supports (its class's:
-what the registry declares for it)."""
+"""Every blocks kernel of this module by name, with the variant features it supports."""
 
 
 def block_kernel(name: str, device: torch.device, dtype: torch.dtype, kv_heads: int, head_dim: int, block_size: int,

@@ -187,7 +187,7 @@ assert {name for name, e in KERNELS.items() if "slots" in e.addressings} - {"tri
 assert {name for name, e in KERNELS.items() if "blocks" in e.addressings} - {"triton", "sdpa_masked"} == set(BLOCK_KERNELS)
 
 CAPTURE_ORDER = ("triton", "sdpa_masked")
-"""The capturable decode kernels, fastest first: Triton's split-KV decode (measured on an H200,
+"""The capturable decode kernels, fastest first: Triton's split-KV decode (its measurement:
 ``measured.json``), then masked SDPA over whole slots or blocks (runs anywhere, reads
 ``max_seq_len`` keys a row)."""
 

@@ -1,31 +1,17 @@
-"""The one static step: the fixed-address inputs of a decode step that a compiled forward or a
-captured CUDA graph reads, and the one write and the one decode it runs over a cache's storage.
+"""The one static step: the fixed-address device inputs of a decode step that a compiled forward or a
+captured CUDA graph reads, and the write and the decode it runs over a cache's storage.
 
-A compiled or captured step cannot build a plan, map a page or read a Python length without
-baking it in. So the step's varying inputs live in device tensors whose addresses never change
-(:class:`StaticStep`), filled from the cache's :class:`~vmkv.core.step.StepPlan` at an eager
-point before each run (:meth:`StaticStep.load`), and the step runs over them alone:
-
-* **write** (:meth:`StaticStep.write`): each row's new K/V at its own position
-  (:func:`~vmkv.kernels.capturable.write_columns`): its slot and column (``"slots"``, VMM mode),
-  or its row of the flattened block pool (``"blocks"``, paged mode);
-* **attend** (:meth:`StaticStep.attend`): each row's new token over that row's own keys
-  (:func:`~vmkv.kernels.capturable.decode_attention`), with the capturable kernel the registry
-  chose when the step was made (:func:`~vmkv.kernels.registry.choose_capturable`).
-
-A cache of layer groups (:mod:`vmkv.core.groups`: layers of different windows) has a part per
-group: its own positions and block table, its own kernel. Shapes of a part, ``b`` rows of this
-step (at most ``capacity``)::
+A compiled or captured step cannot plan, map or read a Python length, so its varying inputs live
+in device tensors filled at an eager point before each run (:meth:`StaticStep.load`). A cache of
+layer groups has a part per group. Shapes of a part (``capacity`` rows)::
 
     columns   int64 [capacity]          each row's first new position in its sequence
     slots     int64 [capacity]          slots: each row's slot; blocks: 0 (the pool's token rows)
-    write_at  int64 [capacity]          where write_columns puts the row's token: its column (slots)
-                                        or its pool row (blocks)
+    write_at  int64 [capacity]          the row's column (slots) or pool row (blocks)
     kv_lens   int32 [capacity]          keys of each row once the step is written
     table     int32 [capacity, width]   slots: each row's slot ([:, 0]); blocks: its block table
 
-Users: ``vmkv.hf.compiled`` (transformers' compiled generation) and ``vmkv.engine.graphs`` (the
-engine's CUDA graphs). Each cache's steps are its own: nothing here is shared between caches.
+Users: ``vmkv.hf.compiled`` and ``vmkv.engine.graphs``; nothing here is shared between caches.
 """
 
 from __future__ import annotations
@@ -43,8 +29,7 @@ from .registry import KernelSpec, choose_capturable
 
 @dataclass(frozen=True)
 class PadRow:
-    """Where rows beyond a step's batch point (a captured bucket's padding): a scratch sequence's
-    first token, in ``slot`` (and, paged mode, each group's ``blocks``)."""
+    """Where padding rows of a captured bucket point: a scratch sequence's first token."""
 
     slot: int
     blocks: tuple[int, ...]
@@ -109,8 +94,7 @@ class StaticStep:
     """The fixed-address device inputs of one cache's compiled or captured decode steps.
 
     Args:
-        cache: the cache whose storage the step writes and reads (either mode; a
-            :class:`~vmkv.core.groups.LayerGroups` too: a part per group).
+        cache: the cache whose storage the step writes and reads (either mode, or LayerGroups).
         capacity: the most rows a step has.
         max_len: the most keys a row reaches (``max_seq_len``): fixes the decode launch.
 
@@ -120,7 +104,7 @@ class StaticStep:
         rows: the slots of the last plan as a slice where evenly spaced, else ``None``.
 
     Invariant: after :meth:`load` of a plan from ``cache.begin_step``, every position the step
-    writes is in a mapped page its row owns alone (``begin_step`` made it so).
+    writes is in a mapped page its row owns alone.
     """
 
     def __init__(self, cache: Any, capacity: int, max_len: int) -> None:
@@ -149,9 +133,7 @@ class StaticStep:
 
     # ---- the eager point -----------------------------------------------------------------------
     def load(self, plan: StepPlan, rows: int | None = None, pad: PadRow | None = None) -> None:
-        """Fill rows ``0 .. plan.batch_size - 1`` from ``plan`` (committed by ``begin_step``; a
-        grouped plan: each group's into its part), and rows up to ``rows`` (a captured bucket)
-        from ``pad``: position 0, one key, writing into the scratch sequence's first token.
+        """Fill rows ``0 .. plan.batch_size - 1`` from ``plan`` and rows up to ``rows`` from ``pad``.
 
         Raises:
             ValueError: more rows than ``capacity``, or padding rows without ``pad``.
@@ -165,8 +147,7 @@ class StaticStep:
 
     # ---- inside the graph -------------------------------------------------------------------------
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write ``k``, ``v`` ``[b, Hkv, S, D]`` (transformers' layout; ``S`` > 1 only over slots:
-        the row's next ``S`` columns) at each row's position."""
+        """Write ``k``, ``v`` ``[b, Hkv, S, D]`` at each row's position (``S`` > 1 only over slots)."""
         part, local = self._where[layer]
         b = k.shape[0]
         k_store, v_store = part.targets[local]
@@ -175,11 +156,9 @@ class StaticStep:
     def attend(self, layer: int, q: torch.Tensor, scale: float | None, *, softcap: float = 0.0,
                sinks: torch.Tensor | None = None, out: torch.Tensor | None = None,
                workspace: DecodeWorkspace | None = None) -> torch.Tensor:
-        """After :meth:`write` of ``layer``: each row's new token over that row's keys (its
-        group's window; ``softcap``, ``sinks`` as :class:`~vmkv.kernels.base.Variant`'s),
-        ``q: [b, Hq, D]`` -> ``[b, Hq, D]`` (``scale`` ``None``: ``D ** -0.5``). Inside a compiled
-        region through the operator (``torch.ops.vmkv.decode_store``), else directly (a captured
-        graph: into ``out``, with the split scratch ``workspace``)."""
+        """After :meth:`write` of ``layer``: each row's new token over its keys, ``q: [b, Hq, D]`` -> ``[b, Hq, D]``
+        (through ``torch.ops.vmkv.decode_store`` inside a compiled region).
+        """
         part, local = self._where[layer]
         b = q.shape[0]
         k_store, v_store = part.stores[local]
@@ -192,9 +171,9 @@ class StaticStep:
                                 max_kv_len=self.max_len, out=out, workspace=workspace, **where, **variant)
 
     def views(self, layer: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slots: ``layer``'s K and V of the step's ``b`` rows, ``[b, Hkv, max_len, D]`` (what the
-        model's own attention reads; past each row's length, and behind a window: zeros, which
-        its mask hides): views where the rows' slots are evenly spaced, else gathered (a copy)."""
+        """Slots: ``layer``'s K and V of the step's rows, ``[b, Hkv, max_len, D]`` (zeros past each length):
+        views where the slots are evenly spaced, else a copy.
+        """
         part, local = self._where[layer]
         k_store, v_store = (store.view()[:, : self.max_len] for store in part.stores[local])
         if self.rows is not None:

@@ -100,10 +100,7 @@ from .base import Variant
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# choose_num_splits, measured on an H200 (torch 2.11, triton 3.6; python -m benchmarks.triton_splits; docs/gpu.md,
-# "The split rule"): fp16, 8 KV heads of 128, each call timed alone. At 2,048 keys one split is fastest from 4
-# sequences up (0.07-0.13 ms; any split adds ~0.05 ms: the merge launch); at 8,192 keys splits pay below 32 sequences
-# (1 sequence 0.18 -> 0.12-0.14 ms).
+# choose_num_splits' constants: a split pays only where a sequence is long (the sweep: docs/gpu.md, "The split rule").
 PROGRAMS_PER_SM = 1  # decode programs wanted per multiprocessor (one wave: each SM holds several programs at once)
 MIN_KEYS_PER_SPLIT = 2048  # no split shorter: it does not pay for its float32 partial output and the merge launch
 MAX_AUTO_SPLITS = 64  # the most splits choose_num_splits picks
@@ -227,8 +224,8 @@ def choose_num_splits(batch_size: int, kv_heads: int, max_kv_len: int, num_sms: 
 
     The rule: the fewest splits that give ``PROGRAMS_PER_SM * num_sms`` programs, but no split
     of the longest sequence shorter than ``MIN_KEYS_PER_SPLIT`` keys (a short split does not pay
-    for its partial output and merge), and at most ``MAX_AUTO_SPLITS``; at least 1. These
-    constants were measured on an H200 (see their comments).
+    for its partial output and merge), and at most ``MAX_AUTO_SPLITS``; at least 1 (the sweep
+    behind the constants: docs/gpu.md, "The split rule").
 
     Only host ints go in, so a captured CUDA graph keeps its launch shape: pass an upper bound
     on the lengths (e.g. ``max_seq_len``) as ``max_kv_len``; the kernel then divides each

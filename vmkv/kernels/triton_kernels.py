@@ -1,32 +1,16 @@
-"""The ``@triton.jit`` kernels behind :mod:`vmkv.kernels.triton_attention`; read that module's
-docstring first (the algorithm, the two addressings, why the grids never depend on device
-lengths). Call the kernels through it: it validates every input and chooses the launch shapes.
-
-This module imports triton at import time, so only ``triton_attention`` imports it, lazily, at a
-kernel's first launch. Triton decides when a kernel is *defined* (this module's import) whether
-it runs compiled for the GPU or in its CPU interpreter (``TRITON_INTERPRET=1``, which must also
-precede triton's own import: ``tl.max``, ``tl.sum`` are kernels of triton's library).
+"""The ``@triton.jit`` kernels behind :mod:`vmkv.kernels.triton_attention`, which validates inputs and
+chooses launch shapes: call them through it. Imported lazily at a kernel's first launch, since
+triton decides at definition whether a kernel runs compiled or in its interpreter.
 
 Conventions of every kernel here:
 
-* Storage ``K, V``: ``[N0, N1, Hkv, D]`` with any strides but a unit last one. Paged: ``N0`` =
-  pool blocks, ``N1`` = block size; contiguous: ``N0`` = slots (batch rows), ``N1`` = capacity.
-  ``K`` and ``V`` may have different strides (two views of unrelated ranges).
-* Scores are kept in base 2: ``qk_scale = softmax scale * log2(e)``, so ``exp2`` replaces
-  ``exp``; a log-sum-exp (``lse``) is in base 2 as well.
-* Offsets into storage are int64 (a slot's offset in a large reserved range passes 2**31
-  elements); per-tile index vectors are int32.
-* A key at or past its sequence's length is never loaded: every load of K/V is masked by it, and
-  lengths are first clamped to what the storage holds (``max_keys``), so not even a wrong length
-  reads outside the storage.
-* Variants: ``window`` (a runtime int, 0: none) makes each query's keys start at ``position -
-  window + 1``; a program's key tiles start at the tile holding its earliest query's first key
-  (tiles stay aligned to ``BLOCK_N``), and keys before that first key are masked out of every
-  load, the block-table lookup included, so no entry of a block wholly before the window is
-  read. ``SOFTCAP`` (constexpr) caps the scores (``softcap_out * tanh(dot * softcap_in)``, in
-  place of ``dot * qk_scale``); ``HAS_SINKS`` (constexpr) starts the softmax with each query
-  head's sink logit as if it were one more key of value zero (pass 1 with one split, else the
-  merge). A plain layer compiles neither.
+* Storage ``K, V``: ``[N0, N1, Hkv, D]``, any strides but a unit last one (paged: blocks x block
+  size; contiguous: slots x capacity).
+* Scores are in base 2 (``qk_scale = scale * log2(e)``, ``exp2``), and so is every log-sum-exp.
+* Storage offsets are int64 (a slot's offset passes 2**31 elements); per-tile indexes int32.
+* A key at or past its sequence's length, or before its window, is never loaded (lengths are first
+  clamped to ``max_keys``), the block-table lookup included.
+* ``SOFTCAP`` and ``HAS_SINKS`` are constexpr: a plain layer compiles neither.
 """
 
 from __future__ import annotations
@@ -41,15 +25,8 @@ def _kv_offsets(
     stride_k0, stride_k1, stride_v0, stride_v1,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Element offsets (int64 ``[BLOCK_N]``) of keys ``tile_start + offs_n`` of one sequence in K
-    and in V, the KV head's own offset excluded. This is the one place the addressings differ.
-
-    ``tile_start`` is a multiple of ``BLOCK_N``; ``valid`` masks the keys that exist.
-    Contiguous: ``k_row``/``v_row`` are the sequence's slot offsets; a key is ``slot row + pos``.
-    Paged: ``bt_row`` points at the sequence's block-table row; a key is (pool block, row in
-    block). When a block holds whole tiles (``PAGE_SIZE % BLOCK_N == 0``) the tile lies in one
-    block: one table entry per tile. Otherwise every key looks its block up (a gather of
-    ``BLOCK_N`` int32 entries, mostly repeats, which the L1 cache serves).
+    """Element offsets (int64 ``[BLOCK_N]``) of keys ``tile_start + offs_n`` of one sequence in K and V:
+    the one place the addressings differ (a slot row, or a block-table lookup per tile or per key).
     """
     pos = tile_start + offs_n
     if PAGED:
@@ -69,8 +46,7 @@ def _kv_offsets(
 
 @triton.jit
 def _sequence_rows(seq, SLOTS, BLOCK_TABLE, stride_bt, stride_k0, stride_v0, PAGED: tl.constexpr):
-    """Where sequence ``seq``'s keys start: ``(k_row, v_row, bt_row)`` for :func:`_kv_offsets`
-    (contiguous: the slot's int64 offsets; paged: zeros and the block-table row)."""
+    """Where sequence ``seq``'s keys start: ``(k_row, v_row, bt_row)`` for :func:`_kv_offsets`."""
     if PAGED:
         k_row = 0
         v_row = 0
@@ -88,17 +64,13 @@ LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # scores are kept in bas
 
 @triton.jit
 def _window_first(position, window):
-    """The first key a query at ``position`` sees (``position - window + 1``, at least 0); 0
-    without a window (``window == 0``): :func:`vmkv.kernels.base.first_key` on the device."""
+    """The first key a query at ``position`` sees (0 without a window)."""
     return tl.where(window > 0, tl.maximum(position - window + 1, 0), 0)
 
 
 @triton.jit
 def _scores(dot, qk_scale, softcap_in, softcap_out, SOFTCAP: tl.constexpr):
-    """Base-2 scores from ``q . k``: ``dot * qk_scale``, or soft-capped,
-    ``softcap_out * tanh(dot * softcap_in)`` with ``softcap_in = scale / softcap`` and
-    ``softcap_out = softcap * log2(e)`` (tanh from exp2: exact to float32 rounding, saturating
-    to +-1 for large arguments)."""
+    """Base-2 scores from ``q . k``: ``dot * qk_scale``, or soft-capped ``softcap_out * tanh(dot * softcap_in)``."""
     if SOFTCAP:
         return softcap_out * (1.0 - 2.0 / (tl.exp2(dot * (2.0 * LOG2E * softcap_in)) + 1.0))
     else:
@@ -107,10 +79,9 @@ def _scores(dot, qk_scale, softcap_in, softcap_out, SOFTCAP: tl.constexpr):
 
 @triton.jit
 def _dot(a, b, DOT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """``tl.dot(a, b)``, accumulated in float32. ``EMULATE_BF16`` is set only for bfloat16 in
-    Triton's CPU interpreter, whose ``tl.dot`` multiplies bfloat16 bit patterns as integers: it
-    computes the same products from float32 copies (a product of two bfloat16 values is exact in
-    float32, so this is what the GPU computes, up to summation order)."""
+    """``tl.dot(a, b)`` in float32; ``EMULATE_BF16`` (Triton's CPU interpreter only, whose bfloat16 dot is
+    wrong) multiplies float32 copies, exactly what the GPU computes.
+    """
     if EMULATE_BF16:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
@@ -132,19 +103,11 @@ def _decode_split_kernel(
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     EMULATE_BF16: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
-    """Pass 1 of decode. Program ``(seq, kv_head, split)``: the ``GROUP`` query heads of KV head
-    ``kv_head`` (one ``[BLOCK_G, D]`` tile, rows past ``GROUP`` are zero padding for ``tl.dot``)
+    """Pass 1 of decode. Program ``(seq, kv_head, split)``: the ``GROUP`` query heads of ``kv_head``
     against split ``split`` of the sequence's keys, by online softmax.
 
-    The split's keys: the sequence's keys from the tile holding its window's first key ``lo``
-    (the query is at ``kv_len - 1``) to ``kv_len``, cut into ``num_splits`` equal ranges rounded
-    up to whole tiles, computed here from the device length (so the grid never depends on it);
-    keys before ``lo`` are masked out. A split that starts at or past ``kv_len`` runs no
-    iteration and stores lse = -inf and zeros.
-
-    Stores, with one split, the normalised output straight into ``OUT`` (zeros for a sequence
-    without keys); otherwise this split's normalised partial output (float32) and its base-2
-    log-sum-exp, for :func:`_decode_merge_kernel`.
+    Splits are computed from the device length, so the grid never depends on it; an empty split stores
+    lse = -inf. With one split it writes ``OUT`` directly, else a partial output and its lse.
     """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -214,12 +177,8 @@ def _decode_merge_kernel(
     stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
-    """Pass 2 of decode. Program ``(seq, kv_head)``, the same query heads as pass 1: per query
-    head, ``out = sum_s w_s * o_s / sum_s w_s`` with ``w_s = exp2(lse_s - max_s lse_s)``,
-    computed in one pass over the splits with a running max (as pass 1 does over keys). An empty
-    split (lse = -inf) weighs 0; a sequence whose splits are all empty (no key) gets zeros. A
-    sink is one more split of output 0 and lse the sink logit (in base 2): it weighs in the
-    denominator only.
+    """Pass 2 of decode. Program ``(seq, kv_head)``: merges the splits by their lse (an empty split
+    weighs 0; a sink is one more split of output 0).
     """
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -253,10 +212,7 @@ def _decode_merge_kernel(
 
 @triton.jit
 def _find_sequence(CU_Q, num_seqs, tile, BLOCK_Q: tl.constexpr):
-    """The sequence that owns query tile ``tile`` (prefill grid): sequence ``i``'s tiles are
-    numbered from ``cu_q[i] // BLOCK_Q + i`` (a numbering that leaves each sequence at least
-    ``cdiv(q_len, BLOCK_Q)`` tiles), so it is the last ``i`` whose first tile is ``<= tile``:
-    a binary search over ``cu_q``."""
+    """The sequence that owns query tile ``tile`` (prefill grid): a binary search over ``cu_q``."""
     lo = tile * 0  # an int32 scalar (num_seqs may be specialised to a constant)
     hi = lo + num_seqs - 1
     while lo < hi:
@@ -281,15 +237,8 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     EMULATE_BF16: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
-    """Causal prefill over the cached prefix. Program ``(tile, kv_head)``: ``BLOCK_Q`` query
-    tokens of one sequence times the ``GROUP`` query heads of ``kv_head``, as ``BLOCK_M`` rows
-    (row ``r``: token ``r // GROUP``, head ``r % GROUP``; rows past ``BLOCK_Q * GROUP`` are
-    padding), so each K/V tile is read once for the whole group.
-
-    Query ``j`` of a sequence sits at position ``kv_len - q_len + j`` and sees keys from its
-    window's first key to that position; the program visits key tiles from the one holding its
-    earliest query's first key ``lo`` up to its last query's position, keys before ``lo`` masked
-    out of every load.
+    """Causal prefill over the cached prefix. Program ``(tile, kv_head)``: ``BLOCK_Q`` query tokens of one
+    sequence times the ``GROUP`` query heads of ``kv_head``, so each K/V tile is read once per group.
     """
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)

@@ -1,10 +1,6 @@
-"""A :class:`~vmkv.kernels.base.Variant` in plain torch: what the CPU kernels of both addressings
-share. Which keys each query sees (its window's mask), soft-capping, sinks in the softmax, and
-one sequence's attention over a slice of its keys: torch SDPA where SDPA can express the variant
-(a window is a mask), explicit scores where it cannot (soft-capping, sinks).
-
-Scores computed here are float32 for any storage dtype (as SDPA computes them on the CPU), so a
-half-precision cache loses nothing to rounded scores.
+"""A :class:`~vmkv.kernels.base.Variant` in plain torch, shared by the CPU kernels: window masks,
+soft-capping, sinks, and one sequence's attention over a slice of its keys (SDPA where it can
+express the variant, explicit float32 scores where it cannot).
 """
 
 from __future__ import annotations
@@ -17,18 +13,14 @@ from .base import Variant, first_key
 
 
 def key_mask(start: int, q_len: int, lo: int, window: int, device: torch.device | str) -> torch.Tensor:
-    """Bool ``[q_len, start + q_len - lo]``, True = attend: query ``j`` (position ``start + j``)
-    sees key ``lo + c`` iff ``first_key(start + j, window) <= lo + c <= start + j``."""
+    """Bool ``[q_len, start + q_len - lo]``, True = attend: query ``j`` sees key ``lo + c`` inside its window."""
     keys = torch.arange(lo, start + q_len, device=device)
     positions = torch.arange(start, start + q_len, device=device)
     return (keys[None, :] <= positions[:, None]) & (keys[None, :] >= first_key(positions, window)[:, None])
 
 
 def sequence_mask(plan: StepPlan, i: int, lo: int, window: int, device: torch.device) -> torch.Tensor | None:
-    """The mask of sequence ``i``'s queries over its keys ``lo .. kv_len - 1``
-    (:func:`key_mask`), or ``None`` where SDPA needs none: one query (its slice is its window), or
-    plain causal attention without a prefix (``is_causal``). Where the window cuts nothing, the
-    plan's own causal mask (built once per step)."""
+    """The mask of sequence ``i``'s queries over keys ``lo .. kv_len - 1``, or ``None`` where SDPA needs none."""
     n, start = plan.q_lens[i], plan.starts[i]
     if n == 1:
         return None
@@ -39,17 +31,15 @@ def sequence_mask(plan: StepPlan, i: int, lo: int, window: int, device: torch.de
 
 
 def soft_cap(scores: torch.Tensor, softcap: float) -> torch.Tensor:
-    """``softcap * tanh(scores / softcap)`` (Gemma 2's logit soft-capping); ``scores`` unchanged
-    when ``softcap`` is 0."""
+    """``softcap * tanh(scores / softcap)`` (Gemma 2); unchanged when ``softcap`` is 0."""
     return torch.tanh(scores / softcap) * softcap if softcap > 0 else scores
 
 
 def variant_softmax(scores: torch.Tensor, softcap: float, sinks: torch.Tensor | None,
                     allowed: torch.Tensor | None) -> torch.Tensor:
-    """Attention weights from scaled scores ``[..., L]``: soft-capped, then masked (``allowed``,
-    bool broadcastable to the scores, False: weight 0), then a softmax whose denominator also
-    holds ``exp(sink)`` (``sinks`` broadcastable to ``scores.shape[:-1]``) when given: GPT-OSS's
-    concatenated sink column, dropped after the softmax."""
+    """Attention weights from scaled scores ``[..., L]``: soft-capped, masked (``allowed`` False: weight
+    0), softmaxed with ``exp(sink)`` in the denominator when ``sinks`` is given.
+    """
     scores = soft_cap(scores, softcap)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
@@ -60,9 +50,7 @@ def variant_softmax(scores: torch.Tensor, softcap: float, sinks: torch.Tensor | 
 
 
 def sink_weight(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """The share of the softmax mass the keys keep when sink logits join its denominator:
-    ``exp(lse) / (exp(lse) + exp(sinks))``, from the keys' log-sum-exp ``lse`` (natural log). An
-    output normalised over the keys alone, times this, is the output with sinks."""
+    """The share of the softmax mass the keys keep next to the sinks, ``exp(lse) / (exp(lse) + exp(sinks))``."""
     return torch.exp(lse - torch.logaddexp(lse, sinks))
 
 
@@ -70,10 +58,8 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
                        allowed: torch.Tensor | None) -> torch.Tensor:
     """``variant_softmax(q @ k^T * scale) @ v`` as two float32 GEMMs, for what SDPA cannot express.
 
-    Shapes: ``q: [..., Hkv, G, n, D]`` (the ``G`` query heads of each KV head, ``n`` queries
-    each), ``k, v: [..., Hkv, L, D]`` (any strides with a unit last one; each KV head is read
-    once, never repeated), ``allowed``: bool broadcastable to ``[..., Hkv, G, n, L]`` (True:
-    attend) or ``None``. Returns ``[..., Hkv, G, n, D]`` in ``q``'s dtype.
+    Shapes: ``q: [..., Hkv, G, n, D]``, ``k, v: [..., Hkv, L, D]`` (each KV head read once),
+    ``allowed``: bool broadcastable to ``[..., Hkv, G, n, L]`` or ``None``; returns ``q``'s shape and dtype.
     """
     *lead, kv_heads, group, n, dim = q.shape
     scores = torch.matmul(q.reshape(*lead, kv_heads, group * n, dim).float(), k.float().transpose(-1, -2)).mul_(scale)
@@ -90,20 +76,11 @@ def needs_scores(variant: Variant) -> bool:
 
 def attend_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, variant: Variant,
                     mask: torch.Tensor | None) -> torch.Tensor:
-    """One sequence's queries over a contiguous slice of its keys, ``[n, Hq, D]``.
+    """One sequence's queries ``q: [n, Hq, D]`` over a contiguous slice ``k, v: [1, Hkv, L, D]`` of its
+    keys; returns ``[n, Hq, D]``. ``mask``: bool ``[n, L]`` or ``None`` (:func:`sequence_mask`).
 
-    Args:
-        q: ``[n, Hq, D]``, the sequence's new tokens.
-        k, v: ``[1, Hkv, L, D]`` (strided views), the keys the queries may see, in order.
-        scale: softmax scale (``None``: ``D ** -0.5``).
-        variant: the layer's variant; its window must already be in the slice and ``mask``.
-        mask: bool ``[n, L]`` (True: attend), or ``None``: one query sees every key of the slice,
-            several queries are plain causal without a prefix (:func:`sequence_mask`).
-
-    Inputs are given SDPA as 4-D tensors: on the CPU, 3-D inputs take a slower path (about 3x for
-    prefill). A single query under grouped-query attention runs as ``[1, Hkv, G, D]`` queries
-    against the ``Hkv`` heads (query head ``h`` reads KV head ``h // G``), which reads each KV
-    head once instead of ``G`` times.
+    Inputs go to SDPA as 4-D tensors (3-D ones take a slower CPU path), and a single GQA query as
+    ``[1, Hkv, G, D]`` so each KV head is read once.
     """
     n, q_heads, dim = q.shape
     kv_heads = k.shape[1]

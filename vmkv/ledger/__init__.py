@@ -1,14 +1,8 @@
 """A host-wide KV budget that several processes share, the way an OS shares RAM between them.
 
-A *ledger* is a small file in shared memory (``/dev/shm/vmkv-ledger.NAME``, or any path) that
-every member maps. It records one byte budget and, per member, what it holds. Its rooms:
-
-* :mod:`.format` -- the file's layout, and its record changed by sealed whole images;
-* :mod:`.liveness` -- who is alive, across PID namespaces (OFD locks, pids);
-* :mod:`.ledger` -- :class:`Ledger` (the file, its lock, joins and reaps) and :class:`Member`
-  (one member's handle: take, give, asked, offer);
-* :mod:`.reports` -- what ``vmkv ledger`` prints and ``/metrics`` exports;
-* :mod:`.settings` -- the ``shared_budget`` setting, the ledger's path, a budget's limits.
+A ledger is a small file in shared memory (``/dev/shm/vmkv-ledger.NAME``) every member maps: one
+byte budget and, per member, what it holds. Modules: :mod:`.format` (layout, sealed images),
+:mod:`.liveness`, :mod:`.ledger` (:class:`Ledger`, :class:`Member`), :mod:`.reports`, :mod:`.settings`.
 
 Invariants (checked on every locked read; a file that breaks one is refused, never trusted):
     * ``sum(held) <= budget``: no member ever holds memory past the ledger's budget;
@@ -16,8 +10,8 @@ Invariants (checked on every locked read; a file that breaks one is refused, nev
     * an empty slot (``pid == 0``) holds nothing;
     * a request stands only while a live member waits (``want``) for the bytes it asks.
 
-A process may be killed at any instruction: a file appears under its name only complete
-(written unnamed, then linked), and a slot changes by its whole image (:mod:`.format`).
+A process may be killed at any instruction: a file appears only complete, and a slot changes by
+its whole image.
 """
 
 from .format import FILE_BYTES, HOLDS_LOCK, MAGIC, MAX_BUDGET, NUM_SLOTS, VERSION

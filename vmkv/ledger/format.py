@@ -9,10 +9,8 @@ and checked.
              min | max | grants | returns | reclaims | request | want    (the image)
              reclaimable                                           (written without the lock)
 
-A slot changes by its whole image: written to the journal, sealed, copied into the slot, the seal
-cleared. Whoever takes the lock next copies a sealed record again (a writer killed after sealing)
-or drops an unsealed one (killed before: the slot is untouched), so every slot is always either
-its old or its new image.
+Invariant: every slot is its old or its new image. A write goes to the journal, is sealed, copied,
+unsealed; the next lock holder copies a sealed record again or drops an unsealed one.
 """
 
 from __future__ import annotations
@@ -87,10 +85,8 @@ def _seal(record: bytes) -> int:
 
 
 class Record:
-    """The slots of a ledger file mapped in memory.
-
-    Every method runs holding the ledger's lock, except :meth:`peek` and :meth:`set_reclaimable`:
-    aligned 8-byte fields that only hint (a request is read again under the lock before it is served).
+    """The slots of a ledger file mapped in memory; every method runs under the ledger's lock except
+    :meth:`peek` and :meth:`set_reclaimable` (aligned 8-byte hints).
     """
 
     def __init__(self, fd: int, path: str) -> None:
@@ -124,8 +120,7 @@ class Record:
         self._map[base : base + _SLOT.size] = record[_INDEX.size :]
 
     def recover(self) -> None:
-        """Finish what a writer killed inside :meth:`write` left: copy a sealed journal record
-        into its slot again, drop an unsealed one."""
+        """Finish a write a killed writer left: copy a sealed journal record again, drop an unsealed one."""
         (seal,) = _U64.unpack_from(self._map, _SEAL)
         if not seal:
             return

@@ -1,22 +1,11 @@
 """The ledger and its members: one file every member maps, and each member's handle on it.
 
-Members count bytes (each in its own page size): a member that is about to back ``n`` more pages
-with memory first takes ``n * page_bytes`` from the ledger (:meth:`Member.take`, in batches, so
-the hot path does not lock per page), and gives bytes back when their memory went back to the OS
-(:meth:`Member.give`).
-
-Pressure: when the budget is spent, :meth:`Member.take` posts a ``request`` (bytes to give back)
-on the members that said they have reclaimable bytes, and waits a bounded time for them to give;
-members read their own ``request`` without the lock (:meth:`Member.asked`) at their next step
-boundary, or on their watcher thread while idle. Requests go when their asker stops waiting (it
-got its pages, timed out, left or died).
-
-The lock that guards the record is ``fcntl.flock`` on the file, which the kernel drops when its
-holder dies, and within a process a thread lock (flock does not exclude threads that share an
-open file: a member's watcher thread reads its requests while its owner takes grants). Every read
-or change of the record takes it; the only lock-free accesses are a member's reads of its own
-``request`` and writes of its own ``reclaimable``. A handle belongs to the process that opened
-it: used in a forked child it raises ``LedgerError``.
+A member takes ``n * page_bytes`` before backing ``n`` pages (:meth:`Member.take`, in batches) and
+gives bytes back once their memory went back to the OS. When the budget is spent, ``take`` posts
+requests on members that offer reclaimable bytes and waits a bounded time. The record is guarded
+by ``fcntl.flock`` (dropped by the kernel when its holder dies) plus a thread lock; the only
+lock-free accesses are a member's own ``request`` reads and ``reclaimable`` writes. A handle used
+in a forked child raises ``LedgerError``.
 """
 
 from __future__ import annotations
@@ -68,15 +57,14 @@ class Ledger:
     Args:
         name: the ledger's name (``/dev/shm/vmkv-ledger.NAME``) or path.
         budget: its bytes; ``None`` to open an existing ledger whatever its budget (``vmkv ledger``).
-        alive: ``alive(pid, start)`` says whether a member's process lives, where its pid can be
-            judged (:mod:`vmkv.ledger.liveness`; tests pass their own).
+        alive: ``alive(pid, start)`` judges whether a member's process lives (tests pass their own).
 
     Raises:
         InvalidConfig: ``budget`` is 0 or past ``MAX_BUDGET``.
         LedgerCorrupt: the file is not a vmkv ledger, or breaks an invariant.
         LedgerMismatch: the ledger exists with another budget or version.
-        LedgerError: the path is not a regular file, or cannot be opened or created (permissions,
-            a read-only filesystem, no space left: the message says which; no file is left).
+        LedgerError: the path is not a regular file, or cannot be opened or created (the message
+            says why; no file is left).
         FileNotFoundError: ``budget`` is ``None`` and no such ledger exists.
     """
 
@@ -141,9 +129,8 @@ class Ledger:
             raise LedgerError(f"{self.path} is {kind}, not a ledger file: name the ledger by another path")
 
     def _create(self, budget: int) -> None:
-        """Write a complete, empty ledger as an unnamed file, then give it the path (unless
-        another process did first): no process ever sees a ledger half made, and a failure
-        leaves nothing behind.
+        """Write a complete, empty ledger as an unnamed file, then link it to the path: nobody sees a ledger
+        half made, and a failure leaves nothing.
 
         Raises:
             LedgerError: the directory is missing, read-only or full, or refuses unnamed files.
@@ -194,8 +181,7 @@ class Ledger:
         return (info.st_dev, info.st_ino) == (mine.st_dev, mine.st_ino)
 
     def _map_file(self, fd: int, budget: int | None) -> int:
-        """Check the header of ``fd`` (holding its lock), map it, recover and check its record;
-        return its budget."""
+        """Check ``fd``'s header (under its lock), map it, recover and check its record; return its budget."""
         size = os.fstat(fd).st_size
         advice = "remove it if nothing uses it" if "/" not in self.name else "name the ledger by another path"
         found = read_header(os.pread(fd, HEADER_BYTES, 0), size, self.path, advice)
@@ -238,7 +224,7 @@ class Ledger:
 
     @contextmanager
     def locked(self) -> Iterator[list[dict]]:
-        """Hold the ledger's lock; yield its slots, recovered and checked (module docstring).
+        """Hold the ledger's lock; yield its slots, recovered and checked.
 
         Raises:
             LedgerCorrupt: the record breaks an invariant (nothing is changed), or the ledger is closed.
@@ -284,8 +270,7 @@ class Ledger:
             page_bytes: bytes of one of its pages (it takes and gives whole pages).
             min_bytes: it is never asked to give back below this.
             max_bytes: it never holds more (``None``: the budget), rounded down to whole pages.
-            pid: the member's process (default: this one, which then holds the slot's liveness
-                lock; another pid is judged by its pid alone, see :mod:`vmkv.ledger.liveness`).
+            pid: the member's process (default: this one, which then holds the slot's liveness lock).
 
         Raises:
             InvalidConfig: bad sizes, or no page fits in ``max_bytes``.
@@ -350,8 +335,7 @@ class Ledger:
         self.drop_requests()
 
     def drop_requests(self, *, of_the_dead: bool = False) -> None:
-        """Clear every request if no member waits for them (``of_the_dead``: no live member),
-        holding the lock."""
+        """Clear every request if no member waits for them (``of_the_dead``: no live member), under the lock."""
         slots = [self.record.slot(i) for i in range(NUM_SLOTS)]
         if any(s["pid"] and s["want"] and (not of_the_dead or self._is_alive(i, s)) for i, s in enumerate(slots)):
             return
@@ -360,8 +344,7 @@ class Ledger:
                 self.record.write(index, request=0)
 
     def close(self, *, unlink_if_empty: bool = False) -> None:
-        """Unmap the ledger (and remove its file if ``unlink_if_empty`` and no member is left; not
-        from a forked child). Idempotent."""
+        """Unmap the ledger (and remove its file if ``unlink_if_empty`` and no member is left). Idempotent."""
         if self.record is None:
             return
         try:
@@ -384,11 +367,8 @@ class Ledger:
 
 
 class Member:
-    """One member's handle on a ledger: it takes and gives whole pages of ``page_bytes``.
-
-    Its callers use :attr:`held`, :attr:`min_pages`, :meth:`take`, :meth:`give`, :meth:`asked`,
-    :meth:`offer` and :meth:`leave`; it changes the record only through the ledger's public
-    methods, holding its lock.
+    """One member's handle on a ledger: it takes and gives whole pages of ``page_bytes``, changing the
+    record only through the ledger's methods, under its lock.
     """
 
     def __init__(self, ledger: Ledger, slot: int, pid: int, page_bytes: int) -> None:
@@ -406,8 +386,7 @@ class Member:
 
     @property
     def held(self) -> int:
-        """Pages granted: this process's copy of its slot's ``held``. Only this handle changes it
-        (other processes only clear a dead member's slot), so it is read without the lock."""
+        """Pages granted; only this handle changes it, so it is read without the lock."""
         return self._held
 
     @property
@@ -416,12 +395,9 @@ class Member:
         return -(-self.ledger.record.peek(self._own, "min") // self.page_bytes)
 
     def take(self, pages: int, *, extra: int = 0, wait_s: float = 0.0) -> int:
-        """Hold at least ``pages`` pages in all, plus up to ``extra`` more if the budget has them
-        (only when it takes any: a member that holds ``pages`` already returns at once, unlocked).
-
-        Without enough free budget it reaps dead members; then, if ``wait_s > 0``, asks members
-        with reclaimable bytes to give back and waits up to ``wait_s`` seconds for them (not at
-        all when no member offers any: the caller preempts or fails at once).
+        """Hold at least ``pages`` pages, plus up to ``extra`` more if free (a member holding ``pages``
+        returns at once, unlocked). Short of budget it reaps the dead, then, with ``wait_s > 0``, asks
+        members offering reclaimable bytes and waits for them.
 
         Returns:
             The pages it could not get (0: it holds ``pages``); with ``wait_s > 0`` always 0.
@@ -515,8 +491,7 @@ class Member:
             self.ledger.record.write(self._slot, **fields)
 
     def asked(self) -> int:
-        """Pages others asked this member to give back: read without the lock, and when there
-        are any, read again under it, once requests no live member waits for are gone."""
+        """Pages others asked this member to give back (read unlocked, confirmed under the lock)."""
         nbytes = self.ledger.record.peek(self._own, "request")
         if nbytes:
             with self.ledger.locked():
@@ -529,8 +504,7 @@ class Member:
         self.ledger.record.set_reclaimable(self._own, max(0, pages) * self.page_bytes)
 
     def leave(self) -> None:
-        """Give everything back and free the slot (not from a forked child: the member is its
-        parent's). Idempotent."""
+        """Give everything back and free the slot (not from a forked child). Idempotent."""
         if self.ledger.closed or self._slot < 0:
             return
         if self.ledger.opened_here:

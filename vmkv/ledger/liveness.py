@@ -1,11 +1,8 @@
 """Who is alive: a member's process, judged across PID namespaces.
 
-A member joining for its own process takes an OFD lock on its slot's first byte (``fcntl``
-``F_OFD_SETLK``), which the kernel drops when the process dies, in whatever PID namespace it
-runs: a member whose lock is gone is dead. A member whose lock is held is alive, unless it runs
-in this process's PID namespace (recorded at join) and its pid is gone, a zombie or reused (a
-forked child may keep the lock of a dead parent). A member joined on behalf of another pid (no
-lock) is judged by its pid in this namespace only, and never counted dead from another.
+A member holds an OFD lock on its slot's first byte, dropped by the kernel when its process dies
+(any namespace): no lock, dead. A held lock is alive unless, in this PID namespace, its pid is
+gone, a zombie or reused. A member joined for another pid (no lock) is judged by pid only here.
 """
 
 from __future__ import annotations
@@ -31,8 +28,7 @@ def process_start(pid: int) -> int | None:
 
 
 def process_alive(pid: int, start: int) -> bool:
-    """Whether ``pid`` is the live process that started at ``start`` (not a zombie, not a reused pid;
-    ``start`` 0: unknown, then any live ``pid`` counts)."""
+    """Whether ``pid`` is the live process that started at ``start`` (``start`` 0: any live ``pid``)."""
     if start:
         return process_start(pid) == start
     try:
@@ -45,8 +41,7 @@ def process_alive(pid: int, start: int) -> bool:
 
 
 def pid_namespace() -> int:
-    """This process's PID namespace (the inode of ``/proc/self/ns/pid``), or 0 if this ``/proc``
-    does not show it: then no pid read from ``/proc`` means what this process's pids mean."""
+    """This process's PID namespace (the inode of ``/proc/self/ns/pid``), or 0 if unknown."""
     try:
         if os.readlink("/proc/self") != str(os.getpid()):  # /proc of another namespace
             return 0
@@ -76,13 +71,8 @@ def drop_lock(fd: int, index: int) -> None:
 
 
 def member_alive(fd: int, index: int, slot: dict, *, mine: bool, alive: Callable[[int, int], bool]) -> bool:
-    """Whether the member in slot ``index`` lives (the module docstring's rule).
-
-    Args:
-        fd: an open file of the ledger (to test the slot's lock).
-        slot: the slot's fields.
-        mine: this handle holds the slot's lock (its member is this process).
-        alive: ``alive(pid, start)`` judges a pid of this namespace.
+    """Whether the member in slot ``index`` lives (the module docstring's rule); ``mine``: this handle
+    holds its lock; ``alive`` judges a pid of this namespace.
     """
     if slot["flags"] & HOLDS_LOCK and not mine \
             and _range_lock(fd, fcntl.F_OFD_GETLK, fcntl.F_WRLCK, index) == fcntl.F_UNLCK:

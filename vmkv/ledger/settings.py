@@ -1,5 +1,4 @@
-"""What a user sets: the ``shared_budget`` string, the ledger's path, and the limits a budget and
-a member must keep."""
+"""What a user sets: the ``shared_budget`` string, the ledger's path, and a budget's and member's limits."""
 
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ def check_budget(budget: int) -> int:
 
 
 def member_max(budget: int, page_bytes: int, min_bytes: int, max_bytes: int | None, label: str) -> int:
-    """The most bytes a member may hold: ``max_bytes`` (``None``: the budget), at most the budget,
-    rounded down to whole pages.
+    """The most bytes a member may hold: ``max_bytes`` (``None``: the budget), at most the budget, in whole pages.
 
     Raises:
         InvalidConfig: no page fits, or ``min_bytes`` is above it.
@@ -64,8 +62,7 @@ class SharedBudget:
         min_bytes: bytes this member is never asked to give back.
         max_bytes: bytes this member never holds more than (``None``: the whole budget).
         member: the label ``vmkv ledger`` shows (``None``: the program name and pid).
-        wait_s: how long a member short of budget waits for others to give back before
-            ``OutOfPages`` (default 2 s).
+        wait_s: how long a member short of budget waits for others before ``OutOfPages``.
     """
 
     name: str

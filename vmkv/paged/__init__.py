@@ -1,7 +1,4 @@
-"""Paged mode of vmkv: block pools and block tables (the PagedAttention idea), same API as VMM mode.
-
-``PagedKVCache(config)`` or ``vmkv.open_cache(config, mode="paged")``; see docs/paged.md.
-"""
+"""Paged mode: block pools and block tables (PagedAttention), the same API as VMM mode (docs/paged.md)."""
 
 from __future__ import annotations
 

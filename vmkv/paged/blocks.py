@@ -1,17 +1,9 @@
 """The block pools and block table of a paged cache: paged mode's addressing.
 
-Storage, allocated once from the memory budget (a pool page = one block in every layer's K and V)::
-
     K pool  [num_layers, num_blocks, block_size, kv_heads, head_dim]     (V alike)
-            layer l's pool: K[l] = [num_blocks, block_size, kv_heads, head_dim]
-
     block table  int32 [max_batch_size, max_pages_per_seq]   (host memory; -1 = no block)
 
-        slot 0 | 7 | 2 | 9 | -1 | -1 ...     logical block i of the sequence in slot 0 is pool block table[0, i]
-        slot 1 | 3 | -1 ...
-
-Token ``t`` of a sequence lives in row ``table[slot, t // B] * B + t % B`` of a layer's pool
-flattened to ``[num_blocks * B, kv_heads, head_dim]`` (``B`` = block_size).
+Token ``t`` of a sequence is row ``table[slot, t // B] * B + t % B`` of a layer's flattened pool.
 
 Invariant: ``table[slot, i] == seq.pages[i]`` for every live sequence and ``i < len(seq.pages)``,
 and ``-1`` everywhere else (:meth:`BlockPools.check`).
@@ -34,14 +26,9 @@ NO_BLOCK = -1
 class BlockPools:
     """A paged cache's pools and table (:class:`~vmkv.core.ownership.Addressing`).
 
-    Args:
-        config, geometry: the cache's configuration and page geometry.
-        max_pages_per_seq: blocks one sequence may hold (the table's width).
-        log: records how to revert a change (the cache's ``guard.log``).
-
     Attributes:
-        k, v: ``[num_layers, num_blocks, block_size, kv_heads, head_dim]``, zeroed at open so that no
-            read (``kv()``, a kernel's masked tail) ever sees uninitialised memory.
+        k, v: ``[num_layers, num_blocks, block_size, kv_heads, head_dim]``, zeroed at open (no read
+            sees uninitialised memory).
         table: int32 ``[max_batch_size, max_pages_per_seq]`` on the host.
 
     Raises:
@@ -65,8 +52,7 @@ class BlockPools:
         self.table = torch.full((config.max_batch_size, max_pages_per_seq), NO_BLOCK, dtype=torch.int32)
 
     def attach(self, slot: int, index: int, page: int, old: int | None, keep: int) -> None:
-        """Point entry ``slot``/``index`` at block ``page`` (journaled), after copying the first
-        ``keep`` tokens of ``old`` into it (copy-on-write)."""
+        """Point entry ``slot``/``index`` at block ``page`` (journaled), copying ``old``'s first ``keep`` tokens first."""
         if keep:  # copy-on-write: the stored tokens of the block in every layer, K and V (one op each)
             self.k[:, page, :keep].copy_(self.k[:, old, :keep])
             self.v[:, page, :keep].copy_(self.v[:, old, :keep])
@@ -82,9 +68,7 @@ class BlockPools:
         self._log(lambda: self.table.__setitem__((slot, index), before))
 
     def release(self, pages: list[int]) -> None:
-        """Nothing to give back: the pools are single tensors allocated up front, so a free block
-        is only a free index (on CUDA the memory belongs to torch's caching allocator, on the
-        host to one allocation); returning it per block is not possible. ``close()`` frees all."""
+        """Nothing to give back: the pools are allocated up front; ``close()`` frees them."""
 
     def token_rows(self, slot: int, pages: list[int], start: int, count: int) -> torch.Tensor:
         """Rows ``block * block_size + offset`` of the tokens (the slot mapping)."""
@@ -95,10 +79,9 @@ class BlockPools:
         return blocks[positions // block - first] * block + positions % block
 
     def block_table(self, seqs: list[LiveSequence], kv_lens: list[int]) -> torch.Tensor:
-        """int32 ``[B, max_blocks]`` rows of the step's sequences, on the cache's device;
-        ``max_blocks`` covers the longest sequence. Entries past the blocks a sequence's length
-        needs are whatever its row holds there (-1, or blocks ``reserve`` mapped ahead): kernels
-        read only ``kv_lens`` tokens."""
+        """int32 ``[B, max_blocks]`` rows of the step's sequences on the cache's device; entries past a
+        sequence's length may be anything (kernels read ``kv_lens`` tokens).
+        """
         width = max(-(-n // self.block_size) for n in kv_lens)
         slots = torch.tensor([seq.slot for seq in seqs], dtype=torch.long)
         return self.table[slots, :width].to(self._device)

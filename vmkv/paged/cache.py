@@ -1,9 +1,5 @@
-"""Paged mode: K/V live in block pools; each sequence finds its blocks through a block table.
-
-The pools and the table are :class:`~vmkv.paged.blocks.BlockPools` (the layout is drawn
-there); the lifecycle (ownership, copy-on-write, prefix cache) is
-:class:`vmkv.core.base.KVCacheBase`. This module reads the pools: ``kv``, ``block_pool`` and
-``attention`` through the kernel :mod:`vmkv.kernels.paged` chooses.
+"""Paged mode: K/V live in block pools (:mod:`vmkv.paged.blocks`), found through a block table; the
+lifecycle is :class:`vmkv.core.base.KVCacheBase`.
 """
 
 from __future__ import annotations
@@ -31,9 +27,8 @@ class PagedKVCache(KVCacheBase):
     """KV cache over block pools and block tables (PagedAttention style), same API as VMM mode.
 
     Args:
-        config: the cache configuration; ``block_size`` (tokens per block) and
-            ``memory_budget`` decide the pool, which is allocated (zeroed) up front.
-            A mapping of its fields is accepted too.
+        config: the cache configuration (or a mapping of its fields); ``block_size`` and
+            ``memory_budget`` decide the pool, allocated (zeroed) up front.
         kernel: force an attention kernel over blocks by name (:mod:`vmkv.kernels.registry`);
             default: the one the rule chooses for the device.
         chunk_tokens: keys per chunk of the blockwise kernel.
@@ -104,10 +99,8 @@ class PagedKVCache(KVCacheBase):
 
     @exclusive
     def kv(self, seq_id: SeqId, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stored K and V of one sequence in one layer, each ``[length, kv_heads, head_dim]``.
-
-        Paged storage is not contiguous per sequence, so this gathers its blocks (a copy); the
-        blocks a sliding window released read zeros, as VMM mode's zero page does.
+        """The stored K and V of one sequence in one layer, each ``[length, kv_heads, head_dim]``: a copy
+        gathered from its blocks (blocks a window released read zeros).
 
         Raises:
             UnknownSequence, InvalidInput.

@@ -1,19 +1,10 @@
 """OpenAI-compatible HTTP server over an :class:`~vmkv.engine.EngineLoop` (FastAPI).
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE streaming with
-``"stream": true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
-
-Every request is validated in full (JSON, text encodable as UTF-8, fields, model name, prompt +
-``max_tokens`` against the context and the KV budget) before anything reaches the engine, so a
-bad request gets a 4xx with an OpenAI-style error body naming the field in ``param``, and
-changes nothing. Every other answer that is not a 200 has that shape too: unknown routes (404),
-wrong methods (405), a request the engine failed alone (500). A client that goes away,
-mid-stream or while waiting for a non-streamed answer, has its requests aborted before the
-engine's next step (their sequences are freed); the event loop does not wait for that.
-
-Threads: the engine and its cache are only touched through the :class:`EngineLoop`, whose lock
-serialises every call (steps, submissions, aborts, tokenization, ``/metrics`` reading
-``stats()``), so two threads never use the cache at once.
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE with ``"stream": true``),
+``GET /v1/models``, ``GET /health``, ``GET /metrics``. Every request is validated in full before
+it reaches the engine (a 4xx in OpenAI's error shape, ``param`` naming the field, nothing
+changed); a client that leaves has its requests aborted before the next step. The engine is only
+touched through the loop's lock.
 """
 
 from __future__ import annotations
@@ -41,11 +32,9 @@ from .protocol import MAX_N, ChatBody, CompletionBody
 log = logging.getLogger("vmkv.server")
 
 KEEP_ALIVE_S = 75.0
-"""Seconds an idle keep-alive connection stays open (uvicorn's default is 5 s). Longer than the
-idle expiry of clients' connection pools (httpx, under the ``openai`` client: 5 s; aiohttp 15 s):
-a server that closes first races a client that just picked the connection from its pool, and that
-request fails with "Server disconnected without sending a response" (the window between the
-pool's liveness check and the write widens on a busy machine)."""
+"""Seconds an idle keep-alive connection stays open: longer than clients' pool expiry (httpx 5 s,
+aiohttp 15 s), so the server never closes a connection a client just picked up.
+"""
 
 # pydantic names a union's member in an error's location ("temperature", "int"): not a field
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|[A-Z]\w*|[a-z-]+\[.*\])$")
@@ -84,8 +73,7 @@ def _param_path(loc: tuple[Any, ...]) -> str:
 
 
 def _lone_surrogate(data: Any) -> str | None:
-    """The path of the first string in ``data`` that is not valid Unicode (a lone surrogate such as
-    ``"\\ud800"``, which JSON allows but UTF-8 cannot encode), or ``None``."""
+    """The path of the first string in ``data`` that UTF-8 cannot encode (a lone surrogate), or ``None``."""
     stack: list[tuple[str, Any]] = [("", data)]
     while stack:
         path, value = stack.pop()
@@ -177,15 +165,12 @@ class Server:
 
     async def submit(self, prompts: list[str | list[int]], make_params: Callable[[int], SamplingParams],
                      prompt_param: str = "prompt", limit_param: str = "max_tokens") -> _Job:
-        """Validate every prompt, then queue them all (all or nothing).
-
-        The engine calls run on a worker thread: they wait for the current step to end, and
-        the event loop keeps serving other clients meanwhile.
+        """Validate every prompt, then queue them all (all or nothing), on a worker thread so the event loop
+        keeps serving.
 
         Args:
             prompts: text or token ids, one engine request each.
-            make_params: sampling parameters given the prompt's token count (may raise
-                :class:`APIError`).
+            make_params: sampling parameters given the prompt's token count (may raise :class:`APIError`).
             prompt_param: the body field the prompts came from (named in errors about them).
             limit_param: the body field that set ``max_tokens`` (named when it does not fit).
         """
@@ -215,8 +200,7 @@ class Server:
         return _Job(queue, request_ids, sum(len(ids) for ids, _ in checked))
 
     def tokenize(self, prompt: str) -> list[int]:
-        """Token ids of ``prompt``, encoded between engine steps (the engine thread decodes with
-        the same tokenizer; Hugging Face tokenizers are not safe to share across threads)."""
+        """Token ids of ``prompt``, encoded between engine steps (HF tokenizers are not thread-safe)."""
         return self.loop.call(lambda engine: engine.tokenizer.encode(prompt))
 
     def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
@@ -251,8 +235,7 @@ class Server:
         return [final[rid] for rid in job.request_ids if rid in final]
 
     def abort_unfinished(self, job: _Job, finished: dict[str, Any]) -> None:
-        """Abort ``job``'s unfinished requests before the engine's next step, without blocking
-        the event loop (the engine may be in the middle of a step)."""
+        """Abort ``job``'s unfinished requests before the engine's next step, without blocking the event loop."""
         for rid in job.request_ids:
             if rid not in finished:
                 self.loop.abort_soon(rid)
@@ -320,9 +303,8 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None, pr
         loop: a running engine loop (closed by the caller after the server stops).
         model_name: the model id clients must name.
         api_key: if set, required as a bearer token on ``/v1/*``.
-        protect_metrics: with ``api_key``, require it on ``/metrics`` too. Off by default:
-            ``/metrics`` shows counts and gauges, never prompts or outputs, and Prometheus
-            scrapers often have no key; turn it on when the port is reachable by others.
+        protect_metrics: with ``api_key``, require it on ``/metrics`` too (off: scrapers have no key,
+            and ``/metrics`` shows no prompt or output).
     """
     server = Server(loop, model_name, api_key, protect_metrics)
     max_n = min(MAX_N, loop.engine.cache.config.max_batch_size)  # n completions run in n sequence slots

@@ -1,7 +1,5 @@
-"""``vmkv serve``: the OpenAI-compatible server from the command line.
-
-``vmkv/cli.py`` (the ``vmkv`` command) calls :func:`add_arguments` to build the ``serve``
-subcommand and :func:`run` to execute it; ``python -m vmkv.server.cli`` runs it alone.
+"""``vmkv serve``: the OpenAI-compatible server from the command line (``vmkv/cli.py`` calls
+:func:`add_arguments` and :func:`run`; ``python -m vmkv.server.cli`` runs it alone).
 """
 
 from __future__ import annotations
@@ -95,15 +93,14 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def _stop(signum: int, frame: object) -> None:
-    """SIGINT or SIGTERM outside uvicorn's own handling (while the model loads, or raised again by
-    uvicorn once it has shut down): unwind, so ``run`` closes the engine, whose cache leaves a
-    shared budget's ledger (left to its default, SIGTERM would end the process before that)."""
+    """SIGINT or SIGTERM outside uvicorn's handling: unwind, so ``run`` closes the engine (and leaves a
+    shared budget's ledger) before the process ends.
+    """
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Serve until SIGINT (Ctrl-C) or SIGTERM; then the engine closes (its cache leaves a shared
-    budget's ledger) and one line on stderr says the server stopped, without a traceback.
+    """Serve until SIGINT or SIGTERM, then close the engine and say so on stderr, without a traceback.
 
     Returns:
         0 after a clean shutdown (a signal included), 2 on a configuration error.
@@ -122,9 +119,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    """Open the cache (a bad cache option fails before the weights load), load the model, bind
-    the socket (a line on stderr names its real port at any ``--log-level``: ``--port 0`` gets one
-    from the OS), serve until uvicorn stops; the engine closes whatever ends it."""
+    """Open the cache (a bad option fails before the weights load), load the model, bind (stderr names
+    the real port), serve; the engine closes whatever ends it.
+    """
     import torch
     import uvicorn
 

@@ -74,8 +74,7 @@ def render(stats: dict[str, Any]) -> str:
 
 
 def format_value(value: float) -> str:
-    """A sample as a person reads it: integers whole (``1024``), others to 6 significant digits
-    (``0.238462``, not ``0.23846153846153847``); Prometheus' ``NaN``/``+Inf``/``-Inf`` otherwise."""
+    """A sample as a person reads it: integers whole, others to 6 significant digits; ``NaN``/``+Inf``/``-Inf``."""
     value = float(value)
     if math.isnan(value):
         return "NaN"

@@ -1,8 +1,6 @@
-"""OpenAI request bodies (pydantic) and their translation into engine sampling parameters.
-
-Fields the engine does not implement are refused with a 400 naming them (``logprobs``,
-``echo``, ``suffix``, ``logit_bias``, ``tools``, a non-text ``response_format``), never
-silently ignored. Extensions as in vLLM: ``top_k``, ``stop_token_ids``, ``ignore_eos``.
+"""OpenAI request bodies (pydantic) and their translation into engine sampling parameters. Fields the
+engine does not implement are refused with a 400 naming them, never ignored; vLLM's extensions
+``top_k``, ``stop_token_ids``, ``ignore_eos`` are accepted.
 """
 
 from __future__ import annotations
@@ -25,8 +23,7 @@ def _shown(value: int) -> str:
 
 
 def _number(value: Any) -> int | float:
-    """A JSON number as is (no bool, no string); the range is checked by ``SamplingParams``, so an
-    integer too large for a float is refused there with a 400, never converted here."""
+    """A JSON number as is (no bool, no string); ``SamplingParams`` checks the range."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError("Input should be a number")
     return value

@@ -1,24 +1,12 @@
 """``VmkvConnector``: the map/unmap lists travel with each step to every rank (vLLM 0.32).
 
-vLLM sends every scheduled step (``SchedulerOutput``) from the scheduler to all workers of all
-tensor- and pipeline-parallel ranks, local or remote, and lets a KV connector attach its own
-metadata (``vllm/distributed/kv_transfer/kv_connector/v1/base.py``, ``KVConnectorBase_V1``).
-vLLM builds one connector object per process and role from the one class named in
-``kv_transfer_config`` (``kv_connector_module_path`` ``vmkv.vllm.connector``): role
-``SCHEDULER`` in the engine core, role ``WORKER`` in every worker. :class:`VmkvConnector` is that
-class; it holds the half of its role, as vLLM's own connectors do, and hands vLLM's calls to it:
-
-* scheduler half (:class:`vmkv.vllm.scheduler.connector.VmkvConnectorScheduler`):
-  ``build_connector_meta`` at the end of ``Scheduler.schedule`` -- the step's page changes
-  (:class:`~vmkv.vllm.metadata.VmkvMetadata`), pending work while no request runs, the trim
-  (``reset_cache``), the seat in a host-wide ledger;
-* worker half (:class:`vmkv.vllm.worker.connector.VmkvConnectorWorker`): ``handle_preemptions``,
-  the first hook of every step, applies them before the forward pass; the KV buffer, stats.
-
-Both report their counters as ``KVConnectorStats`` (:mod:`vmkv.vllm.metrics`: logged by vLLM and
-exported as Prometheus metrics). ``SupportsHMA`` is declared: without it vLLM turns the hybrid KV
-cache manager off. Nothing is transferred: ``requires_kv_delivery`` is false and the load/save
-hooks do nothing.
+vLLM sends every step (``SchedulerOutput``) to all ranks with a KV connector's metadata attached
+(``vllm/distributed/kv_transfer/kv_connector/v1/base.py``, ``KVConnectorBase_V1``) and builds one
+connector per process and role from ``kv_connector_module_path``. :class:`VmkvConnector` holds
+the half of its role: the scheduler half (:mod:`vmkv.vllm.scheduler.connector`) builds each
+step's page changes, the worker half (:mod:`vmkv.vllm.worker.connector`) applies them in
+``handle_preemptions``. ``SupportsHMA`` is declared (else vLLM turns the hybrid KV cache manager
+off); nothing is transferred.
 """
 
 from __future__ import annotations
@@ -46,12 +34,11 @@ if TYPE_CHECKING:
 
 
 class VmkvConnector(KVConnectorBase_V1, SupportsHMA):
-    """vmkv's KV connector: moves page maps, transfers no KV (see the module docstring).
+    """vmkv's KV connector: moves page maps, transfers no KV.
 
     Attributes:
         config: the plugin's settings (``kv_connector_extra_config``).
-        connector_scheduler: the scheduler half (role ``SCHEDULER``), else ``None``.
-        connector_worker: the worker half (role ``WORKER``), else ``None``.
+        connector_scheduler, connector_worker: the half of this process's role, the other ``None``.
 
     Raises:
         InvalidConfig: ``kv_connector_extra_config`` holds an unknown key or a bad size.

@@ -1,35 +1,16 @@
 """Which pages of vLLM's KV buffer each KV block occupies: both sides compute it and must agree.
 
 vLLM 0.32 places all layers' KV in one buffer (``vllm/v1/kv_cache_interface.py``,
-``KVCacheTensor``: layer ``l`` of block ``b`` starts at ``offset + l * layer_stride +
-b * block_stride``) and views it per layer as ``[B, H, N, C]`` (``create_kv_cache_views``, called
-by ``allocate_kv_cache`` in ``vllm/v1/worker/utils.py``). The layout (``KVCacheLayout``: LBHNC,
-LBNHC, LHBNC, BLHNC, ...) decides whether a block is one run of bytes per layer (layer-outermost,
-the CPU default: LBHNC), one run across all layers (block-outermost), or one run per head group
-(LHBNC); a manager block may also be split into kernel blocks.
-
-Rather than re-deriving those rules, the geometry is read off the views vLLM itself builds: a
-view's dimension 0 walks blocks, dimensions whose stride exceeds the block stride split a block
-into separate runs, the others make up the run (the same reading as ``KVBlockZeroer`` in
-``vllm/v1/worker/utils.py``). The scheduler gets the views by running vLLM's
-``allocate_kv_cache`` on the ``meta`` device (no memory); the worker reads its real views and
-checks that both give the same :class:`KVLayout` (:attr:`KVLayout.fingerprint`).
-
-Terms used by the plugin::
+``KVCacheTensor``) and views it per layer (``create_kv_cache_views`` in
+``vllm/v1/worker/utils.py``); the layout (LBHNC, BLHNC, ...) decides how a block splits into runs.
+The geometry is read off vLLM's own views, as ``KVBlockZeroer`` does: the scheduler builds them
+on the ``meta`` device, the worker checks its real ones give the same :attr:`KVLayout.fingerprint`.
 
     segment   one run of a block: bytes [start + b * stride, + span) of the buffer, for every b
     page      one backend page of the buffer (page_size bytes; what vmkv maps and unmaps)
-    unit      k consecutive blocks, k the smallest count whose runs cover whole pages
-              (k * stride is a multiple of page_size for every segment): the allocation
-              granule of the page-affine block pool ("a KV page" in the docs)
+    unit      the fewest consecutive blocks whose runs cover whole pages (the page-affine pool's granule)
 
-A page is mapped while any block whose runs touch it holds data. With the CPU default (LBHNC,
-128-token blocks of 128 KiB per layer) and 512 KiB pages, a unit is 4 blocks and maps one page
-per layer.
-
-vLLM is imported only by the functions that read its config or call its allocator, when called:
-the layout itself (and the scheduler side's :mod:`vmkv.vllm.scheduler.free_blocks` over it) runs
-without vLLM.
+A page is mapped while any block whose runs touch it holds data.
 """
 
 from __future__ import annotations
@@ -55,12 +36,8 @@ class Segment:
 
 
 def view_segments(view: torch.Tensor, num_blocks: int) -> list[Segment]:
-    """The runs one KV view gives every block, in bytes from the start of its storage.
-
-    Args:
-        view: a per-layer view whose dimension 0 walks the blocks (or ``ratio`` kernel blocks
-            per block, as vLLM builds when it splits blocks for a kernel).
-        num_blocks: vLLM's block count.
+    """The runs one KV view gives every block, in bytes from the start of its storage (dimension 0
+    walks blocks, or ``ratio`` kernel blocks per block).
 
     Raises:
         InvalidConfig: dimension 0 is not a whole number of kernel blocks per block.
@@ -82,8 +59,7 @@ def view_segments(view: torch.Tensor, num_blocks: int) -> list[Segment]:
 
 
 def normalize(segments: Iterable[Segment]) -> tuple[Segment, ...]:
-    """Merge runs that continue each other (kernel blocks of one block, layers of a
-    block-outermost layout) and overlays of the same bytes, so equal geometry compares equal."""
+    """Merge runs that continue each other and overlays of the same bytes, so equal geometry compares equal."""
     widest: dict[tuple[int, int], int] = {}
     for seg in segments:
         widest[(seg.start, seg.stride)] = max(widest.get((seg.start, seg.stride), 0), seg.span)
@@ -103,13 +79,7 @@ def normalize(segments: Iterable[Segment]) -> tuple[Segment, ...]:
 
 
 class KVLayout:
-    """Blocks -> units -> pages of one KV buffer.
-
-    Args:
-        segments: the runs of every block (see :func:`view_segments`).
-        num_blocks: vLLM's block count (block 0 is its null block).
-        buffer_bytes: bytes of the KV buffer.
-        page_size: bytes of one backend page.
+    """Blocks -> units -> pages of one KV buffer (``num_blocks``: vLLM's count, block 0 its null block).
 
     Raises:
         InvalidConfig: a size is not positive, or a run reaches past the buffer.
@@ -170,12 +140,7 @@ class KVLayout:
         return pages
 
     def _max_pages_bound(self) -> int:
-        """An upper bound of ``len(unit_pages(u))`` over all units, for the free-block count.
-
-        Every unit starts ``k * stride`` bytes after the previous one, a whole number of pages,
-        so a run's offset inside its page is the same in every unit and the pages it touches can
-        be counted once per run; the sum over runs bounds their union.
-        """
+        """An upper bound of ``len(unit_pages(u))`` over all units (a run's offset in its page is the same in every unit)."""
         page, k = self.page_size, self.blocks_per_unit
         total = 0
         for seg in self.segments:
@@ -200,7 +165,7 @@ def layout_from_views(views: Mapping[str, torch.Tensor], num_blocks: int, buffer
 
 
 def buffer_bytes(kv_cache_config: Any) -> int:
-    """Bytes of the backing allocation vLLM sizes for ``kv_cache_config`` (every tensor shares it).
+    """Bytes of the backing allocation vLLM sizes for ``kv_cache_config``.
 
     Raises:
         InvalidConfig: the config has no KV tensors, or they disagree on the size.
@@ -212,12 +177,9 @@ def buffer_bytes(kv_cache_config: Any) -> int:
 
 
 def check_supported(kv_cache_config: Any) -> None:
-    """Refuse KV cache configurations the plugin does not handle, naming why.
-
-    Supported: attention layers with per-layer views (full, sliding-window, MLA, ...) in one
-    device allocation. Refused: Mamba/linear-attention state and mixed KV precisions (vLLM
-    zeroes new blocks for them in ``_update_states`` before any connector hook runs under the V2
-    model runner, which could write to a page not mapped yet), host-resident (HiSparse) groups.
+    """Refuse KV cache configurations the plugin does not handle, naming why: Mamba/linear-attention
+    state and mixed KV precisions (vLLM zeroes their new blocks before any connector hook, possibly
+    into an unmapped page) and host-resident groups.
 
     Raises:
         InvalidConfig: the configuration is not supported.
@@ -237,8 +199,7 @@ def check_supported(kv_cache_config: Any) -> None:
 
 
 def vllm_allocate_kv_cache() -> Callable[..., dict[str, torch.Tensor]]:
-    """vLLM's own ``allocate_kv_cache`` (``vllm.v1.worker.utils``), never the plugin's replacement
-    (:func:`vmkv.vllm.worker.allocate.install` keeps the original as ``__wrapped__``)."""
+    """vLLM's own ``allocate_kv_cache``, never the plugin's replacement (kept as ``__wrapped__``)."""
     from vllm.v1.worker import utils  # when called: see the module docstring
 
     allocate = utils.allocate_kv_cache
@@ -246,12 +207,8 @@ def vllm_allocate_kv_cache() -> Callable[..., dict[str, torch.Tensor]]:
 
 
 def meta_layout(kv_cache_config: Any, layout: Any, page_size: int) -> KVLayout:
-    """The layout vLLM's view builder gives ``kv_cache_config``, computed without memory.
-
-    Args:
-        kv_cache_config: vLLM's ``KVCacheConfig``.
-        layout: the resolved ``KVCacheLayout``.
-        page_size: backend page size in bytes.
+    """The layout vLLM's view builder gives ``kv_cache_config`` (with the resolved ``layout`` and
+    ``page_size``), computed without memory.
     """
     views = vllm_allocate_kv_cache()(kv_cache_config, torch.device("meta"), layout, None)
     return layout_from_views(views, kv_cache_config.num_blocks, buffer_bytes(kv_cache_config), page_size)

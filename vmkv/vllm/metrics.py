@@ -1,13 +1,6 @@
-"""The plugin's counters in vLLM's KV-connector stats and Prometheus metrics (vLLM 0.32).
-
-Each worker half reports its rank's KV memory, and in a shared budget the scheduler half its
-ledger seat (``get_kv_connector_stats``); vLLM aggregates them per engine
-(:class:`VmkvConnectorStats`), logs them (``KV Transfer metrics: ...``) and exports them from
-its front end (:class:`VmkvPromMetrics`): ``vllm:vmkv_kv_resident_bytes``,
-``vllm:vmkv_kv_mapped_pages``, ``vllm:vmkv_kv_page_maps_total``,
-``vllm:vmkv_kv_page_unmaps_total``, and in a shared budget ``vllm:vmkv_ledger_held_bytes``,
-``vllm:vmkv_ledger_idle_bytes``, ``vllm:vmkv_ledger_reclaims_total`` (vLLM only collects and
-unregisters names under ``vllm:``).
+"""The plugin's counters in vLLM's KV-connector stats and Prometheus metrics (vLLM 0.32): workers
+report their rank's KV memory, the scheduler its ledger seat; exported as ``vllm:vmkv_*`` (vLLM
+only collects names under ``vllm:``; the list: docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -18,10 +11,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 
 class VmkvConnectorStats(KVConnectorStats):
-    """Per-rank memory counters: ``data = {"ranks": {rank: {...}}}``, and in a shared budget the
-    scheduler's ``"ledger": {"held_bytes", "idle_bytes", "reclaims"}``; a newer snapshot of a rank
-    (or of the ledger seat) replaces the older one, so aggregating over workers and over time are
-    the same operation."""
+    """Per-rank memory counters (``data["ranks"][rank]``) and the scheduler's ``"ledger"`` seat; a newer
+    snapshot replaces the older, so aggregating over workers and over time are one operation.
+    """
 
     def reset(self) -> None:
         self.data = {}

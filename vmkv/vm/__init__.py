@@ -13,10 +13,9 @@ def open_backend(device: torch.device, page_size: int, num_pages: int, *, max_ma
     """Return the backend for ``device`` with a store of ``num_pages`` pages of ``page_size`` bytes.
 
     Args:
-        max_mappings: host only: the most mappings the caller will need (checked against Linux's
+        max_mappings: host only: the most mappings the caller will need (checked against
             ``vm.max_map_count``; 0 skips the check).
-        on_demand: CUDA only: create pages when provisioned, give them back when released (the
-            host's pages come and go with their data anyway).
+        on_demand: CUDA only: create pages when provisioned, give them back when released.
 
     Raises:
         BackendUnavailable: CUDA was asked for but the driver, a GPU or cuda-bindings is missing.

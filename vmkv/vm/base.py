@@ -1,6 +1,7 @@
 """The virtual-memory backend protocol: the only layer that knows whether it runs on Linux or CUDA.
 
-A backend owns one store of equally sized physical pages and hands out virtual ranges::
+A backend owns one store of equally sized physical pages, created up front so the hot path never
+allocates, and hands out virtual ranges::
 
     reserve(nbytes) -> addr          # address space only: reads as zeros, no memory behind it
     map(addr, page) / unmap(addr)    # put physical page #page at addr / back to the zero page
@@ -9,14 +10,9 @@ A backend owns one store of equally sized physical pages and hands out virtual r
     tensor(addr, shape, dtype)       # a zero-copy torch view of a (mapped) range
     free_reservation(addr, nbytes) / close()
 
-Pages are created up front so the hot path never allocates. The same page may be mapped at
-several addresses at once: that is how sharing works.
-
-**Empty pages read as zeros.** Every page of a reservation that has no physical page mapped is
-backed by one shared, read-only zero page: a read anywhere in a reservation returns data or
-zeros and never faults, and costs no memory; a write there still fails (SIGSEGV on the host, an
-illegal-address fault on CUDA), so no kernel may *write* outside mapped pages. A tensor from
-``tensor()`` keeps its reservation alive: after ``close()`` it reads zeros instead of faulting.
+One page may be mapped at several addresses (sharing). Invariant: every unmapped page of a
+reservation is the shared read-only zero page, so reads never fault and writes there always do;
+a tensor keeps its reservation alive, so it reads zeros after ``close()``.
 """
 
 from __future__ import annotations
@@ -57,13 +53,12 @@ class VirtualMemory(ABC):
 
     @abstractmethod
     def map(self, addr: int, page: int) -> None:
-        """Map physical page ``page`` at ``addr`` (page-aligned, inside a reservation), read-write.
-        Call :meth:`synchronize` first if a kernel may still read ``addr``: a backend may take the
-        zero page away before the data page is in place (CUDA does)."""
+        """Map physical page ``page`` at ``addr`` (page-aligned, in a reservation), read-write. Call
+        :meth:`synchronize` first if a kernel may still read ``addr`` (CUDA unmaps the zero page first).
+        """
 
     def map_pages(self, pairs: list[tuple[int, int]]) -> None:
-        """Map each ``(addr, page)`` of ``pairs`` as :meth:`map` does, all or none: if one fails,
-        those mapped before it are unmapped again and the error is raised.
+        """Map each ``(addr, page)`` of ``pairs`` as :meth:`map` does, all or none.
 
         Raises:
             BackendError: as :meth:`map`.
@@ -84,14 +79,12 @@ class VirtualMemory(ABC):
 
     @property
     def map_granule(self) -> int:
-        """The smallest run :meth:`map_range` can map: a whole page here (CUDA's ``cuMemMap``
-        maps a handle from offset 0 only); the host maps any OS pages of a page."""
+        """The smallest run :meth:`map_range` can map: a whole page here (``cuMemMap`` maps a handle from offset 0)."""
         return self.page_size
 
     def map_range(self, addr: int, page: int, offset: int, nbytes: int) -> None:
-        """Map bytes ``[offset, offset + nbytes)`` of physical page ``page`` at ``addr`` (a second
-        view of part of a page that is mapped elsewhere too: vLLM's contiguous mode maps one KV
-        block of a page into a request's slot). This default maps whole pages only.
+        """Map bytes ``[offset, offset + nbytes)`` of physical page ``page`` at ``addr`` (a second view of
+        part of a page: vLLM's contiguous mode). This default maps whole pages only.
 
         Raises:
             InvalidConfig: the range is not a whole page (the backend cannot map parts of one).
@@ -102,8 +95,7 @@ class VirtualMemory(ABC):
         self.map(addr, page)
 
     def unmap_range(self, addr: int, nbytes: int) -> None:
-        """Put the zero page back over ``[addr, addr + nbytes)`` (what :meth:`map_range` mapped).
-        This default unmaps whole pages only.
+        """Put the zero page back over ``[addr, addr + nbytes)``; this default unmaps whole pages only.
 
         Raises:
             InvalidConfig: ``nbytes`` is not a whole number of pages.
@@ -118,18 +110,15 @@ class VirtualMemory(ABC):
         """Return the memory behind an unmapped page to the operating system, if the backend can."""
 
     on_demand = False
-    """Whether pages get memory only when provisioned (CUDA in a shared budget); the host's pages
-    get it when first written."""
+    """Whether pages get memory only when provisioned (CUDA in a shared budget), not on first write."""
 
     def provision(self, pages: list[int]) -> int:
-        """Give ``pages`` memory now, in one batch, where the backend creates pages on demand;
-        return how many it created (default: none, the backend needs no step)."""
+        """Give ``pages`` memory now, in one batch, where pages are created on demand; returns how many."""
         return 0
 
     @abstractmethod
     def tensor(self, addr: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A contiguous tensor of ``shape`` over ``addr`` without copying. Reads of unmapped parts
-        see zeros; writes must touch mapped pages only. The tensor keeps the reservation alive."""
+        """A contiguous tensor of ``shape`` over ``addr`` without copying; it keeps the reservation alive."""
 
     @abstractmethod
     def synchronize(self) -> None:
@@ -141,8 +130,9 @@ class VirtualMemory(ABC):
 
     @abstractmethod
     def close(self) -> None:
-        """Unmap every page (live tensors read zeros), release the physical memory, and give
-        reservations back as their last tensors go. Idempotent."""
+        """Unmap every page (live tensors read zeros), release the memory; reservations go with their last
+        tensor. Idempotent.
+        """
 
     def __enter__(self) -> "VirtualMemory":
         return self

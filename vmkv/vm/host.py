@@ -1,28 +1,16 @@
 """Host backend: Linux virtual memory through libc (mmap + memfd), no GPU needed.
 
-* reserve: ``mmap(NULL, n, PROT_READ, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE)`` — address
-  space only. Reading a page of it that holds nothing yet is served by the kernel's shared zero
-  page (no memory is used); writing to it is a SIGSEGV (it is read-only).
-* physical pages: one ``memfd`` sized to the page store; page ``i`` is the file range
-  ``[i * page_size, (i + 1) * page_size)``. The kernel gives it memory on first touch.
-* map: ``mmap(addr, page_size, PROT_READ|PROT_WRITE, MAP_SHARED|MAP_FIXED, memfd, offset)``;
-  mapping one offset at several addresses shares it.
-* unmap: map read-only anonymous memory over the page with ``MAP_FIXED``: the range stays
-  reserved and reads as zeros again.
+* reserve: ``mmap(PROT_READ, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE)``: reads hit the kernel's
+  zero page, writes are a SIGSEGV.
+* physical pages: one ``memfd``; page ``i`` is its range ``[i * page_size, (i + 1) * page_size)``.
+* map: ``mmap(MAP_SHARED|MAP_FIXED, memfd, offset)``; unmap: read-only anonymous memory over it.
 * release: ``fallocate(PUNCH_HOLE|KEEP_SIZE)`` gives the page's memory back to the OS.
-
-Memory picture of one reservation::
 
     | page 7 (rw) | page 2 (rw) | zero (ro) | zero (ro) | ... zero (ro) ... |
       memfd offsets              reads: 0.0, writes: SIGSEGV, memory: none
 
-Lifetime: a tensor from :meth:`HostVirtualMemory.tensor` keeps its reservation alive. ``close()``
-unmaps every page (its views then read zeros) and frees the memory; the address range itself is
-given back to the OS only when the last tensor over it is gone, so no view can ever fault.
-
-Mapping count: Linux allows ``vm.max_map_count`` mappings per process (65,530 by default).
-Mapped pages that are neighbours both in the range and in the memfd merge into one mapping;
-every other mapped run costs up to two (see :func:`free_map_count`).
+Linux allows ``vm.max_map_count`` mappings per process (65,530 by default); neighbouring pages
+merge into one mapping, every other mapped run costs up to two (:func:`free_map_count`).
 """
 
 from __future__ import annotations
@@ -70,10 +58,7 @@ def _load_libc() -> ctypes.CDLL:
 
 
 def free_map_count() -> int | None:
-    """Mappings this process may still create before ``vm.max_map_count`` refuses more.
-
-    Returns ``None`` where ``/proc`` does not tell (not Linux, or a restricted sandbox).
-    """
+    """Mappings this process may still create before ``vm.max_map_count`` refuses more (``None``: unknown)."""
     try:
         with open(_MAX_MAP_COUNT) as limit_file:
             limit = int(limit_file.read())
@@ -94,8 +79,7 @@ def mapping_room() -> int | None:
 
 
 class _Reservation:
-    """One reserved address range; given back to the OS (``munmap``) when the backend and every
-    tensor over it have let go of it."""
+    """One reserved address range; ``munmap`` once the backend and every tensor over it let go."""
 
     def __init__(self, libc: ctypes.CDLL, addr: int, nbytes: int) -> None:
         self.libc, self.addr, self.nbytes = libc, addr, nbytes
@@ -109,13 +93,10 @@ class HostVirtualMemory(VirtualMemory):
 
     Args:
         page_size: bytes of one page: a multiple of the OS page size (4 KiB).
-        num_pages: pages in the store (the memfd is ``page_size * num_pages`` bytes, but holds
-            memory only for pages that were written and not released).
-        populate: pre-fault a page's memory when it is mapped (``MAP_POPULATE``), so the first
-            write does not take page faults; costs time in ``map`` instead.
-        max_mappings: the most mappings this backend will ever need (the caller's worst case);
-            refused with ``InvalidConfig`` if it exceeds :func:`mapping_room`, and counted
-            against later backends until ``close()``.
+        num_pages: pages in the store (memory only for pages written and not released).
+        populate: pre-fault a page when it is mapped (``MAP_POPULATE``): the cost moves into ``map``.
+        max_mappings: the most mappings this backend will ever need; refused with
+            ``InvalidConfig`` above :func:`mapping_room`, and counted until ``close()``.
     """
 
     name = "host"
@@ -170,12 +151,11 @@ class HostVirtualMemory(VirtualMemory):
             raise BackendError("the host backend is closed")
 
     def reserve(self, nbytes: int) -> int:
-        """Reserve ``nbytes`` of address space reading as zeros (see :class:`VirtualMemory`).
+        """Reserve ``nbytes`` of address space reading as zeros.
 
         Raises:
             InvalidConfig: ``nbytes`` is not a positive multiple of the page size, or the process
-                has no such span of address space left (a ``max_batch_size * max_seq_len``
-                too large for this machine).
+                has no such span of address space left.
         """
         self._open()
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0 or nbytes % self.page_size:
@@ -219,9 +199,7 @@ class HostVirtualMemory(VirtualMemory):
                    f"mapping page {page} at {addr:#x}")
 
     def map_pages(self, pairs: list[tuple[int, int]]) -> None:
-        """Map each ``(addr, page)`` read-write, all or none (see :meth:`VirtualMemory.map_pages`):
-        every pair is checked first, then one ``mmap`` each with no Python in between (a page
-        boundary of a head-major cache maps one piece per layer, K/V and head).
+        """Map each ``(addr, page)`` read-write, all or none; every pair is checked first.
 
         Raises:
             BackendError: a pair is not a page of a reservation and a page of the store, or the OS
@@ -256,8 +234,8 @@ class HostVirtualMemory(VirtualMemory):
         return self.granularity
 
     def map_range(self, addr: int, page: int, offset: int, nbytes: int) -> None:
-        """Map bytes ``[offset, offset + nbytes)`` of store page ``page`` read-write at ``addr``
-        (inside a reservation); offset, length and address are multiples of the OS page (4 KiB).
+        """Map bytes ``[offset, offset + nbytes)`` of store page ``page`` read-write at ``addr``, all
+        multiples of the OS page (4 KiB).
 
         Raises:
             InvalidConfig: a value is not a multiple of the OS page, or the range leaves the page.
@@ -307,9 +285,9 @@ class HostVirtualMemory(VirtualMemory):
             raise BackendError(f"page {page!r} is not a page of the store (0..{self.num_pages - 1})")
 
     def _reservation_of(self, addr: int, nbytes: int, what: str) -> _Reservation:
-        """The reservation holding ``[addr, addr + nbytes)``, page-aligned; else ``BackendError``
-        (nothing outside this backend's reservations is ever mapped over or unmapped); ``map`` and
-        ``unmap`` work on whole pages of the reservation, the others on any OS pages of it."""
+        """The reservation holding ``[addr, addr + nbytes)``, else ``BackendError``: nothing outside this
+        backend's reservations is ever mapped over.
+        """
         index = bisect.bisect_right(self._starts, addr) - 1 if isinstance(addr, int) else -1
         reservation = self._reservations[self._starts[index]] if index >= 0 else None
         if (reservation is None or addr + nbytes > reservation.addr + reservation.nbytes
@@ -318,9 +296,9 @@ class HostVirtualMemory(VirtualMemory):
         return reservation
 
     def tensor(self, addr: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A zero-copy tensor over ``addr``; it keeps the reservation holding it alive, so reads
-        see zeros (never fault) after its pages are unmapped or the backend is closed. Writes
-        there fault (SIGSEGV): the zero page is read-only."""
+        """A zero-copy tensor over ``addr`` that keeps its reservation alive (reads zeros, never faults, after
+        an unmap or ``close``).
+        """
         nbytes = torch.empty((), dtype=dtype).element_size()
         for dim in shape:
             nbytes *= dim

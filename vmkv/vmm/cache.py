@@ -1,38 +1,16 @@
 """VMM mode: every K and V tensor is one virtually contiguous range, backed by pages on demand.
 
-Per-layer layout (``layout="per_layer"``), one reserved range per layer and per K/V::
+Layouts (``config.layout``; drawn in docs/how-it-works.md, "The memory picture"):
 
-    K[layer]  slot 0 | page 0 | page 1 | page 2 | ........ unmapped ........ |
-              slot 1 | page 0 | ... unmapped ...                             |
-              ...      each slot is ``seq_capacity`` tokens, a whole number of pages
+    per_layer     one range per layer and K/V, view [max_batch, max_seq_len, kv_heads, head_dim]
+    all_layers    one range for K, one for V: [max_batch, seq_capacity, num_layers, kv_heads, head_dim]
+    head_major    one range per layer and K/V: [max_batch, kv_heads, seq_capacity, head_dim]
+                  (a page is one head's run of tokens: a pool page takes kv_heads pieces)
 
-    view: [max_batch, max_seq_len, kv_heads, head_dim], contiguous except the batch stride
-
-All-layers layout (``layout="all_layers"``): one range for K and one for V shaped
-``[max_batch, seq_capacity, num_layers, kv_heads, head_dim]``; a layer's view is a strided
-slice of it and a page covers ``num_layers`` times fewer tokens.
-
-Head-major layout (``layout="head_major"``): one range per layer and per K/V shaped
-``[max_batch, kv_heads, seq_capacity, head_dim]``, each head's keys of a slot contiguous
-(DynamicCache's layout, what the CPU SDPA kernel reads fastest); a page is one head's run of
-tokens, so a pool page takes ``kv_heads`` pieces in each range::
-
-    K[layer]  slot 0 | head 0: page 0 | page 1 | ... | head 1: page 0 | page 1 | ... |
-              slot 1 | head 0: ...
-
-    view: the same [max_batch, max_seq_len, kv_heads, head_dim] indexing (a transposed view)
-
-A pool page is backed by ``num_tensors`` physical pages of the backend, one per piece (range,
-and head in the head-major layout): :mod:`vmkv.vmm.memory` numbers them and tracks which hold
-memory.
-
-Every page of a range that holds no data reads as zeros (the backend's shared zero page): a
-read past a sequence's length never faults, and views stay readable after ``free``, ``trim``
-and ``close`` (they read zeros there). Writes go through :meth:`write` and :meth:`write_batch`
-only: a write into an empty page faults (SIGSEGV on the host), so the views users get
-(``kv``, ``kv_cache``, ``layer_storage``) are read-only (:mod:`vmkv.vmm.views`), and the plain
-tensors under them (``_k``, ``_v``, ``_rows``: fixed addresses and shapes for the cache's life)
-stay with the cache's own writes and kernels.
+Every page holding no data reads as zeros (the backend's shared zero page), so reads past a length
+never fault. A write into an empty page does fault (SIGSEGV on the host), so the views users get
+are read-only (:mod:`vmkv.vmm.views`) and only :meth:`write` and :meth:`write_batch` write, on the
+plain tensors underneath.
 """
 
 from __future__ import annotations
@@ -63,8 +41,8 @@ class VirtualKVCache(KVCacheBase):
     """KV cache whose tensors are virtually contiguous and physically paged (vAttention style).
 
     Args:
-        config: the cache configuration; ``page_size`` and ``layout`` decide the pages.
-            A mapping of its fields is accepted too.
+        config: the cache configuration (or a mapping of its fields); ``page_size`` and ``layout``
+            decide the pages.
         kernel: force an attention kernel over slots by name (:mod:`vmkv.kernels.registry`);
             default: the one the rule chooses for the device.
 
@@ -125,11 +103,7 @@ class VirtualKVCache(KVCacheBase):
     @exclusive
     def kv_cache(self, layer: int) -> tuple[ReadOnlyView, ReadOnlyView]:
         """The whole K and V of a layer, ``[max_batch, max_seq_len, kv_heads, head_dim]``: zero-copy
-        read-only views (:mod:`vmkv.vmm.views`; a write raises ``Unsupported``).
-
-        Positions past each sequence's length hold zeros or stale data (never a fault): read
-        them through the lengths of a plan (``kv_lens``). The views stay readable after the
-        cache is closed (they then read zeros).
+        read-only views. Past each length: zeros or stale data (read through a plan's ``kv_lens``).
 
         Raises:
             InvalidInput: no such layer.
@@ -140,10 +114,9 @@ class VirtualKVCache(KVCacheBase):
 
     @exclusive
     def kv(self, seq_id: SeqId, layer: int) -> tuple[ReadOnlyView, ReadOnlyView]:
-        """The stored K and V of one sequence in one layer, each ``[length, kv_heads, head_dim]``:
-        zero-copy read-only views of its slot (a write raises ``Unsupported``). A view kept after
-        the sequence is freed or the cache closed reads what its pages then hold (zeros once
-        unmapped, or a later sequence's tokens); ``clone()`` it to keep the values.
+        """The stored K and V of one sequence in one layer, each ``[length, kv_heads, head_dim]``: zero-copy
+        read-only views of its slot; after ``free`` or ``close`` they read what the pages then hold
+        (``clone()`` to keep them).
 
         Raises:
             UnknownSequence, InvalidInput.
@@ -154,9 +127,8 @@ class VirtualKVCache(KVCacheBase):
 
     @exclusive
     def layer_storage(self, layer: int) -> tuple[ReadOnlyView, ReadOnlyView]:
-        """A layer's K and V flattened to rows, zero-copy and read-only: ``[max_batch * capacity,
-        kv_heads, head_dim]`` token rows (row ``slot * capacity + position``, as
-        ``plan.write_rows``), or in the head-major layout ``[max_batch * kv_heads * capacity,
+        """A layer's K and V flattened to rows, zero-copy and read-only: ``[max_batch * capacity, kv_heads,
+        head_dim]`` (row ``slot * capacity + position``), or head-major ``[max_batch * kv_heads * capacity,
         head_dim]`` (row ``(slot * kv_heads + head) * capacity + position``).
 
         Raises:
@@ -166,8 +138,7 @@ class VirtualKVCache(KVCacheBase):
         return read_only(k_rows), read_only(v_rows)
 
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> None:
-        """Copy validated ``k``, ``v`` ``[T, kv_heads, head_dim]`` to their rows of ``layer`` (the
-        plain rows: ``layer_storage`` hands out read-only ones)."""
+        """Copy validated ``k``, ``v`` ``[T, kv_heads, head_dim]`` to their (plain) rows of ``layer``."""
         k_rows, v_rows = self._rows[layer]
         rows = plan.write_rows
         if self.config.layout == "head_major":  # a row per (token, head): [T * H, D]
@@ -178,25 +149,18 @@ class VirtualKVCache(KVCacheBase):
 
     @exclusive
     def write_batch(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store a dense step's new K/V given per sequence, and return what a stock kernel reads.
-
-        A dense step: every sequence of ``plan`` held the same number of tokens and adds the same
-        number ``S`` (a transformers batch). Where the plan's slots are evenly spaced (a batch
-        keeps its slots) each tensor is written with one copy into the slots' views and the
-        result is a zero-copy view; elsewhere the new tokens go through :meth:`write`'s rows and
-        the result is gathered (a copy).
+        """Store a dense step's new K/V given per sequence (a transformers batch: equal lengths, ``S`` new
+        tokens each), and return what a stock kernel reads: views where the slots are evenly spaced,
+        else a gathered copy.
 
         Args:
             layer: layer index.
-            k, v: ``[B, kv_heads, S, head_dim]`` (transformers' layout, any strides), one batch row
-                per plan sequence in the plan's order, cache dtype and device.
+            k, v: ``[B, kv_heads, S, head_dim]`` (any strides), one row per plan sequence, in plan order.
             plan: this step's plan from ``begin_step``.
 
         Returns:
-            ``(keys, values)``, each ``[B, kv_heads, start + S, head_dim]``: every token of the
-            plan's sequences, this step's included. Views of the cache's own (writable) tensors,
-            for the kernel that reads them now: never write them, and read them only until the
-            next call that changes the cache (a write into a page freed since would fault).
+            ``(keys, values)``, each ``[B, kv_heads, start + S, head_dim]``, this step's tokens included:
+            for the kernel that reads them now; never write them or keep them past the next call.
 
         Raises:
             StalePlan, InvalidShape, InvalidDtype, InvalidDevice, InvalidInput (also: a plan whose
@@ -225,8 +189,7 @@ class VirtualKVCache(KVCacheBase):
         return tuple(t[layer].transpose(1, 2)[:, :, :length].index_select(0, index) for t in (self._k, self._v))
 
     def _batch_memo(self, plan: StepPlan) -> tuple[StepPlan, tuple[int, ...], list | None, int]:
-        """``write_batch``'s per-plan facts, ``(plan, k/v shape, per-layer slot views or None,
-        length after the step)``; the views are kept while the plan's slots stay the same.
+        """``write_batch``'s per-plan facts ``(plan, shape, slot views or None, length after)``.
 
         Raises:
             StalePlan, InvalidInput: not a plan of this cache, or not a dense step.
@@ -244,8 +207,7 @@ class VirtualKVCache(KVCacheBase):
         return plan, shape, views[1], plan.kv_lens[0]
 
     def _head_major_rows(self, plan: StepPlan) -> torch.Tensor:
-        """Head-major storage rows of the plan's new tokens, ``[T * kv_heads]`` in ``k.reshape(-1, D)``
-        order, computed once per plan (the first layer's write) and reused by the others."""
+        """Head-major rows of the plan's new tokens, ``[T * kv_heads]``, computed once per plan."""
         memo = self._hm_rows
         if memo is not None and memo[0] is plan:
             return memo[1]

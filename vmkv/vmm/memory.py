@@ -1,13 +1,8 @@
 """Which pool pages of a VMM cache hold memory (the backend's physical pages behind them).
 
-A pool page ``p`` is backed by ``num_tensors`` physical pages of the backend, one per piece
-(range, and head in the head-major layout): physical page ``t * num_pages + p`` is what piece
-``t`` maps for it, so pool pages ``p`` and ``p + 1`` are neighbours in the page store and, mapped
-side by side, merge into one mapping.
-
-A page holds memory from its first mapping (the host touches it; CUDA creates it, or a shared
-budget's grant provisions it) until :meth:`MappedPages.release` gives it back. A shared budget
-counts exactly these pages (:class:`~vmkv.core.budget.PageMemory`).
+Piece ``t`` of pool page ``p`` is physical page ``t * num_pages + p``, so neighbouring pool pages
+merge into one mapping. A page holds memory from its first mapping until
+:meth:`MappedPages.release`; a shared budget counts exactly these pages.
 """
 
 from __future__ import annotations
@@ -17,12 +12,7 @@ from ..vm import VirtualMemory
 
 
 class MappedPages:
-    """The pool pages whose physical pages hold memory, and the numbering of those physical pages.
-
-    Args:
-        vm: the backend holding the page store.
-        geometry: the cache's page geometry (``num_pages`` pool pages of ``num_tensors`` pieces).
-    """
+    """The pool pages whose physical pages hold memory, and the numbering of those physical pages."""
 
     def __init__(self, vm: VirtualMemory, geometry: PageGeometry) -> None:
         self._vm = vm

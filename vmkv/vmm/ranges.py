@@ -1,16 +1,12 @@
 """The reserved virtual ranges of a VMM cache, and the pool pages mapped into them.
 
-One range per piece (per layer and K/V, one K and one V for all layers, or per layer, K/V and
-head: see :mod:`vmkv.vmm.cache` for the layouts), each ``max_batch`` slots of ``seq_capacity``
-tokens, reserved once at open: its address never changes while pages come and go underneath.
-Logical page ``i`` of slot ``s`` in piece ``t`` lives at::
+Each range holds ``max_batch`` slots of ``seq_capacity`` tokens, reserved once (its address never
+changes). Logical page ``i`` of slot ``s`` in piece ``t`` lives at::
 
     base[t // heads_per_range] + s * slot_bytes + (t % heads_per_range) * run_bytes + i * page_bytes
 
-and maps physical page ``t * num_pages + p`` for pool page ``p`` (:mod:`vmkv.vmm.memory`). Every
-page of a range that holds no data is the backend's shared zero page (reads see zeros, writes
-fault). This is VMM mode's :class:`~vmkv.core.ownership.Addressing`: every map and unmap journals
-its inverse, so a failure half-way is rolled back by the caller's ``guard.atomic()`` block.
+Unmapped pages are the shared zero page. VMM mode's :class:`~vmkv.core.ownership.Addressing`:
+every map and unmap journals its inverse.
 """
 
 from __future__ import annotations
@@ -32,19 +28,13 @@ if TYPE_CHECKING:
 class SlotRanges:
     """The ranges of one cache: the backend, its reservations, the zero-copy views over them.
 
-    Args:
-        config, geometry: the cache's configuration (resolved) and page geometry.
-        facts: the device's facts (the host's mapping room is checked against what the ranges need).
-        log: records how to revert a change (the cache's ``guard.log``).
-
     Attributes:
         vm: the backend; ``None`` once closed.
         memory: which pool pages hold memory.
         seq_capacity: tokens of one slot (``max_seq_len`` rounded up to whole pages).
         slot_bytes: bytes of one slot in one range.
-        k, v: per layer, ``[max_batch, seq_capacity, kv_heads, head_dim]`` views (strided in
-            the all-layers and head-major layouts).
-        budget: the shared budget whose grants a new page needs (set when the cache joins one).
+        k, v: per layer, ``[max_batch, seq_capacity, kv_heads, head_dim]`` views.
+        budget: the shared budget whose grants a new page needs.
 
     Raises:
         InvalidConfig: (host) more mappings than Linux's ``vm.max_map_count`` leaves.
@@ -95,16 +85,14 @@ class SlotRanges:
         return [k_all[:, :, layer] for layer in range(layers)], [v_all[:, :, layer] for layer in range(layers)]
 
     def addr(self, tensor: int, slot: int, index: int) -> int:
-        """Address of piece ``tensor``'s logical page ``index`` of ``slot`` (head-major: piece
-        ``t`` is head ``t % kv_heads`` of range ``t // kv_heads``)."""
+        """Address of piece ``tensor``'s logical page ``index`` of ``slot``."""
         base, head = divmod(tensor, self._heads_per_range)
         return self._bases[base] + slot * self.slot_bytes + head * self._run_bytes + index * self.geometry.piece_bytes
 
     # ---- Addressing ------------------------------------------------------------------------
     def attach(self, slot: int, index: int, page: int, old: int | None, keep: int) -> None:
-        """Map ``page`` in every range at ``slot``/``index`` (replacing ``old``, whose first ``keep``
-        tokens are copied over first); each backend call that succeeds (``map_pages`` of a new
-        page's pieces, all or none) journals its inverse.
+        """Map ``page`` in every range at ``slot``/``index`` (replacing ``old``, its first ``keep`` tokens
+        copied first); each backend call journals its inverse.
 
         Raises:
             OutOfPages: a shared budget has no grant left for a page that holds no memory yet.
@@ -138,8 +126,7 @@ class SlotRanges:
             self.vm.unmap(addr)
 
     def detach(self, slot: int, index: int, page: int) -> None:
-        """Unmap ``page`` at ``slot``/``index`` in every range (it reads as zeros again), each
-        unmap journaled."""
+        """Unmap ``page`` at ``slot``/``index`` in every range (journaled); it reads as zeros again."""
         self.vm.synchronize()  # no kernel may still read the page we take away
         for t in range(self.geometry.num_tensors):
             addr = self.addr(t, slot, index)
@@ -162,8 +149,7 @@ class SlotRanges:
         """Nothing beyond the pool's checks: a range maps exactly the pages ownership attached."""
 
     def close(self) -> None:
-        """Release the backend (views handed out read zeros from now on; the backend frees its
-        reservations once no view is left). Idempotent."""
+        """Release the backend (views read zeros from now on). Idempotent."""
         self.k = self.v = []
         vm, self.vm = self.vm, None
         if vm is not None:

@@ -1,34 +1,11 @@
 """Read-only views: the tensors a VMM cache hands its users (``kv``, ``kv_cache``, ``layer_storage``).
 
-Why read-only: a VMM tensor lies over a reserved range whose empty pages are the backend's shared,
-read-only zero page. Reading there gives zeros; *writing* there is a SIGSEGV on the host (an
-illegal address on CUDA, which poisons the context), which no Python code can catch. And the
-pages under a view come and go: a view kept past ``free``, ``trim`` or ``close`` reads zeros, and
-a write into it would fault the same way. Even a write into a mapped page is wrong: it bypasses
-copy-on-write (a forked sequence shares the page) and the prefix cache. So a user's view refuses
-every write with :class:`~vmkv.errors.Unsupported`; the cache writes through ``write`` and
-``write_batch`` only, on the plain tensors underneath, and its kernels read those.
-
-What a :class:`ReadOnlyView` refuses, for a view or any view of it (``view[0]``,
-``view.transpose(0, 1)``, ``view.detach()`` are read-only views too):
-
-* in-place methods and functions (``zero_``, ``copy_``, ``index_copy_``, ``torch.nn.init.zeros_``,
-  ``torch._foreach_add_``, ``relu(..., inplace=True)``), in-place operators (``+=``), item
-  assignment (``view[i] = x``), ``out=`` a view, and ATen operators whose schema writes an
-  argument (``torch.ops.aten.fill_.Scalar``);
-* writes through NumPy: ``view.numpy()`` and ``numpy.asarray(view)`` are read-only arrays.
-
-Results that are new tensors (``view + 1``, ``view.clone()``, ``view.to(torch.float16)``,
-``copy.deepcopy(view)``, a pickled and loaded view) are ordinary tensors, the user's to change.
-
-What it does not see: raw memory a user takes on purpose (``data_ptr()``, ``untyped_storage()``,
-DLPack, ``view.as_subclass(torch.Tensor)`` or :func:`unguarded`); a write through those is the
-user's own, and into an empty page it still faults.
-
-Cost: every torch call on a view passes through :meth:`ReadOnlyView.__torch_function__`, about
-5 us more a call on a 2-core host (``view[3]`` 1 -> 6 us, ``view.sum()`` 2 -> 6 us); making a
-view is one ``as_subclass`` (~1 us). The cache's own writes, its kernels and the transformers
-adapter's per-step views (``write_batch``) use the plain tensors and pay nothing.
+Why: an empty page is the read-only zero page, and a write there is a SIGSEGV no Python can
+catch; a write into a mapped page would bypass copy-on-write and the prefix cache. So a
+:class:`ReadOnlyView`, and any view of it, refuses in-place methods and operators, item assignment,
+``out=``, schema-mutating ATen ops and NumPy writes with :class:`~vmkv.errors.Unsupported`; new
+tensors computed from it are ordinary. Raw memory (``data_ptr()``, DLPack, :func:`unguarded`) is
+not guarded. What the guard costs a call: docs/api.md.
 """
 
 from __future__ import annotations
@@ -49,9 +26,8 @@ _NUMPY_ALIASES = frozenset({"numpy", "__array__"})  # results over the same memo
 
 
 class ReadOnlyView(torch.Tensor):
-    """A zero-copy tensor over a VMM cache's memory that refuses writes (see the module docstring).
-
-    Make one with :func:`read_only`; read it like any tensor.
+    """A zero-copy tensor over a VMM cache's memory that refuses writes (module docstring); made by
+    :func:`read_only`.
     """
 
     @classmethod
@@ -73,14 +49,12 @@ class ReadOnlyView(torch.Tensor):
             return _wrap_aliases(result, _storages(args, kwargs))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> torch.Tensor:
-        """A deep copy is a new tensor: an ordinary one (``torch.Tensor.__deepcopy__`` would want
-        ``new_empty`` to return this class)."""
+        """A deep copy is an ordinary tensor."""
         with DisableTorchFunctionSubclass():
             return self.clone()
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        """Pickled (``torch.save``, a multiprocessing queue) as an ordinary tensor: what is loaded
-        is a copy, the loader's to change."""
+        """Pickled as an ordinary tensor: what is loaded is a copy."""
         return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
 
 
@@ -90,9 +64,9 @@ def read_only(tensor: torch.Tensor) -> ReadOnlyView:
 
 
 def unguarded(view: torch.Tensor) -> torch.Tensor:
-    """The plain tensor under a read-only view (same memory, no copy), for code that reads it in a
-    hot loop (a kernel benchmark). Nothing refuses a write through it: a write into a page that
-    holds no data is a SIGSEGV. Any other tensor is returned as is."""
+    """The plain tensor under a read-only view (same memory), for a hot loop; nothing refuses a write
+    through it. Any other tensor is returned as is.
+    """
     return view.as_subclass(torch.Tensor) if isinstance(view, ReadOnlyView) else view
 
 
@@ -132,8 +106,7 @@ def _storages(args: tuple, kwargs: dict[str, Any]) -> set[int]:
 
 
 def _wrap_aliases(result: Any, storages: set[int]) -> Any:
-    """``result`` with every tensor over one of ``storages`` (a view of a view) made read-only;
-    new tensors stay ordinary."""
+    """``result`` with every tensor over one of ``storages`` made read-only; new tensors stay ordinary."""
     if isinstance(result, torch.Tensor):
         if result.layout is torch.strided and result.untyped_storage().data_ptr() in storages:
             return result.as_subclass(ReadOnlyView)

@@ -60,7 +60,7 @@ class SlotLayout:
 
 SLOT_LAYOUTS: dict[str, SlotLayout] = {
     "cpu": SlotLayout("head_major", "LBHNC", "OS pages of 4 KiB hold one head's K of a block; CPU SDPA reads "
-                      "head-major slots fastest (python -m benchmarks.vllm_slot_layouts)"),
+                      "head-major slots fastest (docs/vllm.md, \"Contiguous mode\")"),
     "cuda": SlotLayout("all_layers", "BLHNC", "2 MiB VMM pages: all layers' K of a block is the smallest piece "
                        "that is whole pages at vLLM-sized blocks (docs/vllm.md, \"Contiguous mode: page size on CUDA\")"),
 }

@@ -1,22 +1,11 @@
 """A vLLM 0.32 ``BlockPool`` that hands out blocks page by page (scheduler side).
 
-vLLM's ``BlockPool`` (``vllm/v1/core/block_pool.py``) owns the blocks, their reference counts and
-the prefix-cache hash map, and keeps free blocks in ``self.free_block_queue``; every decision
-about *which* free block to use goes through that queue (``get_new_blocks`` ->
-``popleft_n``, ``touch`` -> ``remove``, ``free_blocks`` -> ``prepend_n``/``append_n``,
-``unpin_blocks`` -> ``append_n``, ``get_num_free_blocks`` -> ``num_free_blocks``).
-:class:`PageAffineBlockPool` keeps all of vLLM's pool and replaces only the queue, with
-:class:`~vmkv.vllm.scheduler.free_blocks.PageAwareFreeBlocks`. Three methods change with it:
-
-* ``reset_prefix_cache``: vLLM checks "nothing in use" from the free count, which here is
-  limited by the physical budget, so the check counts every free block; afterwards no free block
-  is cached any more and idle pages are unmapped.
-* ``evict_blocks``: a free block that lost its hash is empty now (its page may be unmapped).
-* ``unpin_blocks``: vLLM's, with the released blocks *retained*: last in the eviction order and
-  their pages mapped until ``get_new_blocks`` hands them out (vLLM's "stay readable until
-  reused").
-* ``trim``: evict the pages only prefix-cached blocks keep mapped (called by the connector's
-  ``reset_cache``, i.e. ``LLM.reset_prefix_cache(reset_connector=True)``).
+vLLM's ``BlockPool`` (``vllm/v1/core/block_pool.py``) decides which free block to use only through
+``self.free_block_queue``; :class:`PageAffineBlockPool` keeps the pool and replaces that queue
+with :class:`~vmkv.vllm.scheduler.free_blocks.PageAwareFreeBlocks`. ``reset_prefix_cache`` counts
+every free block for its "nothing in use" check, ``evict_blocks`` empties unhashed blocks,
+``unpin_blocks`` retains what it releases (mapped until reused), and ``trim`` evicts the pages
+only prefix-cached blocks keep mapped.
 """
 
 from __future__ import annotations
@@ -34,14 +23,8 @@ logger = init_logger(__name__)
 
 
 class PageAffineBlockPool(BlockPool):
-    """vLLM's ``BlockPool`` with page-affine allocation over ``layout`` within ``budget_pages``.
-
-    Args:
-        num_gpu_blocks, enable_caching, hash_block_size, enable_kv_cache_events,
-        metrics_collector, medium: as ``BlockPool``.
-        layout: the KV buffer's units and pages.
-        budget_pages: physical pages the workers may map.
-        max_idle_units: units only prefix-cached blocks may keep mapped.
+    """vLLM's ``BlockPool`` with page-affine allocation over ``layout`` within ``budget_pages``
+    (``max_idle_units``: units only prefix-cached blocks may keep mapped); other arguments as ``BlockPool``'s.
 
     Raises:
         InvalidConfig: the layout has another block count, or the budget is too small.
@@ -113,12 +96,10 @@ class PageAffineBlockPool(BlockPool):
         return pages
 
     def check(self) -> None:
-        """The pool's consistency, for tests (vLLM's own core tests run it on every pool they
-        build): every block but the null block is free exactly when its ``ref_cnt`` is 0, and free
-        once; the null block (block 0) is never free, hashed or named by a prefix-cache entry (its
-        ``ref_cnt`` is not kept by vLLM); with the whole buffer as
-        budget the free count is stock's (every free block); the free set's own structures agree
-        and one allocation of the free count succeeds (:meth:`PageAwareFreeBlocks.check`).
+        """The pool's consistency, for tests (vLLM's core tests run it on every pool): every block but the
+        null block is free exactly when its ``ref_cnt`` is 0, and once; the null block is never free or
+        hashed; with the whole buffer as budget the free count is stock's; one allocation of the free
+        count succeeds.
 
         Raises:
             AssertionError: naming the first inconsistency found.

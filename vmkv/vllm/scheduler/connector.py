@@ -1,23 +1,10 @@
 """The KV connector's scheduler half: each step's page and slot changes, built in the engine core.
 
-vLLM 0.32's scheduler calls its KV connector (``KVConnectorBase_V1``, role ``SCHEDULER``) at the
-end of every ``Scheduler.schedule`` (``build_connector_meta``, after every block of the step was
-allocated); :class:`VmkvConnectorScheduler` answers it for :class:`vmkv.vllm.connector.VmkvConnector`
-with :class:`~vmkv.vllm.metadata.VmkvMetadata`: the pages the
-:class:`~vmkv.vllm.scheduler.block_pool.PageAffineBlockPool` mapped and unmapped since the previous
-step (:meth:`~vmkv.vllm.scheduler.free_blocks.PageAwareFreeBlocks.take_delta`), numbered, and in
-contiguous mode the step's slot changes (:class:`~vmkv.vllm.contiguous.assign.SlotAssigner`) after
-checking its writes (:class:`~vmkv.vllm.contiguous.assign.WriteGuard`).
-
-In a host-wide ledger (``shared_budget``) it holds the engine's seat
-(:class:`~vmkv.vllm.scheduler.share.EngineShare`): each built step is recorded, each finished step
-(``VmkvScheduler.update_from_output``) gives back the grants its unmaps freed, and requests from
-other members are served at the start of ``schedule()``.
-
-When pages change while no request runs (requests finished, or a trim), it reports pending work
-(``has_pending_push_work``) so the engine runs one more (empty) step that carries the unmaps. The
-step that carries a trim is numbered in every later metadata (``trim_step``), so a caller waiting
-for its trim (:func:`vmkv.vllm.trim`) waits for that step, not for any step.
+At the end of every ``Scheduler.schedule`` (``build_connector_meta``) it sends the pages the
+page-affine pool mapped and unmapped since the last step (and contiguous mode's slot changes) as
+:class:`~vmkv.vllm.metadata.VmkvMetadata`. It holds the engine's ledger seat in a shared budget,
+asks for one more (empty) step while changes wait and no request runs, and numbers the step
+that carries a trim (``trim_step``) so :func:`vmkv.vllm.trim` can wait for it.
 """
 
 from __future__ import annotations
@@ -46,13 +33,7 @@ logger = init_logger(__name__)
 
 
 class VmkvConnectorScheduler:
-    """The scheduler half of vmkv's KV connector (see the module docstring).
-
-    Args:
-        config: the plugin's settings.
-        vllm_config: the engine's ``VllmConfig``.
-        kv_cache_config: vLLM's ``KVCacheConfig`` of the engine.
-    """
+    """The scheduler half of vmkv's KV connector (``vllm_config``, ``kv_cache_config``: the engine's)."""
 
     def __init__(self, config: plugin.PluginConfig, vllm_config: "VllmConfig", kv_cache_config: Any) -> None:
         self.config = config
@@ -97,11 +78,8 @@ class VmkvConnectorScheduler:
             self.pool.track_handed_out = True
 
     def join_ledger(self, ranks: int, wake: Any) -> EngineShare | None:
-        """Join the ``shared_budget`` ledger, if the settings name one, for the bound pool.
-
-        Args:
-            ranks: workers that each map every page (tensor x pipeline parallel ranks).
-            wake: wakes the engine-core loop (:func:`vmkv.vllm.scheduler.share.engine_wake`), or ``None``.
+        """Join the ``shared_budget`` ledger, if the settings name one (``ranks``: workers mapping every
+        page; ``wake``: wakes the engine-core loop).
 
         Raises:
             OutOfPages: the ledger cannot grant what the pool maps from the start.
@@ -163,8 +141,7 @@ class VmkvConnectorScheduler:
         return self._manager.coordinator.single_type_managers[0].req_to_blocks
 
     def has_pending_work(self) -> bool:
-        """True while page changes or slot frees wait for a step to carry them, or a ledger request
-        or give-back waits for one (the engine then steps)."""
+        """True while page or slot changes, a ledger request or a give-back wait for a step to carry them."""
         if self.pool is None:
             return False
         stale = self._slots is not None and self._slots.has_stale(self._holding())
@@ -172,9 +149,9 @@ class VmkvConnectorScheduler:
                 or (self.share is not None and self.share.pending()))
 
     def reset_cache(self) -> bool:
-        """vmkv's trim: evict the pages only prefix-cached blocks keep mapped; the next step
-        (requested here even if nothing changed) carries the unmaps and is recorded as the trim's
-        step (``trim_step`` in every later metadata and in the workers' stats)."""
+        """vmkv's trim: evict the pages only prefix-cached blocks keep mapped; the next step (asked for
+        here) carries the unmaps and is recorded as ``trim_step``.
+        """
         if self.pool is not None:
             self.pool.trim()
             self._flush = True

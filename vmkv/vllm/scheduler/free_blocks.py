@@ -1,75 +1,23 @@
-"""The page-aware set of free KV blocks behind :class:`vmkv.vllm.scheduler.block_pool.PageAffineBlockPool`
-(scheduler side).
+"""The page-aware set of free KV blocks behind the page-affine block pool (scheduler side, no vLLM).
 
-vLLM 0.32's ``BlockPool`` (``vllm/v1/core/block_pool.py``) keeps free blocks in a
-``FreeKVCacheBlockQueue`` (``vllm/v1/core/kv_cache_utils.py``): blocks without a prefix-cache
-hash at the front (reused first, LIFO), cached blocks at the back (evicted least recently freed
-first), popped from the front. That order spreads a request's blocks over the whole buffer, so no
-page ever becomes empty. :class:`PageAwareFreeBlocks` has the same interface (``popleft``,
-``popleft_n``, ``remove``, ``append``, ``append_n``, ``prepend_n``, ``get_all_free_blocks``,
-``num_free_blocks``) and decides by pages instead (units and pages: :mod:`vmkv.vllm.layout`).
+vLLM's ``FreeKVCacheBlockQueue`` (``vllm/v1/core/kv_cache_utils.py``) spreads a request's blocks
+over the whole buffer, so no page ever empties. :class:`PageAwareFreeBlocks` has its interface and
+decides by pages (units: :mod:`vmkv.vllm.layout`). A unit is live while any block of it is held,
+cached or retained, and its pages are mapped exactly while it is live; unclaimed while no
+request holds a block in it. A block is handed out in this order:
 
-A unit is *live* while any of its blocks is held (``ref_cnt > 0``, i.e. not in this set),
-cached (free but holding a prefix-cache entry) or retained (free after ``BlockPool.unpin_blocks``,
-still read by its caller until handed out again); its pages are mapped exactly while it is live.
-A unit is *unclaimed* while no request holds a block in it (only cached blocks, or only vLLM's
-null block). A block is handed out in this order:
-
-1. an empty block of the unit of the requesting request's last block, if only that request holds
-   it (:meth:`PageAwareFreeBlocks.affinity`; within one ``popleft_n`` call, the block handed out
-   just before): a request fills its own mapped page first;
-2. an empty block of an unclaimed live unit (memory that is mapped anyway);
+1. an empty block of the unit of the requesting request's last block, if only it holds that unit;
+2. an empty block of an unclaimed live unit (mapped anyway);
 3. the lowest unmapped unit, if the physical budget has room for its pages;
-4. an empty block of the live unit with the most live blocks (under budget pressure, requests
-   share pages, fullest first);
-5. under *physical* pressure only (an unmapped unit is left but its pages do not fit the
-   budget): the whole least recently idle unit (live only through cached blocks), its cached
-   blocks evicted together, so its pages are reused whole;
-6. the least recently freed cached or retained block, as vLLM's queue evicts (its unit stays
-   mapped for its other blocks).
+4. an empty block of the live unit with the most live blocks (fullest first);
+5. only when the budget is short: the whole least recently idle unit, its cached blocks evicted;
+6. the least recently freed cached or retained block, as vLLM's queue evicts.
 
-Retained blocks keep vLLM's ``unpin_blocks`` contract: they join the tail of the eviction order
-(handed out after every empty block and every block cached before them) and their pages stay
-mapped until they are handed out; the idle cap and :meth:`PageAwareFreeBlocks.trim` never unmap
-a unit that holds one.
-
-Eviction policy: prefix-cache hits are only given up once no empty block can be had (steps 1-4),
-and then block by block in vLLM's own LRU order (step 6) whenever vLLM's *block count* is what is
-short: every cached block's page is mapped already, so evicting by page would cost hits stock
-vLLM keeps and free no memory. Whole pages are evicted (step 5) only when the *budget* is what is
-short, so a request reuses one page whole instead of spreading over many. Idle pages beyond
-``max_idle_units`` and :meth:`PageAwareFreeBlocks.trim` evict whole units too: that is what gives
-memory back.
-
-Without budget pressure each page is thus used by one request (besides shared prefix blocks),
-and a request leaves at most one partly filled page: its mapped KV stays within one unit of its
-tokens, and its pages go when it finishes, as in vAttention.
-
-Units that only cached blocks keep live are capped at ``max_idle_units``: beyond it the least
-recently idle one is evicted whole and unmapped, so its memory goes back to the OS.
-
-The free count vLLM sees (``num_free_blocks``) is exactly what these steps can deliver: empty
-blocks of live units, cached blocks, and the blocks of the new units step 3 would map one after
-the other, lowest first, until the next one's pages do not fit the budget. Those pages are counted
-as they are, not at a per-unit bound: when layer runs do not start on a page boundary,
-neighbouring units share a page, and a unit next to a mapped one needs fewer new pages. With the
-budget the whole buffer every free block counts, as in vLLM's own queue.
-
-Pages whose mapped state changed are collected; :meth:`PageAwareFreeBlocks.take_delta` returns
-what to map and unmap since the last call (a page unmapped and mapped again in between is left
-alone), which the connector sends to the workers with the step.
-
-In a host-wide ledger (``shared_budget``, :mod:`vmkv.vllm.scheduler.share`) the physical budget is also
-bounded by the pages the ledger granted (``grants.limit``): step 3 maps new units only within
-it, so the free count is what the grants allow. Before vLLM compares a request's need with the
-free count, :meth:`PageAwareFreeBlocks.make_room` asks for the grants the need takes: from the
-ledger's free budget first, then (when that is short) by reusing this engine's own idle pages
-(the free count includes them), and only then by asking the other members and waiting.
-:meth:`PageAwareFreeBlocks.evict_idle` gives idle pages back on request: it evicts whole idle
-units, least recently idle first, exactly as the idle cap does (their prefix-cache entries go
-first, so no later hit can read a page that was unmapped).
-
-This module imports no vLLM code: blocks only need ``block_id`` and ``block_hash``.
+Invariants: retained blocks stay last in the eviction order and mapped until handed out;
+``num_free_blocks`` is exactly what these steps can deliver within the budget (the ledger's
+grants too); idle units beyond ``max_idle_units`` are evicted whole, their hashes first, so no
+hit reads an unmapped page. :meth:`PageAwareFreeBlocks.take_delta` returns the net page changes
+the connector sends. Why this order: docs/vllm.md, "How it works".
 """
 
 from __future__ import annotations
@@ -97,8 +45,8 @@ class PageAwareFreeBlocks:
         evict: removes a free block's prefix-cache entry (``BlockPool._maybe_evict_cached_block``).
 
     Raises:
-        InvalidConfig: a budget smaller than the buffer cannot hold two units (block 0's unit
-            stays mapped); a budget of the whole buffer is never refused.
+        InvalidConfig: a budget smaller than the buffer cannot hold two units; a budget of the
+            whole buffer is never refused.
     """
 
     def __init__(self, blocks: list[Any], layout: KVLayout, budget_pages: int, max_idle_units: int,
@@ -184,16 +132,14 @@ class PageAwareFreeBlocks:
         self.append_n([block])
 
     def append_n(self, blocks: Iterable[Any]) -> None:
-        """Blocks come back: cached if they carry a prefix-cache hash, else empty. Cached blocks
-        keep their order: the first given is evicted first."""
+        """Blocks come back: cached if they carry a hash (first given, first evicted), else empty."""
         for block in blocks:
             self._release(block)
         self._enforce_idle_cap()
 
     @contextmanager
     def retaining(self) -> Iterator[None]:
-        """Within the block, blocks that come back are retained (``BlockPool.unpin_blocks``): free,
-        last in the eviction order, their pages mapped until they are handed out again."""
+        """Within the block, blocks that come back are retained (``unpin_blocks``): last to evict, mapped until reused."""
         self._retaining = True
         try:
             yield
@@ -212,8 +158,7 @@ class PageAwareFreeBlocks:
 
     @contextmanager
     def affinity(self, block_id: int | None) -> Iterator[None]:
-        """Within the block, allocations prefer the unit of ``block_id`` (the requesting request's
-        last block, held by that request only); ``None``: no preference."""
+        """Within the block, allocations prefer the unit of ``block_id`` (``None``: no preference)."""
         before, self._affinity = self._affinity, block_id
         try:
             yield
@@ -232,8 +177,7 @@ class PageAwareFreeBlocks:
         return before - self.mapped_pages
 
     def forget_hashes(self) -> None:
-        """Every free block lost its hash (``BlockPool.reset_prefix_cache``, which also tells
-        retained blocks' readers to stop): all become empty."""
+        """Every free block lost its hash (``reset_prefix_cache``): all become empty."""
         for block in list(self._cached.values()):
             unit = self.layout.unit_of(block.block_id)
             self._change(unit, lambda: self._uncache(block, unit, held=False))
@@ -246,8 +190,7 @@ class PageAwareFreeBlocks:
 
     @contextmanager
     def counting_all(self) -> Iterator[None]:
-        """Within the block, ``num_free_blocks`` counts every free block, budget or not
-        (``BlockPool.reset_prefix_cache`` decides "nothing in use" from it)."""
+        """Within the block, ``num_free_blocks`` counts every free block, budget or not."""
         self._unbounded = True
         try:
             yield
@@ -270,8 +213,7 @@ class PageAwareFreeBlocks:
         return len(self._sent)
 
     def make_room(self, blocks: int) -> None:
-        """vLLM is about to ask for ``blocks`` blocks: in a shared budget, take the grants their
-        new pages need (module docstring); a no-op otherwise or when mapped pages have them."""
+        """In a shared budget, take the grants the new pages of ``blocks`` blocks need (a no-op otherwise)."""
         if self.grants is None or blocks <= self._empty_in_live + self._new_blocks():
             return
         want = min(self.budget_pages, self.mapped_pages + self._pages_for(blocks - self._empty_in_live))
@@ -295,16 +237,14 @@ class PageAwareFreeBlocks:
         return len(pages)
 
     def evict_idle(self, pages: int) -> int:
-        """Evict whole idle units, least recently idle first, until ``pages`` pages are unmapped
-        (or none is left); return the pages unmapped (sent with the next :meth:`take_delta`)."""
+        """Evict whole idle units, least recently idle first, until ``pages`` pages are unmapped; returns them."""
         before = self.mapped_pages
         while self._idle and before - self.mapped_pages < pages:
             self._evict_unit(next(iter(self._idle)))
         return before - self.mapped_pages
 
     def idle_pages(self) -> int:
-        """Pages that evicting every idle unit would unmap (a page shared with a unit that stays
-        live is not counted); counted again only after a unit changed (not on most decode steps)."""
+        """Pages evicting every idle unit would unmap (recounted only after a unit changed)."""
         if self._idle_pages[0] != self._changes:
             refs: dict[int, int] = {}
             for unit in self._idle:
@@ -397,8 +337,7 @@ class PageAwareFreeBlocks:
         return self._new_count
 
     def _count_new_blocks(self) -> int:
-        """Replay step 3: the lowest unmapped unit while its new pages fit the room left, each
-        unit's pages mapped for the next (neighbouring units may share pages)."""
+        """Replay step 3: the lowest unmapped units while their new pages fit the room left."""
         first = self._lowest_unmapped()
         if first is None:
             return 0
@@ -526,8 +465,7 @@ class PageAwareFreeBlocks:
 
     # ---- for tests ------------------------------------------------------------------------------
     def check(self, drain: bool = True) -> None:
-        """Recompute every derived number from the per-unit sets and compare (tests only); with
-        ``drain``, also allocate the whole free count at once on a copy (:meth:`check_obtainable`).
+        """Recompute every derived number and compare (tests only); ``drain``: also :meth:`check_obtainable`.
 
         Raises:
             AssertionError: a derived structure disagrees.
@@ -569,8 +507,7 @@ class PageAwareFreeBlocks:
             self.check_obtainable()
 
     def check_obtainable(self) -> None:
-        """On a copy (this set unchanged, nothing evicted): one ``popleft_n(num_free_blocks)``
-        succeeds, and no block it left is one step 3 could still map (tests only).
+        """On a copy: one ``popleft_n(num_free_blocks)`` succeeds and leaves nothing step 3 could map (tests only).
 
         Raises:
             AssertionError: the free count promises more or less than one allocation obtains.

@@ -1,27 +1,12 @@
-"""``--scheduler-cls vmkv.vllm.scheduler.VmkvScheduler``: installs the page-affine block pool
-(scheduler side: vLLM builds the scheduler in its engine-core process).
+"""``--scheduler-cls vmkv.vllm.scheduler.VmkvScheduler``: installs the page-affine block pool.
 
-vLLM 0.32 builds one ``BlockPool`` inside the scheduler's ``KVCacheManager``
-(``vllm/v1/core/kv_cache_manager.py``) through its coordinator
-(``vllm/v1/core/kv_cache_coordinator.py``, ``KVCacheCoordinator.__init__``) and hands it to every
-per-group manager (``vllm/v1/core/single_type_kv_cache_manager.py``,
-``SingleTypeKVCacheManager.block_pool``, and its null block as ``_null_block``);
-``KVCacheManager.block_pool`` keeps another reference. :class:`VmkvScheduler` lets vLLM build all
-of it, then puts a :class:`~vmkv.vllm.scheduler.block_pool.PageAffineBlockPool` (and its null block) in all
-those places before any block is allocated (:func:`install_pool`), and rebinds the KV connector to it (``bind_kv_cache_manager``). vLLM warns that this
-surface is not public: the plugin pins vLLM 0.32 (:func:`vmkv.vllm.check_vllm`).
-
-``BlockPool.get_new_blocks`` is not told which request asks. Each manager's
-``allocate_new_blocks(request_id, ...)`` is wrapped (on the instance) to tell the pool the
-request's last block while it allocates, so a request fills its own page before it takes
-another (:meth:`~vmkv.vllm.scheduler.free_blocks.PageAwareFreeBlocks.affinity`). vLLM calls it for every
-scheduled request at every step; the calls that allocate nothing (nearly all decode steps) go
-straight to vLLM's method, so the wrapper costs a dictionary lookup and a division per request
-and step.
-
-vLLM uses ``AsyncScheduler`` when async scheduling is on (the GPU default) and ``Scheduler``
-otherwise (the CPU default); one class name serves both: constructing :class:`VmkvScheduler`
-returns a :class:`VmkvAsyncScheduler` when the config asks for async scheduling.
+vLLM 0.32 builds one ``BlockPool`` in the ``KVCacheManager`` (``vllm/v1/core/kv_cache_manager.py``)
+through its coordinator (``vllm/v1/core/kv_cache_coordinator.py``) and hands it, with its null
+block, to every ``SingleTypeKVCacheManager``. :class:`VmkvScheduler` puts a
+:class:`~vmkv.vllm.scheduler.block_pool.PageAffineBlockPool` in all those places before any block
+is allocated (:func:`install_pool`), and wraps each manager's ``allocate_new_blocks`` to tell the
+pool the request's last block (page affinity). Constructing it returns a
+:class:`VmkvAsyncScheduler` when the config asks for async scheduling.
 """
 
 from __future__ import annotations
@@ -43,7 +28,7 @@ logger = init_logger(__name__)
 
 
 class VmkvScheduler(Scheduler):
-    """vLLM's scheduler with the page-affine block pool (see the module docstring).
+    """vLLM's scheduler with the page-affine block pool.
 
     Raises:
         InvalidConfig: the engine was not given vmkv's KV connector, or the model's KV cache is
@@ -89,13 +74,8 @@ class VmkvScheduler(Scheduler):
 
 
 def install_pool(manager: Any, pool: PageAffineBlockPool) -> None:
-    """Put ``pool`` in every place of ``manager`` (vLLM's ``KVCacheManager``) that holds its block
-    pool or that pool's null block, before any block is allocated.
-
-    Each per-group manager keeps the pool (``block_pool``) and its null block (``_null_block``,
-    which ``_remove_blocks_in_range`` compares with ``==``, a dataclass equality that includes
-    ``ref_cnt``, and which pads requests' block lists); the coordinator and the manager keep the
-    pool too.
+    """Put ``pool`` in every place of ``manager`` that holds its block pool or that pool's null block
+    (``_null_block`` is compared with ``==``, which includes ``ref_cnt``), before any allocation.
 
     Raises:
         InvalidConfig: a KV cache group has a pool of its own, or a group manager lacks the null
@@ -118,13 +98,8 @@ def install_pool(manager: Any, pool: PageAffineBlockPool) -> None:
 
 
 def _with_affinity(manager: Any, pool: PageAffineBlockPool) -> Any:
-    """``manager.allocate_new_blocks`` that tells ``pool`` the request's last block while it runs,
-    if only that request holds the block (a shared prefix block says nothing about its pages).
-
-    vLLM calls it for every scheduled request at every step, and almost every call allocates
-    nothing (a decoding request's last block still has room), so for vLLM's own implementation
-    (:func:`_allocates`) those calls go straight through: the hint only matters to
-    ``get_new_blocks``.
+    """``manager.allocate_new_blocks`` that tells ``pool`` the request's last block (if only that request
+    holds it) while it runs; calls that allocate nothing go straight through.
     """
     allocate = manager.allocate_new_blocks
     stock = type(manager).allocate_new_blocks is SingleTypeKVCacheManager.allocate_new_blocks
@@ -142,9 +117,7 @@ def _with_affinity(manager: Any, pool: PageAffineBlockPool) -> Any:
 
 
 def _with_room(coordinator: Any, pool: PageAffineBlockPool) -> Any:
-    """``coordinator.get_num_blocks_to_allocate`` that, in a shared budget, takes the grants the
-    blocks it counts need before vLLM compares them with the free count
-    (:meth:`~vmkv.vllm.scheduler.free_blocks.PageAwareFreeBlocks.make_room`)."""
+    """``coordinator.get_num_blocks_to_allocate`` that first takes the grants the blocks need (shared budget)."""
     count = coordinator.get_num_blocks_to_allocate
 
     def get_num_blocks_to_allocate(*args: Any, **kwargs: Any) -> int:
@@ -156,9 +129,7 @@ def _with_room(coordinator: Any, pool: PageAffineBlockPool) -> Any:
 
 
 def _allocates(manager: Any, request_id: str, num_tokens: int, num_blocks: int) -> bool:
-    """Whether vLLM 0.32's ``SingleTypeKVCacheManager.allocate_new_blocks`` takes blocks from the
-    pool for this call: a copy-on-write block for a partial prefix hit, or blocks for tokens
-    beyond the request's ``num_blocks`` (its ``cdiv(num_tokens, block_size) - len(req_blocks)``)."""
+    """Whether vLLM 0.32's ``allocate_new_blocks`` takes blocks from the pool for this call."""
     return request_id in manager._partial_hit_reqs or -(-num_tokens // manager.block_size) > num_blocks
 
 

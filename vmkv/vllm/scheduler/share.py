@@ -1,39 +1,12 @@
 """The vLLM plugin in a host-wide ledger (``shared_budget``): the scheduler side holds the grants.
 
-Who is the member: vLLM's engine-core process, the one running the scheduler. It decides which
-pages every worker maps (:class:`~vmkv.vllm.scheduler.free_blocks.PageAwareFreeBlocks`, lists sent with
-each step), so it is the one that can keep a promise about them; a member page is one buffer
-page on every rank (``page_size x ranks`` bytes: each rank maps the same pages from its own
-store). The workers only follow the lists (on CUDA their store creates a page's memory when a
-step maps it and gives it back to the driver when a step unmaps it).
-
-Invariant, kept here: ``member.held >= need``, where ``need`` is the most pages the workers may
-map now: the pages mapped in the scheduler (the next step sends them all), the pages the
-workers map after each step built but not yet finished (steps finish in order:
-``Scheduler.update_from_output`` runs once the workers executed the step), and after the last
-finished one. So grants are taken *before* a step maps (the free count allows only
-``limit = held - owed`` mapped pages), and given back only once the step that carries the
-unmaps *finished*: the resident KV memory of all members together stays within the budget.
-
-Pressure, the step-boundary rule: another member short of budget posts a request on this
-member (:meth:`vmkv.ledger.Member.take`). It is served only at the start of a
-``schedule()`` (:meth:`EngineShare.boundary`), by the scheduler's own thread: spare grants
-(held beyond ``need``) first, at once if they suffice; else whole idle units (pages that only prefix-cached blocks keep mapped, never a
-running request's or a retained block's) are evicted, least recently idle first: their
-prefix-cache entries are removed *before* their unmaps are sent, so no later prefix hit can
-read a page that was unmapped. Their grants (with the spare ones) go back when the step
-carrying those unmaps finished (:meth:`EngineShare.finished`); until then they are ``owed`` (not counted in ``limit``, so this
-engine does not map them again meanwhile).
-
-An idle vLLM engine takes no steps, so the watcher thread here only *wakes* the engine-core
-loop: it polls the member's ``request`` field (a lock-free read), and while it is set puts
-vLLM's own ``WAKEUP`` message into the engine core's input queue; the connector reports
-pending work (``has_pending_push_work``) while a request or a give-back is pending, so the woken
-loop runs an (empty) step: schedule (the boundary serves the request), execute (the workers
-unmap), update (the grants go back). The watcher never touches the scheduler's state. Reading a
-standing request takes the ledger's lock, which refuses a damaged ledger: the watcher logs that
-and looks again after :data:`vmkv.share.FAILED_WAIT_S` (the scheduler's own calls raise it), as
-the cache's watcher does.
+The member is the engine-core process, which decides every page the workers map; a member page
+is one buffer page on every rank. Invariant: ``member.held >= need`` (pages mapped in the
+scheduler, plus those of steps built and not finished), so grants are taken before a step maps
+and given back only once the step carrying the unmaps finished. Requests from others are served
+at the start of ``schedule()``: spare grants first, then whole idle units (hashes removed before
+the unmaps). A watcher thread only wakes an idle engine loop with vLLM's ``WAKEUP`` message.
+Details: docs/shared-budget.md.
 """
 
 from __future__ import annotations
@@ -58,14 +31,13 @@ WAKE_EVERY_S = 0.05
 
 
 class EngineShare:
-    """One vLLM engine's seat in a ledger (see the module docstring).
+    """One vLLM engine's seat in a ledger.
 
     Args:
         spec: the parsed ``shared_budget`` setting.
         page_bytes: bytes one buffer page takes over all ranks.
         cap_pages: pages the engine may map at most (its own budget).
-        wake: wakes the engine-core loop (``None``: no loop to wake; requests are then served
-            at the next step the client drives).
+        wake: wakes the engine-core loop (``None``: served at the next step the client drives).
 
     Raises:
         InvalidConfig: no page fits the member's limits; LedgerMismatch/LedgerCorrupt: as
@@ -98,8 +70,7 @@ class EngineShare:
         return self.member.held - self.owed
 
     def attach(self, pages: Any) -> None:
-        """Cover ``pages`` (a :class:`PageAwareFreeBlocks`) and start the watcher: the grants for
-        what is mapped already (vLLM's null block's unit) are taken, waiting for others if need be.
+        """Cover ``pages`` and start the watcher, taking the grants for what is mapped already.
 
         Raises:
             OutOfPages: the ledger cannot grant even that.
@@ -113,10 +84,9 @@ class EngineShare:
         self._watcher.start()
 
     def cover(self, pages: int, *, wait: bool) -> None:
-        """Hold grants for ``pages`` mapped pages (plus a batch ahead when the budget has it);
-        with ``wait``, ask the others and wait up to the setting's ``wait`` (once a boundary: a
-        wait that timed out is not repeated before the next one). Short grants are not an
-        error: the free count stays lower and vLLM queues or preempts, as it does when full."""
+        """Hold grants for ``pages`` mapped pages (plus a batch ahead); with ``wait``, ask the others and
+        wait once per boundary. Short grants are not an error: the free count stays lower.
+        """
         pages = min(pages, self.max_pages - self.owed)
         if pages <= self.limit or (wait and self._waited):
             return
@@ -150,8 +120,7 @@ class EngineShare:
         self._built.append((step, self._pages.sent_pages))
 
     def finished(self, step: int) -> None:
-        """Every worker executed step ``step`` (and every one before it): give back what its
-        unmaps freed, keeping a batch ahead unless it was asked for."""
+        """Every worker executed step ``step``: give back what its unmaps freed, keeping a batch ahead unless asked."""
         while self._built and self._built[0][0] <= step:
             self._finished_pages = self._built.popleft()[1]
         need = self.need()
@@ -169,8 +138,7 @@ class EngineShare:
         self.reclaimed += pages
 
     def pending(self) -> bool:
-        """Whether the engine must step although no request runs: a request to serve, or grants
-        to give back once a step finished."""
+        """Whether the engine must step with no request running: a request to serve, or grants to give back."""
         return bool(self.reclaim_step or self.member.asked())
 
     def _offer(self) -> None:
@@ -193,11 +161,8 @@ class EngineShare:
 
 
 def _watch(member: Member, wake: Callable[[], None] | None, stop: threading.Event) -> None:
-    """The watcher: while others ask this member for pages, wake the engine loop (module docstring).
-
-    A failure (reading a standing request takes the ledger's lock, which refuses a damaged
-    ledger; the wake call) is logged, and the watcher waits ``FAILED_WAIT_S`` before it looks
-    again instead of dying: the scheduler's own ledger calls raise the error where it matters.
+    """The watcher: while others ask for pages, wake the engine loop; a failure is logged and retried
+    after ``FAILED_WAIT_S``.
     """
     woken = 0.0
     pause = POLL_S
@@ -219,13 +184,8 @@ def _watch(member: Member, wake: Callable[[], None] | None, stop: threading.Even
 
 
 def engine_wake() -> Callable[[], None] | None:
-    """How to wake the vLLM 0.32 engine-core loop that is building the calling scheduler, or
-    ``None`` when none is (an in-process engine, or a test).
-
-    ``EngineCoreProc`` creates its ``input_queue`` before ``EngineCore.__init__`` builds the
-    scheduler; its busy loop blocks on that queue while idle, and vLLM itself wakes it with a
-    ``WAKEUP`` message (``EngineCoreRequestType.WAKEUP``, used at shutdown). The engine core is
-    found as ``self`` of a calling frame (vLLM keeps no other handle on it in that process).
+    """How to wake the vLLM 0.32 engine-core loop building the calling scheduler (its ``input_queue``,
+    found as ``self`` of a calling frame), or ``None`` when there is none.
     """
     # vLLM's engine core, imported when called: the seat itself runs (and is tested) without vLLM
     from vllm.v1.engine import EngineCoreRequestType

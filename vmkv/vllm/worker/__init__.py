@@ -1,16 +1,6 @@
-"""The worker side of the plugin: what runs in every vLLM worker process (any rank, any node).
-
-* :mod:`.allocate` -- vLLM's ``allocate_kv_cache`` over a vmkv reservation (installed by
-  :func:`vmkv.vllm.register` in every vLLM process);
-* :mod:`.kvbuffer` -- :class:`~.kvbuffer.KVBuffer`: the reservation and its physical page store
-  (no vLLM import);
-* :mod:`.connector` -- the KV connector's worker half: applies each step's page (and slot)
-  changes before the step's forward pass;
-* :mod:`.extension` -- :class:`VmkvWorkerExtension`
-  (``--worker-extension-cls vmkv.vllm.worker.VmkvWorkerExtension``): stats for ``collective_rpc``.
-
-The scheduler side is :mod:`vmkv.vllm.scheduler`; the pieces both sides read are in
-:mod:`vmkv.vllm` itself (settings, layout, the per-step metadata).
+"""The worker side of the plugin (every vLLM worker process): the KV allocation over a vmkv
+reservation, the :class:`~.kvbuffer.KVBuffer` (no vLLM), the connector's worker half and
+:class:`VmkvWorkerExtension`.
 """
 
 from __future__ import annotations
@@ -22,12 +12,7 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    """``vmkv.vllm.worker.VmkvWorkerExtension``, the ``--worker-extension-cls`` path vLLM resolves
-    by name.
-
-    Imported on first use, not with the package: it reaches vLLM's KV connector, and the side's
-    vLLM-free module (:mod:`.kvbuffer`) must import without vLLM.
-    """
+    """``VmkvWorkerExtension``, imported on first use so the side's vLLM-free modules import without vLLM."""
     if name == "VmkvWorkerExtension":
         from .extension import VmkvWorkerExtension  # imports vLLM (see the docstring)
 

@@ -1,23 +1,10 @@
 """Worker side: vLLM 0.32's KV buffer becomes a vmkv reservation.
 
-``allocate_kv_cache`` (``vllm/v1/worker/utils.py``) allocates every layer's KV as one
-``torch.zeros(buf_size, dtype=torch.int8)`` and builds the per-layer views over it
-(``create_kv_cache_views``). It is imported *by name* into the V1 model runner
-(``vllm/v1/worker/gpu_model_runner.py``, ``GPUModelRunner.initialize_kv_cache_tensors``; the CPU
-runner ``CPUModelRunner`` inherits it) and the V2 runner (``vllm/v1/worker/gpu/attn_utils.py``),
-so :func:`install` replaces the function in ``vllm.v1.worker.utils`` (for modules imported later)
-and in every loaded module holding the original (for those imported before).
-
-:func:`allocate_kv_cache` runs vLLM's own function on the ``meta`` device (its views, no
-memory), reserves a :class:`~vmkv.vllm.worker.kvbuffer.KVBuffer` of the same size from
-:func:`vmkv.vm.open_backend` (host backend on CPU, CUDA VMM on GPU) with a physical store of the
-budget, and rebuilds each view with the same shape, strides and offset over the reservation. No
-page is mapped yet: the KV connector's worker half (:mod:`vmkv.vllm.worker.connector`) maps
-pages as the scheduler hands out blocks in them.
-
-It uses vmkv's buffer only when the engine was configured with vmkv's KV connector; vLLM's
-minimal profiling cache (allocated before connectors exist, under CUDA graph profiling) stays
-stock, and ``VMKV_VLLM=1`` without the connector is refused with the flags to add.
+``allocate_kv_cache`` (``vllm/v1/worker/utils.py``) is imported by name into the V1 and V2 model
+runners, so :func:`install` replaces it everywhere it is reachable. The replacement runs vLLM's
+function on the ``meta`` device, reserves a :class:`~vmkv.vllm.worker.kvbuffer.KVBuffer` of the
+same size and rebuilds each view over it, unmapped. vLLM's profiling cache (before connectors
+exist) stays stock.
 """
 
 from __future__ import annotations
@@ -45,8 +32,7 @@ _VLLM_ALLOCATE = vllm_allocate_kv_cache()
 
 
 def _engine_connector() -> VmkvConnectorWorker | None:
-    """The worker half of vmkv's connector in this worker, or ``None`` when vLLM should allocate
-    (profiling).
+    """The worker half of vmkv's connector here, or ``None`` when vLLM should allocate (profiling).
 
     Raises:
         InvalidConfig: ``VMKV_VLLM=1`` but the engine was configured without vmkv's connector.
@@ -68,10 +54,7 @@ def _engine_connector() -> VmkvConnectorWorker | None:
 
 def allocate_kv_cache(kv_cache_config: Any, device: torch.device, layout: Any,
                       kernel_block_sizes: list[int] | None = None) -> dict[str, torch.Tensor]:
-    """vLLM's ``allocate_kv_cache`` over a vmkv reservation (see the module docstring).
-
-    Returns:
-        ``{layer name: KV view}`` with vLLM's shapes and strides.
+    """vLLM's ``allocate_kv_cache`` over a vmkv reservation: ``{layer name: KV view}`` with vLLM's shapes and strides.
 
     Raises:
         InvalidConfig: unsupported KV cache, a bad page size for the device, or ``VMKV_VLLM=1``
@@ -111,10 +94,8 @@ allocate_kv_cache.__wrapped__ = _VLLM_ALLOCATE  # type: ignore[attr-defined]
 
 
 def install() -> bool:
-    """Put :func:`allocate_kv_cache` in place of vLLM's everywhere it is reachable by name.
-
-    Returns:
-        True if anything was replaced (False: already installed).
+    """Put :func:`allocate_kv_cache` in place of vLLM's everywhere it is reachable by name; returns
+    whether anything was replaced.
     """
     replaced = False
     if worker_utils.allocate_kv_cache is not allocate_kv_cache:

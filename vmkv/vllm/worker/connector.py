@@ -1,21 +1,10 @@
 """The KV connector's worker half: every worker applies each step's page and slot changes.
 
-vLLM 0.32 gives every worker of every tensor- and pipeline-parallel rank the step's connector
-metadata (:class:`~vmkv.vllm.metadata.VmkvMetadata`) and calls its KV connector (role ``WORKER``):
-``handle_preemptions`` is the first thing ``execute_model`` does with the step (V1 runner,
-``vllm/v1/worker/gpu_model_runner.py``, also the CPU runner; V2 runner,
-``ActiveKVConnector.pre_forward`` in ``vllm/v1/worker/gpu/kv_connector.py``).
-:class:`VmkvConnectorWorker` applies the lists there for :class:`vmkv.vllm.connector.VmkvConnector`:
-it frees contiguous mode's slots, waits for the device and unmaps, then maps pages and slots,
-before the forward pass writes a new block. ``start_load_kv`` applies them too if that has not
-happened (it is idempotent): in 0.32 it runs *after* the forward unless ``has_sync_kv_loads``,
-and V1's ``_update_states`` (which may copy into new blocks) runs before it, so it alone would be
-too late.
-
-Unmapping is safe by construction: a page is unmapped only in the metadata of a step scheduled
-after the step that last used it, and the worker synchronizes the device before unmapping.
-Steps are numbered; a worker refuses a gap or a layout fingerprint that differs from the
-scheduler's (e.g. pipeline stages with different layer counts) with a clear error.
+``handle_preemptions``, the first thing ``execute_model`` does with a step (V1 runner
+``vllm/v1/worker/gpu_model_runner.py``; V2 ``ActiveKVConnector.pre_forward``), frees slots,
+waits for the device, unmaps, then maps pages and slots before the forward writes
+(``start_load_kv`` in 0.32 comes too late). A page is unmapped only in a step scheduled after
+the one that last used it; a gap in the step numbers or a foreign layout fingerprint is refused.
 """
 
 from __future__ import annotations
@@ -37,12 +26,7 @@ if TYPE_CHECKING:
 
 
 class VmkvConnectorWorker:
-    """The worker half of vmkv's KV connector (see the module docstring).
-
-    Args:
-        config: the plugin's settings.
-        vllm_config: the engine's ``VllmConfig`` (this worker's rank).
-    """
+    """The worker half of vmkv's KV connector (``vllm_config``: this worker's)."""
 
     def __init__(self, config: plugin.PluginConfig, vllm_config: "VllmConfig") -> None:
         self.config = config
@@ -55,8 +39,7 @@ class VmkvConnectorWorker:
         self._trim_step = 0  # the step carrying the latest trim, once applied
 
     def slot_mapping_bound(self, kv_cache_config: Any, num_views: int) -> int:
-        """Host mappings contiguous mode may need at most: every block of every full slot mapped on
-        its own in each head's K and V of ``num_views`` layers, splitting their ranges (0 in paged mode)."""
+        """Host mappings contiguous mode may need at most (0 in paged mode)."""
         if self.config.kv_mode != "contiguous":
             return 0
         max_slots, max_blocks = slot_geometry(self._vllm_config, kv_cache_config)
@@ -64,8 +47,8 @@ class VmkvConnectorWorker:
         return 2 * max_slots * max_blocks * pieces + pieces
 
     def attach(self, buffer: KVBuffer, layout: KVLayout, views: dict[str, Any], kv_cache_config: Any) -> None:
-        """Take the KV buffer :func:`vmkv.vllm.worker.allocate.allocate_kv_cache` built (a new one
-        replaces the old: vLLM re-allocates after profiling); in contiguous mode reserve the slots over it.
+        """Take the KV buffer ``allocate_kv_cache`` built (a new one replaces the old); in contiguous mode
+        reserve the slots over it.
 
         Raises:
             InvalidConfig: contiguous mode cannot map this buffer's blocks into slots.

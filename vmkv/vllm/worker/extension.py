@@ -1,9 +1,5 @@
-"""``--worker-extension-cls vmkv.vllm.worker.VmkvWorkerExtension``: the plugin's calls on every worker.
-
-vLLM mixes the class named by ``--worker-extension-cls`` into every worker, so its methods can be
-called on all of them through ``LLM.collective_rpc`` (what :func:`vmkv.vllm.stats` does):
-``vmkv_stats`` (the worker half's KV memory counters) and ``vmkv_process`` (pid and resident set,
-also on stock engines, so both can be measured the same way). Worker side.
+"""``--worker-extension-cls vmkv.vllm.worker.VmkvWorkerExtension``: ``vmkv_stats`` and
+``vmkv_process`` on every worker, through ``LLM.collective_rpc``.
 """
 
 from __future__ import annotations
@@ -22,13 +18,11 @@ class VmkvWorkerExtension:
     """Methods mixed into every vLLM worker (``--worker-extension-cls``), for ``collective_rpc``."""
 
     def vmkv_process(self) -> dict[str, int]:
-        """``{"pid", "rss_bytes"}`` of this worker process (works without vmkv's connector too,
-        so stock engines can be measured the same way)."""
+        """``{"pid", "rss_bytes"}`` of this worker process (stock engines too)."""
         return {"pid": os.getpid(), "rss_bytes": process_rss_bytes()}
 
     def vmkv_stats(self) -> dict[str, Any]:
-        """This worker's KV memory counters
-        (:meth:`~vmkv.vllm.worker.connector.VmkvConnectorWorker.worker_stats`).
+        """This worker's KV memory counters.
 
         Raises:
             InvalidConfig: the engine runs without vmkv's connector.

@@ -1,21 +1,12 @@
-"""One vLLM worker's KV buffer: a vmkv reservation whose pages are mapped on request (worker side;
-no vLLM import).
+"""One vLLM worker's KV buffer: a vmkv reservation whose pages are mapped on request (no vLLM).
 
-The buffer is a reservation of the backend (:func:`vmkv.vm.open_backend`: host memory on CPU,
-CUDA VMM on GPU) as large as the buffer vLLM would have allocated. Its pages are *virtual page
-numbers*; physical pages come from a store of ``budget_pages`` pages, handed out on ``map`` and
-taken back on ``unmap``. Physical page numbers are private to each rank: every rank maps the same
-virtual pages, each from its own store.
-
-Memory picture (``M`` mapped read-write, ``0`` the shared read-only zero page)::
+Pages are virtual page numbers, the same on every rank; physical pages come from each rank's
+own store of ``budget_pages``::
 
     virtual pages  | M | M | 0 | 0 | M | 0 | ... |      reads anywhere: data or zeros
-    physical store   [p3, p0, ..free..]              writes to a 0 page: SIGSEGV (host) /
-                                                     illegal address (CUDA)
+    physical store   [p3, p0, ..free..]              writes to a 0 page: fault
 
-vLLM touches its null block 0 and (on GPU) padding and CUDA-graph dummy slots that point at
-block 0, whose page the scheduler keeps mapped for the whole run; reads of pages that hold no
-data see zeros and never fault.
+Block 0 (vLLM's null block and padding target) stays mapped for the whole run.
 """
 
 from __future__ import annotations
@@ -39,12 +30,8 @@ def process_rss_bytes() -> int:
 
 
 class KVBuffer:
-    """A reserved KV buffer of ``nbytes`` backed by at most ``backend.num_pages`` mapped pages.
-
-    Args:
-        backend: an open backend; its ``page_size`` is the mapping granule and its store
-            (``num_pages``) the physical budget. The buffer owns it and closes it.
-        nbytes: bytes of the buffer vLLM asked for (the reservation is rounded up to pages).
+    """A reserved KV buffer of ``nbytes`` backed by at most ``backend.num_pages`` mapped pages (it owns
+    and closes ``backend``).
 
     Raises:
         InvalidConfig: ``nbytes`` is not positive.
@@ -91,20 +78,13 @@ class KVBuffer:
         return self.backend.tensor(self.addr, (self.nbytes,), torch.int8)
 
     def apply(self, unmap: Sequence[int], to_map: Sequence[int]) -> None:
-        """Unmap then map virtual pages (a step's list from the scheduler).
-
-        Unmapping first lets the maps reuse the freed physical pages. The caller guarantees no
-        kernel still uses an unmapped page; this waits for the device first anyway
-        (``backend.synchronize()``), then returns each page's memory to the OS where the backend
-        can (the host always; CUDA when the store creates pages on demand, which then creates
-        the step's new pages in one batch before mapping them). Validates everything before
-        changing anything.
+        """Unmap then map virtual pages (a step's list), after waiting for the device; validates everything
+        first, and returns unmapped pages' memory to the OS where the backend can.
 
         Raises:
             InvalidInput: a page is out of range, unmapped twice, mapped twice, or listed twice.
-            BackendError: the physical store cannot hold the maps (the scheduler's budget and
-                this store disagree), or the OS/driver refused a call (the maps of this call
-                are undone first).
+            BackendError: the physical store cannot hold the maps, or the OS/driver refused a call
+                (the maps of this call are undone first).
         """
         unmap, to_map = list(unmap), list(to_map)
         self._validate(unmap, to_map)
