@@ -45,6 +45,13 @@ def _refusal(why: str) -> Any:
     return refuse
 
 
+def _check_style_fits_mode(mode: str, style: str | None) -> None:
+    """Raise ``InvalidConfig`` for paged mode under the model's own attention (it reads contiguous K/V)."""
+    if mode == "paged" and style == "model":
+        raise InvalidConfig("paged mode needs the model loaded with attn_implementation='vmkv' (import vmkv.hf first): "
+                            "stock kernels read contiguous K/V, which paged mode does not have")
+
+
 class VirtualCache(Cache):
     """A ``transformers.Cache`` whose K/V live in a vmkv cache (VMM or paged mode).
 
@@ -77,7 +84,7 @@ class VirtualCache(Cache):
                                      deferred_reclaim, map_ahead, window_slack)
         self._model = ModelFacts.of(config)
         self.attention_style: str | None = self._model.style  # "model" | "vmkv"; None until known
-        self._require_style_fits_mode()
+        _check_style_fits_mode(self.mode, self.attention_style)
         self._compile = check_compile(compile, config, max_seq_len)
         self.counters: Counter[str] = Counter()
         self._use(RowTable(self.counters))
@@ -386,13 +393,6 @@ class VirtualCache(Cache):
         return f"VirtualCache(mode={self.mode!r}, rows={len(self._table.seq_ids)}, columns={self.get_seq_length()})"
 
     # ---- internals -------------------------------------------------------------------------------
-    def _require_style_fits_mode(self) -> None:
-        if self.mode == "paged" and self.attention_style == "model":
-            raise InvalidConfig(
-                "paged mode needs the model loaded with attn_implementation='vmkv' (import vmkv.hf first): "
-                "stock kernels read contiguous K/V, which paged mode does not have"
-            )
-
     def _use(self, table: RowTable) -> None:
         self._table, self._dense, self._ragged = table, DenseWrites(table, self.counters), RaggedWrites(table, self.counters)
 
@@ -416,7 +416,7 @@ class VirtualCache(Cache):
         if not self._pending:
             return
         self.attention_style = "model"
-        self._require_style_fits_mode()
+        _check_style_fits_mode(self.mode, self.attention_style)
         pending, self._pending = self._pending, []
         self._open_rows(pending[0][0], len(pending))
         forward = self._dense.begin(self.core, pending[0][0].shape[2], self._compiled)
