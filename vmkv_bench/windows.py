@@ -17,6 +17,7 @@ VirtualCache, the most it held at once (the prompt's pages are mapped before the
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any, Callable
 
 import torch
@@ -138,6 +139,7 @@ def _model_rows(name: str, args: argparse.Namespace, clock: str) -> tuple[list[d
                 cache, out = _run_once(model, cache_name, own, ids, new, max_len)
             except Exception as exc:  # noqa: BLE001 - a cache that cannot run is reported, the others go on
                 args.failed[f"windows.{name}.{cache_name}"] = f"{type(exc).__name__}: {exc}"
+                print(f"[generate] {name} {cache_name} left out: {type(exc).__name__}: {exc}", file=sys.stderr)
                 continue
             common.synchronize(args.device)
             times[cache_name].append(now() - start)
