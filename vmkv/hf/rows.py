@@ -14,7 +14,7 @@ import torch
 from ..core.base import KVCacheBase
 from ..core.step import slot_slice
 from ..errors import InvalidInput, InvalidShape, NoFreeSlot
-from ..validate import as_layer
+from ..validate import as_layer, is_int
 from .sizing import Choice
 
 log = logging.getLogger("vmkv")
@@ -129,7 +129,7 @@ class RowTable:
             raise InvalidInput(f"row indexes must be a tensor or a sequence of ints, got {type(index).__name__}")
         else:
             values = list(index)
-        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < rows for i in values):
+        if not all(is_int(i, 0) and i < rows for i in values):
             raise InvalidInput(f"row indexes must be ints in 0..{rows - 1}, got {values}")
         return values
 

@@ -24,6 +24,7 @@ import torch
 
 from ..core.step import StepPlan
 from ..errors import InvalidDevice, InvalidDtype, InvalidInput, InvalidShape, Unsupported
+from ..validate import is_int
 
 ADDRESSINGS = ("slots", "blocks")
 
@@ -62,7 +63,7 @@ class Variant:
 
     def __post_init__(self) -> None:
         window, softcap, sinks = self.window, self.softcap, self.sinks
-        if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 0:
+        if not is_int(window, 0, numbers.Integral):
             raise InvalidInput(f"window must be a non-negative int (0: no window), got {window!r}")
         if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) or softcap < 0:
             raise InvalidInput(f"softcap must be a finite number >= 0 (0: none), got {softcap!r}")
