@@ -37,9 +37,10 @@ DEFAULT_TOKENS_PER_PAGE = 16
 """The fewest tokens a default VMM page holds (vLLM's default block size). What utilization each
 page size gives on the ShareGPT-like trace: docs/benchmarks.md (``vmkv bench memory``)."""
 
-ASSUMED_CUDA_GRANULARITY = 2 << 20
-"""The granularity assumed where the CUDA driver cannot be asked (the cache then says why it
-cannot open): NVIDIA GPUs' usual ``cuMemGetAllocationGranularity``."""
+CUDA_GRANULARITY = 2 << 20
+"""NVIDIA GPUs' usual ``cuMemGetAllocationGranularity`` (minimum): the granularity assumed where the
+CUDA driver cannot be asked (a cache then says why it cannot open; vLLM's front end, which must not
+touch the GPU, plans contiguous mode's block size with it)."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class DeviceFacts:
         try:
             gran = granularity(device)
         except Exception:  # noqa: BLE001 -- no CUDA driver: the cache will say so when it opens
-            gran = ASSUMED_CUDA_GRANULARITY
+            gran = CUDA_GRANULARITY
         room = mapping_room() if mappings and device.type == "cpu" else None
         return cls(device.type, gran, room)
 
