@@ -15,7 +15,7 @@ from ..core.base import KVCacheBase
 from ..core.step import slot_slice
 from ..errors import InvalidInput, InvalidShape, NoFreeSlot
 from ..validate import as_layer, is_int
-from .sizing import Choice
+from .sizing import LayoutChoice
 
 log = logging.getLogger("vmkv")
 
@@ -26,7 +26,7 @@ class SharedCore:
     are freed at the next forward (``reap``), never from the garbage collector mid-forward.
     """
 
-    def __init__(self, core: KVCacheBase, choice: Choice) -> None:
+    def __init__(self, core: KVCacheBase, choice: LayoutChoice) -> None:
         self.core = core
         self.choice = choice  # the layout it opened with, and why
         self._views: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # see dense_views
