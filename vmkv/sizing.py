@@ -9,7 +9,7 @@ returns the first whose pool fits the mappings:
 
 * the core cache's default (:func:`default_pages`): :func:`core_layouts` by device and dtype, at
   least :data:`DEFAULT_TOKENS_PER_PAGE` tokens a page, a pool of the memory budget;
-* transformers' ``VirtualCache`` (:mod:`vmkv.hf.sizing`): the layout its attention reads
+* transformers' ``VirtualCache`` (:mod:`vmkv.hf.options`): the layout its attention reads
   fastest, pages grown until the first batch fits half the mappings left;
 * vLLM's contiguous mode: one candidate per device (:data:`vmkv.vllm.contiguous.slots.SLOT_LAYOUTS`,
   the layout its slots map with vLLM's KV layout to match), its page one vLLM block in every
@@ -133,7 +133,7 @@ def choose_layout(shape: KVShape, candidates: Iterable[Candidate], room: int | N
     the first of its page sizes, whose pool of ``pool_pages(layout, page)`` pages fits ``room``
     host mappings even fragmented (:func:`fragmented_mappings`). Each caller passes its own
     candidates and pool (the core: :func:`core_layouts` and its budget; transformers: the layout
-    its attention reads fastest and its first batch, :mod:`vmkv.hf.sizing`).
+    its attention reads fastest and its first batch, :mod:`vmkv.hf.options`).
 
     Args:
         shape: the model's K/V geometry.

@@ -25,8 +25,8 @@ from .compiled import (
 )
 from .forward import DenseWrites, Forward, RaggedWrites, note_peak, pack
 from .layer import VirtualLayer
+from .options import CacheOptions, ModelFacts, open_core
 from .rows import RowTable, SharedCore
-from .sizing import CacheOptions, ModelFacts, open_core
 
 log = logging.getLogger("vmkv")
 

@@ -15,7 +15,7 @@ from ..core.base import KVCacheBase
 from ..core.step import slot_slice
 from ..errors import InvalidInput, InvalidShape, NoFreeSlot
 from ..validate import as_layer, is_int
-from .sizing import LayoutChoice
+from .options import LayoutChoice
 
 log = logging.getLogger("vmkv")
 

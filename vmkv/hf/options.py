@@ -1,7 +1,8 @@
-"""How a ``VirtualCache`` sizes its core cache from the first K/V it sees: slots, length, page
-size, layout and memory budget (the defaults are documented in docs/hf.md, "Sizing"). The page
-rules themselves are :mod:`vmkv.sizing`'s; this module passes the transformers adapter's
-constraints: the layout its attention reads fastest, and pages that fit the first batch."""
+"""What a ``VirtualCache`` opens its core cache with: the user's options (:class:`CacheOptions`), the
+model's facts (:class:`ModelFacts`), and from the first K/V it sees the slots, length, page size,
+layout and memory budget (the defaults are documented in docs/hf.md, "Sizing"). The page rules
+and the layout resolver are :mod:`vmkv.sizing`'s; this module passes the transformers adapter's
+candidates: the layout its attention reads fastest, and pages that fit the first batch."""
 
 from __future__ import annotations
 
