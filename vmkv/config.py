@@ -119,6 +119,18 @@ class KVShape:
         return 2 * self.num_layers
 
 
+MODES = ("vmm", "paged")
+"""The two addressings, by the names users pass (``open_cache(mode=)``, ``VirtualCache(mode=)``,
+``EngineConfig(kv_mode=)``): VMM mode's virtually contiguous ranges, paged mode's block tables.
+Other names for them, and why they stay: docs/where-things-live.md, "Vocabulary"."""
+
+
+def check_mode(mode: object) -> None:
+    """Raise :class:`InvalidConfig` unless ``mode`` is one of :data:`MODES`."""
+    if mode not in MODES:
+        raise InvalidConfig(f"mode must be 'vmm' or 'paged', got {mode!r}")
+
+
 def check_layout(layout: object) -> None:
     """Raise :class:`InvalidConfig` unless ``layout`` is one of :data:`LAYOUTS`."""
     if layout not in LAYOUTS:

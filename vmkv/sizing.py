@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .config import KVCacheConfig, KVShape, PageGeometry
+from .config import KVCacheConfig, KVShape, PageGeometry, check_mode
 from .errors import InvalidConfig
 from .sizes import format_size
 
@@ -269,8 +269,7 @@ def check_cache_options(config: KVCacheConfig, mode: str) -> PageGeometry:
     """
     from .vm import granularity  # the backends import the config, which this module imports
 
-    if mode not in ("vmm", "paged"):
-        raise InvalidConfig(f"mode must be 'vmm' or 'paged', got {mode!r}")
+    check_mode(mode)
     gran = granularity(config.device)  # raises where the backend is unavailable
     if mode == "vmm":
         geometry = vmm_geometry(resolve(config, DeviceFacts.probe(config.device)), gran)

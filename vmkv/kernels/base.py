@@ -27,6 +27,10 @@ from ..errors import InvalidDevice, InvalidDtype, InvalidInput, InvalidShape, Un
 from ..validate import is_int
 
 ADDRESSINGS = ("slots", "blocks")
+"""What a kernel reads: ``"slots"`` (VMM mode's) or ``"blocks"`` through a block table (paged mode's)."""
+
+MODE_ADDRESSING = {"vmm": "slots", "paged": "blocks"}
+"""The addressing each of :data:`vmkv.config.MODES` reads: the kernels' word for the mode."""
 
 FEATURES = {"window": "a sliding window", "softcap": "soft-capping", "sinks": "attention sinks"}
 """Every variant feature, and how messages name it."""
