@@ -10,12 +10,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import errors, sizing  # noqa: F401 - vmkv.sizing, the page decisions (public)
-from .config import KVCacheConfig, as_config
+from .config import KVCacheConfig, as_config, check_mode
 from .core.base import KVCacheBase
 from .core.groups import GroupedPlan, LayerGroups
 from .core.step import StepPlan
 from .errors import *  # noqa: F403 - every typed error, as listed in errors.__all__
-from .errors import InvalidConfig
 from .paged import PagedKVCache
 from .sizes import parse_size
 from .vmm.cache import VirtualKVCache
@@ -40,8 +39,7 @@ def open_cache(config: KVCacheConfig | Mapping[str, Any], mode: str = "vmm", *, 
             KVCacheConfig nor a mapping of its fields, or whose values are invalid.
         BackendUnavailable: the forced kernel (or the device's backend) cannot run here.
     """
-    if mode not in ("vmm", "paged"):
-        raise InvalidConfig(f"mode must be 'vmm' or 'paged', got {mode!r}")
+    check_mode(mode)
     config = as_config(config)
     if config.window is None:  # layers of different windows: a cache of each (vmkv.core.groups)
         groups = []

@@ -12,6 +12,7 @@ import torch
 from .errors import InvalidConfig
 from .ledger import SharedBudget
 from .sizes import parse_size
+from .validate import is_int, positive_int
 
 Layout = Literal["per_layer", "all_layers", "head_major"]
 LAYOUTS = ("per_layer", "all_layers", "head_major")
@@ -79,9 +80,7 @@ class KVShape:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "element_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise InvalidConfig(f"{name} must be a positive int, got {value!r}")
+            positive_int(name, getattr(self, name))
 
     @property
     def layer_token_bytes(self) -> int:
@@ -118,6 +117,18 @@ class KVShape:
         if layout == "head_major":
             return 2 * self.num_layers * self.num_kv_heads
         return 2 * self.num_layers
+
+
+MODES = ("vmm", "paged")
+"""The two addressings, by the names users pass (``open_cache(mode=)``, ``VirtualCache(mode=)``,
+``EngineConfig(kv_mode=)``): VMM mode's virtually contiguous ranges, paged mode's block tables.
+Other names for them, and why they stay: docs/where-things-live.md, "Vocabulary"."""
+
+
+def check_mode(mode: object) -> None:
+    """Raise :class:`InvalidConfig` unless ``mode`` is one of :data:`MODES`."""
+    if mode not in MODES:
+        raise InvalidConfig(f"mode must be 'vmm' or 'paged', got {mode!r}")
 
 
 def check_layout(layout: object) -> None:
@@ -190,9 +201,7 @@ class KVCacheConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "max_batch_size", "max_seq_len", "block_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise InvalidConfig(f"{name} must be a positive int, got {value!r}")
+            positive_int(name, getattr(self, name))
         if self.max_seq_len > MAX_SEQ_LEN:
             raise InvalidConfig(f"max_seq_len must be at most {MAX_SEQ_LEN} (positions are int32), "
                                 f"got {self.max_seq_len}")
@@ -212,20 +221,17 @@ class KVCacheConfig:
                 raise InvalidConfig(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.layer_windows is not None:
             windows = tuple(self.layer_windows) if isinstance(self.layer_windows, (list, tuple)) else None
-            if windows is None or len(windows) != self.num_layers or not all(
-                    isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in windows):
+            if windows is None or len(windows) != self.num_layers or not all(is_int(w, 0) for w in windows):
                 raise InvalidConfig(f"layer_windows must give each of the {self.num_layers} layers a window >= 0 "
                                     f"(0: full attention), got {self.layer_windows!r}")
             object.__setattr__(self, "layer_windows", windows)
-        if self.window_slack is not None and (isinstance(self.window_slack, bool) or not isinstance(self.window_slack, int)
-                                              or self.window_slack < 0):
+        if self.window_slack is not None and not is_int(self.window_slack, 0):
             raise InvalidConfig(f"window_slack must be an int >= 0 or None (one page), got {self.window_slack!r}")
         features = tuple(self.attention_features) if isinstance(self.attention_features, (list, tuple, frozenset, set)) else None
         if features is None or not set(features) <= {"softcap", "sinks"}:
             raise InvalidConfig(f"attention_features must name 'softcap' and/or 'sinks', got {self.attention_features!r}")
         object.__setattr__(self, "attention_features", tuple(sorted(set(features))))
-        if self.max_step_tokens is not None and (isinstance(self.max_step_tokens, bool)
-                                                 or not isinstance(self.max_step_tokens, int) or self.max_step_tokens < 1):
+        if self.max_step_tokens is not None and not is_int(self.max_step_tokens, 1):
             raise InvalidConfig(f"max_step_tokens must be a positive int or None (max_seq_len), got {self.max_step_tokens!r}")
 
     @property

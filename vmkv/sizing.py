@@ -3,15 +3,18 @@
 A page must be a whole number of the backend's granule (4 KiB on the host, usually 2 MiB on
 CUDA) and of the bytes one token takes in one piece of the layout; and on the host every page
 mapped one by one costs up to two of the mappings Linux allows a process (``vm.max_map_count``).
-Those are the device's facts (:class:`DeviceFacts`, read once per decision). Each user passes
-its own constraints on top:
+Those are the device's facts (:class:`DeviceFacts`, read once per decision). One resolver
+(:func:`choose_layout`) takes each user's candidate layouts and page sizes, best first, and
+returns the first whose pool fits the mappings:
 
-* the core cache's default (:func:`default_pages`): at least :data:`DEFAULT_TOKENS_PER_PAGE`
-  tokens a page, a layout from a preference list by device and dtype, within the mappings;
-* transformers' ``VirtualCache`` (:mod:`vmkv.hf.sizing`): the layout its attention reads
-  fastest, pages grown until the first batch fits the mappings;
-* vLLM's contiguous mode (:mod:`vmkv.vllm.contiguous.pages`): one vLLM block is one page in
-  every piece.
+* the core cache's default (:func:`default_pages`): :func:`core_layouts` by device and dtype, at
+  least :data:`DEFAULT_TOKENS_PER_PAGE` tokens a page, a pool of the memory budget;
+* transformers' ``VirtualCache`` (:mod:`vmkv.hf.options`): the layout its attention reads
+  fastest, pages grown until the first batch fits half the mappings left;
+* vLLM's contiguous mode: one candidate per device (:data:`vmkv.vllm.contiguous.slots.SLOT_LAYOUTS`,
+  the layout its slots map with vLLM's KV layout to match), its page one vLLM block in every
+  piece (:mod:`vmkv.vllm.contiguous.pages`, by the same :func:`smallest_page`); one candidate
+  leaves the resolver nothing to choose, so the plugin does not call it.
 
 :class:`~vmkv.config.KVCacheConfig` only validates what the user gave: a ``None`` layout or page
 size is resolved here when a cache opens (:func:`resolve`); ``cache.config`` holds the result.
@@ -22,12 +25,13 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .config import KVCacheConfig, KVShape, PageGeometry
+from .config import KVCacheConfig, KVShape, PageGeometry, check_mode
 from .errors import InvalidConfig
 from .sizes import format_size
 
@@ -37,9 +41,10 @@ DEFAULT_TOKENS_PER_PAGE = 16
 """The fewest tokens a default VMM page holds (vLLM's default block size). What utilization each
 page size gives on the ShareGPT-like trace: docs/benchmarks.md (``vmkv bench memory``)."""
 
-ASSUMED_CUDA_GRANULARITY = 2 << 20
-"""The granularity assumed where the CUDA driver cannot be asked (the cache then says why it
-cannot open): NVIDIA GPUs' usual ``cuMemGetAllocationGranularity``."""
+CUDA_GRANULARITY = 2 << 20
+"""NVIDIA GPUs' usual ``cuMemGetAllocationGranularity`` (minimum): the granularity assumed where the
+CUDA driver cannot be asked (a cache then says why it cannot open; vLLM's front end, which must not
+touch the GPU, plans contiguous mode's block size with it)."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +71,7 @@ class DeviceFacts:
         try:
             gran = granularity(device)
         except Exception:  # noqa: BLE001 -- no CUDA driver: the cache will say so when it opens
-            gran = ASSUMED_CUDA_GRANULARITY
+            gran = CUDA_GRANULARITY
         room = mapping_room() if mappings and device.type == "cpu" else None
         return cls(device.type, gran, room)
 
@@ -117,20 +122,60 @@ def fragmented_mappings(pieces: int, pages: int) -> int:
     return pieces * (2 * pages + 1)
 
 
-def default_pages(shape: KVShape, dtype: torch.dtype, budget: int, facts: DeviceFacts,
-                  layout: str | None = None) -> tuple[str, int]:
-    """The core cache's default ``(layout, page_size)``: the smallest page holding at least
-    :data:`DEFAULT_TOKENS_PER_PAGE` tokens, in the first layout of the preference list whose
-    pages, even fragmented, fit the host's mapping room:
+Candidate = tuple[str, Sequence[int]]
+"""A layout a caller would take, and the page sizes (bytes of one piece's page) it would take it
+at, in its order of preference."""
+
+
+def choose_layout(shape: KVShape, candidates: Iterable[Candidate], room: int | None,
+                  pool_pages: Callable[[str, int], int]) -> tuple[str, int] | None:
+    """The layout decision every user of a VMM cache goes through: the first of ``candidates``, at
+    the first of its page sizes, whose pool of ``pool_pages(layout, page)`` pages fits ``room``
+    host mappings even fragmented (:func:`fragmented_mappings`). Each caller passes its own
+    candidates and pool (the core: :func:`core_layouts` and its budget; transformers: the layout
+    its attention reads fastest and its first batch, :mod:`vmkv.hf.options`).
+
+    Args:
+        shape: the model's K/V geometry.
+        candidates: ``(layout, page sizes)``, best first.
+        room: host mappings the pool may take; ``None`` (CUDA, or no limit): any.
+        pool_pages: pool pages a cache of ``layout`` with pages of ``page`` bytes holds.
+
+    Returns:
+        ``(layout, page_size)``, or ``None`` if no candidate fits (the caller's fallback then).
+    """
+    for layout, pages in candidates:
+        pieces = shape.pieces(layout)
+        for page in pages:
+            if room is None or fragmented_mappings(pieces, pool_pages(layout, page)) <= room:
+                return layout, page
+    return None
+
+
+def core_layouts(device_type: str, dtype: torch.dtype) -> tuple[str, ...]:
+    """The core cache's candidate layouts, best first, each at its smallest page holding at least
+    :data:`DEFAULT_TOKENS_PER_PAGE` tokens (:func:`default_pages`):
 
     * host, float16/bfloat16: ``head_major``, ``per_layer``, ``all_layers``;
     * host, float32: ``per_layer``, ``all_layers`` (head-major gains nothing in float32);
     * CUDA: ``all_layers`` (with 2 MiB granules the only layout near 16-32 tokens a page).
 
     Why this order (what CPU SDPA reads fastest, what utilization each page size gives):
-    docs/how-it-works.md, "Layouts". If no layout fits, ``all_layers`` (its pages cover
-    ``num_layers`` times fewer tokens for the same bytes, so it needs the fewest mappings),
-    its page enlarged until it fits.
+    docs/how-it-works.md, "Layouts". The last is ``all_layers``: its pages cover ``num_layers``
+    times fewer tokens for the same bytes, so it needs the fewest mappings.
+    """
+    if device_type != "cpu":
+        return ("all_layers",)
+    if dtype == torch.float32:
+        return ("per_layer", "all_layers")
+    return ("head_major", "per_layer", "all_layers")
+
+
+def default_pages(shape: KVShape, dtype: torch.dtype, budget: int, facts: DeviceFacts,
+                  layout: str | None = None) -> tuple[str, int]:
+    """The core cache's default ``(layout, page_size)``: :func:`choose_layout` over
+    :func:`core_layouts`, whose pool is ``budget``, within the host's mapping room. If no layout
+    fits, the last (``all_layers``), its page enlarged until it fits.
 
     Args:
         shape: the model's K/V geometry.
@@ -139,30 +184,18 @@ def default_pages(shape: KVShape, dtype: torch.dtype, budget: int, facts: Device
         facts: the device's facts.
         layout: size pages for this layout; ``None``: choose it as above.
     """
+    layouts = (layout,) if layout is not None else core_layouts(facts.device_type, dtype)
+    smallest = {c: smallest_page(shape.token_bytes(c), facts.granularity) for c in layouts}
     room = facts.mapping_room
-
-    def smallest(candidate: str) -> tuple[int, int]:  # (page, step) holding DEFAULT_TOKENS_PER_PAGE tokens
-        token_bytes = shape.token_bytes(candidate)
-        return smallest_page(token_bytes, facts.granularity), math.lcm(facts.granularity, token_bytes)
-
-    def fits(candidate: str, page: int) -> bool:
-        pieces = shape.pieces(candidate)
-        return room is None or fragmented_mappings(pieces, budget // (pieces * page)) <= room
-
-    if layout is None:
-        if facts.device_type != "cpu":
-            options: tuple[str, ...] = ("all_layers",)
-        elif dtype == torch.float32:
-            options = ("per_layer", "all_layers")
-        else:
-            options = ("head_major", "per_layer", "all_layers")
-        layout = next((c for c in options if fits(c, smallest(c)[0])), "all_layers")
-    page, step = smallest(layout)
-    if room is not None and not fits(layout, page):
-        pieces = shape.pieces(layout)
-        pages_that_fit = max(1, (room // pieces - 1) // 2)
-        page = max(page, -(-budget // (pieces * pages_that_fit * step)) * step)
-    return layout, page
+    chosen = choose_layout(shape, [(c, (smallest[c],)) for c in layouts], room,
+                           lambda c, page: budget // (shape.pieces(c) * page))
+    if chosen is not None:
+        return chosen
+    assert room is not None  # an unbounded room takes the first candidate
+    layout = layouts[-1]
+    pieces, step = shape.pieces(layout), math.lcm(facts.granularity, shape.token_bytes(layout))
+    pages_that_fit = max(1, (room // pieces - 1) // 2)
+    return layout, max(smallest[layout], -(-budget // (pieces * pages_that_fit * step)) * step)
 
 
 def resolve(config: KVCacheConfig, facts: DeviceFacts | None = None) -> KVCacheConfig:
@@ -236,8 +269,7 @@ def check_cache_options(config: KVCacheConfig, mode: str) -> PageGeometry:
     """
     from .vm import granularity  # the backends import the config, which this module imports
 
-    if mode not in ("vmm", "paged"):
-        raise InvalidConfig(f"mode must be 'vmm' or 'paged', got {mode!r}")
+    check_mode(mode)
     gran = granularity(config.device)  # raises where the backend is unavailable
     if mode == "vmm":
         geometry = vmm_geometry(resolve(config, DeviceFacts.probe(config.device)), gran)

@@ -1,5 +1,6 @@
-"""Checks of user input shared by both modes: each returns the clean value or raises a typed error
-(integers: ``int`` or ``__index__``, never ``bool`` or ``float``).
+"""Checks of user input every part of vmkv shares: each returns the clean value or raises a typed
+error (integers: ``int`` or ``__index__``, never ``bool`` or ``float``; :func:`is_int` and
+:func:`positive_int`: a Python ``int``, or one of the ``kind`` given).
 """
 
 from __future__ import annotations
@@ -11,7 +12,23 @@ from typing import Any
 
 import torch
 
-from .errors import InvalidInput
+from .errors import InvalidConfig, InvalidInput, VMKVError
+
+
+def is_int(value: Any, minimum: int | None = None, kind: type = int) -> bool:
+    """Whether ``value`` is an int of ``kind`` (never a bool) and at least ``minimum`` (``None``: any)."""
+    return isinstance(value, kind) and not isinstance(value, bool) and (minimum is None or value >= minimum)
+
+
+def positive_int(name: str, value: Any, error: type[VMKVError] = InvalidConfig, kind: type = int) -> int:
+    """``value`` as an int if it is a positive one (of ``kind``, as :func:`is_int`).
+
+    Raises:
+        error: not a positive int (``"{name} must be a positive int, got {value!r}"``).
+    """
+    if not is_int(value, 1, kind):
+        raise error(f"{name} must be a positive int, got {value!r}")
+    return int(value)
 
 
 def as_int(value: Any, name: str, minimum: int | None = 0) -> int:

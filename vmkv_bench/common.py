@@ -231,10 +231,10 @@ def cache_config(shape: dict[str, Any], device: str, **fields: Any) -> vmkv.KVCa
 
 def cache_refusal(mode: str, config: vmkv.KVCacheConfig, granularity: int) -> str:
     """Why a ``mode`` cache of ``config`` would not open on pages of ``granularity`` ('' if it would), no device used."""
+    from vmkv.config import check_mode
     from vmkv.sizing import DeviceFacts, check_page_size, paged_geometry, resolve, vmm_geometry
 
-    if mode not in ("vmm", "paged"):
-        raise vmkv.InvalidConfig(f"mode must be 'vmm' or 'paged', got {mode!r}")
+    check_mode(mode)
     config = resolve(config, DeviceFacts(config.device.type, granularity))
     try:
         check_page_size(config, granularity)

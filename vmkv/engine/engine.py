@@ -34,6 +34,7 @@ from ..core.base import KVCacheBase
 from ..core.step import StepPlan
 from ..errors import DuplicateSequence, InvalidConfig, OutOfPages, SequenceTooLong
 from ..sizing import check_cache_options
+from ..validate import is_int
 from .graphs import SLOTS_TAKEN, DecodeGraphs, unsupported
 from .request import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
 from .runner import LoadedModel, ModelRunner, cache_config_for, load_model, read_model_spec
@@ -250,7 +251,7 @@ class Engine:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidParameter("prompt", "the prompt is empty")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids):
+        if not all(is_int(t, 0) and t < self.vocab_size for t in ids):
             raise InvalidParameter("prompt", f"prompt token ids must be ints in [0, {self.vocab_size})")
         if len(ids) + params.max_tokens > self.max_seq_len:
             asked = f"max_tokens is {params.max_tokens}" if params.max_tokens <= self.max_seq_len else \

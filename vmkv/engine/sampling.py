@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import InvalidParameter
+from ..validate import is_int
 
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this are greedy (as in vLLM): dividing by a tinier one overflows float32."""
@@ -84,7 +85,7 @@ class SamplingParams:
 
 
 def _int_in(name: str, value: object, low: int | None, high: int | None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise InvalidParameter(name, f"{name} must be an integer, got {_short(value)}")
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f"[{low}, {high if high is not None else 'inf'}]"

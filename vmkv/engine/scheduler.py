@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..core.base import KVCacheBase
-from ..errors import InvalidConfig
+from ..validate import positive_int
 from .request import Sequence, Status
 
 
@@ -31,9 +31,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_prefill_chunk"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidConfig(f"{name} must be a positive int, got {value!r}")
+            positive_int(name, getattr(self, name))
 
 
 class Scheduler:

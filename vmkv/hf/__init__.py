@@ -7,7 +7,7 @@
 Two attention styles (``VirtualCache.attention_style``): ``"model"`` (the model's own attention
 reads zero-copy views; VMM only) and ``"vmkv"`` (the registered attention writes the real tokens
 and runs the cache's kernel; both modes). Modules: :mod:`.cache` (the ``Cache``), :mod:`.attention`,
-:mod:`.compiled` (``compile=True``), :mod:`.rows` (beams, forks, deep copies), :mod:`.sizing`,
+:mod:`.compiled` (``compile=True``), :mod:`.rows` (beams, forks, deep copies), :mod:`.options`,
 :mod:`.compat` (transformers 5.x differences). Guide: docs/hf.md.
 """
 
@@ -15,7 +15,7 @@ from ..errors import Unsupported
 from .attention import ATTN_IMPLEMENTATION, causal_padding_mask, register, vmkv_attention_forward, vmkv_attention_mask
 from .cache import VirtualCache, VirtualLayer
 from .compat import cache_argument
-from .sizing import default_page_size
+from .options import default_page_size
 
 register()
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ..config import check_mode
 from ..core.base import KVCacheBase
 from ..errors import CacheClosed, InvalidConfig, InvalidInput, InvalidShape, Unsupported
 from ..validate import as_int
@@ -25,12 +26,11 @@ from .compiled import (
 )
 from .forward import DenseWrites, Forward, RaggedWrites, note_peak, pack
 from .layer import VirtualLayer
+from .options import CacheOptions, ModelFacts, open_core
 from .rows import RowTable, SharedCore
-from .sizing import CacheOptions, ModelFacts, open_core
 
 log = logging.getLogger("vmkv")
 
-MODES = ("vmm", "paged")
 STATS = ("peak_bytes", "gathered_views", "materialised_kv", "row_forks", "row_frees", "row_retargets", "compiled_steps",
          "eager_steps", "compile_fallbacks")  # the adapter's counters stats() reports (docs/hf.md)
 _NO_LINEAR_ATTENTION = "a VirtualCache holds attention K/V only; linear-attention (Mamba-style) states are not supported"
@@ -76,8 +76,7 @@ class VirtualCache(Cache):
         layout: str | None = None, block_size: int = 16, deferred_reclaim: bool = False, map_ahead: bool = False,
         window_slack: int | None = None, compile: bool = False,
     ) -> None:
-        if mode not in MODES:
-            raise InvalidConfig(f"mode must be 'vmm' or 'paged', got {mode!r}")
+        check_mode(mode)
         super().__init__(layers=[])
         self.mode = mode
         self._options = CacheOptions(max_batch_size, max_seq_len, memory_budget, page_size, layout, block_size,

@@ -14,8 +14,8 @@ import torch
 from ..core.base import KVCacheBase
 from ..core.step import slot_slice
 from ..errors import InvalidInput, InvalidShape, NoFreeSlot
-from ..validate import as_layer
-from .sizing import Choice
+from ..validate import as_layer, is_int
+from .options import LayoutChoice
 
 log = logging.getLogger("vmkv")
 
@@ -26,7 +26,7 @@ class SharedCore:
     are freed at the next forward (``reap``), never from the garbage collector mid-forward.
     """
 
-    def __init__(self, core: KVCacheBase, choice: Choice) -> None:
+    def __init__(self, core: KVCacheBase, choice: LayoutChoice) -> None:
         self.core = core
         self.choice = choice  # the layout it opened with, and why
         self._views: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # see dense_views
@@ -129,7 +129,7 @@ class RowTable:
             raise InvalidInput(f"row indexes must be a tensor or a sequence of ints, got {type(index).__name__}")
         else:
             values = list(index)
-        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < rows for i in values):
+        if not all(is_int(i, 0) and i < rows for i in values):
             raise InvalidInput(f"row indexes must be ints in 0..{rows - 1}, got {values}")
         return values
 

@@ -24,8 +24,13 @@ import torch
 
 from ..core.step import StepPlan
 from ..errors import InvalidDevice, InvalidDtype, InvalidInput, InvalidShape, Unsupported
+from ..validate import is_int
 
 ADDRESSINGS = ("slots", "blocks")
+"""What a kernel reads: ``"slots"`` (VMM mode's) or ``"blocks"`` through a block table (paged mode's)."""
+
+MODE_ADDRESSING = {"vmm": "slots", "paged": "blocks"}
+"""The addressing each of :data:`vmkv.config.MODES` reads: the kernels' word for the mode."""
 
 FEATURES = {"window": "a sliding window", "softcap": "soft-capping", "sinks": "attention sinks"}
 """Every variant feature, and how messages name it."""
@@ -62,7 +67,7 @@ class Variant:
 
     def __post_init__(self) -> None:
         window, softcap, sinks = self.window, self.softcap, self.sinks
-        if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 0:
+        if not is_int(window, 0, numbers.Integral):
             raise InvalidInput(f"window must be a non-negative int (0: no window), got {window!r}")
         if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) or softcap < 0:
             raise InvalidInput(f"softcap must be a finite number >= 0 (0: none), got {softcap!r}")

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.step import StepPlan
-from ..errors import InvalidConfig
+from ..validate import positive_int
 from .base import ALL_FEATURES, PLAIN, AttentionKernel, Variant, first_key
 from .facts import flash_attn_variant, flash_window_left, optional_kernel
 from .variants import attend_sequence, needs_scores, sequence_mask, sink_weight, soft_cap
@@ -45,11 +45,7 @@ def _chunk_tokens(value: int | None, default: int) -> int:
     Raises:
         InvalidConfig: not a positive int.
     """
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise InvalidConfig(f"chunk_tokens must be a positive int, got {value!r}")
-    return value
+    return default if value is None else positive_int("chunk_tokens", value)
 
 
 class PagedKernel(AttentionKernel):

@@ -216,7 +216,7 @@ def unavailable(name: str, spec: KernelSpec, facts: MachineFacts | None = None) 
 
 
 @dataclass(frozen=True)
-class Choice:
+class KernelChoice:
     """The rule's answer for one cache.
 
     Attributes:
@@ -243,7 +243,7 @@ class Choice:
         return "; ".join(parts)
 
 
-def choose(spec: KernelSpec, facts: MachineFacts | None = None) -> Choice:
+def choose(spec: KernelSpec, facts: MachineFacts | None = None) -> KernelChoice:
     """The rule: for decode steps, the first kernel of the measured decode order of ``spec``'s
     device type and addressing that can run (:func:`unavailable`); for every other step, the first
     of its order that can run and is not decode-only.
@@ -269,11 +269,11 @@ def choose(spec: KernelSpec, facts: MachineFacts | None = None) -> Choice:
     if decode is None or other is None:
         raise BackendUnavailable(f"no attention kernel for {spec.addressing} on {spec.device}: {'; '.join(skipped.values())}")
     chosen = (decode,) if decode == other else (decode, other)
-    return Choice("+".join(chosen), decode, other, tuple(skipped.values()), measured.source,
+    return KernelChoice("+".join(chosen), decode, other, tuple(skipped.values()), measured.source,
                   tuple(name for name in chosen if name in measured.provisional))
 
 
-def choose_capturable(spec: KernelSpec, facts: MachineFacts | None = None) -> Choice:
+def choose_capturable(spec: KernelSpec, facts: MachineFacts | None = None) -> KernelChoice:
     """The rule for compiled and captured decode steps: the first kernel of :data:`CAPTURE_ORDER`
     that can run for ``spec`` (the same needs as for eager steps: head dim, dtype, device, variant
     features). Made when a step's buffers are, so a step never meets a kernel that refuses it
@@ -283,7 +283,7 @@ def choose_capturable(spec: KernelSpec, facts: MachineFacts | None = None) -> Ch
     for name in CAPTURE_ORDER:
         reason = unavailable(name, spec, facts)
         if reason is None:
-            return Choice(name, name, name, tuple(skipped), "vmkv.kernels.registry.CAPTURE_ORDER", ())
+            return KernelChoice(name, name, name, tuple(skipped), "vmkv.kernels.registry.CAPTURE_ORDER", ())
         skipped.append(reason)
     raise BackendUnavailable(f"no capturable decode kernel for {spec.addressing} on {spec.device}: {'; '.join(skipped)}")
 

@@ -23,6 +23,7 @@ import torch
 
 from ..core.step import StepPlan, slot_slice
 from ..vmm.views import unguarded
+from .base import MODE_ADDRESSING
 from .capturable import DecodeWorkspace, decode_attention, decode_store, stores_of, write_columns
 from .registry import KernelSpec, choose_capturable
 
@@ -49,7 +50,7 @@ class _Part:
     def __init__(self, core: Any, capacity: int, max_len: int) -> None:
         config = core.config
         self.device = torch.device(config.device)
-        self.addressing = "blocks" if core.mode == "paged" else "slots"
+        self.addressing = MODE_ADDRESSING[core.mode]
         spec = KernelSpec(self.addressing, self.device, config.dtype, config.num_kv_heads, config.head_dim,
                           features=config.features)
         self.choice = choose_capturable(spec)

@@ -95,6 +95,7 @@ from typing import Any
 import torch
 
 from ..errors import BackendUnavailable, InvalidDevice, InvalidDtype, InvalidInput, InvalidShape, Unsupported
+from ..validate import is_int, positive_int
 from .base import Variant
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -273,7 +274,7 @@ class DecodeWorkspace:
             InvalidInput: a size is not a positive int, or ``max_splits`` > ``MAX_NUM_SPLITS``.
         """
         for name, value in (("max_batch", max_batch), ("q_heads", q_heads), ("head_dim", head_dim), ("max_splits", max_splits)):
-            _positive_int(name, value)
+            positive_int(name, value, InvalidInput, numbers.Integral)
         if max_splits > MAX_NUM_SPLITS:
             raise InvalidInput(f"max_splits must be at most {MAX_NUM_SPLITS}, got {max_splits}")
         partial_out = torch.empty(max_batch, q_heads, max_splits, head_dim, dtype=torch.float32, device=device)
@@ -286,12 +287,6 @@ class DecodeWorkspace:
 
 
 # ---- validation ---------------------------------------------------------------------------------
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise InvalidInput(f"{name} must be a positive int, got {value!r}")
-    return int(value)
-
-
 @dataclass(frozen=True)
 class _Geometry:
     """What the launch needs to know of validated inputs (host ints only)."""
@@ -520,7 +515,7 @@ def decode_attention(
     sm_scale = _scale(scale, geo.head_dim)
     variant = _variant(window, softcap, sinks, geo, q.device)
     block_n = _block_n(geo.head_dim, q.dtype)
-    if max_kv_len is not None and (isinstance(max_kv_len, bool) or not isinstance(max_kv_len, numbers.Integral) or max_kv_len < 0):
+    if max_kv_len is not None and not is_int(max_kv_len, 0, numbers.Integral):
         raise InvalidInput(f"max_kv_len must be a non-negative int or None, got {max_kv_len!r}")
     if workspace is not None and not isinstance(workspace, DecodeWorkspace):
         raise InvalidInput(f"workspace must be a DecodeWorkspace, got {type(workspace).__name__}")
@@ -532,7 +527,7 @@ def decode_attention(
         if workspace is not None:
             num_splits = min(num_splits, workspace.max_splits)
     else:
-        num_splits = _positive_int("num_splits", num_splits)
+        num_splits = positive_int("num_splits", num_splits, InvalidInput, numbers.Integral)
         if num_splits > MAX_NUM_SPLITS:
             raise InvalidInput(f"num_splits must be at most {MAX_NUM_SPLITS}, got {num_splits}")
     if num_splits > 1 and workspace is not None:

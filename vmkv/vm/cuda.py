@@ -66,6 +66,7 @@ import torch
 
 from ..errors import BackendError, BackendUnavailable, InvalidConfig
 from ..extras import install_hint
+from ..validate import is_int, positive_int
 from .base import VirtualMemory
 
 _UNAVAILABLE = "CUDA driver not available: "
@@ -368,10 +369,6 @@ class _DeviceBytes:
         }
 
 
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
 class CudaVirtualMemory(VirtualMemory):
     """CUDA driver virtual memory over a preallocated store of physical pages (see the module
     docstring).
@@ -413,10 +410,9 @@ class CudaVirtualMemory(VirtualMemory):
         self._context = _Context(driver, ordinal)
         self.device = torch.device("cuda", ordinal)
         self.granularity = _granularity(driver, ordinal)
-        if not _positive_int(page_size) or page_size % self.granularity:
+        if not is_int(page_size, 1) or page_size % self.granularity:
             raise InvalidConfig(f"cuda page_size must be a positive multiple of {self.granularity} B, got {page_size!r}")
-        if not _positive_int(num_pages):
-            raise InvalidConfig(f"num_pages must be a positive int, got {num_pages!r}")
+        positive_int("num_pages", num_pages)
         self.page_size = page_size
         self.num_pages = num_pages
         self._prop = _allocation_prop(driver, ordinal)
@@ -543,7 +539,7 @@ class CudaVirtualMemory(VirtualMemory):
     def _page_of(self, addr: Any) -> _Reservation:
         """The reservation holding page address ``addr`` (checked to be a page boundary)."""
         self._check_open()
-        if not isinstance(addr, int) or isinstance(addr, bool):
+        if not is_int(addr):
             raise BackendError(f"address must be an int, got {type(addr).__name__}")
         res = self._reservation_of(addr)
         if (addr - res.addr) % self.page_size:
@@ -563,7 +559,7 @@ class CudaVirtualMemory(VirtualMemory):
             BackendError: a driver call failed (everything done so far is undone).
         """
         self._check_open()
-        if not _positive_int(nbytes) or nbytes % self.page_size:
+        if not is_int(nbytes, 1) or nbytes % self.page_size:
             raise InvalidConfig(f"reserve: {nbytes!r} is not a positive multiple of the page size {self.page_size}")
         driver = self._context.driver
         with self._context.current():
@@ -619,7 +615,7 @@ class CudaVirtualMemory(VirtualMemory):
                 failed (the zero page is mapped back: nothing changed).
         """
         res = self._page_of(addr)
-        if not isinstance(page, int) or isinstance(page, bool) or not 0 <= page < self.num_pages:
+        if not is_int(page, 0) or page >= self.num_pages:
             raise BackendError(f"map: page {page!r} is outside the store of {self.num_pages} pages")
         if addr in res.data:
             raise BackendError(f"map: {addr:#x} already holds page {res.data[addr]}; unmap it first")
@@ -689,7 +685,7 @@ class CudaVirtualMemory(VirtualMemory):
         if not self.on_demand:
             return 0
         for page in pages:
-            if not isinstance(page, int) or isinstance(page, bool) or not 0 <= page < self.num_pages:
+            if not is_int(page, 0) or page >= self.num_pages:
                 raise BackendError(f"provision: page {page!r} is outside the store of {self.num_pages} pages")
         with self._context.current():
             return self._provision_locked(pages)

@@ -27,6 +27,7 @@ import weakref
 import torch
 
 from ..errors import BackendError, BackendUnavailable, InvalidConfig, OutOfMappings
+from ..validate import is_int, positive_int
 from .base import VirtualMemory
 
 _PROT_READ, _PROT_RW = mmap.PROT_READ, mmap.PROT_READ | mmap.PROT_WRITE
@@ -103,10 +104,9 @@ class HostVirtualMemory(VirtualMemory):
 
     def __init__(self, page_size: int, num_pages: int, *, populate: bool = False, max_mappings: int = 0) -> None:
         self.granularity = mmap.PAGESIZE
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0 or page_size % self.granularity:
+        if not is_int(page_size, 1) or page_size % self.granularity:
             raise InvalidConfig(f"host page_size must be a positive multiple of {self.granularity} B, got {page_size!r}")
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
-            raise InvalidConfig(f"num_pages must be a positive int, got {num_pages!r}")
+        positive_int("num_pages", num_pages)
         room = mapping_room() if max_mappings else None
         if room is not None and max_mappings > room:
             raise InvalidConfig(
@@ -158,7 +158,7 @@ class HostVirtualMemory(VirtualMemory):
                 has no such span of address space left.
         """
         self._open()
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0 or nbytes % self.page_size:
+        if not is_int(nbytes, 1) or nbytes % self.page_size:
             raise InvalidConfig(f"reserve: {nbytes!r} is not a positive multiple of the page size {self.page_size}")
         got = self._libc.mmap(None, nbytes, _PROT_READ, _ZERO_FLAGS, -1, 0)
         if got is None or got == _MAP_FAILED:
@@ -281,7 +281,7 @@ class HostVirtualMemory(VirtualMemory):
             raise self._fail(f"releasing page {page}")
 
     def _check_page(self, page: int) -> None:
-        if isinstance(page, bool) or not isinstance(page, int) or not 0 <= page < self.num_pages:
+        if not is_int(page, 0) or page >= self.num_pages:
             raise BackendError(f"page {page!r} is not a page of the store (0..{self.num_pages - 1})")
 
     def _reservation_of(self, addr: int, nbytes: int, what: str) -> _Reservation:

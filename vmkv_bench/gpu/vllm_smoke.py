@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from vmkv.errors import BackendUnavailable
+from vmkv.sizing import CUDA_GRANULARITY
 from vmkv.vllm import check_vllm, trim
 from vmkv_bench.vllm_harness import drive, tiny
 
-PAGE_SIZE = 2 * 2**20  # the CUDA VMM granularity
+PAGE_SIZE = CUDA_GRANULARITY  # one granule a page
 KV_BYTES = 512 * 2**20
 VMKV_OPTIONS: dict[str, Any] = {"page_size": PAGE_SIZE}
 """The plugin's settings in the smoke: the default ``max_cached`` (budget / 8 = 64 MiB) keeps every

@@ -55,14 +55,13 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from ...core.step import StepPlan, make_plan
 from ...errors import InvalidConfig
 from ...kernels.registry import KernelSpec, make_kernel
+from ...sizing import CUDA_GRANULARITY
 from ..connector import VmkvConnector
 from .pages import plan_for_vllm
 from .slots import SlotSpace, slot_layout
 from .support import contiguous_requested
 
 BACKEND_PATH = "vmkv.vllm.contiguous.backend.VmkvContiguousBackend"
-CUDA_GRANULARITY = 2 << 20
-"""``cuMemGetAllocationGranularity`` (minimum) of NVIDIA GPUs: what the front end plans with."""
 
 
 def install_platform_hook() -> bool:
@@ -129,7 +128,7 @@ class VmkvContiguousBackend(AttentionBackend):
     def get_preferred_block_size(cls, default_block_size: int) -> int:
         """The block size vLLM takes when the user set none (vLLM asks with its config current):
         on CUDA the contiguous plan's (``all_layers``, one block one page of whole
-        :data:`CUDA_GRANULARITY` granules in every piece, valid in every pipeline stage: 32 tokens
+        :data:`~vmkv.sizing.CUDA_GRANULARITY` granules in every piece, valid in every pipeline stage: 32 tokens
         for Llama-3-8B in fp16); elsewhere ``default_block_size``. The front end must not touch
         the GPU, so the granularity is the one NVIDIA GPUs report; each worker's slot space
         checks its driver's and refuses, naming the size that works, if it differs."""

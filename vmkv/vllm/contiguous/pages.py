@@ -63,6 +63,7 @@ from ...config import KVShape, Layout, check_layout
 from ...errors import InvalidConfig, InvalidInput
 from ...sizes import format_size
 from ...sizing import DEFAULT_TOKENS_PER_PAGE, smallest_page
+from ...validate import is_int, positive_int
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,7 @@ class ContiguousPagePlan:
         """
         for name, value, bound in (("slot", slot, self.max_num_seqs), ("logical_page", logical_page, self.pages_per_slot),
                                    ("head", head, self.heads_per_range)):
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < bound:
+            if not is_int(value, 0) or value >= bound:
                 raise InvalidInput(f"page_offset: {name} must be an int in [0, {bound}), got {value!r}")
         return slot * self.slot_bytes + head * self.slot_tokens * self.token_bytes + logical_page * self.page_bytes
 
@@ -194,19 +195,13 @@ class ContiguousPagePlan:
                 f"({format_size(self.waste_bytes)}) a request; {self.reason}")
 
 
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise InvalidConfig(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
 def min_block_size(shape: KVShape, granularity: int, layout: Layout) -> int:
     """The smallest block, in tokens, whose page in one piece of ``layout`` is whole granules.
 
     Raises:
         InvalidConfig: ``granularity`` is not a positive int, or ``layout`` is unknown.
     """
-    _positive_int("granularity", granularity)
+    positive_int("granularity", granularity)
     token_bytes = shape.token_bytes(layout)
     return granularity // math.gcd(granularity, token_bytes)
 
@@ -258,11 +253,11 @@ def plan_contiguous_pages(shape: KVShape, granularity: int, *, max_model_len: in
         InvalidConfig: a size is not a positive int, the layout is unknown, or ``block_size``
             makes pages that are not whole granules (the message names the sizes that work).
     """
-    _positive_int("granularity", granularity)
-    _positive_int("max_model_len", max_model_len)
-    _positive_int("max_num_seqs", max_num_seqs)
+    positive_int("granularity", granularity)
+    positive_int("max_model_len", max_model_len)
+    positive_int("max_num_seqs", max_num_seqs)
     if block_size is not None:
-        _positive_int("block_size", block_size)
+        positive_int("block_size", block_size)
     for other in (shape, *stages):
         if not isinstance(other, KVShape):
             raise InvalidConfig(f"shape and stages must be KVShape, got {type(other).__name__}")

@@ -1,7 +1,8 @@
-"""How a ``VirtualCache`` sizes its core cache from the first K/V it sees: slots, length, page
-size, layout and memory budget (the defaults are documented in docs/hf.md, "Sizing"). The page
-rules themselves are :mod:`vmkv.sizing`'s; this module passes the transformers adapter's
-constraints: the layout its attention reads fastest, and pages that fit the first batch."""
+"""What a ``VirtualCache`` opens its core cache with: the user's options (:class:`CacheOptions`), the
+model's facts (:class:`ModelFacts`), and from the first K/V it sees the slots, length, page size,
+layout and memory budget (the defaults are documented in docs/hf.md, "Sizing"). The page rules
+and the layout resolver are :mod:`vmkv.sizing`'s; this module passes the transformers adapter's
+candidates: the layout its attention reads fastest, and pages that fit the first batch."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from ..config import LAYOUTS, KVCacheConfig
 from ..errors import InvalidConfig
 from ..sizes import parse_size
-from ..sizing import DeviceFacts, default_pages, mappable_pages, model_windows, smallest_page
+from ..sizing import DeviceFacts, choose_layout, default_pages, mappable_pages, model_windows, smallest_page
 
 log = logging.getLogger("vmkv")
 
@@ -98,7 +99,7 @@ class ModelFacts:
 
 
 @dataclass(frozen=True)
-class Choice:
+class LayoutChoice:
     """The layout and page size a cache opened with, and why (``VirtualCache.stats()`` shows both)."""
 
     layout: str
@@ -106,7 +107,7 @@ class Choice:
     reason: str
 
 
-def choose_layout(config: KVCacheConfig, style: str, options: CacheOptions, facts: DeviceFacts) -> Choice:
+def layout_for(config: KVCacheConfig, style: str, options: CacheOptions, facts: DeviceFacts) -> LayoutChoice:
     """The VMM layout and page size for ``config`` (its ``layout`` and ``page_size`` are ignored)
     when the attention reading the K/V is ``style`` (``"model"``: the model's SDPA/eager over
     ``[B, kv_heads, len, head_dim]`` views; ``"vmkv"``: the cache's own kernel).
@@ -115,9 +116,10 @@ def choose_layout(config: KVCacheConfig, style: str, options: CacheOptions, fact
 
     * host: ``head_major`` (each head's keys of a row contiguous: DynamicCache's own layout, what
       CPU SDPA reads fastest) if the mappings it needs fit (``head_major`` maps ``kv_heads``
-      pieces per page and layer): its page grows from :data:`MIN_TOKENS_PER_PAGE` tokens
-      (doubling, up to :data:`MAX_HEAD_MAJOR_TOKENS`) until a pool holding the first batch at
-      ``max_seq_len`` fits half the mappings ``vm.max_map_count`` leaves; else ``per_layer``;
+      pieces per page and layer): the one candidate of :func:`vmkv.sizing.choose_layout`, at
+      pages from :data:`MIN_TOKENS_PER_PAGE` tokens (doubling, up to :data:`MAX_HEAD_MAJOR_TOKENS`),
+      whose pool holds the first batch at ``max_seq_len`` within half the mappings
+      ``vm.max_map_count`` leaves; else ``per_layer``;
     * CUDA: the core's default (:func:`vmkv.sizing.default_pages`: ``all_layers``, the backend's
       granule): FlashAttention/SDPA read token-major ``[B, S, H, D]`` with a unit last stride.
 
@@ -127,36 +129,37 @@ def choose_layout(config: KVCacheConfig, style: str, options: CacheOptions, fact
     if options.layout is not None:
         layout = options.layout
         page = options.page_size or default_page_size(shape.token_bytes(layout), gran)
-        return Choice(layout, page, "given")
+        return LayoutChoice(layout, page, "given")
     if facts.device_type != "cpu":
         layout, page = default_pages(shape, config.dtype, max(config.memory_budget, 1), facts)
-        return Choice(layout, options.page_size or page, f"{facts.device_type}: token-major pages of the "
-                      "backend granularity, the layout FlashAttention/SDPA read natively")
+        return LayoutChoice(layout, options.page_size or page, f"{facts.device_type}: token-major pages of the "
+                            "backend granularity, the layout FlashAttention/SDPA read natively")
     token_bytes = shape.token_bytes("head_major")
-    page = options.page_size or default_page_size(token_bytes, gran)
-    need_tokens = config.max_batch_size * config.max_seq_len  # (rows * length) the pool should hold
-    while True:
-        pages = mappable_pages(shape.pieces("head_major"), facts.mapping_room)
-        if pages * (page // token_bytes) >= need_tokens + config.max_batch_size * (page // token_bytes):
-            return Choice("head_major", page, f"{style} attention on the host: head-major views are what CPU "
-                          f"SDPA reads fastest ({page // token_bytes} tokens a page fit the mappings)")
-        if options.page_size or page // token_bytes >= MAX_HEAD_MAJOR_TOKENS:
-            break
-        page *= 2
+    pages = [options.page_size or default_page_size(token_bytes, gran)]
+    while not options.page_size and pages[-1] // token_bytes < MAX_HEAD_MAJOR_TOKENS:
+        pages.append(2 * pages[-1])
+    rows, room = config.max_batch_size, facts.mapping_room
+    need_tokens = rows * config.max_seq_len  # the pool holds them, and one more page a row
+    chosen = choose_layout(shape, [("head_major", pages)], None if room is None else room // 2,
+                           lambda layout, page: -(-need_tokens // (page // token_bytes)) + rows)
+    if chosen is not None:
+        page = chosen[1]
+        return LayoutChoice("head_major", page, f"{style} attention on the host: head-major views are what CPU "
+                            f"SDPA reads fastest ({page // token_bytes} tokens a page fit the mappings)")
     layout = "per_layer"
-    return Choice(layout, options.page_size or default_page_size(shape.token_bytes(layout), gran),
-                  "host: head-major pages would need more mappings than vm.max_map_count leaves; per_layer")
+    return LayoutChoice(layout, options.page_size or default_page_size(shape.token_bytes(layout), gran),
+                        "host: head-major pages would need more mappings than vm.max_map_count leaves; per_layer")
 
 
 def open_core(mode: str, options: CacheOptions, like: torch.Tensor, num_layers: int, style: str,
-              windows: tuple[int, ...] | None = None, features: tuple[str, ...] = ()) -> tuple[Any, Choice]:
+              windows: tuple[int, ...] | None = None, features: tuple[str, ...] = ()) -> tuple[Any, LayoutChoice]:
     """The core cache for K/V shaped like ``like`` (``[B, kv_heads, S, head_dim]``) read by
     attention ``style``, and the layout choice it opened with; ``windows``: each layer's sliding
     window (layers of different windows: a :class:`~vmkv.core.groups.LayerGroups`, a core cache
     per window); ``features``: what the attention adds (``"softcap"``, ``"sinks"``).
 
     Defaults: ``max(8, 4 * B)`` slots, :data:`DEFAULT_MAX_SEQ_LEN` tokens, the layout and page
-    of :func:`choose_layout`, and a budget with room for every slot full plus one page per slot
+    of :func:`layout_for`, and a budget with room for every slot full plus one page per slot
     (copy-on-write), capped on CUDA at half the free memory and on the host (VMM) at half the
     mappings ``vm.max_map_count`` still allows.
     """
@@ -174,14 +177,14 @@ def open_core(mode: str, options: CacheOptions, like: torch.Tensor, num_layers: 
     # the device's facts, read once; the mapping room only where a default needs it (each read lists /proc/self/maps)
     facts = DeviceFacts.probe(config.device, mappings=mode == "vmm" and (options.layout is None or options.memory_budget is None))
     if mode == "vmm":
-        choice = choose_layout(config.replace(max_batch_size=batch), style, options, facts)
+        choice = layout_for(config.replace(max_batch_size=batch), style, options, facts)
         config = config.replace(layout=choice.layout, page_size=choice.page_size)
         pieces = config.kv_shape.pieces(choice.layout)
         tokens_per_page, page_bytes = choice.page_size // config.tensor_token_bytes(), pieces * choice.page_size
     else:  # paged mode ignores the page size, but validates a given one all the same (sizing.check_page_size)
         if options.page_size is not None:
             config = config.replace(page_size=options.page_size)
-        choice = Choice("blocks", 0, f"paged mode: {config.block_size}-token blocks")
+        choice = LayoutChoice("blocks", 0, f"paged mode: {config.block_size}-token blocks")
         tokens_per_page = config.block_size
         page_bytes = 2 * num_layers * config.block_size * config.layer_token_bytes
     budget = options.memory_budget
