@@ -1,4 +1,4 @@
-"""What differs between the transformers 5.x versions ``vmkv.hf`` supports (tested: 5.19, 5.24):
+"""What differs between the transformers 5.x versions ``vmkv.hf`` supports (CI tests 5.19 and the newest, 5.25):
 the cache argument's name (:func:`cache_argument`) and whether ``Cache.update`` gets the
 attention kwargs (:func:`attention_kwargs`).
 """
