@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -202,10 +201,7 @@ def _workload(
     model: torch.nn.Module, args: argparse.Namespace, point: Point, clock: str,
 ) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
     """Time every cache on one point, the caches taking turns; rows and per-round seconds."""
-    now = common.CLOCKS[clock]
     caches = list(args.caches)
-    times: dict[str, list[float]] = {name: [] for name in caches}
-    last: dict[str, tuple[Any, torch.Tensor]] = {}
     if point.beams > 1 and "bound" in caches:  # its rows never move: greedy points only
         caches.remove("bound")
     for name in [name for name in caches if "+compile" in name and name not in args.failed]:
@@ -215,29 +211,11 @@ def _workload(
                 warm.close()
         except Exception as exc:  # noqa: BLE001 - reported, the others go on
             args.failed[name] = f"{type(exc).__name__}: {exc}"
-    for round_ in range(args.repeats):
-        for name in caches[round_ % len(caches):] + caches[: round_ % len(caches)]:
-            if name in args.failed:
-                continue
-            common.synchronize(args.device)
-            start = now()
-            try:
-                cache, out = _run_once(model, args, point, name)
-            except Exception as exc:  # noqa: BLE001 - a cache that cannot run is reported, the others go on
-                args.failed[name] = f"{type(exc).__name__}: {exc}"
-                print(f"[generate] {name} left out: {args.failed[name]}", file=sys.stderr)
-                continue
-            common.synchronize(args.device)
-            times[name].append(now() - start)
-            if name in last and hasattr(last[name][0], "close"):
-                last[name][0].close()
-            last[name] = (cache, out)
-    caches = [name for name in caches if name in last]
-    times = {name: times[name] for name in caches}
+    times, last = common.generate_rounds(caches, args.repeats, args.device, clock,
+                                         lambda name: _run_once(model, args, point, name), args.failed, str, "")
     reference = last["dynamic"][1] if "dynamic" in last else None
     rows = []
-    for name in caches:
-        cache, out = last[name]
+    for name, (cache, out) in last.items():
         seconds = common.Spread.of(times[name])
         peak, need, page = _kv_bytes(cache)
         rows.append({
