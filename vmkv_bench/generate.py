@@ -603,28 +603,21 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[str]:
         ("kv_peak_bytes", "peak KV bytes (MiB, log scale)", "generate_kv_bytes.png", "generate() peak KV memory per cache"),
     ]:
         fig, ax = plt.subplots(figsize=(max(7.0, 1.5 * len(cases) + 3), 4.4))
+        kv = field == "kv_peak_bytes"
         for i, name in enumerate(caches):
-            values, errors = [], [[], []]
-            for key in cases:
-                match = [r for r in rows if _case_key(r) == key and r["cache"] == name]
-                r = match[0] if match else None
-                if field == "kv_peak_bytes":
-                    values.append(r[field] / 2**20 if r else 0)
-                    errors[0].append(0)
-                    errors[1].append(0)
-                else:
-                    value = r[field] if r else 0
-                    values.append(value)
-                    errors[0].append(value - r["batch"] * r["new_tokens"] / r["seconds_high"] if r else 0)
-                    errors[1].append(r["batch"] * r["new_tokens"] / r["seconds_low"] - value if r else 0)
-            bars = ax.bar([c + i * width for c in range(len(cases))], values, width,
-                          yerr=errors if field != "kv_peak_bytes" else None, capsize=2, label=name)
-            if field == "kv_peak_bytes":
+            found = [next((r for r in rows if _case_key(r) == key and r["cache"] == name), None) for key in cases]
+            values = [(r[field] / 2**20 if kv else r[field]) if r else 0 for r in found]
+            speed = [(r["batch"] * r["new_tokens"] / r["seconds_high"], r["batch"] * r["new_tokens"] / r["seconds_low"])
+                     if r else (0, 0) for r in found]  # tokens/s of the slowest and fastest round
+            errors = None if kv else [[v - s[0] if r else 0 for v, s, r in zip(values, speed, found)],
+                                      [s[1] - v if r else 0 for v, s, r in zip(values, speed, found)]]
+            bars = ax.bar([c + i * width for c in range(len(cases))], values, width, yerr=errors, capsize=2, label=name)
+            if kv:
                 ax.bar_label(bars, labels=[f"{v:.3g}" if v else "" for v in values], fontsize=7, padding=1)
         ax.set_xticks([c + 0.4 - width / 2 for c in range(len(cases))])
         ax.set_xticklabels(labels, fontsize=8)
         ax.set_ylabel(ylabel)
-        if field == "kv_peak_bytes":
+        if kv:
             from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 
             ax.set_yscale("log")
