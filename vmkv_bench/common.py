@@ -9,6 +9,7 @@ import os
 import platform
 import random
 import statistics
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 
 import vmkv
+from vmkv.sizes import format_size
 
 # Llama-3-8B KV geometry: 32 layers, 8 KV heads of 128, fp16 -> 2 KiB per token per layer tensor.
 LLAMA3_8B = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "float16"}
@@ -181,6 +183,42 @@ def time_interleaved(
     return Timings(times)
 
 
+def rotated(names: Sequence[str], round_: int) -> list[str]:
+    """``names`` starting ``round_`` places further along: rounds that take turns share the machine's drift."""
+    names = list(names)
+    shift = round_ % len(names) if names else 0
+    return names[shift:] + names[:shift]
+
+
+def generate_rounds(
+    names: Sequence[str], repeats: int, device: str, clock: str, run_once: Callable[[str], tuple[Any, Any]],
+    failed: dict[str, str], key: Callable[[str], str], tag: str,
+) -> tuple[dict[str, list[float]], dict[str, tuple[Any, Any]]]:
+    """Time ``run_once(name) -> (cache, output)`` of every name in rotating rounds: per name its seconds and its
+    last ``(cache, output)`` (earlier caches closed); one that raises goes to ``failed[key(name)]``, the others go on."""
+    now = CLOCKS[clock]
+    times: dict[str, list[float]] = {name: [] for name in names}
+    last: dict[str, tuple[Any, Any]] = {}
+    for round_ in range(repeats):
+        for name in rotated(names, round_):
+            if key(name) in failed:
+                continue
+            synchronize(device)
+            start = now()
+            try:
+                cache, out = run_once(name)
+            except Exception as exc:  # noqa: BLE001 - a cache that cannot run is reported, the others go on
+                failed[key(name)] = f"{type(exc).__name__}: {exc}"
+                print(f"[generate] {tag}{name} left out: {failed[key(name)]}", file=sys.stderr)
+                continue
+            synchronize(device)
+            times[name].append(now() - start)
+            if name in last and hasattr(last[name][0], "close"):
+                last[name][0].close()
+            last[name] = (cache, out)
+    return {name: times[name] for name in last}, last
+
+
 @contextmanager
 def torch_threads(count: int | None) -> Iterator[None]:
     """Run the block with ``count`` torch CPU threads (unchanged when ``None``), then restore."""
@@ -255,6 +293,13 @@ def cache_refusals(planned: Iterable[tuple[str, str, vmkv.KVCacheConfig]], granu
         if why:
             refused[label] = why
     return refused
+
+
+def geometry(cache: vmkv.KVCacheBase) -> str:
+    """A cache's pages in words: ``"16-token blocks"`` or ``"per_layer, 64 KiB pages"``."""
+    if cache.mode == "paged":
+        return f"{cache.tokens_per_page}-token blocks"
+    return f"{cache.config.layout}, {format_size(cache.geometry.piece_bytes).replace('.0 ', ' ')} pages"
 
 
 def check_device(device: str) -> None:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -202,10 +201,7 @@ def _workload(
     model: torch.nn.Module, args: argparse.Namespace, point: Point, clock: str,
 ) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
     """Time every cache on one point, the caches taking turns; rows and per-round seconds."""
-    now = common.CLOCKS[clock]
     caches = list(args.caches)
-    times: dict[str, list[float]] = {name: [] for name in caches}
-    last: dict[str, tuple[Any, torch.Tensor]] = {}
     if point.beams > 1 and "bound" in caches:  # its rows never move: greedy points only
         caches.remove("bound")
     for name in [name for name in caches if "+compile" in name and name not in args.failed]:
@@ -215,29 +211,11 @@ def _workload(
                 warm.close()
         except Exception as exc:  # noqa: BLE001 - reported, the others go on
             args.failed[name] = f"{type(exc).__name__}: {exc}"
-    for round_ in range(args.repeats):
-        for name in caches[round_ % len(caches):] + caches[: round_ % len(caches)]:
-            if name in args.failed:
-                continue
-            common.synchronize(args.device)
-            start = now()
-            try:
-                cache, out = _run_once(model, args, point, name)
-            except Exception as exc:  # noqa: BLE001 - a cache that cannot run is reported, the others go on
-                args.failed[name] = f"{type(exc).__name__}: {exc}"
-                print(f"[generate] {name} left out: {args.failed[name]}", file=sys.stderr)
-                continue
-            common.synchronize(args.device)
-            times[name].append(now() - start)
-            if name in last and hasattr(last[name][0], "close"):
-                last[name][0].close()
-            last[name] = (cache, out)
-    caches = [name for name in caches if name in last]
-    times = {name: times[name] for name in caches}
+    times, last = common.generate_rounds(caches, args.repeats, args.device, clock,
+                                         lambda name: _run_once(model, args, point, name), args.failed, str, "")
     reference = last["dynamic"][1] if "dynamic" in last else None
     rows = []
-    for name in caches:
-        cache, out = last[name]
+    for name, (cache, out) in last.items():
         seconds = common.Spread.of(times[name])
         peak, need, page = _kv_bytes(cache)
         rows.append({
@@ -625,28 +603,21 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[str]:
         ("kv_peak_bytes", "peak KV bytes (MiB, log scale)", "generate_kv_bytes.png", "generate() peak KV memory per cache"),
     ]:
         fig, ax = plt.subplots(figsize=(max(7.0, 1.5 * len(cases) + 3), 4.4))
+        kv = field == "kv_peak_bytes"
         for i, name in enumerate(caches):
-            values, errors = [], [[], []]
-            for key in cases:
-                match = [r for r in rows if _case_key(r) == key and r["cache"] == name]
-                r = match[0] if match else None
-                if field == "kv_peak_bytes":
-                    values.append(r[field] / 2**20 if r else 0)
-                    errors[0].append(0)
-                    errors[1].append(0)
-                else:
-                    value = r[field] if r else 0
-                    values.append(value)
-                    errors[0].append(value - r["batch"] * r["new_tokens"] / r["seconds_high"] if r else 0)
-                    errors[1].append(r["batch"] * r["new_tokens"] / r["seconds_low"] - value if r else 0)
-            bars = ax.bar([c + i * width for c in range(len(cases))], values, width,
-                          yerr=errors if field != "kv_peak_bytes" else None, capsize=2, label=name)
-            if field == "kv_peak_bytes":
+            found = [next((r for r in rows if _case_key(r) == key and r["cache"] == name), None) for key in cases]
+            values = [(r[field] / 2**20 if kv else r[field]) if r else 0 for r in found]
+            speed = [(r["batch"] * r["new_tokens"] / r["seconds_high"], r["batch"] * r["new_tokens"] / r["seconds_low"])
+                     if r else (0, 0) for r in found]  # tokens/s of the slowest and fastest round
+            errors = None if kv else [[v - s[0] if r else 0 for v, s, r in zip(values, speed, found)],
+                                      [s[1] - v if r else 0 for v, s, r in zip(values, speed, found)]]
+            bars = ax.bar([c + i * width for c in range(len(cases))], values, width, yerr=errors, capsize=2, label=name)
+            if kv:
                 ax.bar_label(bars, labels=[f"{v:.3g}" if v else "" for v in values], fontsize=7, padding=1)
         ax.set_xticks([c + 0.4 - width / 2 for c in range(len(cases))])
         ax.set_xticklabels(labels, fontsize=8)
         ax.set_ylabel(ylabel)
-        if field == "kv_peak_bytes":
+        if kv:
             from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 
             ax.set_yscale("log")

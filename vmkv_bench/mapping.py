@@ -167,9 +167,8 @@ def _measure_shares(
     """Both variants' shares, map-ahead's paired saving, and each variant's ms per step, over ``rounds``."""
     begins: dict[str, list[list[float]]] = {name: [] for name in VARIANTS}
     totals: dict[str, list[list[float]]] = {name: [] for name in VARIANTS}
-    names = list(VARIANTS)
     for r in range(rounds):  # interleaved, in a rotating order
-        for name in names[r % 3:] + names[: r % 3]:
+        for name in common.rotated(list(VARIANTS), r):
             begin, total = _decode_loop(args, page_size, *VARIANTS[name])
             begins[name].append(begin)
             totals[name].append(total)

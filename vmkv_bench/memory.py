@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import vmkv
-from vmkv.sizes import format_size
 
 from . import common
 
@@ -214,12 +213,6 @@ def refusals(args: argparse.Namespace, granularity: int) -> dict[str, str]:
     return common.cache_refusals(planned, granularity)
 
 
-def _geometry(cache: vmkv.KVCacheBase) -> str:
-    if cache.mode == "paged":
-        return f"{cache.tokens_per_page}-token blocks"
-    return f"{cache.config.layout}, {format_size(cache.geometry.piece_bytes).replace('.0 ', ' ')} pages"
-
-
 def _summarise_series(series: dict[str, list[float]]) -> dict[str, float]:
     marked = [i for i, s in enumerate(series["steady"]) if s]
     steady = marked or list(range(len(series["util"])))
@@ -263,7 +256,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             except vmkv.InvalidConfig as exc:  # e.g. 64 KiB pages under CUDA's 2 MiB granularity
                 skipped[allocator.label] = str(exc)
                 continue
-            same = done.get((kind, allocator.policy, _geometry(cache)))
+            same = done.get((kind, allocator.policy, common.geometry(cache)))
             if same is not None:  # e.g. the defaults are one of the configurations above: same replay
                 cache.close()
                 rows.append({**same, "allocator": allocator.label})
@@ -275,7 +268,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 series = replay.run(trace, show, f"memory {kind} {allocator.label}")
                 wall = time.perf_counter() - start
                 rows.append({
-                    "trace": kind, "allocator": allocator.label, "geometry": _geometry(cache),
+                    "trace": kind, "allocator": allocator.label, "geometry": common.geometry(cache),
                     "tokens_per_page": cache.tokens_per_page, **_summarise_series(series),
                     "preemptions": replay.preemptions, "iterations": len(series["util"]), "wall_s": wall,
                 })

@@ -252,9 +252,8 @@ def _alternate(
     """``repeats`` runs of ``measure(engine)`` per mode, modes taking turns in a rotating order
     (machine drift hits both alike); per mode, the run of median throughput, and every run."""
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in engines}
-    modes = list(engines)
     for repeat in range(repeats):
-        for mode in modes[repeat % len(modes):] + modes[: repeat % len(modes)]:
+        for mode in common.rotated(list(engines), repeat):
             engine = engines[mode]
             engine.cache.trim()
             before = engine.stats()["engine"]["preemptions"]

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import vmkv
-from vmkv.sizes import format_size
 from vmkv.sizing import DEFAULT_TOKENS_PER_PAGE
 
 from . import common
@@ -163,7 +162,7 @@ def _measure(allocator: Allocator, args: argparse.Namespace, scenario: Callable[
             run = _Run(cache, shared)
             scenario(run, random.Random(seed))
             run.close()
-            result[shared] = (run.page_steps, run.peak, cache.stats()["cow_copies"], cache.tokens_per_page, _geometry(cache))
+            result[shared] = (run.page_steps, run.peak, cache.stats()["cow_copies"], cache.tokens_per_page, common.geometry(cache))
     return result
 
 
@@ -193,12 +192,6 @@ def _shape(fields: dict[str, Any]) -> vmkv.KVCacheConfig:
 def _budget(shape: vmkv.KVCacheConfig, width: int, max_seq_len: int, page_tokens: int) -> int:
     pages = 2 * width * (-(-max_seq_len // page_tokens) + 1)
     return pages * page_tokens * shape.bytes_per_token
-
-
-def _geometry(cache: vmkv.KVCacheBase) -> str:
-    if cache.mode == "paged":
-        return f"{cache.tokens_per_page}-token blocks"
-    return f"{cache.config.layout}, {format_size(cache.geometry.piece_bytes).replace('.0 ', ' ')} pages"
 
 
 def _settings(args: argparse.Namespace) -> tuple[argparse.Namespace, list[int]]:

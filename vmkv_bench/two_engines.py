@@ -221,8 +221,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     try:
         for round_index in range(opts["rounds"]):
-            order = ("static", "shared") if round_index % 2 == 0 else ("shared", "static")
-            for setup in order:
+            for setup in common.rotated(("static", "shared"), round_index):
                 ledger = f"bench-{os.getpid()}-{round_index}"
                 rows.append({"setup": setup, "round": round_index,
                              **run_setup(engines, setup, opts, trace, ledger)})

@@ -113,8 +113,7 @@ def _run_trace(args: argparse.Namespace, model: Path, kv_bytes: int) -> tuple[li
     }
     rows, series, tokens = [], {}, {}
     for round_ in range(s["rounds"]):
-        order = ["stock", "vmkv"] if round_ % 2 == 0 else ["vmkv", "stock"]
-        for name in order:
+        for name in common.rotated(["stock", "vmkv"], round_):
             vmkv = name == "vmkv"
             time.sleep(SETTLE_S)
             result = drive.run(engines[name], prompts, params, vmkv=vmkv, arrivals=arrivals, sample_every=args.sample_every)

@@ -1,23 +1,10 @@
-"""The sliding-window part of ``vmkv bench generate`` (issue 36): on models whose sliding layers
-need only their window, does VirtualCache hold no more K/V than DynamicCache, far less than
-StaticCache, and generate as fast?
-
-Two shapes of today's models, random weights, a few layers (no download):
-
-* ``gpt-oss``: GPT-OSS-20B's attention: 8 KV heads of 64, 128-token windows on every other layer,
-  attention sinks, mixture-of-experts MLPs (fewer and smaller experts);
-* ``gemma3``: Gemma-3-4B's attention: 4 KV heads of 256, 1,024-token windows on five layers of six.
-
-Each cache generates the same greedy tokens from the same prompt; a cache's K/V bytes are what it
-holds when ``generate()`` returns (DynamicCache's sliding layers keep their window, StaticCache
-keeps ``max_cache_len`` on its full layers, VirtualCache the pages it has mapped) and, for
-VirtualCache, the most it held at once (the prompt's pages are mapped before the window lets go).
-"""
+"""The sliding-window part of ``vmkv bench generate`` (issue 36): on GPT-OSS- and Gemma-3-shaped models
+(random weights, a few layers), does VirtualCache hold no more K/V than DynamicCache, far less than StaticCache,
+and generate as fast? (docs/benchmarks.md)"""
 
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any, Callable
 
 import torch
@@ -125,27 +112,9 @@ def _model_rows(name: str, args: argparse.Namespace, clock: str) -> tuple[list[d
     prompt, new = args.window_point
     max_len = max(args.window_max_len, prompt + new)
     ids = torch.randint(1, 512, (1, prompt), generator=torch.Generator().manual_seed(args.seed)).to(args.device)
-    now = common.CLOCKS[clock]
-    caches = [cache for cache in args.window_caches if f"windows.{name}.{cache}" not in args.failed]
-    times: dict[str, list[float]] = {cache: [] for cache in caches}
-    last: dict[str, tuple[Any, torch.Tensor]] = {}
-    for round_ in range(args.repeats):
-        for cache_name in caches[round_ % len(caches):] + caches[: round_ % len(caches)]:
-            if f"windows.{name}.{cache_name}" in args.failed:
-                continue
-            common.synchronize(args.device)
-            start = now()
-            try:
-                cache, out = _run_once(model, cache_name, own, ids, new, max_len)
-            except Exception as exc:  # noqa: BLE001 - a cache that cannot run is reported, the others go on
-                args.failed[f"windows.{name}.{cache_name}"] = f"{type(exc).__name__}: {exc}"
-                print(f"[generate] {name} {cache_name} left out: {type(exc).__name__}: {exc}", file=sys.stderr)
-                continue
-            common.synchronize(args.device)
-            times[cache_name].append(now() - start)
-            if cache_name in last and hasattr(last[cache_name][0], "close"):
-                last[cache_name][0].close()
-            last[cache_name] = (cache, out)
+    times, last = common.generate_rounds(
+        args.window_caches, args.repeats, args.device, clock, lambda cache: _run_once(model, cache, own, ids, new, max_len),
+        args.failed, lambda cache: f"windows.{name}.{cache}", f"{name} ")
     reference = last["dynamic"][1] if "dynamic" in last else None
     rows = []
     for cache_name, (cache, out) in last.items():
@@ -159,7 +128,7 @@ def _model_rows(name: str, args: argparse.Namespace, clock: str) -> tuple[list[d
         })
         if hasattr(cache, "close"):
             cache.close()
-    return rows, {cache_name: times[cache_name] for cache_name in last}
+    return rows, times
 
 
 def run_part(args: argparse.Namespace, clock: str) -> dict[str, Any]:

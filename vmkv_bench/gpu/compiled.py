@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..common import synchronize
 from ..runner import Context
 
 LOGIT_FACTOR = 2.0  # compiled VirtualCache's logit error may be at most this many times StaticCache's
@@ -106,10 +107,10 @@ def _time_one(model: torch.nn.Module, name: str, work: Work, compile_config: Any
     skips = counters["inductor"]["cudagraph_skips"] - skips
     seconds = []
     for _ in range(rounds):
-        _sync(work.ids.device)
+        synchronize(work.ids.device.type)
         began = time.perf_counter()
         cache, out = _generate(model, name, work, compile_config, return_dict_in_generate=True)
-        _sync(work.ids.device)
+        synchronize(work.ids.device.type)
         seconds.append(time.perf_counter() - began)
     median = statistics.median(seconds)
     row = {"seconds": median, "tokens_per_s": work.ids.shape[0] * work.new / median,
@@ -153,11 +154,6 @@ def logit_errors(model: torch.nn.Module, work: Work, compile_config: Any) -> dic
                 raise
             errors[name] = f"{type(exc).__name__}: {exc}"[:500]
     return errors
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def _setup(device: torch.device, smoke: bool) -> tuple[torch.nn.Module, Any, Work, Work, int]:
@@ -242,7 +238,7 @@ def profile(model: torch.nn.Module, name: str, work: Work, compile_config: Any) 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if work.ids.device.type == "cuda" else [])
     with torch_profile(activities=activities) as prof:
         _generate(model, name, work, compile_config)
-        _sync(work.ids.device)
+        synchronize(work.ids.device.type)
     events = prof.key_averages()
 
     def top(key: str) -> dict[str, float]:

@@ -15,6 +15,7 @@ import torch
 
 import vmkv
 
+from ..common import rotated
 from ..runner import Context, SectionSkipped
 from .vllm_smoke import gpu_smoke
 
@@ -49,13 +50,18 @@ def vllm_unavailable(device: torch.device, smoke: bool) -> str | None:
     return None
 
 
+def _need_vllm(device: torch.device, what: str) -> None:
+    """Skip the section (``what`` names it) off CUDA or without vLLM."""
+    if device.type != "cuda":
+        raise SectionSkipped(f"{what} needs a CUDA device")
+    if importlib.util.find_spec("vllm") is None:
+        raise SectionSkipped("vLLM is not installed")
+
+
 def vllm_section(ctx: Context) -> dict[str, Any]:
     """:func:`~vmkv_bench.gpu.vllm_smoke.gpu_smoke` ``(DIR/vllm)``: stock vLLM and vLLM + vmkv on the tiny model."""
     device, out_dir = ctx.device, ctx.out
-    if device.type != "cuda":
-        raise SectionSkipped("the vLLM smoke test needs a CUDA device")
-    if importlib.util.find_spec("vllm") is None:
-        raise SectionSkipped("vLLM is not installed")
+    _need_vllm(device, "the vLLM smoke test")
     (out_dir / "vllm").mkdir(parents=True, exist_ok=True)
     try:
         result = gpu_smoke(out_dir / "vllm")
@@ -84,10 +90,7 @@ def vllm_failures(result: dict[str, Any]) -> list[str]:
 def vllm_addressing_section(ctx: Context) -> dict[str, Any]:
     """Stock vLLM, vmkv's paged backing and contiguous mode interleaved on :data:`GPU_SETTINGS`' work."""
     device, out_dir, smoke = ctx.device, ctx.out, ctx.smoke
-    if device.type != "cuda":
-        raise SectionSkipped("the addressing comparison inside vLLM on CUDA needs a CUDA device")
-    if importlib.util.find_spec("vllm") is None:
-        raise SectionSkipped("vLLM is not installed")
+    _need_vllm(device, "the addressing comparison inside vLLM on CUDA")
     from vmkv.vllm import check_vllm
 
     try:
@@ -124,8 +127,7 @@ def run_addressing(s: dict[str, Any], model_root: Path, seed: int, engine_kwargs
     engines = {name: drive.engine(model, vmkv=name != "stock", options=options.get(name), **common_kwargs) for name in ENGINES}
     rows, tokens = [], {}
     for round_ in range(s["rounds"]):
-        order = ENGINES[round_ % 3:] + ENGINES[: round_ % 3]
-        for name in order:
+        for name in rotated(ENGINES, round_):
             llm, vmkv = engines[name], name != "stock"
             llm.reset_prefix_cache()  # every run prefills in full: no engine reuses an earlier round's prompts
             time.sleep(1.5)  # vLLM's workers busy-poll for 1 s after a step: let the idle engines go quiet
