@@ -108,6 +108,15 @@ class VariantStep:
         rows = q[plan.offsets[i] : plan.offsets[i + 1]]
         return variant_attention(rows, self.keys[i], self.values[i], plan.starts[i], **variant)
 
+    def assert_matches(self, q: torch.Tensor, out: torch.Tensor, label: str, **variant) -> None:
+        """Every sequence's rows of ``out`` (a kernel's output for ``q``) against :meth:`reference`;
+        float32 to 1e-5, other dtypes to 2e-2."""
+        tol = 1e-5 if out.dtype == torch.float32 else 2e-2
+        for i in range(self.plan.batch_size):
+            got = out[self.plan.offsets[i] : self.plan.offsets[i + 1]].double()
+            torch.testing.assert_close(got, self.reference(q, i, **variant), atol=tol, rtol=tol,
+                                       msg=lambda m: f"{label}: {m}")
+
 
 def variant_step(starts: list[int], q_lens: list[int], *, window: int, kv_heads: int = 2, head_dim: int = 16,
                  block_size: int = 4, dtype: torch.dtype = torch.float32, seed: int = 0,

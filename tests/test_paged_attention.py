@@ -178,11 +178,7 @@ def test_every_cpu_kernel_applies_a_variant_as_transformers_does(dtype, window, 
         for kernel_name, kernel in block_kernels(step.plan).items():
             out = kernel(q, step.k_pool, step.v_pool, step.plan, None, variant)
             assert torch.isfinite(out).all(), f"{kernel_name}: a released block reached the output"
-            for i in range(step.plan.batch_size):
-                want = step.reference(q, i, window=window, softcap=softcap, sinks=sink_logits)
-                got = out[step.plan.offsets[i] : step.plan.offsets[i + 1]].double()
-                tol = 1e-5 if dtype == torch.float32 else 2e-2
-                torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=lambda m, k=kernel_name, s=name: f"{k}, {s}: {m}")
+            step.assert_matches(q, out, f"{kernel_name}, {name}", window=window, softcap=softcap, sinks=sink_logits)
 
 
 @pytest.mark.parametrize("q_lens", [[1, 1, 1, 1, 1, 1], [1, 6, 1, 9, 3, 1]])

@@ -229,8 +229,8 @@ class KVCacheBase(ABC):
         with self.guard.atomic():
             self._finish_last_step()  # first: its full pages stay in the prefix cache
             keep = 0
-            if self._keep_spare:
-                while keep < len(seq.pages) and not seq.released and self._own.is_private(seq.pages[keep]):
+            if self._keep_spare and not seq.released:  # a window let pages go: none kept as spare
+                while keep < len(seq.pages) and self._own.is_private(seq.pages[keep]):
                     keep += 1
             self._own.drop_from(seq, keep)
         self.slots.vacate(seq.slot, seq.pages[:keep])

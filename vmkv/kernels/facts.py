@@ -59,22 +59,23 @@ def torch_varlen_features() -> set[str]:
     return {name for name in ("seqused_k", "block_table", "window_size", "enable_gqa") if name in params}
 
 
-def flash_varlen_has_seqused_k() -> bool:
-    """Whether this torch's ``aten::_flash_attention_forward`` takes ``seqused_k`` (torch >= 2.5)."""
+def _flash_forward_takes(argument: str) -> bool:
+    """Whether this torch's ``aten::_flash_attention_forward`` has an argument named ``argument``."""
     try:
         schema = torch.ops.aten._flash_attention_forward.default._schema
     except (AttributeError, RuntimeError):
         return False
-    return any(argument.name == "seqused_k" for argument in schema.arguments)
+    return any(found.name == argument for found in schema.arguments)
+
+
+def flash_varlen_has_seqused_k() -> bool:
+    """Whether this torch's ``aten::_flash_attention_forward`` takes ``seqused_k`` (torch >= 2.5)."""
+    return _flash_forward_takes("seqused_k")
 
 
 def flash_varlen_has_window() -> bool:
     """Whether this torch's ``aten::_flash_attention_forward`` takes ``window_size_left``."""
-    try:
-        schema = torch.ops.aten._flash_attention_forward.default._schema
-    except (AttributeError, RuntimeError):
-        return False
-    return any(argument.name == "window_size_left" for argument in schema.arguments)
+    return _flash_forward_takes("window_size_left")
 
 
 def flash_window_left(window: int) -> int:
