@@ -140,6 +140,21 @@ def test_a_group_that_refuses_a_step_leaves_every_group_as_it_was(mode):
     cache.close()
 
 
+@pytest.mark.parametrize("mode", ["vmm", "paged"])
+def test_a_group_that_refuses_a_reservation_leaves_every_group_as_it_was(mode):
+    """The full group (first) has room for 33 tokens, the windowed one's smaller share has not: the
+    reservation is refused before the full group maps anything."""
+    cache = vmkv.open_cache(config((0, 8), memory_budget=256 * 1024, max_step_tokens=8), mode=mode)
+    cache.add("a")
+    cache.groups[0].check_reserve("a", 33)  # the full group alone would take it
+    before = cache.state()
+    with pytest.raises(OutOfPages):
+        cache.reserve("a", 33)
+    assert cache.state() == before
+    cache.check()
+    cache.close()
+
+
 def test_layer_windows_are_validated_and_a_shared_budget_needs_one_window():
     with pytest.raises(InvalidConfig, match="layer_windows"):
         config((8,), num_layers=2)

@@ -251,14 +251,23 @@ class KVCacheBase(ABC):
             OutOfMappings) if the OS refused a mapping: the call was rolled back.
         """
         self._join_ahead()
-        seq = self._get(seq_id)
-        num_tokens = as_int(num_tokens, "num_tokens")
-        check_length(seq, num_tokens, self.config.max_seq_len)
-        grow = max(0, self.pages_for(num_tokens) - len(seq.pages))
+        seq, num_tokens, grow = self._reservation(seq_id, num_tokens)
         with self.guard.atomic():
             self._own.make_room(grow)
             self._own.grow(seq, grow)
         seq.reserved = max(seq.reserved, num_tokens)
+
+    def check_reserve(self, seq_id: SeqId, num_tokens: int) -> None:
+        """Raise what :meth:`reserve` would raise for lack of pages or a bad argument, changing nothing (a
+        caller reserving in several caches checks them all first)."""
+        self._own.check_room(self._reservation(seq_id, num_tokens)[2])
+
+    def _reservation(self, seq_id: SeqId, num_tokens: int) -> tuple[LiveSequence, int, int]:
+        """``(sequence, num_tokens, pages to add)`` of a valid reservation (room is make_room's to check)."""
+        seq = self._get(seq_id)
+        num_tokens = as_int(num_tokens, "num_tokens")
+        check_length(seq, num_tokens, self.config.max_seq_len)
+        return seq, num_tokens, max(0, self.pages_for(num_tokens) - len(seq.pages))
 
     @exclusive
     def truncate(self, seq_id: SeqId, length: int) -> None:

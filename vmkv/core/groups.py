@@ -100,6 +100,10 @@ class LayerGroups:
             core.check_truncate(seq_id, length)
 
     def reserve(self, seq_id: SeqId, num_tokens: int) -> None:
+        """``KVCacheBase.reserve`` in every group, once every group has the room (a refusing group would
+        leave the earlier ones holding pages)."""
+        for core in self.groups:
+            core.check_reserve(seq_id, num_tokens)
         for core in self.groups:
             core.reserve(seq_id, num_tokens)
 
