@@ -455,6 +455,12 @@ def test_an_unknown_embedded_model_is_refused():
         make_engine("vmm", model="embedded:gpt")
 
 
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "cpu:1"])
+def test_a_device_that_is_not_one_is_refused_with_a_typed_error(device):
+    with pytest.raises(vmkv.InvalidConfig, match="device"):
+        make_engine("vmm", device=device)
+
+
 def random_traffic(seed: int, count: int) -> list[tuple[int, list[int], SamplingParams]]:
     """``(arrival step, prompt ids, params)``: shared prefixes, n up to 3, greedy and seeded sampling."""
     import random

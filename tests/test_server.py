@@ -382,10 +382,14 @@ def test_cli_options_and_configuration_errors(capsys):
     no_key = parser.parse_args(["--protect-metrics", "--log-level", "error"])
     no_key.api_key = None
     assert cli.run(no_key) == 2 and "--api-key" in capsys.readouterr().err
-    for option in (["--port", "99999"], ["--port", "-1"], ["--port", "http"], ["--max-num-seqs", "0"]):
+    for option in (["--port", "99999"], ["--port", "-1"], ["--port", "http"], ["--max-num-seqs", "0"],
+                   ["--device", "gpu"], ["--device", "cuda:x"]):
         with pytest.raises(SystemExit) as exit_info:  # argparse refuses it: nothing was loaded or bound
             parser.parse_args(option)
         assert exit_info.value.code == 2 and option[0] in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # one line naming what a device is, not torch's traceback
+        parser.parse_args(["--device", "gpu"])
+    assert "'gpu' is not a device; use 'cpu' or 'cuda[:N]'" in capsys.readouterr().err
     help_text = " ".join(parser.format_help().split())  # argparse wraps lines
     for default in ("(default: 256MiB)", "(default: 8000)", "(default: 127.0.0.1", "(default: vmm)", "(default: 32)",
                     "(default: 512)", "(default: 16)", "(default: auto)", "(default: cpu)", "(default: 0)"):

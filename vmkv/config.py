@@ -12,7 +12,7 @@ import torch
 from .errors import InvalidConfig
 from .ledger import SharedBudget
 from .sizes import parse_size
-from .validate import is_int, positive_int
+from .validate import as_device, is_int, positive_int
 
 Layout = Literal["per_layer", "all_layers", "head_major"]
 LAYOUTS = ("per_layer", "all_layers", "head_major")
@@ -40,22 +40,6 @@ def _as_dtype(value: torch.dtype | str) -> torch.dtype:
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise InvalidConfig(f"dtype: {dtype} is not supported; use float32, float16 or bfloat16")
     return dtype
-
-
-def _as_device(value: torch.device | str) -> torch.device:
-    try:
-        device = torch.device(value)
-    except (RuntimeError, TypeError) as exc:
-        raise InvalidConfig(f"device: {value!r} is not a torch device ({exc})") from None
-    if device.type not in ("cpu", "cuda"):
-        raise InvalidConfig(f"device: {device} is not supported; use 'cpu' or 'cuda[:N]'")
-    if device.type == "cpu":  # torch has one CPU device: tensors say "cpu", so "cpu:0" is that one
-        if device.index not in (None, 0):
-            raise InvalidConfig(f"device: {device} does not exist; the CPU is 'cpu' (or 'cpu:0')")
-        return torch.device("cpu")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
-    return device
 
 
 @dataclass(frozen=True)
@@ -208,7 +192,7 @@ class KVCacheConfig:
         if self.layout is not None and self.layout not in LAYOUTS:
             raise InvalidConfig(f"layout must be one of {', '.join(map(repr, LAYOUTS))} (or None), got {self.layout!r}")
         object.__setattr__(self, "dtype", _as_dtype(self.dtype))
-        object.__setattr__(self, "device", _as_device(self.device))
+        object.__setattr__(self, "device", as_device(self.device))
         object.__setattr__(self, "memory_budget", parse_size(self.memory_budget, name="memory_budget"))
         if self.shared_budget is not None and not isinstance(self.shared_budget, SharedBudget):
             object.__setattr__(self, "shared_budget", SharedBudget.parse(self.shared_budget))

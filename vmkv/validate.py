@@ -31,6 +31,27 @@ def positive_int(name: str, value: Any, error: type[VMKVError] = InvalidConfig, 
     return int(value)
 
 
+def as_device(value: torch.device | str) -> torch.device:
+    """``cpu`` or ``cuda[:N]`` as a torch device (``cuda`` is the current one).
+
+    Raises:
+        InvalidConfig: not a device string, or a device vmkv does not run on.
+    """
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError):
+        raise InvalidConfig(f"device: {value!r} is not a device; use 'cpu' or 'cuda[:N]'") from None
+    if device.type not in ("cpu", "cuda"):
+        raise InvalidConfig(f"device: {device} is not supported; use 'cpu' or 'cuda[:N]'")
+    if device.type == "cpu":  # torch has one CPU device: tensors say "cpu", so "cpu:0" is that one
+        if device.index not in (None, 0):
+            raise InvalidConfig(f"device: {device} does not exist; the CPU is 'cpu' (or 'cpu:0')")
+        return torch.device("cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return device
+
+
 def as_int(value: Any, name: str, minimum: int | None = 0) -> int:
     """``value`` as an int ``>= minimum`` (any int with ``minimum=None``).
 

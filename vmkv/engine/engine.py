@@ -34,7 +34,7 @@ from ..core.base import KVCacheBase
 from ..core.step import StepPlan
 from ..errors import DuplicateSequence, InvalidConfig, OutOfPages, SequenceTooLong
 from ..sizing import check_cache_options
-from ..validate import is_int
+from ..validate import as_device, is_int
 from .graphs import SLOTS_TAKEN, DecodeGraphs, unsupported
 from .request import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
 from .runner import LoadedModel, ModelRunner, cache_config_for, load_model, read_model_spec
@@ -91,7 +91,7 @@ class EngineConfig:
     @property
     def graphs(self) -> bool:
         """Whether decode steps are captured (``cuda_graphs``, ``None`` resolved by the device)."""
-        return torch.device(self.device).type == "cuda" if self.cuda_graphs is None else self.cuda_graphs
+        return as_device(self.device).type == "cuda" if self.cuda_graphs is None else self.cuda_graphs
 
     def cache_config(self) -> KVCacheConfig:
         """The KV cache configuration this engine opens, from the model's ``config.json`` (no weight read).

@@ -17,6 +17,7 @@ from ..core.base import KVCacheBase
 from ..core.step import StepPlan
 from ..errors import InvalidConfig
 from ..models import EMBEDDED, ByteTokenizer, default_hf_model
+from ..validate import as_device
 from .graphs import DecodeGraphs
 from .llama import LlamaForCausalLM, LlamaShape
 
@@ -150,9 +151,9 @@ def read_model_spec(path: str | Path | None = None, *, dtype: str | torch.dtype 
     """Read the shape, dtype and positions of an embedded model or a local checkpoint.
 
     Raises:
-        InvalidConfig: no ``config.json``, an unsupported architecture or dtype.
+        InvalidConfig: no ``config.json``, an unsupported architecture, dtype or device.
     """
-    target = torch.device(device)
+    target = as_device(device)
     name = embedded_name(path)
     if name is not None:
         from transformers import AutoConfig

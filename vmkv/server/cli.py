@@ -34,6 +34,18 @@ def _positive(text: str) -> int:
     return value
 
 
+def _device(text: str) -> str:
+    """``cpu`` or ``cuda[:N]`` (argparse type): a typo is refused before the model loads."""
+    from ..errors import InvalidConfig
+    from ..validate import as_device
+
+    try:
+        as_device(text)
+    except InvalidConfig as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("device: ")) from None
+    return text
+
+
 GRAPHS = {"auto": None, "on": True, "off": False}  # --cuda-graphs -> EngineConfig.cuda_graphs
 
 
@@ -48,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                        help="model and KV dtype; auto = float32 on CPU, the checkpoint's on CUDA "
                        "(default: %(default)s)")
-    model.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: %(default)s)")
+    model.add_argument("--device", type=_device, default="cpu", help="cpu or cuda[:N] (default: %(default)s)")
     cache = parser.add_argument_group("KV cache")
     cache.add_argument("--kv-mode", default="vmm", choices=["vmm", "paged"],
                        help="virtually contiguous tensors or block tables (default: %(default)s)")
