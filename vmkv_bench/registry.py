@@ -42,10 +42,9 @@ def _bench(name: str, presets: dict[str, list[str]] | None = None, in_suite: boo
 
 
 def _check(name: str, estimate_s: float, function: str, about: str, **fields: Any) -> Entry:
-    module = f"vmkv_bench.gpu.{function.partition('.')[0]}"
-    attr = function.partition(".")[2]
-    return Entry(name, f"{module}:{attr}_section", about, estimate_s=estimate_s, headline=f"{module}:{attr}_headline",
-                 **fields)
+    group, _, attr = function.partition(".")  # "core.tests": vmkv_bench.gpu.core's tests_section and tests_headline
+    target = f"vmkv_bench.gpu.{group}:{attr}"
+    return Entry(name, f"{target}_section", about, estimate_s=estimate_s, headline=f"{target}_headline", **fields)
 
 
 # The GPU presets keep the quick suite within about 3 minutes on an H200 (docs/benchmarks.md).

@@ -1,9 +1,10 @@
 """The one runner: ``vmkv bench`` (:func:`main`: benchmarks in this process) and the GPU check
-(:func:`check_main`: each section in a process of its own, within a time budget), over :func:`run_jobs`."""
+(:func:`check_main`: each section in a process of its own, within a time budget)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -14,10 +15,9 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 from vmkv.extras import attempt, install_hint, installed
 
@@ -37,33 +37,7 @@ OPTIONAL_PACKAGES = {"flash-attn": ("flash_attn", "flash-attn"), "FlashInfer": (
 ERROR_MARKS = ("Error", "error:", "Assertion", "Traceback", "what():")  # lines kept from a crashed section's output
 
 
-# ---- one loop for both commands ------------------------------------------------------------------
-@dataclass
-class Job:
-    """One entry about to run: its parsed options and how it runs (in this process or a child)."""
-
-    entry: Entry
-    args: argparse.Namespace
-    run: Callable[[Job, float | None], dict[str, Any]]  # (job, seconds left or None) -> its record
-    skip: Callable[[Job, float | None], dict[str, Any] | None] = lambda job, left: None
-    module: ModuleType | None = None
-    options: list[str] | None = None
-
-
-def run_jobs(jobs: list[Job], *, budget_s: float | None = None, started: float | None = None,
-             save: Callable[[Job, dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
-    """Run ``jobs`` in turn, each to a record, ``save`` after each; with ``budget_s`` a job gets
-    what is left of it (counted from ``started``) and its ``skip`` may refuse it for lack of time."""
-    records = []
-    for job in jobs:
-        left = None if budget_s is None else budget_s - (time.monotonic() - (started or 0.0))
-        record = job.skip(job, left) or job.run(job, left)
-        records.append(record)
-        if save:
-            save(job, record)
-    return records
-
-
+# ---- processes, for both commands ----------------------------------------------------------------
 @dataclass(frozen=True)
 class Finished:
     """How a process run by :func:`run_process` ended (``returncode`` None: killed at its limit)."""
@@ -96,24 +70,27 @@ def run_process(cmd: list[str], timeout: float) -> Finished:
     try:
         out, err = proc.communicate(timeout=max(timeout, 0.1))
         returncode: int | None = proc.returncode
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
+    except BaseException as exc:  # out of time, or this process interrupted: the whole group goes
+        with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+            os.killpg(proc.pid, signal.SIGKILL)
+        if not isinstance(exc, subprocess.TimeoutExpired):
+            raise
         out, err = proc.communicate()
         returncode = None
-    except BaseException:
-        _kill_group(proc)
-        raise
     return Finished(returncode, out or "", err or "", time.monotonic() - began)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:  # it ended meanwhile
-        pass
-
-
 # ---- vmkv bench ----------------------------------------------------------------------------------
+@dataclass
+class Job:
+    """A benchmark about to run: its entry, parsed options, module and the options it was given."""
+
+    entry: Entry
+    args: argparse.Namespace
+    module: ModuleType
+    options: list[str]
+
+
 def common_parser(defaults: bool) -> argparse.ArgumentParser:
     """The options every benchmark takes; without ``defaults`` absent ones stay unset (given before the name)."""
     parser = argparse.ArgumentParser(add_help=False)
@@ -195,18 +172,15 @@ def granularity(device: str) -> int:
     return backend_granularity(torch.device(device))
 
 
-PROBE_BYTES = 4096
-
-
 def unwritable(out: Path) -> str:
-    """Why results cannot be written to ``out`` ('' if they can): it is created and a probe file
-    written, flushed to the disk and removed; on failure what this call created is removed."""
+    """Why results cannot be written to ``out`` ('' if they can): a probe file is written to the disk there
+    and removed; on failure so is what this call created."""
     created = [p for p in (out, *out.parents) if not p.exists()]
     probe = out / f".vmkv-bench-probe-{os.getpid()}"
     try:
         out.mkdir(parents=True, exist_ok=True)
         with open(probe, "wb") as handle:
-            handle.write(b"\0" * PROBE_BYTES)
+            handle.write(b"\0" * 4096)
             handle.flush()
             os.fsync(handle.fileno())  # a full disk refuses the blocks here, not at open
         probe.unlink()
@@ -220,10 +194,11 @@ def unwritable(out: Path) -> str:
     return ""
 
 
-def _refused(job: Job, pages: Callable[[str], int]) -> str:
+def _refused(job: Job) -> str:
+    """Why the backend of its device refuses what ``job``'s options ask of it ('' if nothing)."""
     if not hasattr(job.module, "refusals"):
         return ""
-    gran = pages(job.args.device)
+    gran = granularity(job.args.device)
     refused, why = attempt(lambda: job.module.refusals(job.args, gran))
     if why or not refused:  # why: an option the module itself refuses (an unknown allocator, say)
         return why
@@ -231,7 +206,7 @@ def _refused(job: Job, pages: Callable[[str], int]) -> str:
     return f"on {job.args.device} (pages are multiples of {gran} B) the backend refuses {what}"
 
 
-def preflight(jobs: list[Job], pages: Callable[[str], int] | None = None) -> str:
+def preflight(jobs: list[Job]) -> str:
     """Every check made before a benchmark runs, the first failure as one line ('' if none): the
     devices, what the options ask of the backend, then (the one check that writes) the outputs."""
     for device in dict.fromkeys(job.args.device for job in jobs):
@@ -239,7 +214,7 @@ def preflight(jobs: list[Job], pages: Callable[[str], int] | None = None) -> str
         if why:
             return why
     for job in jobs:
-        why = _refused(job, pages or granularity)
+        why = _refused(job)
         if why:
             return f"{job.entry.name} cannot run with its options: {why}"
     for out in dict.fromkeys(job.args.out for job in jobs):
@@ -263,18 +238,16 @@ def run_one(module: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
         plots, why = attempt(lambda: module.plot(result, args.out))
         if why:
             print(f"[{result['name']}] no plot: {why}", file=sys.stderr)
-            plots = []
     print(f"\n== {result['name']} ({seconds:.0f} s) ==")
     if hasattr(module, "table"):
         print(_tables(module.table(result)))
     else:
         print(common.format_table(result["rows"], list(result["schema"]) if result.get("schema") else None))
     if result["verdicts"]:
-        print()
-        print(common.format_verdicts(result["verdicts"]))
+        print("\n" + common.format_verdicts(result["verdicts"]))
     # file names: suite.json and report.md live in the same directory
     return {"name": result["name"], "status": "ok", "seconds": seconds, "json": json_path.name,
-            "plots": [Path(p).name for p in plots], "verdicts": result["verdicts"]}
+            "plots": [Path(p).name for p in plots or []], "verdicts": result["verdicts"]}
 
 
 def _tables(found: list[dict[str, Any]] | dict[str, list[dict[str, Any]]]) -> str:
@@ -297,8 +270,8 @@ def _verdicts(module: ModuleType, result: dict[str, Any]) -> list[dict[str, Any]
     return verdicts
 
 
-def _run_here(job: Job, left: float | None, *, number: int, count: int, single: bool) -> dict[str, Any]:
-    """A benchmark in this process: one that fails is a record, and the others still run."""
+def _run_here(job: Job, number: int, count: int, single: bool) -> dict[str, Any]:
+    """Benchmark ``number`` of ``count`` in this process: one that fails is a record, and the others still run."""
     name = job.entry.name
     if count > 1:
         print(f"[{number}/{count}] {name}: {getattr(job.module, 'DESCRIPTION', '')}", file=sys.stderr)
@@ -314,19 +287,16 @@ def _run_here(job: Job, left: float | None, *, number: int, count: int, single: 
 def _jobs(ns: argparse.Namespace) -> tuple[list[Job], list[dict[str, Any]]]:
     """The run's benchmarks with their options parsed, and a record for each that could not be imported."""
     common_ns = argparse.Namespace(**{k: getattr(ns, k) for k in COMMON_OPTIONS})
-    names = [ns.name] if ns.name else [name for name, entry in BENCHMARKS.items() if entry.in_suite or ns.full]
-    loaded, unavailable = [], []
-    for name in names:
-        entry = BENCHMARKS[name]
+    entries = [BENCHMARKS[ns.name]] if ns.name else [entry for entry in BENCHMARKS.values() if entry.in_suite or ns.full]
+    jobs, unavailable = [], []
+    for entry in entries:
         module, why = load_module(entry)
         if module is None:
-            print(f"[{name}] skipped: {why}", file=sys.stderr)
-            unavailable.append({"name": name, "status": "unavailable", "reason": why})
+            print(f"[{entry.name}] skipped: {why}", file=sys.stderr)
+            unavailable.append({"name": entry.name, "status": "unavailable", "reason": why})
             continue
         options = list(ns.rest) if ns.name else preset(entry, ns.device, smoke=ns.smoke, full=ns.full)
-        loaded.append((entry, module, module_args(module, entry, options, common_ns), options))
-    jobs = [Job(entry, args, partial(_run_here, number=number, count=len(loaded), single=bool(ns.name)), module=module,
-                options=options) for number, (entry, module, args, options) in enumerate(loaded, 1)]
+        jobs.append(Job(entry, module_args(module, entry, options, common_ns), module, options))
     return jobs, unavailable
 
 
@@ -342,7 +312,7 @@ def run(ns: argparse.Namespace) -> int:
         print(f"vmkv bench: {why}", file=sys.stderr)
         return 2
     out = jobs[0].args.out if ns.name and jobs else ns.out  # a single benchmark may set --out after its name
-    records = unavailable + run_jobs(jobs)
+    records = unavailable + [_run_here(job, number, len(jobs), single=bool(ns.name)) for number, job in enumerate(jobs, 1)]
     try:
         out.mkdir(parents=True, exist_ok=True)
         report = write_report(out, _merge_records(out / "suite.json", records))
@@ -353,9 +323,14 @@ def run(ns: argparse.Namespace) -> int:
     return 0 if all(r["status"] == "ok" for r in records) else 1
 
 
+def read_records(suite: Path) -> list[dict[str, Any]]:
+    """The records of ``suite.json`` (none if there is none)."""
+    return json.loads(suite.read_text())["records"] if suite.exists() else []
+
+
 def _merge_records(path: Path, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``suite.json`` with ``records`` merged in: one benchmark run alone keeps the others' results."""
-    by_name = {r["name"]: r for r in (json.loads(path.read_text())["records"] if path.exists() else [])}
+    by_name = {r["name"]: r for r in read_records(path)}
     by_name.update({r["name"]: r for r in records})
     order = [name for name in BENCHMARKS if name in by_name] + [name for name in by_name if name not in BENCHMARKS]
     merged = [by_name[name] for name in order]
@@ -375,17 +350,15 @@ def _print_suite(records: list[dict[str, Any]], out: Path, report: Path) -> None
         print(f"\nresults in {out}/: {report.name}, suite.json and the files above")
     verdicts = [v for r in records if r["status"] == "ok" for v in r.get("verdicts", [])]
     if verdicts:
-        print("\n== verdict ==")
-        print(format_verdicts(verdicts))
+        print("\n== verdict ==\n" + format_verdicts(verdicts))
 
 
 def write_report(out: Path, records: list[dict[str, Any]]) -> Path:
     """``out/report.md``: the verdict table first, then every result's command, table and plots."""
     from .common import format_table, format_verdicts
 
-    ok = [r for r in records if r["status"] == "ok"]
     parts = ["# vmkv benchmark results", ""]
-    verdicts = [v for r in ok for v in r.get("verdicts", [])]
+    verdicts = [v for r in records if r["status"] == "ok" for v in r.get("verdicts", [])]
     if verdicts:
         parts += ["## Verdict", "", format_verdicts(verdicts, markdown=True), ""]
     for record in records:
@@ -409,18 +382,13 @@ def write_report(out: Path, records: list[dict[str, Any]]) -> Path:
     return path
 
 
-def print_registry() -> None:
-    """``vmkv bench --list``: every benchmark, its module (or that it is missing) and its presets."""
-    for name, entry in BENCHMARKS.items():
-        presets = f"  [suite: {', '.join(entry.presets)}]" if entry.in_suite else ""
-        print(f"{name:11s} {entry.module}{'' if installed(entry.module) else '  (missing)'}{presets}")
-
-
 def main(argv: list[str] | None = None) -> int:
     """``vmkv bench`` (the ``vmkv.commands`` entry point): the exit status."""
     ns = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    if ns.list:
-        print_registry()
+    if ns.list:  # every benchmark, its module (or that it is missing) and its presets
+        for name, entry in BENCHMARKS.items():
+            presets = f"  [suite: {', '.join(entry.presets)}]" if entry.in_suite else ""
+            print(f"{name:11s} {entry.module}{'' if installed(entry.module) else '  (missing)'}{presets}")
         return 0
     missing = [name for name in BENCH_EXTRA if not installed(name)]
     if missing:
@@ -439,8 +407,8 @@ class SectionSkipped(Exception):
 
 @dataclass(frozen=True)
 class Context:
-    """What a section gets in its process: the device under test (``cuda:N``, or ``cpu`` for the
-    dry run), ``smoke``, the output directory, the command's options, and its deadline."""
+    """What a section gets in its process: the device under test (``cuda:N``; ``cpu``: the dry run),
+    ``smoke``, the output directory, the command's options, and its deadline."""
 
     device: Any  # torch.device
     smoke: bool = False
@@ -460,10 +428,9 @@ class Context:
 
 
 def package_version(name: str) -> str | None:
-    try:
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
         return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    return None
 
 
 def optional_packages() -> dict[str, str | None]:
@@ -575,13 +542,15 @@ def collect(cmd: list[str], result: Path, timeout: float) -> dict[str, Any]:
 def first_errors(output: str, lines: int = 12) -> list[str]:
     """The first ``lines`` lines of ``output`` that say what went wrong, each once (a device
     assertion repeats itself for every GPU thread; a C++ abort's frames push it out of the tail)."""
-    found: list[str] = []
-    for line in output.splitlines():
-        if any(mark in line for mark in ERROR_MARKS) and line not in found:
-            found.append(line[:300])
-            if len(found) == lines:
-                break
-    return found
+    marked = (line[:300] for line in output.splitlines() if any(mark in line for mark in ERROR_MARKS))
+    return list(dict.fromkeys(marked))[:lines]
+
+
+def run_section(section: Entry, args: argparse.Namespace, left: float) -> dict[str, Any]:
+    """The entry of ``section`` run in a process of its own, within its time limit and the ``left`` seconds of the budget."""
+    timeout = min(section.timeout_s or args.section_timeout, left)
+    print(f"[gpu_check] {section.name} (~{section.estimate_s:.0f} s, {left:.0f} s left) ...", flush=True)
+    return collect(worker_command(section.name, args, timeout), section_file(args.out, section.name), timeout)
 
 
 def skipped(section: Entry, args: argparse.Namespace, device: Any, left: float) -> dict[str, Any] | None:
@@ -624,16 +593,15 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
 def verdict(report: dict[str, Any]) -> str:
     """One line: what passed, was skipped and failed (why); on CUDA what decode over VMM pages
     costs with the cache's own kernel, and contiguous mode inside vLLM against stock."""
-    by_status: dict[str, list[str]] = {"passed": [], "skipped": [], "failed": []}
-    for name, entry in report["sections"].items():
-        by_status[entry["status"]].append(name)
-    over = sum(1 for entry in report["sections"].values() if entry.get("over_budget"))
-    line = (f"gpu_check on {report['device']}: {len(by_status['passed'])} passed, {len(by_status['skipped'])} skipped"
+    sections = report["sections"]
+    statuses = [entry["status"] for entry in sections.values()]
+    over = sum(1 for entry in sections.values() if entry.get("over_budget"))
+    line = (f"gpu_check on {report['device']}: {statuses.count('passed')} passed, {statuses.count('skipped')} skipped"
             + (f" ({over} over budget)" if over else ""))
-    if by_status["failed"]:
-        firsts = [f"{name} ({(report['sections'][name].get('error') or '')[:80]})" for name in by_status["failed"]]
-        return f"{line}, {len(by_status['failed'])} FAILED: " + "; ".join(firsts)
-    decode = report["sections"].get("decode", {}).get("result", {})
+    failed = [f"{name} ({(entry.get('error') or '')[:80]})" for name, entry in sections.items() if entry["status"] == "failed"]
+    if failed:
+        return f"{line}, {len(failed)} FAILED: " + "; ".join(failed)
+    decode = sections.get("decode", {}).get("result", {})
     kernel = decode.get("cache_kernel")
     if kernel and report["device"].startswith("cuda"):  # the kernel the cache runs, not the best-looking one
         row = decode["kernels"].get(kernel, {})
@@ -641,7 +609,7 @@ def verdict(report: dict[str, Any]) -> str:
             line += f"; decode over VMM pages costs {row['vmm_over_dense']:.2f}x dense with {kernel}, the cache's kernel (1.00 = free)"
         else:
             line += f"; the cache's kernel {kernel} was not timed ({row.get('skipped', 'not in --kernels')})"
-    addressing = report["sections"].get("vllm_addressing", {}).get("result")
+    addressing = sections.get("vllm_addressing", {}).get("result")
     if addressing:
         over_stock = addressing["summary"]["contiguous_over_stock"]
         line += (f"; inside vLLM contiguous mode ({', '.join(addressing['summary']['contiguous_kernels'])}) runs at "
@@ -649,8 +617,7 @@ def verdict(report: dict[str, Any]) -> str:
     return line + "."
 
 
-SMOKE_BENCHMARK = "mapping"
-"""The benchmark the dry run runs (seconds on a CPU)."""
+SMOKE_BENCHMARK = "mapping"  # the benchmark the dry run runs (seconds on a CPU)
 VERDICT_KEYS = ("question", "result", "winner", "reliable")
 
 
@@ -661,25 +628,19 @@ def bench_command(device: Any, out: Path, smoke: bool) -> list[str]:
 
 
 def bench_section(ctx: Context) -> dict[str, Any]:
-    """The GPU check's ``bench`` section: ``vmkv bench --device cuda`` in a process of its own, with the
-    section's time left, killed with what it started at the end; its exit and every benchmark's verdicts."""
-    device, smoke, timeout = ctx.device, ctx.smoke, ctx.seconds_left() - 10
+    """The GPU check's ``bench`` section: ``vmkv bench --device cuda`` in a process of its own, within the section's
+    time; its exit and every benchmark's verdicts."""
     out = ctx.out / "bench"
     out.mkdir(parents=True, exist_ok=True)
     suite = out / "suite.json"
     suite.unlink(missing_ok=True)  # the CLI merges into an existing one: keep only this run's records
-    cmd = bench_command(device, out, smoke)
-    done = run_process(cmd, timeout)
-    records = json.loads(suite.read_text())["records"] if suite.exists() else []
-    benchmarks = {
-        record["name"]: {
-            "status": record.get("status"),
-            "seconds": record.get("seconds"),
-            **({"reason": record["reason"]} if "reason" in record else {}),
-            "verdicts": [{key: verdict.get(key) for key in VERDICT_KEYS} for verdict in record.get("verdicts", [])],
-        }
-        for record in records
-    }
+    cmd = bench_command(ctx.device, out, ctx.smoke)
+    done = run_process(cmd, ctx.seconds_left() - 10)
+    benchmarks: dict[str, dict[str, Any]] = {}
+    for record in read_records(suite):
+        verdicts = [{key: verdict.get(key) for key in VERDICT_KEYS} for verdict in record.get("verdicts", [])]
+        benchmarks[record["name"]] = {"status": record.get("status"), "seconds": record.get("seconds"),
+                                      **({"reason": record["reason"]} if "reason" in record else {}), "verdicts": verdicts}
     not_ok = [name for name, entry in benchmarks.items() if entry["status"] != "ok"]
     failures = [] if done.returncode == 0 else [
         f"vmkv bench {done.ended}" + (f"; not ok: {', '.join(not_ok)}" if not_ok else "")]
@@ -722,24 +683,15 @@ def check_main(argv: list[str] | None = None, started: float | None = None) -> i
     report: dict[str, Any] = {"device": str(device), "smoke": args.smoke, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                               "budget_s": args.budget_s, "optional_packages": optional_packages(), "json": str(path),
                               "seconds": 0.0, "sections": {}}
-
-    def in_child(job: Job, left: float) -> dict[str, Any]:
-        name, timeout = job.entry.name, min(job.entry.timeout_s or args.section_timeout, left)
-        print(f"[gpu_check] {name} (~{job.entry.estimate_s:.0f} s, {left:.0f} s left) ...", flush=True)
-        return collect(worker_command(name, args, timeout), section_file(args.out, name), timeout)
-
-    def save(job: Job, entry: dict[str, Any]) -> None:  # after every section: an interrupted run keeps what finished
-        entry["estimate_s"] = job.entry.estimate_s
-        entry["headline"] = headline(job.entry, entry)
-        report["sections"][job.entry.name] = entry
+    for section in (SECTIONS[name] for name in args.sections):  # one at least (nargs="+"), so the JSON is always written
+        left = args.budget_s - (time.monotonic() - started)
+        entry = skipped(section, args, device, left) or run_section(section, args, left)
+        entry["estimate_s"] = section.estimate_s
+        entry["headline"] = headline(section, entry)
+        report["sections"][section.name] = entry
         report["seconds"] = round(time.monotonic() - started, 1)
-        path.write_text(json.dumps(report, indent=2, default=str))
-        print(f"[gpu_check] {job.entry.name}: {entry['status']}  {entry['headline'][:160]}", flush=True)
-
-    jobs = [Job(SECTIONS[name], args, in_child, lambda job, left: skipped(job.entry, args, device, left)) for name in args.sections]
-    run_jobs(jobs, budget_s=args.budget_s, started=started, save=save)
-    report["seconds"] = round(time.monotonic() - started, 1)
-    path.write_text(json.dumps(report, indent=2, default=str))
+        path.write_text(json.dumps(report, indent=2, default=str))  # after every section: an interrupted run keeps what finished
+        print(f"[gpu_check] {section.name}: {entry['status']}  {entry['headline'][:160]}", flush=True)
     print()
     print("\n".join(summary_lines(report)))
     print(verdict(report))
