@@ -10,6 +10,7 @@ import platform
 import random
 import statistics
 import sys
+import textwrap
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -162,24 +163,21 @@ def time_interleaved(
 ) -> Timings:
     """Time every ``fn()`` in rounds: each round runs every candidate once, in a fresh (seeded) random order."""
     now = CLOCKS[clock]
-    numbers = {}
-    for name, fn in fns.items():
+
+    def per_call(fn: Callable[[], Any], count: int) -> float:
         start = now()
-        for _ in range(max(1, warmup)):
+        for _ in range(count):
             fn()
         synchronize(device)
-        once = (now() - start) / max(1, warmup)
-        numbers[name] = max(1, math.ceil(min_sample_s / once)) if once > 0 and min_sample_s else 1
+        return (now() - start) / count
+
+    warm = {name: per_call(fn, max(1, warmup)) for name, fn in fns.items()}  # seconds per call, warming up
+    numbers = {name: max(1, math.ceil(min_sample_s / once)) if once > 0 and min_sample_s else 1 for name, once in warm.items()}
     order = random.Random(0)
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeat):
         for name in order.sample(list(fns), len(fns)):
-            fn, number = fns[name], numbers[name]
-            start = now()
-            for _ in range(number):
-                fn()
-            synchronize(device)
-            times[name].append((now() - start) / number)
+            times[name].append(per_call(fns[name], numbers[name]))
     return Timings(times)
 
 
@@ -192,10 +190,11 @@ def rotated(names: Sequence[str], round_: int) -> list[str]:
 
 def generate_rounds(
     names: Sequence[str], repeats: int, device: str, clock: str, run_once: Callable[[str], tuple[Any, Any]],
-    failed: dict[str, str], key: Callable[[str], str], tag: str,
-) -> tuple[dict[str, list[float]], dict[str, tuple[Any, Any]]]:
-    """Time ``run_once(name) -> (cache, output)`` of every name in rotating rounds: per name its seconds and its
-    last ``(cache, output)`` (earlier caches closed); one that raises goes to ``failed[key(name)]``, the others go on."""
+    failed: dict[str, str], key: Callable[[str], str], tag: str, row: Callable[[str, Any, Spread], dict[str, Any]],
+) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
+    """Time ``run_once(name) -> (cache, output ids)`` of every name in rotating rounds (one that raises goes to
+    ``failed[key(name)]``): per name that ran, ``row(name, last cache, seconds)`` plus ``same_tokens_as_dynamic``,
+    and its seconds; caches closed."""
     now = CLOCKS[clock]
     times: dict[str, list[float]] = {name: [] for name in names}
     last: dict[str, tuple[Any, Any]] = {}
@@ -216,7 +215,14 @@ def generate_rounds(
             if name in last and hasattr(last[name][0], "close"):
                 last[name][0].close()
             last[name] = (cache, out)
-    return {name: times[name] for name in last}, last
+    reference = last["dynamic"][1] if "dynamic" in last else None
+    rows = []
+    for name, (cache, out) in last.items():
+        same = reference is None or bool(torch.equal(out, reference))
+        rows.append({**row(name, cache, Spread.of(times[name])), "same_tokens_as_dynamic": same})
+        if hasattr(cache, "close"):
+            cache.close()
+    return rows, {name: times[name] for name in last}
 
 
 @contextmanager
@@ -254,12 +260,10 @@ def percentiles_us(values_ns: list[int]) -> dict[str, float]:
 def available_memory() -> int | None:
     """Bytes of memory the kernel says are available (``MemAvailable``), ``None`` if unknown."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+        lines = Path("/proc/meminfo").read_text().splitlines()
     except OSError:
         return None
-    return None
+    return next((int(line.split()[1]) * 1024 for line in lines if line.startswith("MemAvailable:")), None)
 
 
 def cache_config(shape: dict[str, Any], device: str, **fields: Any) -> vmkv.KVCacheConfig:
@@ -267,31 +271,24 @@ def cache_config(shape: dict[str, Any], device: str, **fields: Any) -> vmkv.KVCa
     return vmkv.sizing.resolve(vmkv.KVCacheConfig(**shape, device=device, **fields))
 
 
-def cache_refusal(mode: str, config: vmkv.KVCacheConfig, granularity: int) -> str:
-    """Why a ``mode`` cache of ``config`` would not open on pages of ``granularity`` ('' if it would), no device used."""
+def cache_refusals(planned: Iterable[tuple[str, str, vmkv.KVCacheConfig]], granularity: int) -> dict[str, str]:
+    """Why each ``(label, mode, config)`` would not open on pages of ``granularity`` (label -> why, for those only),
+    no device used."""
     from vmkv.config import check_mode
     from vmkv.sizing import DeviceFacts, check_page_size, paged_geometry, resolve, vmm_geometry
 
-    check_mode(mode)
-    config = resolve(config, DeviceFacts(config.device.type, granularity))
-    try:
-        check_page_size(config, granularity)
-        if mode == "vmm":
-            vmm_geometry(config, granularity)
-        else:
-            paged_geometry(config)
-    except vmkv.InvalidConfig as exc:
-        return str(exc)
-    return ""
-
-
-def cache_refusals(planned: Iterable[tuple[str, str, vmkv.KVCacheConfig]], granularity: int) -> dict[str, str]:
-    """:func:`cache_refusal` of every ``(label, mode, config)``: label -> why, for those that would not open."""
     refused = {}
     for label, mode, config in planned:
-        why = cache_refusal(mode, config, granularity)
-        if why:
-            refused[label] = why
+        check_mode(mode)
+        config = resolve(config, DeviceFacts(config.device.type, granularity))
+        try:
+            check_page_size(config, granularity)
+            if mode == "vmm":
+                vmm_geometry(config, granularity)
+            else:
+                paged_geometry(config)
+        except vmkv.InvalidConfig as exc:
+            refused[label] = str(exc)
     return refused
 
 
@@ -312,17 +309,15 @@ def check_device(device: str) -> None:
 
 def machine() -> dict[str, Any]:
     """What the numbers were measured on."""
-    info = {
+    return {
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        **({"gpu": torch.cuda.get_device_name()} if torch.cuda.is_available() else {}),
     }
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
-    return info
 
 
 def make_result(name: str, schema: dict[str, str], rows: list[dict[str, Any]], summary: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -456,13 +451,19 @@ def ratio_verdict(
 
 def unreliable(key: str, question: str, why: str, value: Spread | None = None, unit: str = "x") -> Verdict:
     """A verdict whose measurement failed its own sanity check: shown, never silently fixed."""
-    return Verdict(
-        key=key, question=question, result="unreliable" if value is None else f"{number_text(value.value, unit)} (unreliable)",
-        spread="" if value is None else spread_text(value, unit), winner="no verdict", side="", reliable=False,
-        note=why,
-        value=None if value is None else value.value, low=None if value is None else value.low,
-        high=None if value is None else value.high,
-    )
+    if value is None:
+        return Verdict(key=key, question=question, result="unreliable", spread="", winner="no verdict", side="",
+                       reliable=False, note=why)
+    return Verdict(key=key, question=question, result=f"{number_text(value.value, unit)} (unreliable)",
+                   spread=spread_text(value, unit), winner="no verdict", side="", reliable=False, note=why,
+                   value=value.value, low=value.low, high=value.high)
+
+
+def judged(key: str, question: str, why: str, ratio: Spread | None, better: str, worse: str, **kwargs: Any) -> list[Verdict]:
+    """:func:`unreliable` if ``why`` names a compared candidate that failed, else :func:`ratio_verdict` (none without a ratio)."""
+    if why:
+        return [unreliable(key, question, why)]
+    return [] if ratio is None else [ratio_verdict(key, question, ratio, better, worse, **kwargs)]
 
 
 VERDICT_COLUMNS = ("question", "result", "spread", "winner", "published", "agrees")
@@ -483,9 +484,8 @@ def _directed(v: dict[str, Any]) -> dict[str, str]:
     """A ratio verdict's cells as the side it favours reads them: ``"paged ahead by 1.25x"`` for 0.80x."""
     value, low, high = v.get("value"), v.get("low"), v.get("high")
     cells = {"result": v["result"], "spread": v["spread"]}
-    if not (v.get("better") and v.get("worse") and value and low and high and v.get("reliable", True)):
-        return cells
-    if number_text(value) == number_text(1.0):
+    directed = v.get("better") and v.get("worse") and value and low and high and v.get("reliable", True)
+    if not directed or number_text(value) == number_text(1.0):  # no side to favour, or it reads as 1.00x
         return cells
     if value > 1.0:
         return {**cells, "result": f"{v['better']} ahead by {number_text(value)}"}
@@ -513,9 +513,7 @@ def _jsonable(value: Any) -> Any:
 
 def _cell(value: Any) -> str:
     if isinstance(value, float):
-        if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):
-            return f"{value:.3g}"
-        return f"{value:.3g}" if abs(value) < 10 else f"{value:.1f}"
+        return f"{value:.1f}" if 10 <= abs(value) < 1e5 else f"{value:.3g}"
     return str(value)
 
 
@@ -533,8 +531,6 @@ def format_table(
         lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
         lines += ["| " + " | ".join(c.replace("|", "\\|") for c in line) + " |" for line in cells]
         return "\n".join(lines)
-    import textwrap
-
     wrap = wrap or {}
     wrapped = [[textwrap.wrap(c, wrap[col], break_long_words=False) or [""] if col in wrap else [c] for c, col in zip(line, columns)] for line in cells]
     widths = [max(len(col), *(len(part) for line in wrapped for part in line[i])) for i, col in enumerate(columns)]
@@ -549,11 +545,8 @@ def format_table(
 
 def format_verdicts(verdicts: Iterable[dict[str, Any]], *, markdown: bool = False) -> str:
     """The verdict table: one line per question (long cells wrap on a terminal)."""
-    rows = verdict_rows(verdicts)
-    if not rows:
-        return "(no verdicts)"
-    return format_table(rows, VERDICT_COLUMNS, markdown=markdown,
-                        wrap={"question": 30, "result": 34, "spread": 14, "winner": 30, "published": 28})
+    rows, wrap = verdict_rows(verdicts), {"question": 30, "result": 34, "spread": 14, "winner": 30, "published": 28}
+    return format_table(rows, VERDICT_COLUMNS, markdown=markdown, wrap=wrap) if rows else "(no verdicts)"
 
 
 def pyplot():

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import vmkv
 import vmkv.config
 from vmkv.kernels import registry
+from vmkv.kernels.base import MODE_ADDRESSING
 from vmkv.vmm.views import unguarded
 
 from . import common
@@ -87,15 +88,11 @@ class DecodeStep:
         cache = self.caches[label]
         return tuple(map(unguarded, cache.kv_cache(0))) if cache.mode == "vmm" else cache.block_pool(0)
 
-    def spec(self, label: str) -> registry.KernelSpec:
-        cfg = self.caches[label].config
-        if self.caches[label].mode == "vmm":
-            return registry.KernelSpec("slots", cfg.device, cfg.dtype, cfg.num_kv_heads, cfg.head_dim)
-        return registry.KernelSpec("blocks", cfg.device, cfg.dtype, cfg.num_kv_heads, cfg.head_dim, cfg.block_size)
-
     def call(self, label: str, name: str, kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> Callable[[], torch.Tensor] | str:
         """Kernel ``name`` over cache ``label``'s storage (or ``kv``) with its plan, or why it cannot run here."""
-        spec = self.spec(label)
+        mode, cfg = self.caches[label].mode, self.caches[label].config
+        spec = registry.KernelSpec(MODE_ADDRESSING[mode], cfg.device, cfg.dtype, cfg.num_kv_heads, cfg.head_dim,
+                                   block_size=cfg.block_size if mode == "paged" else None)
         why = registry.unavailable(name, spec)
         if why is not None:
             return f"kernel {name} cannot run here: {why}"
@@ -254,10 +251,9 @@ def _config(args: argparse.Namespace, batch: int, context: int, mode: str, field
     shape = {"num_layers": fields.pop("num_layers", 1), "num_kv_heads": args.kv_heads, "head_dim": args.head_dim,
              "dtype": args.dtype}
     probe = common.cache_config(shape, args.device, **fields)
-    tokens_per_page = (  # a pool page is tokens_per_page tokens of every piece, whatever the layout
-        fields["block_size"] if mode == "paged"
-        else vmkv.parse_size(fields["page_size"]) // probe.tensor_token_bytes(fields["layout"])
-    )
+    # a pool page is tokens_per_page tokens of every piece, whatever the layout
+    tokens_per_page = (fields["block_size"] if mode == "paged"
+                       else vmkv.parse_size(fields["page_size"]) // probe.tensor_token_bytes(fields["layout"]))
     pages = batch * (-(-(context + 1) // max(1, tokens_per_page)) + 1)
     budget = pages * max(1, tokens_per_page) * probe.bytes_per_token
     return common.cache_config(shape, args.device, max_batch_size=batch, max_seq_len=context + 1,
@@ -273,9 +269,7 @@ def refusals(args: argparse.Namespace, granularity: int) -> dict[str, str]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     with common.torch_threads(getattr(args, "threads", None)):
-        result = _run(args)
-    result["config"]["threads"] = getattr(args, "threads", None) or "torch default"
-    return result
+        return _run(args)
 
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:
@@ -306,13 +300,11 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             case.close()
     reads = [s["read_bytes"] / t / 1e9 for s in samples.values() for t in s["seconds"]["read"]]
     bandwidth = common.Spread.of(reads) if reads else None
-    config = {k: getattr(args, k) for k in ("kv_heads", "q_heads", "head_dim", "dtype", "page_size", "block_size",
-                                             "repeat", "layouts", "kernels")}
-    config["clock"] = clock
-    config["default_layout"] = config_layout
+    config = {**{k: getattr(args, k) for k in ("kv_heads", "q_heads", "head_dim", "dtype", "page_size", "block_size",
+                                                "repeat", "layouts", "kernels")},
+              "clock": clock, "default_layout": config_layout, "threads": getattr(args, "threads", None) or "torch default"}
     summary = {"kernels": {"contiguous": kernels, "paged_selected": selected_paged, "vmm_selected": selected_vmm},
-               "skipped": skipped,
-               "wrong_outputs": wrong, "read_bandwidth_gbps": bandwidth.as_dict() if bandwidth else None,
+               "skipped": skipped, "wrong_outputs": wrong, "read_bandwidth_gbps": bandwidth.as_dict() if bandwidth else None,
                "max_abs_diff": max((r["max_abs_diff"] for r in rows), default=None)}
     return common.make_result(NAME, SCHEMA, rows, summary, config=config, samples=samples)
 
@@ -320,12 +312,6 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
 CONTROL = "control"
 """A second, identical candidate of the verdicts' VMM kernel: its ratio to the first is this run's
 noise floor, under which a difference is a tie."""
-
-
-def _control_of(candidates: list[_Candidate], layout: str) -> str | None:
-    mine = [c.name for c in candidates if c.name.startswith(f"vmm:{layout}:")]
-    chosen = [c.name for c in candidates if c.selected and c.name in mine]
-    return (chosen or mine or [None])[0]
 
 
 def _bytes_needed(args: argparse.Namespace, batch: int, context: int) -> int:
@@ -348,10 +334,10 @@ def _measure_point(
     paged_kernels = list(dict.fromkeys([*(selected if name == "selected" else name for name in wanted), *both]))
     tolerance = 1e-4 if case.q.dtype == torch.float32 else 2e-2
     candidates, diffs = _checked(case, _candidates(case, kernels, paged_kernels, layout), tolerance, skipped, wrong)
-    fns = {c.name: c.fn for c in candidates}
-    control = _control_of(candidates, layout)
-    extra = {"read": read, **({CONTROL: fns[control]} if control else {})}
-    timings = common.time_interleaved({**fns, **extra}, args.device, repeat=args.repeat, min_sample_s=0.01, clock=clock)
+    vmm = [c for c in candidates if c.name.startswith(f"vmm:{layout}:")]
+    control = ([c for c in vmm if c.selected] or vmm or [None])[0]  # the verdicts' VMM kernel, timed twice
+    fns = {**{c.name: c.fn for c in candidates}, "read": read, **({CONTROL: control.fn} if control else {})}
+    timings = common.time_interleaved(fns, args.device, repeat=args.repeat, min_sample_s=0.01, clock=clock)
     skipped.update(case.skipped)
     rows = []
     for cand in candidates:
@@ -360,8 +346,7 @@ def _measure_point(
         rows.append({
             "batch": case.batch, "context": case.context, "candidate": cand.name, "selected": cand.selected,
             "ms": ms.value, "ms_low": ms.low, "ms_high": ms.high,
-            "gbps": case.kv_bytes / ms.value * 1e3 / 1e9, "bw_fraction": share.value,
-            "max_abs_diff": diffs[cand.name],
+            "gbps": case.kv_bytes / ms.value * 1e3 / 1e9, "bw_fraction": share.value, "max_abs_diff": diffs[cand.name],
         })
     return rows, {"kv_bytes": case.kv_bytes, "read_bytes": read_bytes, "seconds": timings.samples}
 
@@ -384,13 +369,6 @@ def _checked(case: DecodeStep, candidates: list[_Candidate], tolerance: float, s
     return good, diffs
 
 
-def _pick(point: list[dict[str, Any]], prefix: str, selected: bool | None = True) -> dict[str, Any] | None:
-    mine = [r for r in point if r["candidate"].startswith(prefix)]
-    if selected:
-        mine = [r for r in mine if r["selected"]] or mine
-    return min(mine, key=lambda r: r["ms"]) if mine else None
-
-
 def _failed(summary: dict[str, Any]) -> dict[str, str]:
     """Candidates that gave a wrong output anywhere, raised, or whose cache did not open -> why."""
     out: dict[str, str] = {}
@@ -404,11 +382,13 @@ def _failed(summary: dict[str, Any]) -> dict[str, str]:
 
 
 def _compared(point: list[dict[str, Any]], name: str | None, prefix: str, failed: dict[str, str]) -> tuple[dict[str, Any] | None, str]:
-    why = failed.get(prefix.rstrip(":")) or (failed.get(name) if name else None)
+    """Candidate ``name``'s row (else the fastest selected one of ``prefix``, else the fastest), or why it failed."""
+    why = failed.get(prefix.rstrip(":")) or failed.get(name)
     if why:
         return None, why
-    row = next((r for r in point if r["candidate"] == name), None)
-    return row or _pick(point, prefix), ""
+    mine = [r for r in point if r["candidate"].startswith(prefix)]
+    named = [r for r in mine if r["candidate"] == name] or [r for r in mine if r["selected"]] or mine
+    return min(named, key=lambda r: r["ms"], default=None), ""
 
 
 def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
@@ -429,10 +409,6 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
     vmm, vmm_why = _compared(point, selected and f"vmm:{default_layout}:{selected}", f"vmm:{default_layout}:", failed)
     paged_selected = summary["kernels"].get("paged_selected")
     paged, paged_why = _compared(point, paged_selected and f"paged:{paged_selected}", "paged:", failed)
-    out = []
-
-    def ratio(a: dict[str, Any], b: dict[str, Any]) -> common.Spread:
-        return timings.ratio(b["candidate"], a["candidate"])  # time of b / time of a: > 1, a faster
 
     margin, floor = common.TIE_MARGIN, ""
     if vmm and CONTROL in timings.samples:  # the same work timed twice: how far apart can equals be?
@@ -440,24 +416,21 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
         margin = max(margin, *(abs(x - 1.0) for x in (control.low, control.value, control.high)))
         floor = f"; same kernel timed twice: {control.low:.2f}-{control.high:.2f}"
 
-    question = f"decode attention, {where}: VMM vs paged (speed: paged's time over VMM's)"
-    if vmm_why or paged_why:
-        out.append(common.unreliable("decode.vmm_vs_paged", question, "; ".join(w for w in (vmm_why, paged_why) if w)))
-    elif vmm and paged:
-        out.append(common.ratio_verdict(
-            "decode.vmm_vs_paged", question, ratio(vmm, paged),
-            "VMM", "paged", note=f"{vmm['candidate']} vs {paged['candidate']}{floor}", tie_margin=margin,
-        ))
+    def ratio(a: dict[str, Any], b: dict[str, Any]) -> common.Spread:
+        return timings.ratio(b["candidate"], a["candidate"])  # time of b / time of a: > 1, a faster
+
+    both = bool(vmm and paged)
+    out = common.judged(
+        "decode.vmm_vs_paged", f"decode attention, {where}: VMM vs paged (speed: paged's time over VMM's)",
+        "; ".join(w for w in (vmm_why, paged_why) if w), ratio(vmm, paged) if both else None, "VMM", "paged",
+        note=f"{vmm['candidate']} vs {paged['candidate']}{floor}" if both else "", tie_margin=margin)
     kernel = selected if vmm_why else vmm["candidate"].rsplit(":", 1)[-1] if vmm else None
     dense = next((r for r in point if r["candidate"].startswith("dense") and r["candidate"].endswith(f":{kernel}")), None)
     dense_why = "; ".join(why for name, why in failed.items() if name.startswith("dense") and name.endswith(f":{kernel}"))
-    question = f"decode attention, {where}: what virtual memory costs (VMM vs the same kernel on dense tensors)"
-    if vmm_why or dense_why:
-        out.append(common.unreliable("decode.vmm_vs_dense", question, "; ".join(w for w in (vmm_why, dense_why) if w)))
-    elif vmm and dense:
-        out.append(_cost_verdict(common.ratio_verdict(
-            "decode.vmm_vs_dense", question, ratio(vmm, dense), "VMM", "dense", note=f"{kernel}{floor}", tie_margin=margin,
-        )))
+    out += map(_cost_verdict, common.judged(
+        "decode.vmm_vs_dense", f"decode attention, {where}: what virtual memory costs (VMM vs the same kernel on dense tensors)",
+        "; ".join(w for w in (vmm_why, dense_why) if w), ratio(vmm, dense) if vmm and dense else None, "VMM", "dense",
+        note=f"{kernel}{floor}", tie_margin=margin))
     out += _batched_verdict(point, timings, default_layout, failed, where, floor, margin)
     out += _addressing_verdicts(point, timings, default_layout, where, margin)
     best = min((r for r in point if r["candidate"].startswith("vmm:")), key=lambda r: r["ms"], default=None)
@@ -509,12 +482,10 @@ def _addressing_verdicts(
     """Each kernel measured on both addressings, slots vs a block table: what translation alone costs."""
     names = {r["candidate"] for r in point}
     out = []
-    for name in sorted(names):
-        if not name.startswith("paged:"):
-            continue
+    for name in sorted(n for n in names if n.startswith("paged:")):
         kernel = name.split(":", 1)[1]
         on_slots = sorted(n for n in names if n.startswith("vmm:") and n.endswith(f":{kernel}"))
-        slots = f"vmm:{layout}:{kernel}" if f"vmm:{layout}:{kernel}" in names else (on_slots or [None])[0]
+        slots = f"vmm:{layout}:{kernel}" if f"vmm:{layout}:{kernel}" in on_slots else next(iter(on_slots), None)
         if slots is not None:
             out.append(common.ratio_verdict(
                 f"decode.{kernel}.slots_vs_blocks", f"decode attention, {where}: {kernel} reading VMM slots vs a block "
@@ -534,10 +505,10 @@ def _batched_verdict(
     others = [r for r in point if r["candidate"].startswith(prefix) and r is not per_seq]
     left_out = [why for name, why in failed.items() if name.startswith(prefix) and name != per_name]
     question = f"decode attention, {where}: batched kernel vs one SDPA per sequence"
-    if failed.get(per_name) or failed.get(prefix[:-1]):
-        return [common.unreliable(key, question, failed.get(per_name) or failed[prefix[:-1]])]
-    if per_seq and not others and left_out:
-        return [common.unreliable(key, question, "; ".join(left_out))]
+    # per-sequence failed or its cache did not open, or every batched kernel failed
+    why = failed.get(per_name) or failed.get(prefix[:-1]) or ("; ".join(left_out) if per_seq and not others else "")
+    if why:
+        return [common.unreliable(key, question, why)]
     if not (per_seq and others):
         return []
     fastest = min(others, key=lambda r: r["ms"])
@@ -553,8 +524,7 @@ def _batched_verdict(
 def _cost_verdict(verdict: common.Verdict) -> common.Verdict:
     """VMM vs dense answers "does virtual memory cost the kernel anything?": side ``dense`` (yes) or
     ``no cost`` (a tie or VMM faster: the same kernel reads the same bytes)."""
-    margin, _, rounds = verdict.winner.partition(" (")  # "dense, 1.33x", "7 of 7 rounds)"
-    rounds = rounds.removesuffix(")")
+    margin, _, rounds = verdict.winner.removesuffix(")").partition(" (")  # "dense, 1.33x", "7 of 7 rounds"
     if verdict.side == "dense":
         return dataclasses.replace(verdict, winner=f"VMM costs time: dense {margin.removeprefix('dense, ')} faster"
                                    + (f" ({rounds})" if rounds else ""))
@@ -567,14 +537,11 @@ def _cost_verdict(verdict: common.Verdict) -> common.Verdict:
 
 
 def table(result: dict[str, Any]) -> list[dict[str, Any]]:
-    out = []
-    for batch, context in dict.fromkeys((r["batch"], r["context"]) for r in result["rows"]):
-        line: dict[str, Any] = {"batch": batch, "context": context}
-        for r in result["rows"]:
-            if (r["batch"], r["context"]) == (batch, context):
-                line[r["candidate"] + ("*" if r["selected"] else "")] = round(r["ms"], 3)
-        out.append(line)
-    return out
+    lines: dict[tuple[int, int], dict[str, Any]] = {}  # (batch, context) -> its line, in the rows' order
+    for r in result["rows"]:
+        line = lines.setdefault((r["batch"], r["context"]), {"batch": r["batch"], "context": r["context"]})
+        line[r["candidate"] + ("*" if r["selected"] else "")] = round(r["ms"], 3)
+    return list(lines.values())
 
 
 def plot(result: dict[str, Any], out_dir) -> list[str]:
@@ -598,12 +565,9 @@ def plot(result: dict[str, Any], out_dir) -> list[str]:
             ax.errorbar([r["context"] for r in mine], [r["ms"] for r in mine],
                         yerr=[[r["ms"] - r["ms_low"] for r in mine], [r["ms_high"] - r["ms"] for r in mine]],
                         linestyle=line, marker=marker, markersize=4, capsize=2, linewidth=1.2, label=name)
-        ax.set_title(f"decode step, batch {batch}")
-        ax.set_xlabel("context (tokens)")
-        ax.set_ylabel(f"ms per step, one layer ({result['config'].get('clock', 'wall')} clock)")
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xticks(contexts)
+        ax.set(title=f"decode step, batch {batch}", xlabel="context (tokens)", yscale="log", xticks=contexts,
+               ylabel=f"ms per step, one layer ({result['config'].get('clock', 'wall')} clock)")
         ax.xaxis.set_major_formatter(plain)
         ax.yaxis.set_major_formatter(plain)
         ax.yaxis.set_minor_formatter(plain)
@@ -611,6 +575,5 @@ def plot(result: dict[str, Any], out_dir) -> list[str]:
         ax.grid(alpha=0.3, which="both")
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8, frameon=False)
-    rows_of_legend = -(-len(labels) // 4)
-    fig.tight_layout(rect=(0, 0.06 * rows_of_legend + 0.02, 1, 1))
+    fig.tight_layout(rect=(0, 0.06 * -(-len(labels) // 4) + 0.02, 1, 1))  # room below for the legend's rows of 4
     return [common.save_figure(fig, out_dir, "decode_time.png", tight=False)]

@@ -140,15 +140,6 @@ def _make_cache(name: str, model: torch.nn.Module, args: argparse.Namespace, max
     return vmkv.hf.VirtualCache(name.split("+")[0], max_batch_size=max_batch, max_seq_len=total + 1)
 
 
-def _compile_config() -> Any:
-    """generate()'s compile on every device (transformers compiles by itself only on GPUs)."""
-    from transformers import CompileConfig
-
-    config = CompileConfig()
-    config._compile_all_devices = True
-    return config
-
-
 def _kv_bytes(cache: Any) -> tuple[int, int, int]:
     """(peak bytes held, bytes the stored tokens need, page bytes) of a finished cache."""
     from vmkv.hf import VirtualCache
@@ -174,36 +165,31 @@ class Point:
     kind: str = "main"  # "main" (the option grid) or "long" (--long-point)
 
 
-def _generate_call(model: torch.nn.Module, args: argparse.Namespace, point: Point) -> tuple[torch.Tensor, dict[str, Any]]:
-    gen = torch.Generator().manual_seed(args.seed)
-    ids = torch.randint(0, 256, (point.batch, point.prompt_len), generator=gen).to(args.device)
-    kwargs = dict(
-        attention_mask=torch.ones_like(ids), max_new_tokens=point.new_tokens, min_new_tokens=point.new_tokens,
-        do_sample=False, num_beams=point.beams, pad_token_id=model.config.pad_token_id,
-    )
-    return ids, kwargs
-
-
 def _run_once(model: torch.nn.Module, args: argparse.Namespace, point: Point, name: str, cache: Any = None) -> tuple[Any, torch.Tensor]:
     """One generate() of ``point`` with cache ``name`` (or ``cache``, made as ``name``'s): ``(cache, output ids)``."""
+    from transformers import CompileConfig
+
     import vmkv.hf
 
-    ids, kwargs = _generate_call(model, args, point)
+    gen = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(0, 256, (point.batch, point.prompt_len), generator=gen).to(args.device)
     model.set_attn_implementation("vmkv" if "vmkv" in name else "sdpa")
     if cache is None:
         cache = _make_cache(name, model, args, point.batch * point.beams, point.prompt_len + point.new_tokens)
+    kwargs = {vmkv.hf.cache_argument(): cache}
     if "+compile" in name:
-        kwargs["compile_config"] = _compile_config()
-    return cache, model.generate(ids, **{vmkv.hf.cache_argument(): cache}, **kwargs)
+        kwargs["compile_config"] = CompileConfig()
+        kwargs["compile_config"]._compile_all_devices = True  # transformers compiles by itself only on GPUs
+    return cache, model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=point.new_tokens,
+                                 min_new_tokens=point.new_tokens, do_sample=False, num_beams=point.beams,
+                                 pad_token_id=model.config.pad_token_id, **kwargs)
 
 
 def _workload(
     model: torch.nn.Module, args: argparse.Namespace, point: Point, clock: str,
 ) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
     """Time every cache on one point, the caches taking turns; rows and per-round seconds."""
-    caches = list(args.caches)
-    if point.beams > 1 and "bound" in caches:  # its rows never move: greedy points only
-        caches.remove("bound")
+    caches = [name for name in args.caches if name != "bound" or point.beams == 1]  # the bound's rows never move: greedy only
     for name in [name for name in caches if "+compile" in name and name not in args.failed]:
         try:  # an untimed run compiles (dynamo, inductor) before the rounds
             warm, _ = _run_once(model, args, point, name)
@@ -211,32 +197,27 @@ def _workload(
                 warm.close()
         except Exception as exc:  # noqa: BLE001 - reported, the others go on
             args.failed[name] = f"{type(exc).__name__}: {exc}"
-    times, last = common.generate_rounds(caches, args.repeats, args.device, clock,
-                                         lambda name: _run_once(model, args, point, name), args.failed, str, "")
-    reference = last["dynamic"][1] if "dynamic" in last else None
-    rows = []
-    for name, (cache, out) in last.items():
-        seconds = common.Spread.of(times[name])
+
+    def row(name: str, cache: Any, seconds: common.Spread) -> dict[str, Any]:
         peak, need, page = _kv_bytes(cache)
-        rows.append({
+        return {
             "model": args.model, "workload": "greedy" if point.beams == 1 else f"beam{point.beams}", "batch": point.batch,
             "cache": name, "kernel": cache.core.kernel if "vmkv" in name else "sdpa (transformers)",
             "prompt_len": point.prompt_len, "point": point.kind, "new_tokens": point.new_tokens, "seconds": seconds.value,
             "seconds_low": seconds.low, "seconds_high": seconds.high,
             "tokens_per_s": point.batch * point.new_tokens / seconds.value, "kv_peak_bytes": peak, "kv_need_bytes": need,
-            "page_bytes": page, "same_tokens_as_dynamic": True if reference is None else bool(torch.equal(out, reference)),
-        })
-        if hasattr(cache, "close"):
-            cache.close()
-    return rows, times
+            "page_bytes": page,
+        }
+
+    return common.generate_rounds(caches, args.repeats, args.device, clock, lambda name: _run_once(model, args, point, name),
+                                  args.failed, str, "", row)
 
 
 UPDATE_ROUNDS = 3  # untimed runs update_share measures (at most --repeats)
 
 
 def update_share(model: torch.nn.Module, args: argparse.Namespace, point: Point) -> dict[str, float]:
-    """``update()``'s share of a decode step of ``vmm`` at ``point``: the median of a few untimed runs,
-    with their range."""
+    """``update()``'s share of a ``vmm`` decode step at ``point``: the median of a few untimed runs, with their range."""
     runs = [_update_share_once(model, args, point) for _ in range(max(1, min(UPDATE_ROUNDS, args.repeats)))]
     spread = common.Spread.of([run["share"] for run in runs])
     middle = sorted(runs, key=lambda run: run["share"])[len(runs) // 2]
@@ -248,7 +229,7 @@ def _update_share_once(model: torch.nn.Module, args: argparse.Namespace, point: 
     ``update``, forward hooks the step, ``stats()["map_step_ns"]`` the page mapping (first two steps left out)."""
     from vmkv.hf import VirtualCache
 
-    now = common.CLOCKS["cpu"] if args.device == "cpu" else common.CLOCKS["wall"]  # no other thread: map_ahead is off
+    now = common.CLOCKS["cpu" if args.device == "cpu" else "wall"]  # no other thread: map_ahead is off
     spent = {"update": 0.0, "mapping_ns": 0, "steps": 0.0, "count": 0}
     step = {"forwards": 0, "decode": False, "began": 0.0, "mapped": 0}
 
@@ -268,8 +249,7 @@ def _update_share_once(model: torch.nn.Module, args: argparse.Namespace, point: 
         step["forwards"] += 1
         step["decode"] = step["forwards"] > 2 and ids is not None and ids.shape[1] == 1
         if step["decode"]:
-            step["mapped"] = cache.core.stats()["map_step_ns"]
-            step["began"] = now()
+            step["mapped"], step["began"] = cache.core.stats()["map_step_ns"], now()
 
     def after(module: torch.nn.Module, a: tuple, kw: dict, out: Any) -> None:
         if step["decode"]:
@@ -300,10 +280,8 @@ def profile_point(model: torch.nn.Module, args: argparse.Namespace, point: Point
     import pstats
 
     out: dict[str, dict[str, float]] = {}
-    for name in args.caches:
-        if name in args.failed:
-            continue
-        profiler = cProfile.Profile(common.CLOCKS["cpu"] if args.device == "cpu" else common.CLOCKS["wall"])
+    for name in [name for name in args.caches if name not in args.failed]:
+        profiler = cProfile.Profile(common.CLOCKS["cpu" if args.device == "cpu" else "wall"])
         profiler.enable()
         cache, _ = _run_once(model, args, point, name)
         profiler.disable()
@@ -341,9 +319,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from vmkv.models import default_hf_model
 
     common.check_device(args.device)
-    if args.smoke:
-        args = _smoke(args)
-    args = argparse.Namespace(**{**vars(args), "failed": {}})
+    args = argparse.Namespace(**{**vars(_smoke(args) if args.smoke else args), "failed": {}})
     warnings.filterwarnings("ignore", message=".*generation flags are not valid.*")
     rows: list[dict[str, Any]] = []
     samples: dict[str, dict[str, list[float]]] = {}
@@ -365,11 +341,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     profiles[key] = profile_point(model, margs, point)
             del model
         window_part = windows.run_part(args, clock)
-    config = {k: v for k, v in vars(args).items() if k not in ("out", "progress", "failed")}
-    config["clock"] = clock
-    extra = {"config": config, "samples": samples, "update_overhead": overhead, "profiles": profiles, "windows": window_part}
+    config = {**{k: v for k, v in vars(args).items() if k not in ("out", "progress", "failed")}, "clock": clock}
     summary = {**_summary(rows, samples), "failed": args.failed}
-    return common.make_result(NAME, SCHEMA, rows, summary, **extra)
+    return common.make_result(NAME, SCHEMA, rows, summary, config=config, samples=samples, update_overhead=overhead,
+                              profiles=profiles, windows=window_part)
 
 
 def _summary(rows: list[dict[str, Any]], samples: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
@@ -377,17 +352,14 @@ def _summary(rows: list[dict[str, Any]], samples: dict[str, dict[str, list[float
     for key, times in samples.items():
         if "dynamic" in times:
             timings = common.Timings(times)
-            summary[f"{key} speed vs dynamic"] = {
-                name: round(timings.ratio("dynamic", name).value, 3) for name in times if name != "dynamic"
-            }
+            summary[f"{key} speed vs dynamic"] = {name: round(timings.ratio("dynamic", name).value, 3)
+                                                  for name in times if name != "dynamic"}
     return summary
 
 
 def _best_vmm(timings: common.Timings, base: str) -> str | None:
-    names = [name for name in ("vmm", "vmm+vmkv") if name in timings.samples]
-    if not names or base not in timings.samples:
-        return None
-    return max(names, key=lambda name: timings.ratio(base, name).value)
+    names = [name for name in ("vmm", "vmm+vmkv") if name in timings.samples and base in timings.samples]
+    return max(names, key=lambda name: timings.ratio(base, name).value, default=None)
 
 
 def _wrong(case: list[dict[str, Any]], names: list[str], failed: dict[str, str]) -> str:
@@ -398,9 +370,8 @@ def _wrong(case: list[dict[str, Any]], names: list[str], failed: dict[str, str])
     return "; ".join(why)
 
 
-def _target_note(
-    ratio: common.Spread, target: float, profile: dict[str, dict[str, float]] | None, bound: common.Spread | None,
-) -> str:
+def _target_note(ratio: common.Spread, target: float, profile: dict[str, dict[str, float]] | None = None,
+                 bound: common.Spread | None = None) -> str:
     """Whether ``ratio`` meets ``target`` (as ``agrees`` shows it), and if not by how much, what the bound
     reached and where the profile says the time went."""
     status = common.target_status(ratio, target)
@@ -417,89 +388,66 @@ def _target_note(
     return note
 
 
-def _speed_verdicts(result: dict[str, Any], model: str, case: list[dict[str, Any]], label: str) -> list[common.Verdict]:
-    """VirtualCache (the faster of vmm, vmm+vmkv) vs DynamicCache and vs StaticCache on ``case``
-    (the rows of one point), each against its target; ``label`` prefixes the keys (``""``, ``"long_"``)."""
-    out = []
+def _point_verdicts(result: dict[str, Any], model: str, case: list[dict[str, Any]], label: str,
+                    ours: list[str]) -> list[common.Verdict]:
+    """VirtualCache (the faster of vmm, vmm+vmkv) vs DynamicCache and vs StaticCache on ``case`` (the rows of
+    one point), each against its target, then the bound's and the compiled caches'; ``label`` prefixes the keys."""
     failed = result["summary"].get("failed", {})
     caches = result.get("config", {}).get("caches", CACHES)
-    ours = [name for name in ("vmm", "vmm+vmkv") if name in caches]
     top = case[0]
-    key_case = _case_key(top)
-    timings = common.Timings(result["samples"][key_case])
-    profiled = result.get("profiles", {}).get(key_case, {})
-    where = f"{model} model, B={top['batch']}, {top.get('prompt_len', '?')}+{top['new_tokens']} tokens"
+    timings = common.Timings(result["samples"][_case_key(top)])
+    profiled = result.get("profiles", {}).get(_case_key(top), {})
+    key = f"generate.{model}.{label}"
+    asked = f"generate() tokens/s, {model} model, B={top['batch']}, {top.get('prompt_len', '?')}+{top['new_tokens']} tokens: "
+    out = []
     for base, name in (("dynamic", "DynamicCache"), ("static", "StaticCache")):
-        key, question = f"generate.{model}.{label}vs_{base}", f"generate() tokens/s, {where}: VirtualCache vs {name}"
         target = TARGETS["static"] if base == "static" else TARGETS["long" if label else "main"]
-        why = _wrong(case, [*ours, base], failed) if base in caches and ours else ""
         vmm = _best_vmm(timings, base)
-        if why:
-            out.append(common.unreliable(key, question, why))
-        elif vmm:
-            ratio = timings.ratio(base, vmm)
-            out.append(common.ratio_verdict(
-                key, question, ratio, "VirtualCache", name, target=target,
-                note=f"fastest VirtualCache: {vmm}; "
-                + _target_note(ratio, target, {n: profiled[n] for n in (vmm, base) if n in profiled},
-                               timings.ratio(base, "bound") if "bound" in timings.samples else None),
-            ))
-    return out + _bound_verdicts(timings, case, failed, key_case.split("/")[0], label, where, ours)
+        ratio, note = (timings.ratio(base, vmm) if vmm else None), ""
+        if ratio:
+            bound = timings.ratio(base, "bound") if "bound" in timings.samples else None
+            profile = {n: profiled[n] for n in (vmm, base) if n in profiled}
+            note = f"fastest VirtualCache: {vmm}; " + _target_note(ratio, target, profile, bound)
+        out += common.judged(f"{key}vs_{base}", f"{asked}VirtualCache vs {name}",
+                             _wrong(case, [*ours, base], failed) if base in caches and ours else "",
+                             ratio, "VirtualCache", name, target=target, note=note)
+    return out + _bound_verdicts(timings, case, failed, key, asked, ours) + _compile_verdicts(timings, case, failed, key, asked)
 
 
-def _compile_verdicts(result: dict[str, Any], model: str, case: list[dict[str, Any]], label: str) -> list[common.Verdict]:
+def _compile_verdicts(timings: common.Timings, case: list[dict[str, Any]], failed: dict[str, str], key: str,
+                      asked: str) -> list[common.Verdict]:
     """Each compiled VirtualCache against the eager cache of its attention and against ``static+compile``,
     each against its target (:data:`COMPILE_TARGETS`)."""
-    timings = common.Timings(result["samples"][_case_key(case[0])])
-    failed = result["summary"].get("failed", {})
-    top = case[0]
-    where = f"{model} model, B={top['batch']}, {top.get('prompt_len', '?')}+{top['new_tokens']} tokens"
     out = []
     for ours, targets in COMPILE_TARGETS.items():
-        if ours not in timings.samples:
-            continue
-        mode, *rest = ours.replace("+compile", "").split("+")  # "vmm" | "paged", then the attention if "vmkv"
-        which = "" if ours == "vmm+compile" else "_" + ours.replace("+compile", "").replace("+", "_")
+        eager = ours.replace("+compile", "")  # "vmm", "vmm+vmkv" or "paged+vmkv": the mode, then the attention if "vmkv"
+        mode, *rest = eager.split("+")
+        which = "" if ours == "vmm+compile" else "_" + eager.replace("+", "_")
         for base, target in targets.items():
-            if base not in timings.samples:
+            if ours not in timings.samples or base not in timings.samples:
                 continue
-            key = f"generate.{model}.{label}compiled{which}_vs_{base.replace('+', '_')}"
-            question = (f"generate() tokens/s, {where}: VirtualCache({mode!r}, compile=True)"
-                        f"{' with the vmkv attention' if rest else ''} vs {base}")
-            why = _wrong(case, [ours, base], failed)
+            question = f"{asked}VirtualCache({mode!r}, compile=True){' with the vmkv attention' if rest else ''} vs {base}"
             ratio = timings.ratio(base, ours)
-            out.append(common.unreliable(key, question, why) if why else common.ratio_verdict(
-                key, question, ratio, ours, base, target=target,
-                note=_target_note(ratio, target, None, None)))
+            why = _wrong(case, [ours, base], failed)
+            out += common.judged(f"{key}compiled{which}_vs_{base.replace('+', '_')}", question, why, ratio, ours, base,
+                                 target=target, note=_target_note(ratio, target))
     return out
 
 
-def _bound_verdicts(
-    timings: common.Timings, case: list[dict[str, Any]], failed: dict[str, str], model: str, label: str, where: str,
-    ours: list[str],
-) -> list[common.Verdict]:
+def _bound_verdicts(timings: common.Timings, case: list[dict[str, Any]], failed: dict[str, str], key: str, asked: str,
+                    ours: list[str]) -> list[common.Verdict]:
     """VirtualCache vs the bound (what vmkv's bookkeeping costs) and the bound vs DynamicCache (the most
     any cache that never copies K/V gains here)."""
     if "bound" not in timings.samples:
         return []
-    out = []
     vmm = _best_vmm(timings, "bound")
-    key, question = f"generate.{model}.{label}vs_bound", f"generate() tokens/s, {where}: VirtualCache vs the bound"
-    why = _wrong(case, [*ours, "bound"], failed)
-    if why:
-        out.append(common.unreliable(key, question, why))
-    elif vmm:
-        out.append(common.ratio_verdict(
-            key, question, timings.ratio("bound", vmm), "VirtualCache", "bound",
-            note=f"{vmm}: what vmkv's pages, plans and checks cost",
-        ))
+    out = common.judged(f"{key}vs_bound", f"{asked}VirtualCache vs the bound", _wrong(case, [*ours, "bound"], failed),
+                        timings.ratio("bound", vmm) if vmm else None, "VirtualCache", "bound",
+                        note=f"{vmm}: what vmkv's pages, plans and checks cost")
     if "dynamic" in timings.samples:
-        key, question = f"generate.{model}.{label}bound_vs_dynamic", f"generate() tokens/s, {where}: the bound vs DynamicCache"
-        why = _wrong(case, ["bound"], failed)
-        out.append(common.unreliable(key, question, why) if why else common.ratio_verdict(
-            key, question, timings.ratio("dynamic", "bound"), "bound", "DynamicCache",
-            note="the most a cache that never copies K/V gains here",
-        ))
+        out += common.judged(f"{key}bound_vs_dynamic", f"{asked}the bound vs DynamicCache", _wrong(case, ["bound"], failed),
+                             timings.ratio("dynamic", "bound"), "bound", "DynamicCache",
+                             note="the most a cache that never copies K/V gains here")
     return out
 
 
@@ -509,26 +457,19 @@ def _overhead_verdict(result: dict[str, Any], model: str) -> list[common.Verdict
     if not measured:
         return []
     key_case, found = max(measured.items(), key=lambda item: item[1]["step_ms"])
-    share = found["share"]
+    share, runs = found["share"], found.get("runs", 1)
+    low, high = found.get("share_low", share), found.get("share_high", share)
+    over = "one run" if runs == 1 else f"{common.number_text(low, '%')}-{common.number_text(high, '%')} over {runs} runs"
     met = share < UPDATE_SHARE_TARGET
     return [common.Verdict(
         key=f"generate.{model}.update_share", question=f"VirtualCache.update() CPU time per decode step, {key_case} (vmm)",
         result=common.number_text(share, "%"), spread=f"{found['update_ms_per_step']:.2f} of {found['step_ms']:.2f} ms a step "
-        f"(median run), {found['decode_steps']} steps; " + _share_range(found), winner="below target" if met else "above target",
-        side="", reference=f"target < {common.number_text(UPDATE_SHARE_TARGET, '%')}", agrees=met, value=share,
-        low=found.get("share_low", share), high=found.get("share_high", share),
-        note="plan, page mapping, writes and views: all of the cache's per-step work"
+        f"(median run), {found['decode_steps']} steps; {over}", winner="below target" if met else "above target",
+        side="", reference=f"target < {common.number_text(UPDATE_SHARE_TARGET, '%')}", agrees=met, value=share, low=low,
+        high=high, note="plan, page mapping, writes and views: all of the cache's per-step work"
         + (f"; of it page mapping {found['mapping_ms_per_step']:.2f} ms a step" if "mapping_ms_per_step" in found else "")
         + ("" if met else f"; missed by {100 * (share - UPDATE_SHARE_TARGET):.1f} points"),
     )]
-
-
-def _share_range(found: dict[str, Any]) -> str:
-    runs = found.get("runs", 1)
-    if runs == 1:
-        return "one run"
-    low, high = (common.number_text(found[k], "%") for k in ("share_low", "share_high"))
-    return f"{low}-{high} over {runs} runs"
 
 
 def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
@@ -545,7 +486,7 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
             if greedy:
                 top = max(greedy, key=lambda r: (r["batch"] * r["new_tokens"], r["new_tokens"]))
                 case = [r for r in greedy if _case_key(r) == _case_key(top)]
-                out += _speed_verdicts(result, model, case, label) + _compile_verdicts(result, model, case, label)
+                out += _point_verdicts(result, model, case, label, ours)
         out += _overhead_verdict(result, model)
         beam = {r["cache"]: r for r in rows if r["model"] == model and r["workload"].startswith("beam")}
         vmm_beam = [beam[name] for name in ("vmm", "vmm+vmkv") if name in beam]
@@ -555,79 +496,75 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
                                          "VirtualCache vs DynamicCache", why))
         elif vmm_beam and "dynamic" in beam:
             least = min(vmm_beam, key=lambda r: r["kv_peak_bytes"])
-            ratio = beam["dynamic"]["kv_peak_bytes"] / least["kv_peak_bytes"]
+            ratio = common.Spread.exact(beam["dynamic"]["kv_peak_bytes"] / least["kv_peak_bytes"])
             out.append(common.ratio_verdict(
                 f"generate.{model}.beam_kv", f"beam search (width {least['workload'][4:]}) peak KV bytes, {model} model: "
-                "VirtualCache vs DynamicCache", common.Spread.exact(ratio), "VirtualCache (less memory)", "DynamicCache (less memory)",
-                note="copy-on-write shares the beams' common pages",
-            ))
+                "VirtualCache vs DynamicCache", ratio, "VirtualCache (less memory)", "DynamicCache (less memory)",
+                note="copy-on-write shares the beams' common pages"))
     return out + windows.verdicts(result.get("windows", {"samples": {}}), failed)
 
 
 def table(result: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     """The main grid's tokens/s per case and cache; the sliding-window part's, if it ran."""
-    tables = {"": _grid_table(result)}
+    grid = []
+    for key in result["samples"]:
+        mine = [r for r in result["rows"] if _case_key(r) == key]
+        grid.append({**{field: mine[0][field] for field in ("model", "workload", "batch", "prompt_len", "new_tokens")},
+                     **{f"{r['cache']} tok/s": round(r["tokens_per_s"], 1) for r in mine},
+                     "same tokens": all(r["same_tokens_as_dynamic"] for r in mine)})
+    tables = {"": grid}
     if result.get("windows", {}).get("rows"):
         tables["sliding windows (K/V held after generate(), its peak)"] = windows.table(result["windows"])
     return tables
 
 
-def _grid_table(result: dict[str, Any]) -> list[dict[str, Any]]:
-    out = []
-    for key in result["samples"]:
-        mine = [r for r in result["rows"] if _case_key(r) == key]
-        line: dict[str, Any] = {"model": mine[0]["model"], "workload": mine[0]["workload"], "batch": mine[0]["batch"],
-                                "prompt_len": mine[0]["prompt_len"], "new_tokens": mine[0]["new_tokens"]}
-        for r in mine:
-            line[f"{r['cache']} tok/s"] = round(r["tokens_per_s"], 1)
-        line["same tokens"] = all(r["same_tokens_as_dynamic"] for r in mine)
-        out.append(line)
-    return out
+def _speed_range(row: dict[str, Any] | None) -> tuple[float, float]:
+    """How far below and above a row's tokens/s its slowest and its fastest round reach (a plot's error bar)."""
+    if row is None:
+        return 0, 0
+    tokens = row["batch"] * row["new_tokens"]
+    return row["tokens_per_s"] - tokens / row["seconds_high"], tokens / row["seconds_low"] - row["tokens_per_s"]
 
 
 def plot(result: dict[str, Any], out_dir: Path) -> list[str]:
     """``generate_throughput.png`` (tokens/s per case and cache, min-max bars) and
     ``generate_kv_bytes.png`` (peak KV bytes, log axis). Returns the PNG paths."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
+
     plt = common.pyplot()
     rows = result["rows"]
+    cells = {(_case_key(r), r["cache"]): r for r in rows}
     cases = list(result["samples"])
     caches = list(dict.fromkeys(r["cache"] for r in rows))
-    labels = []
-    for key in cases:
-        r = next(r for r in rows if _case_key(r) == key)
-        labels.append(f"{r['model']}\n{r['workload']} B={r['batch']}\n{r['prompt_len']}+{r['new_tokens']}")
+    case_rows = {_case_key(r): r for r in rows}
+    labels = [f"{r['model']}\n{r['workload']} B={r['batch']}\n{r['prompt_len']}+{r['new_tokens']}"
+              for r in map(case_rows.get, cases)]
+    clock = result["config"].get("clock", "wall")
     paths = []
     width = 0.8 / len(caches)
     for field, ylabel, fname, title in [
-        ("tokens_per_s", "tokens / s (median; bars: min-max)", "generate_throughput.png", "generate() throughput per cache"),
-        ("kv_peak_bytes", "peak KV bytes (MiB, log scale)", "generate_kv_bytes.png", "generate() peak KV memory per cache"),
+        ("tokens_per_s", "tokens / s (median; bars: min-max)", "generate_throughput.png",
+         f"generate() throughput per cache (prompt + new tokens), {clock} clock"),
+        ("kv_peak_bytes", "peak KV bytes (MiB, log scale)", "generate_kv_bytes.png",
+         "generate() peak KV memory per cache (prompt + new tokens)"),
     ]:
         fig, ax = plt.subplots(figsize=(max(7.0, 1.5 * len(cases) + 3), 4.4))
         kv = field == "kv_peak_bytes"
         for i, name in enumerate(caches):
-            found = [next((r for r in rows if _case_key(r) == key and r["cache"] == name), None) for key in cases]
+            found = [cells.get((key, name)) for key in cases]
             values = [(r[field] / 2**20 if kv else r[field]) if r else 0 for r in found]
-            speed = [(r["batch"] * r["new_tokens"] / r["seconds_high"], r["batch"] * r["new_tokens"] / r["seconds_low"])
-                     if r else (0, 0) for r in found]  # tokens/s of the slowest and fastest round
-            errors = None if kv else [[v - s[0] if r else 0 for v, s, r in zip(values, speed, found)],
-                                      [s[1] - v if r else 0 for v, s, r in zip(values, speed, found)]]
+            errors = None if kv else list(zip(*map(_speed_range, found)))  # [below per case], [above per case]
             bars = ax.bar([c + i * width for c in range(len(cases))], values, width, yerr=errors, capsize=2, label=name)
             if kv:
                 ax.bar_label(bars, labels=[f"{v:.3g}" if v else "" for v in values], fontsize=7, padding=1)
-        ax.set_xticks([c + 0.4 - width / 2 for c in range(len(cases))])
-        ax.set_xticklabels(labels, fontsize=8)
-        ax.set_ylabel(ylabel)
+        ax.set_xticks([c + 0.4 - width / 2 for c in range(len(cases))], labels, fontsize=8)
+        ax.set(ylabel=ylabel, title=title)
         if kv:
-            from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
-
-            ax.set_yscale("log")
             positive = [r[field] / 2**20 for r in rows if r[field]]
-            ax.set_ylim(min(positive) / 2, max(positive) * 2)
+            ax.set(yscale="log", ylim=(min(positive) / 2, max(positive) * 2))
             ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
             ax.yaxis.set_minor_locator(NullLocator())
             ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
-        clock = f", {result['config'].get('clock', 'wall')} clock" if field == "tokens_per_s" else ""
-        ax.set_title(f"{title} (prompt + new tokens){clock}")
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
         paths.append(common.save_figure(fig, out_dir, fname))

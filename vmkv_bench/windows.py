@@ -5,7 +5,7 @@ and generate as fast? (docs/benchmarks.md)"""
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -19,42 +19,15 @@ FULL_POINT = (4096, 256)  # issue 36's point: prompt tokens, new tokens
 MAX_LEN = 8192  # the longest sequence the caches are sized for: StaticCache allocates it, VirtualCache reserves it
 
 
-def _gpt_oss() -> torch.nn.Module:
-    import transformers as T
-
-    config = T.GptOssConfig(
+MODELS: dict[str, tuple[str, str, dict[str, Any], str]] = {  # name: (config class, model class, its fields, own attention)
+    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM", dict(  # eager: transformers runs GPT-OSS's sinks in its eager attention
         vocab_size=512, hidden_size=512, intermediate_size=256, num_hidden_layers=4, num_attention_heads=16,
         num_key_value_heads=8, head_dim=64, sliding_window=128, num_local_experts=4, num_experts_per_tok=2,
-        layer_types=["sliding_attention", "full_attention"] * 2, pad_token_id=0)
-    return T.GptOssForCausalLM(config)
-
-
-def _gemma3() -> torch.nn.Module:
-    import transformers as T
-
-    config = T.Gemma3TextConfig(
+        layer_types=["sliding_attention", "full_attention"] * 2, pad_token_id=0), "eager"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=8,
         num_key_value_heads=4, head_dim=256, sliding_window=1024, query_pre_attn_scalar=256,
-        layer_types=["sliding_attention"] * 5 + ["full_attention"], max_position_embeddings=8192, pad_token_id=0)
-    return T.Gemma3ForCausalLM(config)
-
-
-MODELS: dict[str, tuple[Callable[[], torch.nn.Module], str]] = {  # name: (builder, its own attention)
-    "gpt-oss": (_gpt_oss, "eager"),  # transformers runs GPT-OSS's sinks in its eager attention
-    "gemma3": (_gemma3, "sdpa"),
-}
-SCHEMA = {
-    "model": "gpt-oss or gemma3 (GPT-OSS-20B's / Gemma-3-4B's attention, a few layers, random weights)",
-    "cache": "dynamic, static, vmm (the model's attention), vmm+vmkv / paged+vmkv (the vmkv attention)",
-    "window": "the sliding layers' window, tokens",
-    "max_len": "the longest sequence StaticCache and VirtualCache are sized for, tokens",
-    "prompt_len": "prompt tokens", "new_tokens": "tokens generated", "batch": "prompts per generate() call",
-    "seconds": "median time of generate() over the rounds, s",
-    "seconds_low": "fastest kept round, s", "seconds_high": "slowest kept round, s",
-    "tokens_per_s": "batch * new_tokens / seconds",
-    "kv_bytes": "K/V bytes the cache holds when generate() returns, B",
-    "kv_peak_bytes": "most K/V bytes held at once, B (VirtualCache; the others: kv_bytes)",
-    "same_tokens_as_dynamic": "generated ids identical to DynamicCache's",
+        layer_types=["sliding_attention"] * 5 + ["full_attention"], max_position_embeddings=8192, pad_token_id=0), "sdpa"),
 }
 
 
@@ -98,48 +71,40 @@ def _run_once(model: torch.nn.Module, name: str, own: str, ids: torch.Tensor, ne
 
     model.set_attn_implementation("vmkv" if name.endswith("+vmkv") else own)
     cache = _make_cache(name, model, max_len)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                         do_sample=False, pad_token_id=0, **{vmkv.hf.cache_argument(): cache})
-    return cache, out
+    return cache, model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=False, pad_token_id=0, **{vmkv.hf.cache_argument(): cache})
 
 
 def _model_rows(name: str, args: argparse.Namespace, clock: str) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
     """Every cache on one model, taking turns over ``args.repeats`` rounds: rows and per-round seconds."""
-    build, own = MODELS[name]
+    import transformers
+
+    config, model_class, fields, own = MODELS[name]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = build().to(args.device).eval()
+        model = getattr(transformers, model_class)(getattr(transformers, config)(**fields)).to(args.device).eval()
     prompt, new = args.window_point
     max_len = max(args.window_max_len, prompt + new)
     ids = torch.randint(1, 512, (1, prompt), generator=torch.Generator().manual_seed(args.seed)).to(args.device)
-    times, last = common.generate_rounds(
-        args.window_caches, args.repeats, args.device, clock, lambda cache: _run_once(model, cache, own, ids, new, max_len),
-        args.failed, lambda cache: f"windows.{name}.{cache}", f"{name} ")
-    reference = last["dynamic"][1] if "dynamic" in last else None
-    rows = []
-    for cache_name, (cache, out) in last.items():
-        seconds = common.Spread.of(times[cache_name])
+
+    def row(cache_name: str, cache: Any, seconds: common.Spread) -> dict[str, Any]:
         held, peak = kv_bytes(cache)
-        rows.append({
+        return {
             "model": name, "cache": cache_name, "window": model.config.sliding_window, "max_len": max_len, "prompt_len": prompt,
             "new_tokens": new, "batch": 1, "seconds": seconds.value, "seconds_low": seconds.low,
             "seconds_high": seconds.high, "tokens_per_s": new / seconds.value, "kv_bytes": held, "kv_peak_bytes": peak,
-            "same_tokens_as_dynamic": reference is None or bool(torch.equal(out, reference)),
-        })
-        if hasattr(cache, "close"):
-            cache.close()
-    return rows, times
+        }
+
+    return common.generate_rounds(
+        args.window_caches, args.repeats, args.device, clock, lambda cache: _run_once(model, cache, own, ids, new, max_len),
+        args.failed, lambda cache: f"windows.{name}.{cache}", f"{name} ", row)
 
 
 def run_part(args: argparse.Namespace, clock: str) -> dict[str, Any]:
-    """The part's result: ``{"rows": [...], "samples": {model: {cache: seconds}}}`` (empty without
-    ``--window-models``)."""
-    rows: list[dict[str, Any]] = []
-    samples: dict[str, dict[str, list[float]]] = {}
-    for name in args.window_models:
-        found, samples[name] = _model_rows(name, args, clock)
-        rows += found
-    return {"rows": rows, "samples": samples}
+    """The part's result: ``{"rows": [...], "samples": {model: {cache: seconds}}}`` (empty without ``--window-models``)."""
+    parts = {name: _model_rows(name, args, clock) for name in args.window_models}  # model -> (rows, samples)
+    return {"rows": [row for rows, _ in parts.values() for row in rows],
+            "samples": {name: times for name, (_, times) in parts.items()}}
 
 
 def verdicts(part: dict[str, Any], failed: dict[str, str]) -> list[common.Verdict]:
@@ -153,13 +118,11 @@ def verdicts(part: dict[str, Any], failed: dict[str, str]) -> list[common.Verdic
         if first is None:
             continue
         where = f"{model}, {first['prompt_len']}+{first['new_tokens']} tokens, window {first['window']}"
-        why = "; ".join([f"{key.split('.')[-1]} failed: {text}" for key, text in failed.items()
-                         if key.startswith(f"windows.{model}.")]
-                        + [f"{name} generated other tokens than DynamicCache" for name in rows
-                           if not rows[name]["same_tokens_as_dynamic"]])
+        why = [f"{key.split('.')[-1]} failed: {text}" for key, text in failed.items() if key.startswith(f"windows.{model}.")]
+        why += [f"{name} generated other tokens than DynamicCache" for name, r in rows.items() if not r["same_tokens_as_dynamic"]]
         if not ours or "dynamic" not in rows or why:
             out.append(common.unreliable(f"generate.windows.{model}", f"sliding-window KV, {where}",
-                                         why or "VirtualCache or DynamicCache did not run"))
+                                         "; ".join(why) or "VirtualCache or DynamicCache did not run"))
             continue
         least = min(ours, key=lambda name: rows[name]["kv_bytes"])
         held, dynamic = rows[least]["kv_bytes"], rows["dynamic"]["kv_bytes"]
