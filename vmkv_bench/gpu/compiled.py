@@ -80,22 +80,24 @@ def _generate(model: torch.nn.Module, name: str, work: Work, compile_config: Any
 
 
 def _kv_bytes(cache: Any, out: Any) -> int:
-    if cache is None:
-        cache = out.past_key_values
+    cache = out.past_key_values if cache is None else cache
     if hasattr(cache, "peak_bytes"):
         return cache.peak_bytes
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
 
 
-def _time(model: torch.nn.Module, names: list[str], work: Work, compile_config: Any, rounds: int,
-          found: dict[str, Any], keep: Callable[[], None]) -> None:
-    """Per cache, kept after each: a cache that raises gets ``{"error": ...}`` and the others still run."""
+def _time(model: torch.nn.Module, part: str, names: list[str], work: Work, compile_config: Any, rounds: int,
+          result: dict[str, Any], keep: Callable[[], None]) -> None:
+    """``result[part]``, per cache, kept after each: a cache that raises gets ``{"error": ...}`` and a line in
+    ``result["failures"]``, and the others still run."""
+    found = result[part] = {}
     for name in names:
         try:
             found[name] = _time_one(model, name, work, compile_config, rounds)
-        except Exception as exc:  # noqa: BLE001 - recorded; the section fails on it (hf_compiled_section)
+        except Exception as exc:  # noqa: BLE001 - recorded; the section fails on it
             found[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
         keep()
+    result["failures"] += [f"{name} raised in the {part} part: {row['error']}" for name, row in found.items() if "error" in row]
 
 
 def _time_one(model: torch.nn.Module, name: str, work: Work, compile_config: Any, rounds: int) -> dict[str, Any]:
@@ -190,14 +192,11 @@ def hf_compiled_section(ctx: Context) -> dict[str, Any]:
         result[part] = {"skipped": f"{seconds_left():.0f} s left of the section's limit, {part} needs ~{need_s} s"}
         return False
 
-    result["dense"] = {}
-    _time(model, ["dynamic", "static", "vmm", "vmm+vmkv", "paged+vmkv", *COMPILED], dense, compile_config, rounds,
-          result["dense"], keep)
-    _fail_on_errors(result, "dense")
+    _time(model, "dense", ["dynamic", "static", "vmm", "vmm+vmkv", "paged+vmkv", *COMPILED], dense, compile_config, rounds,
+          result, keep)
+    compiled = {f"dense_{name}_vs_static": _speed_ratio(result["dense"], name, "static") for name in COMPILED}
     ratios = result["ratios"] = {
-        "dense_vs_static": max((r for r in (_speed_ratio(result["dense"], name, "static") for name in COMPILED)
-                                if r is not None), default=None),
-        **{f"dense_{name}_vs_static": _speed_ratio(result["dense"], name, "static") for name in COMPILED},
+        "dense_vs_static": max((r for r in compiled.values() if r is not None), default=None), **compiled,
         "dense_vs_dynamic": _speed_ratio(result["dense"], "vmm+compile", "dynamic"),
         "paged_vs_vmm": _speed_ratio(result["dense"], "paged+vmkv", "vmm+vmkv"),
     }
@@ -211,9 +210,7 @@ def hf_compiled_section(ctx: Context) -> dict[str, Any]:
                                       f"largest, StaticCache's by {errors['static']:.2e}")
     keep()
     if enough("ragged", RAGGED_NEEDS_S):
-        result["ragged"] = {}
-        _time(model, ["static", *COMPILED], ragged, compile_config, rounds, result["ragged"], keep)
-        _fail_on_errors(result, "ragged")
+        _time(model, "ragged", ["static", *COMPILED], ragged, compile_config, rounds, result, keep)
         result["ragged_real_token_bytes"] = ragged.real_tokens() * _token_bytes(model)
         ratios["ragged_vs_static"] = _speed_ratio(result["ragged"], "vmm+compile+vmkv", "static")
         ratios["ragged_vmm+compile_vs_static"] = _speed_ratio(result["ragged"], "vmm+compile", "static")
@@ -248,11 +245,6 @@ def profile(model: torch.nn.Module, name: str, work: Work, compile_config: Any) 
     device_key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
     return {"self_cpu_ms": top("self_cpu_time_total"), "self_device_ms": top(device_key) if len(activities) > 1 else {},
             "cpu_ms_total": round(sum(e.self_cpu_time_total for e in events) / 1e3, 3)}
-
-
-def _fail_on_errors(result: dict[str, Any], part: str) -> None:
-    result["failures"] += [f"{name} raised in the {part} part: {row['error']}"
-                           for name, row in result[part].items() if "error" in row]
 
 
 def _speed_ratio(timed: dict[str, Any], ours: str, theirs: str) -> float | None:

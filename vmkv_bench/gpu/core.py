@@ -7,6 +7,7 @@ import platform
 import re
 import sys
 import time
+from contextlib import closing
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -17,7 +18,7 @@ from vmkv.kernels import registry as kernel_registry
 from vmkv.kernels.facts import flash_varlen_has_seqused_k, has_flash_attn, torch_varlen_features
 
 from ..common import percentiles_us
-from ..decode import TOLERANCE, DecodeStep, compare_ms, decode_config, dense_copy
+from ..decode import TOLERANCE, DecodeStep, Shape, compare_ms, decode_config, dense_copy
 from ..mapping import map_latency
 from ..runner import SCRIPT, Context, optional_packages, package_version, run_process
 
@@ -28,21 +29,15 @@ def environment_section(ctx: Context) -> dict[str, Any]:
     """Versions, the GPU, VMM granularity, read-only zero page, each kernel's availability and the ones picked."""
     device, shape = ctx.device, ctx.shape
     spec = kernel_registry.KernelSpec("slots", device, getattr(torch, shape.dtype), shape.kv_heads, shape.head_dim)
+    packages = ("cuda-bindings", "flash-attn", "flashinfer-python", "triton", "cupy-cuda12x", "cupy-cuda13x", "numpy")
     env: dict[str, Any] = {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
-        "cuda_available": torch.cuda.is_available(),
-        "vmkv": vmkv.__version__,
-        "packages": {name: package_version(name) for name in ("cuda-bindings", "flash-attn", "flashinfer-python", "triton", "cupy-cuda12x", "cupy-cuda13x", "numpy")},
-        "optional_packages": optional_packages(),
-        "flash_attn_installed": has_flash_attn(),
-        "aten_flash_varlen_has_seqused_k": flash_varlen_has_seqused_k(),
+        "python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(), "vmkv": vmkv.__version__,
+        "packages": {name: package_version(name) for name in packages}, "optional_packages": optional_packages(),
+        "flash_attn_installed": has_flash_attn(), "aten_flash_varlen_has_seqused_k": flash_varlen_has_seqused_k(),
         "varlen_attn_arguments": sorted(torch_varlen_features()),
-        "contiguous_kernels": {
-            name: kernel_registry.unavailable(name, spec) or "available" for name in kernel_registry.names("slots")
-        },
+        "contiguous_kernels": {name: kernel_registry.unavailable(name, spec) or "available"
+                               for name in kernel_registry.names("slots")},
         "selected_contiguous_kernel": kernel_registry.choose(spec).name,
         "selected_paged_kernel": kernel_registry.choose(replace(spec, addressing="blocks", block_size=shape.paged_block)).name,
     }
@@ -53,9 +48,8 @@ def environment_section(ctx: Context) -> dict[str, Any]:
         env["gpu"] = {"name": props.name, "capability": f"{props.major}.{props.minor}", "memory_GiB": round(props.total_memory / 2**30, 1),
                       "multiprocessors": props.multi_processor_count}
         env["vmm_granularity_bytes"] = cuda_granularity(device)
-        probe = CudaVirtualMemory(env["vmm_granularity_bytes"], 1, device=device)
-        env["zero_page_read_only"] = probe.zero_page_read_only  # False: the device refused PROT_READ
-        probe.close()
+        with CudaVirtualMemory(env["vmm_granularity_bytes"], 1, device=device) as probe:
+            env["zero_page_read_only"] = probe.zero_page_read_only  # False: the device refused PROT_READ
         try:
             from cuda.bindings import driver
 
@@ -71,32 +65,24 @@ def tests_skip(device: torch.device, smoke: bool) -> str | None:
 
 def tests_section(ctx: Context) -> dict[str, Any]:
     """pytest on ``--tests``; the GPU check's own tests are deselected (they would run it again)."""
-    timeout = min(ctx.options.test_timeout, ctx.seconds_left() - 10)
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *ctx.options.tests, "-k", "not gpu_check"]
-    done = run_process(cmd, timeout)
+    done = run_process(cmd, min(ctx.options.test_timeout, ctx.seconds_left() - 10))
     summary = [line for line in done.output.splitlines() if re.search(r"\d+ (passed|failed|error)", line)]
     counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", summary[-1] if summary else "")}
-    return {
-        "failures": [] if done.returncode == 0 else [f"pytest {done.ended}: {counts}"],
-        "command": " ".join(cmd),
-        "returncode": done.returncode,
-        "counts": counts,
-        "seconds": round(done.seconds, 1),
-        "output_tail": done.output[-4000:],
-    }
+    return {"failures": [] if done.returncode == 0 else [f"pytest {done.ended}: {counts}"], "command": " ".join(cmd),
+            "returncode": done.returncode, "counts": counts, "seconds": round(done.seconds, 1),
+            "output_tail": done.output[-4000:]}
 
 
 def decode_section(ctx: Context) -> dict[str, Any]:
     """Each of ``--kernels`` on the VMM views vs on a dense copy with the same bytes."""
     device, shape = ctx.device, ctx.shape
     step = DecodeStep({"vmm": ("vmm", decode_config(device, shape))}, shape.batch, shape.seq_len - 1, shape.q_heads)
-    try:
-        cache, (k_vmm, v_vmm) = step.caches["vmm"], step.storage("vmm")
-        dense = (dense_copy(k_vmm), dense_copy(v_vmm))  # every position is mapped: all slots are full
-        kv_bytes = 2 * shape.batch * shape.seq_len * shape.kv_heads * shape.head_dim * k_vmm.element_size()
-        tolerance = TOLERANCE[shape.dtype]
+    with closing(step):
+        cache, kv_bytes = step.caches["vmm"], step.kv_bytes
+        dense = tuple(map(dense_copy, step.storage("vmm")))  # every position is mapped: all slots are full
         rows: dict[str, Any] = {}
-        failures = []
+        errors: dict[str, float] = {}
         for name in ctx.options.kernels:
             on_vmm, on_dense = step.call("vmm", name), step.call("vmm", name, dense)
             if isinstance(on_vmm, str):
@@ -104,21 +90,21 @@ def decode_section(ctx: Context) -> dict[str, Any]:
                 continue
             out_vmm, out_dense = on_vmm(), on_dense()
             times = compare_ms({"vmm": on_vmm, "dense": on_dense}, device, shape)
-            rows[name] = {
-                "vmm_ms": times["vmm"],
-                "dense_ms": times["dense"],
-                "vmm_over_dense": times["vmm"] / times["dense"],
-                "vmm_GBps": kv_bytes / times["vmm"] / 1e6,
-                "max_abs_diff": (out_vmm.float() - out_dense.float()).abs().max().item(),
-                "max_abs_err_vs_fp32_reference": step.error(out_vmm),
-            }
-            error = rows[name]["max_abs_err_vs_fp32_reference"]
-            if not error <= tolerance:  # NaN fails too
-                failures.append(f"{name}: max |output - fp32 reference| {error:.3g} > {tolerance:g} ({shape.dtype})")
+            errors[name] = step.error(out_vmm)
+            rows[name] = {"vmm_ms": times["vmm"], "dense_ms": times["dense"], "vmm_over_dense": times["vmm"] / times["dense"],
+                          "vmm_GBps": kv_bytes / times["vmm"] / 1e6,
+                          "max_abs_diff": (out_vmm.float() - out_dense.float()).abs().max().item(),
+                          "max_abs_err_vs_fp32_reference": errors[name]}
         return {"shape": asdict(shape), "cache_kernel": cache.kernel, "kv_bytes_read": kv_bytes,
-                "page_bytes": cache.stats()["page_bytes"], "tolerance": tolerance, "kernels": rows, "failures": failures}
-    finally:
-        step.close()
+                "page_bytes": cache.stats()["page_bytes"], "tolerance": TOLERANCE[shape.dtype], "kernels": rows,
+                "failures": off_reference(errors, shape)}
+
+
+def off_reference(errors: dict[str, float], shape: Shape) -> list[str]:
+    """Why each candidate whose max |output - fp32 reference| exceeds its dtype's tolerance fails (NaN fails too)."""
+    tolerance = TOLERANCE[shape.dtype]
+    return [f"{name}: max |output - fp32 reference| {error:.3g} > {tolerance:g} ({shape.dtype})"
+            for name, error in errors.items() if not error <= tolerance]
 
 
 def map_unmap_section(ctx: Context) -> dict[str, Any]:
@@ -130,7 +116,7 @@ def map_unmap_section(ctx: Context) -> dict[str, Any]:
     began = time.perf_counter()
     vm = open_backend(device, page, pages)
     create_s = time.perf_counter() - began
-    try:
+    with vm:
         map_ns, unmap_ns = map_latency(vm, page, pages, rounds=3)
         big = (64 << 30) // page * page
         t = time.perf_counter_ns()
@@ -139,8 +125,6 @@ def map_unmap_section(ctx: Context) -> dict[str, Any]:
         vm.free_reservation(big_addr, big)
         return {"backend": vm.name, "page_bytes": page, "pages": pages, "create_store_us_per_page": create_s * 1e6 / pages,
                 "map_us": percentiles_us(map_ns), "unmap_us": percentiles_us(unmap_ns), "reserve_64GiB_us": reserve_us}
-    finally:
-        vm.close()
 
 
 def zero_page_section(ctx: Context) -> dict[str, Any]:
@@ -148,9 +132,7 @@ def zero_page_section(ctx: Context) -> dict[str, Any]:
     into one faults, checked in a child process: on CUDA the fault kills the context."""
     device, shape = ctx.device, ctx.shape
     config = decode_config(device, replace(shape, batch=2))
-    cache = vmkv.open_cache(config)
-    k_all = None
-    try:
+    with vmkv.open_cache(config) as cache:
         tpp = cache.tokens_per_page
         written = min(5, tpp)
         cache.add("a")
@@ -166,9 +148,7 @@ def zero_page_section(ctx: Context) -> dict[str, Any]:
             "an_empty_slot_reads_zeros": int(torch.count_nonzero(k_all[1 - slot])) == 0,
             "no_nan_anywhere": not bool(k_all.isnan().any()),
         }
-    finally:
-        cache.close()
-    checks["a_view_after_close_reads_zeros"] = k_all is not None and int(torch.count_nonzero(k_all)) == 0
+    checks["a_view_after_close_reads_zeros"] = int(torch.count_nonzero(k_all)) == 0
     probe = write_probe(ctx)
     checks["a_write_into_an_empty_page_faults"] = probe["faulted"]
     return {"checks": checks, "write_probe": probe, "failures": [name for name, ok in checks.items() if not ok]}
@@ -178,13 +158,9 @@ def write_probe(ctx: Context) -> dict[str, Any]:
     """:func:`write_to_an_empty_page` in a child: it must die after reading zeros, never printing ``WROTE``."""
     cmd = [sys.executable, str(SCRIPT), "--worker", "write_probe", "--device", str(ctx.device), "--out", str(ctx.out)]
     done = run_process(cmd + (["--smoke"] if ctx.smoke else []), timeout=300)
-    return {
-        "returncode": done.returncode,
-        "exit": done.ended,
-        "read_zeros_first": "READ 0" in done.stdout,
-        "faulted": done.returncode != 0 and "READ 0" in done.stdout and "WROTE" not in done.stdout,
-        "output_tail": done.output[-1500:],
-    }
+    read_zeros = "READ 0" in done.stdout
+    return {"returncode": done.returncode, "exit": done.ended, "read_zeros_first": read_zeros,
+            "faulted": done.returncode != 0 and read_zeros and "WROTE" not in done.stdout, "output_tail": done.output[-1500:]}
 
 
 def write_to_an_empty_page(device: torch.device) -> None:

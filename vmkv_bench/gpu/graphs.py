@@ -4,6 +4,7 @@ ones across page boundaries and their speed-up at 32 sequences, both modes (docs
 from __future__ import annotations
 
 import time
+from contextlib import closing
 from typing import Any
 
 import torch
@@ -13,6 +14,7 @@ from vmkv.engine import Engine, SamplingParams
 from vmkv.engine.graphs import DecodeGraphs, unsupported
 from vmkv.engine.runner import LoadedModel, ModelRunner, cache_config_for, load_model
 
+from ..common import synchronize
 from ..runner import Context, SectionSkipped
 
 SPEED_TARGET = 2.0
@@ -26,11 +28,8 @@ def _cache(loaded: LoadedModel, mode: str, slots: int, max_seq_len: int, budget:
 
 
 def _why_not(loaded: LoadedModel, mode: str) -> str | None:
-    cache = _cache(loaded, mode, 2, 64, "8MiB")
-    try:
+    with _cache(loaded, mode, 2, 64, "8MiB") as cache:
         return unsupported(cache)
-    finally:
-        cache.close()
 
 
 def compare_outputs(loaded: LoadedModel, mode: str, smoke: bool) -> dict[str, Any]:
@@ -38,7 +37,7 @@ def compare_outputs(loaded: LoadedModel, mode: str, smoke: bool) -> dict[str, An
     ``max_rel_diff`` is max |diff| / max |logit| over every step and sequence."""
     batch, prompt, steps = (2, 20, 6) if smoke else (8, 1000, 40)
     eager_cache, graph_cache = (_cache(loaded, mode, batch + 1, 2048, "64MiB" if smoke else "1GiB") for _ in range(2))
-    try:
+    with eager_cache, graph_cache:
         graphs = DecodeGraphs(loaded.model, graph_cache)
         runners = ((eager_cache, ModelRunner(loaded.model)), (graph_cache, ModelRunner(loaded.model, graphs)))
         gen = torch.Generator().manual_seed(0)
@@ -47,7 +46,7 @@ def compare_outputs(loaded: LoadedModel, mode: str, smoke: bool) -> dict[str, An
             for seq in tokens:
                 cache.add(seq)
         worst, pages_before = 0.0, graph_cache.stats()["pages_in_use"]
-        feed = {seq: ids for seq, ids in tokens.items()}
+        feed = dict(tokens)
         for step in range(steps + 1):
             logits = [runner.execute(cache, cache.begin_step(feed), list(feed.values()), [True] * batch)
                       for cache, runner in runners]
@@ -57,9 +56,6 @@ def compare_outputs(loaded: LoadedModel, mode: str, smoke: bool) -> dict[str, An
         return {"mode": mode, "sequences": batch, "prompt_tokens": f"{prompt}-{prompt + 3 * (batch - 1)}",
                 "decode_steps": steps, "max_rel_diff": worst, "pages_mapped_while_decoding":
                 graph_cache.stats()["pages_in_use"] - pages_before, "graphs": graphs.stats.as_dict()}
-    finally:
-        eager_cache.close()
-        graph_cache.close()
 
 
 def decode_speed(loaded: LoadedModel, mode: str, smoke: bool) -> dict[str, Any]:
@@ -70,26 +66,18 @@ def decode_speed(loaded: LoadedModel, mode: str, smoke: bool) -> dict[str, Any]:
     found: dict[str, Any] = {}
     for graphs in (False, True):
         cache = _cache(loaded, mode, batch + 1, 512, "64MiB" if smoke else "1GiB")
-        engine = Engine(loaded, cache, cuda_graphs=graphs)
-        try:
+        with closing(Engine(loaded, cache, cuda_graphs=graphs)) as engine:
             engine.generate(prompts, params)  # warm-up: Triton compiles, the graphs capture
-            _synchronize(cache)
+            synchronize(cache.config.device.type)
             began = time.perf_counter()
             engine.generate(prompts, params)
-            _synchronize(cache)
+            synchronize(cache.config.device.type)
             seconds = time.perf_counter() - began
             found["graphs" if graphs else "eager"] = {"seconds": seconds, "tokens_per_s": batch * new / seconds}
             if graphs:
                 found["captured"] = engine.stats()["engine"]["cuda_graphs"]["captured"]
-        finally:
-            engine.close()
     found["speedup"] = found["graphs"]["tokens_per_s"] / found["eager"]["tokens_per_s"]
     return {"mode": mode, "sequences": batch, "new_tokens": new, **found}
-
-
-def _synchronize(cache: vmkv.KVCacheBase) -> None:
-    if torch.device(cache.config.device).type == "cuda":
-        torch.cuda.synchronize()
 
 
 def engine_graphs_section(ctx: Context) -> dict[str, Any]:

@@ -18,12 +18,9 @@ from ..runner import Context
 
 MiB = 1 << 20
 
-LEDGER_PAGES = 48
-"""The shared budget, in pool pages of the caches."""
-CACHE_PAGES = 64
-"""Each cache's own ``memory_budget``, in pool pages (more than its share: the ledger decides)."""
-FILLED = 40
-"""Pool pages each cache fills (5 a sequence, 8 sequences)."""
+LEDGER_PAGES = 48  # the shared budget, in pool pages of the caches
+CACHE_PAGES = 64  # each cache's own memory_budget, in pool pages (more than its share: the ledger decides)
+FILLED = 40  # pool pages each cache fills (5 a sequence, 8 sequences)
 SEQUENCES = 8
 DRIVER_ALLOWANCE_GRANULES = 2
 """Granules a cache may cost the driver beyond its stores (page tables of its K and V ranges): a
@@ -102,8 +99,11 @@ def run_round(work: Workload, memory: DeviceMemory | None) -> dict[str, Any]:
         memory.settle()
     start = memory.sample() if memory is not None else None
     stages: list[dict[str, Any]] = []
+    caches = [vmkv.open_cache(work.config), vmkv.open_cache(work.config)]
 
-    def sample(stage: str, resident: int) -> None:
+    def sample(stage: str) -> int:
+        """Append the stage's row; return vmkv's resident bytes (0 once the caches are closed and dropped)."""
+        resident = sum(cache.stats()["resident_bytes"] for cache in caches)
         row: dict[str, Any] = {"stage": stage, "vmkv_resident": resident}
         if memory is not None:
             now = memory.sample()
@@ -111,27 +111,21 @@ def run_round(work: Workload, memory: DeviceMemory | None) -> dict[str, Any]:
             row["torch"] = now.torch_reserved - start.torch_reserved
             row["beyond"] = row["driver"] - row["torch"] - resident
         stages.append(row)
+        return resident
 
-    caches = [vmkv.open_cache(work.config), vmkv.open_cache(work.config)]
     try:
         stats = [cache.stats() for cache in caches]
         cuda = [s for s in stats if s["backend"] == "cuda"]
         zero_bytes = sum(s["page_size"] for s in cuda)
         granule = cuda[0]["page_size"] if cuda else 0
-
-        def resident() -> int:
-            return sum(cache.stats()["resident_bytes"] for cache in caches)
-
-        sample("opened", resident())
+        sample("opened")
         first_s = _fill(caches[0], "a", work)
-        after_first = resident()
-        sample("first_filled", after_first)
+        after_first = sample("first_filled")
         for i in range(SEQUENCES):
             caches[0].free(f"a{i}")
-        sample("first_freed", resident())
+        sample("first_freed")
         second_s = _fill(caches[1], "b", work)
-        after_second = resident()
-        sample("second_filled", after_second)
+        after_second = sample("second_filled")
         held = [cache.stats()["ledger_pages_held"] for cache in caches]
     finally:
         for cache in caches:
@@ -139,7 +133,7 @@ def run_round(work: Workload, memory: DeviceMemory | None) -> dict[str, Any]:
     caches.clear()  # the caches' views hold their reservations (and the zero pages mapped there)
     if memory is not None:
         memory.settle()
-    sample("closed", 0)
+    sample("closed")
     return {"stages": stages, "resident_after_first": after_first, "resident_after_second": after_second,
             "pages_held": held, "grow_s": [first_s, second_s], "zero_bytes": zero_bytes, "granule": granule,
             "caches": len(stats)}
@@ -153,29 +147,26 @@ def shared_budget_section(ctx: Context, memory: DeviceMemory | None = None) -> d
         memory = DeviceMemory(device)
     work = make_workload(device, ctx.shape)
     warmup, measured = run_round(work, memory), run_round(work, memory)
-    budget, zero = work.budget, measured["zero_bytes"]
+    budget, zero, stages = work.budget, measured["zero_bytes"], measured["stages"]
     checks = {
         "first_cache_got_more_than_half": measured["resident_after_first"] > budget // 2,
-        "stores_within_the_budget": max(row["vmkv_resident"] for row in measured["stages"]) <= budget + zero,
+        "stores_within_the_budget": max(row["vmkv_resident"] for row in stages) <= budget + zero,
         "first_cache_gave_pages_back": measured["pages_held"][0] * work.pool_page <= budget - FILLED * work.pool_page,
     }
     result: dict[str, Any] = {
         "budget_bytes": budget, "pool_page_bytes": work.pool_page,
         "resident_after_first": measured["resident_after_first"], "resident_after_second": measured["resident_after_second"],
         "pages_held": measured["pages_held"], "grow_40_pages_s": measured["grow_s"],
-        "rounds": {"warmup": warmup["stages"], "measured": measured["stages"]},
+        "rounds": {"warmup": warmup["stages"], "measured": stages},
     }
     if memory is not None:
         allowance = DRIVER_ALLOWANCE_GRANULES * measured["granule"] * measured["caches"]
-        held = [row["driver"] - row["torch"] for row in measured["stages"]]
+        held = [row["driver"] - row["torch"] for row in stages]
         result["device_bytes_used"] = max(held)
-        result["overhead"] = {
-            "zero_pages_bytes": zero,
-            "driver_beyond_stores_bytes": max(row["beyond"] for row in measured["stages"]),
-            "driver_allowance_bytes": allowance,
-            "context_growth_bytes": warmup["stages"][-1]["driver"] - warmup["stages"][-1]["torch"],
-            "torch_reserved_peak_bytes": max(row["torch"] for row in measured["stages"]),
-        }
+        result["overhead"] = {"zero_pages_bytes": zero, "driver_beyond_stores_bytes": max(row["beyond"] for row in stages),
+                              "driver_allowance_bytes": allowance,
+                              "context_growth_bytes": warmup["stages"][-1]["driver"] - warmup["stages"][-1]["torch"],
+                              "torch_reserved_peak_bytes": max(row["torch"] for row in stages)}
         checks["device_memory_within_the_budget"] = max(held) <= budget + zero + allowance
         checks["device_memory_given_back_at_close"] = held[-1] <= allowance
     result["checks"] = checks

@@ -4,8 +4,9 @@ vLLM: what the slots read, the driver's access flags, and every failing driver c
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any, Callable, Iterator
 
 import torch
@@ -64,21 +65,19 @@ def buffer_bytes(geometry: SlotGeometry, block_size: int) -> int:
 
 def vllm_kv_buffer(backend: VirtualMemory, geometry: SlotGeometry, block_size: int) -> tuple[KVBuffer, dict[str, torch.Tensor]]:
     """vLLM's KV buffer over ``backend``, every page mapped, and its per-layer views."""
-    dtype = getattr(torch, geometry.dtype)
     layer_block = geometry.kv_heads * block_size * 2 * geometry.head_dim  # elements of one layer's block [H, N, 2D]
     buffer = KVBuffer(backend, buffer_bytes(geometry, block_size))
     try:
         buffer.apply([], list(range(buffer.num_pages)))
-        raw = buffer.tensor().view(dtype)
+        raw = buffer.tensor().view(getattr(torch, geometry.dtype))
         shape = (geometry.num_blocks, geometry.kv_heads, block_size, 2 * geometry.head_dim)
         inner = (block_size * 2 * geometry.head_dim, 2 * geometry.head_dim, 1)
-        block_outermost = slot_layout(backend.device.type).vllm_layout == "BLHNC"
-        views = {}
-        for layer in range(geometry.layers):
-            if block_outermost:  # a block: every layer's [H, N, 2D] in one run
-                views[f"layers.{layer}"] = raw.as_strided(shape, (geometry.layers * layer_block, *inner), layer * layer_block)
-            else:  # every layer's blocks in a region of their own
-                views[f"layers.{layer}"] = raw.as_strided(shape, (layer_block, *inner), layer * geometry.num_blocks * layer_block)
+        if slot_layout(backend.device.type).vllm_layout == "BLHNC":  # a block: every layer's [H, N, 2D] in one run
+            block_stride, layer_stride = geometry.layers * layer_block, layer_block
+        else:  # every layer's blocks in a region of their own
+            block_stride, layer_stride = layer_block, geometry.num_blocks * layer_block
+        views = {f"layers.{layer}": raw.as_strided(shape, (block_stride, *inner), layer * layer_stride)
+                 for layer in range(geometry.layers)}
     except BaseException:
         buffer.close()
         raise
@@ -95,29 +94,17 @@ def fill_blocks(space: SlotSpace) -> None:
 def reads_blocks(space: SlotSpace, maps: list[tuple[int, int, int]]) -> bool:
     """Whether logical block ``j`` of every ``(slot, j, block)`` reads ``block``'s K and V in every layer."""
     size = space.block_size
-    for slot, j, block in maps:
-        tokens = slice(j * size, (j + 1) * size)
-        for k, v, rows in zip(space.k, space.v, space.write_views):  # rows: [blocks, tokens, K|V, heads, D]
-            if not (torch.equal(k[slot, tokens], rows[block, :, 0]) and torch.equal(v[slot, tokens], rows[block, :, 1])):
-                return False
-    return True
+    return all(torch.equal(kv[slot, j * size : (j + 1) * size], rows[block, :, half])
+               for slot, j, block in maps
+               for k, v, rows in zip(space.k, space.v, space.write_views)  # rows: [blocks, tokens, K|V, heads, D]
+               for half, kv in enumerate((k, v)))
 
 
-def reads_zeros_past(space: SlotSpace, lengths: dict[int, int]) -> bool:
-    """Whether every slot reads zeros past its ``lengths[slot]`` blocks (0 for slots not listed)."""
-    for slot in range(space.max_slots):
-        start = lengths.get(slot, 0) * space.block_size
-        if any(int(torch.count_nonzero(view[slot, start:])) for view in (*space.k, *space.v)):
-            return False
-    return True
-
-
-def lengths_of(maps: list[tuple[int, int, int]]) -> dict[int, int]:
-    """Blocks per slot after ``maps``."""
-    lengths: dict[int, int] = {}
-    for slot, j, _ in maps:
-        lengths[slot] = max(lengths.get(slot, 0), j + 1)
-    return lengths
+def reads_zeros_past(space: SlotSpace, maps: list[tuple[int, int, int]]) -> bool:
+    """Whether every slot reads zeros past the blocks ``maps`` gives it (all of it, for a slot not in ``maps``)."""
+    lengths = {slot: 1 + max(j for s, j, _ in maps if s == slot) for slot, _, _ in maps}
+    return not any(int(torch.count_nonzero(view[slot, lengths.get(slot, 0) * space.block_size :]))
+                   for slot in range(space.max_slots) for view in (*space.k, *space.v))
 
 
 # ---- what the driver says ------------------------------------------------------------------------
@@ -132,27 +119,20 @@ def driver_access(space: SlotSpace) -> list[int | None] | None:
     location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     location.id = backend.device.index
     range_bytes = space.stats()["slot_reserved_bytes"] // 2  # all-layers slots: one K and one V range
-    flags: list[int | None] = []
-    for base in (space.k[0].data_ptr(), space.v[0].data_ptr()):
-        for addr in range(base, base + range_bytes, backend.page_size):
-            result, value = driver.cuMemGetAccess(location, addr)
-            flags.append(int(value) if result == driver.CUresult.CUDA_SUCCESS else None)
-    return flags
+    answers = [driver.cuMemGetAccess(location, addr) for base in (space.k[0].data_ptr(), space.v[0].data_ptr())
+               for addr in range(base, base + range_bytes, backend.page_size)]
+    return [int(value) if result == driver.CUresult.CUDA_SUCCESS else None for result, value in answers]
 
 
 def expected_access(space: SlotSpace, maps: list[tuple[int, int, int]]) -> list[int]:
-    """The access flags the slot ranges should have after ``maps``: read-write where mapped, else the zero page's."""
-    backend = space.backend
+    """The access flags the slot ranges should have after ``maps``: read-write where mapped, else the zero page's
+    (the K range's pages, then the V range's, alike)."""
+    backend, plan = space.backend, space.plan
     empty = PROT_READ if getattr(backend, "zero_page_read_only", True) else PROT_READWRITE
-    range_bytes = space.stats()["slot_reserved_bytes"] // 2
-    pages = range_bytes // backend.page_size
-    flags = [empty] * (2 * pages)
-    for slot, j, _ in maps:
-        first = space.plan.page_offset(slot, j) // backend.page_size
-        for half in range(2):
-            for page in range(first, first + space.plan.page_bytes // backend.page_size):
-                flags[half * pages + page] = PROT_READWRITE
-    return flags
+    per_block = plan.page_bytes // backend.page_size
+    mapped = {plan.page_offset(slot, j) // backend.page_size + i for slot, j, _ in maps for i in range(per_block)}
+    pages = space.stats()["slot_reserved_bytes"] // 2 // backend.page_size
+    return [PROT_READWRITE if page in mapped else empty for page in range(pages)] * 2
 
 
 @dataclass
@@ -163,9 +143,12 @@ class _Calls:
     fail_at: int | None
     count: int = 0
 
-    def next_fails(self) -> bool:
-        self.count += 1
-        return self.count == self.fail_at
+    def counted(self, call: Callable[..., Any], failed: Callable[[], Any]) -> Callable[..., Any]:
+        """``call``, counted: call ``fail_at`` answers ``failed()`` instead."""
+        def counted_call(*args: Any) -> Any:
+            self.count += 1
+            return failed() if self.count == self.fail_at else call(*args)
+        return counted_call
 
 
 class _CountingDriver:
@@ -179,16 +162,14 @@ class _CountingDriver:
         attr = getattr(self._driver, name)
         if not name.startswith("cu") or not callable(attr):
             return attr
-
-        def call(*args: Any) -> Any:
-            if self._calls.next_fails():
-                return (self._driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY,)
-            return attr(*args)
-
-        return call
+        return self._calls.counted(attr, lambda: (self._driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY,))
 
 
 BACKEND_CALLS = ("map", "unmap", "map_range", "unmap_range", "synchronize")
+
+
+def _injected(name: str) -> None:
+    raise BackendError(f"{name} failed (injected by gpu_check)")
 
 
 @contextmanager
@@ -205,16 +186,8 @@ def failing_calls(backend: VirtualMemory, fail_at: int | None = None) -> Iterato
             context.driver = driver
         return
     calls = _Calls("backend call", fail_at)
-
-    def counted(method: Callable[..., Any], name: str) -> Callable[..., Any]:
-        def call(*args: Any) -> Any:
-            if calls.next_fails():
-                raise BackendError(f"{name} failed (injected by gpu_check)")
-            return method(*args)
-        return call
-
     for name in BACKEND_CALLS:
-        setattr(backend, name, counted(getattr(backend, name), name))
+        setattr(backend, name, calls.counted(getattr(backend, name), partial(_injected, name)))
     try:
         yield calls
     finally:
@@ -223,9 +196,8 @@ def failing_calls(backend: VirtualMemory, fail_at: int | None = None) -> Iterato
 
 
 def _state(space: SlotSpace) -> tuple[dict[str, int], list[int | None] | None, list[torch.Tensor]]:
-    stats = space.stats()
+    stats, access = space.stats(), driver_access(space)
     counts = {key: stats[key] for key in ("slots_in_use", "slot_blocks_mapped", "slot_blocks_distinct")}
-    access = driver_access(space)
     if access is not None and None in access:  # nothing mapped somewhere: reading there would fault
         return counts, access, []
     return counts, access, [view.clone() for view in (*space.k, *space.v)]
@@ -277,21 +249,17 @@ def vllm_slots_section(ctx: Context) -> dict[str, Any]:
     one at a time), ``timing`` and the geometry (docs/gpu.md)."""
     device, geometry = ctx.device, SMOKE_SLOTS if ctx.smoke else FULL_SLOTS
     page = granularity(device)
-    probe = open_backend(device, page, 1)  # the backend's device type and granularity decide the block size
-    try:
+    with open_backend(device, page, 1) as probe:  # the backend's device type and granularity decide the block size
         block = block_size_for(probe, geometry)
-    finally:
-        probe.close()
     backend = open_backend(device, page, -(-buffer_bytes(geometry, block) // page))
     buffer, views = vllm_kv_buffer(backend, geometry, block)
-    space = None
-    try:
-        space = SlotSpace(buffer, views, geometry.num_blocks, block, geometry.max_slots, geometry.max_blocks)
-        checks: dict[str, bool] = {"slots_read_zeros_before_any_map": reads_zeros_past(space, {})}
+    with closing(buffer), closing(SlotSpace(buffer, views, geometry.num_blocks, block, geometry.max_slots,
+                                            geometry.max_blocks)) as space:
+        checks: dict[str, bool] = {"slots_read_zeros_before_any_map": reads_zeros_past(space, [])}
         fill_blocks(space)
         space.map(MAPS)
         checks["slots_read_their_blocks"] = reads_blocks(space, MAPS)
-        checks["empty_pages_under_the_slots_read_zeros"] = reads_zeros_past(space, lengths_of(MAPS))
+        checks["empty_pages_under_the_slots_read_zeros"] = reads_zeros_past(space, MAPS)
         checks["a_shared_block_is_one_physical_page"] = _shared_write_seen_twice(space)
         table = torch.tensor([[1, 3], [1, 2], [4, 0]])  # rows of slots 1, 0, 2: the last block of each is its own
         checks["rows_to_slots_finds_each_rows_slot"] = space.rows_to_slots(table, [block + 1, block + 2, 5]) == [1, 0, 2]
@@ -306,22 +274,16 @@ def vllm_slots_section(ctx: Context) -> dict[str, Any]:
             checks[f"every_failing_{name}_is_undone"] = not outcome["not_raised"] and not outcome["not_undone"]
         space.free([0, 3])
         left = [m for m in MAPS if m[0] not in (0, 3)]  # slot 1 keeps block 1, which slots 0 and 3 shared
-        checks["freed_slots_read_zeros_and_the_shared_block_stays"] = reads_zeros_past(space, lengths_of(left)) and reads_blocks(space, left)
+        checks["freed_slots_read_zeros_and_the_shared_block_stays"] = reads_zeros_past(space, left) and reads_blocks(space, left)
         space.free([1, 2])
         timing = _time_map_free(space)
         kept = space.k[0]
         space.close()
         checks["views_read_zeros_after_close"] = int(torch.count_nonzero(kept)) == 0
         plan = space.plan
-    finally:
-        if space is not None:
-            space.close()
-        buffer.close()
     return {"backend": backend.name, "geometry": asdict(geometry), "block_size": block, "page_bytes": plan.page_bytes,
-            "backend_page_bytes": page,
-            "vllm_layout": slot_layout(backend.device.type).vllm_layout, "slot_layout": plan.layout,
-            "checks": checks, "rollback": rollback, "timing": timing,
-            "failures": [name for name, ok in checks.items() if not ok]}
+            "backend_page_bytes": page, "vllm_layout": slot_layout(backend.device.type).vllm_layout, "slot_layout": plan.layout,
+            "checks": checks, "rollback": rollback, "timing": timing, "failures": [name for name, ok in checks.items() if not ok]}
 
 
 def _shared_write_seen_twice(space: SlotSpace) -> bool:

@@ -1,6 +1,5 @@
-"""The sections that need vLLM on the GPU: ``vllm`` (the plugin's smoke test) and ``vllm_addressing``
-(block tables vs virtual memory inside one vLLM: stock, vmkv's paged backing and contiguous mode,
-interleaved); both skip, with the reason, off CUDA or without vLLM."""
+"""The sections that need vLLM on the GPU: ``vllm`` (the plugin's smoke test) and ``vllm_addressing`` (block tables vs
+virtual memory inside one vLLM: stock, paged backing, contiguous mode); both skip, with the reason, off CUDA or without vLLM."""
 
 from __future__ import annotations
 
@@ -41,27 +40,21 @@ all-layers page; vLLM's GPU defaults otherwise."""
 GPU_ENGINE = {"dtype": "bfloat16", "enforce_eager": False}
 
 
-def vllm_unavailable(device: torch.device, smoke: bool) -> str | None:
-    """Why a section that starts vLLM cannot run here (checked before its process starts)."""
+def vllm_unavailable(device: torch.device, smoke: bool, what: str = "vLLM on the GPU") -> str | None:
+    """Why a section that starts vLLM (``what``) cannot run here: checked before its process starts, and in it."""
     if device.type != "cuda":
-        return "vLLM on the GPU needs a CUDA device"
+        return f"{what} needs a CUDA device"
     if importlib.util.find_spec("vllm") is None:
         return "vLLM is not installed"
     return None
 
 
-def _need_vllm(device: torch.device, what: str) -> None:
-    """Skip the section (``what`` names it) off CUDA or without vLLM."""
-    if device.type != "cuda":
-        raise SectionSkipped(f"{what} needs a CUDA device")
-    if importlib.util.find_spec("vllm") is None:
-        raise SectionSkipped("vLLM is not installed")
-
-
 def vllm_section(ctx: Context) -> dict[str, Any]:
     """:func:`~vmkv_bench.gpu.vllm_smoke.gpu_smoke` ``(DIR/vllm)``: stock vLLM and vLLM + vmkv on the tiny model."""
     device, out_dir = ctx.device, ctx.out
-    _need_vllm(device, "the vLLM smoke test")
+    why = vllm_unavailable(device, ctx.smoke, "the vLLM smoke test")
+    if why:
+        raise SectionSkipped(why)
     (out_dir / "vllm").mkdir(parents=True, exist_ok=True)
     try:
         result = gpu_smoke(out_dir / "vllm")
@@ -90,7 +83,9 @@ def vllm_failures(result: dict[str, Any]) -> list[str]:
 def vllm_addressing_section(ctx: Context) -> dict[str, Any]:
     """Stock vLLM, vmkv's paged backing and contiguous mode interleaved on :data:`GPU_SETTINGS`' work."""
     device, out_dir, smoke = ctx.device, ctx.out, ctx.smoke
-    _need_vllm(device, "the addressing comparison inside vLLM on CUDA")
+    why = vllm_unavailable(device, smoke, "the addressing comparison inside vLLM on CUDA")
+    if why:
+        raise SectionSkipped(why)
     from vmkv.vllm import check_vllm
 
     try:
@@ -143,8 +138,8 @@ def run_addressing(s: dict[str, Any], model_root: Path, seed: int, engine_kwargs
                          "attention_share": kernel / result.wall_s if kernel >= 0 else -1.0,
                          "mode_share": mode / result.wall_s if mode >= 0 else -1.0, "tokens_identical": False})
     for row in rows:
-        row["tokens_identical"] = tokens[(row["round"], row["engine"])] == tokens[(row["round"], "stock")]
-        row["first_divergence"] = first_divergence(tokens[(row["round"], row["engine"])], tokens[(row["round"], "stock")])
+        ours, stock = tokens[(row["round"], row["engine"])], tokens[(row["round"], "stock")]
+        row["tokens_identical"], row["first_divergence"] = ours == stock, first_divergence(ours, stock)
     kernels = sorted(stats(engines["contiguous"])[0].get("kernel_calls", {}))
     for llm in engines.values():
         llm.llm_engine.engine_core.shutdown()

@@ -20,12 +20,6 @@ VMKV_OPTIONS: dict[str, Any] = {"page_size": PAGE_SIZE}
 prefix-cached block of the workload mapped, so the second pass hits what stock vLLM hits."""
 
 
-def _workload() -> tuple[list[list[int]], list[int]]:
-    prefix = [(7 * i + 3) % 250 for i in range(300)]
-    prompts = [prefix + [11, 12], prefix + [21], [(5 * i + 1) % 250 for i in range(180)], [(3 * i) % 250 for i in range(40)]]
-    return prompts, [160, 200, 120, 250]
-
-
 def gpu_smoke(out_dir: str | Path) -> dict[str, Any]:
     """Run the tiny model through stock vLLM and vLLM + vmkv on the GPU; write and return results."""
     import torch
@@ -38,8 +32,9 @@ def gpu_smoke(out_dir: str | Path) -> dict[str, Any]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model = tiny.save_tiny_model(out / "vllm-tiny-model")
-    prompts, lengths = _workload()
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    prefix = [(7 * i + 3) % 250 for i in range(300)]
+    prompts = [prefix + [11, 12], prefix + [21], [(5 * i + 1) % 250 for i in range(180)], [(3 * i) % 250 for i in range(40)]]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (160, 200, 120, 250)]
     start = time.perf_counter()
     results: dict[str, Any] = {}
     for name in ("stock", "vmkv"):
@@ -50,24 +45,18 @@ def gpu_smoke(out_dir: str | Path) -> dict[str, Any]:
         run = drive.run(llm, prompts, params, vmkv=vmkv, sample_every=4 if vmkv else 0)
         again = drive.run(llm, prompts, params, vmkv=vmkv)  # the same prompts: prefix-cache hits
         entry: dict[str, Any] = {"tokens": run.tokens, "again": again.tokens, "cached": again.cached_tokens,
-                                 "tok_per_s": run.output_tokens / run.wall_s,
-                                 "v2": bool(config.use_v2_model_runner),
+                                 "tok_per_s": run.output_tokens / run.wall_s, "v2": bool(config.use_v2_model_runner),
                                  "async": bool(config.scheduler_config.async_scheduling)}
         if vmkv:
             entry["peak_mapped"] = max((s.mapped_bytes for s in run.samples), default=0)
             entry["trimmed"] = trim(llm)
         results[name] = entry
         llm.llm_engine.engine_core.shutdown()
-    summary = {
-        **verdict(results["stock"], results["vmkv"], KV_BYTES),
-        "throughput_ratio_vmkv_over_stock": results["vmkv"]["tok_per_s"] / results["stock"]["tok_per_s"],
-        "kv_after_trim_bytes": sum(s["mapped_bytes"] for s in results["vmkv"]["trimmed"]),
-        "model_runner_v2": results["vmkv"]["v2"],
-        "async_scheduling": results["vmkv"]["async"],
-        "vllm": version,
-        "gpu": torch.cuda.get_device_name(),
-        "seconds": time.perf_counter() - start,
-    }
+    stock, ours = results["stock"], results["vmkv"]
+    summary = {**verdict(stock, ours, KV_BYTES), "throughput_ratio_vmkv_over_stock": ours["tok_per_s"] / stock["tok_per_s"],
+               "kv_after_trim_bytes": sum(s["mapped_bytes"] for s in ours["trimmed"]), "model_runner_v2": ours["v2"],
+               "async_scheduling": ours["async"], "vllm": version, "gpu": torch.cuda.get_device_name(),
+               "seconds": time.perf_counter() - start}
     (out / "vllm_gpu_smoke.json").write_text(json.dumps({"summary": summary, "runs": results}, indent=1, default=str))
     return summary
 
