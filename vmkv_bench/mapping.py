@@ -79,14 +79,11 @@ def _percentiles(samples: list[float]) -> common.Spread:
 
 
 def _reserve_time(device: str, page_size: int) -> common.Spread:
-    vm = open_backend(torch.device(device), page_size, 1)
-    try:
+    with open_backend(torch.device(device), page_size, 1) as vm:
         def once() -> None:
             vm.free_reservation(vm.reserve(RESERVE_BYTES), RESERVE_BYTES)
 
         return common.time_interleaved({"reserve": once}, device, repeat=5).spread("reserve")
-    finally:
-        vm.close()
 
 
 SHAPES = {"small": {"num_layers": 4, "num_kv_heads": 4, "head_dim": 32, "dtype": "float32"}, "llama3-8b": common.LLAMA3_8B}
@@ -100,15 +97,9 @@ def _decode_config(args: argparse.Namespace, page_size: str, map_ahead: bool = F
     probe = common.cache_config(shape, args.device, page_size=page_size, layout=args.layout)
     page = probe.page_size
     pages_per_seq = -(-(PROMPT + args.steps + 1) * probe.tensor_token_bytes() // page) + 1
-    return common.cache_config(
-        shape, args.device, max_batch_size=args.batch, max_seq_len=PROMPT + args.steps + 1,
-        memory_budget=probe.kv_shape.pieces(args.layout) * page * args.batch * pages_per_seq, page_size=page_size,
-        layout=args.layout, prefix_caching=False, map_ahead=map_ahead,
-    )
-
-
-def _tokens_per_page(config: vmkv.KVCacheConfig) -> int:
-    return config.page_size // config.tensor_token_bytes()
+    return common.cache_config(shape, args.device, max_batch_size=args.batch, max_seq_len=PROMPT + args.steps + 1, page_size=page_size,
+                               memory_budget=probe.kv_shape.pieces(args.layout) * page * args.batch * pages_per_seq,
+                               layout=args.layout, prefix_caching=False, map_ahead=map_ahead)
 
 
 def _decode_loop(args: argparse.Namespace, page_size: str, map_ahead: bool, premap: bool) -> tuple[list[float], list[float]]:
@@ -161,9 +152,8 @@ def _saving(begins: dict[str, list[list[float]]], totals: list[list[float]]) -> 
     return common.Spread.of([(sum(demand) - sum(ahead)) / sum(total) for demand, ahead, total in per_round])
 
 
-def _measure_shares(
-    args: argparse.Namespace, page_size: str, rounds: int
-) -> tuple[dict[str, common.Spread], common.Spread, dict[str, common.Spread]]:
+def _measure_shares(args: argparse.Namespace, page_size: str,
+                    rounds: int) -> tuple[dict[str, common.Spread], common.Spread, dict[str, common.Spread]]:
     """Both variants' shares, map-ahead's paired saving, and each variant's ms per step, over ``rounds``."""
     begins: dict[str, list[list[float]]] = {name: [] for name in VARIANTS}
     totals: dict[str, list[list[float]]] = {name: [] for name in VARIANTS}
@@ -196,24 +186,16 @@ def _errors(shares: dict[str, common.Spread], step_ms: dict[str, common.Spread])
 
 def _decode_rows(args: argparse.Namespace, page_size: str) -> list[dict[str, Any]]:
     """Mapping's share of decode time for ``page_size``, measured again with twice the rounds if it came out negative."""
-    rounds = args.rounds
-    shares, saving, step_ms = _measure_shares(args, page_size, rounds)
+    shares, saving, step_ms = _measure_shares(args, page_size, args.rounds)
     if _errors(shares, step_ms):
-        rounds *= 2
-        shares, saving, step_ms = _measure_shares(args, page_size, rounds)
+        shares, saving, step_ms = _measure_shares(args, page_size, 2 * args.rounds)
     errors = _errors(shares, step_ms)
-    rows = []
-    for name, ahead in (("on_demand", False), ("ahead", True)):
-        share = shares[name]
-        rows.append({
-            "measure": "decode_share", "page_size": vmkv.parse_size(page_size), "map_ahead": ahead,
-            "value": share.value, "low": share.low, "high": share.high, "step_ms": step_ms[name].value,
-            "baseline_step_ms": step_ms["premapped"].value, "runs": share.runs, "reliable": name not in errors,
-            "why": errors.get(name, ""),
-            "saving": saving.value if ahead else None, "saving_low": saving.low if ahead else None,
-            "saving_high": saving.high if ahead else None,
-        })
-    return rows
+    return [{"measure": "decode_share", "page_size": vmkv.parse_size(page_size), "map_ahead": ahead,
+             "value": shares[name].value, "low": shares[name].low, "high": shares[name].high, "step_ms": step_ms[name].value,
+             "baseline_step_ms": step_ms["premapped"].value, "runs": shares[name].runs, "reliable": name not in errors,
+             "why": errors.get(name, ""), "saving": saving.value if ahead else None,
+             "saving_low": saving.low if ahead else None, "saving_high": saving.high if ahead else None}
+            for name, ahead in (("on_demand", False), ("ahead", True))]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -255,7 +237,6 @@ def refusals(args: argparse.Namespace, granularity: int) -> dict[str, str]:
 def _run(args: argparse.Namespace) -> dict[str, Any]:
     common.check_device(args.device)
     args = _settings(args)
-    pages = args.pages
     rows: list[dict[str, Any]] = []
     empty = {"map_ahead": None, "step_ms": None, "baseline_step_ms": None, "reliable": True, "why": "", "saving": None,
              "saving_low": None, "saving_high": None}
@@ -265,11 +246,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         if what == "decode":
             rows += _decode_rows(args, size)
             continue
-        vm = open_backend(torch.device(args.device), nbytes, pages)
-        try:
-            map_ns, unmap_ns = map_latency(vm, nbytes, pages)
-        finally:
-            vm.close()
+        with open_backend(torch.device(args.device), nbytes, args.pages) as vm:
+            map_ns, unmap_ns = map_latency(vm, nbytes, args.pages)
         for measure, ns in (("map_us", map_ns), ("unmap_us", unmap_ns)):
             us = _percentiles(ns).scaled(1e-3)
             rows.append({"measure": measure, "page_size": nbytes, **empty, "value": us.value, "low": us.low, "high": us.high,
@@ -278,20 +256,18 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     reserve = _reserve_time(args.device, reserve_page).scaled(1e3)
     rows.append({"measure": "reserve_64GiB_ms", "page_size": reserve_page, **empty, "value": reserve.value,
                  "low": reserve.low, "high": reserve.high, "runs": reserve.runs})
-    backend = "host (Linux mmap + memfd)" if args.device == "cpu" else "cuda (driver VMM)"
+    variant = lambda r: f"{r['page_size']}B{' ahead' if r['map_ahead'] else ''}"  # noqa: E731
     summary = {
-        "backend": backend,
-        "map_us": {r["page_size"]: round(r["value"], 2) for r in rows if r["measure"] == "map_us"},
-        "unmap_us": {r["page_size"]: round(r["value"], 2) for r in rows if r["measure"] == "unmap_us"},
+        "backend": "host (Linux mmap + memfd)" if args.device == "cpu" else "cuda (driver VMM)",
+        **{m: {r["page_size"]: round(r["value"], 2) for r in rows if r["measure"] == m} for m in ("map_us", "unmap_us")},
         "reserve_64GiB_ms": round(reserve.value, 3),
-        "decode_share": {f"{r['page_size']}B{' ahead' if r['map_ahead'] else ''}": round(r["value"], 4)
-                         for r in rows if r["measure"] == "decode_share"},
-        "unreliable": {f"{r['page_size']}B{' ahead' if r['map_ahead'] else ''}": r["why"] for r in rows if not r["reliable"]},
+        "decode_share": {variant(r): round(r["value"], 4) for r in rows if r["measure"] == "decode_share"},
+        "unreliable": {variant(r): r["why"] for r in rows if not r["reliable"]},
     }
-    config = {"pages": pages, "batch": args.batch, "steps": args.steps, "rounds": args.rounds, "clock": "wall",
+    decode = {str(vmkv.parse_size(size)): _decode_config(args, size) for size in args.decode_page_sizes}
+    config = {"pages": args.pages, "batch": args.batch, "steps": args.steps, "rounds": args.rounds, "clock": "wall",
               "shape": args.shape, "layout": args.layout,
-              "tokens_per_page": {str(vmkv.parse_size(size)): _tokens_per_page(_decode_config(args, size))
-                                  for size in args.decode_page_sizes}}
+              "tokens_per_page": {size: c.page_size // c.tensor_token_bytes() for size, c in decode.items()}}
     return common.make_result(NAME, SCHEMA, rows, summary, config=config)
 
 

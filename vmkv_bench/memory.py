@@ -47,9 +47,8 @@ class Allocator:
 
 def allocators(page_sizes: list[str]) -> list[Allocator]:
     """The baselines, one on-demand VMM allocator per layout and page size, then the library's defaults."""
-    layouts = typing.get_args(vmkv.config.Layout)
     vmm = [Allocator(f"vmm-{layout}-{page}", "vmm", {"layout": layout, "page_size": page}, "on_demand", sweep=True)
-           for layout in layouts for page in page_sizes]
+           for layout in typing.get_args(vmkv.config.Layout) for page in page_sizes]
     return [*BASELINES, *vmm, Allocator(DEFAULT_VMM, "vmm", {}, "on_demand")]
 
 
@@ -104,9 +103,7 @@ class _Replay:
         self.running: dict[int, list[int]] = {}  # rid -> [length, target length], in admission order
         self.watermark = -(-cache.pool.num_pages // 100)  # vLLM's admission watermark: 1 % of the pages
         self.preemptions = 0
-        # A refused request stays refused until some sequence frees memory (pages only shrink
-        # otherwise), so admission is not retried before then: same result, fewer calls.
-        self.blocked = False
+        self.blocked = False  # a refused request stays refused until a sequence frees memory: no retry before then
 
     def _admit(self, req: common.Request) -> bool:
         """Try to start ``req``; on any refusal leave the cache as it was and return False."""
@@ -122,11 +119,10 @@ class _Replay:
             elif self.policy == "pow2":
                 cache.reserve(req.rid, min(self.max_seq_len, 1 << (req.total - 1).bit_length()))  # the next power of two
             cache.begin_step({req.rid: req.prompt})
+            fits = not self.running or cache.pool.num_free >= self.watermark  # keep room for decode steps
         except vmkv.OutOfPages:
-            cache.free(req.rid)
-            self.blocked = True
-            return False
-        if self.running and cache.pool.num_free < self.watermark:  # keep room for decode steps
+            fits = False
+        if not fits:
             cache.free(req.rid)
             self.blocked = True
             return False
@@ -146,8 +142,7 @@ class _Replay:
                 del self.running[victim]
                 waiting.appendleft(trace[victim])
                 self.preemptions += 1
-        for rid in list(self.running):
-            state = self.running[rid]
+        for rid, state in list(self.running.items()):
             state[0] += 1
             if state[0] >= state[1]:
                 self.cache.free(rid)
@@ -182,11 +177,8 @@ class _Replay:
 
 
 def _config(allocator: Allocator, args: argparse.Namespace, budget: str) -> vmkv.KVCacheConfig:
-    return common.cache_config(
-        common.LLAMA3_8B, args.device,
-        max_batch_size=512, max_seq_len=args.max_seq_len, memory_budget=budget,
-        prefix_caching=False, deferred_reclaim=False, **allocator.fields,
-    )
+    return common.cache_config(common.LLAMA3_8B, args.device, max_batch_size=512, max_seq_len=args.max_seq_len, memory_budget=budget,
+                               prefix_caching=False, deferred_reclaim=False, **allocator.fields)
 
 
 def _settings(args: argparse.Namespace) -> tuple[argparse.Namespace, list[Allocator]]:
@@ -218,30 +210,22 @@ def _summarise_series(series: dict[str, list[float]]) -> dict[str, float]:
     steady = marked or list(range(len(series["util"])))
     peak = max(range(len(series["alloc_bytes"])), key=series["alloc_bytes"].__getitem__)
     utils = sorted(series["util"][i] for i in steady)
-    return {
-        "steady_iterations": len(marked),
-        "steady_util": sum(utils) / len(utils),
-        "steady_util_p10": utils[len(utils) // 10],
-        "peak_alloc_util": series["util"][peak],
-        "mean_running": sum(series["running"][i] for i in steady) / len(steady),
-        "max_running": max(series["running"]),
-    }
+    return {"steady_iterations": len(marked), "steady_util": sum(utils) / len(utils), "steady_util_p10": utils[len(utils) // 10],
+            "peak_alloc_util": series["util"][peak], "mean_running": sum(series["running"][i] for i in steady) / len(steady),
+            "max_running": max(series["running"])}
 
 
 def _steady_series(series: dict[str, list[float]], points: int = 150) -> dict[str, list[float]]:
     steady = [i for i, s in enumerate(series["steady"]) if s] or list(range(len(series["util"])))
     size = max(1, -(-len(steady) // points))
     buckets = [steady[i : i + size] for i in range(0, len(steady), size)]
-    return {
-        "finished": [int(series["finished"][b[-1]]) for b in buckets],
-        "util": [round(sum(series["util"][i] for i in b) / len(b), 4) for b in buckets],
-        "running": [round(sum(series["running"][i] for i in b) / len(b), 2) for b in buckets],
-    }
+    return {"finished": [int(series["finished"][b[-1]]) for b in buckets],
+            "util": [round(sum(series["util"][i] for i in b) / len(b), 4) for b in buckets],
+            "running": [round(sum(series["running"][i] for i in b) / len(b), 2) for b in buckets]}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     common.check_device(args.device)
-    show = getattr(args, "progress", False)
     args, chosen = _settings(args)
     rows, series_out, traces, skipped, budgets = [], {}, {}, {}, {}
     done: dict[tuple[str, str, str], dict[str, Any]] = {}  # (trace, policy, geometry) -> its row
@@ -262,23 +246,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 rows.append({**same, "allocator": allocator.label})
                 series_out[f"{kind}/{allocator.label}"] = series_out[f"{kind}/{same['allocator']}"]
                 continue
-            try:
+            with cache:
                 start = time.perf_counter()
                 replay = _Replay(cache, allocator, args.max_seq_len)
-                series = replay.run(trace, show, f"memory {kind} {allocator.label}")
+                series = replay.run(trace, getattr(args, "progress", False), f"memory {kind} {allocator.label}")
                 wall = time.perf_counter() - start
                 rows.append({
                     "trace": kind, "allocator": allocator.label, "geometry": common.geometry(cache),
                     "tokens_per_page": cache.tokens_per_page, **_summarise_series(series),
                     "preemptions": replay.preemptions, "iterations": len(series["util"]), "wall_s": wall,
                 })
-            finally:
-                cache.close()
             series_out[f"{kind}/{allocator.label}"] = _steady_series(series)
             done[(kind, allocator.policy, rows[-1]["geometry"])] = rows[-1]
     return common.make_result(NAME, SCHEMA, rows, _summary(rows, skipped), traces=traces, series=series_out,
-                              config={"budget": budgets, "max_seq_len": args.max_seq_len, "shape": common.LLAMA3_8B,
-                                      "seed": args.seed})
+                              config={"budget": budgets, "max_seq_len": args.max_seq_len, "shape": common.LLAMA3_8B, "seed": args.seed})
 
 
 def _summary(rows: list[dict[str, Any]], skipped: dict[str, str]) -> dict[str, Any]:
@@ -290,8 +271,7 @@ def _summary(rows: list[dict[str, Any]], skipped: dict[str, str]) -> dict[str, A
         vmm = [r for r in mine if r["allocator"].startswith("vmm-")]
         if vmm:
             best = max(vmm, key=lambda r: r["steady_util"])
-            summary[f"{kind}_best_vmm"] = {"allocator": best["allocator"], "geometry": best["geometry"],
-                                          "steady_util": round(best["steady_util"], 4)}
+            summary[f"{kind}_best_vmm"] = {"allocator": best["allocator"], "geometry": best["geometry"], "steady_util": round(best["steady_util"], 4)}
     return summary
 
 
@@ -303,16 +283,14 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
         util = {r["allocator"]: r for r in result["rows"] if r["trace"] == kind}
         shown = [(DEFAULT_VMM, "VMM default"), ("paged-b16", "paged"), ("static-max", "reserve-max")]
         parts = [f"{name} {common.number_text(util[label]['steady_util'], '%')}" for label, name in shown if label in util]
-        vmm = [r for label, r in util.items() if label.startswith("vmm-")]
-        best_vmm = max(vmm, key=lambda r: r["steady_util"]) if vmm else None
+        best_vmm = max((r for label, r in util.items() if label.startswith("vmm-")), key=lambda r: r["steady_util"], default=None)
         top = max(util.values(), key=lambda r: r["steady_util"])
         ties = [r["allocator"] for r in util.values() if r is not top and top["steady_util"] - r["steady_util"] <= 0.02]
         winner = " = ".join([top["allocator"], *ties[:2]]) + (" (within 2 pts)" if ties else "")
         side = "tie" if ties else top["allocator"]
         note = ""
         if best_vmm is not None and best_vmm["allocator"] != DEFAULT_VMM:
-            note = (f"best VMM {common.number_text(best_vmm['steady_util'], '%')}: {best_vmm['geometry']}, "
-                    f"{best_vmm['tokens_per_page']} tok/page")
+            note = f"best VMM {common.number_text(best_vmm['steady_util'], '%')}: {best_vmm['geometry']}, {best_vmm['tokens_per_page']} tok/page"
         static = util.get("static-max")
         reference, agrees = "", None
         if kind == "sharegpt" and static is not None:  # the paper measured its systems on ShareGPT
@@ -353,11 +331,8 @@ def plot(result: dict[str, Any], out_dir) -> list[str]:
             name = " = ".join(labels) + f" ({tpp[labels[0]]} tok/page)"
             ax.plot(finished, [100 * u for u in util], linestyle=line, marker=marker, markevery=max(1, len(util) // 8),
                     markersize=4, linewidth=1.3, label=name)
-        budget = result["config"]["budget"][kind]
-        ax.set_title(f"{kind}-like trace, budget {budget}: steady state")
-        ax.set_xlabel("requests finished (steady state: requests waiting for memory)")
-        ax.set_ylabel("KV memory holding tokens (%)")
-        ax.set_ylim(0, 105)
+        ax.set(title=f"{kind}-like trace, budget {result['config']['budget'][kind]}: steady state", ylim=(0, 105),
+               xlabel="requests finished (steady state: requests waiting for memory)", ylabel="KV memory holding tokens (%)")
         ax.grid(alpha=0.3)
     handles, labels = axes[0][-1].get_legend_handles_labels()
     fig.legend(handles, labels, loc="center right", fontsize=7, frameon=False)

@@ -9,8 +9,9 @@ import math
 import random
 import time
 from collections import deque
+from itertools import accumulate
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from vmkv.engine import Engine, EngineConfig, RequestOutput, SamplingParams
 from vmkv.server.cli import GRAPHS
@@ -52,14 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=None, help="output tokens (default 32; smoke 8)")
     parser.add_argument("--memory-budget", default=None, help="KV budget of the throughput/latency runs "
                         "(default 64MiB on CPU, 1GiB on CUDA where a VMM page is 2 MiB per tensor)")
-    parser.add_argument("--capacity-budget", default=None, help="KV budget of the capacity experiment "
-                        "(default 8MiB on CPU, 64MiB on CUDA)")
-    parser.add_argument("--capacity-requests", type=int, default=None, help="distinct prompts sent at once in the "
-                        "capacity experiment (default 64; smoke 16)")
+    parser.add_argument("--capacity-budget", default=None, help="KV budget of the capacity experiment (default 8MiB on CPU, 64MiB on CUDA)")
+    parser.add_argument("--capacity-requests", type=int, default=None, help="distinct prompts sent at once in the capacity experiment "
+                        "(default 64; smoke 16)")
     parser.add_argument("--capacity-output-len", type=int, default=None, help="output tokens of each capacity request "
                         "(default 32; smoke 8; not --output-len: the quick preset measures what the full run does)")
-    parser.add_argument("--vmm-page-size", default=None, help="VMM page bytes per K/V tensor (default: the engine's, "
-                        "64 KiB on CPU, 2 MiB on CUDA)")
+    parser.add_argument("--vmm-page-size", default=None, help="VMM page bytes per K/V tensor (default: the engine's, 64 KiB on CPU, 2 MiB on CUDA)")
     parser.add_argument("--block-size", type=int, default=16, help="paged tokens per block")
     parser.add_argument("--repeats", type=int, default=None, help="runs per mode and setting, modes alternating; the "
                         "row kept is the median-throughput run (default 3; smoke 1)")
@@ -87,32 +86,33 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _engine_config(mode: str, args: argparse.Namespace, budget: str, max_num_seqs: int, page_size: str | None = None) -> EngineConfig:
-    return EngineConfig(
-        kv_mode=mode, memory_budget=budget, page_size=page_size, block_size=args.block_size,
-        max_num_seqs=max_num_seqs, max_seq_len=1024, device=args.device, seed=args.seed,
-        cuda_graphs=GRAPHS[args.cuda_graphs],
-    )
+def _engine_config(mode: str, args: argparse.Namespace, budget: str, max_num_seqs: int, page_size: str | None) -> EngineConfig:
+    return EngineConfig(kv_mode=mode, memory_budget=budget, page_size=page_size, block_size=args.block_size, max_num_seqs=max_num_seqs,
+                        max_seq_len=1024, device=args.device, seed=args.seed, cuda_graphs=GRAPHS[args.cuda_graphs])
 
 
-def _engine(mode: str, args: argparse.Namespace, budget: str, max_num_seqs: int, page_size: str | None = None) -> Engine:
-    return Engine.from_config(_engine_config(mode, args, budget, max_num_seqs, page_size))
+def _throughput_configs(args: argparse.Namespace, settings: dict[str, Any]) -> dict[str, EngineConfig]:
+    """Per mode, the engine of the closed- and open-loop runs."""
+    slots = max(max(settings["concurrency"]), 16)
+    return {mode: _engine_config(mode, args, settings["memory_budget"], slots, args.vmm_page_size) for mode in args.modes}
 
 
-def _engine_configs(args: argparse.Namespace, settings: dict[str, Any]) -> dict[str, EngineConfig]:
-    top = max(settings["concurrency"])
-    configs = {f"{mode} ({settings['memory_budget']})": _engine_config(mode, args, settings["memory_budget"], max(top, 16),
-                                                                       args.vmm_page_size)
-               for mode in args.modes}
-    for mode, page in _capacity_variants(args):
-        label = f"capacity {mode}{f' {page} pages' if page else ''} ({settings['capacity_budget']})"
-        configs[label] = _engine_config(mode, args, settings["capacity_budget"], 256, page_size=page)
-    return configs
+def _capacity_configs(args: argparse.Namespace, settings: dict[str, Any]) -> dict[str, EngineConfig]:
+    """Label -> engine of the capacity experiment: every mode at its page size, and on the CPU VMM with 4 KiB pages
+    too (CUDA maps 2 MiB at the least)."""
+    variants: list[tuple[str, str | None]] = [(mode, args.vmm_page_size) for mode in args.modes]
+    if "vmm" in args.modes and args.device == "cpu":
+        variants.append(("vmm", "4KiB"))
+    budget = settings["capacity_budget"]
+    return {f"capacity {mode}{f' {page} pages' if page else ''} ({budget})": _engine_config(mode, args, budget, 256, page)
+            for mode, page in variants}
 
 
 def refusals(args: argparse.Namespace, granularity: int) -> dict[str, str]:
-    planned = [(label, config.kv_mode, config.cache_config()) for label, config in _engine_configs(args, _settings(args)).items()]
-    return common.cache_refusals(planned, granularity)
+    settings = _settings(args)
+    configs = {f"{mode} ({settings['memory_budget']})": config for mode, config in _throughput_configs(args, settings).items()}
+    configs.update(_capacity_configs(args, settings))
+    return common.cache_refusals([(label, c.kv_mode, c.cache_config()) for label, c in configs.items()], granularity)
 
 
 def _prompts(count: int, length: int, seed: int) -> list[list[int]]:
@@ -134,37 +134,29 @@ class _Recorder:
     def __init__(self) -> None:
         self.arrival: dict[str, float] = {}
         self.done: list[tuple[float, float, float, int]] = []  # (ttft, tpot, latency, tokens)
-        self.peak_running = 0
-        self.running_sum = 0
-        self.steps = 0
+        self.peak_running = self.running_sum = self.steps = 0
 
     def observe(self, engine: Engine, outputs: list[RequestOutput]) -> int:
         running = len(engine.scheduler.running)
         self.peak_running = max(self.peak_running, running)
         self.running_sum += running
         self.steps += 1
-        finished = 0
-        for out in outputs:
-            if out.finished:
-                arrival = self.arrival.pop(out.request_id)
-                tokens = len(out.outputs[0].token_ids)
-                ttft = out.metrics.first_token_time - arrival
-                tpot = (out.metrics.finish_time - out.metrics.first_token_time) / max(1, tokens - 1)
-                self.done.append((ttft, tpot, out.metrics.finish_time - arrival, tokens))
-                finished += 1
-        return finished
+        finished = [out for out in outputs if out.finished]
+        for out in finished:
+            arrival = self.arrival.pop(out.request_id)
+            tokens = len(out.outputs[0].token_ids)
+            ttft = out.metrics.first_token_time - arrival
+            tpot = (out.metrics.finish_time - out.metrics.first_token_time) / max(1, tokens - 1)
+            self.done.append((ttft, tpot, out.metrics.finish_time - arrival, tokens))
+        return len(finished)
 
     def row(self, wall: float, cpu: float) -> dict[str, Any]:
         ttft, tpot, latency, tokens = (list(col) for col in zip(*self.done))
-        ms = 1000.0
-        return {
-            "requests": len(self.done), "output_tokens": sum(tokens), "wall_s": wall,
-            "throughput_tok_s": sum(tokens) / wall, "tok_per_cpu_s": sum(tokens) / cpu,
-            "ttft_p50_ms": _percentile(ttft, 50) * ms, "ttft_p99_ms": _percentile(ttft, 99) * ms,
-            "tpot_p50_ms": _percentile(tpot, 50) * ms, "tpot_p99_ms": _percentile(tpot, 99) * ms,
-            "latency_p50_ms": _percentile(latency, 50) * ms, "latency_p99_ms": _percentile(latency, 99) * ms,
-            "peak_running": self.peak_running, "mean_running": self.running_sum / max(1, self.steps),
-        }
+        times = {"ttft": ttft, "tpot": tpot, "latency": latency}
+        return {"requests": len(self.done), "output_tokens": sum(tokens), "wall_s": wall,
+                "throughput_tok_s": sum(tokens) / wall, "tok_per_cpu_s": sum(tokens) / cpu,
+                **{f"{name}_p{q}_ms": _percentile(values, q) * 1000.0 for name, values in times.items() for q in (50, 99)},
+                "peak_running": self.peak_running, "mean_running": self.running_sum / max(1, self.steps)}
 
 
 def run_closed_loop(engine: Engine, prompts: list[list[int]], params: SamplingParams, concurrency: int) -> dict[str, Any]:
@@ -183,11 +175,8 @@ def run_closed_loop(engine: Engine, prompts: list[list[int]], params: SamplingPa
 def run_open_loop(engine: Engine, prompts: list[list[int]], params: SamplingParams, rate: float, seed: int) -> dict[str, Any]:
     """Poisson arrivals at ``rate`` requests/s (all at once when infinite); TTFT counts from the intended arrival."""
     rng = random.Random(seed)
-    offsets, t = [], 0.0
-    for _ in prompts:
-        offsets.append(t)
-        t += 0.0 if math.isinf(rate) else rng.expovariate(rate)
-    recorder, pending = _Recorder(), deque(zip(offsets, prompts))
+    gaps = [0.0 if math.isinf(rate) else rng.expovariate(rate) for _ in prompts[1:]]
+    recorder, pending = _Recorder(), deque(zip(accumulate(gaps, initial=0.0), prompts))
     start, cpu = time.monotonic(), time.process_time()
     while pending or engine.has_unfinished():
         now = time.monotonic() - start
@@ -213,8 +202,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with common.torch_threads(args.threads):
         rows, samples = _measure(args, settings)
     config = {**settings, "rates": [str(r) for r in settings["rates"]], "vmm_page_size": args.vmm_page_size,
-              "block_size": args.block_size, "threads": args.threads, "driver": "in-process Engine (no HTTP)",
-              "cuda_graphs": args.cuda_graphs}
+              "block_size": args.block_size, "threads": args.threads, "driver": "in-process Engine (no HTTP)", "cuda_graphs": args.cuda_graphs}
     return common.make_result(NAME, SCHEMA, rows, _summary(rows), config=config, samples=samples)
 
 
@@ -222,8 +210,7 @@ def _measure(args: argparse.Namespace, settings: dict[str, Any]) -> tuple[list[d
     """Rows of every experiment, and per closed-loop setting each mode's tokens per CPU-second per repeat."""
     prompts = _prompts(settings["requests"], settings["prompt_len"], args.seed)
     params = SamplingParams(max_tokens=settings["output_len"], temperature=0.0, ignore_eos=True)
-    top = max(settings["concurrency"])
-    engines = {mode: _engine(mode, args, settings["memory_budget"], max(top, 16), args.vmm_page_size) for mode in args.modes}
+    engines = {mode: Engine.from_config(config) for mode, config in _throughput_configs(args, settings).items()}
     rows: list[dict[str, Any]] = []
     samples: dict[str, Any] = {}
     try:
@@ -240,15 +227,11 @@ def _measure(args: argparse.Namespace, settings: dict[str, Any]) -> tuple[list[d
     finally:
         for engine in engines.values():
             engine.close()
-    capacity_prompts = _prompts(settings["capacity_requests"], CAPACITY_PROMPT_LEN, args.seed + 1)
-    capacity_params = SamplingParams(max_tokens=settings["capacity_output_len"], temperature=0.0, ignore_eos=True)
-    rows += _capacity(args, settings, capacity_prompts, capacity_params)
-    return rows, samples
+    return rows + _capacity(args, settings), samples
 
 
-def _alternate(
-    engines: dict[str, Engine], repeats: int, experiment: str, measure, **labels: Any
-) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]]:
+def _alternate(engines: dict[str, Engine], repeats: int, experiment: str, measure: Callable[[Engine], dict[str, Any]],
+               **labels: Any) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]]:
     """``repeats`` runs of ``measure(engine)`` per mode, modes taking turns in a rotating order
     (machine drift hits both alike); per mode, the run of median throughput, and every run."""
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in engines}
@@ -267,40 +250,30 @@ def _alternate(
 CAPACITY_PROMPT_LEN = 64  # fixed, like the request count and output length: one capacity experiment everywhere
 
 
-def _capacity(args: argparse.Namespace, settings: dict[str, Any], prompts: list[list[int]], params: SamplingParams) -> list[dict[str, Any]]:
+def _capacity(args: argparse.Namespace, settings: dict[str, Any]) -> list[dict[str, Any]]:
     """Every prompt at once into ``--capacity-budget``: how many run together, per mode and page size."""
+    prompts = _prompts(settings["capacity_requests"], CAPACITY_PROMPT_LEN, args.seed + 1)
+    params = SamplingParams(max_tokens=settings["capacity_output_len"], temperature=0.0, ignore_eos=True)
     rows = []
-    for mode, page in _capacity_variants(args):
-        engine = _engine(mode, args, settings["capacity_budget"], 256, page_size=page)
+    for config in _capacity_configs(args, settings).values():
+        engine = Engine.from_config(config)
         try:
-            measured = run_closed_loop(engine, prompts, params, len(prompts))
-            rows.append(_row("capacity", mode, engine, measured, concurrency=len(prompts)))
+            rows.append(_row("capacity", config.kv_mode, engine, run_closed_loop(engine, prompts, params, len(prompts)),
+                             concurrency=len(prompts)))
         finally:
             engine.close()
     return rows
 
 
-def _capacity_variants(args: argparse.Namespace) -> list[tuple[str, str | None]]:
-    """Every mode at its page size, and on the CPU VMM with 4 KiB pages too (CUDA maps 2 MiB at the least)."""
-    variants: list[tuple[str, str | None]] = [(mode, args.vmm_page_size) for mode in args.modes]
-    if "vmm" in args.modes and args.device == "cpu":
-        variants.append(("vmm", "4KiB"))
-    return variants
-
-
 def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Headline numbers: throughput and TPOT at the top concurrency, capacity per variant."""
     summary: dict[str, Any] = {}
-    conc = [r for r in rows if r["experiment"] == "concurrency"]
-    if conc:
-        top = max(r["concurrency"] for r in conc)
-        for r in conc:
-            if r["concurrency"] == top:
-                summary[f"{r['mode']}_at_c{top}"] = {"throughput_tok_s": round(r["throughput_tok_s"], 1),
-                                                     "tok_per_cpu_s": round(r["tok_per_cpu_s"], 1),
-                                                     "tpot_p50_ms": round(r["tpot_p50_ms"], 2)}
-    for r in rows:
-        if r["experiment"] == "capacity":
+    top = max((r["concurrency"] for r in rows if r["experiment"] == "concurrency"), default=None)
+    for r in rows:  # concurrency rows come first
+        if r["experiment"] == "concurrency" and r["concurrency"] == top:
+            summary[f"{r['mode']}_at_c{top}"] = {"throughput_tok_s": round(r["throughput_tok_s"], 1),
+                                                 "tok_per_cpu_s": round(r["tok_per_cpu_s"], 1), "tpot_p50_ms": round(r["tpot_p50_ms"], 2)}
+        elif r["experiment"] == "capacity":
             summary[f"capacity_{r['mode']}_{r['tokens_per_page']}tok"] = {
                 "mean_running": round(r["mean_running"], 1), "peak_running": r["peak_running"], "preemptions": r["preemptions"]}
     return summary
@@ -313,20 +286,17 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
     """Closed-loop throughput VMM vs paged at the top concurrency (tokens per CPU-second, paired repeats), and
     the capacity of the budget (mean sequences running, VMM at the engine's page size vs paged)."""
     out = []
-    conc = [key for key in result["samples"] if key.startswith("concurrency/")]
-    if conc:
-        key = max(conc, key=lambda k: int(k.split("/")[1]))
-        data = result["samples"][key]
-        if {"vmm", "paged"} <= set(data):
-            ratio = common.Spread.of([v / p for v, p in zip(data["vmm"], data["paged"])])
-            agrees = ratio.high >= 1.0 and ratio.low <= VATTENTION  # our range meets [1.0, 1.23]
-            relation = "above" if ratio.low > VATTENTION else "below" if ratio.high < 1.0 else ""
-            verdict = common.ratio_verdict(
-                "serve.throughput", f"serving output tokens per CPU-second, {key.split('/')[1]} requests in flight: VMM vs paged",
-                ratio, "VMM", "paged", reference=f"vAttention: up to {VATTENTION}x over PagedAttention kernels", agrees=agrees,
-                note="embedded model, in-process engine",
-            )
-            out.append(dataclasses.replace(verdict, relation=relation))
+    key = max((k for k in result["samples"] if k.startswith("concurrency/")), key=lambda k: int(k.split("/")[1]), default=None)
+    data = result["samples"].get(key, {})
+    if {"vmm", "paged"} <= set(data):
+        ratio = common.Spread.of([v / p for v, p in zip(data["vmm"], data["paged"])])
+        agrees = ratio.high >= 1.0 and ratio.low <= VATTENTION  # our range meets [1.0, 1.23]
+        relation = "above" if ratio.low > VATTENTION else "below" if ratio.high < 1.0 else ""
+        verdict = common.ratio_verdict(
+            "serve.throughput", f"serving output tokens per CPU-second, {key.split('/')[1]} requests in flight: VMM vs paged",
+            ratio, "VMM", "paged", reference=f"vAttention: up to {VATTENTION}x over PagedAttention kernels", agrees=agrees,
+            note="embedded model, in-process engine")
+        out.append(dataclasses.replace(verdict, relation=relation))
     cap = [r for r in result["rows"] if r["experiment"] == "capacity"]
     vmm = next((r for r in cap if r["mode"] == "vmm"), None)
     paged = next((r for r in cap if r["mode"] == "paged"), None)
@@ -338,8 +308,7 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
         out.append(common.ratio_verdict(
             "serve.capacity", f"capacity of {result['config']['capacity_budget']}: sequences running (mean), "
             f"VMM {vmm['tokens_per_page']}-tok pages vs paged {paged['tokens_per_page']}-tok blocks",
-            common.Spread.exact(vmm["mean_running"] / paged["mean_running"]), "VMM", "paged", note=note,
-        ))
+            common.Spread.exact(vmm["mean_running"] / paged["mean_running"]), "VMM", "paged", note=note))
     return out
 
 
@@ -362,7 +331,6 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[str]:
     rows = result["rows"]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))
     rates = sorted({r["rate"] for r in rows if r["experiment"] == "rate"})
-    rate_labels = ["all at once" if math.isinf(rate) else f"{rate:g}/s" for rate in rates]
     colors = {"vmm": "tab:blue", "paged": "tab:orange"}
     levels = sorted({r["concurrency"] for r in rows if r["experiment"] == "concurrency"})
     for mode in sorted({r["mode"] for r in rows}):
@@ -380,7 +348,7 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[str]:
     axes[0].set(xlabel="requests in flight (closed loop)", ylabel="output tokens / s", title="throughput")
     axes[0].set_xscale("log", base=2)
     axes[0].set_xticks(levels, [str(level) for level in levels])
-    axes[1].set_xticks(range(len(rates)), rate_labels)
+    axes[1].set_xticks(range(len(rates)), ["all at once" if math.isinf(rate) else f"{rate:g}/s" for rate in rates])
     axes[1].set(xlabel="arrival rate (open loop, Poisson)", ylabel="time to first token (ms)", title="latency vs offered load")
     cap = [r for r in rows if r["experiment"] == "capacity"]
     names = [f"{r['mode']}\n{r['tokens_per_page']} tok/page" for r in cap]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import random
 import statistics
 from dataclasses import dataclass
@@ -75,19 +76,18 @@ class _Run:
     def __init__(self, cache: vmkv.KVCacheBase, shared: bool) -> None:
         self.cache, self.shared = cache, shared
         self.lengths: dict[int, int] = {}
-        self.next_id = 0
-        self.page_steps = 0
-        self.peak = 0
+        self.ids = itertools.count(1)
+        self.page_steps = self.peak = 0
 
     def start(self, prompt: int) -> int:
-        seq = self._new_id()
+        seq = next(self.ids)
         self.cache.add(seq)
         self.cache.begin_step({seq: prompt})
         self.lengths[seq] = prompt
         return seq
 
     def fork(self, src: int) -> int:
-        dst = self._new_id()
+        dst = next(self.ids)
         if self.shared:
             self.cache.fork(src, dst)
         else:
@@ -111,10 +111,6 @@ class _Run:
         self.page_steps += used
         self.peak = max(self.peak, used)
 
-    def _new_id(self) -> int:
-        self.next_id += 1
-        return self.next_id
-
     def close(self) -> None:
         for seq in list(self.lengths):
             self.free(seq)
@@ -122,18 +118,17 @@ class _Run:
 
 def _parallel(run: _Run, rng: random.Random, *, prompt: int, outputs: list[int]) -> None:
     parent = run.start(prompt)
-    samples = {parent: outputs[0]}
+    left = {parent: outputs[0]}  # tokens each sample has yet to generate
     for out in outputs[1:]:
-        samples[run.fork(parent)] = out
+        left[run.fork(parent)] = out
     run.record()
-    done = {seq: 0 for seq in samples}
-    while samples:
-        run.step(list(samples))
-        for seq in list(samples):
-            done[seq] += 1
-            if done[seq] >= samples[seq]:
+    while left:
+        run.step(list(left))
+        for seq in list(left):
+            left[seq] -= 1
+            if left[seq] <= 0:
                 run.free(seq)
-                del samples[seq]
+                del left[seq]
 
 
 def _beam(run: _Run, rng: random.Random, *, prompt: int, steps: int, width: int) -> None:
@@ -147,9 +142,7 @@ def _beam(run: _Run, rng: random.Random, *, prompt: int, steps: int, width: int)
             if counts[beam] == 0:
                 run.free(beam)
         survivors = [beam for beam in beams if counts[beam]]
-        beams = list(survivors)
-        for beam in survivors:
-            beams += [run.fork(beam) for _ in range(counts[beam] - 1)]
+        beams = survivors + [run.fork(beam) for beam in survivors for _ in range(counts[beam] - 1)]
         run.step(beams)
 
 
@@ -174,14 +167,10 @@ def _config(allocator: Allocator, args: argparse.Namespace, width: int) -> vmkv.
         probe = common.cache_config(fields, args.device, max_seq_len=args.max_seq_len,
                                     memory_budget=_budget(shape, width, args.max_seq_len, DEFAULT_TOKENS_PER_PAGE))
         fields.update(layout=probe.layout, page_size=probe.page_size)
-    if allocator.mode == "paged":
-        page_tokens = fields["block_size"]
-    else:
-        page_tokens = vmkv.parse_size(fields["page_size"]) // shape.tensor_token_bytes(fields["layout"])
-    return common.cache_config(
-        {}, args.device, **fields, max_batch_size=2 * width, max_seq_len=args.max_seq_len,
-        memory_budget=_budget(shape, width, args.max_seq_len, page_tokens), prefix_caching=False, deferred_reclaim=False,
-    )
+    page_tokens = (fields["block_size"] if allocator.mode == "paged"
+                   else vmkv.parse_size(fields["page_size"]) // shape.tensor_token_bytes(fields["layout"]))
+    return common.cache_config({}, args.device, **fields, max_batch_size=2 * width, max_seq_len=args.max_seq_len,
+                               memory_budget=_budget(shape, width, args.max_seq_len, page_tokens), prefix_caching=False, deferred_reclaim=False)
 
 
 def _shape(fields: dict[str, Any]) -> vmkv.KVCacheConfig:
@@ -218,36 +207,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for kind, scen, width, allocator in common.progress(work, "sharing", enabled=getattr(args, "progress", False)):
         if allocator.label in skipped:
             continue
-        count = args.requests or (1 if args.smoke else DEFAULT_REQUESTS[(kind, scen)])
-        trace = common.make_trace(kind, count, args.seed, args.max_seq_len)
-        # per-sample output lengths: the same draws for every n (n=2 takes the first 2 of 6)
-        most = max(widths)
-        extra = common.make_trace(kind, count * most, args.seed + 1, args.max_seq_len)
-        sums: dict[bool, list[Any]] = {True: [0, 0, 0], False: [0, 0, 0]}
-        for req in trace:
-            if scen == "parallel":
-                draws = extra[req.rid * most : req.rid * most + width]
-                outs = [min(e.output, args.max_seq_len - req.prompt) for e in draws]
-                scenario = functools.partial(_parallel, prompt=req.prompt, outputs=outs)
-            else:
-                scenario = functools.partial(_beam, prompt=req.prompt, steps=req.output, width=width)
-            try:
-                measured = _measure(allocator, args, scenario, width, args.seed * 1000 + req.rid)
-            except vmkv.InvalidConfig as exc:  # e.g. 64 KiB pages under CUDA's 2 MiB granularity
-                skipped[allocator.label] = str(exc)
-                break
-            for shared, (page_steps, peak, cows, tpp, geometry) in measured.items():
-                sums[shared][0] += page_steps
-                sums[shared][1] = max(sums[shared][1], peak)
-                sums[shared][2] += cows
-        if allocator.label in skipped:
+        try:
+            measured = _replay(args, allocator, kind, scen, width, max(widths))
+        except vmkv.InvalidConfig as exc:  # e.g. 64 KiB pages under CUDA's 2 MiB granularity
+            skipped[allocator.label] = str(exc)
             continue
-        rows.append({
-            "trace": kind, "scenario": scen, "n": width, "allocator": allocator.label, "geometry": geometry, "tokens_per_page": tpp,
-            "saved": 1 - sums[True][0] / sums[False][0], "peak_saved": 1 - sums[True][1] / sums[False][1],
-            "cow_copies": sums[True][2], "requests": count,
-        })
+        rows.append({"trace": kind, "scenario": scen, "n": width, "allocator": allocator.label, **measured})
     return common.make_result(NAME, SCHEMA, rows, _summary(rows, skipped))
+
+
+def _replay(args: argparse.Namespace, allocator: Allocator, kind: str, scen: str, width: int, most: int) -> dict[str, Any]:
+    """Every request of a ``kind`` trace through ``scen`` at ``width``, shared and unshared: the row's measurements."""
+    count = args.requests or (1 if args.smoke else DEFAULT_REQUESTS[(kind, scen)])
+    trace = common.make_trace(kind, count, args.seed, args.max_seq_len)
+    # per-sample output lengths: the same draws for every n (n=2 takes the first 2 of ``most``)
+    extra = common.make_trace(kind, count * most, args.seed + 1, args.max_seq_len)
+    sums: dict[bool, list[Any]] = {True: [0, 0, 0], False: [0, 0, 0]}  # page-steps, peak pages, copies on write
+    for req in trace:
+        if scen == "parallel":
+            outs = [min(e.output, args.max_seq_len - req.prompt) for e in extra[req.rid * most : req.rid * most + width]]
+            scenario = functools.partial(_parallel, prompt=req.prompt, outputs=outs)
+        else:
+            scenario = functools.partial(_beam, prompt=req.prompt, steps=req.output, width=width)
+        measured = _measure(allocator, args, scenario, width, args.seed * 1000 + req.rid)
+        for shared, (page_steps, peak, cows, tpp, geometry) in measured.items():
+            sums[shared][0] += page_steps
+            sums[shared][1] = max(sums[shared][1], peak)
+            sums[shared][2] += cows
+    return {"geometry": geometry, "tokens_per_page": tpp, "saved": 1 - sums[True][0] / sums[False][0],
+            "peak_saved": 1 - sums[True][1] / sums[False][1], "cow_copies": sums[True][2], "requests": count}
 
 
 PAPER = {  # vLLM paper, Fig. 15 (ranges over n / width 2..6)
@@ -264,10 +252,6 @@ def _summary(rows: list[dict[str, Any]], skipped: dict[str, str]) -> dict[str, A
     return summary
 
 
-def _span(widths: list[int]) -> str:
-    return str(widths[0]) if len(widths) == 1 else f"{widths[0]}-{widths[-1]}"
-
-
 HEADLINE = (DEFAULT_VMM, "paged-b16")
 """What a verdict compares: VMM with the library's default pages on the device, and paged mode;
 the other allocators measured are shown as alternatives."""
@@ -281,46 +265,42 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
     out = []
     rows = result["rows"]
     for trace, scen in dict.fromkeys((r["trace"], r["scenario"]) for r in rows):
-        by: dict[str, list[dict[str, Any]]] = {}
-        for r in rows:
-            if (r["trace"], r["scenario"]) == (trace, scen):
-                by.setdefault(r["allocator"], []).append(r)
+        mine = [r for r in rows if (r["trace"], r["scenario"]) == (trace, scen)]
+        by = {label: [r for r in mine if r["allocator"] == label] for label in dict.fromkeys(r["allocator"] for r in mine)}
         headline = [label for label in HEADLINE if label in by] or list(by)
         mean = {label: statistics.fmean(r["saved"] for r in by[label]) for label in by}
         best = max(headline, key=mean.__getitem__)
         tied = [label for label in headline if mean[best] - mean[label] < TIE_POINTS]
         winner = best if len(tied) == 1 else f"tie ({' = '.join(tied)}, within 1 point)"
         low, high = PAPER[(trace, scen)]
-        agrees = None
-        if "paged-b16" in by:
-            saved = [r["saved"] for r in by["paged-b16"]]
-            agrees = min(saved) <= high and max(saved) >= low  # the measured range meets the paper's
+        paged = [r["saved"] for r in by.get("paged-b16", [])]
+        agrees = min(paged) <= high and max(paged) >= low if paged else None  # the measured range meets the paper's
         alternatives = [label for label in by if label not in headline]
-        widths = sorted({r["n"] for mine in by.values() for r in mine})
+        widths = sorted({r["n"] for r in mine})
+        span = str(widths[0]) if len(widths) == 1 else f"{widths[0]}-{widths[-1]}"
         what = "parallel sampling, n" if scen == "parallel" else "beam search, width"
         out.append(common.Verdict(
-            key=f"sharing.{trace}.{scen}", question=f"memory saved by sharing, {what} {_span(widths)}, {trace}-like",
-            result=", ".join(f"{_name(label, by)} {_saved_span(by[label])}" for label in headline), spread="exact (seeded)",
+            key=f"sharing.{trace}.{scen}", question=f"memory saved by sharing, {what} {span}, {trace}-like",
+            result=", ".join(_saved_text(label, by[label]) for label in headline), spread="exact (seeded)",
             winner=winner, side=best if len(tied) == 1 else "tie",
             reference=f"vLLM paper Fig. 15: {100 * low:.1f}-{100 * high:.1f} %", agrees=agrees, value=mean[best],
-            note="alternatives: " + ", ".join(f"{_name(label, by)} {_saved_span(by[label])}" for label in alternatives) if alternatives else "",
+            note="alternatives: " + ", ".join(_saved_text(label, by[label]) for label in alternatives) if alternatives else "",
         ))
     return out
 
 
-def _name(label: str, by: dict[str, list[dict[str, Any]]]) -> str:
-    row = by[label][0]
+def _saved_text(label: str, rows: list[dict[str, Any]]) -> str:
+    """The allocator's name and the memory it saved over the widths, e.g. ``"VMM 8-tok pages 12-30 %"``."""
+    pages = f"{rows[0]['tokens_per_page']}-tok pages"
     if label.startswith("paged"):
-        return "paged"
-    if label == DEFAULT_VMM:
-        return f"VMM default ({row['tokens_per_page']}-tok pages, {row['geometry'].split(',')[0]})"
-    return f"VMM {row['tokens_per_page']}-tok pages"
-
-
-def _saved_span(rows: list[dict[str, Any]]) -> str:
-    values = [r["saved"] for r in rows]
-    lo, hi = min(values), max(values)
-    return common.number_text(lo, "%") if lo == hi else f"{common.number_text(lo, '%').removesuffix(' %')}-{common.number_text(hi, '%')}"
+        name = "paged"
+    elif label == DEFAULT_VMM:
+        name = f"VMM default ({pages}, {rows[0]['geometry'].split(',')[0]})"
+    else:
+        name = f"VMM {pages}"
+    lo, hi = min(r["saved"] for r in rows), max(r["saved"] for r in rows)
+    span = common.number_text(lo, "%") if lo == hi else f"{common.number_text(lo, '%').removesuffix(' %')}-{common.number_text(hi, '%')}"
+    return f"{name} {span}"
 
 
 def plot(result: dict[str, Any], out_dir) -> list[str]:
@@ -338,11 +318,8 @@ def plot(result: dict[str, Any], out_dir) -> list[str]:
             pts = [r for r in mine if r["allocator"] == label]
             ax.plot([r["n"] for r in pts], [100 * r["saved"] for r in pts], marker=markers[i % len(markers)],
                     label=f"{label} ({pts[0]['tokens_per_page']} tok/page)")
-        ax.set_title(f"{trace}-like: {'parallel sampling' if scen == 'parallel' else 'beam search'}")
-        ax.set_xlabel("n (samples)" if scen == "parallel" else "beam width")
-        ax.set_xticks(sorted({r["n"] for r in mine}))
-        ax.set_ylabel("memory saved (%)")
-        ax.set_ylim(bottom=0)
+        ax.set(title=f"{trace}-like: {'parallel sampling' if scen == 'parallel' else 'beam search'}", ylabel="memory saved (%)",
+               xlabel="n (samples)" if scen == "parallel" else "beam width", xticks=sorted({r["n"] for r in mine}), ylim=(0, None))
         ax.grid(alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
     columns = 2 if len(panels) <= 2 else 4

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import select
@@ -46,10 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
-    smoke = args.smoke
-
     def pick(value: Any, full: Any, small: Any) -> Any:
-        return value if value is not None else (small if smoke else full)
+        return value if value is not None else (small if args.smoke else full)
 
     return {
         "budget": vmkv.parse_size(pick(args.budget, "8MiB", "4MiB"), name="--budget"),
@@ -69,8 +68,7 @@ def make_trace(opts: dict[str, Any], seed: int) -> list[list[dict[str, Any]]]:
     for burst in range(opts["bursts"]):
         for _ in range(opts["burst_requests"]):
             prompt = torch.randint(3, 250, (opts["prompt_len"],), generator=gen).tolist()
-            per_engine[burst % 2].append({"at": burst * opts["period"], "prompt": prompt,
-                                          "max_tokens": opts["output_len"]})
+            per_engine[burst % 2].append({"at": burst * opts["period"], "prompt": prompt, "max_tokens": opts["output_len"]})
     return per_engine
 
 
@@ -86,9 +84,8 @@ def member_main() -> None:
     for line in sys.stdin:
         command = json.loads(line)
         if command["op"] == "open":
-            engine = Engine.from_config(EngineConfig(memory_budget=command["memory_budget"], page_size=PAGE_SIZE,
-                                                     max_num_seqs=command["slots"], max_seq_len=command["max_seq_len"],
-                                                     shared_budget=command["shared_budget"]))
+            engine = Engine.from_config(EngineConfig(memory_budget=command["memory_budget"], page_size=PAGE_SIZE, max_num_seqs=command["slots"],
+                                                     max_seq_len=command["max_seq_len"], shared_budget=command["shared_budget"]))
             answer: dict[str, Any] = {"memfd": engine.cache.ranges.vm._fd}
         elif command["op"] == "run":
             answer = replay(engine, command["requests"], command["start"])
@@ -157,10 +154,8 @@ class ResidentSampler(threading.Thread):
         while not self.done.wait(self.interval):
             total = 0
             for path in self.paths:
-                try:
+                with contextlib.suppress(OSError):  # the process exited
                     total += os.stat(path).st_blocks * 512
-                except OSError:  # the process exited
-                    pass
             self.peak = max(self.peak, total)
             self.samples += 1
 
@@ -174,10 +169,9 @@ def run_setup(engines: list[_Engine], setup: str, opts: dict[str, Any], trace: l
               ledger: str) -> dict[str, Any]:
     """One replay of ``trace`` on both engines in ``setup``; the row's measurements."""
     total = opts["budget"]
-    max_seq_len = opts["prompt_len"] + opts["output_len"] + 8
     shared = f"{ledger}:{total},wait=1" if setup == "shared" else None
     memfds = [e.ask(op="open", memory_budget=total if shared else total // 2, slots=opts["burst_requests"],
-                    max_seq_len=max_seq_len, shared_budget=shared)["memfd"] for e in engines]
+                    max_seq_len=opts["prompt_len"] + opts["output_len"] + 8, shared_budget=shared)["memfd"] for e in engines]
     sampler = ResidentSampler([f"/proc/{e.proc.pid}/fd/{fd}" for e, fd in zip(engines, memfds)])
     sampler.start()
     start = time.monotonic() + 0.5
@@ -223,8 +217,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for round_index in range(opts["rounds"]):
             for setup in common.rotated(("static", "shared"), round_index):
                 ledger = f"bench-{os.getpid()}-{round_index}"
-                rows.append({"setup": setup, "round": round_index,
-                             **run_setup(engines, setup, opts, trace, ledger)})
+                rows.append({"setup": setup, "round": round_index, **run_setup(engines, setup, opts, trace, ledger)})
     finally:
         for engine in engines:
             engine.close()
@@ -237,24 +230,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
     """Which setup serves the bursts better, on per-round p99 and p50 TTFT; unreliable where the shared
     run held more than the budget or completed less."""
-    rows = result["rows"]
-    by_round = {}
+    rows, summary = result["rows"], result["summary"]
+    by_round: dict[int, dict[str, dict[str, Any]]] = {}
     for row in rows:
         by_round.setdefault(row["round"], {})[row["setup"]] = row
     pairs = [r for r in by_round.values() if len(r) == 2]
+    broken = any(r["shared"]["peak_resident_mib"] > r["shared"]["budget_mib"] for r in pairs)
+    lost = any(r["shared"]["completed"] < r["static"]["completed"] for r in pairs)
+    why = "shared resident KV went past the budget" if broken else "the shared setup completed fewer requests" if lost else ""
     out = []
-    shared = [r["shared"] for r in pairs]
-    broken = [r for r in shared if r["peak_resident_mib"] > r["budget_mib"]]
-    lost = [r for r in pairs if r["shared"]["completed"] < r["static"]["completed"]]
     for key, label in (("ttft_p99_ms", "p99"), ("ttft_p50_ms", "p50")):
         question = f"{label} time to first token, alternating bursts: static halves / shared budget"
         ratios = common.Spread.of([r["static"][key] / r["shared"][key] for r in pairs])
-        if broken or lost:
-            why = ("shared resident KV went past the budget" if broken else
-                   "the shared setup completed fewer requests")
+        if why:
             out.append(common.unreliable(f"{NAME}.{label}_ttft", question, why, ratios))
             continue
-        summary = result["summary"]
         note = (f"preemptions {summary['static']['preemptions']:.0f} static vs {summary['shared']['preemptions']:.0f} "
                 f"shared; peak resident {summary['static']['peak_resident_mib']:.1f} vs "
                 f"{summary['shared']['peak_resident_mib']:.1f} MiB of {rows[0]['budget_mib']:.1f}")

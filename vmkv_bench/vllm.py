@@ -4,6 +4,7 @@ whole run, taking turns: output tokens/s and the KV memory each holds (docs/vllm
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import tempfile
 import time
@@ -11,8 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from . import common
-
-SETTLE_S = 1.5  # vLLM's workers busy-poll their queue for 1 s after a step: let the idle engine go quiet
 
 NAME = "vllm"
 DESCRIPTION = "vLLM with and without vmkv: one bursty ShareGPT-like trace (tokens/s ratio, KV memory over time)"
@@ -64,8 +63,6 @@ def bursty_arrivals(count: int, bursts: int, gap: float) -> list[float]:
 
 def trace_prompts(trace: list[common.Request], seed: int) -> list[list[int]]:
     """Seeded token ids of each request's prompt length (bytes of the tiny model's vocabulary)."""
-    import random
-
     rng = random.Random(seed)
     return [[rng.randrange(256) for _ in range(req.prompt)] for req in trace]
 
@@ -115,21 +112,18 @@ def _run_trace(args: argparse.Namespace, model: Path, kv_bytes: int) -> tuple[li
     for round_ in range(s["rounds"]):
         for name in common.rotated(["stock", "vmkv"], round_):
             vmkv = name == "vmkv"
-            time.sleep(SETTLE_S)
+            time.sleep(drive.SETTLE_S)
             result = drive.run(engines[name], prompts, params, vmkv=vmkv, arrivals=arrivals, sample_every=args.sample_every)
             samples = result.as_dict()["samples"] or [drive.memory_sample(engines[name], vmkv, result.wall_s, 0, 0).__dict__]
             kv = _kv_memory(samples, vmkv, kv_bytes)
             tokens[(round_, name)] = result.tokens
-            rows.append({
-                "round": round_, "engine": name, "requests": len(trace), "output_tokens": result.output_tokens,
-                "wall_s": result.wall_s, "output_tok_per_s": result.output_tokens / result.wall_s,
-                "kv_mean_mib": statistics.fmean(kv) / 2**20, "kv_peak_mib": max(kv) / 2**20,
-                "rss_peak_mib": max(x["rss_bytes"] for x in samples) / 2**20, "tokens_identical": False,
-            })
+            rows.append({"round": round_, "engine": name, "requests": len(trace), "output_tokens": result.output_tokens,
+                         "wall_s": result.wall_s, "output_tok_per_s": result.output_tokens / result.wall_s,
+                         "kv_mean_mib": statistics.fmean(kv) / 2**20, "kv_peak_mib": max(kv) / 2**20,
+                         "rss_peak_mib": max(x["rss_bytes"] for x in samples) / 2**20, "tokens_identical": False})
             series[name] = _compact(samples)
-    for row in rows:
-        other = "vmkv" if row["engine"] == "stock" else "stock"
-        row["tokens_identical"] = tokens[(row["round"], row["engine"])] == tokens[(row["round"], other)]
+    for row in rows:  # each engine's tokens against the other's
+        row["tokens_identical"] = tokens[(row["round"], "stock")] == tokens[(row["round"], "vmkv")]
     for llm in engines.values():
         llm.llm_engine.engine_core.shutdown()
     return rows, series, {**s, **options, "trace": common.trace_stats(trace)}
@@ -149,23 +143,16 @@ def _summary(rows: list[dict[str, Any]], kv_bytes: int) -> dict[str, Any]:
                f"range {min(ratios):.2f}-{max(ratios):.2f}; target >= 0.97) "
                f"while holding {vmkv_mean / kv_bytes:.1%} of stock's KV memory on average "
                f"({vmkv_peak / kv_bytes:.1%} at peak); tokens {'identical' if identical else 'DIFFER'}")
-    return {
-        "throughput_ratio_vmkv_over_stock": ratio,
-        "throughput_ratios_per_round": ratios,
-        "kv_mean_ratio_vmkv_over_stock": vmkv_mean / kv_bytes,
-        "kv_peak_ratio_vmkv_over_stock": vmkv_peak / kv_bytes,
-        "rss_saved_bytes": rss_saved,
-        "tokens_identical": identical,
-        "verdict": verdict,
-    }
+    return {"throughput_ratio_vmkv_over_stock": ratio, "throughput_ratios_per_round": ratios,
+            "kv_mean_ratio_vmkv_over_stock": vmkv_mean / kv_bytes, "kv_peak_ratio_vmkv_over_stock": vmkv_peak / kv_bytes,
+            "rss_saved_bytes": rss_saved, "tokens_identical": identical, "verdict": verdict}
 
 
 def plot(result: dict[str, Any], out_dir: Path) -> list[str]:
     """``vllm_kv_memory.png``: KV memory over the last round, both engines, and what the live tokens need."""
     plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
-    token_bytes = result["config"]["token_bytes"]
-    kv_bytes = result["config"]["kv_bytes"]
+    token_bytes, kv_bytes = result["config"]["token_bytes"], result["config"]["kv_bytes"]
     for name, samples in result["series"].items():
         t = [s["t"] for s in samples]
         kv = _kv_memory(samples, name == "vmkv", kv_bytes)
@@ -173,10 +160,8 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[str]:
         if name == "vmkv":
             ax.plot(t, [s["live_tokens"] * token_bytes / 2**20 for s in samples], label="live tokens x bytes per token",
                     linestyle="--", linewidth=1.0)
-    ax.set_xlabel("seconds into the trace")
-    ax.set_ylabel("MiB")
     ax.set_yscale("symlog", linthresh=1.0)
-    ax.set_title(f"tiny Llama on vLLM, {result['config']['requests']} bursty ShareGPT-like requests")
+    ax.set(xlabel="seconds into the trace", ylabel="MiB", title=f"tiny Llama on vLLM, {result['config']['requests']} bursty ShareGPT-like requests")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return [common.save_figure(fig, out_dir, "vllm_kv_memory.png")]
@@ -197,8 +182,7 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
     summary = result["summary"]
     ratio = common.Spread.of(summary["throughput_ratios_per_round"])
     cost = common.ratio_verdict(
-        "vllm.throughput", "vLLM output tokens/s, vmkv over stock (same trace, interleaved)", ratio,
-        "vmkv", "stock", target=0.97,
+        "vllm.throughput", "vLLM output tokens/s, vmkv over stock (same trace, interleaved)", ratio, "vmkv", "stock", target=0.97,
         note="tokens identical" if summary["tokens_identical"] else "TOKENS DIFFER")
     mean, peak = summary["kv_mean_ratio_vmkv_over_stock"], summary["kv_peak_ratio_vmkv_over_stock"]
     side, winner = kv_memory_side(mean)

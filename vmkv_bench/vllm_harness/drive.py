@@ -21,6 +21,8 @@ ENTRY_POINT = "vmkv.vllm:register"
 RESERVED_CPUS = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 """Set alike for stock and vmkv: vLLM's CPU platform reserves one more core for any KV connector,
 which on 2 cores leaves the workers none."""
+SETTLE_S = 1.5
+"""vLLM's workers busy-poll their queue for 1 s after a step: let the idle engines go quiet before a run."""
 
 
 def ensure_entry_point() -> Path | None:
@@ -38,15 +40,6 @@ def ensure_entry_point() -> Path | None:
     return root
 
 
-def engine_environment(*, vmkv: bool, ranks: int = 1) -> dict[str, str | None]:
-    """The environment a stock or vmkv engine starts with (``None``: unset)."""
-    return {
-        plugin.ENV_FLAG: "1" if vmkv else None,
-        RESERVED_CPUS: os.environ.get(RESERVED_CPUS) or str(ranks),
-        "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
-    }
-
-
 def engine(model: str | Path, *, vmkv: bool, kv_cache_bytes: int, max_model_len: int = 2048,
            options: dict[str, Any] | None = None, **llm_kwargs: Any) -> Any:
     """A ``vllm.LLM`` over ``model``, stock or with vmkv."""
@@ -60,7 +53,9 @@ def engine(model: str | Path, *, vmkv: bool, kv_cache_bytes: int, max_model_len:
     ranks = llm_kwargs.get("tensor_parallel_size", 1) * llm_kwargs.get("pipeline_parallel_size", 1)
     llm_kwargs.setdefault("enforce_eager", True)
     llm_kwargs.setdefault("dtype", "float32")
-    with _environment(engine_environment(vmkv=vmkv, ranks=ranks)):
+    environment = {plugin.ENV_FLAG: "1" if vmkv else None, RESERVED_CPUS: os.environ.get(RESERVED_CPUS) or str(ranks),
+                   "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}  # None: unset
+    with _environment(environment):
         return LLM(model=str(model), kv_cache_memory_bytes=kv_cache_bytes, max_model_len=max_model_len, **llm_kwargs)
 
 
@@ -111,14 +106,10 @@ class RunResult:
 
 def memory_sample(llm: Any, vmkv: bool, t: float, running: int, live_tokens: int) -> Sample:
     """Ask every worker for its memory now."""
-    if vmkv:
-        stats = vmkv_stats(llm)
-        mapped, resident = sum(s["mapped_bytes"] for s in stats), sum(s["resident_bytes"] for s in stats)
-        rss = sum(s["rss_bytes"] for s in stats)
-    else:
-        mapped = resident = 0
-        rss = sum(p["rss_bytes"] for p in llm.collective_rpc("vmkv_process"))
-    return Sample(t, running, live_tokens, mapped, resident, rss)
+    if not vmkv:
+        return Sample(t, running, live_tokens, 0, 0, sum(p["rss_bytes"] for p in llm.collective_rpc("vmkv_process")))
+    stats = vmkv_stats(llm)
+    return Sample(t, running, live_tokens, *(sum(s[key] for s in stats) for key in ("mapped_bytes", "resident_bytes", "rss_bytes")))
 
 
 def run(llm: Any, prompts: Sequence[Sequence[int]], params: Sequence[Any], *, vmkv: bool,
@@ -152,5 +143,4 @@ def run(llm: Any, prompts: Sequence[Sequence[int]], params: Sequence[Any], *, vm
         steps += 1
         if sample_every and steps % sample_every == 0:
             samples.append(memory_sample(llm, vmkv, time.perf_counter() - start, len(live), sum(live.values())))
-    wall = time.perf_counter() - start
-    return RunResult(tokens, cached, samples, wall, sum(len(t) for t in tokens.values()), steps)
+    return RunResult(tokens, cached, samples, time.perf_counter() - start, sum(len(t) for t in tokens.values()), steps)
