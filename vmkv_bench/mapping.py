@@ -97,7 +97,8 @@ def _decode_config(args: argparse.Namespace, page_size: str, map_ahead: bool = F
     probe = common.cache_config(shape, args.device, page_size=page_size, layout=args.layout)
     page = probe.page_size
     pages_per_seq = -(-(PROMPT + args.steps + 1) * probe.tensor_token_bytes() // page) + 1
-    return common.cache_config(shape, args.device, max_batch_size=args.batch, max_seq_len=PROMPT + args.steps + 1, page_size=page_size,
+    return common.cache_config(shape, args.device, max_batch_size=args.batch, max_seq_len=PROMPT + args.steps + 1,
+                               page_size=page_size,
                                memory_budget=probe.kv_shape.pieces(args.layout) * page * args.batch * pages_per_seq,
                                layout=args.layout, prefix_caching=False, map_ahead=map_ahead)
 

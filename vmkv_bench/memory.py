@@ -177,8 +177,8 @@ class _Replay:
 
 
 def _config(allocator: Allocator, args: argparse.Namespace, budget: str) -> vmkv.KVCacheConfig:
-    return common.cache_config(common.LLAMA3_8B, args.device, max_batch_size=512, max_seq_len=args.max_seq_len, memory_budget=budget,
-                               prefix_caching=False, deferred_reclaim=False, **allocator.fields)
+    return common.cache_config(common.LLAMA3_8B, args.device, max_batch_size=512, max_seq_len=args.max_seq_len,
+                               memory_budget=budget, prefix_caching=False, deferred_reclaim=False, **allocator.fields)
 
 
 def _settings(args: argparse.Namespace) -> tuple[argparse.Namespace, list[Allocator]]:
@@ -259,7 +259,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             series_out[f"{kind}/{allocator.label}"] = _steady_series(series)
             done[(kind, allocator.policy, rows[-1]["geometry"])] = rows[-1]
     return common.make_result(NAME, SCHEMA, rows, _summary(rows, skipped), traces=traces, series=series_out,
-                              config={"budget": budgets, "max_seq_len": args.max_seq_len, "shape": common.LLAMA3_8B, "seed": args.seed})
+                              config={"budget": budgets, "max_seq_len": args.max_seq_len, "shape": common.LLAMA3_8B,
+                                      "seed": args.seed})
 
 
 def _summary(rows: list[dict[str, Any]], skipped: dict[str, str]) -> dict[str, Any]:
@@ -271,7 +272,8 @@ def _summary(rows: list[dict[str, Any]], skipped: dict[str, str]) -> dict[str, A
         vmm = [r for r in mine if r["allocator"].startswith("vmm-")]
         if vmm:
             best = max(vmm, key=lambda r: r["steady_util"])
-            summary[f"{kind}_best_vmm"] = {"allocator": best["allocator"], "geometry": best["geometry"], "steady_util": round(best["steady_util"], 4)}
+            summary[f"{kind}_best_vmm"] = {"allocator": best["allocator"], "geometry": best["geometry"],
+                                           "steady_util": round(best["steady_util"], 4)}
     return summary
 
 
@@ -290,7 +292,8 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
         side = "tie" if ties else top["allocator"]
         note = ""
         if best_vmm is not None and best_vmm["allocator"] != DEFAULT_VMM:
-            note = f"best VMM {common.number_text(best_vmm['steady_util'], '%')}: {best_vmm['geometry']}, {best_vmm['tokens_per_page']} tok/page"
+            note = (f"best VMM {common.number_text(best_vmm['steady_util'], '%')}: {best_vmm['geometry']}, "
+                    f"{best_vmm['tokens_per_page']} tok/page")
         static = util.get("static-max")
         reference, agrees = "", None
         if kind == "sharegpt" and static is not None:  # the paper measured its systems on ShareGPT

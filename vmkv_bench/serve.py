@@ -53,12 +53,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=None, help="output tokens (default 32; smoke 8)")
     parser.add_argument("--memory-budget", default=None, help="KV budget of the throughput/latency runs "
                         "(default 64MiB on CPU, 1GiB on CUDA where a VMM page is 2 MiB per tensor)")
-    parser.add_argument("--capacity-budget", default=None, help="KV budget of the capacity experiment (default 8MiB on CPU, 64MiB on CUDA)")
-    parser.add_argument("--capacity-requests", type=int, default=None, help="distinct prompts sent at once in the capacity experiment "
-                        "(default 64; smoke 16)")
+    parser.add_argument("--capacity-budget", default=None, help="KV budget of the capacity experiment "
+                        "(default 8MiB on CPU, 64MiB on CUDA)")
+    parser.add_argument("--capacity-requests", type=int, default=None, help="distinct prompts sent at once in the "
+                        "capacity experiment (default 64; smoke 16)")
     parser.add_argument("--capacity-output-len", type=int, default=None, help="output tokens of each capacity request "
                         "(default 32; smoke 8; not --output-len: the quick preset measures what the full run does)")
-    parser.add_argument("--vmm-page-size", default=None, help="VMM page bytes per K/V tensor (default: the engine's, 64 KiB on CPU, 2 MiB on CUDA)")
+    parser.add_argument("--vmm-page-size", default=None, help="VMM page bytes per K/V tensor (default: the engine's, "
+                        "64 KiB on CPU, 2 MiB on CUDA)")
     parser.add_argument("--block-size", type=int, default=16, help="paged tokens per block")
     parser.add_argument("--repeats", type=int, default=None, help="runs per mode and setting, modes alternating; the "
                         "row kept is the median-throughput run (default 3; smoke 1)")
@@ -87,8 +89,9 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _engine_config(mode: str, args: argparse.Namespace, budget: str, max_num_seqs: int, page_size: str | None) -> EngineConfig:
-    return EngineConfig(kv_mode=mode, memory_budget=budget, page_size=page_size, block_size=args.block_size, max_num_seqs=max_num_seqs,
-                        max_seq_len=1024, device=args.device, seed=args.seed, cuda_graphs=GRAPHS[args.cuda_graphs])
+    return EngineConfig(kv_mode=mode, memory_budget=budget, page_size=page_size, block_size=args.block_size,
+                        max_num_seqs=max_num_seqs, max_seq_len=1024, device=args.device, seed=args.seed,
+                        cuda_graphs=GRAPHS[args.cuda_graphs])
 
 
 def _throughput_configs(args: argparse.Namespace, settings: dict[str, Any]) -> dict[str, EngineConfig]:
@@ -202,7 +205,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with common.torch_threads(args.threads):
         rows, samples = _measure(args, settings)
     config = {**settings, "rates": [str(r) for r in settings["rates"]], "vmm_page_size": args.vmm_page_size,
-              "block_size": args.block_size, "threads": args.threads, "driver": "in-process Engine (no HTTP)", "cuda_graphs": args.cuda_graphs}
+              "block_size": args.block_size, "threads": args.threads, "driver": "in-process Engine (no HTTP)",
+              "cuda_graphs": args.cuda_graphs}
     return common.make_result(NAME, SCHEMA, rows, _summary(rows), config=config, samples=samples)
 
 
@@ -272,7 +276,8 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for r in rows:  # concurrency rows come first
         if r["experiment"] == "concurrency" and r["concurrency"] == top:
             summary[f"{r['mode']}_at_c{top}"] = {"throughput_tok_s": round(r["throughput_tok_s"], 1),
-                                                 "tok_per_cpu_s": round(r["tok_per_cpu_s"], 1), "tpot_p50_ms": round(r["tpot_p50_ms"], 2)}
+                                                 "tok_per_cpu_s": round(r["tok_per_cpu_s"], 1),
+                                                 "tpot_p50_ms": round(r["tpot_p50_ms"], 2)}
         elif r["experiment"] == "capacity":
             summary[f"capacity_{r['mode']}_{r['tokens_per_page']}tok"] = {
                 "mean_running": round(r["mean_running"], 1), "peak_running": r["peak_running"], "preemptions": r["preemptions"]}

@@ -170,7 +170,8 @@ def _config(allocator: Allocator, args: argparse.Namespace, width: int) -> vmkv.
     page_tokens = (fields["block_size"] if allocator.mode == "paged"
                    else vmkv.parse_size(fields["page_size"]) // shape.tensor_token_bytes(fields["layout"]))
     return common.cache_config({}, args.device, **fields, max_batch_size=2 * width, max_seq_len=args.max_seq_len,
-                               memory_budget=_budget(shape, width, args.max_seq_len, page_tokens), prefix_caching=False, deferred_reclaim=False)
+                               memory_budget=_budget(shape, width, args.max_seq_len, page_tokens), prefix_caching=False,
+                               deferred_reclaim=False)
 
 
 def _shape(fields: dict[str, Any]) -> vmkv.KVCacheConfig:
@@ -299,7 +300,8 @@ def _saved_text(label: str, rows: list[dict[str, Any]]) -> str:
     else:
         name = f"VMM {pages}"
     lo, hi = min(r["saved"] for r in rows), max(r["saved"] for r in rows)
-    span = common.number_text(lo, "%") if lo == hi else f"{common.number_text(lo, '%').removesuffix(' %')}-{common.number_text(hi, '%')}"
+    low, high = common.number_text(lo, "%"), common.number_text(hi, "%")
+    span = low if lo == hi else f"{low.removesuffix(' %')}-{high}"
     return f"{name} {span}"
 
 
@@ -319,7 +321,8 @@ def plot(result: dict[str, Any], out_dir) -> list[str]:
             ax.plot([r["n"] for r in pts], [100 * r["saved"] for r in pts], marker=markers[i % len(markers)],
                     label=f"{label} ({pts[0]['tokens_per_page']} tok/page)")
         ax.set(title=f"{trace}-like: {'parallel sampling' if scen == 'parallel' else 'beam search'}", ylabel="memory saved (%)",
-               xlabel="n (samples)" if scen == "parallel" else "beam width", xticks=sorted({r["n"] for r in mine}), ylim=(0, None))
+               xlabel="n (samples)" if scen == "parallel" else "beam width", xticks=sorted({r["n"] for r in mine}),
+               ylim=(0, None))
         ax.grid(alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
     columns = 2 if len(panels) <= 2 else 4

@@ -84,8 +84,9 @@ def member_main() -> None:
     for line in sys.stdin:
         command = json.loads(line)
         if command["op"] == "open":
-            engine = Engine.from_config(EngineConfig(memory_budget=command["memory_budget"], page_size=PAGE_SIZE, max_num_seqs=command["slots"],
-                                                     max_seq_len=command["max_seq_len"], shared_budget=command["shared_budget"]))
+            engine = Engine.from_config(EngineConfig(memory_budget=command["memory_budget"], page_size=PAGE_SIZE,
+                                                     max_num_seqs=command["slots"], max_seq_len=command["max_seq_len"],
+                                                     shared_budget=command["shared_budget"]))
             answer: dict[str, Any] = {"memfd": engine.cache.ranges.vm._fd}
         elif command["op"] == "run":
             answer = replay(engine, command["requests"], command["start"])

@@ -161,7 +161,8 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[str]:
             ax.plot(t, [s["live_tokens"] * token_bytes / 2**20 for s in samples], label="live tokens x bytes per token",
                     linestyle="--", linewidth=1.0)
     ax.set_yscale("symlog", linthresh=1.0)
-    ax.set(xlabel="seconds into the trace", ylabel="MiB", title=f"tiny Llama on vLLM, {result['config']['requests']} bursty ShareGPT-like requests")
+    ax.set(xlabel="seconds into the trace", ylabel="MiB",
+           title=f"tiny Llama on vLLM, {result['config']['requests']} bursty ShareGPT-like requests")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return [common.save_figure(fig, out_dir, "vllm_kv_memory.png")]

@@ -109,7 +109,8 @@ def memory_sample(llm: Any, vmkv: bool, t: float, running: int, live_tokens: int
     if not vmkv:
         return Sample(t, running, live_tokens, 0, 0, sum(p["rss_bytes"] for p in llm.collective_rpc("vmkv_process")))
     stats = vmkv_stats(llm)
-    return Sample(t, running, live_tokens, *(sum(s[key] for s in stats) for key in ("mapped_bytes", "resident_bytes", "rss_bytes")))
+    totals = (sum(s[key] for s in stats) for key in ("mapped_bytes", "resident_bytes", "rss_bytes"))
+    return Sample(t, running, live_tokens, *totals)
 
 
 def run(llm: Any, prompts: Sequence[Sequence[int]], params: Sequence[Any], *, vmkv: bool,
