@@ -125,7 +125,7 @@ def run_addressing(s: dict[str, Any], model_root: Path, seed: int, engine_kwargs
         for name in rotated(ENGINES, round_):
             llm, vmkv = engines[name], name != "stock"
             llm.reset_prefix_cache()  # every run prefills in full: no engine reuses an earlier round's prompts
-            time.sleep(1.5)  # vLLM's workers busy-poll for 1 s after a step: let the idle engines go quiet
+            time.sleep(drive.SETTLE_S)
             before = stats(llm)[0] if name == "contiguous" else {}
             result = drive.run(llm, prompts, params, vmkv=vmkv, sample_every=4)
             after = stats(llm)[0] if name == "contiguous" else {}
