@@ -320,7 +320,8 @@ def machine() -> dict[str, Any]:
     }
 
 
-def make_result(name: str, schema: dict[str, str], rows: list[dict[str, Any]], summary: dict[str, Any], **extra: Any) -> dict[str, Any]:
+def make_result(name: str, schema: dict[str, str], rows: list[dict[str, Any]], summary: dict[str, Any],
+                **extra: Any) -> dict[str, Any]:
     """The JSON-serialisable result of a benchmark."""
     return {"name": name, "schema": schema, "rows": rows, "summary": summary, "machine": machine(), **extra}
 
@@ -532,7 +533,8 @@ def format_table(
         lines += ["| " + " | ".join(c.replace("|", "\\|") for c in line) + " |" for line in cells]
         return "\n".join(lines)
     wrap = wrap or {}
-    wrapped = [[textwrap.wrap(c, wrap[col], break_long_words=False) or [""] if col in wrap else [c] for c, col in zip(line, columns)] for line in cells]
+    wrapped = [[textwrap.wrap(c, wrap[col], break_long_words=False) or [""] if col in wrap else [c]
+                for c, col in zip(line, columns)] for line in cells]
     widths = [max(len(col), *(len(part) for line in wrapped for part in line[i])) for i, col in enumerate(columns)]
     lines = ["  ".join(col.ljust(w) for col, w in zip(columns, widths)).rstrip()]
     lines.append("  ".join("-" * w for w in widths))

@@ -88,7 +88,8 @@ class DecodeStep:
         cache = self.caches[label]
         return tuple(map(unguarded, cache.kv_cache(0))) if cache.mode == "vmm" else cache.block_pool(0)
 
-    def call(self, label: str, name: str, kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> Callable[[], torch.Tensor] | str:
+    def call(self, label: str, name: str,
+             kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> Callable[[], torch.Tensor] | str:
         """Kernel ``name`` over cache ``label``'s storage (or ``kv``) with its plan, or why it cannot run here."""
         mode, cfg = self.caches[label].mode, self.caches[label].config
         spec = registry.KernelSpec(MODE_ADDRESSING[mode], cfg.device, cfg.dtype, cfg.num_kv_heads, cfg.head_dim,
@@ -159,21 +160,30 @@ def compare_ms(fns: dict[str, Callable[[], Any]], device: torch.device, shape: S
 
 # ---- the benchmark -----------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: stable on a shared CPU; 0 keeps torch's default)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (default 1: stable on a shared CPU; 0 keeps torch's default)")
     parser.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes (default 1 8 32; smoke 1 2)")
-    parser.add_argument("--contexts", type=int, nargs="+", default=None, help="context lengths (default 512 2048 8192; smoke 64 128)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=None,
+                        help="context lengths (default 512 2048 8192; smoke 64 128)")
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--q-heads", type=int, default=32)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", default=None, help="default float32 on CPU, float16 on CUDA")
     parser.add_argument("--page-size", default="2MiB", help="VMM page size")
-    parser.add_argument("--layouts", nargs="+", default=None, help="VMM layouts (default: every layout vmkv.KVCacheConfig accepts)")
-    parser.add_argument("--kernels", nargs="+", default=None, help="contiguous (slots) kernels (default: every one vmkv.kernels.registry has that can run here)")
-    parser.add_argument("--block-size", type=int, default=None, help="paged block size (default 16 on CPU, 256 on CUDA: FlashAttention's paged kernels need multiples of 256)")
-    parser.add_argument("--paged-kernels", nargs="+", default=None, help="paged kernels to time; 'selected' is the one paged mode picks here (default: selected gather_sdpa)")
+    parser.add_argument("--layouts", nargs="+", default=None,
+                        help="VMM layouts (default: every layout vmkv.KVCacheConfig accepts)")
+    parser.add_argument("--kernels", nargs="+", default=None,
+                        help="contiguous (slots) kernels (default: every one vmkv.kernels.registry has that can run here)")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="paged block size (default 16 on CPU, 256 on CUDA: "
+                             "FlashAttention's paged kernels need multiples of 256)")
+    parser.add_argument("--paged-kernels", nargs="+", default=None,
+                        help="paged kernels to time; 'selected' is the one paged mode picks here "
+                             "(default: selected gather_sdpa)")
     parser.add_argument("--repeat", type=int, default=None, help="rounds, every candidate once per round (default 7; smoke 2)")
     parser.add_argument("--clock", default="auto", choices=["auto", *common.CLOCKS],
-                        help="auto: the thread's CPU time on CPU with one thread (a shared machine cannot inflate it), else wall time")
+                        help="auto: the thread's CPU time on CPU with one thread (a shared machine cannot inflate it), "
+                             "else wall time")
 
 
 def _defaults(args: argparse.Namespace) -> argparse.Namespace:
@@ -195,7 +205,8 @@ def _runnable_kernels(args: argparse.Namespace) -> tuple[list[str], dict[str, st
     unknown = sorted(set(args.kernels) - set(registry.names("slots")))
     if unknown:
         raise vmkv.InvalidConfig(f"unknown kernels {unknown}; known: {registry.names('slots')}")
-    dtype = common.cache_config({"num_layers": 1, "num_kv_heads": 1, "head_dim": args.head_dim, "dtype": args.dtype}, args.device).dtype
+    dtype = common.cache_config({"num_layers": 1, "num_kv_heads": 1, "head_dim": args.head_dim, "dtype": args.dtype},
+                                args.device).dtype
     spec = registry.KernelSpec("slots", torch.device(args.device), dtype, args.kv_heads, args.head_dim)
     why = {name: registry.unavailable(name, spec) for name in args.kernels}
     return [name for name in args.kernels if why[name] is None], {name: w for name, w in why.items() if w is not None}
@@ -234,7 +245,8 @@ def _candidates(case: DecodeStep, kernels: list[str], paged_kernels: list[str], 
     for shape, (k, v, label) in dense.items():
         prefix = "dense" if len(dense) == 1 else f"dense{list(shape)}"
         for name in kernels:
-            add(f"{prefix}:{name}", case.call(label, name, (k, v)), any(c.selected and c.name == f"vmm:{layout}:{name}" for c in out))
+            add(f"{prefix}:{name}", case.call(label, name, (k, v)),
+                any(c.selected and c.name == f"vmm:{layout}:{name}" for c in out))
     for name in paged_kernels:
         add(f"paged:{name}", case.call("paged", name), name == case.caches["paged"].kernel)
     return out
@@ -294,7 +306,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             selected_paged = case.caches["paged"].kernel
             selected_vmm.update({label.split(":", 1)[1]: c.kernel for label, c in case.caches.items() if c.mode == "vmm"})
-            found, samples[f"{batch},{context}"] = _measure_point(args, case, kernels, probe, clock, config_layout, skipped, wrong)
+            found, samples[f"{batch},{context}"] = _measure_point(args, case, kernels, probe, clock, config_layout,
+                                                                  skipped, wrong)
             rows += found
         finally:
             case.close()
@@ -381,7 +394,8 @@ def _failed(summary: dict[str, Any]) -> dict[str, str]:
     return out
 
 
-def _compared(point: list[dict[str, Any]], name: str | None, prefix: str, failed: dict[str, str]) -> tuple[dict[str, Any] | None, str]:
+def _compared(point: list[dict[str, Any]], name: str | None, prefix: str,
+              failed: dict[str, str]) -> tuple[dict[str, Any] | None, str]:
     """Candidate ``name``'s row (else the fastest selected one of ``prefix``, else the fastest), or why it failed."""
     why = failed.get(prefix.rstrip(":")) or failed.get(name)
     if why:

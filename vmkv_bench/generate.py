@@ -59,11 +59,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", nargs="+", default=["small", "mid"], choices=list(MODELS),
                         help="model sizes (default small mid; 1b: Llama-3.2-1B's shape, about 5 GB in float32, for GPUs)")
     parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default 128)")
-    parser.add_argument("--new-tokens", type=int, nargs="+", default=[256, 2048], help="generated tokens, one run each (default 256 2048)")
+    parser.add_argument("--new-tokens", type=int, nargs="+", default=[256, 2048],
+                        help="generated tokens, one run each (default 256 2048)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8], help="greedy batch sizes (default 1 8)")
     parser.add_argument("--beam-width", type=int, default=4, help="beam search width, 0 to skip (default 4)")
     parser.add_argument("--beam-new-tokens", type=int, default=64, help="beam search tokens (default 64)")
-    parser.add_argument("--static-len", type=int, default=None, help="StaticCache max_cache_len (default: prompt + new tokens, what the run needs)")
+    parser.add_argument("--static-len", type=int, default=None,
+                        help="StaticCache max_cache_len (default: prompt + new tokens, what the run needs)")
     parser.add_argument("--caches", nargs="+", default=list(DEFAULT_CACHES), choices=list(CACHES),
                         help=f"caches to compare (default {' '.join(DEFAULT_CACHES)})")
     parser.add_argument("--repeats", type=int, default=3, help="rounds, every cache once per round (default 3)")
@@ -165,7 +167,8 @@ class Point:
     kind: str = "main"  # "main" (the option grid) or "long" (--long-point)
 
 
-def _run_once(model: torch.nn.Module, args: argparse.Namespace, point: Point, name: str, cache: Any = None) -> tuple[Any, torch.Tensor]:
+def _run_once(model: torch.nn.Module, args: argparse.Namespace, point: Point, name: str,
+              cache: Any = None) -> tuple[Any, torch.Tensor]:
     """One generate() of ``point`` with cache ``name`` (or ``cache``, made as ``name``'s): ``(cache, output ids)``."""
     from transformers import CompileConfig
 

@@ -17,19 +17,22 @@ from vmkv.vm import open_backend
 from . import common
 
 NAME = "mapping"
-DESCRIPTION = "VMM mapping overhead: map/unmap us per page, reserving 64 GiB, share of decode time spent mapping (map_ahead on/off)"
+DESCRIPTION = ("VMM mapping overhead: map/unmap us per page, reserving 64 GiB, share of decode time spent mapping "
+               "(map_ahead on/off)")
 
 SCHEMA = {
     "measure": "map_us, unmap_us (median per page), reserve_64GiB_ms, or decode_share (mapping share of step time)",
     "page_size": "bytes of one mapped page",
     "map_ahead": "decode_share only: pages of the next step mapped on a background thread",
     "value": "the measured value, in the unit of the measure (us, ms, or a fraction)",
-    "low": "decode_share: lowest share of a single round (from 5 rounds on, the lowest is left out); map/unmap: 10th percentile call; reserve: fastest",
+    "low": "decode_share: lowest share of a single round (from 5 rounds on, the lowest is left out); "
+           "map/unmap: 10th percentile call; reserve: fastest",
     "high": "decode_share: highest share of a single round (same rule); map/unmap: 90th percentile call; reserve: slowest",
     "step_ms": "decode_share only: ms per decode step (all layers), median over rounds",
     "baseline_step_ms": "decode_share only: the same with every page mapped before the loop",
     "runs": "decode_share: rounds; map/unmap: calls timed; reserve: reservations timed",
-    "reliable": "false when the measurement failed its sanity check (a negative share, or a step faster than the baseline beyond its spread)",
+    "reliable": "false when the measurement failed its sanity check "
+                "(a negative share, or a step faster than the baseline beyond its spread)",
     "why": "why the measurement is unreliable ('' when it is reliable)",
     "saving": "decode_share with map_ahead only: on demand's share minus map-ahead's, paired per round (median)",
     "saving_low": "its lowest round (same trimming rule as low)",
@@ -39,10 +42,13 @@ RESERVE_BYTES = 64 * 2**30
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: stable on a shared CPU; 0 keeps torch's default)")
-    parser.add_argument("--page-sizes", nargs="+", default=None, help="backend page sizes for map/unmap (default 64KiB 2MiB; CUDA 2MiB)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: stable on a shared CPU; "
+                        "0 keeps torch's default)")
+    parser.add_argument("--page-sizes", nargs="+", default=None, help="backend page sizes for map/unmap "
+                        "(default 64KiB 2MiB; CUDA 2MiB)")
     parser.add_argument("--pages", type=int, default=None, help="pages mapped per latency measurement (default 256; smoke 32)")
-    parser.add_argument("--decode-page-sizes", nargs="+", default=None, help="VMM page sizes of the decode-share runs (default 4KiB 64KiB, smoke 4KiB, CUDA 2MiB; small pages map often: the worst case)")
+    parser.add_argument("--decode-page-sizes", nargs="+", default=None, help="VMM page sizes of the decode-share runs "
+                        "(default 4KiB 64KiB, smoke 4KiB, CUDA 2MiB; small pages map often: the worst case)")
     parser.add_argument("--shape", choices=list(SHAPES), default=None, help="K/V geometry of the decode-share runs (default "
                         "small on CPU, llama3-8b on CUDA, where the small model's 2 MiB page would hardly ever be mapped)")
     parser.add_argument("--layout", choices=list(vmkv.config.LAYOUTS), default=None,
@@ -228,7 +234,8 @@ def _settings(args: argparse.Namespace) -> argparse.Namespace:
 
 def refusals(args: argparse.Namespace, granularity: int) -> dict[str, str]:
     args = _settings(args)
-    refused = {f"map/unmap {size} pages": f"{vmkv.parse_size(size)} B is not a multiple of the backend granularity ({granularity} B)"
+    refused = {f"map/unmap {size} pages": f"{vmkv.parse_size(size)} B is not a multiple of the backend granularity "
+                                          f"({granularity} B)"
                for size in args.page_sizes if vmkv.parse_size(size) % granularity}
     planned = [(f"decode-share {size} pages ({args.layout}, {args.shape})", "vmm", _decode_config(args, size))
                for size in args.decode_page_sizes]
@@ -284,7 +291,8 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
     tokens = config.get("tokens_per_page", {}).get(str(page))
     geometry = f" = {tokens} tokens, {config['layout']}, {config['shape']}" if tokens else ""
     question = f"mapping cost, share of a decode step ({format_size(page).replace('.0 ', ' ')} pages{geometry}; the most maps)"
-    spread = {k: common.Spread(r["value"], r["low"], r["high"], r["runs"], kept=r["runs"] - 2 if r["runs"] >= common.TRIM_FROM else None)
+    spread = {k: common.Spread(r["value"], r["low"], r["high"], r["runs"],
+                               kept=r["runs"] - 2 if r["runs"] >= common.TRIM_FROM else None)
               for k, r in rows.items()}
     bad = [r for r in rows.values() if not r["reliable"]]
     if bad or ahead is None or demand is None:

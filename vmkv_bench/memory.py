@@ -25,7 +25,8 @@ SCHEMA = {
     "steady_util": "mean KV utilization (stored token bytes / allocated bytes) at steady state, 0..1",
     "peak_alloc_util": "utilization at the iteration with the most bytes allocated, 0..1",
     "mean_running": "mean sequences running at steady state (how many fit the budget)",
-    "steady_iterations": "iterations counted as steady state (0: memory never held requests back; the means then cover every iteration)",
+    "steady_iterations": "iterations counted as steady state "
+                         "(0: memory never held requests back; the means then cover every iteration)",
     "steady_util_p10": "10th percentile of utilization over the steady-state iterations, 0..1",
     "max_running": "most sequences running at once",
     "preemptions": "decode steps that ran out of pages and preempted a request",
@@ -70,7 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "number for all or TRACE=N each (default: 120 ShareGPT-like, 300 Alpaca-like; smoke: 12)")
     parser.add_argument("--budget", nargs="+", default=None, metavar="[TRACE=]SIZE", help="KV memory budget, one size for "
                         "all or TRACE=SIZE each (default 2GiB ShareGPT-like, 512MiB Alpaca-like; smoke 512MiB)")
-    parser.add_argument("--max-seq-len", type=int, default=None, help="longest request; the static baseline reserves this much (default 2048; smoke 256)")
+    parser.add_argument("--max-seq-len", type=int, default=None, help="longest request; the static baseline reserves this much "
+                        "(default 2048; smoke 256)")
     parser.add_argument("--page-sizes", nargs="+", default=None, help="VMM page sizes, each run with every layout "
                         f"(default {' '.join(PAGE_SIZES['cpu'])} on CPU, {' '.join(PAGE_SIZES['cuda'])} on CUDA)")
     labels = ", ".join(a.label for a in allocators(PAGE_SIZES["cpu"]))
@@ -200,7 +202,8 @@ def _budget(args: argparse.Namespace, kind: str) -> str:
 
 def refusals(args: argparse.Namespace, granularity: int) -> dict[str, str]:
     args, chosen = _settings(args)
-    planned = [(f"{allocator.label} ({kind}, {_budget(args, kind)})", allocator.mode, _config(allocator, args, _budget(args, kind)))
+    planned = [(f"{allocator.label} ({kind}, {_budget(args, kind)})", allocator.mode,
+                _config(allocator, args, _budget(args, kind)))
                for kind in args.traces for allocator in chosen if not allocator.sweep]
     return common.cache_refusals(planned, granularity)
 

@@ -91,7 +91,8 @@ BENCHMARKS: dict[str, Entry] = {entry.name: entry for entry in (
 # The quick checks come before `bench`: a run short of time skips what no longer fits, last first.
 # Without vLLM the default run must fit the 8-minute budget (docs/gpu.md, "Time budget").
 SECTIONS: dict[str, Entry] = {entry.name: entry for entry in (
-    _check("environment", 15, "core.environment", "versions, the GPU, VMM granularity, read-only zero page, the kernels a cache can use"),
+    _check("environment", 15, "core.environment",
+           "versions, the GPU, VMM granularity, read-only zero page, the kernels a cache can use"),
     _check("tests", 60, "core.tests", "pytest tests/test_cuda.py: the CUDA backend contract and caches against a dense reference",
            skip="vmkv_bench.gpu.core:tests_skip"),
     _check("zero_page", 15, "core.zero_page", "empty pages read zeros, views after close too; a write into one faults"),
@@ -111,6 +112,7 @@ SECTIONS: dict[str, Entry] = {entry.name: entry for entry in (
            timeout_s=420, alone=True),
     _check("vllm", 150, "vllm_engine.vllm", "the vLLM smoke test (vllm_smoke.gpu_smoke): vLLM + vmkv gives stock vLLM's tokens",
            skip="vmkv_bench.gpu.vllm_engine:vllm_unavailable"),
-    _check("vllm_addressing", 420, "vllm_engine.vllm_addressing", "block tables vs virtual memory inside one vLLM (three engines)",
+    _check("vllm_addressing", 420, "vllm_engine.vllm_addressing",
+           "block tables vs virtual memory inside one vLLM (three engines)",
            skip="vmkv_bench.gpu.vllm_engine:vllm_unavailable", timeout_s=1080),
 )}

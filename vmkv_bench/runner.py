@@ -99,10 +99,12 @@ def common_parser(defaults: bool) -> argparse.ArgumentParser:
                         help="where the caches live (default cpu; cuda runs the GPU presets)")
     parser.add_argument("--smoke", action="store_true", default=pick(False), help="tiny sizes: seconds per benchmark (CI)")
     parser.add_argument("--seed", type=int, default=pick(0), help="seed of traces and data (default 0)")
-    parser.add_argument("--out", type=Path, default=pick(Path("bench-out")), help="directory for JSON, PNG and report.md (default bench-out/)")
+    parser.add_argument("--out", type=Path, default=pick(Path("bench-out")),
+                        help="directory for JSON, PNG and report.md (default bench-out/)")
     parser.add_argument("--no-plots", action="store_true", default=pick(False), help="write JSON only")
     progress = parser.add_mutually_exclusive_group()
-    progress.add_argument("--progress", dest="progress", action="store_true", default=pick(None), help="progress bars (default: when stderr is a terminal)")
+    progress.add_argument("--progress", dest="progress", action="store_true", default=pick(None),
+                          help="progress bars (default: when stderr is a terminal)")
     progress.add_argument("--no-progress", dest="progress", action="store_false", default=pick(None))
     return parser
 
@@ -450,7 +452,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=f"sections (estimated seconds on an H200):\n{listing}\n\n"
                "Exit status: 0 passed, 1 a section failed, 2 bad arguments, 3 no CUDA GPU. See docs/gpu.md.")
-    parser.add_argument("--out", type=Path, default=Path("gpu-check-out"), help="directory for gpu_check.json (default: gpu-check-out)")
+    parser.add_argument("--out", type=Path, default=Path("gpu-check-out"),
+                        help="directory for gpu_check.json (default: gpu-check-out)")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu for a dry run")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and few iterations (a dry run of the code paths)")
     alone = [s.name for s in SECTIONS.values() if s.alone]
@@ -462,13 +465,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "not fit in what is left is skipped, with the reason")
     parser.add_argument("--list", action="store_true", help="list the sections with their estimates and exit")
     parser.add_argument("--kernels", nargs="+", default=kernel_registry.names("slots"), choices=kernel_registry.names("slots"),
-                        help="contiguous kernels for the decode section (default: all; those that cannot run are skipped with the reason)")
+                        help="contiguous kernels for the decode section (default: all; those that cannot run are skipped "
+                             "with the reason)")
     parser.add_argument("--tests", nargs="+", default=["tests/test_cuda.py", "tests/test_triton_kernels.py"],
                         help="pytest paths for the tests section (default: the CUDA backend's tests and the Triton kernels', "
                              "which run compiled on the GPU)")
-    parser.add_argument("--test-timeout", type=int, default=240, help="seconds allowed for the tests section's pytest (default 240)")
+    parser.add_argument("--test-timeout", type=int, default=240,
+                        help="seconds allowed for the tests section's pytest (default 240)")
     parser.add_argument("--section-timeout", type=int, default=360,
-                        help="seconds one section's process may run unless it sets its own (default 360); the budget left caps it")
+                        help="seconds one section's process may run unless it sets its own (default 360); "
+                             "the budget left caps it")
     parser.add_argument("--worker", choices=[*names, "write_probe"], help=argparse.SUPPRESS)  # one section, inside its process
     parser.add_argument("--seconds", type=float, default=360.0, help=argparse.SUPPRESS)  # the worker's time limit
     args = parser.parse_args(argv)
@@ -606,14 +612,16 @@ def verdict(report: dict[str, Any]) -> str:
     if kernel and report["device"].startswith("cuda"):  # the kernel the cache runs, not the best-looking one
         row = decode["kernels"].get(kernel, {})
         if "vmm_over_dense" in row:
-            line += f"; decode over VMM pages costs {row['vmm_over_dense']:.2f}x dense with {kernel}, the cache's kernel (1.00 = free)"
+            line += (f"; decode over VMM pages costs {row['vmm_over_dense']:.2f}x dense with {kernel}, "
+                     "the cache's kernel (1.00 = free)")
         else:
             line += f"; the cache's kernel {kernel} was not timed ({row.get('skipped', 'not in --kernels')})"
     addressing = sections.get("vllm_addressing", {}).get("result")
     if addressing:
         over_stock = addressing["summary"]["contiguous_over_stock"]
         line += (f"; inside vLLM contiguous mode ({', '.join(addressing['summary']['contiguous_kernels'])}) runs at "
-                 f"{statistics.median(over_stock):.2f}x stock output tokens/s (rounds {min(over_stock):.2f}-{max(over_stock):.2f})")
+                 f"{statistics.median(over_stock):.2f}x stock output tokens/s "
+                 f"(rounds {min(over_stock):.2f}-{max(over_stock):.2f})")
     return line + "."
 
 

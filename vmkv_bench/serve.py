@@ -19,7 +19,8 @@ from vmkv.server.cli import GRAPHS
 from . import common
 
 NAME = "serve"
-DESCRIPTION = "serving engine (in-process): tokens/s, TTFT/TPOT p50/p99 vs concurrency and request rate, capacity per budget; VMM vs paged"
+DESCRIPTION = ("serving engine (in-process): tokens/s, TTFT/TPOT p50/p99 vs concurrency and request rate, "
+               "capacity per budget; VMM vs paged")
 
 SCHEMA = {
     "experiment": "concurrency (closed loop), rate (open loop, Poisson) or capacity (all at once, fixed budget)",
@@ -47,7 +48,8 @@ SCHEMA = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", nargs="+", default=["vmm", "paged"], choices=["vmm", "paged"])
     parser.add_argument("--concurrency", type=int, nargs="+", default=None, help="closed-loop levels (default 1 4 16; smoke 1 4)")
-    parser.add_argument("--rates", type=float, nargs="+", default=None, help="open-loop req/s, inf allowed (default 4 16 inf; smoke 32 inf)")
+    parser.add_argument("--rates", type=float, nargs="+", default=None, help="open-loop req/s, inf allowed "
+                        "(default 4 16 inf; smoke 32 inf)")
     parser.add_argument("--requests", type=int, default=None, help="requests per run (default 32; smoke 8)")
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 64; smoke 24)")
     parser.add_argument("--output-len", type=int, default=None, help="output tokens (default 32; smoke 8)")
@@ -193,7 +195,8 @@ def run_open_loop(engine: Engine, prompts: list[list[int]], params: SamplingPara
     return recorder.row(time.monotonic() - start, time.process_time() - cpu)
 
 
-def _row(experiment: str, mode: str, engine: Engine, measured: dict[str, Any], concurrency: int = 0, rate: float = 0.0) -> dict[str, Any]:
+def _row(experiment: str, mode: str, engine: Engine, measured: dict[str, Any], concurrency: int = 0,
+         rate: float = 0.0) -> dict[str, Any]:
     stats = engine.stats()
     return {"experiment": experiment, "mode": mode, "tokens_per_page": stats["cache"]["tokens_per_page"],
             "concurrency": concurrency, "rate": rate, **measured, "preemptions": stats["engine"]["preemptions"]}
@@ -359,7 +362,8 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[str]:
     names = [f"{r['mode']}\n{r['tokens_per_page']} tok/page" for r in cap]
     bars = axes[2].bar(names, [r["mean_running"] for r in cap], color=[colors.get(r["mode"], "grey") for r in cap], alpha=0.75,
                        label="mean running")
-    axes[2].plot(names, [r["peak_running"] for r in cap], "k_", markersize=22, markeredgewidth=2, linestyle="none", label="peak running")
+    axes[2].plot(names, [r["peak_running"] for r in cap], "k_", markersize=22, markeredgewidth=2, linestyle="none",
+                 label="peak running")
     for bar, r in zip(bars, cap):
         axes[2].annotate(f"{r['preemptions']} preempted", (bar.get_x() + bar.get_width() / 2, bar.get_height() / 2),
                          ha="center", fontsize=8, color="white")

@@ -62,7 +62,9 @@ DEFAULT_REQUESTS = {("sharegpt", "parallel"): 12, ("alpaca", "parallel"): 30, ("
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--traces", nargs="+", default=None, choices=sorted(common.TRACES), help="default: both; smoke: alpaca")
-    parser.add_argument("--requests", type=int, default=None, help="requests per (trace, scenario) (default: parallel 12 ShareGPT-like / 30 Alpaca-like, beam 2 / 6; smoke 1)")
+    parser.add_argument("--requests", type=int, default=None,
+                        help="requests per (trace, scenario) (default: parallel 12 ShareGPT-like / 30 Alpaca-like, "
+                             "beam 2 / 6; smoke 1)")
     parser.add_argument("--widths", type=int, nargs="+", default=None, help="n and beam widths (default 2 4 6; smoke 2)")
     parser.add_argument("--allocators", nargs="+", default=None, choices=[a.label for a in ALLOCATORS],
                         help=f"default {' '.join(DEFAULT_ALLOCATORS['cpu'])} on CPU, {' '.join(DEFAULT_ALLOCATORS['cuda'])} "
@@ -146,7 +148,8 @@ def _beam(run: _Run, rng: random.Random, *, prompt: int, steps: int, width: int)
         run.step(beams)
 
 
-def _measure(allocator: Allocator, args: argparse.Namespace, scenario: Callable[[_Run, random.Random], None], width: int, seed: int) -> dict[str, Any]:
+def _measure(allocator: Allocator, args: argparse.Namespace, scenario: Callable[[_Run, random.Random], None], width: int,
+             seed: int) -> dict[str, Any]:
     """Run ``scenario`` shared and unshared with the same seed; return page sums and copies."""
     result = {}
     config = _config(allocator, args, width)
@@ -155,7 +158,8 @@ def _measure(allocator: Allocator, args: argparse.Namespace, scenario: Callable[
             run = _Run(cache, shared)
             scenario(run, random.Random(seed))
             run.close()
-            result[shared] = (run.page_steps, run.peak, cache.stats()["cow_copies"], cache.tokens_per_page, common.geometry(cache))
+            result[shared] = (run.page_steps, run.peak, cache.stats()["cow_copies"], cache.tokens_per_page,
+                              common.geometry(cache))
     return result
 
 

@@ -92,7 +92,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return common.make_result(NAME, SCHEMA, rows, _summary(rows, kv_bytes), series=series, config=config)
 
 
-def _run_trace(args: argparse.Namespace, model: Path, kv_bytes: int) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+def _run_trace(args: argparse.Namespace, model: Path,
+               kv_bytes: int) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
     """The trace through both in-process engines, interleaved: ``(rows, series, config)``."""
     from vllm import SamplingParams
 
@@ -191,7 +192,8 @@ def verdicts(result: dict[str, Any]) -> list[common.Verdict]:
         key="vllm.kv_memory", question="KV memory held by vmkv, share of stock vLLM's buffer (mean over the trace)",
         result=common.number_text(mean, "%"), spread=f"peak {common.number_text(peak, '%')}",
         winner=winner, side=side, value=mean, high=peak,
-        note=f"worker RSS {abs(summary['rss_saved_bytes']) / 2**20:.0f} MiB {'below' if summary['rss_saved_bytes'] >= 0 else 'above'} stock")
+        note=f"worker RSS {abs(summary['rss_saved_bytes']) / 2**20:.0f} MiB "
+             f"{'below' if summary['rss_saved_bytes'] >= 0 else 'above'} stock")
     return [cost, memory]
 
 

@@ -45,8 +45,8 @@ def environment_section(ctx: Context) -> dict[str, Any]:
         from vmkv.vm.cuda import CudaVirtualMemory, cuda_granularity
 
         props = torch.cuda.get_device_properties(device)
-        env["gpu"] = {"name": props.name, "capability": f"{props.major}.{props.minor}", "memory_GiB": round(props.total_memory / 2**30, 1),
-                      "multiprocessors": props.multi_processor_count}
+        env["gpu"] = {"name": props.name, "capability": f"{props.major}.{props.minor}",
+                      "memory_GiB": round(props.total_memory / 2**30, 1), "multiprocessors": props.multi_processor_count}
         env["vmm_granularity_bytes"] = cuda_granularity(device)
         with CudaVirtualMemory(env["vmm_granularity_bytes"], 1, device=device) as probe:
             env["zero_page_read_only"] = probe.zero_page_read_only  # False: the device refused PROT_READ
@@ -68,7 +68,8 @@ def tests_section(ctx: Context) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *ctx.options.tests, "-k", "not gpu_check"]
     done = run_process(cmd, min(ctx.options.test_timeout, ctx.seconds_left() - 10))
     summary = [line for line in done.output.splitlines() if re.search(r"\d+ (passed|failed|error)", line)]
-    counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", summary[-1] if summary else "")}
+    counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)",
+                                                      summary[-1] if summary else "")}
     return {"failures": [] if done.returncode == 0 else [f"pytest {done.ended}: {counts}"], "command": " ".join(cmd),
             "returncode": done.returncode, "counts": counts, "seconds": round(done.seconds, 1),
             "output_tail": done.output[-4000:]}

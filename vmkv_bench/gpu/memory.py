@@ -181,5 +181,6 @@ def shared_budget_headline(result: dict[str, Any]) -> str:
     if overhead is None:
         return f"stores peak {result['resident_after_second'] / MiB:.2f} MiB for a {budget:.2f} MiB budget"
     return (f"device +{result['device_bytes_used'] / MiB:.0f} MiB for a {budget:.0f} MiB budget "
-            f"(+{overhead['zero_pages_bytes'] / MiB:.0f} zero pages, +{overhead['driver_beyond_stores_bytes'] / MiB:.0f} driver); "
+            f"(+{overhead['zero_pages_bytes'] / MiB:.0f} zero pages, "
+            f"+{overhead['driver_beyond_stores_bytes'] / MiB:.0f} driver); "
             f"context grew {overhead['context_growth_bytes'] / MiB:.0f} MiB in the warm-up")

@@ -231,7 +231,8 @@ def _time_map_free(space: SlotSpace, rounds: int = 3) -> dict[str, Any]:
     """``SlotSpace.map`` and ``free`` of every slot full, microseconds per block."""
     blocks = space.max_slots * space.max_blocks
     others = space.write_views[0].shape[0] - 1  # every block but vLLM's null block 0
-    full = [(slot, j, 1 + (slot * space.max_blocks + j) % others) for slot in range(space.max_slots) for j in range(space.max_blocks)]
+    full = [(slot, j, 1 + (slot * space.max_blocks + j) % others)
+            for slot in range(space.max_slots) for j in range(space.max_blocks)]
     map_ns, free_ns = [], []
     for _ in range(rounds):
         began = time.perf_counter_ns()

@@ -187,7 +187,8 @@ def addressing_failures(rows: list[dict[str, Any]]) -> list[str]:
     why = []
     for row in rows:
         if row["engine"] == "paged" and not row["tokens_identical"]:
-            why.append(f"round {row['round']}: the paged backing's tokens differ from stock's at position {row['first_divergence']}")
+            why.append(f"round {row['round']}: the paged backing's tokens differ from stock's "
+                       f"at position {row['first_divergence']}")
         if row["engine"] == "contiguous" and row["first_divergence"] == 0:
             why.append(f"round {row['round']}: contiguous mode's first token differs from stock's")
     return why
@@ -196,7 +197,8 @@ def addressing_failures(rows: list[dict[str, Any]]) -> list[str]:
 def vllm_headline(result: dict[str, Any]) -> str:
     """Whether vLLM + vmkv gave stock vLLM's tokens, and its peak KV mapping."""
     peak, buffer = result.get("kv_peak_mapped_bytes"), result.get("kv_buffer_bytes")
-    mapped = f", KV mapped at peak {peak / MiB:.0f} of {buffer / MiB:.0f} MiB" if isinstance(peak, int) and isinstance(buffer, int) else ""
+    mapped = (f", KV mapped at peak {peak / MiB:.0f} of {buffer / MiB:.0f} MiB"
+              if isinstance(peak, int) and isinstance(buffer, int) else "")
     return f"tokens identical to stock: {result.get('tokens_identical')}{mapped}"
 
 
