@@ -39,10 +39,12 @@ def info_lines() -> list[str]:
 
     from .vm import HostVirtualMemory
 
-    lines = [f"vmkv {vmkv.__version__}  python {platform.python_version()}  torch {torch.__version__}  ({platform.platform()})", ""]
+    lines = [f"vmkv {vmkv.__version__}  python {platform.python_version()}  torch {torch.__version__}  "
+             f"({platform.platform()})", ""]
     lines.append("Virtual-memory backends")
     _, why = attempt(lambda: HostVirtualMemory(mmap.PAGESIZE, 1).close())
-    lines.append(f"  host  {'available' if why == '' else 'unavailable: ' + why}; granularity {mmap.PAGESIZE} B (Linux mmap + memfd)")
+    lines.append(f"  host  {'available' if why == '' else 'unavailable: ' + why}; "
+                 f"granularity {mmap.PAGESIZE} B (Linux mmap + memfd)")
     cuda_gran, cuda_why = attempt(_cuda_granularity)
     if cuda_why:
         lines.append(f"  cuda  unavailable: {cuda_why}")
@@ -78,11 +80,16 @@ def _kernel_lines() -> list[str]:
     where = "this GPU"
     if gpu.capability is None:
         gpu, where = MachineFacts.assumed_gpu(), "an sm80+ GPU with this machine's packages"
-    cases = (("VMM mode (slots)", "cpu, float32, head_dim 128", KernelSpec("slots", torch.device("cpu"), torch.float32, 8, 128), None),
-             ("VMM mode (slots)", f"cuda ({where}), float16, head_dim 128", KernelSpec("slots", cuda, torch.float16, 8, 128), gpu),
-             ("paged mode (blocks)", "cpu, float32, block 16", KernelSpec("blocks", torch.device("cpu"), torch.float32, 8, 128, 16), None),
-             ("paged mode (blocks)", f"cuda ({where}), float16, block 16", KernelSpec("blocks", cuda, torch.float16, 8, 128, 16), gpu),
-             ("paged mode (blocks)", f"cuda ({where}), float16, block 256", KernelSpec("blocks", cuda, torch.float16, 8, 128, 256), gpu))
+    cases = (("VMM mode (slots)", "cpu, float32, head_dim 128",
+              KernelSpec("slots", torch.device("cpu"), torch.float32, 8, 128), None),
+             ("VMM mode (slots)", f"cuda ({where}), float16, head_dim 128",
+              KernelSpec("slots", cuda, torch.float16, 8, 128), gpu),
+             ("paged mode (blocks)", "cpu, float32, block 16",
+              KernelSpec("blocks", torch.device("cpu"), torch.float32, 8, 128, 16), None),
+             ("paged mode (blocks)", f"cuda ({where}), float16, block 16",
+              KernelSpec("blocks", cuda, torch.float16, 8, 128, 16), gpu),
+             ("paged mode (blocks)", f"cuda ({where}), float16, block 256",
+              KernelSpec("blocks", cuda, torch.float16, 8, 128, 256), gpu))
     lines = []
     for mode, case, spec, facts in cases:
         lines.append(f"  {mode}, {case}:")
@@ -175,7 +182,8 @@ def build_parser(commands: dict[str, importlib.metadata.EntryPoint] | None = Non
     import vmkv
 
     commands = contributed_commands() if commands is None else commands
-    parser = argparse.ArgumentParser(prog="vmkv", description="KV-cache memory managed like virtual memory: info, benchmarks, server")
+    parser = argparse.ArgumentParser(prog="vmkv",
+                                     description="KV-cache memory managed like virtual memory: info, benchmarks, server")
     parser.add_argument("--version", action="version", version=f"vmkv {vmkv.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_SubcommandParser)
     sub.add_parser("info", help="backends, page granularity, kernels per mode and why")

@@ -69,7 +69,8 @@ class DecodeFastPath:
     def restore(self, state: tuple) -> None:
         self.plan, self.seqs, self._room = state
 
-    def next_plan(self, batch: Any, version: int, parse: Callable[[Any], list[Step]]) -> tuple[StepPlan | None, list[Step] | None]:
+    def next_plan(self, batch: Any, version: int,
+                  parse: Callable[[Any], list[Step]]) -> tuple[StepPlan | None, list[Step] | None]:
         """``(plan, steps)``: the last plan one token further, or ``(None, steps)`` for the full path.
         ``steps`` is ``parse(batch)`` where this had to validate the batch, else ``None``. Applies when
         ``batch`` names the last decode plan's sequences in order, one token each, the version is

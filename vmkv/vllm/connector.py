@@ -74,7 +74,8 @@ class VmkvConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return False, None
 
-    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         return False, None
 
     def has_pending_push_work(self) -> bool:

@@ -87,7 +87,8 @@ class KVLayout:
 
     def __init__(self, segments: Iterable[Segment], num_blocks: int, buffer_bytes: int, page_size: int) -> None:
         if num_blocks <= 0 or buffer_bytes <= 0 or page_size <= 0:
-            raise InvalidConfig(f"KV layout: blocks {num_blocks}, buffer {buffer_bytes} B and page {page_size} B must be positive")
+            raise InvalidConfig(f"KV layout: blocks {num_blocks}, buffer {buffer_bytes} B and page {page_size} B "
+                                "must be positive")
         self.segments = normalize(segments)
         if not self.segments:
             raise InvalidConfig("KV layout: no KV views to place")
@@ -190,7 +191,8 @@ def check_supported(kv_cache_config: Any) -> None:
         raise InvalidConfig("vmkv's vLLM plugin does not support models whose new KV blocks vLLM must zero "
                             "(Mamba/linear-attention layers or mixed KV precisions)")
     for group in kv_cache_config.kv_cache_groups:
-        specs = group.kv_cache_spec.kv_cache_specs.values() if isinstance(group.kv_cache_spec, UniformTypeKVCacheSpecs) else [group.kv_cache_spec]
+        specs = (group.kv_cache_spec.kv_cache_specs.values() if isinstance(group.kv_cache_spec, UniformTypeKVCacheSpecs)
+                 else [group.kv_cache_spec])
         for spec in specs:
             if group.host_resident or not isinstance(spec, AttentionSpec) or not spec.has_layer_views:
                 raise InvalidConfig(f"vmkv's vLLM plugin supports device-resident attention KV only, not {type(spec).__name__}"

@@ -44,7 +44,8 @@ class VmkvPromMetrics(KVConnectorPromMetrics):
             metric = cls(name=name, documentation=doc, labelnames=labelnames)
             return {idx: metric.labels(*values) for idx, values in per_engine_labelvalues.items()}
 
-        self._resident = per_engine(self._gauge_cls, "vllm:vmkv_kv_resident_bytes", "Bytes of memory behind vmkv's KV page stores")
+        self._resident = per_engine(self._gauge_cls, "vllm:vmkv_kv_resident_bytes",
+                                    "Bytes of memory behind vmkv's KV page stores")
         self._mapped = per_engine(self._gauge_cls, "vllm:vmkv_kv_mapped_pages", "KV buffer pages mapped by vmkv")
         self._maps = per_engine(self._counter_cls, "vllm:vmkv_kv_page_maps", "KV buffer pages mapped, cumulative")
         self._unmaps = per_engine(self._counter_cls, "vllm:vmkv_kv_page_unmaps", "KV buffer pages unmapped, cumulative")

@@ -336,7 +336,8 @@ class _Reservation:
                 for addr in self.pages():
                     if addr not in self.holes:
                         self.context.attempt(driver.cuMemUnmap(addr, self.page_size), f"cuMemUnmap at {addr:#x}", errors)
-                self.context.attempt(driver.cuMemAddressFree(self.addr, self.nbytes), f"cuMemAddressFree at {self.addr:#x}", errors)
+                self.context.attempt(driver.cuMemAddressFree(self.addr, self.nbytes),
+                                     f"cuMemAddressFree at {self.addr:#x}", errors)
         except BackendError as exc:  # the context could not be made current: nothing could be given back
             errors.append(str(exc))
         self.context.release(errors)
@@ -568,10 +569,12 @@ class CudaVirtualMemory(VirtualMemory):
                 for addr in res.pages():
                     self._call(driver.cuMemMap(addr, self.page_size, 0, self._zero, 0), f"cuMemMap (zero page) at {addr:#x}")
                     res.holes.discard(addr)
-                self._call(driver.cuMemSetAccess(res.addr, nbytes, self._empty_access, 1), f"cuMemSetAccess (zero page) at {res.addr:#x}")
+                self._call(driver.cuMemSetAccess(res.addr, nbytes, self._empty_access, 1),
+                           f"cuMemSetAccess (zero page) at {res.addr:#x}")
             except BackendError as exc:
                 errors = res.free()
-                raise BackendError(f"{exc}" + (f"; giving the range back failed too: {_summary(errors)}" if errors else "")) from None
+                raise BackendError(f"{exc}" + (f"; giving the range back failed too: {_summary(errors)}"
+                                               if errors else "")) from None
         self._reservations[res.addr] = res
         bisect.insort(self._bases, res.addr)
         return res.addr
@@ -601,7 +604,8 @@ class CudaVirtualMemory(VirtualMemory):
                         self._map_in(res, page_addr, page)
                     except BackendError as failed:
                         undo.append(str(failed))
-                raise BackendError(f"{exc}" + (f"; putting the pages back failed too: {_summary(undo)}" if undo else "")) from None
+                raise BackendError(f"{exc}" + (f"; putting the pages back failed too: {_summary(undo)}"
+                                               if undo else "")) from None
         del self._reservations[addr]
         self._bases.remove(addr)
 
@@ -793,7 +797,8 @@ class CudaVirtualMemory(VirtualMemory):
                         except BackendError as exc:  # that page keeps its data until the range is freed
                             errors.append(str(exc))
                 zero = [] if self._zero is None else [self._zero]
-                for handle in zero + [h for h in self._handles if h is not None]:  # still-mapped handles are freed with their last mapping
+                # still-mapped handles are freed with their last mapping
+                for handle in zero + [h for h in self._handles if h is not None]:
                     self._context.attempt(driver.cuMemRelease(handle), "cuMemRelease", errors)
         except BackendError as exc:  # the context could not be made current
             errors.append(str(exc))

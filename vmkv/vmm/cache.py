@@ -201,7 +201,8 @@ class VirtualKVCache(KVCacheBase):
         views = self._slot_views
         if views is None or views[0] != plan.slots:
             rows = slot_slice(plan.slots)
-            layers = None if rows is None else [(k.transpose(1, 2)[rows], v.transpose(1, 2)[rows]) for k, v in zip(self._k, self._v)]
+            layers = None if rows is None else [(k.transpose(1, 2)[rows], v.transpose(1, 2)[rows])
+                                                for k, v in zip(self._k, self._v)]
             views = self._slot_views = (plan.slots, layers)
         shape = (plan.batch_size, self.config.num_kv_heads, plan.q_lens[0], self.config.head_dim)
         return plan, shape, views[1], plan.kv_lens[0]

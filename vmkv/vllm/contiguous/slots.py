@@ -435,9 +435,9 @@ class SlotSpace:
 
     def stats(self) -> dict[str, Any]:
         """Slot counters (``kernel_seconds``: time in the attention kernel; ``mode_seconds``: in the
-        mode's step metadata and K/V writes, :meth:`record_mode_work`): slots in use, blocks mapped into slots (all layers count once),
-        distinct blocks among them, blocks mapped/unmapped (per layer), slots freed, the kernels called (name ->
-        calls) and calls that read anything but slots (``foreign_calls``, always 0)."""
+        mode's step metadata and K/V writes, :meth:`record_mode_work`): slots in use, blocks mapped into slots
+        (all layers count once), distinct blocks among them, blocks mapped/unmapped (per layer), slots freed,
+        the kernels called (name -> calls) and calls that read anything but slots (``foreign_calls``, always 0)."""
         mapped = int((self._tables >= 0).sum())
         distinct = len(np.unique(self._tables[self._tables >= 0]))
         return {"slots_in_use": sum(1 for n in self._lengths if n), "slot_blocks_mapped": mapped,
