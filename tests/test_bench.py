@@ -253,7 +253,8 @@ def _generate_result(same: dict[str, bool], beam_same: dict[str, bool] | None = 
         for cache, ok in checks.items():
             rows.append({"model": "small", "workload": workload, "batch": batch, "cache": cache, "new_tokens": 4,
                          "kv_peak_bytes": 2**20 if cache != "dynamic" else 2**21, "same_tokens_as_dynamic": ok})
-        samples[f"small/{workload}/b{batch}/4"] = {cache: [1.0, 1.1, 1.2] if cache == "vmm" else [2.0, 2.1, 2.2] for cache in checks}
+        samples[f"small/{workload}/b{batch}/4"] = {cache: [1.0, 1.1, 1.2] if cache == "vmm" else [2.0, 2.1, 2.2]
+                                                   for cache in checks}
     return {"rows": rows, "samples": samples, "summary": {"failed": {}}, "config": {"caches": list(same)}}
 
 
@@ -270,7 +271,8 @@ def test_generate_verdicts_name_a_cache_with_other_tokens():
     verdicts = {v.key: v for v in generate.verdicts(_generate_result({**fine, "static": False}, {**fine, "vmm": False}))}
     assert verdicts["generate.small.vs_dynamic"].reliable and not verdicts["generate.small.vs_static"].reliable
     assert verdicts["generate.small.vs_static"].note == "static generated other tokens than DynamicCache"
-    assert not verdicts["generate.small.beam_kv"].reliable and "vmm generated other tokens" in verdicts["generate.small.beam_kv"].note
+    assert (not verdicts["generate.small.beam_kv"].reliable
+            and "vmm generated other tokens" in verdicts["generate.small.beam_kv"].note)
     failed = _generate_result(fine)
     failed["summary"]["failed"] = {"vmm+vmkv": "RuntimeError: boom"}
     assert {v.note for v in generate.verdicts(failed)} == {"vmm+vmkv failed: RuntimeError: boom"}
@@ -282,7 +284,8 @@ def test_generate_bound_verdicts_say_what_bookkeeping_costs_and_what_the_target_
     result = _generate_result({"dynamic": True, "vmm": True, "bound": True})
     result["samples"]["small/greedy/b2/4"]["bound"] = [0.9, 1.0, 1.05]  # vmm: 1.0, 1.1, 1.2; dynamic: 2.0-2.2
     verdicts = {v.key: v for v in generate.verdicts(result)}
-    assert verdicts["generate.small.vs_bound"].side == "bound" and verdicts["generate.small.vs_bound"].value == pytest.approx(0.9)  # median of 0.9, 0.91, 0.875
+    assert (verdicts["generate.small.vs_bound"].side == "bound"
+            and verdicts["generate.small.vs_bound"].value == pytest.approx(0.9))  # median of 0.9, 0.91, 0.875
     assert verdicts["generate.small.bound_vs_dynamic"].side == "bound"
     assert verdicts["generate.small.vs_dynamic"].agrees  # target met: the bound is not quoted
     result["samples"]["small/greedy/b2/4"]["dynamic"] = [0.95, 1.0, 1.1]  # now DynamicCache is ahead of vmm
@@ -346,7 +349,8 @@ def test_generate_compile_verdicts_of_the_vmkv_attention_compare_it_with_its_eag
     times = result["samples"]["small/greedy/b2/4"]
     times["vmm+vmkv"], times["vmm+compile+vmkv"], times["static+compile"] = [1.0, 1.1, 1.2], [0.5, 0.55, 0.6], [1.0, 1.1, 1.2]
     verdicts = {v.key: v for v in generate.verdicts(result)}
-    eager, static = verdicts["generate.small.compiled_vmm_vmkv_vs_vmm_vmkv"], verdicts["generate.small.compiled_vmm_vmkv_vs_static_compile"]
+    eager, static = (verdicts["generate.small.compiled_vmm_vmkv_vs_vmm_vmkv"],
+                     verdicts["generate.small.compiled_vmm_vmkv_vs_static_compile"])
     assert eager.agrees and static.agrees and eager.side == "vmm+compile+vmkv" and eager.reference == "target >= 0.95x"
     assert "generate.small.compiled_vs_vmm" not in verdicts  # no vmm+compile in this run
 
@@ -507,7 +511,8 @@ def test_mapping_share_value_and_range_come_from_one_estimator():
     demand[2][0] += 0.3
     totals = [[10.0] * 3 for _ in range(3)]
     share = _share({"premapped": base, "on_demand": demand}, totals, "on_demand")
-    assert share.value == pytest.approx(1.4 / 30) and share.low == pytest.approx(1.3 / 30) and share.high == pytest.approx(1.6 / 30)
+    assert (share.value == pytest.approx(1.4 / 30) and share.low == pytest.approx(1.3 / 30)
+            and share.high == pytest.approx(1.6 / 30))
     demand[0] = [x + 0.5 for x in demand[0]]  # a round slower for both: each round is paired with its own baseline
     base[0] = [x + 0.5 for x in base[0]]
     assert _share({"premapped": base, "on_demand": demand}, totals, "on_demand").value == pytest.approx(1.4 / 30)
@@ -588,7 +593,8 @@ def test_sharing_verdict_compares_the_default_pages_with_paged_and_shows_the_res
     rows = smoke_results["sharing"]["rows"]
     default = next(r for r in rows if r["allocator"] == sharing.DEFAULT_VMM)
     for verdict in sharing.verdicts(smoke_results["sharing"]):
-        assert verdict.result.startswith(f"VMM default ({default['tokens_per_page']}-tok pages, {default['geometry'].split(',')[0]})")
+        assert verdict.result.startswith(f"VMM default ({default['tokens_per_page']}-tok pages, "
+                                         f"{default['geometry'].split(',')[0]})")
         assert ", paged " in verdict.result and "1024-tok" not in verdict.result  # the alternatives go to the note
         assert verdict.note.startswith("alternatives: ") and "VMM 1024-tok pages" in verdict.note
         assert verdict.side in (sharing.DEFAULT_VMM, "paged-b16", "tie")
@@ -867,7 +873,8 @@ def test_cli_unknown_benchmark_and_unavailable_device(tmp_path, capsys):
 
 
 def test_vmkv_command_runs_as_a_process_and_lists_module_options():
-    done = subprocess.run([sys.executable, "-m", "vmkv.cli", "bench", "decode", "--help"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "vmkv.cli", "bench", "decode", "--help"],
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "--batches" in done.stdout and "--smoke" in done.stdout and "--kernels" in done.stdout
 
 
@@ -896,7 +903,8 @@ def test_the_library_does_not_import_the_benchmarks():
 
     for path in sorted((ROOT / "vmkv").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(name == "vmkv_bench" or name.startswith("vmkv_bench.") for name in names), f"{path} imports {names}"
     declared = cli.checkout_commands(ROOT / "pyproject.toml")
     assert declared["bench"].value == "vmkv_bench.runner" and declared["bench"].load() is runner
@@ -980,11 +988,13 @@ def test_refusals_name_what_the_device_refuses():
     _, args = _resolved("mapping", "cuda", options=["--decode-page-sizes", "4KiB", "--page-sizes", "64KiB", "2MiB"])
     refused = mapping.refusals(args, CUDA_GRANULARITY)
     assert set(refused) == {"map/unmap 64KiB pages", "decode-share 4KiB pages (all_layers, llama3-8b)"}
-    assert "must be a multiple of the backend granularity (2097152 B)" in refused["decode-share 4KiB pages (all_layers, llama3-8b)"]
+    assert ("must be a multiple of the backend granularity (2097152 B)"
+            in refused["decode-share 4KiB pages (all_layers, llama3-8b)"])
     _, args = _resolved("mapping", "cpu", options=["--decode-page-sizes", "4KiB", "--page-sizes", "64KiB", "2MiB"])
     assert mapping.refusals(args, 4096) == {}
     for name, options in (("decode", ["--page-size", "64KiB"]), ("sharing", ["--allocators", "vmm-per_layer-64KiB"]),
-                          ("serve", ["--vmm-page-size", "64KiB"]), ("memory", ["--page-sizes", "64KiB", "--allocators", "vmm-default"])):
+                          ("serve", ["--vmm-page-size", "64KiB"]),
+                          ("memory", ["--page-sizes", "64KiB", "--allocators", "vmm-default"])):
         module, args = _resolved(name, "cuda", options=options)
         refused = module.refusals(args, CUDA_GRANULARITY)
         if name == "memory":  # the layout x page size sweep is reported as skipped, not needed
@@ -1013,7 +1023,8 @@ def test_cuda_presets_measure_what_a_cuda_user_gets():
     cpu, _ = sharing._settings(_resolved("sharing", "cpu")[1])  # the CUDA preset's shorter max_seq_len replays the same requests
     assert settings.max_seq_len < cpu.max_seq_len
     for seed, count in ((settings.seed, settings.requests), (settings.seed + 1, settings.requests * max(widths))):
-        assert common.make_trace("alpaca", count, seed, settings.max_seq_len) == common.make_trace("alpaca", count, seed, cpu.max_seq_len)
+        assert (common.make_trace("alpaca", count, seed, settings.max_seq_len)
+                == common.make_trace("alpaca", count, seed, cpu.max_seq_len))
 
 
 def test_a_refused_option_stops_the_run_before_anything_runs_or_is_written(monkeypatch, tmp_path, capsys):

@@ -40,7 +40,8 @@ def test_masked_reference_reads_slots_and_block_tables_alike():
     slots = torch.tensor([2, 1, 0], dtype=torch.int32)
     for row, n in enumerate(LENS):
         k_slots[2 - row, :n], v_slots[2 - row, :n] = keys[row], values[row]
-    got = decode_attention(q, k_slots, v_slots, kv_lens, kernel="sdpa_masked", slots=slots, max_kv_len=16, out=torch.empty_like(q))
+    got = decode_attention(q, k_slots, v_slots, kv_lens, kernel="sdpa_masked", slots=slots, max_kv_len=16,
+                           out=torch.empty_like(q))
     torch.testing.assert_close(got, want)
     # blocks: each row's tokens in blocks scattered over a pool of noise; -1 past a row's blocks
     k_pool, v_pool = torch.randn(12, BLOCK, HKV, D, generator=gen), torch.randn(12, BLOCK, HKV, D, generator=gen)
@@ -53,7 +54,8 @@ def test_masked_reference_reads_slots_and_block_tables_alike():
             taken = min(BLOCK, n - page * BLOCK)
             k_pool[block, :taken] = keys[row][page * BLOCK : page * BLOCK + taken]
             v_pool[block, :taken] = values[row][page * BLOCK : page * BLOCK + taken]
-    got = decode_attention(q, k_pool, v_pool, kv_lens, kernel="sdpa_masked", block_table=table, max_kv_len=16, out=torch.empty_like(q))
+    got = decode_attention(q, k_pool, v_pool, kv_lens, kernel="sdpa_masked", block_table=table, max_kv_len=16,
+                           out=torch.empty_like(q))
     torch.testing.assert_close(got, want)
 
 
@@ -134,7 +136,8 @@ def test_a_bad_variant_is_refused_before_anything_is_written():
     k, v, where = _addressings(WINDOWED)[1]
     out = torch.full_like(q, 7.0)
     for error, variant in [(InvalidInput, {"window": -1}), (InvalidInput, {"softcap": float("nan")}),
-                           (InvalidShape, {"sinks": torch.zeros(HQ + 1)}), (InvalidDtype, {"sinks": torch.zeros(HQ, dtype=torch.float64)})]:
+                           (InvalidShape, {"sinks": torch.zeros(HQ + 1)}),
+                           (InvalidDtype, {"sinks": torch.zeros(HQ, dtype=torch.float64)})]:
         with pytest.raises(error):
             decode_attention(q, k, v, WINDOWED.plan.kv_lens_t, kernel="sdpa_masked", max_kv_len=64, out=out, **variant, **where)
         assert bool((out == 7.0).all())

@@ -338,7 +338,8 @@ def test_a_broken_flash_attn_is_reported_not_selected(broken_flash_attn, monkeyp
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(registry, "_LOGGED", set())
-    monkeypatch.setattr(triton_attention, "triton_available", lambda device=None: (False, "no triton (test)"))  # no GPU to build it
+    # no GPU to build it
+    monkeypatch.setattr(triton_attention, "triton_available", lambda device=None: (False, "no triton (test)"))
     with caplog.at_level(logging.INFO, logger="vmkv"):
         kernel = registry.make_kernel(registry.KernelSpec("slots", torch.device("cuda", 0), torch.bfloat16, 8, 128))
     assert kernel.name != "flash_attn_with_kvcache"

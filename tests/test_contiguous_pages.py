@@ -146,7 +146,8 @@ def test_pipeline_stages_get_one_block_size_valid_in_every_stage():
         assert p.page_bytes % GPU == 0 and p.pieces == 2 * shape.num_layers
     together = [plan(shape, GPU, stages=stages, layout="all_layers") for shape in stages]
     assert [p.block_size for p in together] == [1024] * 3 and [p.page_bytes for p in together] == [54 * MiB] * 2 + [52 * MiB]
-    with pytest.raises(InvalidConfig, match="on this pipeline stage, and the block must suit the other stages too.*multiple of 1024"):
+    with pytest.raises(InvalidConfig,
+                       match="on this pipeline stage, and the block must suit the other stages too.*multiple of 1024"):
         plan(stages[2], GPU, stages=stages, layout="all_layers", block_size=512)
 
 

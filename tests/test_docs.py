@@ -371,7 +371,8 @@ def test_a_failing_block_names_its_file_and_line(tmp_path: Path) -> None:
 
 
 def test_output_that_differs_from_the_page_fails(tmp_path: Path) -> None:
-    path = write_page(tmp_path, "```python\nprint({'pages': 3, 'util': 0.25})\n```\n```text output\n{'pages': 3, 'util': 0.079}\n```\n")
+    path = write_page(tmp_path, "```python\nprint({'pages': 3, 'util': 0.25})\n```\n"
+                                "```text output\n{'pages': 3, 'util': 0.079}\n```\n")
     results, _ = run_page_subprocess(path, tmp_path)
     assert results[0]["status"] == "failed" and "0.079" in results[0]["detail"]
     path = write_page(tmp_path, "```python\nprint({'pages': 3, 'util': 0.25})\n```\n```text output\n{'pages': 3, ...}\n```\n")

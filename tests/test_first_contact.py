@@ -99,7 +99,8 @@ print(json.dumps(results))
     assert result.returncode == 0, result.stderr
     for missing, status, listed, err in json.loads(result.stdout.splitlines()[-1]):
         assert status == 2 and listed == 0  # the registry needs no extra
-        assert err.strip() == f"vmkv bench needs the bench extra: pip install -e '.[bench]' (in a vmkv clone) (missing: {', '.join(missing)})"
+        assert err.strip() == ("vmkv bench needs the bench extra: pip install -e '.[bench]' (in a vmkv clone) "
+                               f"(missing: {', '.join(missing)})")
     assert not (tmp_path / "out").exists()  # nothing ran
 
 

@@ -59,7 +59,8 @@ def test_gpu_check_cpu_dry_run_runs_the_new_sections_each_in_its_own_process(tmp
     the main job's suite (one quick benchmark) pass; the summary names each with its headline;
     the last line is the verdict."""
     sections = ["zero_page", "shared_budget", "vllm_slots", "bench"]
-    run = run_process([sys.executable, SCRIPT, "--device", "cpu", "--smoke", "--out", str(tmp_path), "--sections", *sections], 300)
+    run = run_process([sys.executable, SCRIPT, "--device", "cpu", "--smoke", "--out", str(tmp_path),
+                       "--sections", *sections], 300)
     assert run.returncode == 0, run.output
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     entries = report["sections"]
@@ -85,7 +86,8 @@ def test_gpu_check_cpu_dry_run_of_the_cuda_graph_sections(tmp_path):
     the masked SDPA reference reads slots or block tables) and hf_compiled
     (generate() compiled over StaticCache and VirtualCache(compile=True), tiny) pass their dry run."""
     sections = ["engine_graphs", "hf_compiled"]
-    run = run_process([sys.executable, SCRIPT, "--device", "cpu", "--smoke", "--out", str(tmp_path), "--sections", *sections], 400)
+    run = run_process([sys.executable, SCRIPT, "--device", "cpu", "--smoke", "--out", str(tmp_path),
+                       "--sections", *sections], 400)
     assert run.returncode == 0, run.output
     entries = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]
     assert all(entries[name]["status"] == "passed" for name in sections), entries
@@ -154,7 +156,8 @@ def test_gpu_check_registry_fits_the_budget_with_room_for_more():
     without_vllm = sum(s.estimate_s for s in default if s.skip != "vmkv_bench.gpu.vllm_engine:vllm_unavailable")
     assert without_vllm + 30 <= runner.DEFAULT_BUDGET_S == 480
     assert runner.parse_args([]).sections == [s.name for s in default] and "hf_compiled" not in runner.parse_args([]).sections
-    assert names.index("bench") > max(names.index(n) for n in ("environment", "tests", "zero_page", "shared_budget", "vllm_slots"))
+    assert names.index("bench") > max(names.index(n)
+                                      for n in ("environment", "tests", "zero_page", "shared_budget", "vllm_slots"))
 
 
 def _passing_worker(tmp_path: Path, seen: list) -> object:
@@ -163,7 +166,8 @@ def _passing_worker(tmp_path: Path, seen: list) -> object:
         seen.append((name, seconds))
         entry = json.dumps({"status": "passed", "result": {"section": name}})
         path = runner.section_file(tmp_path, name)
-        return [sys.executable, "-c", f"import pathlib; p = pathlib.Path({str(path)!r}); p.parent.mkdir(exist_ok=True); p.write_text({entry!r})"]
+        return [sys.executable, "-c",
+                f"import pathlib; p = pathlib.Path({str(path)!r}); p.parent.mkdir(exist_ok=True); p.write_text({entry!r})"]
     return command
 
 
@@ -175,12 +179,14 @@ def test_gpu_check_skips_with_the_reason_what_does_not_fit_the_budget(tmp_path, 
     monkeypatch.setattr(runner, "worker_command", _passing_worker(tmp_path, seen))
     monkeypatch.setitem(runner.SECTIONS, "environment", dataclasses.replace(
         runner.SECTIONS["environment"], headline=lambda result: f"ran {result['section']}"))
-    code = runner.check_main(["--device", "cpu", "--out", str(tmp_path), "--sections", "environment", "bench", "zero_page", "--budget-s", "100"])
+    code = runner.check_main(["--device", "cpu", "--out", str(tmp_path), "--sections", "environment", "bench", "zero_page",
+                              "--budget-s", "100"])
     assert code == 0
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     skipped = report["sections"]["bench"]
     assert skipped["status"] == "skipped" and skipped["over_budget"] is True
-    assert skipped["reason"].startswith("over budget: needs ~215 s (estimate on an H200), ") and "of --budget-s 100" in skipped["reason"]
+    assert (skipped["reason"].startswith("over budget: needs ~215 s (estimate on an H200), ")
+            and "of --budget-s 100" in skipped["reason"])
     assert [name for name, _ in seen] == ["environment", "zero_page"] and all(seconds <= 100 for _, seconds in seen)
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1] == "gpu_check on cpu: 2 passed, 1 skipped (1 over budget)."
@@ -192,7 +198,8 @@ def test_gpu_check_skips_with_the_reason_what_does_not_fit_the_budget(tmp_path, 
     seen.clear()  # started 95 s ago: 5 s left, nothing fits
     code = runner.check_main(["--device", "cpu", "--out", str(tmp_path), "--sections", "environment", "--budget-s", "100"],
                        started=time.monotonic() - 95)
-    assert code == 0 and seen == [] and "over budget" in json.loads((tmp_path / "gpu_check.json").read_text())["sections"]["environment"]["reason"]
+    assert (code == 0 and seen == []
+            and "over budget" in json.loads((tmp_path / "gpu_check.json").read_text())["sections"]["environment"]["reason"])
     with pytest.raises(SystemExit):
         runner.parse_args(["--budget-s", "0"])
 
@@ -236,7 +243,8 @@ def test_gpu_check_isolates_a_crashing_section_and_fails_the_run(tmp_path, monke
     assert [report["sections"][s]["status"] for s in ("environment", "decode", "map_unmap")] == ["passed", "failed", "passed"]
     crash = report["sections"]["decode"]
     assert "killed by SIGABRT" in crash["error"] and "about to crash" in crash["output_tail"]
-    assert crash["first_errors"] == ["RuntimeError: the cause"] and "the cause" not in crash["output_tail"]  # frames pushed it out
+    assert (crash["first_errors"] == ["RuntimeError: the cause"]
+            and "the cause" not in crash["output_tail"])  # frames pushed it out
     assert list(seen[2]) == ["environment", "decode"]  # written before the third section started
     assert "1 FAILED: decode (the section's process killed by SIGABRT" in capsys.readouterr().out.strip().splitlines()[-1]
     timed_out = runner.collect([sys.executable, "-c", "import time; time.sleep(30)"], tmp_path / "never.json", timeout=0.5)
@@ -285,7 +293,8 @@ def test_gpu_check_decode_fails_a_kernel_off_the_reference(monkeypatch):
     result = core.decode_section(smoke(kernels=["sdpa_per_sequence", "test_off"]))
     assert result["tolerance"] == TOLERANCE["float32"]
     assert result["kernels"]["test_off"]["max_abs_err_vs_fp32_reference"] == pytest.approx(0.01, rel=1e-3)
-    assert len(result["failures"]) == 1 and result["failures"][0].startswith("test_off: max |output - fp32 reference| 0.01 > 0.0001")
+    assert (len(result["failures"]) == 1
+            and result["failures"][0].startswith("test_off: max |output - fp32 reference| 0.01 > 0.0001"))
     assert not core.decode_section(smoke(kernels=["sdpa_per_sequence"]))["failures"]
 
 
@@ -394,7 +403,8 @@ def test_gpu_check_verdict_headlines_the_caches_own_kernel():
     assert line.endswith("costs 1.02x dense with varlen_attn_seqused, the cache's kernel (1.00 = free).")
     kernels["varlen_attn_seqused"] = {"skipped": "needs flash"}
     assert "the cache's kernel varlen_attn_seqused was not timed (needs flash)" in runner.verdict(report)
-    assert core.decode_headline(report["sections"]["decode"]["result"]).startswith("the cache's kernel varlen_attn_seqused was not timed")
+    assert core.decode_headline(report["sections"]["decode"]["result"]).startswith(
+        "the cache's kernel varlen_attn_seqused was not timed")
 
 
 def test_gpu_check_bench_records_the_suites_exit_and_verdicts(tmp_path, monkeypatch):
@@ -418,7 +428,8 @@ def test_gpu_check_bench_records_the_suites_exit_and_verdicts(tmp_path, monkeypa
     assert runner.bench_headline(result).startswith("exit status 1: 1 of 2 benchmarks ok, 1 verdicts")
     monkeypatch.setattr(runner, "bench_command", lambda device, out, smoke: [sys.executable, "-c", "import time; time.sleep(30)"])
     slow = runner.bench_section(Context(torch.device("cuda"), False, tmp_path, deadline=time.monotonic() + 10.5))
-    assert slow["returncode"] is None and slow["failures"][0].startswith("vmkv bench timed out after") and slow["benchmarks"] == {}
+    assert (slow["returncode"] is None and slow["failures"][0].startswith("vmkv bench timed out after")
+            and slow["benchmarks"] == {})
 
 
 # ---- shared_budget: where the device memory goes ---------------------------------------------
@@ -486,7 +497,8 @@ def test_gpu_check_vllm_slots_on_the_fake_cuda_driver(fake_cuda_backends, fake, 
     from vmkv.vm.cuda import CudaVirtualMemory, cuda_granularity
 
     runtime = fake_cuda_backends.runtime
-    monkeypatch.setattr(slots, "open_backend", lambda device, page, pages: CudaVirtualMemory(page, pages, device="cuda:0", runtime=runtime))
+    monkeypatch.setattr(slots, "open_backend",
+                        lambda device, page, pages: CudaVirtualMemory(page, pages, device="cuda:0", runtime=runtime))
     monkeypatch.setattr(slots, "granularity", lambda device: cuda_granularity("cuda:0", runtime=runtime))
     result = slots.vllm_slots_section(smoke())
     assert result["failures"] == [] and result["backend"] == "cuda", result["checks"]

@@ -152,7 +152,8 @@ def test_beam_search_and_deep_copies_over_a_compileable_cache(request, model, mo
     "vmkv" attention) across reorders and forks."""
     ids, mask = batch(padded=attention == "vmkv")
     options = dict(do_sample=False, num_beams=3, max_new_tokens=10, pad_token_id=PAD)
-    static = model.generate(ids, attention_mask=mask, **{CACHE: StaticCache(config=model.config, max_cache_len=MAX_LEN)}, **options)
+    static = model.generate(ids, attention_mask=mask, **{CACHE: StaticCache(config=model.config, max_cache_len=MAX_LEN)},
+                            **options)
     ours = request.getfixturevalue("vmkv_model") if attention == "vmkv" else model
     cache = vhf.VirtualCache(mode, config=ours.config, max_seq_len=MAX_LEN, page_size=PAGE, compile=True,
                              max_batch_size=16)

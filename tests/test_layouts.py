@@ -109,7 +109,8 @@ def test_head_major_pages_cover_one_head_and_map_only_what_is_stored():
     cache = vmkv.VirtualKVCache(small_config(layout="head_major", page_size="4KiB"))
     try:
         assert cache.tokens_per_page == 4096 // (16 * 4)  # one head's tokens: head_dim 16 floats
-        assert cache.geometry.num_tensors == 2 * 2 * 2 == cache.config.kv_shape.pieces(cache.config.layout)  # layers x K/V x heads
+        # layers x K/V x heads
+        assert cache.geometry.num_tensors == 2 * 2 * 2 == cache.config.kv_shape.pieces(cache.config.layout)
         cache.add("a")
         n = cache.tokens_per_page + 1
         plan = cache.begin_step({"a": n})
@@ -159,7 +160,8 @@ def test_the_default_page_grows_to_fit_the_mapping_room():
 def test_an_explicit_page_size_keeps_the_per_layer_layout():
     config = resolve(vmkv.KVCacheConfig(num_layers=2, num_kv_heads=2, head_dim=16, page_size="4KiB"))
     assert config.layout == "per_layer" and config.page_size == 4096
-    assert default_pages(config.kv_shape, config.dtype, config.memory_budget, DeviceFacts("cpu", 4096), "head_major")[0] == "head_major"
+    assert default_pages(config.kv_shape, config.dtype, config.memory_budget, DeviceFacts("cpu", 4096),
+                         "head_major")[0] == "head_major"
     with pytest.raises(vmkv.InvalidConfig, match="layout must be one of"):
         vmkv.KVCacheConfig(num_layers=2, num_kv_heads=2, head_dim=16, layout="heads")
 

@@ -277,7 +277,8 @@ VARLEN = {"block_table", "seqused_k", "window_size", "enable_gqa"}
 def facts(flash_attn: bool = False, flashinfer: bool = False, varlen: set[str] = VARLEN, triton: bool = False,
           capability: tuple[int, int] = (9, 0)) -> MachineFacts:
     """A made-up GPU: which optional packages import, what torch's varlen op takes, whether Triton runs."""
-    missing = {name: f"{name} is not installed" for name, ok in (("flash_attn", flash_attn), ("flashinfer", flashinfer)) if not ok}
+    missing = {name: f"{name} is not installed"
+               for name, ok in (("flash_attn", flash_attn), ("flashinfer", flashinfer)) if not ok}
     return MachineFacts(capability, missing, True, frozenset(varlen), None if triton else "triton is not installed")
 
 

@@ -108,7 +108,8 @@ class CacheMachine(RuleBasedStateMachine):
         """An undoable step (a compiled step's eager point), some layers written, then cancelled:
         the cache is exactly as before it (lengths, token ids, pages, copies, mappings)."""
         ids = data.draw(st.lists(st.sampled_from(sorted(self.tokens)), min_size=1, max_size=4, unique=True))
-        batch = {s: data.draw(st.lists(st.integers(0, 9), min_size=1, max_size=min(6, CONFIG["max_seq_len"] - len(self.tokens[s]))))
+        batch = {s: data.draw(st.lists(st.integers(0, 9), min_size=1,
+                                       max_size=min(6, CONFIG["max_seq_len"] - len(self.tokens[s]))))
                  for s in ids if len(self.tokens[s]) < CONFIG["max_seq_len"]}
         if not batch:
             return

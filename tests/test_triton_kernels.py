@@ -43,7 +43,8 @@ import pytest
 import torch
 from helpers import variant_step
 
-pytest.importorskip("triton", reason="triton is not installed (it is in the test extra on Linux x86_64): the Triton kernels' tests need it")
+pytest.importorskip("triton", reason="triton is not installed (it is in the test extra on Linux x86_64): "
+                                     "the Triton kernels' tests need it")
 
 from vmkv.errors import BackendUnavailable, InvalidDevice, InvalidDtype, InvalidInput, InvalidShape, Unsupported  # noqa: E402
 from vmkv.kernels import triton_attention as ta  # noqa: E402
@@ -84,9 +85,11 @@ def test_kernels_in_interpreter():
     first import (rerun them with per-test results: TRITON_INTERPRET=1 python -m pytest
     tests/test_triton_kernels.py)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "VMKV_TRITON_CHILD": "1"}
-    command = [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-p", "no:cacheprovider", "--tb=short", "-rfE"]
+    command = [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-p", "no:cacheprovider",
+               "--tb=short", "-rfE"]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, f"the kernel tests failed in the interpreter:\n{result.stdout[-6000:]}\n{result.stderr[-2000:]}"
+    assert result.returncode == 0, (f"the kernel tests failed in the interpreter:\n{result.stdout[-6000:]}\n"
+                                    f"{result.stderr[-2000:]}")
 
 
 # ---- storage builders ---------------------------------------------------------------------------

@@ -866,10 +866,11 @@ def test_two_engines_in_one_ledger_move_idle_pages_and_keep_their_tokens(tmp_pat
     """Two vLLM engines with the plugin in one 8 MiB ledger (each would take 6 MiB for its burst):
     A bursts while B idles and gets more than half; B bursts and A's idle prefix-cached pages
     move to B (A idles: its watcher wakes its engine loop); B's engine is killed (SIGKILL) holding
-    them, and A's next burst takes them back. Tokens equal A's runs with the ledger to itself; both page stores together never hold more
-    than the budget (the kernel's count, sampled every 2 ms). The scenario waits for what is
-    asserted (the killed engine's exit, every request answered), never for a fixed time: a busy
-    machine only slows it (issue 37 item 7: B's killed engine once still held its ledger lock)."""
+    them, and A's next burst takes them back. Tokens equal A's runs with the ledger to itself; both
+    page stores together never hold more than the budget (the kernel's count, sampled every 2 ms).
+    The scenario waits for what is asserted (the killed engine's exit, every request answered),
+    never for a fixed time: a busy machine only slows it (issue 37 item 7: B's killed engine once
+    still held its ledger lock)."""
     run = run_scenarios(tmp_path_factory, ["ledger"])["ledger"]
     budget, half = scenarios.LEDGER_BUDGET, scenarios.LEDGER_BUDGET // 2
     a1, b, a2 = (run[phase]["members"] for phase in ("a1", "b", "a2"))

@@ -16,9 +16,9 @@ Scenarios (each writes its part of OUT.json):
 * ``tp2stock`` stock vLLM with tensor parallelism 2.
 * ``ledger``   two vmkv engines in one host-wide ledger smaller than what both take alone
                (:data:`LEDGER_BUDGET`): A bursts while B idles, then B; B's engine is killed
-               (SIGKILL) holding pages and A bursts again; then A runs both bursts alone. Tokens, prefix hits and the ledger's members
-               after each phase, and the peak resident bytes of both page stores (sampled from
-               outside, the kernel's count).
+               (SIGKILL) holding pages and A bursts again; then A runs both bursts alone. Tokens,
+               prefix hits and the ledger's members after each phase, and the peak resident bytes
+               of both page stores (sampled from outside, the kernel's count).
 """
 
 from __future__ import annotations

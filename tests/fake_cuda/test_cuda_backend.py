@@ -99,7 +99,8 @@ def test_reserve_maps_the_zero_page_read_only_at_every_page(fake, runtime):
     fake.calls(clear=True)
     addr = vm.reserve(3 * PAGE)
     calls = fake.calls()
-    assert names(calls) == ["cuCtxGetCurrent", "cuDevicePrimaryCtxRetain", "cuMemAddressReserve"] + ["cuMemMap"] * 3 + ["cuMemSetAccess"]
+    assert names(calls) == (["cuCtxGetCurrent", "cuDevicePrimaryCtxRetain", "cuMemAddressReserve"]
+                            + ["cuMemMap"] * 3 + ["cuMemSetAccess"])
     assert all(f"handle={vm._zero:#x}" in c.args for c in calls if c.name == "cuMemMap")
     assert f"ptr={addr:#x}, size={3 * PAGE}, flags={READ}" in calls[-1].args  # one call for the whole range
     assert mappings(fake) == {addr + i * PAGE: (vm._zero, READ) for i in range(3)}
@@ -132,7 +133,8 @@ def test_a_thread_without_the_context_pushes_and_pops_it(fake, runtime):
     thread = threading.Thread(target=vm.map, args=(addr, 0))
     thread.start()
     thread.join()
-    assert names(fake.calls()) == ["cuCtxGetCurrent", "cuCtxPushCurrent", "cuMemUnmap", "cuMemMap", "cuMemSetAccess", "cuCtxPopCurrent"]
+    assert names(fake.calls()) == ["cuCtxGetCurrent", "cuCtxPushCurrent", "cuMemUnmap", "cuMemMap", "cuMemSetAccess",
+                                   "cuCtxPopCurrent"]
     vm.close()
 
 

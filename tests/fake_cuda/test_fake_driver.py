@@ -100,7 +100,8 @@ def test_memory_calls_need_a_current_context_on_the_calling_thread(fake):
 
 
 def test_sizes_and_addresses_follow_the_granularity(cu, fake):
-    assert ok(cu.cuMemGetAllocationGranularity(prop(cu), cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)) == G
+    assert ok(cu.cuMemGetAllocationGranularity(prop(cu),
+                                               cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)) == G
     assert error(cu.cuMemCreate(G + 4096, prop(cu), 0)) == "CUDA_ERROR_INVALID_VALUE"
     assert error(cu.cuMemCreate(G, prop(cu, device=3), 0)) == "CUDA_ERROR_INVALID_VALUE"
     handle = ok(cu.cuMemCreate(2 * G, prop(cu), 0))
