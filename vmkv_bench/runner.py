@@ -20,6 +20,7 @@ from types import ModuleType
 from typing import Any
 
 from vmkv.extras import attempt, install_hint, installed
+from vmkv.validate import as_device
 
 from .registry import BENCHMARKS, SECTIONS, Entry
 
@@ -483,22 +484,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def resolve_device(name: str) -> Any:
-    """``cuda`` becomes ``cuda:N`` of torch's current device (when there is one)."""
-    import torch
-
-    device = torch.device(name)
-    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
 def run_worker(args: argparse.Namespace) -> int:
     """Inside a section's process: run it and write ``DIR/sections/NAME.json`` (a failure too)."""
     import torch
 
     deadline = time.monotonic() + args.seconds
-    device = resolve_device(args.device)
+    device = as_device(args.device)
     if args.smoke and device.type == "cpu":
         torch.set_num_threads(1)  # a dry run on a shared CPU: idle OpenMP threads spinning only slow it down
     if args.worker == "write_probe":
@@ -685,7 +676,7 @@ def check_main(argv: list[str] | None = None, started: float | None = None) -> i
         if reason is not None:
             print(f"gpu_check: no CUDA GPU here ({reason}); nothing was checked (dry run: --device cpu --smoke)")
             return EXIT_NO_GPU
-    device = resolve_device(args.device)
+    device = as_device(args.device)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "gpu_check.json"
     report: dict[str, Any] = {"device": str(device), "smoke": args.smoke, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
