@@ -115,10 +115,11 @@ def check_mode(mode: object) -> None:
         raise InvalidConfig(f"mode must be 'vmm' or 'paged', got {mode!r}")
 
 
-def check_layout(layout: object) -> None:
-    """Raise :class:`InvalidConfig` unless ``layout`` is one of :data:`LAYOUTS`."""
-    if layout not in LAYOUTS:
-        raise InvalidConfig(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
+def check_layout(layout: object, *, optional: bool = False) -> None:
+    """Raise :class:`InvalidConfig` unless ``layout`` is one of :data:`LAYOUTS` (or, ``optional``, ``None``: chosen)."""
+    if layout not in LAYOUTS and not (optional and layout is None):
+        raise InvalidConfig(f"layout must be one of {', '.join(map(repr, LAYOUTS))}{' (or None)' if optional else ''}, "
+                            f"got {layout!r}")
 
 
 MAX_SEQ_LEN = 2**31 - 1
@@ -189,8 +190,7 @@ class KVCacheConfig:
         if self.max_seq_len > MAX_SEQ_LEN:
             raise InvalidConfig(f"max_seq_len must be at most {MAX_SEQ_LEN} (positions are int32), "
                                 f"got {self.max_seq_len}")
-        if self.layout is not None and self.layout not in LAYOUTS:
-            raise InvalidConfig(f"layout must be one of {', '.join(map(repr, LAYOUTS))} (or None), got {self.layout!r}")
+        check_layout(self.layout, optional=True)
         object.__setattr__(self, "dtype", _as_dtype(self.dtype))
         object.__setattr__(self, "device", as_device(self.device))
         object.__setattr__(self, "memory_budget", parse_size(self.memory_budget, name="memory_budget"))

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..config import LAYOUTS, KVCacheConfig
+from ..config import KVCacheConfig, check_layout
 from ..errors import InvalidConfig
 from ..sizes import parse_size
 from ..sizing import DeviceFacts, choose_layout, default_pages, mappable_pages, model_windows, smallest_page
@@ -65,8 +65,7 @@ class CacheOptions:
 
     def __post_init__(self) -> None:
         """Raise ``InvalidConfig`` for a layout that is none or a page size that is no size."""
-        if self.layout is not None and self.layout not in LAYOUTS:
-            raise InvalidConfig(f"layout must be one of {', '.join(LAYOUTS)} or None (chosen), got {self.layout!r}")
+        check_layout(self.layout, optional=True)
         if self.page_size is not None:
             object.__setattr__(self, "page_size", parse_size(self.page_size, name="page_size"))
 
