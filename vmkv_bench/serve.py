@@ -13,6 +13,7 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any, Callable
 
+from vmkv.config import MODES
 from vmkv.engine import Engine, EngineConfig, RequestOutput, SamplingParams
 from vmkv.server.cli import GRAPHS
 
@@ -46,7 +47,7 @@ SCHEMA = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--modes", nargs="+", default=["vmm", "paged"], choices=["vmm", "paged"])
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--concurrency", type=int, nargs="+", default=None, help="closed-loop levels (default 1 4 16; smoke 1 4)")
     parser.add_argument("--rates", type=float, nargs="+", default=None, help="open-loop req/s, inf allowed "
                         "(default 4 16 inf; smoke 32 inf)")

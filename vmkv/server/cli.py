@@ -11,6 +11,8 @@ import signal
 import sys
 import threading
 
+from ..config import MODES
+
 
 def _port(text: str) -> int:
     """A TCP port, 0..65535 (0: any free port), refused by argparse before anything binds."""
@@ -62,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "(default: %(default)s)")
     model.add_argument("--device", type=_device, default="cpu", help="cpu or cuda[:N] (default: %(default)s)")
     cache = parser.add_argument_group("KV cache")
-    cache.add_argument("--kv-mode", default="vmm", choices=["vmm", "paged"],
+    cache.add_argument("--kv-mode", default="vmm", choices=list(MODES),
                        help="virtually contiguous tensors or block tables (default: %(default)s)")
     cache.add_argument("--memory-budget", default="256MiB", help="bytes for KV pages, e.g. 2GiB (default: %(default)s)")
     cache.add_argument("--page-size", default=None, help="VMM page bytes per K/V tensor (default: the cache's "
